@@ -1,0 +1,144 @@
+"""Raw text → byte-level BPE tokenizer → packed token shards with a manifest.
+
+Idempotent: the manifest records a fingerprint of the inputs (files, sizes, mtimes and the
+settings); if it matches, nothing is redone. Shards are written atomically and the manifest
+last, so a half-built data set is never used.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pretrain.spec import DataSpec
+from trainer.atomic import atomic_write_bytes, atomic_write_json, read_json
+from trainer.data import MANIFEST
+
+EOT = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class DataPrepError(ValueError):
+    """The data section of the spec cannot produce a data set; the message says why."""
+
+
+@dataclass(frozen=True)
+class Document:
+    path: str
+    text: str
+
+
+def expand_sources(data: DataSpec) -> list[Path]:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files: list[Path] = []
+    for i, pattern in enumerate(data.sources):
+        expanded = pattern.replace("{stdlib}", stdlib)
+        matches = sorted(Path(p) for p in glob.glob(str(Path(expanded).expanduser()), recursive=True))
+        matches = [m for m in matches if m.is_file()]
+        if not matches:
+            raise DataPrepError(f"data.sources[{i}] ({pattern!r} → {expanded}) matched no files: fix the path or pattern")
+        files.extend(m for m in matches if m not in files)
+    return files
+
+
+def select_files(data: DataSpec) -> list[Path]:
+    """Source files in order, up to ``max_bytes`` in total."""
+    chosen, total = [], 0
+    for f in expand_sources(data):
+        if total >= data.max_bytes:
+            break
+        chosen.append(f)
+        total += f.stat().st_size
+    return chosen
+
+
+def fingerprint(data: DataSpec, files: list[Path]) -> str:
+    h = hashlib.sha256(json.dumps(data.model_dump(mode="json"), sort_keys=True).encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def read_documents(files: list[Path], max_bytes: int) -> list[Document]:
+    docs, total = [], 0
+    for f in files:
+        text = f.read_bytes()[: max(0, max_bytes - total)].decode("utf-8", errors="replace")
+        total += len(text)
+        if text.strip():
+            docs.append(Document(str(f), text))
+    return docs
+
+
+def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+    """Deterministic split by a hash of the path; at least one document on each side."""
+    if len(docs) < 2:
+        raise DataPrepError(f"data.sources gave {len(docs)} non-empty document(s); need at least 2 for a train/val split")
+    key = lambda d: hashlib.sha256(d.path.encode()).hexdigest()  # noqa: E731
+    ranked = sorted(docs, key=key)
+    n_val = min(len(docs) - 1, max(1, round(len(docs) * val_fraction)))
+    val = {d.path for d in ranked[:n_val]}
+    return [d for d in docs if d.path not in val], [d for d in docs if d.path in val]
+
+
+def train_tokenizer(docs: list[Document], vocab_size: int, min_frequency: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((d.text for d in docs), trainer=trainer)
+    return tok
+
+
+def pack(tok: Tokenizer, docs: list[Document], eot_id: int) -> np.ndarray:
+    ids: list[int] = []
+    for enc in tok.encode_batch([d.text for d in docs]):
+        ids.extend(enc.ids)
+        ids.append(eot_id)
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def write_shards(out: Path, split: str, tokens: np.ndarray, shard_tokens: int) -> list[dict]:
+    shards = []
+    for i, start in enumerate(range(0, len(tokens), shard_tokens)):
+        part = tokens[start : start + shard_tokens]
+        name = f"{split}_{i:05d}.bin"
+        digest = atomic_write_bytes(out / name, part.tobytes())
+        shards.append({"file": name, "tokens": int(len(part)), "sha256": digest})
+    return shards
+
+
+def prepare(data: DataSpec, out: Path, log=print) -> dict:
+    """Build (or reuse) the data set in ``out``; returns its manifest."""
+    files = select_files(data)
+    fp = fingerprint(data, files)
+    existing = read_json(out / MANIFEST)
+    if existing and existing.get("fingerprint") == fp:
+        log(f"data set in {out} is up to date (fingerprint {fp}); skipping preparation")
+        return {**existing, "reused": True}
+    (out / MANIFEST).unlink(missing_ok=True)  # uncommit the old set before touching shards
+    docs = read_documents(files, data.max_bytes)
+    train_docs, val_docs = split_documents(docs, data.val_fraction)
+    tok = train_tokenizer(train_docs, data.tokenizer.vocab_size, data.tokenizer.min_frequency)
+    eot_id = tok.token_to_id(EOT)
+    atomic_write_bytes(out / TOKENIZER_FILE, tok.to_str().encode())
+    splits = {name: write_shards(out, name, pack(tok, ds, eot_id), data.shard_tokens)
+              for name, ds in (("train", train_docs), ("val", val_docs))}
+    manifest = {
+        "version": 1, "fingerprint": fp, "dtype": "uint16", "vocab_size": tok.get_vocab_size(),
+        "eot_id": eot_id, "tokenizer": TOKENIZER_FILE, "splits": splits,
+        "documents": {"train": len(train_docs), "val": len(val_docs)},
+        "tokens": {k: sum(s["tokens"] for s in v) for k, v in splits.items()},
+    }
+    atomic_write_json(out / MANIFEST, manifest)
+    log(f"prepared {manifest['tokens']['train']} train / {manifest['tokens']['val']} val tokens, "
+        f"vocab {manifest['vocab_size']}, from {len(docs)} documents")
+    return {**manifest, "reused": False}

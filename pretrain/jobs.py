@@ -1,0 +1,46 @@
+"""Turn a campaign spec into the job config a stage's workers read (``trainer.config``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pretrain.layout import CampaignLayout
+from pretrain.spec import CampaignSpec
+from trainer.atomic import atomic_write_bytes
+from trainer.config import JobConfig, ModelConfig, OptimConfig
+from trainer.data import read_manifest
+
+
+def model_config(spec: CampaignSpec, vocab_size: int) -> ModelConfig:
+    m = spec.model
+    return ModelConfig(vocab_size=vocab_size, n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
+                       max_seq_len=m.max_seq_len, dropout=m.dropout)
+
+
+def threads_per_worker(spec: CampaignSpec) -> int:
+    c = spec.cluster
+    return c.threads_per_worker or max(1, (os.cpu_count() or 1) // (c.workers_per_node * c.nodes_max))
+
+
+def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None) -> JobConfig:
+    layout = CampaignLayout(spec.workdir_path)
+    stage = spec.stages[stage_index]
+    vocab = read_manifest(layout.data_dir)["vocab_size"]
+    optim = OptimConfig(steps=stage.steps, lr=stage.lr, min_lr=stage.min_lr, warmup_steps=stage.warmup_steps,
+                        weight_decay=stage.weight_decay, grad_clip=stage.grad_clip, micro_batch=stage.micro_batch,
+                        grad_accum=stage.grad_accum, seq_len=stage.seq_len)
+    return JobConfig(
+        stage=stage.name, stage_index=stage_index, seed=spec.seed, data_dir=str(layout.data_dir),
+        ckpt_dir=str(layout.ckpt_dir(stage.name)), job_dir=str(layout.job_dir(stage.name, attempt)),
+        model=model_config(spec, vocab), optim=optim, init_from=init_from, init_optimizer=True,
+        ckpt_interval=spec.checkpoint.interval, ckpt_keep=spec.checkpoint.keep,
+        log_every=spec.tracking.log_every, backend=spec.cluster.backend,
+        threads_per_worker=threads_per_worker(spec),
+    )
+
+
+def write_job(job: JobConfig) -> Path:
+    path = Path(job.job_dir) / "job.json"
+    atomic_write_bytes(path, job.to_json().encode())
+    return path

@@ -1,0 +1,195 @@
+"""The campaign spec: one pydantic model, loaded from YAML, that drives a whole campaign.
+
+Every field has a description (``pretrain spec-schema`` prints them) and a default that works
+on a laptop. Invalid files fail before anything runs, naming the file, the field path and the
+reason (:class:`SpecError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+BUILTIN_PREFIX = "builtin:"
+
+
+class SpecError(ValueError):
+    """A campaign spec could not be read or is invalid; the message says where and why."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TokenizerSpec(_Section):
+    vocab_size: int = Field(2048, ge=260, le=65535, description="BPE vocabulary size (byte-level; at least 256 bytes + specials).")
+    min_frequency: int = Field(2, ge=1, description="Minimum pair frequency for a BPE merge.")
+
+
+class DataSpec(_Section):
+    sources: list[str] = Field(
+        default_factory=lambda: ["{stdlib}/json/*.py"],
+        min_length=1,
+        description="Text files or glob patterns to train on. '{stdlib}' expands to the Python "
+        "standard library directory, so the demo needs nothing from outside. '**' recurses.",
+    )
+    max_bytes: int = Field(8_000_000, gt=0, description="Stop reading sources after this many bytes (keeps demos small).")
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="Tokenizer training settings.")
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Fraction of documents held out for validation/evaluation.")
+    shard_tokens: int = Field(1_000_000, gt=0, description="Tokens per packed shard file.")
+
+
+class ModelSpec(_Section):
+    n_layer: int = Field(4, ge=1, description="Transformer blocks.")
+    n_head: int = Field(4, ge=1, description="Attention heads per block.")
+    d_model: int = Field(128, ge=8, description="Hidden size; must be divisible by n_head.")
+    max_seq_len: int = Field(256, ge=8, description="Longest sequence the position table supports; every stage's seq_len must fit.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability (0 keeps runs bitwise reproducible).")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelSpec":
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        return self
+
+
+class ClusterSpec(_Section):
+    kind: Literal["local"] = Field("local", description="Where workers run: 'local' processes (Kubernetes comes later).")
+    workers_per_node: int = Field(2, ge=1, description="Training processes per node (one per accelerator; on CPU one per core is sensible).")
+    nodes_min: int = Field(1, ge=1, description="Fewest nodes the job may run with (elastic lower bound).")
+    nodes_max: int = Field(1, ge=1, description="Most nodes the job starts with (elastic upper bound).")
+    max_restarts: int = Field(2, ge=0, description="In-job restarts by the elastic agent before the job counts as failed.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Collective backend: 'auto' picks NCCL on GPU, gloo on CPU.")
+    threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 divides the machine's cores among workers.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ClusterSpec":
+        if self.nodes_min > self.nodes_max:
+            raise ValueError(f"nodes_min ({self.nodes_min}) must not exceed nodes_max ({self.nodes_max})")
+        return self
+
+
+class StageSpec(_Section):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]+$", description="Stage name (letters, digits, '-', '_'); used in paths and MLflow.")
+    steps: int = Field(..., gt=0, description="Optimizer steps in this stage.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    min_lr: float = Field(3e-4, ge=0, description="Learning rate at the end of the cosine decay.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps before cosine decay.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+    micro_batch: int = Field(8, gt=0, description="Sequences per worker per forward/backward.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
+    seq_len: int = Field(128, ge=8, description="Tokens per training sequence.")
+
+    @model_validator(mode="after")
+    def _lr_order(self) -> "StageSpec":
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
+
+
+class CheckpointSpec(_Section):
+    interval: int = Field(20, gt=0, description="Save a checkpoint every this many steps (and always at a stage's last step).")
+    keep: int = Field(3, ge=1, description="Committed checkpoints kept per stage (older ones are deleted; the latest never is).")
+
+
+class TrackingSpec(_Section):
+    uri: str | None = Field(None, description="MLflow tracking URI; default 'sqlite:///<workdir>/mlflow.db'.")
+    experiment: str = Field("pretrain", min_length=1, description="MLflow experiment name.")
+    log_every: int = Field(1, gt=0, description="Log training metrics every this many steps.")
+
+
+class ResumeSpec(_Section):
+    max_attempts: int = Field(3, ge=1, description="Job launches per stage (first run + automatic resumes) before the stage fails.")
+
+
+class CampaignSpec(_Section):
+    name: str = Field("tiny", pattern=r"^[A-Za-z0-9_.-]+$", description="Campaign name (tags the MLflow runs).")
+    workdir: str = Field("./runs/{name}", description="Where the campaign keeps its state: data, checkpoints, ledger, MLflow db. '{name}' expands.")
+    seed: int = Field(1234, description="Seed for model init, data order and every rank's RNG.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Corpus, tokenizer and sharding.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="GPT dimensions.")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Where and how many workers train.")
+    stages: list[StageSpec] = Field(
+        default_factory=lambda: [StageSpec(name="warmup", steps=40), StageSpec(name="main", steps=120)],
+        min_length=1,
+        description="Training stages, run in order; each starts from the previous stage's final checkpoint.",
+    )
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence and retention.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
+    resume: ResumeSpec = Field(default_factory=ResumeSpec, description="Automatic resume after failures.")
+
+    @model_validator(mode="after")
+    def _stages_fit(self) -> "CampaignSpec":
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        for i, s in enumerate(self.stages):
+            if s.seq_len > self.model.max_seq_len:
+                raise ValueError(f"stages[{i}].seq_len ({s.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+        return self
+
+    # ---- derived values -------------------------------------------------------------------
+    @property
+    def workdir_path(self) -> Path:
+        return Path(self.workdir.format(name=self.name)).expanduser().resolve()
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.tracking.uri or f"sqlite:///{self.workdir_path / 'mlflow.db'}"
+
+    def spec_hash(self) -> str:
+        """Hash of everything that defines the campaign's results (not where it is stored)."""
+        body = self.model_dump(mode="json", exclude={"workdir"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+    def with_workdir(self, workdir: str | Path | None) -> "CampaignSpec":
+        return self if workdir is None else self.model_copy(update={"workdir": str(Path(workdir).expanduser().resolve())})
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid campaign spec {source}:"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {path}: {e['msg']}")
+    lines.append("Fix the field(s) above; `pretrain spec-schema` lists every field with its description.")
+    return "\n".join(lines)
+
+
+def parse_spec(data: object, source: str = "<dict>") -> CampaignSpec:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"invalid campaign spec {source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return CampaignSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_error(err, source)) from None
+
+
+def builtin_spec_path(name: str) -> Path:
+    path = Path(str(resources.files("examples") / f"{name}.yaml"))
+    if not path.is_file():
+        raise SpecError(f"no built-in spec {name!r}; built-ins live in examples/*.yaml")
+    return path
+
+
+def load_spec(path: str | Path) -> CampaignSpec:
+    """Read a spec from a YAML file (or 'builtin:<name>'), failing with a clear SpecError."""
+    text_path = str(path)
+    p = builtin_spec_path(text_path[len(BUILTIN_PREFIX):]) if text_path.startswith(BUILTIN_PREFIX) else Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise SpecError(f"cannot read campaign spec {p}: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SpecError(f"campaign spec {p} is not valid YAML: {err}") from None
+    return parse_spec(data, str(p))

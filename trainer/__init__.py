@@ -1,0 +1,1 @@
+"""Pure-torch trainer: runs inside worker processes and pods. Never imports prefect."""

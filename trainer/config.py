@@ -1,0 +1,68 @@
+"""Job configuration handed from the orchestrator to every worker as one JSON file.
+
+Plain dataclasses (no pydantic, no prefect) so pods need nothing but torch and numpy. The
+orchestrator builds it from the campaign spec (``pretrain.jobs.build_job``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int  # tokens in the vocabulary (from the tokenizer)
+    n_layer: int  # transformer blocks
+    n_head: int  # attention heads per block
+    d_model: int  # hidden size
+    max_seq_len: int  # rows of the learned position table
+    dropout: float = 0.0  # dropout probability
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    steps: int  # optimizer steps in the stage
+    lr: float  # peak learning rate
+    min_lr: float  # final learning rate of the cosine decay
+    warmup_steps: int  # linear warm-up steps
+    weight_decay: float  # AdamW weight decay (matrices only)
+    grad_clip: float  # global grad-norm clip
+    micro_batch: int  # sequences per worker per micro-step
+    grad_accum: int  # micro-steps per optimizer step
+    seq_len: int  # tokens per sequence
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    stage: str  # stage name
+    stage_index: int  # position of the stage in the campaign (seeds its data order)
+    seed: int  # campaign seed
+    data_dir: str  # directory with manifest.json and token shards
+    ckpt_dir: str  # this stage's checkpoint directory
+    job_dir: str  # this launch's directory: metrics.jsonl, events.jsonl, logs
+    model: ModelConfig
+    optim: OptimConfig
+    init_from: str | None = None  # checkpoint directory to start from when the stage has none
+    init_optimizer: bool = True  # also take optimizer state from init_from
+    ckpt_interval: int = 20  # steps between checkpoints
+    ckpt_keep: int = 3  # committed checkpoints kept
+    log_every: int = 1  # steps between metric lines
+    backend: str = "auto"  # auto | gloo | nccl
+    threads_per_worker: int = 0  # torch intra-op threads; 0 = leave as launched
+    extra: dict = field(default_factory=dict)  # forward-compatible knobs
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "JobConfig":
+        d = dict(d)
+        d["model"] = ModelConfig(**d["model"])
+        d["optim"] = OptimConfig(**d["optim"])
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "JobConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,80 @@
+"""Node agent: ``python -m trainer.launch JOB.json --nproc N ...``.
+
+Runs torch's elastic agent (the ``torchrun`` machinery: c10d rendezvous, worker monitoring,
+in-job restarts) for one node and starts ``python -m trainer.worker JOB.json`` per local rank.
+It exits 0 when every worker finished, 1 when the job failed after its restarts, and ends
+itself (and so its workers) if the orchestrator that started it dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import sys
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from trainer.process import exit_when_orphaned
+
+
+class LockBusy(RuntimeError):
+    pass
+
+
+def hold_lock(path: Path, timeout_s: float) -> int:
+    """Take an exclusive lock on ``path`` (waiting for a dying predecessor); keep the fd open."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise LockBusy(f"{path} is held by another training job (pid {Path(path).read_text().strip()})") from None
+            time.sleep(0.2)  # poll the lock; the holder is an orphan that exits within a second
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer.launch")
+    p.add_argument("job", help="job config JSON")
+    p.add_argument("--nproc", type=int, required=True, help="workers on this node")
+    p.add_argument("--nnodes-min", type=int, default=1)
+    p.add_argument("--nnodes-max", type=int, default=1)
+    p.add_argument("--rdzv-endpoint", required=True, help="host:port of the c10d rendezvous")
+    p.add_argument("--run-id", required=True, help="rendezvous id shared by the job's nodes")
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--lock", type=Path, help="file locked for the agent's lifetime")
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per worker")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    exit_when_orphaned()
+    if args.lock:
+        hold_lock(args.lock, timeout_s=30)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    config = LaunchConfig(
+        min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,
+        run_id=args.run_id, role="trainer", rdzv_endpoint=args.rdzv_endpoint, rdzv_backend="c10d",
+        rdzv_configs={"timeout": 120}, max_restarts=args.max_restarts, monitor_interval=0.2,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "trainer.worker", args.job)
+    except ChildFailedError as err:
+        print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

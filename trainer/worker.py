@@ -1,0 +1,40 @@
+"""Worker entry point: ``python -m trainer.worker JOB.json`` (one process per rank).
+
+Started by the elastic agent (``trainer.launch``); its command line names this module so an
+operator can find the workers of a job with ``ps`` and signal them.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+from trainer.config import JobConfig
+from trainer.dist import init_distributed, shutdown_and_exit
+from trainer.loop import train
+from trainer.process import exit_when_orphaned
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m trainer.worker JOB.json", file=sys.stderr)
+        sys.exit(2)
+    exit_when_orphaned()
+    cfg = JobConfig.load(argv[0])
+    if cfg.threads_per_worker:
+        torch.set_num_threads(cfg.threads_per_worker)
+    code = 0
+    try:
+        info = init_distributed(cfg.backend)
+        train(cfg, info)
+    except BaseException:  # noqa: BLE001 - report every failure, then exit non-zero
+        traceback.print_exc()
+        code = 1
+    shutdown_and_exit(code)
+
+
+if __name__ == "__main__":
+    main()
