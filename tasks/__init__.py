@@ -1,0 +1,1 @@
+"""Prefect tasks: the thin, testable units the flows call."""

@@ -34,8 +34,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def atomic_write_json(path: str | Path, obj: object) -> str:
-    return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def atomic_write_json(path: str | Path, obj: object, sort_keys: bool = True) -> str:
+    return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n").encode())
 
 
 def read_json(path: str | Path) -> dict | None:

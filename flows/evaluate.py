@@ -1,0 +1,25 @@
+"""Flow: evaluate a checkpoint on the validation split and log it to the stage's MLflow run."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from pretrain.ledger import Ledger
+from pretrain.spec import CampaignSpec
+from tasks.evaluation import evaluate_checkpoint
+from tasks.tracking import tracker_for
+
+
+@flow(name="evaluate")
+def evaluate(spec: CampaignSpec, stage: str, path: str, step: int) -> dict:
+    stage_spec = next(s for s in spec.stages if s.name == stage)
+    metrics = evaluate_checkpoint(spec, path, stage_spec.seq_len)
+    ledger = Ledger.open(spec)
+    tracker = tracker_for(spec)
+    run_id = ledger.stage(stage)["mlflow_run_id"]
+    if run_id:
+        tracker.log_values(run_id, metrics, step)
+    offset = sum(s.steps for s in spec.stages[: spec.stages.index(stage_spec)])
+    tracker.log_values(ledger.data["mlflow"]["parent_run_id"], metrics, offset + step)
+    ledger.update_stage(stage, eval={**metrics, "step": step})
+    return metrics

@@ -1,0 +1,58 @@
+"""Flow: train one stage to its last step, resuming from the newest complete checkpoint after
+any failure, up to ``resume.max_attempts`` launches."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+
+from pretrain.ledger import Ledger
+from pretrain.spec import CampaignSpec
+from tasks.checkpoints import find_resume_point
+from tasks.tracking import open_stage_run
+from tasks.training import run_training_job
+
+
+class StageFailed(RuntimeError):
+    """The stage did not reach its last step within its attempts."""
+
+
+@flow(name="train-stage")
+def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = None) -> dict:
+    """Returns the stage's final checkpoint ``{"step", "path"}``."""
+    logger = get_run_logger()
+    stage = spec.stages[stage_index]
+    ledger = Ledger.open(spec)
+    stage_run_id = open_stage_run(spec, ledger, stage_index)
+    parent_run_id = ledger.data["mlflow"]["parent_run_id"]
+    step_offset = sum(s.steps for s in spec.stages[:stage_index])
+    ledger.update_stage(stage.name, status="running")
+    last = None
+    for _ in range(spec.resume.max_attempts):
+        point = find_resume_point(spec, stage_index)
+        if point and point["step"] >= stage.steps:
+            break
+        attempt = ledger.stage(stage.name)["attempts"]
+        logger.info("stage %s: launching attempt %d from %s", stage.name, attempt,
+                    f"checkpoint step {point['step']}" if point else (init_from or "scratch"))
+        ledger.update_stage(stage.name, attempts=attempt + 1)
+        last = run_training_job(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, step_offset)
+        for r in last.resumes:
+            ledger.append(stage.name, "resumes", {"attempt": attempt, **r})
+        in_job_restarts = max((r["restart_count"] for r in last.resumes), default=0)
+        ledger.update_stage(stage.name, restarts=ledger.stage(stage.name)["restarts"] + in_job_restarts)
+        if last.ok:
+            continue  # the loop re-checks the pointer: success means the last step is committed
+        logger.warning("stage %s attempt %d failed (%s) after %.1fs; %.1fs of work lost",
+                       stage.name, attempt, last.cause, last.duration_s, last.time_lost_s)
+        ledger.append(stage.name, "failures", {"attempt": attempt, "cause": last.cause, "exit_code": last.exit_code,
+                                               "time_lost_s": round(last.time_lost_s, 2), "log_tail": last.log[-800:]})
+    point = find_resume_point(spec, stage_index)
+    if not point or point["step"] < stage.steps:
+        ledger.update_stage(stage.name, status="failed")
+        cause = last.cause if last else "unknown"
+        raise StageFailed(
+            f"stage {stage.name} stopped at step {point['step'] if point else 0}/{stage.steps} after "
+            f"{spec.resume.max_attempts} attempt(s); last failure: {cause}. Logs: {spec.workdir_path / 'jobs' / stage.name}. "
+            f"Fix the cause and run the same command again: it resumes from the last complete checkpoint.")
+    ledger.update_stage(stage.name, status="trained", final_checkpoint=point)
+    return point

@@ -1,0 +1,62 @@
+"""Where a campaign stands, read from its workdir only (ledger + checkpoints)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from pretrain.layout import CampaignLayout
+from pretrain.ledger import Ledger
+from trainer import checkpoint as ckpt
+
+
+class NoCampaign(FileNotFoundError):
+    pass
+
+
+def campaign_status(workdir: str | Path) -> dict:
+    layout = CampaignLayout(Path(workdir).expanduser().resolve())
+    ledger = Ledger.read(layout)
+    if ledger is None:
+        raise NoCampaign(f"no campaign in {layout.root} (no {layout.ledger.name}); start one with `pretrain run --workdir {workdir}`")
+    d = ledger.data
+    stages = []
+    for name, s in d["stages"].items():
+        latest = ckpt.latest_complete(layout.ckpt_dir(name))
+        stages.append({
+            "name": name, "status": s["status"], "steps_total": s["steps"],
+            "steps_done": latest.step if latest else 0,
+            "latest_checkpoint": latest.to_dict() if latest else None,
+            "good_checkpoint": s["good_checkpoint"], "attempts": s["attempts"], "restarts": s["restarts"],
+            "failures": s["failures"], "resumes": s["resumes"], "mlflow_run_id": s["mlflow_run_id"], "eval": s["eval"],
+        })
+    uri = d["mlflow"]["tracking_uri"]
+    return {
+        "campaign": d["campaign"], "campaign_id": d["campaign_id"], "workdir": str(layout.root),
+        "status": d["status"], "spec_hash": d["spec_hash"], "invocations": d["invocations"],
+        "data": d["data"], "stages": stages,
+        "mlflow": {**d["mlflow"], "ui_command": f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:")
+                   else f"open {uri}"},
+    }
+
+
+def render(status: dict, console: Console | None = None) -> None:
+    console = console or Console(width=max(Console().width, 150))
+    table = Table(title=f"campaign {status['campaign']} — {status['status']}  ({status['workdir']})")
+    for col in ("stage", "status", "steps", "latest ckpt", "good ckpt", "attempts", "restarts", "failures",
+                "val loss", "MLflow run"):
+        table.add_column(col, no_wrap=col not in ("failures",))
+    for s in status["stages"]:
+        table.add_row(
+            s["name"], s["status"], f"{s['steps_done']}/{s['steps_total']}",
+            str(s["latest_checkpoint"]["step"]) if s["latest_checkpoint"] else "-",
+            str(s["good_checkpoint"]["step"]) if s["good_checkpoint"] else "-",
+            str(s["attempts"]), str(s["restarts"]),
+            ", ".join(f["cause"] for f in s["failures"]) or "-",
+            f"{s['eval']['val_loss']:.3f}" if s["eval"] else "-", s["mlflow_run_id"] or "-",
+        )
+    console.print(table)
+    console.print(f"MLflow: parent run {status['mlflow']['parent_run_id']} in experiment "
+                  f"'{status['mlflow']['experiment']}' — {status['mlflow']['ui_command']}")

@@ -1,0 +1,95 @@
+"""Launch one training job, forward its metrics to MLflow while it runs, classify its end."""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from pretrain.cluster import make_cluster
+from pretrain.jobs import build_job, write_job
+from pretrain.layout import CampaignLayout
+from pretrain.spec import CampaignSpec
+from pretrain.tracking import MetricsForwarder
+from tasks.tracking import tracker_for
+from trainer.reporting import EVENTS, METRICS, read_all
+
+POLL_S = 1.0
+
+
+@dataclass
+class JobResult:
+    attempt: int
+    exit_code: int
+    cause: str | None  # None on success
+    duration_s: float
+    time_lost_s: float  # work since the job's last checkpoint, lost if it failed
+    last_checkpoint_step: int | None
+    resumes: list[dict] = field(default_factory=list)  # in-job (re)starts that loaded state
+    log: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def classify(exit_code: int, events: list[dict]) -> str | None:
+    if exit_code == 0:
+        return None
+    if any(e["event"] == "nonfinite_loss" for e in events):
+        return "nonfinite_loss"
+    if exit_code < 0:
+        return f"signal:{signal.Signals(-exit_code).name}"
+    return f"worker_failure:exit_{exit_code}"
+
+
+def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: Path) -> JobResult:
+    events = read_all(job_dir / EVENTS)
+    ckpts = [e for e in events if e["event"] == "checkpoint"]
+    resumes = [{"restart_count": e["restart_count"], "step": e["step"], "source": e["source"],
+                "checkpoint": e["checkpoint"], "time": e["time"]}
+               for e in events if e["event"] == "start" and e["rank"] == 0]
+    last_safe = max([started] + [e["time"] for e in ckpts])
+    ended = time.time()
+    return JobResult(attempt=attempt, exit_code=exit_code, cause=classify(exit_code, events),
+                     duration_s=ended - started, time_lost_s=0.0 if exit_code == 0 else ended - last_safe,
+                     last_checkpoint_step=ckpts[-1]["step"] if ckpts else None, resumes=resumes,
+                     log=log.read_text(errors="replace")[-3000:] if exit_code and log.exists() else "")
+
+
+@task(name="run-training-job", cache_policy=NO_CACHE)
+def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None,
+                     stage_run_id: str, parent_run_id: str, step_offset: int) -> JobResult:
+    """Start the stage's job on the cluster and wait for it, streaming metrics to MLflow."""
+    logger = get_run_logger()
+    layout = CampaignLayout(spec.workdir_path)
+    job = build_job(spec, stage_index, attempt, init_from)
+    job_path = write_job(job)
+    handle = make_cluster(spec.cluster, job.threads_per_worker).start(job, job_path, layout)
+    logger.info("stage %s attempt %d: %d node(s) × %d workers, job dir %s", job.stage, attempt,
+                spec.cluster.nodes_max, spec.cluster.workers_per_node, job.job_dir)
+    forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id, step_offset)
+    started = time.time()
+    try:
+        code = None
+        while code is None:
+            code = handle.wait(timeout=POLL_S)
+            forwarder.pump()
+        forwarder.pump()
+    finally:
+        handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left
+    result = summarize(Path(job.job_dir), attempt, code, started, Path(handle.logs[0]))
+    for r in result.resumes:
+        if r["source"] == "checkpoint":
+            logger.info("stage %s: workers resumed from step %d (%s)", job.stage, r["step"], r["checkpoint"])
+    return result
+
+
+__all__ = ["JobResult", "run_training_job"]

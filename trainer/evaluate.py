@@ -1,0 +1,98 @@
+"""Checkpoint validation and evaluation, runnable in any process with torch (no prefect).
+
+``validate`` answers "may training resume from this checkpoint?": the manifest is complete,
+every shard matches its sha256, every shard loads with ``weights_only=True``, the model state
+fits the model, optimizer and data position are present, every tensor is finite.
+``evaluate`` computes validation loss, perplexity and next-token accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.config import ModelConfig
+from trainer.data import TokenWindows
+from trainer.model import GPT, lm_loss
+from trainer.state import MODEL_SHARD
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    step: int | None
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def validate(path: str | Path, model_cfg: ModelConfig) -> Verdict:
+    path = Path(path)
+    problems = ckpt.verify(path)
+    manifest = ckpt.read_json(path / ckpt.MANIFEST) or {}
+    step = manifest.get("step")
+    if problems:
+        return Verdict(False, step, problems)
+    shards = {}
+    for name in manifest["files"]:
+        try:
+            shards[name] = ckpt.load_shard(path, name)
+        except Exception as err:  # noqa: BLE001 - any load failure makes the checkpoint unusable
+            problems.append(f"{name}: cannot be loaded with weights_only=True ({err.__class__.__name__}: {err})")
+    main = shards.get(MODEL_SHARD)
+    if main is None:
+        problems.append(f"{MODEL_SHARD}: missing from the manifest")
+    else:
+        for key in ("model", "optimizer", "scheduler", "step"):
+            if key not in main:
+                problems.append(f"{MODEL_SHARD}: no {key!r} state")
+        if "model" in main:
+            try:
+                GPT(model_cfg).load_state_dict(main["model"])
+            except RuntimeError as err:
+                problems.append(f"{MODEL_SHARD}: model state does not fit the spec's model ({str(err)[:300]})")
+    if not any("consumed" in s for n, s in shards.items() if n != MODEL_SHARD):
+        problems.append("no rank shard with a data position")
+    for name, shard in shards.items():
+        bad = sum(1 for t in _tensors(shard) if t.is_floating_point() and not torch.isfinite(t).all())
+        if bad:
+            problems.append(f"{name}: {bad} tensor(s) hold NaN/Inf")
+    return Verdict(not problems, step, problems)
+
+
+@torch.no_grad()
+def evaluate(path: str | Path, model_cfg: ModelConfig, data_dir: str | Path, seq_len: int,
+             batch_size: int = 8, max_batches: int = 16) -> dict:
+    """Validation-split loss, perplexity and next-token accuracy of the checkpoint's model."""
+    model = GPT(model_cfg)
+    model.load_state_dict(ckpt.load_shard(path, MODEL_SHARD)["model"])
+    model.eval()
+    windows = TokenWindows(data_dir, "val", seq_len)
+    n = min(len(windows), batch_size * max_batches)
+    total_loss, correct, tokens = 0.0, 0, 0
+    for start in range(0, n, batch_size):
+        rows = torch.stack([windows[i] for i in range(start, min(n, start + batch_size))])
+        x, y = rows[:, :-1], rows[:, 1:]
+        logits = model(x)
+        total_loss += lm_loss(logits, y).item() * y.numel()
+        correct += (logits.argmax(-1) == y).sum().item()
+        tokens += y.numel()
+    loss = total_loss / tokens
+    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_accuracy": correct / tokens,
+            "val_tokens": tokens}
