@@ -1,0 +1,1 @@
+"""Ways to deploy the flows: ``prefect.yaml`` (work pool + worker) or ``python -m deployments.serve``."""

@@ -17,15 +17,9 @@ from flows.provision_cluster import provision_cluster
 from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
 from pretrain.ledger import Ledger
-from pretrain.spec import CampaignSpec, load_spec
+from pretrain.spec import CampaignSpec, resolve_spec
 from pretrain.status import campaign_status
 from tasks.tracking import finish_run, open_campaign_run
-
-
-def resolve_spec(spec: CampaignSpec | None, spec_path: str | None, workdir: str | None) -> CampaignSpec:
-    if spec is None:
-        spec = load_spec(spec_path or "builtin:tiny")
-    return spec.with_workdir(workdir)
 
 
 @flow(name="pretrain-campaign")

@@ -42,14 +42,16 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         ledger.update_stage(stage.name, restarts=ledger.stage(stage.name)["restarts"] + in_job_restarts)
         if last.ok:
             continue  # the loop re-checks the pointer: success means the last step is committed
-        logger.warning("stage %s attempt %d failed (%s) after %.1fs; %.1fs of work lost",
-                       stage.name, attempt, last.cause, last.duration_s, last.time_lost_s)
+        logger.warning("stage %s attempt %d failed (%s: %s) after %.1fs; %.1fs of work lost; log: %s",
+                       stage.name, attempt, last.cause, "; ".join(last.errors) or "no worker error reported",
+                       last.duration_s, last.time_lost_s, last.log)
         ledger.append(stage.name, "failures", {"attempt": attempt, "cause": last.cause, "exit_code": last.exit_code,
-                                               "time_lost_s": round(last.time_lost_s, 2), "log_tail": last.log[-800:]})
+                                               "time_lost_s": round(last.time_lost_s, 2), "errors": last.errors,
+                                               "log": last.log})
     point = find_resume_point(spec, stage_index)
     if not point or point["step"] < stage.steps:
         ledger.update_stage(stage.name, status="failed")
-        cause = last.cause if last else "unknown"
+        cause = f"{last.cause} ({'; '.join(last.errors)})" if last and last.errors else (last.cause if last else "unknown")
         raise StageFailed(
             f"stage {stage.name} stopped at step {point['step'] if point else 0}/{stage.steps} after "
             f"{spec.resume.max_attempts} attempt(s); last failure: {cause}. Logs: {spec.workdir_path / 'jobs' / stage.name}. "

@@ -193,3 +193,12 @@ def load_spec(path: str | Path) -> CampaignSpec:
     except yaml.YAMLError as err:
         raise SpecError(f"campaign spec {p} is not valid YAML: {err}") from None
     return parse_spec(data, str(p))
+
+
+def resolve_spec(spec: CampaignSpec | None = None, spec_path: str | None = None,
+                 workdir: str | Path | None = None) -> CampaignSpec:
+    """The spec a flow was given: inline, else from ``spec_path``, else the built-in demo;
+    ``workdir`` overrides where the campaign keeps its state."""
+    if spec is None:
+        spec = load_spec(spec_path or f"{BUILTIN_PREFIX}tiny")
+    return spec.with_workdir(workdir)

@@ -30,7 +30,8 @@ class JobResult:
     time_lost_s: float  # work since the job's last checkpoint, lost if it failed
     last_checkpoint_step: int | None
     resumes: list[dict] = field(default_factory=list)  # in-job (re)starts that loaded state
-    log: str = ""
+    errors: list[str] = field(default_factory=list)  # what the workers reported before exiting
+    log: str = ""  # the node agent's log file
 
     @property
     def ok(self) -> bool:
@@ -61,7 +62,7 @@ def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: 
     return JobResult(attempt=attempt, exit_code=exit_code, cause=classify(exit_code, events),
                      duration_s=ended - started, time_lost_s=0.0 if exit_code == 0 else ended - last_safe,
                      last_checkpoint_step=ckpts[-1]["step"] if ckpts else None, resumes=resumes,
-                     log=log.read_text(errors="replace")[-3000:] if exit_code and log.exists() else "")
+                     errors=sorted({e["error"] for e in events if e["event"] == "error"}), log=str(log))
 
 
 @task(name="run-training-job", cache_policy=NO_CACHE)

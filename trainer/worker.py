@@ -6,8 +6,10 @@ operator can find the workers of a job with ``ps`` and signal them.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -15,6 +17,7 @@ from trainer.config import JobConfig
 from trainer.dist import init_distributed, shutdown_and_exit
 from trainer.loop import train
 from trainer.process import exit_when_orphaned
+from trainer.reporting import EVENTS, JsonLines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,8 +33,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         info = init_distributed(cfg.backend)
         train(cfg, info)
-    except BaseException:  # noqa: BLE001 - report every failure, then exit non-zero
+    except BaseException as err:  # noqa: BLE001 - report every failure, then exit non-zero
         traceback.print_exc()
+        report = JsonLines(Path(cfg.job_dir) / EVENTS)
+        report.write({"event": "error", "rank": int(os.environ.get("RANK", "0")), "error": f"{type(err).__name__}: {err}",
+                      "traceback": traceback.format_exc()[-2000:]})
         code = 1
     shutdown_and_exit(code)
 

@@ -1,0 +1,59 @@
+"""Block: the MLflow tracking server (or local database) a campaign logs to."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from prefect.blocks.core import Block
+
+from pretrain.spec import TrackingSpec
+
+
+class MlflowTracking(Block):
+    """Where a campaign's MLflow runs go: a tracking URI and an experiment, plus an optional
+    bearer token for servers that need authentication. The token is stored encrypted by
+    Prefect, shown masked, and only leaves the block through ``auth_env()``.
+
+    Example:
+        Track a campaign on a shared MLflow server:
+        ```python
+        import os
+
+        from blocks import MlflowTracking
+        from pretrain.spec import load_spec
+
+        tracking = MlflowTracking.load("BLOCK_NAME")
+        os.environ.update(tracking.auth_env())  # MlflowClient reads MLFLOW_TRACKING_TOKEN
+        spec = load_spec("builtin:tiny").model_copy(update={"tracking": tracking.to_spec()})
+        ```
+    """
+
+    _block_type_name = "MLflow Tracking"
+    _block_type_slug = "mlflow-tracking"
+    _description = "MLflow tracking URI, experiment and optional token for a pre-training campaign."
+    _documentation_url = "https://mlflow.org/docs/latest/ml/tracking/"
+
+    tracking_uri: str | None = Field(
+        default=None,
+        title="Tracking URI",
+        description="MLflow tracking URI (e.g. 'http://mlflow:5000'); empty means each campaign's own "
+        "'sqlite:///<workdir>/mlflow.db'.",
+    )
+    experiment: str = Field(
+        default=TrackingSpec.model_fields["experiment"].default,
+        min_length=1,
+        title="Experiment",
+        description="MLflow experiment name the campaign's runs are logged under.",
+    )
+    token: SecretStr | None = Field(
+        default=None,
+        title="Token",
+        description="Bearer token for MLflow servers that require authentication (MLFLOW_TRACKING_TOKEN).",
+    )
+
+    def to_spec(self) -> TrackingSpec:
+        """The campaign spec's ``tracking`` section (the token is not part of it)."""
+        return TrackingSpec(uri=self.tracking_uri, experiment=self.experiment)
+
+    def auth_env(self) -> dict[str, str]:
+        """Environment variables that authenticate MLflow clients; empty without a token."""
+        return {"MLFLOW_TRACKING_TOKEN": self.token.get_secret_value()} if self.token else {}

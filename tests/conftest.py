@@ -1,0 +1,79 @@
+"""Shared fixtures: a Prefect test harness for the session, a prepared data set, small specs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from pretrain.dataprep import prepare  # noqa: E402
+from pretrain.layout import CampaignLayout  # noqa: E402
+from pretrain.spec import CampaignSpec, parse_spec  # noqa: E402
+
+DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"vocab_size": 512}, "val_fraction": 0.2}
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield
+
+
+@pytest.fixture(scope="session")
+def prepared_data(tmp_path_factory) -> Path:
+    """One data set for the session; campaigns copy it (its fingerprint matches their spec)."""
+    out = tmp_path_factory.mktemp("data")
+    prepare(CampaignSpec(data=DATA).data, out, log=lambda *_: None)
+    return out
+
+
+def small_spec(workdir: Path, **overrides) -> CampaignSpec:
+    """A campaign that trains in seconds on 2 CPU workers; overrides replace top-level sections."""
+    body = {
+        "name": "t", "workdir": str(workdir), "data": DATA,
+        "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "max_seq_len": 64},
+        "cluster": {"workers_per_node": 2, "max_restarts": 1},
+        "stages": [{"name": "warmup", "steps": 6, "seq_len": 32, "micro_batch": 4, "warmup_steps": 2},
+                   {"name": "main", "steps": 10, "seq_len": 64, "micro_batch": 4, "grad_accum": 2}],
+        "checkpoint": {"interval": 4, "keep": 2},
+        "resume": {"max_attempts": 2},
+    }
+    body.update(overrides)
+    return parse_spec(body)
+
+
+def seed_data(spec: CampaignSpec, prepared: Path) -> None:
+    shutil.copytree(prepared, CampaignLayout(spec.workdir_path).data_dir, dirs_exist_ok=True)
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
+    """Poll ``condition`` until it returns a truthy value; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)  # polling a condition with a deadline, not waiting out a race
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def worker_processes(workdir: Path) -> list[psutil.Process]:
+    """Live ``python -m trainer.worker`` processes of the campaign in ``workdir``."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "trainer.worker" in cmd and any(str(workdir) in c for c in cmd):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.NoSuchProcess:
+                pass
+    return found

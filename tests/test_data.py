@@ -1,0 +1,55 @@
+"""Data preparation and the global-position sampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from pretrain.dataprep import DataPrepError, prepare
+from pretrain.spec import DataSpec
+from trainer.data import GlobalSampler, TokenWindows, micro_batch_positions, read_manifest
+
+
+def test_prepared_data_set_is_complete_and_decodes(prepared_data):
+    m = read_manifest(prepared_data)
+    assert m["tokens"]["train"] > 0 and m["tokens"]["val"] > 0
+    for split, shards in m["splits"].items():
+        arr = np.concatenate([np.fromfile(prepared_data / s["file"], dtype=m["dtype"]) for s in shards])
+        assert len(arr) == m["tokens"][split] and arr.max() < m["vocab_size"]
+    tok = Tokenizer.from_file(str(prepared_data / m["tokenizer"]))
+    text = 'def f(x):\n    return json.dumps(x)\n'
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_preparation_is_skipped_when_inputs_are_unchanged(tmp_path):
+    spec = DataSpec(sources=["{stdlib}/json/*.py"], max_bytes=50_000, tokenizer={"vocab_size": 300})
+    first = prepare(spec, tmp_path, log=lambda *_: None)
+    mtime = (tmp_path / "train_00000.bin").stat().st_mtime_ns
+    again = prepare(spec, tmp_path, log=lambda *_: None)
+    assert not first["reused"] and again["reused"] and again["fingerprint"] == first["fingerprint"]
+    assert (tmp_path / "train_00000.bin").stat().st_mtime_ns == mtime
+    changed = prepare(spec.model_copy(update={"val_fraction": 0.3}), tmp_path, log=lambda *_: None)
+    assert not changed["reused"] and changed["fingerprint"] != first["fingerprint"]
+
+
+def test_source_matching_nothing_is_a_clear_error(tmp_path):
+    with pytest.raises(DataPrepError, match=r"data.sources\[1\] .*matched no files"):
+        prepare(DataSpec(sources=["{stdlib}/json/*.py", str(tmp_path / "nope/*.txt")]), tmp_path)
+
+
+@pytest.mark.parametrize("world, micro, accum", [(1, 8, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2)])
+def test_each_step_reads_a_disjoint_complete_partition(world, micro, accum):
+    consumed = 24
+    seen = [p for m in range(accum) for r in range(world)
+            for p in micro_batch_positions(consumed, world=world, rank=r, micro=micro, accum_index=m)]
+    assert sorted(seen) == list(range(consumed, consumed + world * micro * accum))
+
+
+def test_sampler_covers_every_window_once_per_epoch(prepared_data):
+    windows = TokenWindows(prepared_data, "train", 32)
+    s = GlobalSampler(len(windows), seed=7, stream=1)
+    n = len(windows)
+    assert sorted(s.index(p) for p in range(n)) == list(range(n))
+    assert [s.index(p) for p in range(n, 2 * n)] != [s.index(p) for p in range(n)]  # new epoch, new order
+    assert GlobalSampler(n, seed=7, stream=1).index(5) == s.index(5)

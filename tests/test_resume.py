@@ -1,0 +1,129 @@
+"""Fault injection with real processes: killed workers, failed jobs, a killed campaign process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from conftest import seed_data, small_spec, wait_for, worker_processes
+from flows.campaign import pretrain_campaign
+from flows.train_stage import StageFailed
+from pretrain.status import campaign_status
+from trainer import checkpoint as ckpt
+from trainer.reporting import read_all
+
+# steps of ~0.1 s, so a worker can be killed well inside the stage
+SLOW_MODEL = {"n_layer": 4, "n_head": 4, "d_model": 128, "max_seq_len": 64}
+ONE_STAGE = [{"name": "main", "steps": 40, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}]
+
+
+def slow_spec(tmp_path, prepared_data, **overrides):
+    spec = small_spec(tmp_path, model=SLOW_MODEL, stages=ONE_STAGE, checkpoint={"interval": 10, "keep": 5}, **overrides)
+    seed_data(spec, prepared_data)
+    return spec
+
+
+def ckpt_dir(spec):
+    return spec.workdir_path / "checkpoints" / "main"
+
+
+def assert_mlflow_steps_unique(spec, expected_parent_runs=1):
+    client = MlflowClient(spec.tracking_uri)
+    exp = client.get_experiment_by_name(spec.tracking.experiment)
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags["pretrain.role"] == "campaign"]
+    assert len(parents) == expected_parent_runs
+    for run in runs:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+        assert len(steps) == len(set(steps)), f"run {run.info.run_name} logged a step twice"
+    return client, runs
+
+
+def kill_a_worker_after_first_checkpoint(spec) -> int:
+    wait_for(lambda: ckpt.read_pointer(ckpt_dir(spec)), 120, "the first checkpoint")
+    victim = wait_for(lambda: worker_processes(spec.workdir_path), 30, "a training worker")[-1]
+    step_at_kill = ckpt.read_pointer(ckpt_dir(spec))
+    os.kill(victim.pid, signal.SIGKILL)
+    return step_at_kill
+
+
+def test_worker_sigkill_is_survived_by_an_in_job_restart(prefect_harness, prepared_data, tmp_path):
+    spec = slow_spec(tmp_path, prepared_data)
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(pretrain_campaign, spec=spec)
+        killed_at = kill_a_worker_after_first_checkpoint(spec)
+        status = run.result(timeout=300)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == 40
+    restarts = [r for r in stage["resumes"] if r["restart_count"] > 0]
+    assert restarts and restarts[0]["source"] == "checkpoint" and restarts[0]["step"] >= killed_at > 0
+    assert stage["restarts"] >= 1 and stage["attempts"] == 1
+    client, runs = assert_mlflow_steps_unique(spec)
+    stage_run = next(r for r in runs if r.data.tags["pretrain.role"] == "stage")
+    assert sorted(m.step for m in client.get_metric_history(stage_run.info.run_id, "loss")) == list(range(1, 41))
+    assert not worker_processes(spec.workdir_path)
+
+
+def test_failed_job_is_relaunched_from_the_last_checkpoint(prefect_harness, prepared_data, tmp_path):
+    spec = slow_spec(tmp_path, prepared_data, cluster={"workers_per_node": 2, "max_restarts": 0})
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(pretrain_campaign, spec=spec)
+        killed_at = kill_a_worker_after_first_checkpoint(spec)
+        status = run.result(timeout=300)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["attempts"] == 2
+    assert len(stage["failures"]) == 1 and stage["failures"][0]["cause"].startswith("worker_failure")
+    second = [r for r in stage["resumes"] if r["attempt"] == 1]
+    assert second[0]["source"] == "checkpoint" and second[0]["step"] >= killed_at
+    assert_mlflow_steps_unique(spec)
+
+
+def test_stage_fails_clearly_after_max_attempts(prefect_harness, prepared_data, tmp_path):
+    # windows of 4097 tokens do not fit the validation-sized data: every launch fails in start-up
+    spec = small_spec(tmp_path, model={"n_layer": 1, "n_head": 1, "d_model": 8, "max_seq_len": 65536},
+                      stages=[{"name": "main", "steps": 5, "seq_len": 60000}],
+                      cluster={"workers_per_node": 2, "max_restarts": 0})
+    seed_data(spec, prepared_data)
+    with pytest.raises(StageFailed, match=r"stage main stopped at step 0/5 after 2 attempt\(s\).*DataError"):
+        pretrain_campaign(spec=spec)
+    status = campaign_status(spec.workdir_path)
+    assert status["status"] == "failed" and status["stages"][0]["attempts"] == 2
+    assert "no window of 60001 tokens" in " ".join(status["stages"][0]["failures"][0]["errors"])
+    client, runs = assert_mlflow_steps_unique(spec)
+    assert {r.info.status for r in runs} == {"FAILED"}
+
+
+def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path):
+    """The real CLI, killed with SIGKILL after the first checkpoint, then the same command again."""
+    spec = slow_spec(tmp_path / "wd", prepared_data)
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    cmd = [sys.executable, "-m", "pretrain.cli", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        wait_for(lambda: ckpt.read_pointer(ckpt_dir(spec)), 180, "the first checkpoint")
+    finally:
+        first.kill()
+        first.wait()
+    killed_at = ckpt.read_pointer(ckpt_dir(spec))
+    assert 0 < killed_at < 40
+    # orphaned agents and workers notice their parent is gone and stop on their own
+    wait_for(lambda: not worker_processes(spec.workdir_path), 30, "orphaned workers to exit")
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    status = campaign_status(spec.workdir_path)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and status["invocations"] == 2 and stage["steps_done"] == 40
+    starts = [r for r in stage["resumes"] if r["attempt"] == 1]
+    assert starts[0]["source"] == "checkpoint" and starts[0]["step"] >= killed_at
+    first_job = read_all(spec.workdir_path / "jobs" / "main" / "attempt_001" / "events.jsonl")
+    assert min(e["step"] for e in first_job if e["event"] == "start") > 0  # never from step 0
+    assert_mlflow_steps_unique(spec)
