@@ -20,7 +20,7 @@ def validate_checkpoint(spec: CampaignSpec, stage: str, path: str) -> dict:
     ledger = Ledger.open(spec)
     run_id = ledger.stage(stage)["mlflow_run_id"]
     if run_id:
-        tracker_for(spec).set_tags(run_id, {f"checkpoint.{record['step']}": f"{record['verdict']}:{path}"})
+        tracker_for(spec).set_tags(run_id, {f"verdict.{record['step']:08d}": record["verdict"]})
     if not record["ok"]:
         raise CheckpointInvalid(f"checkpoint {path} of stage {stage} failed validation: " + "; ".join(record["problems"]))
     ledger.update_stage(stage, good_checkpoint={"step": record["step"], "path": path})

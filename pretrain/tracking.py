@@ -108,7 +108,9 @@ class MetricsForwarder:
     stage_run_id: str
     parent_run_id: str
     step_offset: int
+    events_path: Path | None = None  # checkpoint events become tags naming the checkpoint
     offset: int = 0
+    events_offset: int = 0
     last_step: int = field(init=False)
     last_parent_step: int = field(init=False)
 
@@ -133,4 +135,9 @@ class MetricsForwarder:
             self.tracker.log_metrics(self.stage_run_id, stage)
         if parent:
             self.tracker.log_metrics(self.parent_run_id, parent)
+        if self.events_path is not None:
+            events, self.events_offset = read_new_lines(self.events_path, self.events_offset)
+            ckpts = {f"checkpoint.{e['step']:08d}": e["path"] for e in events if e["event"] == "checkpoint"}
+            if ckpts:
+                self.tracker.set_tags(self.stage_run_id, {**ckpts, "checkpoint.latest": list(ckpts.values())[-1]})
         return len(stage)

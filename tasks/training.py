@@ -76,7 +76,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     handle = make_cluster(spec.cluster, job.threads_per_worker).start(job, job_path, layout)
     logger.info("stage %s attempt %d: %d node(s) × %d workers, job dir %s", job.stage, attempt,
                 spec.cluster.nodes_max, spec.cluster.workers_per_node, job.job_dir)
-    forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id, step_offset)
+    forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
+                                 step_offset, events_path=Path(job.job_dir) / EVENTS)
     started = time.time()
     try:
         code = None

@@ -69,6 +69,9 @@ def test_mlflow_has_one_parent_run_with_nested_stage_runs(finished):
         n = next(s.steps for s in spec.stages if s.name == run.data.tags[TAG_STAGE])
         assert sorted(steps) == list(range(1, n + 1))
         assert "val_loss" in run.data.metrics
+        assert run.data.tags["checkpoint.latest"].endswith(f"step_{n:08d}")
+        assert run.data.tags[f"checkpoint.{n:08d}"] == run.data.tags["checkpoint.latest"]
+        assert run.data.tags[f"verdict.{n:08d}"] == "good"
     campaign_steps = [m.step for m in client.get_metric_history(parent.info.run_id, "loss")]
     assert sorted(campaign_steps) == list(range(1, sum(s.steps for s in spec.stages) + 1))
 
