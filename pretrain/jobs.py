@@ -35,6 +35,8 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
         ckpt_dir=str(layout.ckpt_dir(stage.name)), job_dir=str(layout.job_dir(stage.name, attempt)),
         model=model_config(spec, vocab), optim=optim, init_from=init_from, init_optimizer=True,
         ckpt_interval=spec.checkpoint.interval, ckpt_keep=spec.checkpoint.keep,
+        memory_interval=spec.checkpoint.memory_interval, shm_dir=spec.checkpoint.shm_dir,
+        shm_fallback=spec.checkpoint.shm_fallback,
         log_every=spec.tracking.log_every, backend=spec.cluster.backend,
         threads_per_worker=threads_per_worker(spec),
     )

@@ -95,8 +95,21 @@ class StageSpec(_Section):
 
 
 class CheckpointSpec(_Section):
-    interval: int = Field(20, gt=0, description="Save a checkpoint every this many steps (and always at a stage's last step).")
-    keep: int = Field(3, ge=1, description="Committed checkpoints kept per stage (older ones are deleted; the latest never is).")
+    interval: int = Field(20, gt=0, description="Persist a checkpoint to storage every this many steps (and always at a stage's last step).")
+    memory_interval: int = Field(
+        5, ge=0, description="Flash checkpoints: snapshot the training state into shared memory every this many steps "
+        "(training blocks only for the copy; the node's saver persists every `interval` steps). 0 writes checkpoints "
+        "straight to storage instead.")
+    keep: int = Field(3, ge=1, description="Committed checkpoints kept per stage (older ones are deleted; the latest and the good one never are).")
+    shm_dir: str = Field("/dev/shm", description="Directory on a memory filesystem for the snapshot buffers.")
+    shm_fallback: bool = Field(False, description="If shared memory is too small for the snapshots, persist directly instead of failing.")
+
+    @model_validator(mode="after")
+    def _persist_on_snapshots(self) -> "CheckpointSpec":
+        if self.memory_interval and self.interval % self.memory_interval:
+            raise ValueError(f"interval ({self.interval}) must be a multiple of memory_interval ({self.memory_interval}): "
+                             "checkpoints are persisted from memory snapshots")
+        return self
 
 
 class TrackingSpec(_Section):

@@ -43,7 +43,7 @@ def small_spec(workdir: Path, **overrides) -> CampaignSpec:
         "cluster": {"workers_per_node": 2, "max_restarts": 1},
         "stages": [{"name": "warmup", "steps": 6, "seq_len": 32, "micro_batch": 4, "warmup_steps": 2},
                    {"name": "main", "steps": 10, "seq_len": 64, "micro_batch": 4, "grad_accum": 2}],
-        "checkpoint": {"interval": 4, "keep": 2},
+        "checkpoint": {"interval": 4, "memory_interval": 2, "keep": 2},
         "resume": {"max_attempts": 2},
     }
     body.update(overrides)

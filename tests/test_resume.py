@@ -25,7 +25,7 @@ ONE_STAGE = [{"name": "main", "steps": 40, "seq_len": 64, "micro_batch": 8, "war
 
 
 def slow_spec(tmp_path, prepared_data, **overrides):
-    spec = small_spec(tmp_path, model=SLOW_MODEL, stages=ONE_STAGE, checkpoint={"interval": 10, "keep": 5}, **overrides)
+    spec = small_spec(tmp_path, model=SLOW_MODEL, stages=ONE_STAGE, checkpoint={"interval": 10, "memory_interval": 5, "keep": 5}, **overrides)
     seed_data(spec, prepared_data)
     return spec
 
@@ -63,7 +63,7 @@ def test_worker_sigkill_is_survived_by_an_in_job_restart(prefect_harness, prepar
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 40
     restarts = [r for r in stage["resumes"] if r["restart_count"] > 0]
-    assert restarts and restarts[0]["source"] == "checkpoint" and restarts[0]["step"] >= killed_at > 0
+    assert restarts and restarts[0]["source"] == "memory" and restarts[0]["step"] >= killed_at > 0
     assert stage["restarts"] >= 1 and stage["attempts"] == 1
     client, runs = assert_mlflow_steps_unique(spec)
     stage_run = next(r for r in runs if r.data.tags["pretrain.role"] == "stage")

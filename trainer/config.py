@@ -20,6 +20,11 @@ class ModelConfig:
     max_seq_len: int  # rows of the learned position table
     dropout: float = 0.0  # dropout probability
 
+    def num_params(self) -> int:
+        """Parameters of ``trainer.model.GPT`` (embeddings tied), without building it."""
+        d, per_layer = self.d_model, 12 * self.d_model**2 + 13 * self.d_model
+        return self.vocab_size * d + self.max_seq_len * d + self.n_layer * per_layer + 2 * d
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -46,7 +51,10 @@ class JobConfig:
     optim: OptimConfig
     init_from: str | None = None  # checkpoint directory to start from when the stage has none
     init_optimizer: bool = True  # also take optimizer state from init_from
-    ckpt_interval: int = 20  # steps between checkpoints
+    ckpt_interval: int = 20  # steps between checkpoints persisted to storage
+    memory_interval: int = 0  # steps between shared-memory snapshots; 0 = write checkpoints directly
+    shm_dir: str = "/dev/shm"  # where the node's snapshot slots live
+    shm_fallback: bool = False  # too little shared memory: persist directly instead of failing
     ckpt_keep: int = 3  # committed checkpoints kept
     log_every: int = 1  # steps between metric lines
     backend: str = "auto"  # auto | gloo | nccl

@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import os
+import shutil
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainer.config import JobConfig
 from trainer.process import exit_when_orphaned
+from trainer.reporting import EVENTS
 
 
 class LockBusy(RuntimeError):
@@ -42,6 +48,37 @@ def hold_lock(path: Path, timeout_s: float) -> int:
             time.sleep(0.2)  # poll the lock; the holder is an orphan that exits within a second
 
 
+class SaverProcess:
+    """The node's checkpoint saver, kept alive for the agent's lifetime (restarted if it dies)."""
+
+    def __init__(self, ns: Path, nproc: int, job: JobConfig):
+        self.cmd = [sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc),
+                    "--ckpt-dir", job.ckpt_dir, "--keep", str(job.ckpt_keep),
+                    "--events", str(Path(job.job_dir) / EVENTS)]
+        self.proc = subprocess.Popen(self.cmd)
+        self.closing = threading.Event()
+        self.restarts = 0
+        threading.Thread(target=self._watch, name="saver-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.closing.is_set():
+            code = self.proc.wait()
+            if self.closing.is_set():
+                return
+            self.restarts += 1
+            print(f"checkpoint saver exited ({code}); restarting it", file=sys.stderr, flush=True)
+            self.proc = subprocess.Popen(self.cmd)
+
+    def close(self, timeout_s: float = 120) -> None:
+        """Let the saver finish (including a save at breakpoint), then stop it."""
+        self.closing.set()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.launch")
     p.add_argument("job", help="job config JSON")
@@ -58,10 +95,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    exit_when_orphaned()
+    job = JobConfig.load(args.job)
+    saver: SaverProcess | None = None
+    ns = Path(job.shm_dir) / f"pretrain-{os.getpid()}-{hashlib.sha256(job.job_dir.encode()).hexdigest()[:10]}"
+
+    def cleanup() -> None:
+        if saver is not None:
+            saver.close()
+        shutil.rmtree(ns, ignore_errors=True)
+
+    exit_when_orphaned(on_orphan=cleanup)
     if args.lock:
         hold_lock(args.lock, timeout_s=30)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    worker_args = ["-u", "-m", "trainer.worker", args.job]
+    if job.memory_interval > 0:
+        ns.mkdir(parents=True, exist_ok=True)
+        saver = SaverProcess(ns, args.nproc, job)
+        worker_args += ["--shm", str(ns)]
     config = LaunchConfig(
         min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,
         run_id=args.run_id, role="trainer", rdzv_endpoint=args.rdzv_endpoint, rdzv_backend="c10d",
@@ -69,10 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         start_method="spawn",
     )
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "trainer.worker", args.job)
+        elastic_launch(config, sys.executable)(*worker_args)
     except ChildFailedError as err:
         print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        cleanup()
     return 0
 
 

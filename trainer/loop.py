@@ -14,8 +14,32 @@ from trainer import state
 from trainer.config import JobConfig
 from trainer.data import GlobalSampler, TokenWindows, make_batch, micro_batch_positions
 from trainer.dist import DistInfo, all_reduce_mean
+from trainer.flash import SnapshotStore
+from trainer.shm import ShmTooSmall
 from trainer.model import GPT, lm_loss, lr_at, param_groups
 from trainer.reporting import EVENTS, METRICS, JsonLines
+
+
+def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, step: int, consumed: int,
+               model, optimizer) -> float | None:
+    """Take the checkpoint due at ``step``, if any; returns the seconds training was blocked."""
+    last = step == cfg.optim.steps
+    persist = step % cfg.ckpt_interval == 0 or last
+    if snapshots is None:
+        if not persist:
+            return None
+        t0 = time.perf_counter()
+        ref = state.save(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer)
+        if info.rank == 0:
+            events.write({"event": "checkpoint", "step": step, "path": str(ref.path)})
+        return time.perf_counter() - t0
+    if not (persist or step % cfg.memory_interval == 0):
+        return None
+    st = state.training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer)
+    blocked = snapshots.snapshot(step, st, persist=persist, wait=last)
+    if blocked is None:
+        events.write({"event": "snapshot_skipped", "rank": info.rank, "step": step, "reason": "slot busy"})
+    return blocked
 
 
 class NonFiniteLoss(RuntimeError):
@@ -35,16 +59,41 @@ def build_model(cfg: JobConfig, device: torch.device) -> tuple[GPT, torch.optim.
     return model, opt
 
 
-def train(cfg: JobConfig, info: DistInfo) -> int:
-    """Train until the stage's last step; returns the final step."""
+def snapshot_capacity(cfg: JobConfig, rank: int) -> int:
+    """Bytes one shared-memory slot needs, known before the model is built: fp32 model (its
+    state dict lists the tied embedding twice) + two AdamW moments on rank 0, where the DDP
+    replica is snapshotted; RNG and data position on every rank; room for the layout record."""
+    m = cfg.model
+    model_bytes = 4 * (m.num_params() + m.vocab_size * m.d_model)
+    return (3 * model_bytes if rank == 0 else 0) + (1 << 20)
+
+
+def open_snapshots(cfg: JobConfig, info: DistInfo, capacity: int, shm_ns: str | None, events: JsonLines):
+    """The rank's snapshot slots, allocated and touched now (off the training path); None for
+    direct checkpoints (no shared memory configured, or too little of it with fallback on)."""
+    if not shm_ns:
+        return None
+    try:
+        return SnapshotStore(shm_ns, info.local_rank, info.rank, info.world_size, capacity)
+    except ShmTooSmall as err:
+        if not cfg.shm_fallback:
+            raise
+        events.write({"event": "shm_fallback", "rank": info.rank, "reason": str(err)})
+        return None
+
+
+def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None) -> int:
+    """Train until the stage's last step; returns the final step. With ``shm_ns`` checkpoints
+    are flash snapshots persisted by the node's saver; without, they are written directly."""
     o = cfg.optim
     seed_everything(cfg.seed, info.device)
     job_dir = Path(cfg.job_dir)
     events = JsonLines(job_dir / EVENTS)
     metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
 
+    snapshots = open_snapshots(cfg, info, snapshot_capacity(cfg, info.rank), shm_ns, events)
     model, opt = build_model(cfg, info.device)
-    restored = state.restore(cfg, info, model=model, optimizer=opt)
+    restored = state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
     step, consumed = restored.step, restored.consumed
     events.write({"event": "start", "rank": info.rank, "world_size": info.world_size,
                   "restart_count": info.restart_count, "step": step, "source": restored.source,
@@ -82,14 +131,14 @@ def train(cfg: JobConfig, info: DistInfo) -> int:
             events.write({"event": "nonfinite_loss", "step": step, "loss": repr(mean_loss)})
             raise NonFiniteLoss(f"loss is {mean_loss} at step {step}")
         dt = time.perf_counter() - t0
+        blocked = checkpoint(cfg, info, snapshots, events, step=step, consumed=consumed, model=model, optimizer=opt)
         if metrics is not None and (step % cfg.log_every == 0 or step == o.steps):
-            metrics.write({"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
-                           "step_time": dt, "tokens_per_s": global_batch * o.seq_len / dt,
-                           "consumed": consumed})
-        if step % cfg.ckpt_interval == 0 or step == o.steps:
-            ref = state.save(cfg, info, step=step, consumed=consumed, model=model, optimizer=opt)
-            if info.rank == 0:
-                events.write({"event": "checkpoint", "step": step, "path": str(ref.path)})
+            record = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
+                      "step_time": dt, "tokens_per_s": global_batch * o.seq_len / dt, "consumed": consumed}
+            metrics.write(record if blocked is None else {**record, "ckpt_block_s": blocked})
+    if snapshots is not None:
+        snapshots.flush()
+        state.wait_committed(cfg, info, o.steps)
     events.write({"event": "done", "rank": info.rank, "step": step})
     events.close()
     if metrics is not None:

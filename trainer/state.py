@@ -8,6 +8,7 @@ checkpoint that some rank has not finished.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object, broadcast_object
+from trainer.flash import SnapshotStore
 
 MODEL_SHARD = "model.pt"
 
@@ -31,21 +33,30 @@ def schedule_state(cfg: JobConfig, step: int) -> dict:
 class Restored:
     step: int  # completed optimizer steps in this stage
     consumed: int  # global sample position in this stage's data order
-    source: str  # "checkpoint" | "init_from" | "scratch"
+    source: str  # "memory" | "checkpoint" | "init_from" | "scratch"
     checkpoint: str | None  # directory the state came from
 
 
-def save(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer) -> ckpt.CheckpointRef:
-    shards = []
-    if info.rank == 0:
-        shards.append(ckpt.write_shard(cfg.ckpt_dir, step, MODEL_SHARD, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": schedule_state(cfg, step), "step": step,
-        }))
+def training_state(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer) -> dict:
+    """What a checkpoint holds for this rank: ``shared`` (replicated under DDP, so rank 0 only:
+    model, optimizer, schedule) and ``rank`` (this rank's RNG and data position)."""
     rank_state = {"rng_cpu": torch.get_rng_state(), "consumed": consumed, "step": step, "rank": info.rank}
     if info.device.type == "cuda":
         rank_state["rng_cuda"] = torch.cuda.get_rng_state(info.device)
-    shards.append(ckpt.write_shard(cfg.ckpt_dir, step, ckpt.rank_shard_name(info.rank), rank_state))
+    out = {"rank": rank_state}
+    if info.rank == 0:
+        out["shared"] = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": schedule_state(cfg, step), "step": step}
+    return out
+
+
+def save(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer) -> ckpt.CheckpointRef:
+    """Direct (synchronous) save to storage, used when shared-memory snapshots are off."""
+    st = training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer)
+    shards = []
+    if "shared" in st:
+        shards.append(ckpt.write_shard(cfg.ckpt_dir, step, MODEL_SHARD, st["shared"]))
+    shards.append(ckpt.write_shard(cfg.ckpt_dir, step, ckpt.rank_shard_name(info.rank), st["rank"]))
     gathered = [entry for per_rank in all_gather_object(shards) for entry in per_rank]
     ref = None
     if info.rank == 0:
@@ -58,13 +69,27 @@ def save(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, opt
     return ckpt.CheckpointRef(ref["step"], ref["path"])
 
 
-def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer) -> Restored:
-    """Load the newest complete checkpoint of this stage, else ``init_from``, else nothing.
-    Rank 0 picks the checkpoint and broadcasts it, so all ranks load the same step."""
+def _apply(info: DistInfo, shared: dict, mine: dict, model, optimizer) -> None:
+    model.load_state_dict(shared["model"])
+    optimizer.load_state_dict(shared["optimizer"])
+    torch.set_rng_state(mine["rng_cpu"])
+    if "rng_cuda" in mine and info.device.type == "cuda":
+        torch.cuda.set_rng_state(mine["rng_cuda"], info.device)
+
+
+def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: SnapshotStore | None = None) -> Restored:
+    """Load the newest state of this stage: from shared memory if every rank holds a verified
+    snapshot of a common step at least as new as storage's; else the newest complete
+    checkpoint; else ``init_from``; else nothing. Rank 0 decides and broadcasts, so all ranks
+    load the same step."""
+    mem = snapshots.verified_steps() if snapshots is not None else {}
+    common = set.intersection(*(set(s) for s in all_gather_object(sorted(mem))))
     choice = None
     if info.rank == 0:
         ref = ckpt.latest_complete(cfg.ckpt_dir)
-        if ref is not None:
+        if common and max(common) >= (ref.step if ref else -1):
+            choice = ("memory", max(common))
+        elif ref is not None:
             choice = ("checkpoint", str(ref.path))
         elif cfg.init_from:
             choice = ("init_from", cfg.init_from)
@@ -72,15 +97,30 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer) -> Restored:
     if choice is None:
         return Restored(0, 0, "scratch", None)
     source, path = choice
+    if source == "memory":
+        snap = snapshots.load(mem[path])
+        shared = broadcast_object(snap.get("shared"))  # replicated state lives in rank 0's slot
+        _apply(info, shared, snap["rank"], model, optimizer)
+        return Restored(int(shared["step"]), int(snap["rank"]["consumed"]), "memory", str(snapshots.ns))
     state = ckpt.load_shard(path, MODEL_SHARD, map_location=info.device)
-    model.load_state_dict(state["model"])
     if source == "init_from":
+        model.load_state_dict(state["model"])
         if cfg.init_optimizer:  # moments carry over; the new stage's schedule sets the lr
             optimizer.load_state_dict(state["optimizer"])
         return Restored(0, 0, source, path)
-    optimizer.load_state_dict(state["optimizer"])
     mine = ckpt.load_shard(path, ckpt.rank_shard_name(info.rank))
-    torch.set_rng_state(mine["rng_cpu"])
-    if "rng_cuda" in mine and info.device.type == "cuda":
-        torch.cuda.set_rng_state(mine["rng_cuda"], info.device)
+    _apply(info, state, mine, model, optimizer)
     return Restored(int(state["step"]), int(mine["consumed"]), source, path)
+
+
+def wait_committed(cfg: JobConfig, info: DistInfo, step: int, timeout_s: float = 300.0) -> None:
+    """Block until the saver has committed ``step`` to storage (the stage's last step must be
+    durable before the job reports success)."""
+    ok = True
+    if info.rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while (ckpt.read_pointer(cfg.ckpt_dir) or -1) < step and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls the pointer the saver moves
+        ok = (ckpt.read_pointer(cfg.ckpt_dir) or -1) >= step
+    if not broadcast_object(ok):
+        raise TimeoutError(f"the checkpoint saver did not commit step {step} to {cfg.ckpt_dir} within {timeout_s:.0f}s")

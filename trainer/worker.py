@@ -6,6 +6,7 @@ operator can find the workers of a job with ``ps`` and signal them.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import traceback
@@ -21,18 +22,18 @@ from trainer.reporting import EVENTS, JsonLines
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m trainer.worker JOB.json", file=sys.stderr)
-        sys.exit(2)
+    p = argparse.ArgumentParser(prog="python -m trainer.worker")
+    p.add_argument("job", help="job config JSON")
+    p.add_argument("--shm", help="the node's shared-memory snapshot directory (flash checkpoints)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     exit_when_orphaned()
-    cfg = JobConfig.load(argv[0])
+    cfg = JobConfig.load(args.job)
     if cfg.threads_per_worker:
         torch.set_num_threads(cfg.threads_per_worker)
     code = 0
     try:
         info = init_distributed(cfg.backend)
-        train(cfg, info)
+        train(cfg, info, shm_ns=args.shm)
     except BaseException as err:  # noqa: BLE001 - report every failure, then exit non-zero
         traceback.print_exc()
         report = JsonLines(Path(cfg.job_dir) / EVENTS)

@@ -1,0 +1,81 @@
+"""Flash checkpoints, worker side: a blocking copy into shared memory, nothing more.
+
+Each local rank owns two slots and alternates between them, so the newest complete snapshot is
+never overwritten while the next one is copied. After the copy a background thread computes
+the slot's sha256 (off the training path). The node's saver (``trainer.saver``) persists
+snapshots flagged ``persist`` and commits them; the worker never writes storage itself.
+
+Policy when the slot to write is busy (the saver is still persisting it, or its digest is
+still being computed): the snapshot is **skipped** (reported as such), never waited for and
+never allowed to tear the older snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from trainer.shm import Slot, check_capacity, slot_paths
+
+
+class SnapshotStore:
+    def __init__(self, ns: str | Path, local_rank: int, rank: int, world_size: int, capacity: int):
+        self.ns = Path(ns)
+        self.rank, self.world_size = rank, world_size
+        self.ns.mkdir(parents=True, exist_ok=True)
+        paths = slot_paths(self.ns, local_rank)
+        missing = sum(max(0, capacity - (p.stat().st_size if p.exists() else 0)) for p in paths)
+        check_capacity(self.ns, missing)
+        self.slots = [Slot(p, capacity) for p in paths]
+        self._digest: threading.Thread | None = None
+
+    def _newest(self) -> int | None:
+        steps = [(h["step"], i) for i, s in enumerate(self.slots) if (h := s.header()) and h.get("state") == "ready"]
+        return max(steps)[1] if steps else None
+
+    def snapshot(self, step: int, state, persist: bool, wait: bool = False) -> float | None:
+        """Copy ``state`` into the older slot; returns the blocking seconds, or None if the slot
+        was busy and ``wait`` is False (the snapshot is skipped)."""
+        t0 = time.perf_counter()
+        newest = self._newest()
+        target = self.slots[0 if newest is None else 1 - newest]
+        with target.lock(exclusive=True, blocking=wait) as held:
+            if not held:
+                return None
+            target.write(state, {"step": step, "rank": self.rank, "world_size": self.world_size,
+                                 "pid": os.getpid(), "persist": persist, "time": time.time()})
+        blocked = time.perf_counter() - t0
+        self._digest = threading.Thread(target=self._seal, args=(target, step), name="snapshot-digest", daemon=True)
+        self._digest.start()
+        return blocked
+
+    @staticmethod
+    def _seal(slot: Slot, step: int) -> None:
+        with slot.lock(exclusive=False):
+            h = slot.header()
+            if h and h.get("state") == "ready" and h["step"] == step and not h.get("digest"):
+                slot.set_header({**h, "digest": slot.compute_digest(h)})
+
+    def flush(self) -> None:
+        """Wait for the last snapshot's digest (so the saver may persist it)."""
+        if self._digest is not None:
+            self._digest.join()
+
+    def verified_steps(self) -> dict[int, int]:
+        """step → slot index of every complete snapshot of this rank whose digest matches."""
+        self.flush()
+        found = {}
+        for i, slot in enumerate(self.slots):
+            with slot.lock(exclusive=False):
+                h = slot.verified()
+            if h and h["rank"] == self.rank and h["world_size"] == self.world_size:
+                found[h["step"]] = i
+        return found
+
+    def load(self, slot_index: int):
+        slot = self.slots[slot_index]
+        with slot.lock(exclusive=False):
+            h = slot.verified()
+            return slot.read(h, clone=True)
