@@ -77,3 +77,13 @@ def worker_processes(workdir: Path) -> list[psutil.Process]:
             except psutil.NoSuchProcess:
                 pass
     return found
+
+
+def saver_processes(workdir: Path) -> list[psutil.Process]:
+    """Live ``python -m trainer.saver`` processes of the campaign in ``workdir``."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "trainer.saver" in cmd and any(str(workdir) in c for c in cmd):
+            found.append(p)
+    return found

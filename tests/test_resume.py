@@ -12,7 +12,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from conftest import seed_data, small_spec, wait_for, worker_processes
+from conftest import saver_processes, seed_data, small_spec, wait_for, worker_processes
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
 from pretrain.status import campaign_status
@@ -69,6 +69,25 @@ def test_worker_sigkill_is_survived_by_an_in_job_restart(prefect_harness, prepar
     stage_run = next(r for r in runs if r.data.tags["pretrain.role"] == "stage")
     assert sorted(m.step for m in client.get_metric_history(stage_run.info.run_id, "loss")) == list(range(1, 41))
     assert not worker_processes(spec.workdir_path)
+
+
+def test_killed_saver_is_restarted_and_training_continues(prefect_harness, prepared_data, tmp_path):
+    spec = slow_spec(tmp_path, prepared_data)
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(pretrain_campaign, spec=spec)
+        wait_for(lambda: ckpt.read_pointer(ckpt_dir(spec)), 120, "the first checkpoint")
+        [saver] = saver_processes(spec.workdir_path)
+        saver.kill()
+        committed_at_kill = ckpt.read_pointer(ckpt_dir(spec))
+        status = run.result(timeout=300)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == 40 and stage["attempts"] == 1
+    events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
+    assert sum(e["event"] == "saver_start" for e in events) == 2
+    later = [e["step"] for e in events if e["event"] == "checkpoint" and e["step"] > committed_at_kill]
+    assert later and later[-1] == 40
+    for step in ckpt.committed_steps(ckpt_dir(spec)):
+        assert ckpt.verify(ckpt.step_dir(ckpt_dir(spec), step)) == []
 
 
 def test_failed_job_is_relaunched_from_the_last_checkpoint(prefect_harness, prepared_data, tmp_path):

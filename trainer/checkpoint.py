@@ -13,7 +13,8 @@ is ever loaded. A save killed at any point leaves the previous checkpoint as the
 
 from __future__ import annotations
 
-import io
+import hashlib
+import os
 import re
 import shutil
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.atomic import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from trainer.atomic import atomic_write_json, fsync_dir, read_json, sha256_file
 
 POINTER = "latest"
 MANIFEST = "manifest.json"
@@ -46,17 +47,35 @@ class CheckpointRef:
         return {"step": self.step, "path": str(self.path)}
 
 
-def serialize(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+class _HashingWriter:
+    """A file wrapper that hashes and counts what ``torch.save`` streams through it."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.bytes += len(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def write_shard(ckpt_dir: str | Path, step: int, name: str, obj: object) -> dict:
-    """Durably write one shard; returns its manifest entry."""
-    data = serialize(obj)
-    digest = atomic_write_bytes(step_dir(ckpt_dir, step) / name, data)
-    return {"name": name, "sha256": digest, "bytes": len(data)}
+    """Durably write one shard, streaming ``torch.save`` into the file (no in-memory copy):
+    temporary name, fsync, rename, fsync the directory. Returns its manifest entry."""
+    path = step_dir(ckpt_dir, step) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        out = _HashingWriter(f)
+        torch.save(obj, out)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return {"name": name, "sha256": out.sha.hexdigest(), "bytes": out.bytes}
 
 
 def commit(ckpt_dir: str | Path, step: int, shards: list[dict], meta: dict) -> CheckpointRef:
@@ -116,8 +135,8 @@ def latest_complete(ckpt_dir: str | Path) -> CheckpointRef | None:
 
 
 def load_shard(path: str | Path, name: str, map_location: str | torch.device = "cpu") -> dict:
-    with open(Path(path) / name, "rb") as f:
-        return torch.load(io.BytesIO(f.read()), map_location=map_location, weights_only=True)
+    """Load one shard with ``weights_only=True`` (tensors and plain containers only)."""
+    return torch.load(Path(path) / name, map_location=map_location, weights_only=True)
 
 
 def prune(ckpt_dir: str | Path, keep: int, protect: set[int] = frozenset()) -> list[int]:

@@ -63,19 +63,30 @@ class SnapshotStore:
         if self._digest is not None:
             self._digest.join()
 
-    def verified_steps(self) -> dict[int, int]:
-        """step → slot index of every complete snapshot of this rank whose digest matches."""
+    def sealed_steps(self) -> dict[int, int]:
+        """step → slot index of every complete, sealed snapshot of this rank (cheap: headers only)."""
         self.flush()
         found = {}
         for i, slot in enumerate(self.slots):
-            with slot.lock(exclusive=False):
-                h = slot.verified()
+            h = slot.sealed()
             if h and h["rank"] == self.rank and h["world_size"] == self.world_size:
                 found[h["step"]] = i
         return found
 
-    def load(self, slot_index: int):
-        slot = self.slots[slot_index]
+    def verify(self, step: int) -> bool:
+        """Does this rank's snapshot of ``step`` match its digest?"""
+        slot_index = self.sealed_steps().get(step)
+        if slot_index is None:
+            return False
+        with self.slots[slot_index].lock(exclusive=False):
+            h = self.slots[slot_index].verified()
+        return bool(h) and h["step"] == step
+
+    def load(self, step: int):
+        """This rank's snapshot of ``step`` (copied out of shared memory); call ``verify`` first."""
+        slot = self.slots[self.sealed_steps()[step]]
         with slot.lock(exclusive=False):
-            h = slot.verified()
+            h = slot.sealed()
+            if h is None or h["step"] != step:
+                raise RuntimeError(f"snapshot of step {step} changed while restoring from {slot.path}")
             return slot.read(h, clone=True)

@@ -6,13 +6,12 @@ exclusively while copying, readers (saver, digest thread, restore) hold it share
 drops a dead process's locks, so a SIGKILL never leaves a slot locked.
 
 Header states: ``writing`` (torn, never read) → ``ready`` (complete) → ``ready`` + ``digest``
-(sha256 of layout+data, verified before anyone restores or persists it).
+(xxh3-128 of layout+data, verified before anyone restores or persists it).
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import mmap
 import os
@@ -21,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from trainer.flat import Layout, read_state, write_tensors
 
@@ -125,7 +125,9 @@ class Slot:
                          "data_len": layout.data_bytes, "digest": None})
 
     def compute_digest(self, h: dict) -> str:
-        d = hashlib.sha256()
+        """xxh3-128 of layout + data: a corruption check at memory speed (~0.05 s/GiB), where
+        sha256 would cost ~0.6 s/GiB on the restore path. Storage shards use sha256."""
+        d = xxhash.xxh3_128()
         view = memoryview(self.mm)
         d.update(view[HEADER_BYTES : HEADER_BYTES + h["meta_len"]])
         step = 64 << 20
@@ -133,12 +135,15 @@ class Slot:
             d.update(view[off : min(off + step, h["data_off"] + h["data_len"])])
         return d.hexdigest()
 
+    def sealed(self) -> dict | None:
+        """The header if the slot holds a complete snapshot with its digest (not yet checked)."""
+        h = self.header()
+        return h if h and h.get("state") == "ready" and h.get("digest") else None
+
     def verified(self) -> dict | None:
         """The header if the slot holds a complete snapshot whose digest matches."""
-        h = self.header()
-        if not h or h.get("state") != "ready" or not h.get("digest"):
-            return None
-        return h if self.compute_digest(h) == h["digest"] else None
+        h = self.sealed()
+        return h if h and self.compute_digest(h) == h["digest"] else None
 
     def read(self, h: dict, clone: bool = True):
         layout = Layout.from_json(bytes(self.mm[HEADER_BYTES : HEADER_BYTES + h["meta_len"]]))

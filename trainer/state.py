@@ -77,18 +77,29 @@ def _apply(info: DistInfo, shared: dict, mine: dict, model, optimizer) -> None:
         torch.cuda.set_rng_state(mine["rng_cuda"], info.device)
 
 
+def newest_common_snapshot(snapshots: SnapshotStore, floor: int) -> int | None:
+    """The newest step at least ``floor`` of which every rank holds a verified snapshot.
+    Ranks exchange their sealed steps (headers only), then verify candidates newest first."""
+    sealed = snapshots.sealed_steps()
+    common = set.intersection(*(set(s) for s in all_gather_object(sorted(sealed))))
+    for step in sorted((s for s in common if s >= floor), reverse=True):
+        if all(all_gather_object(snapshots.verify(step))):
+            return step
+    return None
+
+
 def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: SnapshotStore | None = None) -> Restored:
     """Load the newest state of this stage: from shared memory if every rank holds a verified
     snapshot of a common step at least as new as storage's; else the newest complete
     checkpoint; else ``init_from``; else nothing. Rank 0 decides and broadcasts, so all ranks
     load the same step."""
-    mem = snapshots.verified_steps() if snapshots is not None else {}
-    common = set.intersection(*(set(s) for s in all_gather_object(sorted(mem))))
     choice = None
+    ref = ckpt.latest_complete(cfg.ckpt_dir) if info.rank == 0 else None
+    floor = broadcast_object(ref.step if ref else -1)
+    step = newest_common_snapshot(snapshots, floor) if snapshots is not None else None
     if info.rank == 0:
-        ref = ckpt.latest_complete(cfg.ckpt_dir)
-        if common and max(common) >= (ref.step if ref else -1):
-            choice = ("memory", max(common))
+        if step is not None:
+            choice = ("memory", step)
         elif ref is not None:
             choice = ("checkpoint", str(ref.path))
         elif cfg.init_from:
@@ -98,7 +109,7 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
         return Restored(0, 0, "scratch", None)
     source, path = choice
     if source == "memory":
-        snap = snapshots.load(mem[path])
+        snap = snapshots.load(path)
         shared = broadcast_object(snap.get("shared"))  # replicated state lives in rank 0's slot
         _apply(info, shared, snap["rank"], model, optimizer)
         return Restored(int(shared["step"]), int(snap["rank"]["consumed"]), "memory", str(snapshots.ns))

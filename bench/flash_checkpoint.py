@@ -1,0 +1,128 @@
+"""Flash checkpoint vs direct save, side by side on the same state (default ≈ 1 GiB).
+
+    python bench/flash_checkpoint.py [--layers 4 --d-model 1024 --vocab 32000 --repeats 3]
+
+Prints, for one rank's model + AdamW state:
+- blocking time of a checkpoint: direct (torch.save + fsync + rename, what training waits for
+  without snapshots) vs flash (copy into pre-touched shared memory), and the ratio;
+- the first copy into never-touched shared memory (why slots are touched at start-up);
+- restore: torch.load(weights_only) + load_state_dict vs from shared memory;
+- the saver's background persist of the snapshot (what flash moves off the training path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer import state
+from trainer.config import JobConfig, ModelConfig, OptimConfig
+from trainer.dist import DistInfo
+from trainer.flash import SnapshotStore
+from trainer.loop import build_model, snapshot_capacity
+from trainer.saver import Saver
+
+CPU0 = DistInfo(0, 0, 1, 0, torch.device("cpu"), "gloo")
+
+
+def timed(fn, repeats: int) -> float:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--disk-dir", default=None, help="where direct saves go (default: a temp dir on the work disk)")
+    a = p.parse_args()
+    work = Path(tempfile.mkdtemp(dir=a.disk_dir or "."))
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        cfg = JobConfig(stage="bench", stage_index=0, seed=0, data_dir="", ckpt_dir=str(work / "ckpt"), job_dir=str(work),
+                        model=ModelConfig(a.vocab, a.layers, max(1, a.d_model // 64), a.d_model, 256),
+                        optim=OptimConfig(10, 1e-3, 1e-4, 1, 0.1, 1.0, 1, 1, 8))
+        model, opt = build_model(cfg, torch.device("cpu"))
+        model(torch.randint(0, a.vocab, (1, 8))).float().mean().backward()
+        opt.step()
+        st = state.training_state(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt)
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(st))
+        print(f"state: {nbytes / 2**30:.2f} GiB ({model.num_params() / 1e6:.0f}M params + AdamW), torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads")
+
+        direct = timed(lambda: state.save(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt), a.repeats)
+
+        cold = SnapshotStore(shm / "cold", 0, 0, 1, capacity=0)  # no pre-allocation: pays page faults
+        t0 = time.perf_counter()
+        cold.snapshot(1, st, persist=False)
+        first_cold = time.perf_counter() - t0
+        cold.flush()
+        store = SnapshotStore(shm / "warm", 0, 0, 1, capacity=snapshot_capacity(cfg, 0))  # allocated + touched
+        blocked = []
+        for step in range(2, 2 + a.repeats):
+            blocked.append(store.snapshot(step, st, persist=False))  # returns the blocking seconds
+            store.flush()  # let the digest finish, as the interval between snapshots would
+        flash = statistics.median(blocked)
+
+        ref = ckpt.latest_complete(cfg.ckpt_dir)
+        fresh, fresh_opt = build_model(cfg, torch.device("cpu"))
+
+        def from_disk():
+            s = ckpt.load_shard(ref.path, state.MODEL_SHARD)
+            fresh.load_state_dict(s["model"])
+            fresh_opt.load_state_dict(s["optimizer"])
+
+        newest = max(store.sealed_steps())
+
+        def from_memory():
+            assert store.verify(newest)
+            snap = store.load(newest)
+            fresh.load_state_dict(snap["shared"]["model"])
+            fresh_opt.load_state_dict(snap["shared"]["optimizer"])
+
+        disk_restore = timed(from_disk, a.repeats)
+        verify = timed(lambda: store.verify(newest), a.repeats)
+        mem_restore = timed(from_memory, a.repeats)
+
+        shutil.rmtree(work / "ckpt")
+        saver = Saver(shm / "warm", 1, work / "ckpt", keep=1, events=None)
+        persist = timed(lambda: saver.persist(newest), 1)
+
+        print(f"{'blocking save: direct (torch.save+fsync)':46s} {direct:7.3f} s")
+        print(f"{'blocking save: flash (copy to shared memory)':46s} {flash:7.3f} s   → {direct / flash:5.1f}× less blocking")
+        print(f"{'  first copy into untouched shared memory':46s} {first_cold:7.3f} s   ({first_cold / flash:4.1f}× a steady copy)")
+        print(f"{'restore: torch.load + load_state_dict':46s} {disk_restore:7.3f} s")
+        print(f"{'restore: shared memory (incl. digest check)':46s} {mem_restore:7.3f} s   → {disk_restore / mem_restore:5.1f}× faster")
+        print(f"{'  of which xxh3 digest check':46s} {verify:7.3f} s")
+        print(f"{'saver persist (background, fsynced)':46s} {persist:7.3f} s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Flash checkpoints: shared-memory snapshots, the saver process, restore from memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import wait_for
+from trainer import checkpoint as ckpt
+from trainer import state
+from trainer.config import JobConfig, ModelConfig, OptimConfig
+from trainer.dist import DistInfo
+from trainer.flash import SnapshotStore
+from trainer.loop import build_model, open_snapshots, snapshot_capacity
+from trainer.reporting import JsonLines, read_all
+from trainer.shm import ShmTooSmall, Slot
+
+CPU0 = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torch.device("cpu"), backend="gloo")
+
+
+def job(tmp_path, **kw) -> JobConfig:
+    return JobConfig(stage="s", stage_index=0, seed=1, data_dir=str(tmp_path / "data"), ckpt_dir=str(tmp_path / "ckpt"),
+                     job_dir=str(tmp_path / "job"), model=ModelConfig(64, 2, 2, 16, 32),
+                     optim=OptimConfig(steps=20, lr=1e-3, min_lr=1e-4, warmup_steps=1, weight_decay=0.1, grad_clip=1.0,
+                                       micro_batch=2, grad_accum=1, seq_len=8), **kw)
+
+
+def trained(cfg: JobConfig, steps: int = 2):
+    """A model and optimizer with real AdamW state."""
+    torch.manual_seed(0)
+    model, opt = build_model(cfg, torch.device("cpu"))
+    for _ in range(steps):
+        model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_snapshot_round_trip_is_bit_exact(tmp_path):
+    cfg = job(tmp_path)
+    model, opt = trained(cfg)
+    st = state.training_state(cfg, CPU0, step=7, consumed=14, model=model, optimizer=opt)
+    st["extra"] = {"bf16": torch.randn(3, 5).bfloat16(), "empty": torch.empty(0, 4), "pair": (1, 2.5), 3: None}
+    store = SnapshotStore(tmp_path / "shm", 0, 0, 1, capacity=1 << 20)
+    assert store.snapshot(7, st, persist=False) is not None
+    assert store.sealed_steps() == {7: 0} and store.verify(7)
+    assert_same(store.load(7), st)
+
+
+def test_busy_slot_skips_the_snapshot_and_keeps_the_older_one(tmp_path):
+    store = SnapshotStore(tmp_path / "shm", 0, 0, 1, capacity=1 << 16)
+    for step in (5, 10):
+        store.snapshot(step, {"w": torch.full((8,), float(step))}, persist=False)
+    assert store.sealed_steps() == {5: 0, 10: 1}
+    with store.slots[0].lock(exclusive=False):  # e.g. the saver persisting step 5
+        assert store.snapshot(15, {"w": torch.full((8,), 15.0)}, persist=False) is None
+    assert store.sealed_steps() == {5: 0, 10: 1}
+    assert store.snapshot(15, {"w": torch.full((8,), 15.0)}, persist=False) is not None
+    assert store.sealed_steps() == {15: 0, 10: 1}
+
+
+def test_restore_prefers_memory_and_falls_back_to_storage_when_memory_is_corrupt(tmp_path):
+    cfg = job(tmp_path)
+    model, opt = trained(cfg)
+    state.save(cfg, CPU0, step=10, consumed=20, model=model, optimizer=opt)
+    trained_more, opt_more = trained(cfg, steps=3)
+    store = SnapshotStore(tmp_path / "shm", 0, 0, 1, capacity=snapshot_capacity(cfg, 0))
+    store.snapshot(15, state.training_state(cfg, CPU0, step=15, consumed=30, model=trained_more, optimizer=opt_more),
+                   persist=False)
+    fresh, fresh_opt = build_model(cfg, torch.device("cpu"))
+    got = state.restore(cfg, CPU0, model=fresh, optimizer=fresh_opt, snapshots=store)
+    assert (got.source, got.step, got.consumed) == ("memory", 15, 30)
+    assert_same(fresh.state_dict(), trained_more.state_dict())
+    assert_same(fresh_opt.state_dict()["state"], opt_more.state_dict()["state"])
+
+    h = store.slots[0].header()
+    store.slots[0].mm[h["data_off"] + 100] ^= 0xFF  # one flipped byte in shared memory
+    assert not store.verify(15)
+    fresh, fresh_opt = build_model(cfg, torch.device("cpu"))
+    got = state.restore(cfg, CPU0, model=fresh, optimizer=fresh_opt, snapshots=store)
+    assert (got.source, got.step, got.consumed) == ("checkpoint", 10, 20)
+    assert_same(fresh.state_dict(), model.state_dict())
+
+
+def test_too_little_shared_memory_is_a_clear_error_or_falls_back(tmp_path):
+    cfg = job(tmp_path)
+    events = JsonLines(tmp_path / "events.jsonl")
+    huge = 1 << 50
+    with pytest.raises(ShmTooSmall, match=r"MiB free but the checkpoint snapshots need .*shm_fallback: true"):
+        open_snapshots(cfg, CPU0, huge, str(tmp_path / "shm"), events)
+    fallback = job(tmp_path, shm_fallback=True)
+    assert open_snapshots(fallback, CPU0, huge, str(tmp_path / "shm"), events) is None
+    assert read_all(tmp_path / "events.jsonl")[-1]["event"] == "shm_fallback"
+
+
+def start_saver(tmp_path, ns, nproc=1):
+    return subprocess.Popen([sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc),
+                             "--ckpt-dir", str(tmp_path / "ckpt"), "--keep", "3", "--events", str(tmp_path / "events.jsonl")])
+
+
+def test_saver_persists_only_flagged_snapshots_bit_exact(tmp_path):
+    cfg = job(tmp_path)
+    model, opt = trained(cfg)
+    ns = tmp_path / "shm"
+    store = SnapshotStore(ns, 0, 0, 1, capacity=snapshot_capacity(cfg, 0))
+    store.snapshot(5, state.training_state(cfg, CPU0, step=5, consumed=10, model=model, optimizer=opt), persist=False)
+    st = state.training_state(cfg, CPU0, step=10, consumed=20, model=model, optimizer=opt)
+    store.snapshot(10, st, persist=True)
+    saver = start_saver(tmp_path, ns)
+    try:
+        wait_for(lambda: ckpt.read_pointer(cfg.ckpt_dir) == 10, 60, "the saver to commit step 10")
+    finally:
+        saver.terminate()
+        saver.wait(30)
+    assert ckpt.committed_steps(cfg.ckpt_dir) == [10]
+    ref = ckpt.latest_complete(cfg.ckpt_dir)
+    assert_same(ckpt.load_shard(ref.path, state.MODEL_SHARD), st["shared"])
+    assert_same(ckpt.load_shard(ref.path, ckpt.rank_shard_name(0)), st["rank"])
+
+
+def test_saver_killed_mid_persist_never_commits_a_torn_checkpoint(tmp_path):
+    ns = tmp_path / "shm"
+    store = SnapshotStore(ns, 0, 0, 1, capacity=300 << 20)
+    big = {"shared": {"model": {"w": torch.randn(64 << 20)}, "step": 8}, "rank": {"consumed": 16, "step": 8}}
+    store.snapshot(8, big, persist=True)
+    store.flush()
+    saver = start_saver(tmp_path, ns)
+    step_dir = ckpt.step_dir(tmp_path / "ckpt", 8)
+    wait_for(step_dir.exists, 60, "the saver to start persisting")
+    saver.send_signal(signal.SIGKILL)
+    saver.wait()
+    assert not (step_dir / ckpt.MANIFEST).exists(), "the kill came too late to be mid-persist"
+    assert ckpt.latest_complete(tmp_path / "ckpt") is None
+    saver = start_saver(tmp_path, ns)  # what the node agent does when its saver dies
+    try:
+        wait_for(lambda: ckpt.read_pointer(tmp_path / "ckpt") == 8, 120, "the restarted saver to commit step 8")
+    finally:
+        saver.terminate()
+        saver.wait(30)
+    ref = ckpt.latest_complete(tmp_path / "ckpt")
+    assert ref.step == 8 and torch.equal(ckpt.load_shard(ref.path, "model.pt")["model"]["w"], big["shared"]["model"]["w"])
+
+
+def test_saver_saves_at_breakpoint_when_a_worker_dies(tmp_path):
+    """A worker process snapshots step 12 (not due for persisting) and is SIGKILLed: the saver
+    persists the newest consistent snapshot anyway, so the work is not lost."""
+    ns = tmp_path / "shm"
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from trainer.flash import SnapshotStore
+        store = SnapshotStore({str(ns)!r}, 0, 0, 1, capacity=1 << 20)
+        for step in (6, 12):
+            store.snapshot(step, {{"shared": {{"w": torch.full((4,), float(step)), "step": step}},
+                                   "rank": {{"consumed": step, "step": step}}}}, persist=step == 6)
+        store.flush()
+        print("snapshotted", flush=True)
+        sys.stdin.read()
+    """)
+    worker = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert worker.stdout.readline().strip() == "snapshotted"
+    saver = start_saver(tmp_path, ns)
+    try:
+        wait_for(lambda: ckpt.read_pointer(tmp_path / "ckpt") == 6, 60, "the flagged step 6")
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        wait_for(lambda: ckpt.read_pointer(tmp_path / "ckpt") == 12, 60, "the breakpoint save of step 12")
+    finally:
+        saver.terminate()
+        saver.wait(30)
+    assert any(e["event"] == "breakpoint_save" and e["step"] == 12 for e in read_all(tmp_path / "events.jsonl"))
+    assert torch.equal(ckpt.load_shard(ckpt.latest_complete(tmp_path / "ckpt").path, "model.pt")["w"], torch.full((4,), 12.0))
