@@ -19,7 +19,7 @@ from trainer.dist import DistInfo
 from trainer.flash import SnapshotStore
 from trainer.loop import build_model, open_snapshots, snapshot_capacity
 from trainer.reporting import JsonLines, read_all
-from trainer.shm import ShmTooSmall, Slot
+from trainer.shm import ShmTooSmall
 
 CPU0 = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torch.device("cpu"), backend="gloo")
 

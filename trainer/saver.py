@@ -22,7 +22,7 @@ from pathlib import Path
 
 from trainer import checkpoint as ckpt
 from trainer.atomic import atomic_write_json, read_json
-from trainer.reporting import EVENTS, JsonLines
+from trainer.reporting import JsonLines
 from trainer.shm import Slot, slot_paths
 
 POLL_S = 0.05
