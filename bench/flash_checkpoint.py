@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint as ckpt
 from trainer import state
 from trainer.config import JobConfig, ModelConfig, OptimConfig
 from trainer.dist import DistInfo
@@ -77,11 +76,11 @@ def main() -> None:
             store.flush()  # let the digest finish, as the interval between snapshots would
         flash = statistics.median(blocked)
 
-        ref = ckpt.latest_complete(cfg.ckpt_dir)
+        ref = cfg.checkpoints().latest_complete()
         fresh, fresh_opt = build_model(cfg, torch.device("cpu"))
 
         def from_disk():
-            s = ckpt.load_shard(ref.path, state.MODEL_SHARD)
+            s = cfg.checkpoints().load_shard(ref.step, state.MODEL_SHARD)
             fresh.load_state_dict(s["model"])
             fresh_opt.load_state_dict(s["optimizer"])
 
@@ -98,7 +97,7 @@ def main() -> None:
         mem_restore = timed(from_memory, a.repeats)
 
         shutil.rmtree(work / "ckpt")
-        saver = Saver(shm / "warm", 1, work / "ckpt", keep=1, events=None)
+        saver = Saver(shm / "warm", 1, cfg.checkpoints(), keep=1, events=None)
         persist = timed(lambda: saver.persist(newest), 1)
 
         print(f"{'blocking save: direct (torch.save+fsync)':46s} {direct:7.3f} s")

@@ -8,6 +8,7 @@ from pathlib import Path
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes
+from trainer.checkpoint import CheckpointStore
 from trainer.config import JobConfig, ModelConfig, OptimConfig
 from trainer.data import read_manifest
 
@@ -16,6 +17,20 @@ def model_config(spec: CampaignSpec, vocab_size: int) -> ModelConfig:
     m = spec.model
     return ModelConfig(vocab_size=vocab_size, n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
                        max_seq_len=m.max_seq_len, dropout=m.dropout)
+
+
+def checkpoint_location(spec: CampaignSpec, stage: str) -> str:
+    uri = spec.checkpoint.uri
+    return f"{uri.rstrip('/')}/{stage}" if uri else str(CampaignLayout(spec.workdir_path).ckpt_dir(stage))
+
+
+def storage_options(spec: CampaignSpec) -> dict:
+    c = spec.checkpoint
+    return {k: v for k, v in (("endpoint_url", c.s3_endpoint_url), ("region", c.s3_region)) if v}
+
+
+def checkpoint_store(spec: CampaignSpec, stage: str) -> CheckpointStore:
+    return CheckpointStore.open(checkpoint_location(spec, stage), storage_options(spec))
 
 
 def threads_per_worker(spec: CampaignSpec) -> int:
@@ -32,7 +47,8 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
                         grad_accum=stage.grad_accum, seq_len=stage.seq_len)
     return JobConfig(
         stage=stage.name, stage_index=stage_index, seed=spec.seed, data_dir=str(layout.data_dir),
-        ckpt_dir=str(layout.ckpt_dir(stage.name)), job_dir=str(layout.job_dir(stage.name, attempt)),
+        ckpt_dir=checkpoint_location(spec, stage.name), job_dir=str(layout.job_dir(stage.name, attempt)),
+        storage_options=storage_options(spec),
         model=model_config(spec, vocab), optim=optim, init_from=init_from, init_optimizer=True,
         ckpt_interval=spec.checkpoint.interval, ckpt_keep=spec.checkpoint.keep,
         memory_interval=spec.checkpoint.memory_interval, shm_dir=spec.checkpoint.shm_dir,

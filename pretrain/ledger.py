@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from pretrain.jobs import checkpoint_location, storage_options
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_json, read_json
@@ -20,8 +21,8 @@ class CampaignMismatch(RuntimeError):
     """The workdir belongs to a campaign with a different spec."""
 
 
-def _new_stage(steps: int) -> dict:
-    return {"status": "pending", "steps": steps, "attempts": 0, "restarts": 0, "failures": [],
+def _new_stage(steps: int, checkpoints: str) -> dict:
+    return {"status": "pending", "steps": steps, "checkpoints": checkpoints, "attempts": 0, "restarts": 0, "failures": [],
             "resumes": [], "final_checkpoint": None, "good_checkpoint": None, "mlflow_run_id": None,
             "eval": None}
 
@@ -47,7 +48,8 @@ class Ledger:
                 "created": time.time(), "status": "new", "invocations": 0, "data": None, "cluster": None,
                 "mlflow": {"tracking_uri": spec.tracking_uri, "experiment": spec.tracking.experiment,
                            "parent_run_id": None},
-                "stages": {s.name: _new_stage(s.steps) for s in spec.stages},
+                "storage_options": storage_options(spec),
+                "stages": {s.name: _new_stage(s.steps, checkpoint_location(spec, s.name)) for s in spec.stages},
             })
         elif ledger.data["spec_hash"] != spec.spec_hash():
             raise CampaignMismatch(

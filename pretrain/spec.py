@@ -103,6 +103,18 @@ class CheckpointSpec(_Section):
     keep: int = Field(3, ge=1, description="Committed checkpoints kept per stage (older ones are deleted; the latest and the good one never are).")
     shm_dir: str = Field("/dev/shm", description="Directory on a memory filesystem for the snapshot buffers.")
     shm_fallback: bool = Field(False, description="If shared memory is too small for the snapshots, persist directly instead of failing.")
+    uri: str | None = Field(
+        None, description="Where checkpoints are stored: empty → <workdir>/checkpoints; or 's3://bucket/prefix'. S3 "
+        "credentials come from the standard AWS environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, a "
+        "role), never from the spec.")
+    s3_endpoint_url: str | None = Field(None, description="Endpoint of an S3-compatible server (MinIO, SeaweedFS, …); empty → AWS.")
+    s3_region: str | None = Field(None, description="S3 region; empty → the AWS environment's default.")
+
+    @model_validator(mode="after")
+    def _s3_only_options(self) -> "CheckpointSpec":
+        if (self.s3_endpoint_url or self.s3_region) and not (self.uri or "").startswith("s3://"):
+            raise ValueError("s3_endpoint_url / s3_region only apply when uri is an s3:// URL")
+        return self
 
     @model_validator(mode="after")
     def _persist_on_snapshots(self) -> "CheckpointSpec":

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import CheckpointStore
 
 
 class NoCampaign(FileNotFoundError):
@@ -24,7 +24,7 @@ def campaign_status(workdir: str | Path) -> dict:
     d = ledger.data
     stages = []
     for name, s in d["stages"].items():
-        latest = ckpt.latest_complete(layout.ckpt_dir(name))
+        latest = CheckpointStore.open(s["checkpoints"], d.get("storage_options")).latest_complete()
         stages.append({
             "name": name, "status": s["status"], "steps_total": s["steps"],
             "steps_done": latest.step if latest else 0,

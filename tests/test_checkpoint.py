@@ -1,34 +1,94 @@
-"""Atomic checkpoint protocol: what is never picked up, what survives, what is pruned."""
+"""Atomic checkpoint protocol, on a local directory and on a real S3 server (SeaweedFS):
+what is never picked up, what survives, what is pruned."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+import uuid
 
+import pytest
+import s3_servers
 import torch
+from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import MANIFEST, CheckpointStore, rank_shard_name, step_name
+from trainer.storage import LocalStorage, S3Storage
 
-
-def _save(d, step, value=1.0, commit=True):
-    shards = [ckpt.write_shard(d, step, "model.pt", {"w": torch.full((4,), value), "step": step}),
-              ckpt.write_shard(d, step, ckpt.rank_shard_name(0), {"consumed": step * 8})]
-    return ckpt.commit(d, step, shards, {"stage": "s"}) if commit else shards
+seaweed = s3_servers.seaweed
 
 
-def test_round_trip_is_bit_exact(tmp_path):
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path) -> CheckpointStore:
+    if request.param == "local":
+        return CheckpointStore(LocalStorage(tmp_path / "ckpt"), str(tmp_path / "ckpt"))
+    s3 = S3Storage(BUCKET, f"ckpt/{uuid.uuid4().hex[:10]}", endpoint_url=request.getfixturevalue("seaweed").endpoint,
+                   region="us-east-1", access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+    return CheckpointStore(s3, s3.url)
+
+
+def _save(s: CheckpointStore, step, value=1.0, commit=True):
+    shards = [s.write_shard(step, "model.pt", {"w": torch.full((4,), value), "step": step}),
+              s.write_shard(step, rank_shard_name(0), {"consumed": step * 8})]
+    return s.commit(step, shards, {"stage": "s"}) if commit else shards
+
+
+def _flip_byte(s: CheckpointStore, key: str, at: int = -10) -> None:
+    data = bytearray(s.storage.get_bytes(key))
+    data[at] ^= 0xFF
+    s.storage.put_bytes(key, bytes(data))
+
+
+def test_round_trip_is_bit_exact(store):
     w = torch.randn(16, 16)
-    ref = ckpt.commit(tmp_path, 3, [ckpt.write_shard(tmp_path, 3, "model.pt", {"w": w})], {})
-    assert ckpt.latest_complete(tmp_path) == ref
-    assert torch.equal(ckpt.load_shard(ref.path, "model.pt")["w"], w)
+    ref = store.commit(3, [store.write_shard(3, "model.pt", {"w": w})], {})
+    assert store.latest_complete() == ref and ref.location.endswith("/step_00000003")
+    assert torch.equal(store.load_shard(3, "model.pt")["w"], w)
+    other, step = CheckpointStore.of_step(ref.location, None if isinstance(store.storage, LocalStorage) else {
+        "endpoint_url": store.storage.endpoint_url, "access_key": ACCESS_KEY, "secret_key": SECRET_KEY})
+    assert step == 3 and other.verify(3) == []
 
 
-def test_checkpoint_without_pointer_is_ignored(tmp_path):
-    _save(tmp_path, 4)
-    _save(tmp_path, 8, commit=False)  # shards written, no manifest, no pointer
-    assert ckpt.latest_complete(tmp_path).step == 4
-    assert ckpt.verify(ckpt.step_dir(tmp_path, 8)) == ["step_00000008: no manifest.json (checkpoint was never committed)"]
+def test_checkpoint_without_pointer_is_ignored(store):
+    _save(store, 4)
+    _save(store, 8, commit=False)  # shards written, no manifest, no pointer
+    assert store.latest_complete().step == 4
+    assert store.verify(8) == ["step_00000008: no manifest.json (checkpoint was never committed)"]
+
+
+def test_corrupt_shard_falls_back_to_previous_checkpoint(store):
+    _save(store, 4, 4.0)
+    _save(store, 8, 8.0)
+    _flip_byte(store, f"{step_name(8)}/model.pt")  # one flipped byte
+    assert "sha256 does not match" in " ".join(store.verify(8))
+    assert store.latest_complete().step == 4
+
+
+def test_truncated_shard_is_detected(store):
+    _save(store, 4)
+    key = f"{step_name(4)}/model.pt"
+    store.storage.put_bytes(key, store.storage.get_bytes(key)[:20])
+    assert "bytes, manifest says" in " ".join(store.verify(4))
+    assert store.latest_complete() is None
+
+
+def test_checkpoint_marked_bad_is_never_resumed_from(store):
+    _save(store, 4)
+    _save(store, 8)
+    store.set_verdict(8, {"verdict": "bad", "problems": ["diverged"]})
+    assert store.latest_complete().step == 4
+
+
+def test_prune_keeps_last_k_the_pointer_target_and_the_good_one(store):
+    for step in (2, 4, 6, 8):
+        _save(store, step)
+    _save(store, 10, commit=False)
+    store.set_verdict(2, {"verdict": "good"})
+    assert store.prune(keep=2) == [4]
+    assert store.committed_steps() == [8, 6, 2]
+    assert store.storage.exists(f"{step_name(10)}/model.pt")  # newer than the pointer: a save in progress
+    assert store.prune(keep=1, protect={6}) == []
 
 
 def test_writer_killed_after_manifest_before_pointer(tmp_path):
@@ -36,52 +96,24 @@ def test_writer_killed_after_manifest_before_pointer(tmp_path):
     SIGKILLed before it moves the pointer: step 8 must never be picked up."""
     script = textwrap.dedent(f"""
         import sys, torch
-        from trainer import checkpoint as ckpt
-        from trainer.atomic import atomic_write_json
-        d = {str(tmp_path)!r}
+        from trainer.checkpoint import CheckpointStore, MANIFEST, step_name
+        s = CheckpointStore.open({str(tmp_path)!r})
         for step in (4, 8):
-            shards = [ckpt.write_shard(d, step, "model.pt", {{"w": torch.full((4,), float(step))}})]
+            shards = [s.write_shard(step, "model.pt", {{"w": torch.full((4,), float(step))}})]
             if step == 4:
-                ckpt.commit(d, step, shards, {{}})
+                s.commit(step, shards, {{}})
             else:
-                atomic_write_json(ckpt.step_dir(d, step) / ckpt.MANIFEST,
-                                  {{"step": 8, "files": {{s["name"]: s for s in shards}}}})
+                s.write_json(f"{{step_name(8)}}/{{MANIFEST}}", {{"step": 8, "files": {{x["name"]: x for x in shards}}}})
         print("manifest-written", flush=True)
         sys.stdin.read()  # blocks until killed: the pointer is never moved
-        ckpt.commit(d, 8, shards, {{}})
+        s.commit(8, shards, {{}})
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "manifest-written"
     proc.kill()
     proc.wait()
-    assert (ckpt.step_dir(tmp_path, 8) / ckpt.MANIFEST).exists()
-    ref = ckpt.latest_complete(tmp_path)
+    s = CheckpointStore.open(tmp_path)
+    assert s.storage.exists(f"{step_name(8)}/{MANIFEST}")
+    ref = s.latest_complete()
     assert ref.step == 4
-    assert torch.equal(ckpt.load_shard(ref.path, "model.pt")["w"], torch.full((4,), 4.0))
-
-
-def test_corrupt_shard_falls_back_to_previous_checkpoint(tmp_path):
-    _save(tmp_path, 4, 4.0)
-    ref = _save(tmp_path, 8, 8.0)
-    data = bytearray((ref.path / "model.pt").read_bytes())
-    data[-10] ^= 0xFF  # one flipped byte
-    (ref.path / "model.pt").write_bytes(bytes(data))
-    assert "sha256 does not match" in " ".join(ckpt.verify(ref.path))
-    assert ckpt.latest_complete(tmp_path).step == 4
-
-
-def test_truncated_shard_is_detected(tmp_path):
-    ref = _save(tmp_path, 4)
-    (ref.path / "model.pt").write_bytes((ref.path / "model.pt").read_bytes()[:20])
-    assert "bytes, manifest says" in " ".join(ckpt.verify(ref.path))
-    assert ckpt.latest_complete(tmp_path) is None
-
-
-def test_prune_keeps_last_k_and_the_pointer_target(tmp_path):
-    for step in (2, 4, 6, 8):
-        _save(tmp_path, step)
-    _save(tmp_path, 10, commit=False)
-    assert ckpt.prune(tmp_path, keep=2) == [2, 4]
-    assert ckpt.committed_steps(tmp_path) == [8, 6]
-    assert ckpt.step_dir(tmp_path, 10).exists()  # newer than the pointer: a save in progress
-    assert ckpt.prune(tmp_path, keep=1, protect={6}) == []
+    assert torch.equal(s.load_shard(4, "model.pt")["w"], torch.full((4,), 4.0))

@@ -105,18 +105,20 @@ def test_restore_prefers_memory_and_falls_back_to_storage_when_memory_is_corrupt
 
 def test_too_little_shared_memory_is_a_clear_error_or_falls_back(tmp_path):
     cfg = job(tmp_path)
-    events = JsonLines(tmp_path / "events.jsonl")
+    events = JsonLines(tmp_path / "job" / "events.jsonl")
     huge = 1 << 50
     with pytest.raises(ShmTooSmall, match=r"MiB free but the checkpoint snapshots need .*shm_fallback: true"):
         open_snapshots(cfg, CPU0, huge, str(tmp_path / "shm"), events)
     fallback = job(tmp_path, shm_fallback=True)
     assert open_snapshots(fallback, CPU0, huge, str(tmp_path / "shm"), events) is None
-    assert read_all(tmp_path / "events.jsonl")[-1]["event"] == "shm_fallback"
+    assert read_all(tmp_path / "job" / "events.jsonl")[-1]["event"] == "shm_fallback"
 
 
 def start_saver(tmp_path, ns, nproc=1):
+    job_file = tmp_path / "saver-job.json"
+    job_file.write_text(job(tmp_path, ckpt_keep=3).to_json())
     return subprocess.Popen([sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc),
-                             "--ckpt-dir", str(tmp_path / "ckpt"), "--keep", "3", "--events", str(tmp_path / "events.jsonl")])
+                             "--job", str(job_file)])
 
 
 def test_saver_persists_only_flagged_snapshots_bit_exact(tmp_path):
@@ -188,5 +190,5 @@ def test_saver_saves_at_breakpoint_when_a_worker_dies(tmp_path):
     finally:
         saver.terminate()
         saver.wait(30)
-    assert any(e["event"] == "breakpoint_save" and e["step"] == 12 for e in read_all(tmp_path / "events.jsonl"))
+    assert any(e["event"] == "breakpoint_save" and e["step"] == 12 for e in read_all(tmp_path / "job" / "events.jsonl"))
     assert torch.equal(ckpt.load_shard(ckpt.latest_complete(tmp_path / "ckpt").path, "model.pt")["w"], torch.full((4,), 12.0))

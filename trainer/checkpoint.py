@@ -1,50 +1,67 @@
-"""Atomic checkpoints: shards, then a manifest with their sha256, then the pointer, last.
+"""Atomic checkpoints in a storage backend: shards, a manifest with their sha256, the pointer last.
 
-Layout of one stage's checkpoint directory::
+Layout of one stage's checkpoint location (a local directory or an ``s3://bucket/prefix``)::
 
     step_00000020/model.pt          model, optimizer, scheduler (rank 0; DDP replicas are equal)
     step_00000020/rank_00000.pt     per-rank state: RNG, data position
+    step_00000020/node_*.json       a saver's record of the shards it persisted
     step_00000020/manifest.json     sha256 + size of every shard; written after all shards
+    step_00000020/verdict.json      validation result (good / bad, with the reasons)
     latest                          {"step": 20, "dir": "step_00000020"}; written last
+    good                            the newest checkpoint that passed validation
 
 Only a checkpoint at or before the pointer, whose manifest exists and whose shards match it,
 is ever loaded. A save killed at any point leaves the previous checkpoint as the resume point.
+A checkpoint is named by its *location*: ``<stage location>/step_XXXXXXXX``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
-import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trainer.atomic import atomic_write_json, fsync_dir, read_json, sha256_file
+from trainer.atomic import fsync_dir
+from trainer.storage import NotFound, Storage, open_storage
 
 POINTER = "latest"
+GOOD = "good"
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+VERDICT = "verdict.json"
+_STEP = re.compile(r"^step_(\d{8})$")
 
 
-def step_dir(ckpt_dir: str | Path, step: int) -> Path:
-    return Path(ckpt_dir) / f"step_{step:08d}"
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
 
 
 def rank_shard_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+def _join(location: str, name: str) -> str:
+    return f"{location.rstrip('/')}/{name}"
+
+
 @dataclass(frozen=True)
 class CheckpointRef:
     step: int
-    path: Path
+    location: str  # local directory path or s3:// URL of the step
+
+    @property
+    def path(self) -> Path:
+        """The step directory (local checkpoints only)."""
+        return Path(self.location)
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "path": str(self.path)}
+        return {"step": self.step, "path": self.location}
 
 
 class _HashingWriter:
@@ -62,94 +79,205 @@ class _HashingWriter:
         self.f.flush()
 
 
-def write_shard(ckpt_dir: str | Path, step: int, name: str, obj: object) -> dict:
-    """Durably write one shard, streaming ``torch.save`` into the file (no in-memory copy):
-    temporary name, fsync, rename, fsync the directory. Returns its manifest entry."""
-    path = step_dir(ckpt_dir, step) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        out = _HashingWriter(f)
-        torch.save(obj, out)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return {"name": name, "sha256": out.sha.hexdigest(), "bytes": out.bytes}
+class CheckpointStore:
+    """One stage's checkpoints in a :class:`Storage`."""
 
+    def __init__(self, storage: Storage, location: str):
+        self.storage, self.location = storage, location
 
-def commit(ckpt_dir: str | Path, step: int, shards: list[dict], meta: dict) -> CheckpointRef:
-    """Write the manifest (all shards are already durable), then move the pointer."""
-    d = step_dir(ckpt_dir, step)
-    manifest = {"step": step, "files": {s["name"]: {"sha256": s["sha256"], "bytes": s["bytes"]} for s in shards},
-                "created": time.time(), **meta}
-    atomic_write_json(d / MANIFEST, manifest)
-    atomic_write_json(Path(ckpt_dir) / POINTER, {"step": step, "dir": d.name})
-    return CheckpointRef(step, d)
+    @classmethod
+    def open(cls, location: str | Path, options: dict | None = None) -> "CheckpointStore":
+        location = os.fspath(location)
+        return cls(open_storage(location, **(options or {})), location)
 
+    @classmethod
+    def of_step(cls, step_location: str | Path, options: dict | None = None) -> tuple["CheckpointStore", int]:
+        """The store holding the checkpoint at ``step_location``, and its step."""
+        parent, _, name = os.fspath(step_location).rstrip("/").rpartition("/")
+        m = _STEP.match(name)
+        if not m:
+            raise ValueError(f"{step_location} is not a checkpoint location (…/step_XXXXXXXX)")
+        return cls.open(parent or ".", options), int(m.group(1))
 
-def read_pointer(ckpt_dir: str | Path) -> int | None:
-    ptr = read_json(Path(ckpt_dir) / POINTER)
-    return None if ptr is None else int(ptr["step"])
+    def ref(self, step: int) -> CheckpointRef:
+        return CheckpointRef(step, _join(self.location, step_name(step)))
 
+    # ---- small JSON records -----------------------------------------------------------
+    def read_json(self, key: str) -> dict | None:
+        try:
+            return json.loads(self.storage.get_bytes(key))
+        except NotFound:
+            return None
 
-def verify(path: str | Path, deep: bool = True) -> list[str]:
-    """Problems that make the checkpoint at ``path`` unusable (empty list: complete)."""
-    path = Path(path)
-    manifest = read_json(path / MANIFEST)
-    if manifest is None:
-        return [f"{path.name}: no {MANIFEST} (checkpoint was never committed)"]
-    problems = []
-    for name, entry in manifest["files"].items():
-        f = path / name
-        if not f.is_file():
-            problems.append(f"{path.name}/{name}: missing")
-        elif f.stat().st_size != entry["bytes"]:
-            problems.append(f"{path.name}/{name}: {f.stat().st_size} bytes, manifest says {entry['bytes']}")
-        elif deep and sha256_file(f) != entry["sha256"]:
-            problems.append(f"{path.name}/{name}: sha256 does not match the manifest")
-    return problems
+    def write_json(self, key: str, obj: dict) -> None:
+        self.storage.put_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
+    # ---- writing -------------------------------------------------------------------------
+    def write_shard(self, step: int, name: str, obj: object) -> dict:
+        """Durably write one shard, streaming ``torch.save`` through a sha256 (no in-memory
+        copy of the state). Returns its manifest entry."""
+        key = f"{step_name(step)}/{name}"
+        local = self.storage.local_path(key)
+        target_dir = local.parent if local is not None else None
+        if target_dir is not None:
+            target_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=target_dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                out = _HashingWriter(f)
+                torch.save(obj, out)
+                f.flush()
+                os.fsync(f.fileno())
+            if local is not None:  # already on the target file system: rename into place
+                os.replace(tmp, local)
+                fsync_dir(local.parent)
+            else:  # S3: (multipart) upload, all-or-nothing
+                self.storage.put_file(key, tmp)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return {"name": name, "sha256": out.sha.hexdigest(), "bytes": out.bytes}
 
-def committed_steps(ckpt_dir: str | Path) -> list[int]:
-    """Steps of checkpoint directories at or before the pointer that hold a manifest, newest first."""
-    limit = read_pointer(ckpt_dir)
-    if limit is None:
-        return []
-    steps = []
-    for child in Path(ckpt_dir).iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and int(m.group(1)) <= limit and (child / MANIFEST).is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps, reverse=True)
+    def write_node_record(self, step: int, node: str, world_size: int, shards: list[dict]) -> None:
+        self.write_json(f"{step_name(step)}/node_{node}.json", {"world_size": world_size, "shards": shards})
 
+    def node_shards(self, step: int) -> list[dict]:
+        keys = [k for k in self.storage.list(f"{step_name(step)}/node_") if k.endswith(".json")]
+        return [s for k in keys for s in (self.read_json(k) or {"shards": []})["shards"]]
 
-def latest_complete(ckpt_dir: str | Path) -> CheckpointRef | None:
-    """The newest committed checkpoint whose shards verify; None if there is none."""
-    if not Path(ckpt_dir).is_dir():
+    def commit(self, step: int, shards: list[dict], meta: dict) -> CheckpointRef:
+        """Write the manifest (all shards are already durable), then move the pointer."""
+        manifest = {"step": step, "files": {s["name"]: {"sha256": s["sha256"], "bytes": s["bytes"]} for s in shards},
+                    "created": time.time(), **meta}
+        self.write_json(f"{step_name(step)}/{MANIFEST}", manifest)
+        self.write_json(POINTER, {"step": step, "dir": step_name(step)})
+        return self.ref(step)
+
+    # ---- reading -------------------------------------------------------------------------
+    def read_pointer(self, name: str = POINTER) -> int | None:
+        ptr = self.read_json(name)
+        return None if ptr is None else int(ptr["step"])
+
+    def manifest(self, step: int) -> dict | None:
+        return self.read_json(f"{step_name(step)}/{MANIFEST}")
+
+    def committed_steps(self) -> list[int]:
+        """Steps at or before the pointer that hold a manifest, newest first."""
+        limit = self.read_pointer()
+        if limit is None:
+            return []
+        steps = set()
+        for key in self.storage.list("step_"):
+            head, _, tail = key.partition("/")
+            m = _STEP.match(head)
+            if m and tail == MANIFEST and int(m.group(1)) <= limit:
+                steps.add(int(m.group(1)))
+        return sorted(steps, reverse=True)
+
+    def all_steps(self) -> list[int]:
+        return sorted({int(m.group(1)) for k in self.storage.list("step_") if (m := _STEP.match(k.partition("/")[0]))})
+
+    def verify(self, step: int, deep: bool = True) -> list[str]:
+        """Problems that make the checkpoint unusable (empty list: complete)."""
+        name = step_name(step)
+        manifest = self.manifest(step)
+        if manifest is None:
+            return [f"{name}: no {MANIFEST} (checkpoint was never committed)"]
+        problems = []
+        for fname, entry in manifest["files"].items():
+            key = f"{name}/{fname}"
+            try:
+                size = self.storage.size(key)
+            except NotFound:
+                problems.append(f"{name}/{fname}: missing")
+                continue
+            if size != entry["bytes"]:
+                problems.append(f"{name}/{fname}: {size} bytes, manifest says {entry['bytes']}")
+            elif deep and self._sha256(key) != entry["sha256"]:
+                problems.append(f"{name}/{fname}: sha256 does not match the manifest")
+        return problems
+
+    def _sha256(self, key: str) -> str:
+        local = self.storage.local_path(key)
+        data = local.read_bytes() if local is not None else self.storage.get_bytes(key)
+        return hashlib.sha256(data).hexdigest()
+
+    def latest_complete(self) -> CheckpointRef | None:
+        """The newest committed checkpoint whose shards verify and that is not marked bad."""
+        for step in self.committed_steps():
+            if not self.verify(step) and (self.verdict(step) or {}).get("verdict") != "bad":
+                return self.ref(step)
         return None
-    for step in committed_steps(ckpt_dir):
-        if not verify(step_dir(ckpt_dir, step)):
-            return CheckpointRef(step, step_dir(ckpt_dir, step))
-    return None
+
+    def load_shard(self, step: int, name: str, map_location: str | torch.device = "cpu") -> dict:
+        """Load one shard with ``weights_only=True`` (tensors and plain containers only)."""
+        key = f"{step_name(step)}/{name}"
+        local = self.storage.local_path(key)
+        if local is not None:
+            return torch.load(local, map_location=map_location, weights_only=True)
+        with tempfile.TemporaryDirectory(prefix="pretrain-ckpt-") as tmp:
+            self.storage.get_file(key, Path(tmp) / name)
+            return torch.load(Path(tmp) / name, map_location=map_location, weights_only=True)
+
+    # ---- verdicts and retention -------------------------------------------------------------
+    def verdict(self, step: int) -> dict | None:
+        return self.read_json(f"{step_name(step)}/{VERDICT}")
+
+    def set_verdict(self, step: int, record: dict) -> None:
+        self.write_json(f"{step_name(step)}/{VERDICT}", record)
+        if record.get("verdict") == "good" and step >= (self.read_pointer(GOOD) or -1):
+            self.write_json(GOOD, {"step": step, "dir": step_name(step)})
+
+    def prune(self, keep: int, protect: set[int] = frozenset()) -> list[int]:
+        """Delete committed checkpoints beyond the newest ``keep`` (never the pointer's target,
+        the good one or a protected step) and uncommitted leftovers older than the pointer."""
+        limit = self.read_pointer()
+        if limit is None:
+            return []
+        good = self.read_pointer(GOOD)
+        kept = set(self.committed_steps()[:keep]) | {limit} | set(protect) | ({good} if good is not None else set())
+        deleted = [s for s in self.all_steps() if s <= limit and s not in kept]
+        for step in deleted:
+            self.storage.delete_prefix(step_name(step))
+        return deleted
 
 
-def load_shard(path: str | Path, name: str, map_location: str | torch.device = "cpu") -> dict:
-    """Load one shard with ``weights_only=True`` (tensors and plain containers only)."""
-    return torch.load(Path(path) / name, map_location=map_location, weights_only=True)
+# ---- conveniences taking a location (local directory or s3:// URL) ----------------------------
+def store(location: str | Path | CheckpointStore) -> CheckpointStore:
+    return location if isinstance(location, CheckpointStore) else CheckpointStore.open(location)
 
 
-def prune(ckpt_dir: str | Path, keep: int, protect: set[int] = frozenset()) -> list[int]:
-    """Delete committed checkpoints beyond the newest ``keep`` (never the pointer's target or
-    a protected step) and uncommitted leftovers older than the pointer. Returns deleted steps."""
-    limit = read_pointer(ckpt_dir)
-    if limit is None:
-        return []
-    kept = set(committed_steps(ckpt_dir)[:keep]) | {limit} | set(protect)
-    deleted = []
-    for child in Path(ckpt_dir).iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and int(m.group(1)) <= limit and int(m.group(1)) not in kept:
-            shutil.rmtree(child, ignore_errors=True)
-            deleted.append(int(m.group(1)))
-    return sorted(deleted)
+def step_dir(ckpt_dir: str | Path, step: int) -> Path:
+    """The local directory of a step (local checkpoints only)."""
+    return Path(ckpt_dir) / step_name(step)
+
+
+def read_pointer(location) -> int | None:
+    return store(location).read_pointer()
+
+
+def committed_steps(location) -> list[int]:
+    return store(location).committed_steps()
+
+
+def latest_complete(location) -> CheckpointRef | None:
+    s = store(location)
+    try:
+        return s.latest_complete()
+    except FileNotFoundError:
+        return None
+
+
+def verify(step_location: str | Path, deep: bool = True) -> list[str]:
+    s, step = CheckpointStore.of_step(step_location)
+    return s.verify(step, deep)
+
+
+def load_shard(step_location: str | Path, name: str, map_location: str | torch.device = "cpu") -> dict:
+    s, step = CheckpointStore.of_step(step_location)
+    return s.load_shard(step, name, map_location)
+
+
+def read_manifest(step_location: str | Path) -> dict | None:
+    s, step = CheckpointStore.of_step(step_location)
+    return s.manifest(step)

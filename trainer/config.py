@@ -55,11 +55,24 @@ class JobConfig:
     memory_interval: int = 0  # steps between shared-memory snapshots; 0 = write checkpoints directly
     shm_dir: str = "/dev/shm"  # where the node's snapshot slots live
     shm_fallback: bool = False  # too little shared memory: persist directly instead of failing
+    storage_options: dict = field(default_factory=dict)  # S3 options for ckpt_dir (endpoint_url, region); never secrets
     ckpt_keep: int = 3  # committed checkpoints kept
     log_every: int = 1  # steps between metric lines
     backend: str = "auto"  # auto | gloo | nccl
     threads_per_worker: int = 0  # torch intra-op threads; 0 = leave as launched
     extra: dict = field(default_factory=dict)  # forward-compatible knobs
+
+    def checkpoints(self):
+        """This stage's checkpoint store (local directory or S3 prefix)."""
+        from trainer.checkpoint import CheckpointStore
+
+        return CheckpointStore.open(self.ckpt_dir, self.storage_options)
+
+    def checkpoint_at(self, location: str):
+        """The store and step of a checkpoint location (e.g. ``init_from``)."""
+        from trainer.checkpoint import CheckpointStore
+
+        return CheckpointStore.of_step(location, self.storage_options)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

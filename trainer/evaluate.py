@@ -42,17 +42,16 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def validate(path: str | Path, model_cfg: ModelConfig) -> Verdict:
-    path = Path(path)
-    problems = ckpt.verify(path)
-    manifest = ckpt.read_json(path / ckpt.MANIFEST) or {}
-    step = manifest.get("step")
+def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None = None) -> Verdict:
+    """Validate the checkpoint at ``location`` (``…/step_XXXXXXXX``, local or s3://)."""
+    store, step = ckpt.CheckpointStore.of_step(location, options)
+    problems = store.verify(step)
     if problems:
         return Verdict(False, step, problems)
     shards = {}
-    for name in manifest["files"]:
+    for name in store.manifest(step)["files"]:
         try:
-            shards[name] = ckpt.load_shard(path, name)
+            shards[name] = store.load_shard(step, name)
         except Exception as err:  # noqa: BLE001 - any load failure makes the checkpoint unusable
             problems.append(f"{name}: cannot be loaded with weights_only=True ({err.__class__.__name__}: {err})")
     main = shards.get(MODEL_SHARD)
@@ -77,11 +76,12 @@ def validate(path: str | Path, model_cfg: ModelConfig) -> Verdict:
 
 
 @torch.no_grad()
-def evaluate(path: str | Path, model_cfg: ModelConfig, data_dir: str | Path, seq_len: int,
-             batch_size: int = 8, max_batches: int = 16) -> dict:
+def evaluate(location: str | Path, model_cfg: ModelConfig, data_dir: str | Path, seq_len: int,
+             batch_size: int = 8, max_batches: int = 16, options: dict | None = None) -> dict:
     """Validation-split loss, perplexity and next-token accuracy of the checkpoint's model."""
+    store, step = ckpt.CheckpointStore.of_step(location, options)
     model = GPT(model_cfg)
-    model.load_state_dict(ckpt.load_shard(path, MODEL_SHARD)["model"])
+    model.load_state_dict(store.load_shard(step, MODEL_SHARD)["model"])
     model.eval()
     windows = TokenWindows(data_dir, "val", seq_len)
     n = min(len(windows), batch_size * max_batches)

@@ -24,7 +24,6 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.config import JobConfig
 from trainer.process import exit_when_orphaned
-from trainer.reporting import EVENTS
 
 
 class LockBusy(RuntimeError):
@@ -51,10 +50,8 @@ def hold_lock(path: Path, timeout_s: float) -> int:
 class SaverProcess:
     """The node's checkpoint saver, kept alive for the agent's lifetime (restarted if it dies)."""
 
-    def __init__(self, ns: Path, nproc: int, job: JobConfig):
-        self.cmd = [sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc),
-                    "--ckpt-dir", job.ckpt_dir, "--keep", str(job.ckpt_keep),
-                    "--events", str(Path(job.job_dir) / EVENTS)]
+    def __init__(self, ns: Path, nproc: int, job_path: str):
+        self.cmd = [sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc), "--job", job_path]
         self.proc = subprocess.Popen(self.cmd)
         self.closing = threading.Event()
         self.restarts = 0
@@ -111,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     worker_args = ["-u", "-m", "trainer.worker", args.job]
     if job.memory_interval > 0:
         ns.mkdir(parents=True, exist_ok=True)
-        saver = SaverProcess(ns, args.nproc, job)
+        saver = SaverProcess(ns, args.nproc, args.job)
         worker_args += ["--shm", str(ns)]
     config = LaunchConfig(
         min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,

@@ -21,12 +21,11 @@ import time
 from pathlib import Path
 
 from trainer import checkpoint as ckpt
-from trainer.atomic import atomic_write_json, read_json
-from trainer.reporting import JsonLines
+from trainer.config import JobConfig
+from trainer.reporting import EVENTS, JsonLines
 from trainer.shm import Slot, slot_paths
 
 POLL_S = 0.05
-GOOD_POINTER = "good"
 
 
 def _alive(pid: int) -> bool:
@@ -40,8 +39,8 @@ def _alive(pid: int) -> bool:
 
 
 class Saver:
-    def __init__(self, ns: Path, nproc: int, ckpt_dir: Path, keep: int, events: JsonLines | None):
-        self.ns, self.nproc, self.ckpt_dir, self.keep, self.events = ns, nproc, ckpt_dir, keep, events
+    def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None):
+        self.ns, self.nproc, self.store, self.keep, self.events = ns, nproc, store, keep, events
         self.stop = threading.Event()
         self._dead_seen: set[int] = set()
 
@@ -95,8 +94,8 @@ class Saver:
                         state = slot.read(h, clone=False)
                         world = h["world_size"]
                         if "shared" in state:
-                            entries.append(ckpt.write_shard(self.ckpt_dir, step, "model.pt", state["shared"]))
-                        entries.append(ckpt.write_shard(self.ckpt_dir, step, ckpt.rank_shard_name(h["rank"]), state["rank"]))
+                            entries.append(self.store.write_shard(step, "model.pt", state["shared"]))
+                        entries.append(self.store.write_shard(step, ckpt.rank_shard_name(h["rank"]), state["rank"]))
                         del state
                         break
                 finally:
@@ -104,27 +103,24 @@ class Saver:
             else:
                 self._emit({"event": "persist_skipped", "step": step, "reason": f"no verified snapshot in {path.parent}"})
                 return False
-        d = ckpt.step_dir(self.ckpt_dir, step)
-        atomic_write_json(d / f"node_{min(e['name'] for e in entries)}.json", {"world_size": world, "shards": entries})
+        self.store.write_node_record(step, min(e["name"] for e in entries).removesuffix(".pt"), world, entries)
         self.try_commit(step, world)
         self._emit({"event": "persisted", "step": step, "persist_s": time.perf_counter() - t0})
         return True
 
     def try_commit(self, step: int, world: int) -> None:
-        d = ckpt.step_dir(self.ckpt_dir, step)
-        shards = [s for rec in sorted(d.glob("node_*.json")) for s in read_json(rec)["shards"]]
+        shards = self.store.node_shards(step)
         names = {s["name"] for s in shards}
         if "model.pt" not in names or any(ckpt.rank_shard_name(r) not in names for r in range(world)):
             return  # other nodes have not finished their shards yet
-        if (ckpt.read_pointer(self.ckpt_dir) or -1) >= step:
+        if (self.store.read_pointer() or -1) >= step:
             return
-        ref = ckpt.commit(self.ckpt_dir, step, shards, {"world_size": world, "persisted_by": "saver"})
-        good = read_json(self.ckpt_dir / GOOD_POINTER)
-        ckpt.prune(self.ckpt_dir, self.keep, protect={good["step"]} if good else set())
-        self._emit({"event": "checkpoint", "step": step, "path": str(ref.path)})
+        ref = self.store.commit(step, shards, {"world_size": world, "persisted_by": "saver"})
+        self.store.prune(self.keep)
+        self._emit({"event": "checkpoint", "step": step, "path": ref.location})
 
     def run(self) -> None:
-        committed = ckpt.read_pointer(self.ckpt_dir) or -1
+        committed = self.store.read_pointer() or -1
         parent = os.getppid()
         while not self.stop.is_set() and os.getppid() == parent:
             step = self.candidate(breakpoint=False)
@@ -136,7 +132,7 @@ class Saver:
                 committed = step
             self.stop.wait(POLL_S)
         step = self.candidate(breakpoint=True)  # final breakpoint save on the way out
-        if step is not None and step > (ckpt.read_pointer(self.ckpt_dir) or -1):
+        if step is not None and step > (self.store.read_pointer() or -1):
             self.persist(step)
 
 
@@ -144,11 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.saver")
     p.add_argument("--ns", type=Path, required=True, help="the node's shared-memory snapshot directory")
     p.add_argument("--nproc", type=int, required=True, help="workers on this node")
-    p.add_argument("--ckpt-dir", type=Path, required=True)
-    p.add_argument("--keep", type=int, default=3)
-    p.add_argument("--events", type=Path)
+    p.add_argument("--job", type=Path, required=True, help="the job config: checkpoint location, retention, job dir")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    saver = Saver(args.ns, args.nproc, args.ckpt_dir, args.keep, JsonLines(args.events) if args.events else None)
+    job = JobConfig.load(args.job)
+    saver = Saver(args.ns, args.nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS))
     signal.signal(signal.SIGTERM, lambda *_: saver.stop.set())  # finish, save at breakpoint, exit
     saver._emit({"event": "saver_start"})
     saver.run()

@@ -53,20 +53,17 @@ def training_state(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, 
 def save(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer) -> ckpt.CheckpointRef:
     """Direct (synchronous) save to storage, used when shared-memory snapshots are off."""
     st = training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer)
+    store = cfg.checkpoints()
     shards = []
     if "shared" in st:
-        shards.append(ckpt.write_shard(cfg.ckpt_dir, step, MODEL_SHARD, st["shared"]))
-    shards.append(ckpt.write_shard(cfg.ckpt_dir, step, ckpt.rank_shard_name(info.rank), st["rank"]))
+        shards.append(store.write_shard(step, MODEL_SHARD, st["shared"]))
+    shards.append(store.write_shard(step, ckpt.rank_shard_name(info.rank), st["rank"]))
     gathered = [entry for per_rank in all_gather_object(shards) for entry in per_rank]
-    ref = None
     if info.rank == 0:
-        ref = ckpt.commit(cfg.ckpt_dir, step, gathered, {
-            "stage": cfg.stage, "world_size": info.world_size, "consumed": consumed,
-        })
-        ckpt.prune(cfg.ckpt_dir, cfg.ckpt_keep)
-        ref = ref.to_dict()
-    ref = broadcast_object(ref)  # every rank waits for the commit
-    return ckpt.CheckpointRef(ref["step"], ref["path"])
+        store.commit(step, gathered, {"stage": cfg.stage, "world_size": info.world_size, "consumed": consumed})
+        store.prune(cfg.ckpt_keep)
+    broadcast_object(None)  # every rank waits for the commit
+    return store.ref(step)
 
 
 def _apply(info: DistInfo, shared: dict, mine: dict, model, optimizer) -> None:
@@ -94,14 +91,15 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
     checkpoint; else ``init_from``; else nothing. Rank 0 decides and broadcasts, so all ranks
     load the same step."""
     choice = None
-    ref = ckpt.latest_complete(cfg.ckpt_dir) if info.rank == 0 else None
+    store = cfg.checkpoints()
+    ref = store.latest_complete() if info.rank == 0 else None
     floor = broadcast_object(ref.step if ref else -1)
     step = newest_common_snapshot(snapshots, floor) if snapshots is not None else None
     if info.rank == 0:
         if step is not None:
             choice = ("memory", step)
         elif ref is not None:
-            choice = ("checkpoint", str(ref.path))
+            choice = ("checkpoint", ref.location)
         elif cfg.init_from:
             choice = ("init_from", cfg.init_from)
     choice = broadcast_object(choice)
@@ -113,13 +111,14 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
         shared = broadcast_object(snap.get("shared"))  # replicated state lives in rank 0's slot
         _apply(info, shared, snap["rank"], model, optimizer)
         return Restored(int(shared["step"]), int(snap["rank"]["consumed"]), "memory", str(snapshots.ns))
-    state = ckpt.load_shard(path, MODEL_SHARD, map_location=info.device)
+    src, step = cfg.checkpoint_at(path)
+    state = src.load_shard(step, MODEL_SHARD, map_location=info.device)
     if source == "init_from":
         model.load_state_dict(state["model"])
         if cfg.init_optimizer:  # moments carry over; the new stage's schedule sets the lr
             optimizer.load_state_dict(state["optimizer"])
         return Restored(0, 0, source, path)
-    mine = ckpt.load_shard(path, ckpt.rank_shard_name(info.rank))
+    mine = src.load_shard(step, ckpt.rank_shard_name(info.rank))
     _apply(info, state, mine, model, optimizer)
     return Restored(int(state["step"]), int(mine["consumed"]), source, path)
 
@@ -129,9 +128,10 @@ def wait_committed(cfg: JobConfig, info: DistInfo, step: int, timeout_s: float =
     durable before the job reports success)."""
     ok = True
     if info.rank == 0:
+        store = cfg.checkpoints()
         deadline = time.monotonic() + timeout_s
-        while (ckpt.read_pointer(cfg.ckpt_dir) or -1) < step and time.monotonic() < deadline:
+        while (store.read_pointer() or -1) < step and time.monotonic() < deadline:
             time.sleep(0.05)  # polls the pointer the saver moves
-        ok = (ckpt.read_pointer(cfg.ckpt_dir) or -1) >= step
+        ok = (store.read_pointer() or -1) >= step
     if not broadcast_object(ok):
         raise TimeoutError(f"the checkpoint saver did not commit step {step} to {cfg.ckpt_dir} within {timeout_s:.0f}s")
