@@ -1,0 +1,68 @@
+"""A campaign whose checkpoints live on a real S3 server (SeaweedFS on 127.0.0.1, signatures
+checked), with credentials from the standard AWS environment, never from the spec."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import s3_servers
+from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
+
+from conftest import seed_data, small_spec, wait_for, worker_processes
+from flows.campaign import pretrain_campaign
+from pretrain.jobs import checkpoint_store
+from pretrain.status import campaign_status
+
+seaweed = s3_servers.seaweed
+
+
+@pytest.fixture
+def aws_env(monkeypatch):
+    for k, v in {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+
+
+def s3_spec(tmp_path, prepared_data, endpoint, **overrides):
+    spec = small_spec(tmp_path, checkpoint={"interval": 4, "memory_interval": 2, "keep": 2,
+                                            "uri": f"s3://{BUCKET}/campaigns/{uuid.uuid4().hex[:8]}",
+                                            "s3_endpoint_url": endpoint}, **overrides)
+    seed_data(spec, prepared_data)
+    return spec
+
+
+def test_campaign_with_checkpoints_on_s3(prefect_harness, prepared_data, tmp_path, seaweed, aws_env):
+    spec = s3_spec(tmp_path, prepared_data, seaweed.endpoint)
+    status = pretrain_campaign(spec=spec)
+    assert status["status"] == "completed"
+    for stage, s in zip(spec.stages, status["stages"]):
+        store = checkpoint_store(spec, stage.name)
+        assert store.location.startswith("s3://") and store.committed_steps()[0] == stage.steps
+        assert s["good_checkpoint"]["path"] == f"{store.location}/step_{stage.steps:08d}"
+        assert store.verdict(stage.steps)["verdict"] == "good" and store.read_pointer("good") == stage.steps
+        assert not (spec.workdir_path / "checkpoints").exists()
+    main_start = [r for r in status["stages"][1]["resumes"] if r["source"] == "init_from"]
+    assert main_start[0]["checkpoint"].startswith("s3://")  # stage hand-off read from S3
+    written = [spec.workdir_path / "ledger.json", *spec.workdir_path.glob("jobs/*/*/job.json")]
+    assert all(SECRET_KEY not in p.read_text() for p in written)  # credentials stay in the environment
+
+
+def test_worker_killed_with_s3_checkpoints_resumes(prefect_harness, prepared_data, tmp_path, seaweed, aws_env):
+    spec = s3_spec(tmp_path, prepared_data, seaweed.endpoint,
+                   model={"n_layer": 4, "n_head": 4, "d_model": 128, "max_seq_len": 64},
+                   stages=[{"name": "main", "steps": 40, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}])
+    store = checkpoint_store(spec, "main")
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(pretrain_campaign, spec=spec)
+        wait_for(store.read_pointer, 120, "the first checkpoint on S3")
+        victim = wait_for(lambda: worker_processes(spec.workdir_path), 30, "a worker")[-1]
+        os.kill(victim.pid, signal.SIGKILL)
+        status = run.result(timeout=300)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == 40
+    assert any(r["restart_count"] > 0 and r["source"] == "memory" for r in stage["resumes"])
+    assert all(store.verify(s) == [] for s in store.committed_steps())
+    assert campaign_status(spec.workdir_path)["stages"][0]["latest_checkpoint"]["path"].startswith("s3://")
