@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
+from pretrain.incidents import NON_RETRYABLE
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import find_resume_point
@@ -38,6 +39,10 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         last = run_training_job(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, step_offset)
         for r in last.resumes:
             ledger.append(stage.name, "resumes", {"attempt": attempt, **r})
+        for incident in last.incidents:
+            logger.warning("stage %s: %s — %s (recovered in %ss, %.1fs lost)", stage.name, incident["cause"],
+                           incident["action"], incident["recovery_s"], incident["time_lost_s"])
+            ledger.append(stage.name, "failures", incident)
         in_job_restarts = max((r["restart_count"] for r in last.resumes), default=0)
         ledger.update_stage(stage.name, restarts=ledger.stage(stage.name)["restarts"] + in_job_restarts)
         if last.ok:
@@ -45,16 +50,19 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         logger.warning("stage %s attempt %d failed (%s: %s) after %.1fs; %.1fs of work lost; log: %s",
                        stage.name, attempt, last.cause, "; ".join(last.errors) or "no worker error reported",
                        last.duration_s, last.time_lost_s, last.log)
-        ledger.append(stage.name, "failures", {"attempt": attempt, "cause": last.cause, "exit_code": last.exit_code,
-                                               "time_lost_s": round(last.time_lost_s, 2), "errors": last.errors,
-                                               "log": last.log})
+        ledger.append(stage.name, "failures", {"attempt": attempt, "in_job": False, "cause": last.cause,
+                                               "action": "relaunch the job" if last.cause not in NON_RETRYABLE else "stop",
+                                               "exit_code": last.exit_code, "time_lost_s": round(last.time_lost_s, 2),
+                                               "errors": last.errors, "log": last.log})
+        if last.cause in NON_RETRYABLE:
+            break
     point = find_resume_point(spec, stage_index)
     if not point or point["step"] < stage.steps:
         ledger.update_stage(stage.name, status="failed")
         cause = f"{last.cause} ({'; '.join(last.errors)})" if last and last.errors else (last.cause if last else "unknown")
         raise StageFailed(
             f"stage {stage.name} stopped at step {point['step'] if point else 0}/{stage.steps} after "
-            f"{spec.resume.max_attempts} attempt(s); last failure: {cause}. Logs: {spec.workdir_path / 'jobs' / stage.name}. "
+            f"{ledger.stage(stage.name)['attempts']} attempt(s); last failure: {cause}. Logs: {spec.workdir_path / 'jobs' / stage.name}. "
             f"Fix the cause and run the same command again: it resumes from the last complete checkpoint.")
     ledger.update_stage(stage.name, status="trained", final_checkpoint=point)
     return point

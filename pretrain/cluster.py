@@ -132,7 +132,8 @@ class LocalCluster(Cluster):
             cmd = [self.python, "-m", "trainer.launch", str(job_path), "--nproc", str(self.spec.workers_per_node),
                    "--nnodes-min", str(self.spec.nodes_min), "--nnodes-max", str(self.spec.nodes_max),
                    "--rdzv-endpoint", endpoint, "--run-id", run_id, "--max-restarts", str(self.spec.max_restarts),
-                   "--lock", str(layout.stage_lock(job.stage, node)), "--threads", str(self.threads_per_worker)]
+                   "--lock", str(layout.stage_lock(job.stage, node)), "--threads", str(self.threads_per_worker),
+                   "--node", str(node)]
             with open(log, "ab") as out:
                 procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True))

@@ -42,9 +42,11 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
     layout = CampaignLayout(spec.workdir_path)
     stage = spec.stages[stage_index]
     vocab = read_manifest(layout.data_dir)["vocab_size"]
+    c, ft = spec.cluster, spec.fault_tolerance
     optim = OptimConfig(steps=stage.steps, lr=stage.lr, min_lr=stage.min_lr, warmup_steps=stage.warmup_steps,
                         weight_decay=stage.weight_decay, grad_clip=stage.grad_clip, micro_batch=stage.micro_batch,
-                        grad_accum=stage.grad_accum, seq_len=stage.seq_len)
+                        grad_accum=stage.grad_accum, seq_len=stage.seq_len,
+                        global_batch=stage.micro_batch * stage.grad_accum * c.workers_per_node * c.nodes_max)
     return JobConfig(
         stage=stage.name, stage_index=stage_index, seed=spec.seed, data_dir=str(layout.data_dir),
         ckpt_dir=checkpoint_location(spec, stage.name), job_dir=str(layout.job_dir(stage.name, attempt)),
@@ -55,6 +57,11 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
         shm_fallback=spec.checkpoint.shm_fallback,
         log_every=spec.tracking.log_every, backend=spec.cluster.backend,
         threads_per_worker=threads_per_worker(spec),
+        hang_timeouts={"startup": ft.startup_timeout_s, "step": ft.step_timeout_s, "checkpoint": ft.checkpoint_timeout_s},
+        spike={"window": ft.spike_window, "zscore": ft.spike_zscore, "min_steps": ft.spike_min_steps},
+        max_rollbacks=ft.max_rollbacks,
+        skip=[[w.start, w.end] for w in spec.skip_samples if w.stage == stage.name],
+        chaos=[d.model_dump() for d in spec.chaos if (d.stage or spec.stages[0].name) == stage.name],
     )
 
 

@@ -134,6 +134,33 @@ class ResumeSpec(_Section):
     max_attempts: int = Field(3, ge=1, description="Job launches per stage (first run + automatic resumes) before the stage fails.")
 
 
+class FaultToleranceSpec(_Section):
+    startup_timeout_s: float = Field(600, gt=0, description="A worker with no heartbeat for this long while starting (rendezvous, restore) is hung.")
+    step_timeout_s: float = Field(300, gt=0, description="A worker whose training step makes no progress for this long is hung: the job's workers restart from the newest snapshot.")
+    checkpoint_timeout_s: float = Field(600, gt=0, description="A worker stuck this long in a checkpoint (copy or final commit) is hung.")
+    spike_zscore: float = Field(8.0, ge=0, description="A loss more than this many robust standard deviations (MAD) above the trailing median is a spike; 0 disables spike detection (NaN/Inf is always caught).")
+    spike_window: int = Field(50, ge=2, description="Steps in the trailing window of the spike detector.")
+    spike_min_steps: int = Field(20, ge=2, description="Steps the detector observes before it judges spikes.")
+    max_rollbacks: int = Field(3, ge=0, description="Loss anomalies (NaN/Inf or spike) per stage that are rolled back and skipped before the stage fails.")
+    node_check_threshold: float = Field(2.0, gt=1, description="A node whose health check is slower than this multiple of the median is excluded.")
+
+
+class ChaosDrill(_Section):
+    kind: Literal["kill_worker", "hang_worker", "nan_loss", "slow_worker", "kill_saver", "kill_node"] = Field(
+        ..., description="Fault to inject: kill or hang a worker, make the loss NaN, slow a worker (and its node check), kill the node's checkpoint saver, kill a whole node.")
+    stage: str | None = Field(None, description="Stage in which the drill fires (default: the first stage).")
+    step: int = Field(1, ge=1, description="Fires when training reaches this step of the stage (once per stage, never again after the restart).")
+    rank: int = Field(0, ge=0, description="Worker rank for worker drills.")
+    node: int = Field(0, ge=0, description="Node index for kill_node / kill_saver.")
+    delay_s: float = Field(0.2, ge=0, description="slow_worker: extra seconds per step (and a proportional slowdown of its node check).")
+
+
+class SkipWindow(_Section):
+    stage: str = Field(..., description="Stage whose data order the window refers to.")
+    start: int = Field(..., ge=0, description="First global sample position skipped.")
+    end: int = Field(..., gt=0, description="First global sample position no longer skipped.")
+
+
 class CampaignSpec(_Section):
     name: str = Field("tiny", pattern=r"^[A-Za-z0-9_.-]+$", description="Campaign name (tags the MLflow runs).")
     workdir: str = Field("./runs/{name}", description="Where the campaign keeps its state: data, checkpoints, ledger, MLflow db. '{name}' expands.")
@@ -149,6 +176,9 @@ class CampaignSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence and retention.")
     tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
     resume: ResumeSpec = Field(default_factory=ResumeSpec, description="Automatic resume after failures.")
+    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec, description="Hang and loss-anomaly detection, node checks.")
+    chaos: list[ChaosDrill] = Field(default_factory=list, description="Faults injected on purpose to rehearse recovery (chaos drills).")
+    skip_samples: list[SkipWindow] = Field(default_factory=list, description="Sample windows never trained on (e.g. to reproduce a run that rolled back a loss spike).")
 
     @model_validator(mode="after")
     def _stages_fit(self) -> "CampaignSpec":
@@ -158,6 +188,9 @@ class CampaignSpec(_Section):
         for i, s in enumerate(self.stages):
             if s.seq_len > self.model.max_seq_len:
                 raise ValueError(f"stages[{i}].seq_len ({s.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+        for i, ref in enumerate([d.stage for d in self.chaos] + [w.stage for w in self.skip_samples]):
+            if ref is not None and ref not in names:
+                raise ValueError(f"chaos / skip_samples refer to stage {ref!r}, which is not one of {names}")
         return self
 
     # ---- derived values -------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -12,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from pretrain.cluster import make_cluster
 from pretrain.jobs import build_job, write_job
+from pretrain.incidents import cause_of, incidents
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import MetricsForwarder
@@ -30,6 +30,7 @@ class JobResult:
     time_lost_s: float  # work since the job's last checkpoint, lost if it failed
     last_checkpoint_step: int | None
     resumes: list[dict] = field(default_factory=list)  # in-job (re)starts that loaded state
+    incidents: list[dict] = field(default_factory=list)  # failures recovered inside the job
     errors: list[str] = field(default_factory=list)  # what the workers reported before exiting
     log: str = ""  # the node agent's log file
 
@@ -41,25 +42,18 @@ class JobResult:
         return asdict(self)
 
 
-def classify(exit_code: int, events: list[dict]) -> str | None:
-    if exit_code == 0:
-        return None
-    if any(e["event"] == "nonfinite_loss" for e in events):
-        return "nonfinite_loss"
-    if exit_code < 0:
-        return f"signal:{signal.Signals(-exit_code).name}"
-    return f"worker_failure:exit_{exit_code}"
-
-
 def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: Path) -> JobResult:
     events = read_all(job_dir / EVENTS)
+    metrics = read_all(job_dir / METRICS)
+    last_start = max((e["time"] for e in events if e["event"] == "start"), default=started)
     ckpts = [e for e in events if e["event"] == "checkpoint"]
     resumes = [{"restart_count": e["restart_count"], "step": e["step"], "source": e["source"],
                 "checkpoint": e["checkpoint"], "time": e["time"]}
                for e in events if e["event"] == "start" and e["rank"] == 0]
     last_safe = max([started] + [e["time"] for e in ckpts])
     ended = time.time()
-    return JobResult(attempt=attempt, exit_code=exit_code, cause=classify(exit_code, events),
+    cause = None if exit_code == 0 else cause_of([e for e in events if e["time"] >= last_start], exit_code)
+    return JobResult(attempt=attempt, exit_code=exit_code, cause=cause, incidents=incidents(events, metrics, attempt),
                      duration_s=ended - started, time_lost_s=0.0 if exit_code == 0 else ended - last_safe,
                      last_checkpoint_step=ckpts[-1]["step"] if ckpts else None, resumes=resumes,
                      errors=sorted({e["error"] for e in events if e["event"] == "error"}), log=str(log))

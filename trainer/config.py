@@ -35,8 +35,19 @@ class OptimConfig:
     weight_decay: float  # AdamW weight decay (matrices only)
     grad_clip: float  # global grad-norm clip
     micro_batch: int  # sequences per worker per micro-step
-    grad_accum: int  # micro-steps per optimizer step
+    grad_accum: int  # micro-steps per optimizer step at full size (nodes_max)
     seq_len: int  # tokens per sequence
+    global_batch: int = 0  # sequences per optimizer step, fixed whatever the world size; 0 = micro × accum × world
+
+    def accum_for(self, world: int) -> int:
+        """Micro-steps per optimizer step that keep ``global_batch`` fixed at this world size."""
+        if not self.global_batch:
+            return self.grad_accum
+        per_micro = self.micro_batch * world
+        if self.global_batch % per_micro:
+            raise ValueError(f"global batch {self.global_batch} is not a multiple of micro_batch × world "
+                             f"({self.micro_batch} × {world}): choose sizes that divide it for every world size in nodes_min..nodes_max")
+        return self.global_batch // per_micro
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,11 @@ class JobConfig:
     shm_dir: str = "/dev/shm"  # where the node's snapshot slots live
     shm_fallback: bool = False  # too little shared memory: persist directly instead of failing
     storage_options: dict = field(default_factory=dict)  # S3 options for ckpt_dir (endpoint_url, region); never secrets
+    hang_timeouts: dict = field(default_factory=dict)  # phase → seconds without a heartbeat before a worker counts as hung
+    spike: dict = field(default_factory=dict)  # window, zscore, min_steps of the loss-spike detector (zscore 0: off)
+    max_rollbacks: int = 3  # loss anomalies tolerated in the stage before it fails
+    skip: list = field(default_factory=list)  # [start, end) sample windows never trained on
+    chaos: list = field(default_factory=list)  # chaos drills for this stage (trainer.chaos)
     ckpt_keep: int = 3  # committed checkpoints kept
     log_every: int = 1  # steps between metric lines
     backend: str = "auto"  # auto | gloo | nccl

@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -22,8 +23,11 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainer.chaos import AGENT_KINDS, claim
 from trainer.config import JobConfig
+from trainer.heartbeat import HangDetector
 from trainer.process import exit_when_orphaned
+from trainer.reporting import EVENTS, JsonLines
 
 
 class LockBusy(RuntimeError):
@@ -76,6 +80,27 @@ class SaverProcess:
             self.proc.kill()
 
 
+def watch_workers(job: JobConfig, node: int, saver) -> HangDetector:
+    """Hang detection for this node's workers, and the agent-side chaos drills."""
+    events = JsonLines(Path(job.job_dir) / EVENTS)
+    report = lambda record: events.write({"source": "agent", "node": node, **record})  # noqa: E731
+    detector = HangDetector(job.job_dir, job.hang_timeouts, report)
+    for i, drill in enumerate(job.chaos):
+        if drill["kind"] in AGENT_KINDS and drill.get("node", 0) == node:
+            detector.observers.append(lambda step, i=i, d=drill: agent_drill(job, i, d, step, saver(), report))
+    return detector.start()
+
+
+def agent_drill(job: JobConfig, index: int, drill: dict, step: int, saver, report) -> None:
+    if step < drill.get("step", 0) or not claim(job.job_dir, index):
+        return
+    report({"event": "chaos", "kind": drill["kind"], "step": step})
+    if drill["kind"] == "kill_saver" and saver is not None:
+        saver.proc.kill()
+    elif drill["kind"] == "kill_node":  # the whole node at once: agent, saver, workers
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.launch")
     p.add_argument("job", help="job config JSON")
@@ -87,6 +112,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--lock", type=Path, help="file locked for the agent's lifetime")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per worker")
+    p.add_argument("--node", type=int, default=0, help="this node's index in the cluster (chaos drills, logs)")
     return p.parse_args(argv)
 
 
@@ -116,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         rdzv_configs={"timeout": 120}, max_restarts=args.max_restarts, monitor_interval=0.2,
         start_method="spawn",
     )
+    watch_workers(job, args.node, lambda: saver)
     try:
         elastic_launch(config, sys.executable)(*worker_args)
     except ChildFailedError as err:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -11,10 +10,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer import state
+from trainer.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips, record_skip, skip_past, skips_path
+from trainer.chaos import WorkerChaos
 from trainer.config import JobConfig
 from trainer.data import GlobalSampler, TokenWindows, make_batch, micro_batch_positions
 from trainer.dist import DistInfo, all_reduce_mean
 from trainer.flash import SnapshotStore
+from trainer.heartbeat import Heartbeat
 from trainer.shm import ShmTooSmall
 from trainer.model import GPT, lm_loss, lr_at, param_groups
 from trainer.reporting import EVENTS, METRICS, JsonLines
@@ -40,10 +42,6 @@ def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, 
     if blocked is None:
         events.write({"event": "snapshot_skipped", "rank": info.rank, "step": step, "reason": "slot busy"})
     return blocked
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN/Inf; the job stops so the orchestrator can resume from a checkpoint."""
 
 
 def seed_everything(seed: int, device: torch.device) -> None:
@@ -82,7 +80,18 @@ def open_snapshots(cfg: JobConfig, info: DistInfo, capacity: int, shm_ns: str | 
         return None
 
 
-def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None) -> int:
+def skip_windows(cfg: JobConfig) -> list[tuple[int, int]]:
+    """The spec's skip windows plus those recorded by rollbacks in this stage; too many
+    rollbacks stop the stage for a human to look at."""
+    recorded = read_skips(cfg.job_dir)
+    if len(recorded) > cfg.max_rollbacks:
+        raise TooManyRollbacks(f"{len(recorded)} loss anomalies in stage {cfg.stage} (max_rollbacks={cfg.max_rollbacks}): "
+                               f"inspect the skipped samples in {skips_path(cfg.job_dir)}, lower the learning rate or "
+                               "raise fault_tolerance.max_rollbacks")
+    return [tuple(w) for w in cfg.skip] + [(s["start"], s["end"]) for s in recorded]
+
+
+def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: Heartbeat | None = None) -> int:
     """Train until the stage's last step; returns the final step. With ``shm_ns`` checkpoints
     are flash snapshots persisted by the node's saver; without, they are written directly."""
     o = cfg.optim
@@ -90,6 +99,11 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None) -> int:
     job_dir = Path(cfg.job_dir)
     events = JsonLines(job_dir / EVENTS)
     metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
+    beat = heartbeat.beat if heartbeat is not None else (lambda phase, step: None)
+    chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write)
+    spikes = SpikeDetector(**cfg.spike) if cfg.spike else SpikeDetector(50, 0.0, 1)
+    windows_to_skip = skip_windows(cfg)
+    accum = o.accum_for(info.world_size)
 
     snapshots = open_snapshots(cfg, info, snapshot_capacity(cfg, info.rank), shm_ns, events)
     model, opt = build_model(cfg, info.device)
@@ -102,41 +116,54 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None) -> int:
     net = DDP(model) if info.world_size > 1 else model
     windows = TokenWindows(cfg.data_dir, "train", o.seq_len)
     sampler = GlobalSampler(len(windows), cfg.seed, stream=cfg.stage_index)
-    global_batch = info.world_size * o.micro_batch * o.grad_accum
+    global_batch = info.world_size * o.micro_batch * accum
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext())
 
     while step < o.steps:
+        beat("step", step)
+        chaos.before_step(step + 1)
         t0 = time.perf_counter()
+        consumed = skip_past(consumed, windows_to_skip)
         lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=o.warmup_steps, total=o.steps)
         for group in opt.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=info.device)
-        for m in range(o.grad_accum):
+        poison = chaos.poison_loss(step + 1)
+        for m in range(accum):
             positions = micro_batch_positions(consumed, world=info.world_size, rank=info.rank,
                                               micro=o.micro_batch, accum_index=m)
             x, y = (t.to(info.device, non_blocking=True) for t in make_batch(windows, sampler, positions))
-            sync = nullcontext() if (m == o.grad_accum - 1 or net is model) else net.no_sync()
+            sync = nullcontext() if (m == accum - 1 or net is model) else net.no_sync()
             with sync:
                 with autocast:
-                    loss = lm_loss(net(x), y) / o.grad_accum
+                    loss = lm_loss(net(x), y) / accum
+                    if poison:
+                        loss = loss * float("nan")
                 loss.backward()
             loss_sum += loss.detach().float()
+        mean_loss = all_reduce_mean(loss_sum).item()
+        anomaly = spikes.check(mean_loss)
+        if anomaly:  # before the update: the rollback target never contains this step
+            err = LossAnomaly(anomaly, step + 1, mean_loss, (consumed, consumed + global_batch))
+            if info.rank == 0:
+                record_skip(cfg.job_dir, err)
+                events.write({"event": "anomaly", "kind": anomaly, "step": step + 1, "loss": repr(mean_loss),
+                              "skip": list(err.window)})
+            raise err
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
         consumed += global_batch
-        mean_loss = all_reduce_mean(loss_sum).item()
-        if not math.isfinite(mean_loss):
-            events.write({"event": "nonfinite_loss", "step": step, "loss": repr(mean_loss)})
-            raise NonFiniteLoss(f"loss is {mean_loss} at step {step}")
         dt = time.perf_counter() - t0
+        beat("checkpoint", step)
         blocked = checkpoint(cfg, info, snapshots, events, step=step, consumed=consumed, model=model, optimizer=opt)
         if metrics is not None and (step % cfg.log_every == 0 or step == o.steps):
             record = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
                       "step_time": dt, "tokens_per_s": global_batch * o.seq_len / dt, "consumed": consumed}
             metrics.write(record if blocked is None else {**record, "ckpt_block_s": blocked})
     if snapshots is not None:
+        beat("checkpoint", step)
         snapshots.flush()
         state.wait_committed(cfg, info, o.steps)
     events.write({"event": "done", "rank": info.rank, "step": step})

@@ -16,6 +16,7 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.dist import init_distributed, shutdown_and_exit
+from trainer.heartbeat import Heartbeat
 from trainer.loop import train
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
@@ -32,8 +33,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(cfg.threads_per_worker)
     code = 0
     try:
+        heartbeat = Heartbeat(cfg.job_dir, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("RANK", "0")))
+        heartbeat.beat("startup", 0)
         info = init_distributed(cfg.backend)
-        train(cfg, info, shm_ns=args.shm)
+        train(cfg, info, shm_ns=args.shm, heartbeat=heartbeat)
     except BaseException as err:  # noqa: BLE001 - report every failure, then exit non-zero
         traceback.print_exc()
         report = JsonLines(Path(cfg.job_dir) / EVENTS)

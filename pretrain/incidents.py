@@ -1,0 +1,56 @@
+"""Failure classification from a job's event and metric streams.
+
+Every failure gets a cause, the action taken, when it was detected, how long until training
+stepped again, and the time lost (recovery plus the steps redone) — the raw data for a
+goodput ledger.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+
+FAULT_EVENTS = ("hang", "anomaly", "chaos", "error", "node_lost")
+NON_RETRYABLE = {"too_many_rollbacks", "shm_too_small"}  # relaunching cannot help: a human must act
+
+
+def cause_of(events: list[dict], exit_code: int | None = None) -> str:
+    errors = " ".join(e.get("error", "") for e in events if e["event"] == "error")
+    for marker, cause in (("TooManyRollbacks", "too_many_rollbacks"), ("ShmTooSmall", "shm_too_small"),
+                          ("OutOfMemoryError", "oom"), ("DataError", "data")):
+        if marker in errors:
+            return cause
+    for e in events:
+        if e["event"] == "anomaly":
+            return "nonfinite_loss" if e["kind"] == "nonfinite" else "loss_spike"
+    for e in events:
+        if e["event"] == "hang":
+            return "hang"
+    for e in events:
+        if e["event"] == "chaos" and e["kind"] in ("kill_worker", "kill_node"):
+            return "node_lost" if e["kind"] == "kill_node" else "worker_killed"
+    if exit_code is not None and exit_code < 0:
+        return f"signal:{signal.Signals(-exit_code).name}"
+    return "worker_failure" if exit_code is None else f"worker_failure:exit_{exit_code}"
+
+
+def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dict]:
+    """One record per in-job restart (and per saver restart) seen in a job's streams."""
+    events = sorted(events, key=lambda e: e["time"])
+    step_time = statistics.median([m["step_time"] for m in metrics]) if metrics else 0.0
+    starts = [e for e in events if e["event"] == "start" and e.get("rank") == 0]
+    out = []
+    for prev, cur in zip(starts, starts[1:]):
+        window = [e for e in events if prev["time"] < e["time"] <= cur["time"] and e["event"] in FAULT_EVENTS]
+        detected = min((e["time"] for e in window), default=cur["time"])
+        reached = max((m["step"] for m in metrics if prev["time"] <= m["time"] <= detected), default=cur["step"])
+        resumed = next((m["time"] for m in metrics if m["time"] > cur["time"]), None)
+        recovery = (resumed - detected) if resumed else None
+        redone = max(0, reached - cur["step"])
+        out.append({"attempt": attempt, "in_job": True, "cause": cause_of(window), "action": f"restart workers from {cur['source']} step {cur['step']}",
+                    "detected_at": detected, "recovery_s": None if recovery is None else round(recovery, 2),
+                    "steps_redone": redone, "time_lost_s": round((recovery or 0.0) + redone * step_time, 2)})
+    for e in [e for e in events if e["event"] == "saver_start"][1:]:
+        out.append({"attempt": attempt, "in_job": True, "cause": "saver_failure", "action": "saver restarted by the node agent",
+                    "detected_at": e["time"], "recovery_s": None, "steps_redone": 0, "time_lost_s": 0.0})
+    return out

@@ -1,0 +1,62 @@
+"""Chaos drills: faults injected on purpose, so a team can rehearse recovery before a real
+campaign (and so the tests and benchmarks can exercise it).
+
+Each drill fires **once per stage**: a marker file created with O_EXCL in the stage's job
+directory records it, so a restarted worker (or a relaunched job) does not fire it again.
+Worker-side kinds: ``kill_worker``, ``hang_worker``, ``nan_loss``, ``slow_worker`` (every step,
+no marker). Agent-side kinds (``trainer.launch``): ``kill_saver``, ``kill_node``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+WORKER_KINDS = {"kill_worker", "hang_worker", "nan_loss", "slow_worker"}
+AGENT_KINDS = {"kill_saver", "kill_node"}
+
+
+def marker_dir(job_dir: str | Path) -> Path:
+    return Path(job_dir).parent / "chaos"
+
+
+def claim(job_dir: str | Path, index: int) -> bool:
+    """True exactly once per drill and stage, whoever asks (workers, restarts, agents)."""
+    d = marker_dir(job_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(d / f"drill_{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+class WorkerChaos:
+    def __init__(self, drills: list[dict], job_dir: str | Path, rank: int, report):
+        self.drills = [(i, d) for i, d in enumerate(drills) if d["kind"] in WORKER_KINDS]
+        self.job_dir, self.rank, self.report = job_dir, rank, report
+
+    def _due(self, d: dict, step: int) -> bool:
+        return d.get("rank", 0) == self.rank and d.get("step", 0) == step
+
+    def before_step(self, step: int) -> None:
+        """Called before optimizer step ``step`` (1-based) is computed."""
+        for i, d in self.drills:
+            if d["kind"] == "slow_worker" and d.get("rank", 0) == self.rank:
+                time.sleep(d.get("delay_s", 0.1))  # a straggler, on purpose
+            elif d["kind"] in ("kill_worker", "hang_worker") and self._due(d, step) and claim(self.job_dir, i):
+                self.report({"event": "chaos", "kind": d["kind"], "rank": self.rank, "step": step})
+                if d["kind"] == "kill_worker":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                threading.Event().wait()  # hang_worker: never returns; the hang detector must act
+
+    def poison_loss(self, step: int) -> bool:
+        """Should this rank's loss at ``step`` be NaN (``nan_loss`` drill)?"""
+        for i, d in self.drills:
+            if d["kind"] == "nan_loss" and self._due(d, step) and claim(self.job_dir, i):
+                self.report({"event": "chaos", "kind": "nan_loss", "rank": self.rank, "step": step})
+                return True
+        return False
