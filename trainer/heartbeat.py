@@ -53,7 +53,9 @@ class HangDetector:
         self.observers: list = []  # callables(step) run on each scan with the node's newest step
 
     def scan(self) -> None:
-        now = time.time()
+        """One pass: a hang usually stalls every rank (the others wait in a collective), so all
+        stalled workers are reported as one hang and killed together."""
+        now, stalled = time.time(), []
         for path in self.dir.glob(f"{self.prefix}local*.json"):
             try:
                 hb = json.loads(path.read_text())
@@ -62,11 +64,14 @@ class HangDetector:
             if not _alive(hb["pid"]):
                 continue  # an old worker's record; its replacement overwrites it
             self.max_step = max(self.max_step, hb["step"])
-            stalled = now - hb["time"]
             limit = self.timeouts.get(hb["phase"])
-            if limit and stalled > limit:
-                self.on_event({"event": "hang", "rank": hb["rank"], "phase": hb["phase"], "step": hb["step"],
-                               "stalled_s": round(stalled, 1)})
+            if limit and now - hb["time"] > limit:
+                stalled.append(hb)
+        if stalled:
+            first = min(stalled, key=lambda hb: hb["time"])
+            self.on_event({"event": "hang", "ranks": sorted(hb["rank"] for hb in stalled), "phase": first["phase"],
+                           "step": first["step"], "stalled_s": round(now - first["time"], 1)})
+            for hb in stalled:
                 try:
                     os.kill(hb["pid"], signal.SIGKILL)
                 except ProcessLookupError:
