@@ -46,6 +46,10 @@ class JobHandle(ABC):
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop every process of the job (idempotent)."""
 
+    def lost_nodes(self) -> dict[int, int]:
+        """Nodes that dropped out while the job went on (index → exit code)."""
+        return {}
+
 
 class Cluster(ABC):
     @abstractmethod
@@ -59,27 +63,30 @@ class Cluster(ABC):
 
 @dataclass
 class LocalJobHandle(JobHandle):
+    """Elastic semantics: the job runs while at least ``nodes_min`` nodes do; a node that dies
+    meanwhile is *lost* (the others re-rendezvous without it); the job succeeds when a node
+    finishes cleanly (the orchestrator then checks the final checkpoint is committed)."""
+
     procs: list[subprocess.Popen]
     logs: list[Path] = field(default_factory=list)
+    nodes_min: int = 1
+
+    def lost_nodes(self) -> dict[int, int]:
+        """node index → exit code of nodes that failed."""
+        return {i: p.returncode for i, p in enumerate(self.procs) if p.poll() not in (None, 0)}
 
     def poll(self) -> int | None:
         codes = [p.poll() for p in self.procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            return failed[0]
-        return 0 if all(c == 0 for c in codes) else None
+        if any(c is None for c in codes):
+            alive = sum(c in (None, 0) for c in codes)
+            return None if alive >= self.nodes_min else next(c for c in codes if c not in (None, 0))
+        return 0 if 0 in codes else codes[0]
 
     def wait(self, timeout: float | None = None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        for p in self.procs:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                p.wait(remaining)
-            except subprocess.TimeoutExpired:
-                break
-            if p.returncode != 0:
-                break
-        return self.poll()
+        while (code := self.poll()) is None and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.05)  # polls child exit codes
+        return code
 
     def stop(self, grace_s: float = 10.0) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -138,7 +145,7 @@ class LocalCluster(Cluster):
                 procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True))
             logs.append(log)
-        return LocalJobHandle(procs, logs)
+        return LocalJobHandle(procs, logs, self.spec.nodes_min)
 
 
 def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1) -> Cluster:

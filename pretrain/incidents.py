@@ -27,6 +27,9 @@ def cause_of(events: list[dict], exit_code: int | None = None) -> str:
         if e["event"] == "hang":
             return "hang"
     for e in events:
+        if e["event"] == "node_lost":
+            return "node_lost"
+    for e in events:
         if e["event"] == "chaos" and e["kind"] in ("kill_worker", "kill_node"):
             return "node_lost" if e["kind"] == "kill_node" else "worker_killed"
     if exit_code is not None and exit_code < 0:
@@ -50,7 +53,11 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
         out.append({"attempt": attempt, "in_job": True, "cause": cause_of(window), "action": f"restart workers from {cur['source']} step {cur['step']}",
                     "detected_at": detected, "recovery_s": None if recovery is None else round(recovery, 2),
                     "steps_redone": redone, "time_lost_s": round((recovery or 0.0) + redone * step_time, 2)})
-    for e in [e for e in events if e["event"] == "saver_start"][1:]:
+    saver_starts: dict[int, int] = {}
+    for e in (e for e in events if e["event"] == "saver_start"):
+        saver_starts[e.get("agent", 0)] = saver_starts.get(e.get("agent", 0), 0) + 1
+        if saver_starts[e.get("agent", 0)] == 1:
+            continue  # each node agent starts one saver; later starts replace a dead one
         out.append({"attempt": attempt, "in_job": True, "cause": "saver_failure", "action": "saver restarted by the node agent",
                     "detected_at": e["time"], "recovery_s": None, "steps_redone": 0, "time_lost_s": 0.0})
     return out

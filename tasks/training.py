@@ -16,7 +16,7 @@ from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import MetricsForwarder
 from tasks.tracking import tracker_for
-from trainer.reporting import EVENTS, METRICS, read_all
+from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
 
 POLL_S = 1.0
 
@@ -74,9 +74,14 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                                  step_offset, events_path=Path(job.job_dir) / EVENTS)
     started = time.time()
     try:
-        code = None
+        code, lost, events = None, {}, JsonLines(Path(job.job_dir) / EVENTS)
         while code is None:
             code = handle.wait(timeout=POLL_S)
+            for node, exit_code in (handle.lost_nodes().items() if code is None else ()):
+                if node not in lost:  # a node died while the others go on
+                    lost[node] = exit_code
+                    logger.warning("stage %s: node %d lost (exit %s); training continues on the others", job.stage, node, exit_code)
+                    events.write({"event": "node_lost", "node": node, "exit_code": exit_code, "source": "orchestrator"})
             forwarder.pump()
         forwarder.pump()
     finally:

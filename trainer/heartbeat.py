@@ -42,6 +42,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def worker_pids(job_dir: str | Path, agent_pid: int | None = None) -> list[int]:
+    """Live worker pids of one node agent (default: the calling agent)."""
+    pids = []
+    for path in heartbeat_dir(job_dir).glob(f"agent{agent_pid or os.getpid()}-local*.json"):
+        try:
+            pid = json.loads(path.read_text())["pid"]
+        except (OSError, ValueError):
+            continue
+        if _alive(pid):
+            pids.append(pid)
+    return pids
+
+
 class HangDetector:
     """Runs in the node agent; ``on_event`` receives hang records (and may drive other drills)."""
 

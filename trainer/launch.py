@@ -25,7 +25,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.chaos import AGENT_KINDS, claim
 from trainer.config import JobConfig
-from trainer.heartbeat import HangDetector
+from trainer.heartbeat import HangDetector, worker_pids
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 
@@ -97,7 +97,9 @@ def agent_drill(job: JobConfig, index: int, drill: dict, step: int, saver, repor
     report({"event": "chaos", "kind": drill["kind"], "step": step})
     if drill["kind"] == "kill_saver" and saver is not None:
         saver.proc.kill()
-    elif drill["kind"] == "kill_node":  # the whole node at once: agent, saver, workers
+    elif drill["kind"] == "kill_node":  # the whole node at once: workers, saver, agent
+        for pid in worker_pids(job.job_dir):
+            os.kill(pid, signal.SIGKILL)
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
@@ -139,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     config = LaunchConfig(
         min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,
         run_id=args.run_id, role="trainer", rdzv_endpoint=args.rdzv_endpoint, rdzv_backend="c10d",
-        rdzv_configs={"timeout": 120}, max_restarts=args.max_restarts, monitor_interval=0.2,
+        # a lost node drops out of the rendezvous after ~3 s of missed keep-alives; a new round
+        # waits 2 s for late joiners beyond nodes_min before it starts
+        rdzv_configs={"timeout": 120, "join_timeout": 600, "last_call_timeout": 2, "keep_alive_interval": 1,
+                      "keep_alive_max_attempt": 3},
+        max_restarts=args.max_restarts, monitor_interval=0.2,
         start_method="spawn",
     )
     watch_workers(job, args.node, lambda: saver)

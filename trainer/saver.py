@@ -46,7 +46,7 @@ class Saver:
 
     def _emit(self, record: dict) -> None:
         if self.events is not None:
-            self.events.write({"source": "saver", **record})
+            self.events.write({"source": "saver", "agent": os.getppid(), **record})
 
     def headers(self) -> list[list[dict]]:
         """Per local rank, the headers of its ready slots."""

@@ -118,7 +118,12 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
         if cfg.init_optimizer:  # moments carry over; the new stage's schedule sets the lr
             optimizer.load_state_dict(state["optimizer"])
         return Restored(0, 0, source, path)
-    mine = src.load_shard(step, ckpt.rank_shard_name(info.rank))
+    world = (src.manifest(step) or {}).get("world_size", info.world_size)
+    if info.rank < world:
+        mine = src.load_shard(step, ckpt.rank_shard_name(info.rank))
+    else:  # the world grew: a new rank takes the (global) data position, and its own RNG stream
+        mine = {**src.load_shard(step, ckpt.rank_shard_name(0)), "rng_cpu": torch.get_rng_state()}
+        mine.pop("rng_cuda", None)
     _apply(info, state, mine, model, optimizer)
     return Restored(int(state["step"]), int(mine["consumed"]), source, path)
 

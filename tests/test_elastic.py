@@ -1,0 +1,31 @@
+"""Elastic resize: 4 workers on 2 nodes, one node lost mid-stage → training continues on the
+other node's 2 workers with the same global batch, and every sample is trained on exactly once."""
+
+from __future__ import annotations
+
+from conftest import seed_data, small_spec
+from flows.campaign import pretrain_campaign
+from pretrain.jobs import checkpoint_store
+from trainer.reporting import read_all
+
+
+def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness, prepared_data, tmp_path):
+    spec = small_spec(tmp_path, cluster={"workers_per_node": 2, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3},
+                      stages=[{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
+                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
+                      chaos=[{"kind": "kill_node", "node": 1, "step": 12}])
+    seed_data(spec, prepared_data)
+    status = pretrain_campaign(spec=spec)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == 30 and stage["attempts"] == 1
+    assert [f["cause"] for f in stage["failures"]] == ["node_lost"]
+
+    metrics = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "metrics.jsonl")
+    final = {m["step"]: m for m in metrics}  # the last record of each step is the trajectory kept
+    assert sorted(final) == list(range(1, 31))
+    assert {final[1]["world_size"], final[30]["world_size"]} == {4, 2}
+    assert (final[1]["grad_accum"], final[30]["grad_accum"]) == (1, 2)  # global batch 8 = 2 × 4 × 1 = 2 × 2 × 2
+    for step, m in final.items():  # step s trained on sample positions [8(s-1), 8s): none twice, none skipped
+        assert m["consumed"] == 8 * step, step
+    store = checkpoint_store(spec, "main")
+    assert store.manifest(30)["world_size"] == 2
