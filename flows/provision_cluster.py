@@ -7,12 +7,19 @@ from prefect import flow
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
 from tasks.cluster import check_nodes
+from tasks.tracking import tracker_for
 
 
 @flow(name="provision-cluster")
 def provision_cluster(spec: CampaignSpec) -> dict:
-    rows = check_nodes(spec)
-    info = {"kind": spec.cluster.kind, "nodes": len(rows), "workers_per_node": spec.cluster.workers_per_node,
-            "health": rows}
-    Ledger.open(spec).set(cluster=info)
+    check = check_nodes(spec)
+    info = {"kind": spec.cluster.kind, "nodes": spec.cluster.nodes_max - len(check["excluded"]),
+            "workers_per_node": spec.cluster.workers_per_node, "excluded": check["excluded"], "health": check["rows"]}
+    ledger = Ledger.open(spec)
+    ledger.set(cluster=info)
+    run_id = ledger.data["mlflow"]["parent_run_id"]
+    if run_id:
+        tracker = tracker_for(spec)
+        tracker.client.log_dict(run_id, check["rows"], "node_check.json")
+        tracker.set_tags(run_id, {"cluster.excluded_nodes": ",".join(map(str, check["excluded"])) or "none"})
     return info

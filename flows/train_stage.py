@@ -36,7 +36,8 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         logger.info("stage %s: launching attempt %d from %s", stage.name, attempt,
                     f"checkpoint step {point['step']}" if point else (init_from or "scratch"))
         ledger.update_stage(stage.name, attempts=attempt + 1)
-        last = run_training_job(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, step_offset)
+        exclude = (ledger.reload().get("cluster") or {}).get("excluded", [])
+        last = run_training_job(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, step_offset, exclude)
         for r in last.resumes:
             ledger.append(stage.name, "resumes", {"attempt": attempt, **r})
         for incident in last.incidents:

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -53,12 +54,12 @@ class JobHandle(ABC):
 
 class Cluster(ABC):
     @abstractmethod
-    def health_check(self, workdir: Path) -> list[dict]:
-        """One row per node: measurements and ``ok``."""
+    def health_check(self, workdir: Path, delays: dict[int, float] | None = None) -> list[dict]:
+        """One row per worker slot: node, measurements and ``ok`` (``delays``: chaos slowdowns by rank)."""
 
     @abstractmethod
-    def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout) -> JobHandle:
-        """Start the job's nodes; returns at once."""
+    def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> JobHandle:
+        """Start the job's nodes (all but ``exclude``); returns at once."""
 
 
 @dataclass
@@ -117,27 +118,40 @@ class LocalCluster(Cluster):
     threads_per_worker: int = 1
     python: str = sys.executable
 
-    def health_check(self, workdir: Path) -> list[dict]:
+    def health_check(self, workdir: Path, delays: dict[int, float] | None = None) -> list[dict]:
+        """Every worker slot of every node at once: matmul time and allreduce bandwidth."""
+        wpn, world, port = self.spec.workers_per_node, self.spec.workers_per_node * self.spec.nodes_max, free_port()
+        procs = [subprocess.Popen([self.python, "-m", "trainer.healthcheck", "--workdir", str(workdir), "--rank", str(r),
+                                   "--world", str(world), "--master-port", str(port),
+                                   "--extra-delay", str((delays or {}).get(r, 0.0))],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
         rows = []
-        for node in range(self.spec.nodes_max):
-            proc = subprocess.run([self.python, "-m", "trainer.healthcheck", "--workdir", str(workdir)],
-                                  capture_output=True, text=True, timeout=120)
-            row = {"node": node, "ok": proc.returncode == 0}
+        for r, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=180)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            row = {"node": r // wpn, "local_rank": r % wpn, "ok": proc.returncode == 0}
             if proc.returncode == 0:
-                row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+                row.update(json.loads(out.strip().splitlines()[-1]))
             else:
-                row["error"] = proc.stderr.strip()[-2000:]
+                row["error"] = (err or "no output").strip()[-2000:]
             rows.append(row)
         return rows
 
-    def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout) -> LocalJobHandle:
+    def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> LocalJobHandle:
         endpoint = f"127.0.0.1:{free_port()}"
         run_id = f"{job.stage}-{Path(job.job_dir).name}"
+        nodes = [n for n in range(self.spec.nodes_max) if n not in exclude]
+        if len(nodes) < self.spec.nodes_min:
+            raise ClusterError(f"only {len(nodes)} healthy node(s) (excluded: {sorted(exclude)}), cluster.nodes_min is "
+                               f"{self.spec.nodes_min}: repair or replace the nodes, or lower nodes_min")
         procs, logs = [], []
-        for node in range(self.spec.nodes_max):
+        for node in nodes:
             log = Path(job.job_dir) / f"node{node}.log"
             cmd = [self.python, "-m", "trainer.launch", str(job_path), "--nproc", str(self.spec.workers_per_node),
-                   "--nnodes-min", str(self.spec.nodes_min), "--nnodes-max", str(self.spec.nodes_max),
+                   "--nnodes-min", str(self.spec.nodes_min), "--nnodes-max", str(len(nodes)),
                    "--rdzv-endpoint", endpoint, "--run-id", run_id, "--max-restarts", str(self.spec.max_restarts),
                    "--lock", str(layout.stage_lock(job.stage, node)), "--threads", str(self.threads_per_worker),
                    "--node", str(node)]
@@ -152,3 +166,17 @@ def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1) -> Cluster:
     if spec.kind == "local":
         return LocalCluster(spec, threads_per_worker)
     raise ClusterError(f"cluster.kind {spec.kind!r} is not supported yet")
+
+
+def judge_nodes(rows: list[dict], threshold: float) -> tuple[list[dict], set[int]]:
+    """Add each row's time relative to the median and the verdict; return the nodes to exclude:
+    any with a failed check or a worker slower than ``threshold`` × the median."""
+    times = [r["matmul_s"] for r in rows if r["ok"]]
+    median = statistics.median_low(times) if times else 0.0  # low median: one straggler of two stands out
+    excluded = set()
+    for r in rows:
+        r["relative"] = round(r["matmul_s"] / median, 2) if r["ok"] and median else None
+        r["excluded"] = not r["ok"] or r["relative"] > threshold
+        if r["excluded"]:
+            excluded.add(r["node"])
+    return rows, excluded

@@ -3,21 +3,42 @@
 from __future__ import annotations
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.cluster import ClusterError, make_cluster
+from pretrain.cluster import ClusterError, judge_nodes, make_cluster
 from pretrain.jobs import threads_per_worker
 from pretrain.spec import CampaignSpec
 
 
+def chaos_delays(spec: CampaignSpec) -> dict[int, float]:
+    """Ranks slowed down by ``slow_worker`` drills (their node check is slowed too)."""
+    return {d.rank: d.delay_s for d in spec.chaos if d.kind == "slow_worker"}
+
+
+def _why(row: dict) -> str:
+    reason = row.get("error") or f"{row['relative']}× the median matmul time"
+    return f"node {row['node']} worker {row['local_rank']}: {reason}"
+
+
 @task(name="check-nodes", cache_policy=NO_CACHE)
-def check_nodes(spec: CampaignSpec) -> list[dict]:
-    """Run the health check on every node; fail naming the nodes that did not pass."""
+def check_nodes(spec: CampaignSpec) -> dict:
+    """Health-check every worker slot; exclude nodes that fail or are slower than the threshold
+    × the median. Fails if fewer than ``cluster.nodes_min`` nodes remain."""
     logger = get_run_logger()
-    rows = make_cluster(spec.cluster, threads_per_worker(spec)).health_check(spec.workdir_path)
-    for row in rows:
-        logger.info("node %s: %s", row["node"], {k: v for k, v in row.items() if k != "node"})
-    bad = [r for r in rows if not r["ok"]]
-    if bad:
-        raise ClusterError("node health check failed on " + ", ".join(f"node {r['node']}: {r.get('error', '?')}" for r in bad))
-    return rows
+    rows = make_cluster(spec.cluster, threads_per_worker(spec)).health_check(spec.workdir_path, chaos_delays(spec))
+    rows, excluded = judge_nodes(rows, spec.fault_tolerance.node_check_threshold)
+    for r in rows:
+        logger.info("node %s worker %s: matmul %.3fs (%s× median), allreduce %s MB/s%s", r["node"], r["local_rank"],
+                    r.get("matmul_s", float("nan")), r["relative"], r.get("allreduce_MBps", "-"),
+                    " — EXCLUDED" if r["excluded"] else "")
+    create_table_artifact(key=f"node-check-{spec.name.lower().replace('_', '-').replace('.', '-')}", table=[
+        {k: r.get(k) for k in ("node", "local_rank", "matmul_s", "relative", "allreduce_MBps", "excluded", "error")}
+        for r in rows], description=f"Node health check of campaign {spec.name}")
+    healthy = spec.cluster.nodes_max - len(excluded)
+    if healthy < spec.cluster.nodes_min:
+        raise ClusterError(f"node health check: {healthy} healthy node(s), cluster.nodes_min is {spec.cluster.nodes_min}; "
+                           "failing checks: " + "; ".join(_why(r) for r in rows if r["excluded"]))
+    if excluded:
+        logger.warning("excluding node(s) %s from training", sorted(excluded))
+    return {"rows": rows, "excluded": sorted(excluded)}

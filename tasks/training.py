@@ -61,15 +61,15 @@ def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: 
 
 @task(name="run-training-job", cache_policy=NO_CACHE)
 def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None,
-                     stage_run_id: str, parent_run_id: str, step_offset: int) -> JobResult:
+                     stage_run_id: str, parent_run_id: str, step_offset: int, exclude: list[int] = ()) -> JobResult:
     """Start the stage's job on the cluster and wait for it, streaming metrics to MLflow."""
     logger = get_run_logger()
     layout = CampaignLayout(spec.workdir_path)
     job = build_job(spec, stage_index, attempt, init_from)
     job_path = write_job(job)
-    handle = make_cluster(spec.cluster, job.threads_per_worker).start(job, job_path, layout)
+    handle = make_cluster(spec.cluster, job.threads_per_worker).start(job, job_path, layout, set(exclude))
     logger.info("stage %s attempt %d: %d node(s) × %d workers, job dir %s", job.stage, attempt,
-                spec.cluster.nodes_max, spec.cluster.workers_per_node, job.job_dir)
+                spec.cluster.nodes_max - len(exclude), spec.cluster.workers_per_node, job.job_dir)
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
                                  step_offset, events_path=Path(job.job_dir) / EVENTS)
     started = time.time()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from conftest import seed_data, small_spec
 from flows.campaign import pretrain_campaign
 from pretrain.jobs import checkpoint_store
+from pretrain.ledger import Ledger
 from trainer.reporting import read_all
 
 
@@ -30,3 +31,20 @@ def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness,
         assert m["consumed"] == 8 * step, step
     store = checkpoint_store(spec, "main")
     assert store.manifest(30)["world_size"] == 2
+
+
+def test_node_check_excludes_a_slow_node(prefect_harness, prepared_data, tmp_path):
+    """Two one-worker nodes; the second is slowed down (chaos drill): the node check measures it
+    far above the median, excludes it, and training runs on the first node alone."""
+    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2},
+                      stages=[{"name": "main", "steps": 6, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
+                      checkpoint={"interval": 2, "memory_interval": 2}, chaos=[{"kind": "slow_worker", "rank": 1, "delay_s": 0.05}])
+    seed_data(spec, prepared_data)
+    status = pretrain_campaign(spec=spec)
+    assert status["status"] == "completed"
+    cluster = Ledger.open(spec).reload()["cluster"]
+    rows = {r["node"]: r for r in cluster["health"]}
+    assert cluster["excluded"] == [1] and rows[1]["relative"] > 2 and rows[0]["relative"] == 1
+    assert all(r["ok"] and r["allreduce_MBps"] > 0 for r in rows.values())
+    metrics = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "metrics.jsonl")
+    assert {m["world_size"] for m in metrics} == {1} and {m["grad_accum"] for m in metrics} == {2}

@@ -1,7 +1,9 @@
-"""Node health check: ``python -m trainer.healthcheck --workdir DIR`` prints one JSON line.
+"""Node health check, one process per worker slot:
+``python -m trainer.healthcheck --rank R --world W --master-port P --workdir DIR``.
 
-Measures what a training node needs before workers start: torch works, a short matmul
-benchmark (GFLOP/s), free shared memory and free disk under the workdir.
+Each process times a fixed matmul workload, then all of them join a gloo group on 127.0.0.1
+(or NCCL on GPU) and time an allreduce. Each prints one JSON line; the orchestrator compares
+the rows (relative to the median) and excludes slow or failing nodes before workers start.
 """
 
 from __future__ import annotations
@@ -11,36 +13,57 @@ import json
 import shutil
 import sys
 import time
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 
-def matmul_gflops(n: int = 256, reps: int = 20) -> float:
+def matmul_seconds(n: int = 256, reps: int = 20, extra_delay_s: float = 0.0) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm-up
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+        if extra_delay_s:
+            time.sleep(extra_delay_s)  # chaos drill slow_worker: a straggler on purpose
+    return time.perf_counter() - t0
 
 
-def check(workdir: str) -> dict:
-    return {
-        "torch": torch.__version__,
-        "cuda_devices": torch.cuda.device_count(),
-        "matmul_gflops": round(matmul_gflops(), 2),
-        "shm_free_bytes": shutil.disk_usage("/dev/shm").free,
-        "disk_free_bytes": shutil.disk_usage(workdir).free,
-    }
+def allreduce_mbps(rank: int, world: int, port: int, megabytes: int = 4, reps: int = 5) -> float:
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        t = torch.ones(megabytes * (1 << 20) // 4)
+        dist.all_reduce(t)  # warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(t)
+        return megabytes * reps / (time.perf_counter() - t0)
+    finally:
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.healthcheck")
     p.add_argument("--workdir", required=True)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--master-port", type=int, default=0)
+    p.add_argument("--extra-delay", type=float, default=0.0, help="seconds added per matmul (chaos drill)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
-    print(json.dumps(check(args.workdir)), flush=True)
-    return 0
+    row = {"rank": args.rank, "torch": torch.__version__, "cuda_devices": torch.cuda.device_count(),
+           "matmul_s": round(matmul_seconds(extra_delay_s=args.extra_delay), 4),
+           "shm_free_bytes": shutil.disk_usage("/dev/shm").free, "disk_free_bytes": shutil.disk_usage(args.workdir).free}
+    if args.world > 1:
+        row["allreduce_MBps"] = round(allreduce_mbps(args.rank, args.world, args.master_port), 1)
+    print(json.dumps(row), flush=True)
+    sys.stdout.flush()
+    import os
+
+    os._exit(0)  # skip gloo's teardown at interpreter exit (see docs/platform.md)
 
 
 if __name__ == "__main__":
