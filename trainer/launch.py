@@ -141,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     config = LaunchConfig(
         min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,
         run_id=args.run_id, role="trainer", rdzv_endpoint=args.rdzv_endpoint, rdzv_backend="c10d",
-        # a lost node drops out of the rendezvous after ~3 s of missed keep-alives; a new round
-        # waits 2 s for late joiners beyond nodes_min before it starts
-        rdzv_configs={"timeout": 120, "join_timeout": 600, "last_call_timeout": 2, "keep_alive_interval": 1,
+        # a lost node drops out of the rendezvous after ~3 s of missed keep-alives; a round waits
+        # 5 s for late joiners beyond nodes_min (all nodes start together, so the first round
+        # gathers every healthy node); a node joining later makes the agents restart to take it in
+        rdzv_configs={"timeout": 120, "join_timeout": 600, "last_call_timeout": 5, "keep_alive_interval": 1,
                       "keep_alive_max_attempt": 3},
         max_restarts=args.max_restarts, monitor_interval=0.2,
         start_method="spawn",
