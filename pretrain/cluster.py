@@ -154,7 +154,7 @@ class LocalCluster(Cluster):
                    "--nnodes-min", str(self.spec.nodes_min), "--nnodes-max", str(len(nodes)),
                    "--rdzv-endpoint", endpoint, "--run-id", run_id, "--max-restarts", str(self.spec.max_restarts),
                    "--lock", str(layout.stage_lock(job.stage, node)), "--threads", str(self.threads_per_worker),
-                   "--node", str(node)]
+                   "--node", str(node)] + (["--rdzv-host"] if node == nodes[0] else [])
             with open(log, "ab") as out:
                 procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True))

@@ -20,14 +20,17 @@ import torch.distributed as dist
 
 
 def matmul_seconds(n: int = 256, reps: int = 20, extra_delay_s: float = 0.0) -> float:
+    """CPU seconds of a fixed matmul workload on one thread. CPU time, not wall time: node
+    checks of a local cluster share the machine's cores, and waiting for a core is not slowness."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm-up
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for _ in range(reps):
         a @ b
-        if extra_delay_s:
-            time.sleep(extra_delay_s)  # chaos drill slow_worker: a straggler on purpose
-    return time.perf_counter() - t0
+        spin_until = time.process_time() + extra_delay_s
+        while time.process_time() < spin_until:  # chaos drill slow_worker: a straggler burns extra CPU
+            pass
+    return time.process_time() - t0
 
 
 def allreduce_mbps(rank: int, world: int, port: int, megabytes: int = 4, reps: int = 5) -> float:

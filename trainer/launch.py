@@ -115,6 +115,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lock", type=Path, help="file locked for the agent's lifetime")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per worker")
     p.add_argument("--node", type=int, default=0, help="this node's index in the cluster (chaos drills, logs)")
+    p.add_argument("--rdzv-host", action="store_true", help="this node hosts the rendezvous store (exactly one node)")
     return p.parse_args(argv)
 
 
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         # 5 s for late joiners beyond nodes_min (all nodes start together, so the first round
         # gathers every healthy node); a node joining later makes the agents restart to take it in
         rdzv_configs={"timeout": 120, "join_timeout": 600, "last_call_timeout": 5, "keep_alive_interval": 1,
-                      "keep_alive_max_attempt": 3},
+                      "keep_alive_max_attempt": 3, "is_host": args.rdzv_host},
         max_restarts=args.max_restarts, monitor_interval=0.2,
         start_method="spawn",
     )
