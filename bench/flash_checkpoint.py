@@ -24,6 +24,7 @@ import torch
 from trainer import state
 from trainer.config import JobConfig, ModelConfig, OptimConfig
 from trainer.dist import DistInfo
+from trainer.evaluate import iter_tensors
 from trainer.flash import SnapshotStore
 from trainer.loop import build_model, snapshot_capacity
 from trainer.saver import Saver
@@ -58,7 +59,7 @@ def main() -> None:
         model(torch.randint(0, a.vocab, (1, 8))).float().mean().backward()
         opt.step()
         st = state.training_state(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt)
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(st))
+        nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(st))
         print(f"state: {nbytes / 2**30:.2f} GiB ({model.num_params() / 1e6:.0f}M params + AdamW), torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads")
 
@@ -110,17 +111,6 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 if __name__ == "__main__":

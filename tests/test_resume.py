@@ -6,13 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from conftest import saver_processes, seed_data, small_spec, wait_for, worker_processes
+from conftest import run_campaign_while, saver_processes, seed_data, small_spec, wait_for, worker_processes
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
 from pretrain.status import campaign_status
@@ -56,10 +55,7 @@ def kill_a_worker_after_first_checkpoint(spec) -> int:
 
 def test_worker_sigkill_is_survived_by_an_in_job_restart(prefect_harness, prepared_data, tmp_path):
     spec = slow_spec(tmp_path, prepared_data)
-    with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(pretrain_campaign, spec=spec)
-        killed_at = kill_a_worker_after_first_checkpoint(spec)
-        status = run.result(timeout=300)
+    status, killed_at = run_campaign_while(spec, lambda: kill_a_worker_after_first_checkpoint(spec))
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 40
     restarts = [r for r in stage["resumes"] if r["restart_count"] > 0]
@@ -73,13 +69,14 @@ def test_worker_sigkill_is_survived_by_an_in_job_restart(prefect_harness, prepar
 
 def test_killed_saver_is_restarted_and_training_continues(prefect_harness, prepared_data, tmp_path):
     spec = slow_spec(tmp_path, prepared_data)
-    with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(pretrain_campaign, spec=spec)
+
+    def kill_the_saver() -> int:
         wait_for(lambda: ckpt.read_pointer(ckpt_dir(spec)), 120, "the first checkpoint")
         [saver] = saver_processes(spec.workdir_path)
         saver.kill()
-        committed_at_kill = ckpt.read_pointer(ckpt_dir(spec))
-        status = run.result(timeout=300)
+        return ckpt.read_pointer(ckpt_dir(spec))
+
+    status, committed_at_kill = run_campaign_while(spec, kill_the_saver)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 40 and stage["attempts"] == 1
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
@@ -92,10 +89,7 @@ def test_killed_saver_is_restarted_and_training_continues(prefect_harness, prepa
 
 def test_failed_job_is_relaunched_from_the_last_checkpoint(prefect_harness, prepared_data, tmp_path):
     spec = slow_spec(tmp_path, prepared_data, cluster={"workers_per_node": 2, "max_restarts": 0})
-    with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(pretrain_campaign, spec=spec)
-        killed_at = kill_a_worker_after_first_checkpoint(spec)
-        status = run.result(timeout=300)
+    status, killed_at = run_campaign_while(spec, lambda: kill_a_worker_after_first_checkpoint(spec))
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["attempts"] == 2
     assert len(stage["failures"]) == 1 and stage["failures"][0]["cause"].startswith("worker_failure")

@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import s3_servers
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
-from conftest import seed_data, small_spec, wait_for, worker_processes
+from conftest import run_campaign_while, seed_data, small_spec, wait_for, worker_processes
 from flows.campaign import pretrain_campaign
 from pretrain.jobs import checkpoint_store
 from pretrain.status import campaign_status
@@ -55,12 +54,13 @@ def test_worker_killed_with_s3_checkpoints_resumes(prefect_harness, prepared_dat
                    model={"n_layer": 4, "n_head": 4, "d_model": 128, "max_seq_len": 64},
                    stages=[{"name": "main", "steps": 40, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}])
     store = checkpoint_store(spec, "main")
-    with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(pretrain_campaign, spec=spec)
+
+    def kill_a_worker() -> None:
         wait_for(store.read_pointer, 120, "the first checkpoint on S3")
         victim = wait_for(lambda: worker_processes(spec.workdir_path), 30, "a worker")[-1]
         os.kill(victim.pid, signal.SIGKILL)
-        status = run.result(timeout=300)
+
+    status, _ = run_campaign_while(spec, kill_a_worker)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 40
     assert any(r["restart_count"] > 0 and r["source"] == "memory" for r in stage["resumes"])

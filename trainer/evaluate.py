@@ -31,15 +31,16 @@ class Verdict:
         return asdict(self)
 
 
-def _tensors(obj):
+def iter_tensors(obj):
+    """Every tensor in a nested state (dicts, lists, tuples)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from iter_tensors(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from iter_tensors(v)
 
 
 def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None = None) -> Verdict:
@@ -69,7 +70,7 @@ def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None 
     if not any("consumed" in s for n, s in shards.items() if n != MODEL_SHARD):
         problems.append("no rank shard with a data position")
     for name, shard in shards.items():
-        bad = sum(1 for t in _tensors(shard) if t.is_floating_point() and not torch.isfinite(t).all())
+        bad = sum(1 for t in iter_tensors(shard) if t.is_floating_point() and not torch.isfinite(t).all())
         if bad:
             problems.append(f"{name}: {bad} tensor(s) hold NaN/Inf")
     return Verdict(not problems, step, problems)

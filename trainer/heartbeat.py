@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from trainer.process import pid_alive
+
 
 def heartbeat_dir(job_dir: str | Path) -> Path:
     return Path(job_dir) / "heartbeat"
@@ -34,12 +36,6 @@ class Heartbeat:
         os.replace(tmp, self.path)  # readers never see half a record; no fsync needed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def worker_pids(job_dir: str | Path, agent_pid: int | None = None) -> list[int]:
@@ -50,7 +46,7 @@ def worker_pids(job_dir: str | Path, agent_pid: int | None = None) -> list[int]:
             pid = json.loads(path.read_text())["pid"]
         except (OSError, ValueError):
             continue
-        if _alive(pid):
+        if pid_alive(pid):
             pids.append(pid)
     return pids
 
@@ -74,7 +70,7 @@ class HangDetector:
                 hb = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if not _alive(hb["pid"]):
+            if not pid_alive(hb["pid"]):
                 continue  # an old worker's record; its replacement overwrites it
             self.max_step = max(self.max_step, hb["step"])
             limit = self.timeouts.get(hb["phase"])

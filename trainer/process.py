@@ -7,6 +7,16 @@ import signal
 import threading
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+
+
 def exit_when_orphaned(on_orphan=None, interval: float = 0.5) -> threading.Thread:
     """Start a daemon thread that ends this process once its parent is gone.
 

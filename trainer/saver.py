@@ -22,20 +22,11 @@ from pathlib import Path
 
 from trainer import checkpoint as ckpt
 from trainer.config import JobConfig
+from trainer.process import pid_alive
 from trainer.reporting import EVENTS, JsonLines
 from trainer.shm import Slot, slot_paths
 
 POLL_S = 0.05
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 class Saver:
@@ -75,7 +66,7 @@ class Saver:
 
     def newly_dead_workers(self) -> set[int]:
         """Pids of snapshot writers that died since the last call (each triggers one breakpoint save)."""
-        dead = {h["pid"] for hs in self.headers() for h in hs if not _alive(h["pid"])} - self._dead_seen
+        dead = {h["pid"] for hs in self.headers() for h in hs if not pid_alive(h["pid"])} - self._dead_seen
         self._dead_seen |= dead
         return dead
 
