@@ -1,0 +1,36 @@
+"""Loss-anomaly detection and skip windows (pure functions; the campaign-level rollback is in
+test_chaos.py)."""
+
+from __future__ import annotations
+
+import math
+
+from trainer.anomaly import SpikeDetector, skip_past
+
+
+def test_nan_and_inf_are_caught_from_the_first_step():
+    d = SpikeDetector(window=10, zscore=6.0, min_steps=5)
+    assert d.check(float("nan")) == "nonfinite" and d.check(math.inf) == "nonfinite"
+
+
+def test_spike_is_judged_against_the_trailing_median_and_mad():
+    d = SpikeDetector(window=20, zscore=6.0, min_steps=10)
+    falling = [5.0 - 0.05 * i + (0.02 if i % 2 else -0.02) for i in range(20)]
+    assert [d.check(x) for x in falling] == [None] * 20  # a normal, noisy, falling loss
+    assert d.check(falling[-1] + 0.1) is None  # within the noise band
+    assert d.check(falling[-1] * 3) == "spike"
+    assert d.check(falling[-1]) is None  # the spike did not enter the window
+
+
+def test_no_judgement_before_min_steps_and_zscore_zero_disables():
+    early = SpikeDetector(window=20, zscore=6.0, min_steps=10)
+    assert [early.check(x) for x in (5.0, 5.1, 50.0)] == [None, None, None]
+    off = SpikeDetector(window=20, zscore=0.0, min_steps=2)
+    assert [off.check(x) for x in [1.0] * 5 + [1e6]] == [None] * 6
+
+
+def test_skip_past_steps_over_every_window_it_lands_in():
+    windows = [(16, 24), (24, 32), (48, 56)]
+    assert skip_past(8, windows) == 8
+    assert skip_past(16, windows) == 32  # adjacent windows chain
+    assert skip_past(50, windows) == 56
