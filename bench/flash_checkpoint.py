@@ -66,7 +66,7 @@ def main() -> None:
         direct = timed(lambda: state.save(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt), a.repeats)
         src, dst = torch.empty(nbytes, dtype=torch.uint8).fill_(1), torch.empty(nbytes, dtype=torch.uint8).fill_(0)
         memcpy = timed(lambda: dst.copy_(src), a.repeats)  # the floor: one copy of the same bytes, pre-touched
-        del src, dst
+        src = dst = None  # free 2 GiB before the rest
 
         cold = SnapshotStore(shm / "cold", 0, 0, 1, capacity=0)  # no pre-allocation: pays page faults
         t0 = time.perf_counter()
