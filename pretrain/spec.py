@@ -146,13 +146,14 @@ class FaultToleranceSpec(_Section):
 
 
 class ChaosDrill(_Section):
-    kind: Literal["kill_worker", "hang_worker", "nan_loss", "slow_worker", "kill_saver", "kill_node"] = Field(
-        ..., description="Fault to inject: kill or hang a worker, make the loss NaN, slow a worker (and its node check), kill the node's checkpoint saver, kill a whole node.")
+    kind: Literal["kill_worker", "hang_worker", "nan_loss", "loss_spike", "slow_worker", "kill_saver", "kill_node"] = Field(
+        ..., description="Fault to inject: kill or hang a worker, make the loss NaN or spike, slow a worker (and its node check), kill the node's checkpoint saver, kill a whole node.")
     stage: str | None = Field(None, description="Stage in which the drill fires (default: the first stage).")
     step: int = Field(1, ge=1, description="Fires when training reaches this step of the stage (once per stage, never again after the restart).")
     rank: int = Field(0, ge=0, description="Worker rank for worker drills.")
     node: int = Field(0, ge=0, description="Node index for kill_node / kill_saver.")
     delay_s: float = Field(0.2, ge=0, description="slow_worker: extra seconds per step (and a proportional slowdown of its node check).")
+    factor: float = Field(20.0, gt=1, description="loss_spike: the loss of that step is multiplied by this.")
 
 
 class SkipWindow(_Section):

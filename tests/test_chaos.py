@@ -106,3 +106,14 @@ def test_too_many_rollbacks_stop_the_stage_without_relaunching(prefect_harness, 
         pretrain_campaign(spec=spec)
     stage = campaign_status(spec.workdir_path)["stages"][0]
     assert stage["attempts"] == 1 and stage["failures"][-1]["action"] == "stop"
+
+
+def test_loss_spike_is_rolled_back_and_skipped(prefect_harness, prepared_data, tmp_path):
+    spec = chaos_spec(tmp_path, prepared_data, chaos=[{"kind": "loss_spike", "step": 25, "factor": 20}],
+                      fault_tolerance={"spike_min_steps": 10, "spike_window": 20, "spike_zscore": 8})
+    status = pretrain_campaign(spec=spec)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == 30
+    assert [f["cause"] for f in stage["failures"]] == ["loss_spike"]
+    [skip] = read_all_skips(spec)
+    assert skip["kind"] == "spike" and skip["step"] == 25

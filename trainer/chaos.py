@@ -3,8 +3,8 @@ campaign (and so the tests and benchmarks can exercise it).
 
 Each drill fires **once per stage**: a marker file created with O_EXCL in the stage's job
 directory records it, so a restarted worker (or a relaunched job) does not fire it again.
-Worker-side kinds: ``kill_worker``, ``hang_worker``, ``nan_loss``, ``slow_worker`` (every step,
-no marker). Agent-side kinds (``trainer.launch``): ``kill_saver``, ``kill_node``.
+Worker-side kinds: ``kill_worker``, ``hang_worker``, ``nan_loss``, ``loss_spike`` (the loss ×
+``factor``), ``slow_worker`` (every step, no marker). Agent-side kinds (``trainer.launch``): ``kill_saver``, ``kill_node``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-WORKER_KINDS = {"kill_worker", "hang_worker", "nan_loss", "slow_worker"}
+WORKER_KINDS = {"kill_worker", "hang_worker", "nan_loss", "loss_spike", "slow_worker"}
 AGENT_KINDS = {"kill_saver", "kill_node"}
 
 
@@ -53,10 +53,11 @@ class WorkerChaos:
                     os.kill(os.getpid(), signal.SIGKILL)
                 threading.Event().wait()  # hang_worker: never returns; the hang detector must act
 
-    def poison_loss(self, step: int) -> bool:
-        """Should this rank's loss at ``step`` be NaN (``nan_loss`` drill)?"""
+    def loss_factor(self, step: int) -> float:
+        """What this rank's loss at ``step`` is multiplied by: NaN (``nan_loss``), ``factor``
+        (``loss_spike``) or 1."""
         for i, d in self.drills:
-            if d["kind"] == "nan_loss" and self._due(d, step) and claim(self.job_dir, i):
-                self.report({"event": "chaos", "kind": "nan_loss", "rank": self.rank, "step": step})
-                return True
-        return False
+            if d["kind"] in ("nan_loss", "loss_spike") and self._due(d, step) and claim(self.job_dir, i):
+                self.report({"event": "chaos", "kind": d["kind"], "rank": self.rank, "step": step})
+                return float("nan") if d["kind"] == "nan_loss" else d.get("factor", 20.0)
+        return 1.0

@@ -128,7 +128,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         for group in opt.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=info.device)
-        poison = chaos.poison_loss(step + 1)
+        factor = chaos.loss_factor(step + 1)
         for m in range(accum):
             positions = micro_batch_positions(consumed, world=info.world_size, rank=info.rank,
                                               micro=o.micro_batch, accum_index=m)
@@ -137,8 +137,8 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
             with sync:
                 with autocast:
                     loss = lm_loss(net(x), y) / accum
-                    if poison:
-                        loss = loss * float("nan")
+                    if factor != 1.0:
+                        loss = loss * factor
                 loss.backward()
             loss_sum += loss.detach().float()
         mean_loss = all_reduce_mean(loss_sum).item()
