@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.atomic import fsync_dir
+from trainer.atomic import fsync_dir, sha256_file
 from trainer.storage import NotFound, Storage, open_storage
 
 POINTER = "latest"
@@ -199,8 +199,7 @@ class CheckpointStore:
 
     def _sha256(self, key: str) -> str:
         local = self.storage.local_path(key)
-        data = local.read_bytes() if local is not None else self.storage.get_bytes(key)
-        return hashlib.sha256(data).hexdigest()
+        return sha256_file(local) if local is not None else hashlib.sha256(self.storage.get_bytes(key)).hexdigest()
 
     def latest_complete(self) -> CheckpointRef | None:
         """The newest committed checkpoint whose shards verify and that is not marked bad."""
@@ -261,11 +260,7 @@ def committed_steps(location) -> list[int]:
 
 
 def latest_complete(location) -> CheckpointRef | None:
-    s = store(location)
-    try:
-        return s.latest_complete()
-    except FileNotFoundError:
-        return None
+    return store(location).latest_complete()
 
 
 def verify(step_location: str | Path, deep: bool = True) -> list[str]:
@@ -277,7 +272,3 @@ def load_shard(step_location: str | Path, name: str, map_location: str | torch.d
     s, step = CheckpointStore.of_step(step_location)
     return s.load_shard(step, name, map_location)
 
-
-def read_manifest(step_location: str | Path) -> dict | None:
-    s, step = CheckpointStore.of_step(step_location)
-    return s.manifest(step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -64,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         row["allreduce_MBps"] = round(allreduce_mbps(args.rank, args.world, args.master_port), 1)
     print(json.dumps(row), flush=True)
     sys.stdout.flush()
-    import os
-
     os._exit(0)  # skip gloo's teardown at interpreter exit (see docs/platform.md)
 
 
