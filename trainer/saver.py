@@ -8,6 +8,11 @@ after a worker died (*save at breakpoint*), the newest such step even if it was 
 Commit protocol: each rank's shards are written durably → this node's record (its shard
 digests) → once the records of all ranks are present, the manifest → the ``latest`` pointer,
 last, and only forwards. A saver killed at any point leaves no committed torn checkpoint.
+
+Only one saver ever writes the manifest and the pointer: the one whose node holds rank 0 (the
+*committer*). The others only write shards and their node record; the committer keeps the
+steps it persisted as pending and commits each once every node's record is there. With a
+single writer the pointer cannot move backwards (no read-then-write race between nodes).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from trainer.reporting import EVENTS, JsonLines
 from trainer.shm import Slot, slot_paths
 
 POLL_S = 0.05
+FINAL_COMMIT_WAIT_S = 5.0  # on the way out, how long the committer waits for other nodes' shards
 
 
 class Saver:
@@ -34,6 +40,7 @@ class Saver:
         self.ns, self.nproc, self.store, self.keep, self.events = ns, nproc, store, keep, events
         self.stop = threading.Event()
         self._dead_seen: set[int] = set()
+        self.pending: dict[int, int] = {}  # committer only: persisted step -> world size, not yet committed
 
     def _emit(self, record: dict) -> None:
         if self.events is not None:
@@ -95,20 +102,28 @@ class Saver:
                 self._emit({"event": "persist_skipped", "step": step, "reason": f"no verified snapshot in {path.parent}"})
                 return False
         self.store.write_node_record(step, min(e["name"] for e in entries).removesuffix(".pt"), world, entries)
-        self.try_commit(step, world)
+        if any(e["name"] == ckpt.rank_shard_name(0) for e in entries):  # this node commits
+            self.pending[step] = world
+            self.commit_ready()
         self._emit({"event": "persisted", "step": step, "persist_s": time.perf_counter() - t0})
         return True
 
-    def try_commit(self, step: int, world: int) -> None:
-        shards = self.store.node_shards(step)
-        names = {s["name"] for s in shards}
-        if "model.pt" not in names or any(ckpt.rank_shard_name(r) not in names for r in range(world)):
-            return  # other nodes have not finished their shards yet
-        if (self.store.read_pointer() or -1) >= step:
-            return
-        ref = self.store.commit(step, shards, {"world_size": world, "persisted_by": "saver"})
-        self.store.prune(self.keep)
-        self._emit({"event": "checkpoint", "step": step, "path": ref.location})
+    def commit_ready(self) -> None:
+        """Commit, oldest first, the pending steps whose shards every node has persisted; a
+        step older than the pointer is dropped (a newer one was committed meanwhile)."""
+        for step in sorted(self.pending):
+            world = self.pending[step]
+            if (self.store.read_pointer() or -1) >= step:
+                del self.pending[step]
+                continue
+            shards = self.store.node_shards(step)
+            names = {s["name"] for s in shards}
+            if "model.pt" not in names or any(ckpt.rank_shard_name(r) not in names for r in range(world)):
+                continue  # other nodes have not finished their shards yet
+            ref = self.store.commit(step, shards, {"world_size": world, "persisted_by": "saver"})
+            del self.pending[step]
+            self.store.prune(self.keep)
+            self._emit({"event": "checkpoint", "step": step, "path": ref.location})
 
     def run(self) -> None:
         committed = self.store.read_pointer() or -1
@@ -121,10 +136,16 @@ class Saver:
                     self._emit({"event": "breakpoint_save", "step": step})
             if step is not None and step > committed and self.persist(step):
                 committed = step
+            if self.pending:
+                self.commit_ready()
             self.stop.wait(POLL_S)
         step = self.candidate(breakpoint=True)  # final breakpoint save on the way out
         if step is not None and step > (self.store.read_pointer() or -1):
             self.persist(step)
+        deadline = time.monotonic() + FINAL_COMMIT_WAIT_S
+        while self.pending and time.monotonic() < deadline:  # other nodes may still be writing theirs
+            self.commit_ready()
+            time.sleep(POLL_S)
 
 
 def main(argv: list[str] | None = None) -> int:
