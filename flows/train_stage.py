@@ -1,5 +1,9 @@
-"""Flow: train one stage to its last step, resuming from the newest complete checkpoint after
-any failure, up to ``resume.max_attempts`` launches."""
+"""Flow: train one stage to its last step, resuming from the newest *good* checkpoint after any
+failure, up to ``resume.max_attempts`` launches.
+
+While a job trains, the flow runs the validation gate on every checkpoint the savers commit
+(each in its own process, overlapping training); a job's end is followed by judging what is
+left, so the next launch (or the stage's end) only ever relies on validated checkpoints."""
 
 from __future__ import annotations
 
@@ -8,9 +12,17 @@ from prefect import flow, get_run_logger
 from pretrain.incidents import NON_RETRYABLE
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
-from tasks.checkpoints import find_resume_point
+from tasks.checkpoints import find_resume_point, judge_pending
 from tasks.tracking import open_stage_run
 from tasks.training import run_training_job
+
+
+GATE_POLL_S = 2.0  # how often the gate looks for newly committed checkpoints while a job runs
+
+
+def _finished(future) -> bool:
+    future.wait(timeout=GATE_POLL_S)
+    return future.state.is_final()
 
 
 class StageFailed(RuntimeError):
@@ -28,7 +40,9 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
     step_offset = sum(s.steps for s in spec.stages[:stage_index])
     ledger.update_stage(stage.name, status="running")
     last = None
-    for _ in range(spec.resume.max_attempts):
+    launches_left, scale_ups_left = spec.resume.max_attempts, spec.resume.max_attempts
+    while launches_left > 0:
+        launches_left -= 1
         point = find_resume_point(spec, stage_index)
         if point and point["step"] >= stage.steps:
             break
@@ -37,7 +51,10 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
                     f"checkpoint step {point['step']}" if point else (init_from or "scratch"))
         ledger.update_stage(stage.name, attempts=attempt + 1)
         exclude = (ledger.reload().get("cluster") or {}).get("excluded", [])
-        last = run_training_job(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, step_offset, exclude)
+        job = run_training_job.submit(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, step_offset, exclude)
+        while not _finished(job):
+            judge_pending(spec, stage_index)  # the gate overlaps training
+        last = job.result()
         for r in last.resumes:
             ledger.append(stage.name, "resumes", {"attempt": attempt, **r})
         for incident in last.incidents:
@@ -48,6 +65,13 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         ledger.update_stage(stage.name, restarts=ledger.stage(stage.name)["restarts"] + in_job_restarts)
         if last.ok:
             continue  # the loop re-checks the pointer: success means the last step is committed
+        if last.cause == "scale_up" and scale_ups_left > 0:  # a planned relaunch, not a failure
+            scale_ups_left, launches_left = scale_ups_left - 1, launches_left + 1
+            logger.info("stage %s: node(s) %s are back; relaunching on all nodes from the newest checkpoint",
+                        stage.name, last.scaled_up)
+            ledger.append(stage.name, "resizes", {"attempt": attempt, "nodes_back": last.scaled_up,
+                                                  "duration_s": round(last.duration_s, 2)})
+            continue
         logger.warning("stage %s attempt %d failed (%s: %s) after %.1fs; %.1fs of work lost; log: %s",
                        stage.name, attempt, last.cause, "; ".join(last.errors) or "no worker error reported",
                        last.duration_s, last.time_lost_s, last.log)
@@ -64,6 +88,6 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         raise StageFailed(
             f"stage {stage.name} stopped at step {point['step'] if point else 0}/{stage.steps} after "
             f"{ledger.stage(stage.name)['attempts']} attempt(s); last failure: {cause}. Logs: {spec.workdir_path / 'jobs' / stage.name}. "
-            f"Fix the cause and run the same command again: it resumes from the last complete checkpoint.")
+            f"Fix the cause and run the same command again: it resumes from the last good checkpoint.")
     ledger.update_stage(stage.name, status="trained", final_checkpoint=point)
     return point

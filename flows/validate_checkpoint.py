@@ -1,13 +1,14 @@
-"""Flow: validate a checkpoint; only a validated checkpoint becomes the stage's good one."""
+"""Flow: the validation gate on one checkpoint; only a validated checkpoint becomes the
+stage's good one (and its resume point). A checkpoint the gate already judged keeps its verdict."""
 
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from pretrain.ledger import Ledger
+from pretrain.jobs import checkpoint_store, storage_options
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import check_checkpoint
-from tasks.tracking import tracker_for
+from trainer.checkpoint import CheckpointStore
 
 
 class CheckpointInvalid(RuntimeError):
@@ -16,13 +17,12 @@ class CheckpointInvalid(RuntimeError):
 
 @flow(name="validate-checkpoint")
 def validate_checkpoint(spec: CampaignSpec, stage: str, path: str) -> dict:
-    record = check_checkpoint(spec, path)
-    ledger = Ledger.open(spec)
-    run_id = ledger.stage(stage)["mlflow_run_id"]
-    if run_id:
-        tracker_for(spec).set_tags(run_id, {f"verdict.{record['step']:08d}": record["verdict"]})
-    if not record["ok"]:
+    stage_index = [s.name for s in spec.stages].index(stage)
+    _, step = CheckpointStore.of_step(path, storage_options(spec))
+    record = checkpoint_store(spec, stage).verdict(step)
+    if record is None:
+        record = check_checkpoint(spec, stage_index, step)
+    if record["verdict"] != "good":
         raise CheckpointInvalid(f"checkpoint {path} of stage {stage} failed validation: " + "; ".join(record["problems"]))
-    ledger.update_stage(stage, good_checkpoint={"step": record["step"], "path": path})
-    get_run_logger().info("stage %s: good checkpoint at step %s", stage, record["step"])
+    get_run_logger().info("stage %s: checkpoint %s is good", stage, path)
     return record

@@ -54,8 +54,10 @@ class JobHandle(ABC):
 
 class Cluster(ABC):
     @abstractmethod
-    def health_check(self, workdir: Path, delays: dict[int, float] | None = None) -> list[dict]:
-        """One row per worker slot: node, measurements and ``ok`` (``delays``: chaos slowdowns by rank)."""
+    def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
+                     nodes: list[int] | None = None) -> list[dict]:
+        """One row per worker slot of ``nodes`` (default: all): node, measurements and ``ok``
+        (``delays``: chaos slowdowns by rank)."""
 
     @abstractmethod
     def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> JobHandle:
@@ -118,15 +120,17 @@ class LocalCluster(Cluster):
     threads_per_worker: int = 1
     python: str = sys.executable
 
-    def health_check(self, workdir: Path, delays: dict[int, float] | None = None) -> list[dict]:
-        """Every worker slot of every node at once: matmul time and allreduce bandwidth."""
-        wpn, world, port = self.spec.workers_per_node, self.spec.workers_per_node * self.spec.nodes_max, free_port()
-        procs = [subprocess.Popen([self.python, "-m", "trainer.healthcheck", "--workdir", str(workdir), "--rank", str(r),
-                                   "--world", str(world), "--master-port", str(port),
+    def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
+                     nodes: list[int] | None = None) -> list[dict]:
+        """Every worker slot of the nodes at once: matmul time and allreduce bandwidth among them."""
+        wpn, port = self.spec.workers_per_node, free_port()
+        slots = [n * wpn + i for n in (range(self.spec.nodes_max) if nodes is None else nodes) for i in range(wpn)]
+        procs = [subprocess.Popen([self.python, "-m", "trainer.healthcheck", "--workdir", str(workdir), "--rank", str(k),
+                                   "--world", str(len(slots)), "--master-port", str(port),
                                    "--extra-delay", str((delays or {}).get(r, 0.0))],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k, r in enumerate(slots)]
         rows = []
-        for r, proc in enumerate(procs):
+        for r, proc in zip(slots, procs):
             try:
                 out, err = proc.communicate(timeout=180)
             except subprocess.TimeoutExpired:
@@ -169,14 +173,27 @@ def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1) -> Cluster:
 
 
 def judge_nodes(rows: list[dict], threshold: float) -> tuple[list[dict], set[int]]:
-    """Add each row's time relative to the median and the verdict; return the nodes to exclude:
-    any with a failed check or a worker slower than ``threshold`` × the median."""
-    times = [r["matmul_s"] for r in rows if r["ok"]]
-    median = statistics.median_low(times) if times else 0.0  # low median: one straggler of two stands out
-    excluded = set()
+    """Judge *nodes*: a node's time is its slowest worker slot's; a node is excluded if any of
+    its checks failed or its time exceeds ``threshold`` × the median node time. Each row gets
+    its time relative to that median. (A lone node can only fail, never be "slow".)"""
+    node_times: dict[int, float] = {}
+    for r in rows:
+        if r["ok"]:
+            node_times[r["node"]] = max(node_times.get(r["node"], 0.0), r["matmul_s"])
+    median = statistics.median_low(node_times.values()) if node_times else 0.0  # low median: one straggler of two stands out
+    failed = {r["node"] for r in rows if not r["ok"]}
+    excluded = failed | {n for n, t in node_times.items() if median and t / median > threshold}
     for r in rows:
         r["relative"] = round(r["matmul_s"] / median, 2) if r["ok"] and median else None
-        r["excluded"] = not r["ok"] or r["relative"] > threshold
-        if r["excluded"]:
-            excluded.add(r["node"])
+        r["excluded"] = r["node"] in excluded
     return rows, excluded
+
+
+def recheck_nodes(cluster: Cluster, workdir: Path, nodes: list[int], baseline: list[dict],
+                  threshold: float) -> tuple[list[int], list[dict]]:
+    """Health-check nodes that were lost, against the other nodes' rows of the campaign's node
+    check (``baseline``): returns the nodes fit to rejoin and their fresh rows."""
+    rows = cluster.health_check(workdir, nodes=nodes)
+    others = [dict(r) for r in baseline if r["node"] not in nodes]
+    judged, excluded = judge_nodes([dict(r) for r in rows] + others, threshold)
+    return [n for n in nodes if n not in excluded], judged[: len(rows)]

@@ -33,47 +33,54 @@ class DataPrepError(ValueError):
 class Document:
     path: str
     text: str
+    group: str = "all"
 
 
-def expand_sources(data: DataSpec) -> list[Path]:
+def expand_sources(patterns: list[str], field: str) -> list[Path]:
     stdlib = sysconfig.get_paths()["stdlib"]
     files: list[Path] = []
-    for i, pattern in enumerate(data.sources):
+    for i, pattern in enumerate(patterns):
         expanded = pattern.replace("{stdlib}", stdlib)
         matches = sorted(Path(p) for p in glob.glob(str(Path(expanded).expanduser()), recursive=True))
         matches = [m for m in matches if m.is_file()]
         if not matches:
-            raise DataPrepError(f"data.sources[{i}] ({pattern!r} → {expanded}) matched no files: fix the path or pattern")
+            raise DataPrepError(f"{field}[{i}] ({pattern!r} → {expanded}) matched no files: fix the path or pattern")
         files.extend(m for m in matches if m not in files)
     return files
 
 
-def select_files(data: DataSpec) -> list[Path]:
-    """Source files in order, up to ``max_bytes`` in total."""
-    chosen, total = [], 0
-    for f in expand_sources(data):
-        if total >= data.max_bytes:
-            break
-        chosen.append(f)
-        total += f.stat().st_size
-    return chosen
+def select_files(data: DataSpec) -> dict[str, list[Path]]:
+    """Per data group, its source files in order, up to ``max_bytes`` per group."""
+    out = {}
+    for group, patterns in data.groups().items():
+        field = "data.sources" if isinstance(data.sources, list) else f"data.sources.{group}"
+        chosen, total = [], 0
+        for f in expand_sources(patterns, field):
+            if total >= data.max_bytes:
+                break
+            chosen.append(f)
+            total += f.stat().st_size
+        out[group] = chosen
+    return out
 
 
-def fingerprint(data: DataSpec, files: list[Path]) -> str:
+def fingerprint(data: DataSpec, files: dict[str, list[Path]]) -> str:
     h = hashlib.sha256(json.dumps(data.model_dump(mode="json"), sort_keys=True).encode())
-    for f in files:
+    for f in (f for group in files.values() for f in group):
         st = f.stat()
         h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 
-def read_documents(files: list[Path], max_bytes: int) -> list[Document]:
-    docs, total = [], 0
-    for f in files:
-        text = f.read_bytes()[: max(0, max_bytes - total)].decode("utf-8", errors="replace")
-        total += len(text)
-        if text.strip():
-            docs.append(Document(str(f), text))
+def read_documents(files: dict[str, list[Path]], max_bytes: int) -> list[Document]:
+    docs = []
+    for group, paths in files.items():
+        total = 0
+        for f in paths:
+            text = f.read_bytes()[: max(0, max_bytes - total)].decode("utf-8", errors="replace")
+            total += len(text)
+            if text.strip():
+                docs.append(Document(str(f), text, group))
     return docs
 
 
@@ -106,14 +113,22 @@ def pack(tok: Tokenizer, docs: list[Document], eot_id: int) -> np.ndarray:
     return np.asarray(ids, dtype=np.uint16)
 
 
-def write_shards(out: Path, split: str, tokens: np.ndarray, shard_tokens: int) -> list[dict]:
+def write_shards(out: Path, split: str, tokens: np.ndarray, shard_tokens: int, group: str = "all") -> list[dict]:
     shards = []
+    stem = split if group == "all" else f"{split}_{group}"
     for i, start in enumerate(range(0, len(tokens), shard_tokens)):
         part = tokens[start : start + shard_tokens]
-        name = f"{split}_{i:05d}.bin"
+        name = f"{stem}_{i:05d}.bin"
         digest = atomic_write_bytes(out / name, part.tobytes())
-        shards.append({"file": name, "tokens": int(len(part)), "sha256": digest})
+        shards.append({"file": name, "tokens": int(len(part)), "sha256": digest, "group": group})
     return shards
+
+
+def write_split(out: Path, split: str, docs: list[Document], tok: Tokenizer, eot_id: int, shard_tokens: int) -> list[dict]:
+    """Pack and write one split, group after group (a group's windows stay contiguous)."""
+    groups = sorted({d.group for d in docs})
+    return [s for g in groups
+            for s in write_shards(out, split, pack(tok, [d for d in docs if d.group == g], eot_id), shard_tokens, g)]
 
 
 def prepare(data: DataSpec, out: Path, log=print) -> dict:
@@ -130,13 +145,14 @@ def prepare(data: DataSpec, out: Path, log=print) -> dict:
     tok = train_tokenizer(train_docs, data.tokenizer.vocab_size, data.tokenizer.min_frequency)
     eot_id = tok.token_to_id(EOT)
     atomic_write_bytes(out / TOKENIZER_FILE, tok.to_str().encode())
-    splits = {name: write_shards(out, name, pack(tok, ds, eot_id), data.shard_tokens)
+    splits = {name: write_split(out, name, ds, tok, eot_id, data.shard_tokens)
               for name, ds in (("train", train_docs), ("val", val_docs))}
     manifest = {
         "version": 1, "fingerprint": fp, "dtype": "uint16", "vocab_size": tok.get_vocab_size(),
         "eot_id": eot_id, "tokenizer": TOKENIZER_FILE, "splits": splits,
         "documents": {"train": len(train_docs), "val": len(val_docs)},
         "tokens": {k: sum(s["tokens"] for s in v) for k, v in splits.items()},
+        "groups": {g: {k: sum(s["tokens"] for s in v if s["group"] == g) for k, v in splits.items()} for g in files},
     }
     atomic_write_json(out / MANIFEST, manifest)
     log(f"prepared {manifest['tokens']['train']} train / {manifest['tokens']['val']} val tokens, "

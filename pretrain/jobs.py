@@ -51,7 +51,7 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
         stage=stage.name, stage_index=stage_index, seed=spec.seed, data_dir=str(layout.data_dir),
         ckpt_dir=checkpoint_location(spec, stage.name), job_dir=str(layout.job_dir(stage.name, attempt)),
         storage_options=storage_options(spec),
-        model=model_config(spec, vocab), optim=optim, init_from=init_from, init_optimizer=True,
+        model=model_config(spec, vocab), optim=optim, init_from=init_from, init_optimizer=stage.carry_optimizer,
         ckpt_interval=spec.checkpoint.interval, ckpt_keep=spec.checkpoint.keep,
         memory_interval=spec.checkpoint.memory_interval, shm_dir=spec.checkpoint.shm_dir,
         shm_fallback=spec.checkpoint.shm_fallback,
@@ -61,6 +61,7 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
         spike={"window": ft.spike_window, "zscore": ft.spike_zscore, "min_steps": ft.spike_min_steps},
         max_rollbacks=ft.max_rollbacks,
         skip=[[w.start, w.end] for w in spec.skip_samples if w.stage == stage.name],
+        mixture=dict(stage.mixture),
         chaos=[d.model_dump() for d in spec.chaos if (d.stage or spec.stages[0].name) == stage.name],
     )
 

@@ -23,7 +23,7 @@ class CampaignMismatch(RuntimeError):
 
 def _new_stage(steps: int, checkpoints: str) -> dict:
     return {"status": "pending", "steps": steps, "checkpoints": checkpoints, "attempts": 0, "restarts": 0, "failures": [],
-            "resumes": [], "final_checkpoint": None, "good_checkpoint": None, "mlflow_run_id": None,
+            "resumes": [], "verdicts": [], "final_checkpoint": None, "good_checkpoint": None, "mlflow_run_id": None,
             "eval": None}
 
 
@@ -84,4 +84,4 @@ class Ledger:
         self.mutate(lambda d: d.update(fields))
 
     def append(self, stage: str, key: str, record: dict) -> None:
-        self.mutate(lambda d: d["stages"][stage][key].append({**record, "time": record.get("time", time.time())}))
+        self.mutate(lambda d: d["stages"][stage].setdefault(key, []).append({**record, "time": record.get("time", time.time())}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -33,16 +34,31 @@ class TokenizerSpec(_Section):
 
 
 class DataSpec(_Section):
-    sources: list[str] = Field(
+    sources: list[str] | dict[str, list[str]] = Field(
         default_factory=lambda: ["{stdlib}/json/*.py"],
-        min_length=1,
-        description="Text files or glob patterns to train on. '{stdlib}' expands to the Python "
-        "standard library directory, so the demo needs nothing from outside. '**' recurses.",
+        description="Text files or glob patterns to train on; '{stdlib}' expands to the Python standard library "
+        "directory, so the demo needs nothing from outside; '**' recurses. A mapping of group name → patterns "
+        "makes named data groups that stages can mix in chosen proportions (`stages[].mixture`); a plain list is "
+        "one group named 'all'.",
     )
-    max_bytes: int = Field(8_000_000, gt=0, description="Stop reading sources after this many bytes (keeps demos small).")
+    max_bytes: int = Field(8_000_000, gt=0, description="Stop reading sources after this many bytes, per group (keeps demos small).")
     tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="Tokenizer training settings.")
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Fraction of documents held out for validation/evaluation.")
     shard_tokens: int = Field(1_000_000, gt=0, description="Tokens per packed shard file.")
+
+    @model_validator(mode="after")
+    def _groups_named(self) -> "DataSpec":
+        groups = self.groups()
+        if not groups or not all(groups.values()):
+            raise ValueError("sources must name at least one file pattern (in every group)")
+        bad = [g for g in groups if not re.fullmatch(r"[A-Za-z0-9_-]+", g)]
+        if bad:
+            raise ValueError(f"data group names may use letters, digits, '-', '_' only: {bad}")
+        return self
+
+    def groups(self) -> dict[str, list[str]]:
+        """Named groups of source patterns ('all' for a plain list)."""
+        return dict(self.sources) if isinstance(self.sources, dict) else {"all": list(self.sources)}
 
 
 class ModelSpec(_Section):
@@ -65,6 +81,10 @@ class ClusterSpec(_Section):
     nodes_min: int = Field(1, ge=1, description="Fewest nodes the job may run with (elastic lower bound).")
     nodes_max: int = Field(1, ge=1, description="Most nodes the job starts with (elastic upper bound).")
     max_restarts: int = Field(2, ge=0, description="In-job restarts by the elastic agent before the job counts as failed.")
+    rejoin_after_s: float = Field(
+        60.0, ge=0, description="A node lost during a job is health-checked again after this many seconds; if it passes, "
+        "the job is stopped (the savers persist the newest snapshot) and relaunched on all nodes — the cluster scales "
+        "back up with the same global batch and exact data position. 0: keep the smaller world until the job ends.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Collective backend: 'auto' picks NCCL on GPU, gloo on CPU.")
     threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 divides the machine's cores among workers.")
 
@@ -86,6 +106,10 @@ class StageSpec(_Section):
     micro_batch: int = Field(8, gt=0, description="Sequences per worker per forward/backward.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
     seq_len: int = Field(128, ge=8, description="Tokens per training sequence.")
+    mixture: dict[str, float] = Field(
+        default_factory=dict, description="Data group → weight (any positive scale): the stage draws its samples from "
+        "the groups in these proportions, exactly and resumably. Empty: the whole training split in one order.")
+    carry_optimizer: bool = Field(True, description="Start from the previous stage's optimizer state (AdamW moments); false resets it. The model weights always carry over.")
 
     @model_validator(mode="after")
     def _lr_order(self) -> "StageSpec":
@@ -130,6 +154,13 @@ class TrackingSpec(_Section):
     log_every: int = Field(1, gt=0, description="Log training metrics every this many steps.")
 
 
+class ValidationSpec(_Section):
+    probe_windows: int = Field(16, ge=1, description="Held-out sequences (the first of the validation split, the same for every checkpoint) in the gate's probe loss.")
+    probe_tolerance: float = Field(0.5, gt=0, description="A checkpoint whose probe loss exceeds the training loss recorded at its step by more than this fraction is bad (diverged or damaged weights).")
+    eval_every: int = Field(1, ge=0, description="Evaluate every Nth good checkpoint during training (val loss, perplexity, accuracy → MLflow at its step); 0: only each stage's final one.")
+    eval_batches: int = Field(16, ge=1, description="Validation batches (of 8 sequences) per evaluation.")
+
+
 class ResumeSpec(_Section):
     max_attempts: int = Field(3, ge=1, description="Job launches per stage (first run + automatic resumes) before the stage fails.")
 
@@ -146,8 +177,9 @@ class FaultToleranceSpec(_Section):
 
 
 class ChaosDrill(_Section):
-    kind: Literal["kill_worker", "hang_worker", "nan_loss", "loss_spike", "slow_worker", "kill_saver", "kill_node"] = Field(
-        ..., description="Fault to inject: kill or hang a worker, make the loss NaN or spike, slow a worker (and its node check), kill the node's checkpoint saver, kill a whole node.")
+    kind: Literal["kill_worker", "hang_worker", "nan_loss", "loss_spike", "slow_worker", "kill_saver", "kill_node",
+                  "corrupt_checkpoint"] = Field(
+        ..., description="Fault to inject: kill or hang a worker, make the loss NaN or spike, slow a worker (and its node check), kill the node's checkpoint saver, kill a whole node, flip a byte of the checkpoint persisted at `step` (silent storage corruption: the validation gate must catch it).")
     stage: str | None = Field(None, description="Stage in which the drill fires (default: the first stage).")
     step: int = Field(1, ge=1, description="Fires when training reaches this step of the stage (once per stage, never again after the restart).")
     rank: int = Field(0, ge=0, description="Worker rank for worker drills.")
@@ -175,6 +207,7 @@ class CampaignSpec(_Section):
         description="Training stages, run in order; each starts from the previous stage's final checkpoint.",
     )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence and retention.")
+    validation: ValidationSpec = Field(default_factory=ValidationSpec, description="The validation gate (only checkpoints that pass it are resumed from) and evaluation during training.")
     tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
     resume: ResumeSpec = Field(default_factory=ResumeSpec, description="Automatic resume after failures.")
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec, description="Hang and loss-anomaly detection, node checks.")
@@ -189,6 +222,13 @@ class CampaignSpec(_Section):
         for i, s in enumerate(self.stages):
             if s.seq_len > self.model.max_seq_len:
                 raise ValueError(f"stages[{i}].seq_len ({s.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+        groups = set(self.data.groups())
+        for i, s in enumerate(self.stages):
+            unknown = sorted(set(s.mixture) - groups)
+            if unknown:
+                raise ValueError(f"stages[{i}].mixture names data group(s) {unknown}; data.sources defines {sorted(groups)}")
+            if s.mixture and not any(w > 0 for w in s.mixture.values()) or any(w < 0 for w in s.mixture.values()):
+                raise ValueError(f"stages[{i}].mixture weights must be >= 0 with at least one > 0")
         for i, ref in enumerate([d.stage for d in self.chaos] + [w.stage for w in self.skip_samples]):
             if ref is not None and ref not in names:
                 raise ValueError(f"chaos / skip_samples refer to stage {ref!r}, which is not one of {names}")

@@ -24,12 +24,16 @@ def campaign_status(workdir: str | Path) -> dict:
     d = ledger.data
     stages = []
     for name, s in d["stages"].items():
-        latest = CheckpointStore.open(s["checkpoints"], d.get("storage_options")).latest_complete()
+        store = CheckpointStore.open(s["checkpoints"], d.get("storage_options"))
+        latest, good = store.latest_complete(), store.latest_good()
         stages.append({
             "name": name, "status": s["status"], "steps_total": s["steps"],
-            "steps_done": latest.step if latest else 0,
+            "steps_done": good.step if good else 0,  # what a resume would start from
             "latest_checkpoint": latest.to_dict() if latest else None,
-            "good_checkpoint": s["good_checkpoint"], "attempts": s["attempts"], "restarts": s["restarts"],
+            "good_checkpoint": good.to_dict() if good else None,
+            "bad_checkpoints": [v for v in s.get("verdicts", []) if v["verdict"] == "bad"],
+            "attempts": s["attempts"], "restarts": s["restarts"], "resizes": s.get("resizes", []),
+            "rewinds": s.get("rewinds", []),
             "failures": s["failures"], "resumes": s["resumes"], "mlflow_run_id": s["mlflow_run_id"], "eval": s["eval"],
         })
     uri = d["mlflow"]["tracking_uri"]
@@ -45,7 +49,7 @@ def campaign_status(workdir: str | Path) -> dict:
 def render(status: dict, console: Console | None = None) -> None:
     console = console or Console(width=max(Console().width, 150))
     table = Table(title=f"campaign {status['campaign']} — {status['status']}  ({status['workdir']})")
-    for col in ("stage", "status", "steps", "latest ckpt", "good ckpt", "attempts", "restarts", "failures",
+    for col in ("stage", "status", "steps", "latest ckpt", "good ckpt", "bad ckpts", "attempts", "restarts", "failures",
                 "val loss", "MLflow run"):
         table.add_column(col, no_wrap=col not in ("failures",))
     for s in status["stages"]:
@@ -53,6 +57,7 @@ def render(status: dict, console: Console | None = None) -> None:
             s["name"], s["status"], f"{s['steps_done']}/{s['steps_total']}",
             str(s["latest_checkpoint"]["step"]) if s["latest_checkpoint"] else "-",
             str(s["good_checkpoint"]["step"]) if s["good_checkpoint"] else "-",
+            ", ".join(str(b["step"]) for b in s["bad_checkpoints"]) or "-",
             str(s["attempts"]), str(s["restarts"]),
             ", ".join(f["cause"] for f in s["failures"]) or "-",
             f"{s['eval']['val_loss']:.3f}" if s["eval"] else "-", s["mlflow_run_id"] or "-",

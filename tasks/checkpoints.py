@@ -1,38 +1,73 @@
-"""Checkpoint tasks: find where to resume, validate, record the verdict."""
+"""Checkpoint tasks: the validation gate (in its own process) and where a stage resumes."""
 
 from __future__ import annotations
-
-import time
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.jobs import checkpoint_store, model_config, storage_options
-from pretrain.layout import CampaignLayout
+from pretrain.gate import judge, rewind_past_bad, wants_eval
+from pretrain.jobs import checkpoint_store
+from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
-from trainer.checkpoint import CheckpointStore
-from trainer.data import read_manifest
-from trainer.evaluate import Verdict, validate
+from tasks.tracking import tracker_for
+
+
+@task(name="validate-checkpoint", cache_policy=NO_CACHE)
+def check_checkpoint(spec: CampaignSpec, stage_index: int, step: int, evaluate: bool = False) -> dict:
+    """Judge one checkpoint in a separate process; record the verdict next to it, in the ledger
+    and as an MLflow tag (evaluation metrics, if run, at the checkpoint's step)."""
+    logger = get_run_logger()
+    stage = spec.stages[stage_index].name
+    record = judge(spec, stage_index, step, evaluate)
+    if record["verdict"] == "good":
+        logger.info("stage %s: checkpoint %d is good (probe loss %s)", stage, step,
+                    _fmt(record["probe"].get("probe_loss")))
+    else:
+        logger.error("stage %s: checkpoint %d is BAD, never resumed from: %s", stage, step, "; ".join(record["problems"]))
+    record_verdict(spec, stage_index, record)
+    return record
+
+
+def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
+    stage = spec.stages[stage_index].name
+    ledger = Ledger.open(spec)
+    ledger.append(stage, "verdicts", {k: record[k] for k in ("step", "path", "verdict", "problems", "probe", "metrics", "time")})
+    if record["verdict"] == "good":
+        s = ledger.stage(stage)
+        if (s["good_checkpoint"] or {}).get("step", -1) < record["step"]:
+            ledger.update_stage(stage, good_checkpoint={"step": record["step"], "path": record["path"]})
+    run_id = ledger.stage(stage)["mlflow_run_id"]
+    if run_id:
+        tracker = tracker_for(spec)
+        tags = {f"verdict.{record['step']:08d}": record["verdict"]}
+        if record["problems"]:
+            tags[f"verdict.{record['step']:08d}.problems"] = "; ".join(record["problems"])[:4000]
+        tracker.set_tags(run_id, tags)
+        if record["metrics"]:
+            tracker.log_values(run_id, record["metrics"], record["step"])
+
+
+def judge_pending(spec: CampaignSpec, stage_index: int) -> list[dict]:
+    """Judge every committed checkpoint of the stage that has no verdict yet, oldest first."""
+    store = checkpoint_store(spec, spec.stages[stage_index].name)
+    return [check_checkpoint(spec, stage_index, step, wants_eval(spec, stage_index, step)) for step in store.unjudged()]
 
 
 @task(name="find-resume-point", cache_policy=NO_CACHE)
 def find_resume_point(spec: CampaignSpec, stage_index: int) -> dict | None:
-    """The newest complete checkpoint of the stage (None: the stage starts fresh)."""
-    ref = checkpoint_store(spec, spec.stages[stage_index].name).latest_complete()
+    """The stage's newest *good* checkpoint (None: the stage starts fresh). Judges what is not
+    judged yet first; if the pointer got beyond the newest good checkpoint, rewinds to it."""
+    judge_pending(spec, stage_index)
+    store = checkpoint_store(spec, spec.stages[stage_index].name)
+    rewound = rewind_past_bad(store)
+    if rewound:
+        get_run_logger().warning("stage %s: rewound from step %s to the last good checkpoint %s (bad ones quarantined: %s)",
+                                 spec.stages[stage_index].name, rewound["from"], rewound["to"],
+                                 [q["path"] for q in rewound["quarantined"]] or "none")
+        Ledger.open(spec).append(spec.stages[stage_index].name, "rewinds", rewound)
+    ref = store.latest_good()
     return None if ref is None else ref.to_dict()
 
 
-@task(name="validate-checkpoint", cache_policy=NO_CACHE)
-def check_checkpoint(spec: CampaignSpec, path: str) -> dict:
-    """Validate the checkpoint and write its verdict next to it (and the stage's good pointer)."""
-    logger = get_run_logger()
-    vocab = read_manifest(CampaignLayout(spec.workdir_path).data_dir)["vocab_size"]
-    verdict: Verdict = validate(path, model_config(spec, vocab), storage_options(spec))
-    record = {**verdict.to_dict(), "verdict": "good" if verdict.ok else "bad", "time": time.time()}
-    store, step = CheckpointStore.of_step(path, storage_options(spec))
-    store.set_verdict(step, record)
-    if verdict.ok:
-        logger.info("checkpoint %s is good (step %s)", path, verdict.step)
-    else:
-        logger.error("checkpoint %s is bad: %s", path, "; ".join(verdict.problems))
-    return record
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.4f}"

@@ -17,7 +17,7 @@ def chaos_delays(spec: CampaignSpec) -> dict[int, float]:
 
 
 def _why(row: dict) -> str:
-    reason = row.get("error") or f"{row['relative']}× the median matmul time"
+    reason = row.get("error") or f"{row['relative']}× the median node's matmul time"
     return f"node {row['node']} worker {row['local_rank']}: {reason}"
 
 

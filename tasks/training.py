@@ -9,8 +9,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.cluster import make_cluster
-from pretrain.jobs import build_job, write_job
+from pretrain.cluster import make_cluster, recheck_nodes
+from pretrain.jobs import build_job, threads_per_worker, write_job
+from pretrain.ledger import Ledger
 from pretrain.incidents import cause_of, incidents
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
@@ -19,6 +20,38 @@ from tasks.tracking import tracker_for
 from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
 
 POLL_S = 1.0
+SCALE_UP_GRACE_S = 120.0  # a stop for scaling up waits this long for the savers' final persist
+
+
+@dataclass
+class RejoinWatch:
+    """When lost nodes are due for a re-check (``after_s`` after they were lost; 0: never)."""
+
+    after_s: float
+    since: dict[int, float] = field(default_factory=dict)
+
+    def lost(self, node: int) -> None:
+        self.since[node] = time.monotonic()
+
+    def due(self) -> list[int]:
+        now = time.monotonic()
+        return sorted(n for n, t in self.since.items() if self.after_s and now - t >= self.after_s)
+
+
+def try_scale_up(spec: CampaignSpec, stage: str, due: list[int], rejoin: RejoinWatch, events: JsonLines, logger) -> list[int]:
+    """Re-check lost nodes; the ones that pass make the job scale back up (returned). The ones
+    that fail are checked again after another ``rejoin_after_s``."""
+    baseline = (Ledger.open(spec).reload().get("cluster") or {}).get("health") or []
+    fit, rows = recheck_nodes(make_cluster(spec.cluster, threads_per_worker(spec)), spec.workdir_path, due, baseline,
+                              spec.fault_tolerance.node_check_threshold)
+    for node in due:
+        rejoin.lost(node)  # restart its clock: re-checked later if it did not pass now
+    events.write({"event": "node_recheck", "nodes": due, "fit": fit, "rows": rows, "source": "orchestrator"})
+    if fit:
+        logger.info("stage %s: node(s) %s passed the health check again; stopping the job to scale back up", stage, fit)
+    else:
+        logger.warning("stage %s: lost node(s) %s still fail the health check; training continues without them", stage, due)
+    return fit
 
 
 @dataclass
@@ -33,6 +66,7 @@ class JobResult:
     incidents: list[dict] = field(default_factory=list)  # failures recovered inside the job
     errors: list[str] = field(default_factory=list)  # what the workers reported before exiting
     log: str = ""  # the node agent's log file
+    scaled_up: list[int] = field(default_factory=list)  # lost nodes that passed a re-check: the job was stopped to take them back
 
     @property
     def ok(self) -> bool:
@@ -73,6 +107,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
                                  step_offset, events_path=Path(job.job_dir) / EVENTS)
     started = time.time()
+    rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
+    scaled_up: list[int] = []
     try:
         code, lost, events = None, {}, JsonLines(Path(job.job_dir) / EVENTS)
         while code is None:
@@ -80,13 +116,21 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
             for node, exit_code in (handle.lost_nodes().items() if code is None else ()):
                 if node not in lost:  # a node died while the others go on
                     lost[node] = exit_code
+                    rejoin.lost(node)
                     logger.warning("stage %s: node %d lost (exit %s); training continues on the others", job.stage, node, exit_code)
                     events.write({"event": "node_lost", "node": node, "exit_code": exit_code, "source": "orchestrator"})
             forwarder.pump()
+            if code is None and (due := rejoin.due()):
+                scaled_up = try_scale_up(spec, job.stage, due, rejoin, events, logger)
+                if scaled_up:
+                    handle.stop(grace_s=SCALE_UP_GRACE_S)  # the savers persist the newest snapshot on the way out
+                    code = handle.poll()
         forwarder.pump()
     finally:
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left
     result = summarize(Path(job.job_dir), attempt, code, started, Path(handle.logs[0]))
+    if scaled_up:
+        result.cause, result.scaled_up = "scale_up", scaled_up
     for r in result.resumes:
         if r["source"] == "checkpoint":
             logger.info("stage %s: workers resumed from step %d (%s)", job.stage, r["step"], r["checkpoint"])

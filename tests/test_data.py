@@ -53,3 +53,30 @@ def test_sampler_covers_every_window_once_per_epoch(prepared_data):
     assert sorted(s.index(p) for p in range(n)) == list(range(n))
     assert [s.index(p) for p in range(n, 2 * n)] != [s.index(p) for p in range(n)]  # new epoch, new order
     assert GlobalSampler(n, seed=7, stream=1).index(5) == s.index(5)
+
+
+def test_data_groups_are_packed_separately_and_mixed_in_exact_proportions(tmp_path):
+    from pretrain.spec import parse_spec
+    from trainer.data import MixtureSampler
+
+    spec = DataSpec(sources={"json": ["{stdlib}/json/*.py"], "email": ["{stdlib}/email/*.py"]},
+                    max_bytes=60_000, tokenizer={"vocab_size": 300}, val_fraction=0.2)
+    m = prepare(spec, tmp_path, log=lambda *_: None)
+    assert set(m["groups"]) == {"json", "email"} and all(g["train"] > 0 for g in m["groups"].values())
+    windows = TokenWindows(tmp_path, "train", 16)
+    assert set(windows.groups) == {"json", "email"}
+    assert sum(len(r) for r in windows.groups.values()) == len(windows)
+
+    sampler = MixtureSampler(windows.groups, {"json": 3, "email": 1}, seed=7, stream=2)
+    picks = [sampler.index(p) for p in range(4000)]
+    in_json = [i in windows.groups["json"] for i in picks]
+    assert sum(in_json) == 3000  # exactly 3:1 over whole periods
+    assert all(sum(in_json[k:k + 4]) == 3 for k in range(0, 4000, 4))  # and evenly at every scale
+    n_json = len(windows.groups["json"])
+    first_epoch = [i for i in picks if i in windows.groups["json"]][:n_json]
+    assert sorted(first_epoch) == list(windows.groups["json"])  # each group: every window once per epoch
+    again = MixtureSampler(windows.groups, {"json": 0.75, "email": 0.25}, seed=7, stream=2)
+    assert [again.index(p) for p in range(1234, 1300)] == picks[1234:1300]  # a pure function of the position
+
+    with pytest.raises(Exception, match=r"stages\.0\.mixture|stages\[0\]\.mixture names data group"):
+        parse_spec({"data": {"sources": {"json": ["x"]}}, "stages": [{"name": "a", "steps": 1, "mixture": {"code": 1}}]})

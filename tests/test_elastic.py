@@ -1,5 +1,6 @@
 """Elastic resize: 4 workers on 2 nodes, one node lost mid-stage → training continues on the
-other node's 2 workers with the same global batch, and every sample is trained on exactly once."""
+other node's 2 workers with the same global batch, and every sample is trained on exactly once;
+when the lost node passes its health check again, the job scales back up."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from trainer.reporting import read_all
 
 
 def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness, prepared_data, tmp_path):
-    spec = small_spec(tmp_path, cluster={"workers_per_node": 2, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3},
+    spec = small_spec(tmp_path, cluster={"workers_per_node": 2, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3,
+                                         "rejoin_after_s": 0},
                       stages=[{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
                       checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
                       chaos=[{"kind": "kill_node", "node": 1, "step": 12}])
@@ -48,3 +50,31 @@ def test_node_check_excludes_a_slow_node(prefect_harness, prepared_data, tmp_pat
     assert all(r["ok"] and r["allreduce_MBps"] > 0 for r in rows.values())
     metrics = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "metrics.jsonl")
     assert {m["world_size"] for m in metrics} == {1} and {m["grad_accum"] for m in metrics} == {2}
+
+
+def test_a_lost_node_that_passes_its_recheck_scales_the_job_back_up(prefect_harness, prepared_data, tmp_path):
+    """Node 1 of 2 is killed; a second later it is health-checked again, passes, and the job is
+    stopped (the saver persists the newest snapshot) and relaunched on both nodes. Across the
+    world sizes (2 → 1, if the survivor got to train alone meanwhile → 2 workers) the global
+    batch stays 4 and every sample position is trained on exactly once."""
+    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3,
+                                         "rejoin_after_s": 1},
+                      stages=[{"name": "main", "steps": 600, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
+                      checkpoint={"interval": 20, "memory_interval": 2, "keep": 2},
+                      chaos=[{"kind": "kill_node", "node": 1, "step": 10}])
+    seed_data(spec, prepared_data)
+    status = pretrain_campaign(spec=spec)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == 600
+    assert [r["nodes_back"] for r in stage["resizes"]] == [[1]] and stage["attempts"] == 2
+
+    jobs = spec.workdir_path / "jobs" / "main"
+    first, second = (read_all(jobs / f"attempt_00{i}" / "metrics.jsonl") for i in (0, 1))
+    assert {m["world_size"] for m in first} <= {2, 1} and first[0]["world_size"] == 2
+    assert {m["world_size"] for m in second} == {2}  # back to full size
+    assert all(m["grad_accum"] == 2 for m in first if m["world_size"] == 1)  # same global batch alone
+    resumed_at = min(m["step"] for m in second) - 1
+    final = {m["step"]: m for m in first if m["step"] <= resumed_at} | {m["step"]: m for m in second}
+    assert sorted(final) == list(range(1, 601))
+    for step, m in final.items():  # global batch 4: step s trained on positions [4(s-1), 4s)
+        assert m["consumed"] == 4 * step, step

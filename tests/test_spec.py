@@ -3,6 +3,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 from pydantic import BaseModel
 
@@ -25,6 +27,12 @@ def test_every_field_is_documented():
     for model in _models(CampaignSpec):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in Path(__file__).parents[1].joinpath("examples").glob("*.yaml")))
+def test_every_shipped_example_spec_is_valid(name):
+    spec = load_spec(f"builtin:{name}")
+    assert spec.name and spec.stages
 
 
 def test_builtin_demo_spec_is_valid():

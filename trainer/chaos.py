@@ -5,6 +5,8 @@ Each drill fires **once per stage**: a marker file created with O_EXCL in the st
 directory records it, so a restarted worker (or a relaunched job) does not fire it again.
 Worker-side kinds: ``kill_worker``, ``hang_worker``, ``nan_loss``, ``loss_spike`` (the loss ×
 ``factor``), ``slow_worker`` (every step, no marker). Agent-side kinds (``trainer.launch``): ``kill_saver``, ``kill_node``.
+Saver-side kind: ``corrupt_checkpoint`` (one byte of the committed ``model.pt`` flipped in
+storage: silent corruption that only the validation gate's sha256 check can catch).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 WORKER_KINDS = {"kill_worker", "hang_worker", "nan_loss", "loss_spike", "slow_worker"}
 AGENT_KINDS = {"kill_saver", "kill_node"}
+SAVER_KINDS = {"corrupt_checkpoint"}
 
 
 def marker_dir(job_dir: str | Path) -> Path:
@@ -61,3 +64,15 @@ class WorkerChaos:
                 self.report({"event": "chaos", "kind": d["kind"], "rank": self.rank, "step": step})
                 return float("nan") if d["kind"] == "nan_loss" else d.get("factor", 20.0)
         return 1.0
+
+
+def corrupt_committed(drills: list[dict], job_dir: str | Path, store, step: int, report) -> None:
+    """The ``corrupt_checkpoint`` drill: after ``step`` is committed, flip one byte in the middle
+    of its ``model.pt`` in storage (the manifest keeps the original sha256)."""
+    for i, d in enumerate(drills):
+        if d["kind"] in SAVER_KINDS and d.get("step") == step and claim(job_dir, i):
+            key = f"step_{step:08d}/model.pt"
+            data = bytearray(store.storage.get_bytes(key))
+            data[len(data) // 2] ^= 0xFF
+            store.storage.put_bytes(key, bytes(data))
+            report({"event": "chaos", "kind": d["kind"], "step": step, "key": key})

@@ -9,6 +9,7 @@ Layout of one stage's checkpoint location (a local directory or an ``s3://bucket
     step_00000020/verdict.json      validation result (good / bad, with the reasons)
     latest                          {"step": 20, "dir": "step_00000020"}; written last
     good                            the newest checkpoint that passed validation
+    quarantine/step_00000040.<time>/  a bad checkpoint moved aside when training rewound past it
 
 Only a checkpoint at or before the pointer, whose manifest exists and whose shards match it,
 is ever loaded. A save killed at any point leaves the previous checkpoint as the resume point.
@@ -222,6 +223,41 @@ class CheckpointStore:
     def verdict(self, step: int) -> dict | None:
         return self.read_json(f"{step_name(step)}/{VERDICT}")
 
+    def latest_good(self) -> CheckpointRef | None:
+        """The newest committed checkpoint that passed validation (and whose files are all there)."""
+        for step in self.committed_steps():
+            if (self.verdict(step) or {}).get("verdict") == "good" and not self.verify(step, deep=False):
+                return self.ref(step)
+        return None
+
+    def unjudged(self) -> list[int]:
+        """Steps the validation gate still has to judge, oldest first: committed ones without a
+        verdict, and the pointer's target whatever state it is in (a pointer to a checkpoint
+        whose manifest has gone is a damaged checkpoint, not an uncommitted one)."""
+        limit = self.read_pointer()
+        steps = {s for s in self.committed_steps() if self.verdict(s) is None}
+        if limit is not None and self.verdict(limit) is None:
+            steps.add(limit)
+        return sorted(steps)
+
+    def quarantine(self, step: int) -> str:
+        """Move a bad checkpoint out of the way (kept for forensics under ``quarantine/``), so
+        training can commit that step again. Returns its new location."""
+        dest = f"quarantine/{step_name(step)}.{time.strftime('%Y%m%dT%H%M%S')}.{time.time_ns() % 10**6:06d}"
+        self.storage.move_prefix(step_name(step), dest)
+        return _join(self.location, dest)
+
+    def rewind(self, step: int | None) -> None:
+        """Move the ``latest`` pointer back to ``step`` (None: no checkpoint). Only the
+        orchestrator does this, between jobs, after quarantining what lay beyond it."""
+        if step is None:
+            self.storage.delete(POINTER)
+        else:
+            self.write_json(POINTER, {"step": step, "dir": step_name(step)})
+        good = self.read_pointer(GOOD)
+        if good is not None and (step is None or good > step):
+            self.storage.delete(GOOD)
+
     def set_verdict(self, step: int, record: dict) -> None:
         self.write_json(f"{step_name(step)}/{VERDICT}", record)
         if record.get("verdict") == "good" and step >= (self.read_pointer(GOOD) or -1):
@@ -229,12 +265,14 @@ class CheckpointStore:
 
     def prune(self, keep: int, protect: set[int] = frozenset()) -> list[int]:
         """Delete committed checkpoints beyond the newest ``keep`` (never the pointer's target,
-        the good one or a protected step) and uncommitted leftovers older than the pointer."""
+        the good one, a bad one (kept for forensics) or a protected step) and uncommitted
+        leftovers older than the pointer."""
         limit = self.read_pointer()
         if limit is None:
             return []
         good = self.read_pointer(GOOD)
-        kept = set(self.committed_steps()[:keep]) | {limit} | set(protect) | ({good} if good is not None else set())
+        bad = {s for s in self.committed_steps() if (self.verdict(s) or {}).get("verdict") == "bad"}  # forensics
+        kept = set(self.committed_steps()[:keep]) | {limit} | set(protect) | bad | ({good} if good is not None else set())
         deleted = [s for s in self.all_steps() if s <= limit and s not in kept]
         for step in deleted:
             self.storage.delete_prefix(step_name(step))

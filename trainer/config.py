@@ -71,6 +71,7 @@ class JobConfig:
     spike: dict = field(default_factory=dict)  # window, zscore, min_steps of the loss-spike detector (zscore 0: off)
     max_rollbacks: int = 3  # loss anomalies tolerated in the stage before it fails
     skip: list = field(default_factory=list)  # [start, end) sample windows never trained on
+    mixture: dict = field(default_factory=dict)  # data group → weight for this stage; empty: the whole split, one order
     chaos: list = field(default_factory=list)  # chaos drills for this stage (trainer.chaos)
     ckpt_keep: int = 3  # committed checkpoints kept
     log_every: int = 1  # steps between metric lines

@@ -2,7 +2,8 @@
 
 ``validate`` answers "may training resume from this checkpoint?": the manifest is complete,
 every shard matches its sha256, every shard loads with ``weights_only=True``, the model state
-fits the model, optimizer and data position are present, every tensor is finite.
+fits the model, optimizer and data position are present, every tensor is finite, and (with a
+:class:`Probe`) the loss on a fixed held-out batch is within a tolerance of the training loss.
 ``evaluate`` computes validation loss, perplexity and next-token accuracy.
 """
 
@@ -26,6 +27,7 @@ class Verdict:
     ok: bool
     step: int | None
     problems: list[str] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)  # probe_loss, train_loss when probed
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,7 +45,20 @@ def iter_tensors(obj):
             yield from iter_tensors(v)
 
 
-def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None = None) -> Verdict:
+@dataclass(frozen=True)
+class Probe:
+    """The probe of the validation gate: the loss on a fixed held-out batch (the first windows of
+    the validation split) must not exceed the training loss recorded at the checkpoint's step by
+    more than ``tolerance`` (relative). Catches diverged or scrambled weights that are finite."""
+
+    data_dir: str
+    seq_len: int
+    windows: int = 16
+    tolerance: float = 0.5
+
+
+def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None = None,
+             probe: Probe | None = None) -> Verdict:
     """Validate the checkpoint at ``location`` (``…/step_XXXXXXXX``, local or s3://)."""
     store, step = ckpt.CheckpointStore.of_step(location, options)
     problems = store.verify(step)
@@ -55,7 +70,7 @@ def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None 
             shards[name] = store.load_shard(step, name)
         except Exception as err:  # noqa: BLE001 - any load failure makes the checkpoint unusable
             problems.append(f"{name}: cannot be loaded with weights_only=True ({err.__class__.__name__}: {err})")
-    main = shards.get(MODEL_SHARD)
+    main, model = shards.get(MODEL_SHARD), None
     if main is None:
         problems.append(f"{MODEL_SHARD}: missing from the manifest")
     else:
@@ -64,36 +79,61 @@ def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None 
                 problems.append(f"{MODEL_SHARD}: no {key!r} state")
         if "model" in main:
             try:
-                GPT(model_cfg).load_state_dict(main["model"])
+                model = GPT(model_cfg)
+                model.load_state_dict(main["model"])
             except RuntimeError as err:
+                model = None
                 problems.append(f"{MODEL_SHARD}: model state does not fit the spec's model ({str(err)[:300]})")
-    if not any("consumed" in s for n, s in shards.items() if n != MODEL_SHARD):
+    rank_shards = [s for n, s in shards.items() if n != MODEL_SHARD]
+    if not any("consumed" in s for s in rank_shards):
         problems.append("no rank shard with a data position")
     for name, shard in shards.items():
         bad = sum(1 for t in iter_tensors(shard) if t.is_floating_point() and not torch.isfinite(t).all())
         if bad:
             problems.append(f"{name}: {bad} tensor(s) hold NaN/Inf")
-    return Verdict(not problems, step, problems)
+    metrics = {}
+    if probe is not None and model is not None and not problems:
+        train_loss = next((float(s["loss"]) for s in rank_shards if s.get("loss") is not None), None)
+        probe_loss = held_out_loss(model, probe.data_dir, probe.seq_len, probe.windows)["loss"]
+        metrics = {"probe_loss": probe_loss, "train_loss": train_loss}
+        if not math.isfinite(probe_loss):
+            problems.append(f"probe loss on the held-out batch is {probe_loss}")
+        elif train_loss is not None and probe_loss > train_loss * (1 + probe.tolerance):
+            problems.append(f"probe loss {probe_loss:.4f} on the held-out batch exceeds the training loss "
+                            f"{train_loss:.4f} at step {step} by more than {probe.tolerance:.0%} (diverged or damaged weights)")
+    return Verdict(not problems, step, problems, metrics)
 
 
-@torch.no_grad()
-def evaluate(location: str | Path, model_cfg: ModelConfig, data_dir: str | Path, seq_len: int,
-             batch_size: int = 8, max_batches: int = 16, options: dict | None = None) -> dict:
-    """Validation-split loss, perplexity and next-token accuracy of the checkpoint's model."""
+def load_model(location: str | Path, model_cfg: ModelConfig, options: dict | None = None) -> tuple[GPT, int]:
+    """The checkpoint's model (eval mode) and its step."""
     store, step = ckpt.CheckpointStore.of_step(location, options)
     model = GPT(model_cfg)
     model.load_state_dict(store.load_shard(step, MODEL_SHARD)["model"])
+    return model.eval(), step
+
+
+@torch.no_grad()
+def held_out_loss(model: GPT, data_dir: str | Path, seq_len: int, windows: int, batch_size: int = 8) -> dict:
+    """Loss and next-token accuracy over the first ``windows`` windows of the validation split
+    (a fixed batch: the same for every checkpoint, so results compare across steps)."""
     model.eval()
-    windows = TokenWindows(data_dir, "val", seq_len)
-    n = min(len(windows), batch_size * max_batches)
+    split = TokenWindows(data_dir, "val", seq_len)
+    n = min(len(split), windows)
     total_loss, correct, tokens = 0.0, 0, 0
     for start in range(0, n, batch_size):
-        rows = torch.stack([windows[i] for i in range(start, min(n, start + batch_size))])
+        rows = torch.stack([split[i] for i in range(start, min(n, start + batch_size))])
         x, y = rows[:, :-1], rows[:, 1:]
         logits = model(x)
         total_loss += lm_loss(logits, y).item() * y.numel()
         correct += (logits.argmax(-1) == y).sum().item()
         tokens += y.numel()
-    loss = total_loss / tokens
-    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_accuracy": correct / tokens,
-            "val_tokens": tokens}
+    return {"loss": total_loss / tokens, "accuracy": correct / tokens, "tokens": tokens}
+
+
+def evaluate(location: str | Path, model_cfg: ModelConfig, data_dir: str | Path, seq_len: int,
+             batch_size: int = 8, max_batches: int = 16, options: dict | None = None) -> dict:
+    """Validation-split loss, perplexity and next-token accuracy of the checkpoint's model."""
+    model, _ = load_model(location, model_cfg, options)
+    r = held_out_loss(model, data_dir, seq_len, batch_size * max_batches, batch_size)
+    return {"val_loss": r["loss"], "val_perplexity": math.exp(min(r["loss"], 50.0)), "val_accuracy": r["accuracy"],
+            "val_tokens": r["tokens"]}

@@ -13,7 +13,7 @@ from trainer import state
 from trainer.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips, record_skip, skip_past, skips_path
 from trainer.chaos import WorkerChaos
 from trainer.config import JobConfig
-from trainer.data import GlobalSampler, TokenWindows, make_batch, micro_batch_positions
+from trainer.data import TokenWindows, make_batch, make_sampler, micro_batch_positions
 from trainer.dist import DistInfo, all_reduce_mean
 from trainer.flash import SnapshotStore
 from trainer.heartbeat import Heartbeat
@@ -23,7 +23,7 @@ from trainer.reporting import EVENTS, METRICS, JsonLines
 
 
 def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, step: int, consumed: int,
-               model, optimizer) -> float | None:
+               model, optimizer, loss: float | None = None) -> float | None:
     """Take the checkpoint due at ``step``, if any; returns the seconds training was blocked."""
     last = step == cfg.optim.steps
     persist = step % cfg.ckpt_interval == 0 or last
@@ -31,13 +31,13 @@ def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, 
         if not persist:
             return None
         t0 = time.perf_counter()
-        ref = state.save(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer)
+        ref = state.save(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer, loss=loss)
         if info.rank == 0:
             events.write({"event": "checkpoint", "step": step, "path": str(ref.path)})
         return time.perf_counter() - t0
     if not (persist or step % cfg.memory_interval == 0):
         return None
-    st = state.training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer)
+    st = state.training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer, loss=loss)
     blocked = snapshots.snapshot(step, st, persist=persist, wait=last)
     if blocked is None:
         events.write({"event": "snapshot_skipped", "rank": info.rank, "step": step, "reason": "slot busy"})
@@ -115,7 +115,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
 
     net = DDP(model) if info.world_size > 1 else model
     windows = TokenWindows(cfg.data_dir, "train", o.seq_len)
-    sampler = GlobalSampler(len(windows), cfg.seed, stream=cfg.stage_index)
+    sampler = make_sampler(windows, cfg.mixture, cfg.seed, cfg.stage_index)
     global_batch = info.world_size * o.micro_batch * accum
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext())
 
@@ -157,7 +157,8 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         consumed += global_batch
         dt = time.perf_counter() - t0
         beat("checkpoint", step)
-        blocked = checkpoint(cfg, info, snapshots, events, step=step, consumed=consumed, model=model, optimizer=opt)
+        blocked = checkpoint(cfg, info, snapshots, events, step=step, consumed=consumed, model=model, optimizer=opt,
+                             loss=mean_loss)
         if metrics is not None and (step % cfg.log_every == 0 or step == o.steps):
             record = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm), "step_time": dt,
                       "tokens_per_s": global_batch * o.seq_len / dt, "consumed": consumed,

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from trainer import checkpoint as ckpt
+from trainer.chaos import corrupt_committed
 from trainer.config import JobConfig
 from trainer.process import pid_alive
 from trainer.reporting import EVENTS, JsonLines
@@ -36,8 +37,10 @@ FINAL_COMMIT_WAIT_S = 5.0  # on the way out, how long the committer waits for ot
 
 
 class Saver:
-    def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None):
+    def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None,
+                 drills: list[dict] = (), job_dir: str | None = None):
         self.ns, self.nproc, self.store, self.keep, self.events = ns, nproc, store, keep, events
+        self.drills, self.job_dir = list(drills), job_dir  # chaos drills acted on by the saver
         self.stop = threading.Event()
         self._dead_seen: set[int] = set()
         self.pending: dict[int, int] = {}  # committer only: persisted step -> world size, not yet committed
@@ -124,6 +127,8 @@ class Saver:
             del self.pending[step]
             self.store.prune(self.keep)
             self._emit({"event": "checkpoint", "step": step, "path": ref.location})
+            if self.drills:
+                corrupt_committed(self.drills, self.job_dir, self.store, step, self._emit)
 
     def run(self) -> None:
         committed = self.store.read_pointer() or -1
@@ -155,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", type=Path, required=True, help="the job config: checkpoint location, retention, job dir")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     job = JobConfig.load(args.job)
-    saver = Saver(args.ns, args.nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS))
+    saver = Saver(args.ns, args.nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
+                  drills=job.chaos, job_dir=job.job_dir)
     signal.signal(signal.SIGTERM, lambda *_: saver.stop.set())  # finish, save at breakpoint, exit
     saver._emit({"event": "saver_start"})
     saver.run()

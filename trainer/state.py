@@ -37,10 +37,13 @@ class Restored:
     checkpoint: str | None  # directory the state came from
 
 
-def training_state(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer) -> dict:
+def training_state(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer,
+                   loss: float | None = None) -> dict:
     """What a checkpoint holds for this rank: ``shared`` (replicated under DDP, so rank 0 only:
-    model, optimizer, schedule) and ``rank`` (this rank's RNG and data position)."""
-    rank_state = {"rng_cpu": torch.get_rng_state(), "consumed": consumed, "step": step, "rank": info.rank}
+    model, optimizer, schedule) and ``rank`` (this rank's RNG, data position, and the training
+    loss of the step, which the validation gate's probe compares against)."""
+    rank_state = {"rng_cpu": torch.get_rng_state(), "consumed": consumed, "step": step, "rank": info.rank,
+                  "loss": loss}
     if info.device.type == "cuda":
         rank_state["rng_cuda"] = torch.cuda.get_rng_state(info.device)
     out = {"rank": rank_state}
@@ -50,9 +53,10 @@ def training_state(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, 
     return out
 
 
-def save(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer) -> ckpt.CheckpointRef:
+def save(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer,
+         loss: float | None = None) -> ckpt.CheckpointRef:
     """Direct (synchronous) save to storage, used when shared-memory snapshots are off."""
-    st = training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer)
+    st = training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer, loss=loss)
     store = cfg.checkpoints()
     shards = []
     if "shared" in st:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import tempfile
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -101,6 +102,17 @@ class Storage(ABC):
     def delete_prefix(self, prefix: str) -> None:
         """Delete every key under the directory ``prefix`` ("a" means "a/", "" means all)."""
 
+    def move_prefix(self, src: str, dst: str) -> None:
+        """Move every key under the directory ``src`` to the same key under ``dst`` (copy, then
+        delete the source: a crash in between leaves both copies, never neither)."""
+        src, dst = _dir_prefix(src), _dir_prefix(dst)
+        with tempfile.TemporaryDirectory(prefix="pretrain-move-") as tmp:
+            for key in self.list(src):
+                local = Path(tmp) / "object"
+                self.get_file(key, local)
+                self.put_file(dst + key[len(src):], local)
+        self.delete_prefix(src)
+
     def local_path(self, key: str) -> Path | None:
         return None
 
@@ -175,6 +187,15 @@ class LocalStorage(Storage):
         elif (target := self._path(prefix[:-1])).is_dir():
             shutil.rmtree(target)
             fsync_dir(target.parent)
+
+    def move_prefix(self, src: str, dst: str) -> None:
+        source, target = self._path(_dir_prefix(src)[:-1]), self._path(_dir_prefix(dst)[:-1])
+        if not source.is_dir():
+            return
+        _mkdirs(target.parent)
+        os.rename(source, target)  # one atomic rename on the same file system
+        fsync_dir(source.parent)
+        fsync_dir(target.parent)
 
     def local_path(self, key: str) -> Path:
         return self._path(key)

@@ -1,0 +1,94 @@
+"""The validation gate, orchestrator side (no Prefect): judge committed checkpoints in a
+separate process, record the verdict next to the checkpoint, and rewind a stage past bad ones.
+
+Only a checkpoint the gate judged *good* becomes the stage's resume point after a failed job.
+A bad one is never resumed from: it is kept (for forensics) and, if training has to go back
+past it, moved to ``quarantine/`` so that step can be committed again.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+from pretrain.jobs import checkpoint_store, model_config, storage_options
+from pretrain.layout import CampaignLayout
+from pretrain.spec import CampaignSpec
+from trainer.checkpoint import CheckpointStore
+from trainer.data import read_manifest
+
+GATE_TIMEOUT_S = 600.0
+
+
+class GateError(RuntimeError):
+    """The validation process itself failed (not a verdict on the checkpoint)."""
+
+
+def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: bool) -> dict:
+    data_dir = str(CampaignLayout(spec.workdir_path).data_dir)
+    seq_len, v = spec.stages[stage_index].seq_len, spec.validation
+    return {
+        "location": location, "options": storage_options(spec),
+        "model": asdict(model_config(spec, read_manifest(data_dir)["vocab_size"])),
+        "probe": {"data_dir": data_dir, "seq_len": seq_len, "windows": v.probe_windows, "tolerance": v.probe_tolerance},
+        "evaluate": {"data_dir": data_dir, "seq_len": seq_len, "batches": v.eval_batches} if evaluate else None,
+    }
+
+
+def run_gate(request: dict, timeout_s: float = GATE_TIMEOUT_S) -> dict:
+    """Run ``python -m trainer.gate`` on the request; its ``{"verdict", "metrics"}``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="pretrain-gate-") as f:
+        json.dump(request, f)
+        f.flush()
+        proc = subprocess.run([sys.executable, "-m", "trainer.gate", f.name], capture_output=True, text=True,
+                              timeout=timeout_s)
+    if proc.returncode != 0:
+        raise GateError(f"validating {request['location']} failed to run (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def judge(spec: CampaignSpec, stage_index: int, step: int, evaluate: bool = False) -> dict:
+    """Validate (and, if good and asked, evaluate) one checkpoint of the stage; write its
+    verdict next to it (moving the stage's ``good`` pointer) and return the record."""
+    store = checkpoint_store(spec, spec.stages[stage_index].name)
+    location = store.ref(step).location
+    t0 = time.monotonic()
+    out = run_gate(gate_request(spec, stage_index, location, evaluate))
+    v = out["verdict"]
+    record = {"step": step, "path": location, "verdict": "good" if v["ok"] else "bad", "problems": v["problems"],
+              "probe": v.get("metrics", {}), "metrics": out["metrics"], "gate_s": round(time.monotonic() - t0, 2),
+              "time": time.time()}
+    store.set_verdict(step, record)
+    return record
+
+
+def wants_eval(spec: CampaignSpec, stage_index: int, step: int) -> bool:
+    """Evaluate every ``validation.eval_every``-th checkpoint during training; the stage's final
+    one is evaluated by the campaign's evaluate flow."""
+    every = spec.validation.eval_every * spec.checkpoint.interval
+    return bool(every) and step % every == 0 and step < spec.stages[stage_index].steps
+
+
+def rewind_past_bad(store: CheckpointStore) -> dict | None:
+    """Make the newest good checkpoint the stage's ``latest`` again: everything the pointer got
+    to beyond it is bad (quarantined) or never committed (deleted). Returns what was done, or
+    None when the pointer already is at the newest good checkpoint."""
+    good, limit = store.latest_good(), store.read_pointer()
+    to = good.step if good else None
+    if limit is None or (to is not None and limit <= to):
+        return None
+    quarantined, dropped = [], []
+    for step in store.all_steps():
+        if (to is None or step > to) and step <= limit:
+            if (store.verdict(step) or {}).get("verdict") == "bad":
+                quarantined.append({"step": step, "path": store.quarantine(step)})
+            else:
+                store.storage.delete_prefix(f"step_{step:08d}")
+                dropped.append(step)
+    store.rewind(to)
+    return {"from": limit, "to": to, "quarantined": quarantined, "dropped": dropped}
+

@@ -1,0 +1,148 @@
+"""The validation gate: damaged checkpoints are marked bad, kept for forensics and never
+resumed from; the previous good checkpoint is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import seed_data, small_spec
+from pretrain.gate import gate_request, run_gate
+from pretrain.jobs import checkpoint_store, model_config
+from pretrain.ledger import Ledger
+from tasks.checkpoints import find_resume_point
+from trainer.checkpoint import rank_shard_name, step_name
+from trainer.data import TokenWindows, read_manifest
+from trainer.evaluate import held_out_loss
+from trainer.model import GPT, lm_loss
+
+
+def _spec(tmp_path, prepared_data):
+    spec = small_spec(tmp_path, stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 4}])
+    seed_data(spec, prepared_data)
+    Ledger.open(spec).save()
+    return spec
+
+
+def write_checkpoint(spec, step: int, *, nan: bool = False, reported_loss: float | None = None) -> None:
+    """A real checkpoint of the spec's model after one AdamW step, committed atomically. The
+    training loss recorded with it is the model's own held-out loss unless ``reported_loss``."""
+    data_dir = spec.workdir_path / "data"
+    torch.manual_seed(step)
+    model = GPT(model_config(spec, read_manifest(data_dir)["vocab_size"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rows = torch.stack([TokenWindows(data_dir, "train", 32)[i] for i in range(4)])
+    lm_loss(model(rows[:, :-1]), rows[:, 1:]).backward()
+    opt.step()
+    if nan:
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] = float("nan")
+    loss = held_out_loss(model, data_dir, 32, 16)["loss"] if reported_loss is None else reported_loss
+    store = checkpoint_store(spec, "s")
+    shards = [store.write_shard(step, "model.pt", {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                                   "scheduler": {"step": step}, "step": step}),
+              store.write_shard(step, rank_shard_name(0), {"rng_cpu": torch.get_rng_state(), "consumed": 4 * step,
+                                                           "step": step, "rank": 0, "loss": loss})]
+    store.commit(step, shards, {"world_size": 1})
+
+
+def _flip_byte(store, step):
+    p = store.storage.local_path(f"{step_name(step)}/model.pt")
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+def _truncate(store, step):
+    p = store.storage.local_path(f"{step_name(step)}/{rank_shard_name(0)}")
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _drop_manifest(store, step):
+    store.storage.delete(f"{step_name(step)}/manifest.json")
+
+
+DAMAGE = {
+    "flipped byte": (lambda spec: write_checkpoint(spec, 8), _flip_byte, "sha256 does not match"),
+    "truncated shard": (lambda spec: write_checkpoint(spec, 8), _truncate, "bytes, manifest says"),
+    "missing manifest": (lambda spec: write_checkpoint(spec, 8), _drop_manifest, "no manifest.json"),
+    "NaN weights": (lambda spec: write_checkpoint(spec, 8, nan=True), None, "NaN/Inf"),
+    "probe out of tolerance": (lambda spec: write_checkpoint(spec, 8, reported_loss=1.0), None, "probe loss"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_checkpoint_is_bad_kept_and_never_resumed_from(prefect_harness, prepared_data, tmp_path, damage):
+    spec = _spec(tmp_path, prepared_data)
+    write_checkpoint(spec, 4)
+    make, harm, reason = DAMAGE[damage]
+    make(spec)
+    store = checkpoint_store(spec, "s")
+    if harm:
+        harm(store, 8)
+
+    point = find_resume_point(spec, 0)
+
+    assert point == {"step": 4, "path": store.ref(4).location}  # the previous good one
+    assert store.read_pointer() == 4 and store.latest_good().step == 4
+    assert store.latest_complete().step == 4  # what a worker restoring from storage would take
+    stage = Ledger.open(spec).stage("s")
+    verdicts = {v["step"]: v for v in stage["verdicts"]}
+    assert verdicts[4]["verdict"] == "good" and verdicts[8]["verdict"] == "bad"
+    assert any(reason in p for p in verdicts[8]["problems"]), verdicts[8]["problems"]
+    (moved,) = stage["rewinds"][0]["quarantined"]  # kept for forensics, out of the way
+    kept = store.storage.local_path(moved["path"].rpartition("/checkpoints/s/")[2])
+    assert kept.is_dir() and json.loads((kept / "verdict.json").read_text())["verdict"] == "bad"
+    assert not (store.storage.local_path(step_name(8))).exists()  # step 8 can be committed again
+
+
+def test_gate_accepts_a_sound_checkpoint_and_reports_its_probe(prepared_data, tmp_path):
+    spec = _spec(tmp_path, prepared_data)
+    write_checkpoint(spec, 4)
+    out = run_gate(gate_request(spec, 0, checkpoint_store(spec, "s").ref(4).location, evaluate=True))
+    assert out["verdict"]["ok"], out["verdict"]["problems"]
+    probe = out["verdict"]["metrics"]
+    assert probe["probe_loss"] == pytest.approx(probe["train_loss"], rel=1e-4)
+    assert out["metrics"]["val_loss"] > 0 and 0 <= out["metrics"]["val_accuracy"] <= 1
+
+
+def test_no_good_checkpoint_rewinds_to_nothing(prefect_harness, prepared_data, tmp_path):
+    spec = _spec(tmp_path, prepared_data)
+    write_checkpoint(spec, 4, nan=True)
+    assert find_resume_point(spec, 0) is None
+    store = checkpoint_store(spec, "s")
+    assert store.read_pointer() is None and store.latest_complete() is None
+
+
+def test_campaign_rewinds_past_a_silently_corrupted_checkpoint(prefect_harness, prepared_data, tmp_path):
+    """A byte of the final checkpoint is flipped in storage after it was committed: the gate
+    marks it bad, the stage goes back to the previous good checkpoint, trains the last steps
+    again and completes; MLflow has the evaluations at the good checkpoints' steps."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.campaign import pretrain_campaign
+
+    spec = small_spec(tmp_path, stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 4}],
+                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
+                      chaos=[{"kind": "corrupt_checkpoint", "step": 8}])
+    seed_data(spec, prepared_data)
+    status = pretrain_campaign(spec=spec)
+
+    (s,) = status["stages"]
+    assert status["status"] == "completed" and s["good_checkpoint"]["step"] == 8 and s["attempts"] == 2
+    assert [b["step"] for b in s["bad_checkpoints"]] == [8]
+    assert "sha256 does not match" in s["bad_checkpoints"][0]["problems"][0]
+    relaunch = [r for r in s["resumes"] if r["attempt"] == 1]
+    assert relaunch[0]["source"] == "checkpoint" and relaunch[0]["checkpoint"].endswith("step_00000004")
+    store = checkpoint_store(spec, "s")
+    assert store.verdict(8)["verdict"] == "good" and store.verify(8) == []
+    assert len(store.storage.list("quarantine/")) > 0  # the bad one, kept for forensics
+
+    client = MlflowClient(spec.tracking_uri)
+    run = client.get_run(s["mlflow_run_id"])
+    assert run.data.tags["verdict.00000008"] == "good" and "sha256" in run.data.tags["verdict.00000008.problems"]
+    good_steps = {v["step"] for v in Ledger.open(spec).stage("s")["verdicts"] if v["verdict"] == "good"}
+    evaluated = {m.step for m in client.get_metric_history(run.info.run_id, "val_loss")}
+    assert 8 in evaluated and evaluated <= good_steps
