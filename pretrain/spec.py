@@ -66,6 +66,10 @@ class ClusterSpec(_Section):
     nodes_max: int = Field(1, ge=1, description="Most nodes the job starts with (elastic upper bound).")
     max_restarts: int = Field(2, ge=0, description="In-job restarts by the elastic agent before the job counts as failed.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Collective backend: 'auto' picks NCCL on GPU, gloo on CPU.")
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Data parallelism: 'ddp' replicates model and optimizer on every worker (rank 0 checkpoints "
+        "them); 'fsdp' shards them across the workers with FSDP2 (per block + root), and every worker checkpoints its "
+        "own shard. Checkpoints of either kind can start or resume a stage of the other (docs/fault-tolerance.md).")
     threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 divides the machine's cores among workers.")
 
     @model_validator(mode="after")
