@@ -4,12 +4,14 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set): ``python tests/fsdp_ranks.py
 ``train`` (world 2): train 3 steps, checkpoint step 3 to storage (direct save), train a 4th
 step and snapshot it to shared memory; then restore fresh models from memory and from storage
 and check them against what was saved, bit for bit. Writes the full step-3 model for the test.
-``reshard`` (any world): restore the step-3 checkpoint into an FSDP model of this world size
-and write its full parameters and the restore source.
+``reshard`` (any world): restore the step-3 FSDP checkpoint, and start from the DDP copy of
+it (``DIR/ddp_ckpt``, written by the test), in FSDP models of this world size; write each
+rank's pieces and the restore sources.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -113,13 +115,13 @@ def main(mode: str, root: Path) -> None:
         got = state.restore(cfg, info, model=m, optimizer=o, snapshots=None)
         same(pieces(m, o), at3)
         out["storage"] = [got.source, got.step, got.consumed]
-    elif mode == "reshard":
-        m, o = fresh(cfg, seed=9)
-        got = state.restore(cfg, info, model=m, optimizer=o)
-        full = full_model(m)
-        if info.rank == 0:
-            torch.save(full, root / f"resharded_{info.world_size}.pt")
-        out["restored"] = [got.source, got.step, got.consumed]
+    elif mode == "reshard":  # this rank's pieces after restoring at this world size
+        for name, run in (("fsdp", cfg), ("ddp", dataclasses.replace(cfg, ckpt_dir=str(root / f"fsdp_from_ddp_{info.world_size}"),
+                                                                      init_from=str(root / "ddp_ckpt" / "step_00000003")))):
+            m, o = fresh(run, seed=9)
+            got = state.restore(run, info, model=m, optimizer=o)
+            torch.save(pieces(m, o), root / f"resharded_from_{name}_{info.world_size}_{info.rank}.pt")
+            out[name] = [got.source, got.step, got.consumed]
     (root / f"result_{mode}_{info.rank}.json").write_text(json.dumps(out))
     shutdown_and_exit(0)
 

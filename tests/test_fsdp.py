@@ -24,10 +24,11 @@ from trainer import checkpoint as ckpt
 from trainer import state
 from trainer.data import read_manifest
 from trainer.evaluate import evaluate, validate
+from trainer.flash import SnapshotStore
 from trainer.loop import build_model
 from trainer.reporting import read_all
 from trainer.sharded import PIECE, ShardLayoutError, chunk_bounds, consolidate, load_full_state
-from test_flash import CPU0, assert_same
+from test_flash import CPU0, assert_same, start_saver
 
 RANKS = Path(__file__).with_name("fsdp_ranks.py")
 
@@ -70,6 +71,33 @@ def test_an_incomplete_sharded_checkpoint_is_rejected_with_both_names(tmp_path):
         load_full_state(store, 2)
     verdict = validate(store.ref(2).location, job(tmp_path).model)
     assert not verdict.ok and any("no model state" in p and "world_size 2" in p for p in verdict.problems)
+
+
+def test_a_sharded_checkpoint_commits_only_when_every_ranks_piece_is_persisted(tmp_path):
+    """Two nodes of one rank each: the first node's saver persists its piece but cannot commit;
+    the checkpoint appears when the second node's saver has persisted the other piece."""
+    w = torch.randn(5, 3)
+    for rank in (0, 1):
+        snaps = SnapshotStore(tmp_path / f"node{rank}", 0, rank, 2, capacity=1 << 16)
+        snaps.snapshot(4, {"shard": {"model": {"w": piece(w, 2, rank)}, "optimizer": {}, "scheduler": {}, "step": 4},
+                           "rank": {"consumed": 8, "step": 4, "rank": rank}}, persist=True)
+        snaps.flush()
+    store = ckpt.CheckpointStore.open(tmp_path / "ckpt")
+    first = start_saver(tmp_path, tmp_path / "node0")
+    try:
+        wait_for(lambda: store.node_shards(4), 60, "node 0's saver to persist its piece")
+        assert store.read_pointer() is None and store.manifest(4) is None
+        second = start_saver(tmp_path, tmp_path / "node1")
+        try:
+            wait_for(lambda: store.read_pointer() == 4, 60, "the commit of step 4")
+        finally:
+            second.terminate()
+            second.wait(30)
+    finally:
+        first.terminate()
+        first.wait(30)
+    assert store.manifest(4)["parallelism"] == "fsdp" and store.verify(4) == []
+    assert torch.equal(load_full_state(store, 4)["model"]["w"], w)
 
 
 # ---- real processes: 2 gloo ranks ------------------------------------------------------------
@@ -141,16 +169,30 @@ def test_fsdp_checkpoint_starts_or_resumes_a_ddp_run(trained, tmp_path):
     assert_same(model.state_dict(), full["model"])
 
 
-def test_fsdp_checkpoint_of_2_ranks_reshards_to_1(trained):
+@pytest.mark.parametrize("world", [1, 3])
+def test_fsdp_and_ddp_checkpoints_reshard_into_fsdp_of_another_size(trained, world):
+    """2-rank FSDP → 1- or 3-rank FSDP (resume), and DDP → FSDP (init_from): the pieces of the
+    new world (uneven for 3) consolidate to the same model and optimizer state."""
     root, _ = trained
-    [result] = run_ranks("reshard", root, world=1)
-    assert result["restored"] == ["checkpoint", 3, 12]
-    assert_same(torch.load(root / "resharded_1.pt", weights_only=True), torch.load(root / "full_step3.pt", weights_only=True))
+    full = load_full_state(ckpt.CheckpointStore.open(root / "ckpt"), 3)
+    ddp = dataclasses.replace(job(root, "ddp"), ckpt_dir=str(root / "ddp_ckpt"))
+    model, opt = build_model(ddp, torch.device("cpu"))
+    state.restore(job(root, "ddp"), CPU0, model=model, optimizer=opt)
+    state.save(ddp, CPU0, step=3, consumed=12, model=model, optimizer=opt)  # the same state, as DDP writes it
+    assert ckpt.MODEL_SHARD in ckpt.CheckpointStore.open(root / "ddp_ckpt").manifest(3)["files"]
+    results = run_ranks("reshard", root, world=world)
+    for r in results:
+        assert r["fsdp"] == ["checkpoint", 3, 12] and r["ddp"] == ["init_from", 0, 0]
+    for source in ("fsdp", "ddp"):
+        got = consolidate([torch.load(root / f"resharded_from_{source}_{world}_{r}.pt", weights_only=True)
+                           for r in range(world)])
+        assert_same(got["model"], full["model"])
+        assert_same(got["optimizer"]["state"], full["optimizer"]["state"])
 
 
 # ---- a campaign: killed worker, restore from memory, bitwise equal to a fault-free run ----------
 FSDP = {"workers_per_node": 2, "max_restarts": 3, "parallelism": "fsdp"}
-SHORT = [{"name": "main", "steps": 12, "seq_len": 32, "micro_batch": 4, "warmup_steps": 3, "grad_accum": 2}]
+SHORT = [{"name": "main", "steps": 8, "seq_len": 32, "micro_batch": 4, "warmup_steps": 3, "grad_accum": 2}]
 
 
 def fsdp_spec(path, prepared_data, **overrides):
@@ -163,18 +205,18 @@ def final_full_model(spec) -> dict:
 
 
 def test_fsdp_worker_killed_after_a_snapshot_resumes_from_memory_bit_exact(prefect_harness, prepared_data, tmp_path):
-    drilled = fsdp_spec(tmp_path / "drilled", prepared_data, chaos=[{"kind": "kill_worker", "step": 7, "rank": 1}])
+    drilled = fsdp_spec(tmp_path / "drilled", prepared_data, chaos=[{"kind": "kill_worker", "step": 5, "rank": 1}])
     status = pretrain_campaign(spec=drilled)
     stage = status["stages"][0]
-    assert status["status"] == "completed" and stage["steps_done"] == 12 and stage["attempts"] == 1
+    assert status["status"] == "completed" and stage["steps_done"] == 8 and stage["attempts"] == 1
     assert [f["cause"] for f in stage["failures"]] == ["worker_killed"]
     starts = [e for e in read_all(drilled.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
               if e["event"] == "start"]
-    assert {(e["source"], e["step"]) for e in starts if e["restart_count"] == 1} == {("memory", 6)}
+    assert {(e["source"], e["step"]) for e in starts if e["restart_count"] == 1} == {("memory", 4)}
 
     store = checkpoint_store(drilled, "main")
     final = store.ref(store.read_pointer()).location
-    assert store.manifest(12)["parallelism"] == "fsdp"
+    assert store.manifest(8)["parallelism"] == "fsdp"
     data_dir = CampaignLayout(drilled.workdir_path).data_dir
     model_cfg = model_config(drilled, read_manifest(data_dir)["vocab_size"])
     assert validate(final, model_cfg).ok

@@ -55,14 +55,16 @@ def build_model(cfg: JobConfig, device: torch.device) -> tuple[GPT, torch.optim.
     the root, which holds the tied embedding), so the optimizer holds this rank's pieces."""
     model = GPT(cfg.model).to(device)
     if state.is_sharded(cfg):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         if not is_initialized():
             raise RuntimeError("cluster.parallelism 'fsdp' needs torch.distributed: start workers through "
                                "trainer.launch (or init a process group), or use parallelism 'ddp'")
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))  # the worker's device, not the machine's
         for block in model.h:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                             betas=(0.9, 0.95), eps=1e-8)
     return model, opt

@@ -4,7 +4,7 @@ In a checkpoint or snapshot a DTensor becomes a *piece*: a plain dict ``{"__piec
 tensor, "shape": global shape, "dim": sharded dim (None: replicated), "offset": start row}``,
 so it passes ``torch.load(weights_only=True)`` and the pickle-free shared-memory layout.
 Pieces carry what is needed to reassemble the full tensor from the pieces of all ranks
-(:func:`consolidate`) or to cut another rank's piece out of a full tensor (:func:`to_sharded`).
+(:func:`consolidate`) or to cut a rank's piece out of a full tensor (:func:`apply_sharded`).
 
 Layouts FSDP2 produces here (``fully_shard`` on a 1-D mesh): ``Shard(0)`` with ``torch.chunk``
 semantics (ranks ``0..k`` hold ceil(n / world) rows, the rest fewer or none) and ``Replicate``.
@@ -132,7 +132,8 @@ def _from_piece_or_full(value, like, where: str):
     else:
         if tuple(value.shape) != tuple(like.shape):
             raise ShardLayoutError(f"{where}: stored shape {tuple(value.shape)} does not fit {tuple(like.shape)}")
-        local = value if dim is None else value.narrow(dim, offset, length)
+        # a cut is copied so that the optimizer's state does not keep the full tensor alive
+        local = value if dim is None else value.narrow(dim, offset, length).clone()
     local = local.to(device=like.device, dtype=like.dtype).contiguous()
     return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
 
