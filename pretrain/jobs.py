@@ -55,7 +55,7 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
         ckpt_interval=spec.checkpoint.interval, ckpt_keep=spec.checkpoint.keep,
         memory_interval=spec.checkpoint.memory_interval, shm_dir=spec.checkpoint.shm_dir,
         shm_fallback=spec.checkpoint.shm_fallback,
-        log_every=spec.tracking.log_every, backend=spec.cluster.backend,
+        log_every=spec.tracking.log_every, backend=spec.cluster.backend, parallelism=spec.cluster.parallelism,
         threads_per_worker=threads_per_worker(spec),
         hang_timeouts={"startup": ft.startup_timeout_s, "step": ft.step_timeout_s, "checkpoint": ft.checkpoint_timeout_s},
         spike={"window": ft.spike_window, "zscore": ft.spike_zscore, "min_steps": ft.spike_min_steps},

@@ -86,6 +86,10 @@ class ClusterSpec(_Section):
         "the job is stopped (the savers persist the newest snapshot) and relaunched on all nodes — the cluster scales "
         "back up with the same global batch and exact data position. 0: keep the smaller world until the job ends.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Collective backend: 'auto' picks NCCL on GPU, gloo on CPU.")
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Data parallelism: 'ddp' replicates model and optimizer on every worker (rank 0 checkpoints "
+        "them); 'fsdp' shards them across the workers with FSDP2 (per block + root), and every worker checkpoints its "
+        "own shard. Checkpoints of either kind can start or resume a stage of the other (docs/fault-tolerance.md).")
     threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 divides the machine's cores among workers.")
 
     @model_validator(mode="after")

@@ -5,7 +5,7 @@ Each drill fires **once per stage**: a marker file created with O_EXCL in the st
 directory records it, so a restarted worker (or a relaunched job) does not fire it again.
 Worker-side kinds: ``kill_worker``, ``hang_worker``, ``nan_loss``, ``loss_spike`` (the loss ×
 ``factor``), ``slow_worker`` (every step, no marker). Agent-side kinds (``trainer.launch``): ``kill_saver``, ``kill_node``.
-Saver-side kind: ``corrupt_checkpoint`` (one byte of the committed ``model.pt`` flipped in
+Saver-side kind: ``corrupt_checkpoint`` (one byte of the committed model state flipped in
 storage: silent corruption that only the validation gate's sha256 check can catch).
 """
 
@@ -68,10 +68,11 @@ class WorkerChaos:
 
 def corrupt_committed(drills: list[dict], job_dir: str | Path, store, step: int, report) -> None:
     """The ``corrupt_checkpoint`` drill: after ``step`` is committed, flip one byte in the middle
-    of its ``model.pt`` in storage (the manifest keeps the original sha256)."""
+    of its model state in storage (``model.pt``, or the first FSDP model shard; the manifest
+    keeps the original sha256)."""
     for i, d in enumerate(drills):
         if d["kind"] in SAVER_KINDS and d.get("step") == step and claim(job_dir, i):
-            key = f"step_{step:08d}/model.pt"
+            key = min(k for k in store.storage.list(f"step_{step:08d}/model") if k.endswith(".pt"))
             data = bytearray(store.storage.get_bytes(key))
             data[len(data) // 2] ^= 0xFF
             store.storage.put_bytes(key, bytes(data))

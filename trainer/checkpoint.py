@@ -3,6 +3,7 @@
 Layout of one stage's checkpoint location (a local directory or an ``s3://bucket/prefix``)::
 
     step_00000020/model.pt          model, optimizer, scheduler (rank 0; DDP replicas are equal)
+    step_00000020/model_shard_00000.pt   … or, under FSDP, each rank's piece of them (``trainer.sharded``)
     step_00000020/rank_00000.pt     per-rank state: RNG, data position
     step_00000020/node_*.json       a saver's record of the shards it persisted
     step_00000020/manifest.json     sha256 + size of every shard; written after all shards
@@ -43,8 +44,32 @@ def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+MODEL_SHARD = "model.pt"  # the full model state: model, optimizer, scheduler, step
+_MODEL_PIECE = re.compile(r"^model_shard_(\d{5})\.pt$")
+
+
 def rank_shard_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
+
+
+def model_shard_name(rank: int) -> str:
+    """One rank's piece of a sharded (FSDP) model state."""
+    return f"model_shard_{rank:05d}.pt"
+
+
+def model_shard_ranks(names) -> list[int]:
+    """The ranks whose model pieces are among the file ``names`` (sorted)."""
+    return sorted(int(m.group(1)) for n in names if (m := _MODEL_PIECE.match(n)))
+
+
+def model_files(names, world_size: int) -> list[str]:
+    """The files holding the model state among ``names``: ``model.pt``, or the pieces of
+    ranks ``0..world_size-1``. An empty list means the model state is incomplete."""
+    if MODEL_SHARD in names:
+        return [MODEL_SHARD]
+    if model_shard_ranks(names) == list(range(world_size)):
+        return [model_shard_name(r) for r in range(world_size)]
+    return []
 
 
 def _join(location: str, name: str) -> str:

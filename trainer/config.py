@@ -76,6 +76,7 @@ class JobConfig:
     ckpt_keep: int = 3  # committed checkpoints kept
     log_every: int = 1  # steps between metric lines
     backend: str = "auto"  # auto | gloo | nccl
+    parallelism: str = "ddp"  # ddp (replicated model, rank 0 checkpoints it) | fsdp (FSDP2: every rank its shard)
     threads_per_worker: int = 0  # torch intra-op threads; 0 = leave as launched
     extra: dict = field(default_factory=dict)  # forward-compatible knobs
 

@@ -2,8 +2,9 @@
 
 ``validate`` answers "may training resume from this checkpoint?": the manifest is complete,
 every shard matches its sha256, every shard loads with ``weights_only=True``, the model state
-fits the model, optimizer and data position are present, every tensor is finite, and (with a
-:class:`Probe`) the loss on a fixed held-out batch is within a tolerance of the training loss.
+(whole, or reassembled from the ranks' FSDP pieces) fits the model, optimizer and data position
+are present, every tensor is finite, and (with a :class:`Probe`) the loss on a fixed held-out
+batch is within a tolerance of the training loss.
 ``evaluate`` computes validation loss, perplexity and next-token accuracy.
 """
 
@@ -19,7 +20,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import ModelConfig
 from trainer.data import TokenWindows
 from trainer.model import GPT, lm_loss
-from trainer.state import MODEL_SHARD
+from trainer.sharded import ShardLayoutError, consolidate, load_full_state
 
 
 @dataclass
@@ -64,27 +65,36 @@ def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None 
     problems = store.verify(step)
     if problems:
         return Verdict(False, step, problems)
+    manifest = store.manifest(step)
     shards = {}
-    for name in store.manifest(step)["files"]:
+    for name in manifest["files"]:
         try:
             shards[name] = store.load_shard(step, name)
         except Exception as err:  # noqa: BLE001 - any load failure makes the checkpoint unusable
             problems.append(f"{name}: cannot be loaded with weights_only=True ({err.__class__.__name__}: {err})")
-    main, model = shards.get(MODEL_SHARD), None
-    if main is None:
-        problems.append(f"{MODEL_SHARD}: missing from the manifest")
-    else:
-        for key in ("model", "optimizer", "scheduler", "step"):
-            if key not in main:
-                problems.append(f"{MODEL_SHARD}: no {key!r} state")
-        if "model" in main:
-            try:
-                model = GPT(model_cfg)
-                model.load_state_dict(main["model"])
-            except RuntimeError as err:
-                model = None
-                problems.append(f"{MODEL_SHARD}: model state does not fit the spec's model ({str(err)[:300]})")
-    rank_shards = [s for n, s in shards.items() if n != MODEL_SHARD]
+    model_files = ckpt.model_files(list(manifest["files"]), int(manifest.get("world_size", 1)))
+    what = model_files[0] if len(model_files) == 1 else f"the {len(model_files)} model shards"
+    main, model = None, None
+    if not model_files:
+        problems.append(f"no model state: neither {ckpt.MODEL_SHARD} nor a model shard of every rank "
+                        f"(world_size {manifest.get('world_size')}) is in the manifest")
+    elif all(n in shards for n in model_files):
+        for name in model_files:
+            for key in ("model", "optimizer", "scheduler", "step"):
+                if key not in shards[name]:
+                    problems.append(f"{name}: no {key!r} state")
+        try:  # a sharded (FSDP) checkpoint is reassembled: its pieces must fit together
+            main = shards[model_files[0]] if len(model_files) == 1 else consolidate([shards[n] for n in model_files])
+        except (ShardLayoutError, KeyError, RuntimeError) as err:
+            problems.append(f"{what}: the rank pieces do not reassemble ({str(err)[:300]})")
+    if main is not None and "model" in main:
+        try:
+            model = GPT(model_cfg)
+            model.load_state_dict(main["model"])
+        except RuntimeError as err:
+            model = None
+            problems.append(f"{what}: model state does not fit the spec's model ({str(err)[:300]})")
+    rank_shards = [s for n, s in shards.items() if n not in model_files]
     if not any("consumed" in s for s in rank_shards):
         problems.append("no rank shard with a data position")
     for name, shard in shards.items():
@@ -108,7 +118,7 @@ def load_model(location: str | Path, model_cfg: ModelConfig, options: dict | Non
     """The checkpoint's model (eval mode) and its step."""
     store, step = ckpt.CheckpointStore.of_step(location, options)
     model = GPT(model_cfg)
-    model.load_state_dict(store.load_shard(step, MODEL_SHARD)["model"])
+    model.load_state_dict(load_full_state(store, step)["model"])  # whole, or reassembled from FSDP shards
     return model.eval(), step
 
 

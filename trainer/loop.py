@@ -14,7 +14,7 @@ from trainer.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_s
 from trainer.chaos import WorkerChaos
 from trainer.config import JobConfig
 from trainer.data import TokenWindows, make_batch, make_sampler, micro_batch_positions
-from trainer.dist import DistInfo, all_reduce_mean
+from trainer.dist import DistInfo, all_reduce_mean, is_initialized
 from trainer.flash import SnapshotStore
 from trainer.heartbeat import Heartbeat
 from trainer.shm import ShmTooSmall
@@ -51,19 +51,45 @@ def seed_everything(seed: int, device: torch.device) -> None:
 
 
 def build_model(cfg: JobConfig, device: torch.device) -> tuple[GPT, torch.optim.Optimizer]:
+    """The model and its optimizer; under FSDP the model is sharded first (each block, then
+    the root, which holds the tied embedding), so the optimizer holds this rank's pieces."""
     model = GPT(cfg.model).to(device)
+    if state.is_sharded(cfg):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not is_initialized():
+            raise RuntimeError("cluster.parallelism 'fsdp' needs torch.distributed: start workers through "
+                               "trainer.launch (or init a process group), or use parallelism 'ddp'")
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))  # the worker's device, not the machine's
+        for block in model.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                             betas=(0.9, 0.95), eps=1e-8)
     return model, opt
 
 
-def snapshot_capacity(cfg: JobConfig, rank: int) -> int:
+def snapshot_capacity(cfg: JobConfig, rank: int, world_size: int = 1) -> int:
     """Bytes one shared-memory slot needs, known before the model is built: fp32 model (its
-    state dict lists the tied embedding twice) + two AdamW moments on rank 0, where the DDP
-    replica is snapshotted; RNG and data position on every rank; room for the layout record."""
+    state dict lists the tied embedding twice) + two AdamW moments — on rank 0, where the DDP
+    replica is snapshotted, or a 1/world piece (plus a row of rounding per tensor) on every
+    FSDP rank; RNG and data position on every rank; room for the layout record."""
     m = cfg.model
     model_bytes = 4 * (m.num_params() + m.vocab_size * m.d_model)
+    if state.is_sharded(cfg):
+        rounding = 4 * 4 * m.d_model * (12 * m.n_layer + 8)  # at most one (≤ 4·d_model wide) row per tensor
+        return 3 * (-(-model_bytes // world_size) + rounding) + (1 << 20)
     return (3 * model_bytes if rank == 0 else 0) + (1 << 20)
+
+
+def grad_sync(net, model, last: bool):
+    """Gradients are reduced on the last micro-step of an optimizer step only."""
+    if net is not model:  # DDP
+        return nullcontext() if last else net.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(last)
+    return nullcontext()
 
 
 def open_snapshots(cfg: JobConfig, info: DistInfo, capacity: int, shm_ns: str | None, events: JsonLines):
@@ -105,7 +131,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     windows_to_skip = skip_windows(cfg)
     accum = o.accum_for(info.world_size)
 
-    snapshots = open_snapshots(cfg, info, snapshot_capacity(cfg, info.rank), shm_ns, events)
+    snapshots = open_snapshots(cfg, info, snapshot_capacity(cfg, info.rank, info.world_size), shm_ns, events)
     model, opt = build_model(cfg, info.device)
     restored = state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
     step, consumed = restored.step, restored.consumed
@@ -113,7 +139,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
                   "restart_count": info.restart_count, "step": step, "source": restored.source,
                   "checkpoint": restored.checkpoint})
 
-    net = DDP(model) if info.world_size > 1 else model
+    net = DDP(model) if info.world_size > 1 and not state.is_sharded(cfg) else model
     windows = TokenWindows(cfg.data_dir, "train", o.seq_len)
     sampler = make_sampler(windows, cfg.mixture, cfg.seed, cfg.stage_index)
     global_batch = info.world_size * o.micro_batch * accum
@@ -133,8 +159,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
             positions = micro_batch_positions(consumed, world=info.world_size, rank=info.rank,
                                               micro=o.micro_batch, accum_index=m)
             x, y = (t.to(info.device, non_blocking=True) for t in make_batch(windows, sampler, positions))
-            sync = nullcontext() if (m == accum - 1 or net is model) else net.no_sync()
-            with sync:
+            with grad_sync(net, model, last=m == accum - 1):
                 with autocast:
                     loss = lm_loss(net(x), y) / accum
                     if factor != 1.0:

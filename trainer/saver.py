@@ -5,6 +5,10 @@ restarts. It watches the node's shared-memory slots and persists a snapshot when
 rank holds a verified snapshot of the same step and that step was flagged ``persist`` — or,
 after a worker died (*save at breakpoint*), the newest such step even if it was not flagged.
 
+Under DDP rank 0's slot holds the replicated model state (persisted as ``model.pt``); under
+FSDP every rank's slot holds its piece (``model_shard_XXXXX.pt``), and the checkpoint commits
+only once every rank's piece is there.
+
 Commit protocol: each rank's shards are written durably → this node's record (its shard
 digests) → once the records of all ranks are present, the manifest → the ``latest`` pointer,
 last, and only forwards. A saver killed at any point leaves no committed torn checkpoint.
@@ -94,8 +98,10 @@ class Saver:
                             continue
                         state = slot.read(h, clone=False)
                         world = h["world_size"]
-                        if "shared" in state:
-                            entries.append(self.store.write_shard(step, "model.pt", state["shared"]))
+                        if "shared" in state:  # DDP: rank 0's replica
+                            entries.append(self.store.write_shard(step, ckpt.MODEL_SHARD, state["shared"]))
+                        if "shard" in state:  # FSDP: this rank's piece
+                            entries.append(self.store.write_shard(step, ckpt.model_shard_name(h["rank"]), state["shard"]))
                         entries.append(self.store.write_shard(step, ckpt.rank_shard_name(h["rank"]), state["rank"]))
                         del state
                         break
@@ -121,9 +127,11 @@ class Saver:
                 continue
             shards = self.store.node_shards(step)
             names = {s["name"] for s in shards}
-            if "model.pt" not in names or any(ckpt.rank_shard_name(r) not in names for r in range(world)):
+            if not ckpt.model_files(names, world) or any(ckpt.rank_shard_name(r) not in names for r in range(world)):
                 continue  # other nodes have not finished their shards yet
-            ref = self.store.commit(step, shards, {"world_size": world, "persisted_by": "saver"})
+            sharded = bool(ckpt.model_shard_ranks(names))
+            ref = self.store.commit(step, shards, {"world_size": world, "persisted_by": "saver",
+                                                   "parallelism": "fsdp" if sharded else "ddp"})
             del self.pending[step]
             self.store.prune(self.keep)
             self._emit({"event": "checkpoint", "step": step, "path": ref.location})

@@ -1,7 +1,8 @@
 """Saving and restoring a worker's training state through the atomic checkpoint protocol.
 
-Rank 0 writes the replicated state (model, optimizer, scheduler) once; every rank writes its
-own shard (RNG, data position). The ranks exchange shard digests, then rank 0 commits the
+Under DDP rank 0 writes the replicated state (model, optimizer, scheduler) once; under FSDP
+every rank writes its piece of it (``trainer.sharded``). Every rank writes its own shard (RNG,
+data position). The ranks exchange shard digests, then rank 0 commits the
 manifest and pointer; nobody continues before the commit, so a restart never sees a
 checkpoint that some rank has not finished.
 """
@@ -17,8 +18,14 @@ from trainer import checkpoint as ckpt
 from trainer.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object, broadcast_object
 from trainer.flash import SnapshotStore
+from trainer.sharded import apply_sharded, load_full_state, localize
 
-MODEL_SHARD = "model.pt"
+MODEL_SHARD = ckpt.MODEL_SHARD
+
+
+def is_sharded(cfg: JobConfig) -> bool:
+    """Does every rank hold only its piece of model and optimizer (FSDP)?"""
+    return cfg.parallelism == "fsdp"
 
 
 def schedule_state(cfg: JobConfig, step: int) -> dict:
@@ -40,14 +47,19 @@ class Restored:
 def training_state(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer,
                    loss: float | None = None) -> dict:
     """What a checkpoint holds for this rank: ``shared`` (replicated under DDP, so rank 0 only:
-    model, optimizer, schedule) and ``rank`` (this rank's RNG, data position, and the training
-    loss of the step, which the validation gate's probe compares against)."""
+    model, optimizer, schedule) or, under FSDP, ``shard`` (every rank: its pieces of model and
+    optimizer, the schedule); and ``rank`` (this rank's RNG, data position, and the training loss
+    of the step, which the validation gate's probe compares against)."""
     rank_state = {"rng_cpu": torch.get_rng_state(), "consumed": consumed, "step": step, "rank": info.rank,
                   "loss": loss}
     if info.device.type == "cuda":
         rank_state["rng_cuda"] = torch.cuda.get_rng_state(info.device)
     out = {"rank": rank_state}
-    if info.rank == 0:
+    if is_sharded(cfg):
+        out["shard"] = {"model": localize(model.state_dict(), "model"),
+                        "optimizer": localize(optimizer.state_dict(), "optimizer"),
+                        "scheduler": schedule_state(cfg, step), "step": step}
+    elif info.rank == 0:
         out["shared"] = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": schedule_state(cfg, step), "step": step}
     return out
@@ -61,18 +73,42 @@ def save(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, opt
     shards = []
     if "shared" in st:
         shards.append(store.write_shard(step, MODEL_SHARD, st["shared"]))
+    if "shard" in st:
+        shards.append(store.write_shard(step, ckpt.model_shard_name(info.rank), st["shard"]))
     shards.append(store.write_shard(step, ckpt.rank_shard_name(info.rank), st["rank"]))
     gathered = [entry for per_rank in all_gather_object(shards) for entry in per_rank]
     if info.rank == 0:
-        store.commit(step, gathered, {"stage": cfg.stage, "world_size": info.world_size, "consumed": consumed})
+        store.commit(step, gathered, {"stage": cfg.stage, "world_size": info.world_size, "consumed": consumed,
+                                      "parallelism": cfg.parallelism})
         store.prune(cfg.ckpt_keep)
     broadcast_object(None)  # every rank waits for the commit
     return store.ref(step)
 
 
-def _apply(info: DistInfo, shared: dict, mine: dict, model, optimizer) -> None:
-    model.load_state_dict(shared["model"])
-    optimizer.load_state_dict(shared["optimizer"])
+def _load_model(cfg: JobConfig, model_state: dict, model, optimizer) -> None:
+    """Model (and, unless ``optimizer`` is None, optimizer) state into this run's layout:
+    under FSDP the state may be this rank's pieces or full tensors (cut locally)."""
+    if is_sharded(cfg):
+        apply_sharded(model, optimizer, model_state)
+        return
+    model.load_state_dict(model_state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(model_state["optimizer"])
+
+
+def _model_state(cfg: JobConfig, info: DistInfo, store: ckpt.CheckpointStore, step: int) -> dict:
+    """The checkpoint's model state as this rank needs it: its own piece when an FSDP run
+    resumes an FSDP checkpoint of the same world size; otherwise the full state (consolidated
+    from the pieces if the checkpoint is sharded), which FSDP then cuts into this rank's piece."""
+    manifest = store.manifest(step) or {}
+    if is_sharded(cfg) and manifest.get("world_size") == info.world_size and \
+            ckpt.model_shard_name(info.rank) in manifest.get("files", {}):
+        return store.load_shard(step, ckpt.model_shard_name(info.rank), map_location=info.device)
+    return load_full_state(store, step, map_location=info.device)
+
+
+def _apply(cfg: JobConfig, info: DistInfo, model_state: dict, mine: dict, model, optimizer) -> None:
+    _load_model(cfg, model_state, model, optimizer)
     torch.set_rng_state(mine["rng_cpu"])
     if "rng_cuda" in mine and info.device.type == "cuda":
         torch.cuda.set_rng_state(mine["rng_cuda"], info.device)
@@ -112,15 +148,16 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
     source, path = choice
     if source == "memory":
         snap = snapshots.load(path)
-        shared = broadcast_object(snap.get("shared"))  # replicated state lives in rank 0's slot
-        _apply(info, shared, snap["rank"], model, optimizer)
+        if is_sharded(cfg):  # every rank's slot holds its own piece
+            shared = snap["shard"]
+        else:  # replicated state lives in rank 0's slot
+            shared = broadcast_object(snap.get("shared"))
+        _apply(cfg, info, shared, snap["rank"], model, optimizer)
         return Restored(int(shared["step"]), int(snap["rank"]["consumed"]), "memory", str(snapshots.ns))
     src, step = cfg.checkpoint_at(path)
-    state = src.load_shard(step, MODEL_SHARD, map_location=info.device)
-    if source == "init_from":
-        model.load_state_dict(state["model"])
-        if cfg.init_optimizer:  # moments carry over; the new stage's schedule sets the lr
-            optimizer.load_state_dict(state["optimizer"])
+    state = _model_state(cfg, info, src, step)
+    if source == "init_from":  # moments carry over if asked; the new stage's schedule sets the lr
+        _load_model(cfg, state, model, optimizer if cfg.init_optimizer else None)
         return Restored(0, 0, source, path)
     world = (src.manifest(step) or {}).get("world_size", info.world_size)
     if info.rank < world:
@@ -128,7 +165,7 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
     else:  # the world grew: a new rank takes the (global) data position, and its own RNG stream
         mine = {**src.load_shard(step, ckpt.rank_shard_name(0)), "rng_cpu": torch.get_rng_state()}
         mine.pop("rng_cuda", None)
-    _apply(info, state, mine, model, optimizer)
+    _apply(cfg, info, state, mine, model, optimizer)
     return Restored(int(state["step"]), int(mine["consumed"]), source, path)
 
 
