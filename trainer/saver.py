@@ -30,8 +30,10 @@ POLL_S = 0.05
 
 
 class Saver:
-    def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None):
+    def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None,
+                 meta: dict | None = None):
         self.ns, self.nproc, self.store, self.keep, self.events = ns, nproc, store, keep, events
+        self.meta = meta or {}  # recorded in every manifest (JobConfig.checkpoint_meta)
         self.stop = threading.Event()
         self._dead_seen: set[int] = set()
 
@@ -106,7 +108,7 @@ class Saver:
             return  # other nodes have not finished their shards yet
         if (self.store.read_pointer() or -1) >= step:
             return
-        ref = self.store.commit(step, shards, {"world_size": world, "persisted_by": "saver"})
+        ref = self.store.commit(step, shards, {**self.meta, "world_size": world, "persisted_by": "saver"})
         self.store.prune(self.keep)
         self._emit({"event": "checkpoint", "step": step, "path": ref.location})
 
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", type=Path, required=True, help="the job config: checkpoint location, retention, job dir")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     job = JobConfig.load(args.job)
-    saver = Saver(args.ns, args.nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS))
+    saver = Saver(args.ns, args.nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
+                  meta=job.checkpoint_meta())
     signal.signal(signal.SIGTERM, lambda *_: saver.stop.set())  # finish, save at breakpoint, exit
     saver._emit({"event": "saver_start"})
     saver.run()
