@@ -50,13 +50,14 @@ class CheckpointInfo:
         return read_manifest(self.data_dir)
 
 
-def spec_overrides(spec: CampaignSpec) -> dict:
-    """``describe`` arguments taken from a campaign spec (model, data dir, storage options)."""
-    data_dir = CampaignLayout(spec.workdir_path).data_dir
+def spec_overrides(spec: CampaignSpec, data_dir: str | Path | None = None) -> dict:
+    """``describe`` arguments taken from a campaign spec (model, data dir, storage options);
+    ``data_dir`` replaces the spec's ``<workdir>/data`` (the vocabulary size is read from it)."""
+    data_dir = Path(data_dir) if data_dir else CampaignLayout(spec.workdir_path).data_dir
     try:
         vocab = read_manifest(data_dir)["vocab_size"]
     except DataError as err:
-        raise CheckpointInfoError(f"{err} (the spec's workdir has no prepared data; pass --data-dir too)") from None
+        raise CheckpointInfoError(f"{err}. Pass --data-dir with the campaign's prepared data set") from None
     return {"model": model_config(spec, vocab), "data_dir": data_dir, "options": storage_options(spec)}
 
 

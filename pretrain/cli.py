@@ -81,10 +81,10 @@ def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_l
     from trainer.storage import StorageError
 
     try:
-        given = spec_overrides(load_spec(spec)) if spec else {}
+        given = spec_overrides(load_spec(spec), data_dir) if spec else {"data_dir": data_dir}
         options = s3_options(s3_endpoint_url, s3_region) or given.get("options")
-        return describe(checkpoint, options=options, model=given.get("model"),
-                        data_dir=data_dir or given.get("data_dir"), seq_len=seq_len)
+        return describe(checkpoint, options=options, model=given.get("model"), data_dir=given["data_dir"],
+                        seq_len=seq_len)
     except (SpecError, CheckpointInfoError, StorageError) as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2)

@@ -49,10 +49,7 @@ class Registered:
 
 
 def _existing(client: MlflowClient, name: str, run_id: str, checkpoint: str):
-    try:
-        versions = client.search_model_versions(f"name = '{name}'")
-    except MlflowException:
-        return None
+    versions = client.search_model_versions(f"name = '{name}'")
     return next((v for v in versions if v.run_id == run_id and v.tags.get(TAG_CHECKPOINT) == checkpoint), None)
 
 
@@ -81,7 +78,7 @@ def register_checkpoint(info: CheckpointInfo, *, tracking_uri: str, run_id: str,
     version = _existing(client, name, run_id, info.location)
     if version is not None:
         client.set_registered_model_alias(name, alias, version.version)
-        return Registered(name, version.version, alias, getattr(version, "model_id", None), info.location, True)
+        return Registered(name, version.version, alias, version.model_id, info.location, True)
     run = client.get_run(run_id)
     model_tags = {TAG_CHECKPOINT: info.location, TAG_STEP: str(info.step), **(tags or {})}
     with tempfile.TemporaryDirectory(prefix="pretrain-register-") as tmp:

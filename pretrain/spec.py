@@ -133,7 +133,8 @@ class TrackingSpec(_Section):
         "it as a model of the campaign's MLflow run with its eval metrics and register it in the model registry. Needs "
         "transformers (pip install 'prefect-pretrain[hf]'); without it the step is skipped with a warning.")
     registered_model: str | None = Field(
-        None, min_length=1, description="Registered model name in the MLflow model registry; empty → the campaign name.")
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Registered model name in the MLflow model registry (letters, digits, '_', '.', '-'); empty → the campaign name.")
     model_alias: str = Field(
         "latest-good", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
         description="Registry alias moved to each newly registered version: load it as models:/<name>@<alias>.")
