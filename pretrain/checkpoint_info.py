@@ -56,8 +56,9 @@ def spec_overrides(spec: CampaignSpec, data_dir: str | Path | None = None) -> di
     data_dir = Path(data_dir) if data_dir else CampaignLayout(spec.workdir_path).data_dir
     try:
         vocab = read_manifest(data_dir)["vocab_size"]
-    except DataError as err:
-        raise CheckpointInfoError(f"{err}. Pass --data-dir with the campaign's prepared data set") from None
+    except DataError:
+        raise CheckpointInfoError(f"{data_dir} holds no prepared data set (no manifest.json): pass --data-dir with "
+                                  "the campaign's prepared data") from None
     return {"model": model_config(spec, vocab), "data_dir": data_dir, "options": storage_options(spec)}
 
 
@@ -93,9 +94,9 @@ def describe(location: str | Path, *, options: dict | None = None, model: ModelC
     data_dir = Path(data_dir)
     try:
         vocab = read_manifest(data_dir)["vocab_size"]
-    except DataError as err:
-        raise CheckpointInfoError(f"{err}. Pass --data-dir with the data set the checkpoint was trained on "
-                                  "(the campaign's <workdir>/data)") from None
+    except DataError:
+        raise CheckpointInfoError(f"{data_dir} holds no prepared data set (no manifest.json): pass --data-dir with the "
+                                  "data set the checkpoint was trained on (the campaign's <workdir>/data)") from None
     if vocab != model.vocab_size:
         raise CheckpointInfoError(f"the data set in {data_dir} has a vocabulary of {vocab} tokens, the checkpoint's "
                                   f"model {model.vocab_size}: pass --data-dir with the data set it was trained on")

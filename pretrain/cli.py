@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -73,30 +74,36 @@ _S3_ENDPOINT = typer.Option(None, "--s3-endpoint-url", help="S3-compatible endpo
 _S3_REGION = typer.Option(None, "--s3-region", help="S3 region.")
 
 
-def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_len=None):
-    """The checkpoint's CheckpointInfo; exits 2 (usage) or 1 (never committed) with the reason."""
-    from pretrain.checkpoint_info import CheckpointInfoError, CheckpointRejected, describe, spec_overrides
-    from pretrain.jobs import s3_options
-    from pretrain.spec import SpecError, load_spec
+@contextmanager
+def _checkpoint_errors():
+    """A refused checkpoint exits 1 listing its problems; missing or wrong input exits 2."""
+    from pretrain.checkpoint_info import CheckpointInfoError, CheckpointRejected
+    from pretrain.spec import SpecError
     from trainer.storage import StorageError
 
     try:
+        yield
+    except CheckpointRejected as e:
+        err.print(f"checkpoint {e.location} is not usable:", highlight=False)
+        for problem in e.problems:
+            err.print(f"  - {problem}", highlight=False)
+        raise typer.Exit(1)
+    except (SpecError, CheckpointInfoError, StorageError, FileExistsError) as e:
+        err.print(f"error: {e}", highlight=False)
+        raise typer.Exit(2)
+
+
+def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_len=None):
+    """The checkpoint's CheckpointInfo, from its manifest and the options given."""
+    from pretrain.checkpoint_info import describe, spec_overrides
+    from pretrain.jobs import s3_options
+    from pretrain.spec import load_spec
+
+    with _checkpoint_errors():
         given = spec_overrides(load_spec(spec), data_dir) if spec else {"data_dir": data_dir}
         options = s3_options(s3_endpoint_url, s3_region) or given.get("options")
         return describe(checkpoint, options=options, model=given.get("model"), data_dir=given["data_dir"],
                         seq_len=seq_len)
-    except (SpecError, CheckpointInfoError, StorageError) as e:
-        err.print(f"error: {e}", highlight=False)
-        raise typer.Exit(2)
-    except CheckpointRejected as e:
-        _rejected(e)
-
-
-def _rejected(e) -> None:
-    err.print(f"checkpoint {e.location} is not usable:", highlight=False)
-    for problem in e.problems:
-        err.print(f"  - {problem}", highlight=False)
-    raise typer.Exit(1)
 
 
 @app.command("eval")
@@ -114,7 +121,6 @@ def eval_checkpoint(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Validate a checkpoint and print its val loss, perplexity and accuracy; a bad one is refused (exit 1)."""
-    from pretrain.checkpoint_info import CheckpointRejected
     from pretrain.evaluation import evaluate_checkpoint
 
     if tracking_uri and not run_id:
@@ -130,11 +136,9 @@ def eval_checkpoint(
         except MlflowException as e:
             err.print(f"error: cannot log to MLflow run {run_id}: {e.message}", highlight=False)
             raise typer.Exit(2)
-    try:
+    with _checkpoint_errors():
         metrics = evaluate_checkpoint(info, batch_size=batch_size, max_batches=max_batches,
                                       tracking_uri=tracking_uri, run_id=run_id)
-    except CheckpointRejected as e:
-        _rejected(e)
     if as_json:
         sys.stdout.write(json.dumps({"checkpoint": info.location, "step": info.step, **metrics}, indent=2) + "\n")
         return
@@ -162,17 +166,11 @@ def export(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
 ) -> None:
     """Export a checkpoint as a Hugging Face GPT-2 model directory (safetensors, config, tokenizer)."""
-    from pretrain.checkpoint_info import CheckpointRejected
     from pretrain.export import export_model
 
     info = _describe(checkpoint, data_dir, spec, s3_endpoint_url, s3_region)
-    try:
+    with _checkpoint_errors():
         path = export_model(info, out, overwrite=overwrite)
-    except CheckpointRejected as e:
-        _rejected(e)
-    except FileExistsError as e:
-        err.print(f"error: {e}", highlight=False)
-        raise typer.Exit(2)
     sys.stdout.write(f"exported step {info.step} of {info.location} to {path}\n")
 
 

@@ -78,7 +78,7 @@ def register_checkpoint(info: CheckpointInfo, *, tracking_uri: str, run_id: str,
     version = _existing(client, name, run_id, info.location)
     if version is not None:
         client.set_registered_model_alias(name, alias, version.version)
-        return Registered(name, version.version, alias, version.model_id, info.location, True)
+        return Registered(name, str(version.version), alias, version.model_id, info.location, True)
     run = client.get_run(run_id)
     model_tags = {TAG_CHECKPOINT: info.location, TAG_STEP: str(info.step), **(tags or {})}
     with tempfile.TemporaryDirectory(prefix="pretrain-register-") as tmp:
@@ -108,4 +108,4 @@ def register_checkpoint(info: CheckpointInfo, *, tracking_uri: str, run_id: str,
         tags={**model_tags, **{k: f"{v:.6g}" for k, v in metrics.items()}},
         description=f"step {info.step} of {info.location}" + (f": {summary}" if summary else ""))
     client.set_registered_model_alias(name, alias, version.version)
-    return Registered(name, version.version, alias, logged.model_id, info.location, False)
+    return Registered(name, str(version.version), alias, logged.model_id, info.location, False)

@@ -72,7 +72,7 @@ def test_an_old_checkpoint_without_its_record_names_the_option_to_pass(trained_c
         describe(location)
     with pytest.raises(CheckpointInfoError, match="does not record its data directory.*pass --data-dir"):
         describe(location, model=model_config(spec, 512))
-    with pytest.raises(CheckpointInfoError, match="no data manifest.*Pass --data-dir"):
+    with pytest.raises(CheckpointInfoError, match="holds no prepared data set.*pass --data-dir"):
         describe(ref.location, data_dir=tmp_path)
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))

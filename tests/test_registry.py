@@ -28,7 +28,7 @@ def test_registered_model_loads_by_alias_and_predicts_like_our_model(trained_che
 
     client = MlflowClient(uri, uri)
     version = client.get_model_version_by_alias("tiny-gpt", "latest-good")
-    assert version.version == reg.version and version.run_id == run_id
+    assert str(version.version) == reg.version and version.run_id == run_id
     assert version.tags[TAG_CHECKPOINT] == ref.location and version.tags["val_loss"] == "5.5"
     logged = client.get_logged_model(reg.model_id)
     assert logged.source_run_id == run_id and logged.status == "READY"
