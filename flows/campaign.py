@@ -19,6 +19,7 @@ from flows.validate_checkpoint import validate_checkpoint
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec, resolve_spec
 from pretrain.status import campaign_status
+from tasks.registry import register_final_model
 from tasks.tracking import finish_run, open_campaign_run
 
 
@@ -52,6 +53,8 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
             finish_run(spec, ledger.reload()["stages"][stage.name]["mlflow_run_id"], "FINISHED")
             ledger.update_stage(stage.name, status="completed")
             init_from = final["path"]
+        current = None  # every stage is done (a failure from here on is the campaign's, not a stage's)
+        register_final_model(spec)
     except BaseException:
         ledger.set(status="failed")
         stage_run_id = ledger.stage(current)["mlflow_run_id"] if current else None

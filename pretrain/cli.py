@@ -1,10 +1,11 @@
-"""``pretrain`` command line: run a campaign, show where one stands."""
+"""``pretrain`` command line: run a campaign, show where one stands, evaluate or export a checkpoint."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +14,7 @@ from rich.console import Console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Fault-tolerant LLM pre-training campaigns orchestrated by Prefect.")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # paths in messages stay whole (copy-paste)
 
 
 @app.command()
@@ -63,6 +64,114 @@ def status(
         sys.stdout.write(json.dumps(st, indent=2) + "\n")
     else:
         render(st)
+
+
+# ---- one checkpoint: eval / export ---------------------------------------------------------
+_CHECKPOINT = typer.Argument(..., help="A checkpoint: <stage location>/step_XXXXXXXX, a local directory or an s3:// URL.")
+_DATA_DIR = typer.Option(None, "--data-dir", help="Prepared data set (tokenizer, val split); default: the one the checkpoint records.")
+_SPEC = typer.Option(None, "--spec", help="Campaign spec YAML: model, data dir and S3 options for checkpoints that do not record them.")
+_S3_ENDPOINT = typer.Option(None, "--s3-endpoint-url", help="S3-compatible endpoint (MinIO, SeaweedFS…); credentials from the AWS environment.")
+_S3_REGION = typer.Option(None, "--s3-region", help="S3 region.")
+
+
+@contextmanager
+def _checkpoint_errors():
+    """A refused checkpoint exits 1 listing its problems; missing or wrong input exits 2."""
+    from pretrain.checkpoint_info import CheckpointInfoError, CheckpointRejected
+    from pretrain.spec import SpecError
+    from trainer.storage import StorageError
+
+    try:
+        yield
+    except CheckpointRejected as e:
+        err.print(f"checkpoint {e.location} is not usable:", highlight=False)
+        for problem in e.problems:
+            err.print(f"  - {problem}", highlight=False)
+        raise typer.Exit(1)
+    except (SpecError, CheckpointInfoError, StorageError, FileExistsError) as e:
+        err.print(f"error: {e}", highlight=False)
+        raise typer.Exit(2)
+
+
+def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_len=None):
+    """The checkpoint's CheckpointInfo, from its manifest and the options given."""
+    from pretrain.checkpoint_info import describe, spec_overrides
+    from pretrain.jobs import s3_options
+    from pretrain.spec import load_spec
+
+    with _checkpoint_errors():
+        given = spec_overrides(load_spec(spec), data_dir) if spec else {"data_dir": data_dir}
+        options = s3_options(s3_endpoint_url, s3_region) or given.get("options")
+        return describe(checkpoint, options=options, model=given.get("model"), data_dir=given["data_dir"],
+                        seq_len=seq_len)
+
+
+@app.command("eval")
+def eval_checkpoint(
+    checkpoint: str = _CHECKPOINT,
+    data_dir: Optional[Path] = _DATA_DIR,
+    spec: Optional[str] = _SPEC,
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per evaluation window; default: the stage's training seq_len."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Windows per forward pass."),
+    max_batches: int = typer.Option(16, "--max-batches", min=1, help="Batches evaluated at most."),
+    s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
+    s3_region: Optional[str] = _S3_REGION,
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI for --run-id (default: MLflow's, e.g. MLFLOW_TRACKING_URI)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Log the metrics to this MLflow run at the checkpoint's step."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Validate a checkpoint and print its val loss, perplexity and accuracy; a bad one is refused (exit 1)."""
+    from pretrain.evaluation import evaluate_checkpoint
+
+    if tracking_uri and not run_id:
+        err.print("error: --tracking-uri needs --run-id (the run to log the metrics to)", highlight=False)
+        raise typer.Exit(2)
+    info = _describe(checkpoint, data_dir, spec, s3_endpoint_url, s3_region, seq_len)
+    if run_id:  # a wrong run fails before the evaluation, not after
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        try:
+            MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
+        except MlflowException as e:
+            err.print(f"error: cannot log to MLflow run {run_id}: {e.message}", highlight=False)
+            raise typer.Exit(2)
+    with _checkpoint_errors():
+        metrics = evaluate_checkpoint(info, batch_size=batch_size, max_batches=max_batches,
+                                      tracking_uri=tracking_uri, run_id=run_id)
+    if as_json:
+        sys.stdout.write(json.dumps({"checkpoint": info.location, "step": info.step, **metrics}, indent=2) + "\n")
+        return
+    from rich.table import Table
+
+    sys.stdout.write(f"{info.location} (step {info.step}): valid\n")
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in metrics.items():
+        table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
+    Console().print(table)
+    if run_id:
+        Console().print(f"logged to MLflow run {run_id} at step {info.step}")
+
+
+@app.command("export")
+def export(
+    checkpoint: str = _CHECKPOINT,
+    out: Path = typer.Argument(..., help="Directory to create (written atomically)."),
+    data_dir: Optional[Path] = _DATA_DIR,
+    spec: Optional[str] = _SPEC,
+    s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
+    s3_region: Optional[str] = _S3_REGION,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+) -> None:
+    """Export a checkpoint as a Hugging Face GPT-2 model directory (safetensors, config, tokenizer)."""
+    from pretrain.export import export_model
+
+    info = _describe(checkpoint, data_dir, spec, s3_endpoint_url, s3_region)
+    with _checkpoint_errors():
+        path = export_model(info, out, overwrite=overwrite)
+    sys.stdout.write(f"exported step {info.step} of {info.location} to {path}\n")
 
 
 @app.command("spec-schema")

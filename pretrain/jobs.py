@@ -24,9 +24,13 @@ def checkpoint_location(spec: CampaignSpec, stage: str) -> str:
     return f"{uri.rstrip('/')}/{stage}" if uri else str(CampaignLayout(spec.workdir_path).ckpt_dir(stage))
 
 
+def s3_options(endpoint_url: str | None = None, region: str | None = None) -> dict:
+    """Storage options for an S3 checkpoint location (credentials come from the AWS environment)."""
+    return {k: v for k, v in (("endpoint_url", endpoint_url), ("region", region)) if v}
+
+
 def storage_options(spec: CampaignSpec) -> dict:
-    c = spec.checkpoint
-    return {k: v for k, v in (("endpoint_url", c.s3_endpoint_url), ("region", c.s3_region)) if v}
+    return s3_options(spec.checkpoint.s3_endpoint_url, spec.checkpoint.s3_region)
 
 
 def checkpoint_store(spec: CampaignSpec, stage: str) -> CheckpointStore:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -156,6 +156,23 @@ class TrackingSpec(_Section):
     uri: str | None = Field(None, description="MLflow tracking URI; default 'sqlite:///<workdir>/mlflow.db'.")
     experiment: str = Field("pretrain", min_length=1, description="MLflow experiment name.")
     log_every: int = Field(1, gt=0, description="Log training metrics every this many steps.")
+    register_model: bool = Field(
+        True, description="When the campaign completes, export its final good checkpoint (Hugging Face GPT-2 layout), log "
+        "it as a model of the campaign's MLflow run with its eval metrics and register it in the model registry. Needs "
+        "transformers (pip install 'prefect-pretrain[hf]'); without it the step is skipped with a warning.")
+    registered_model: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Registered model name in the MLflow model registry (letters, digits, '_', '.', '-'); empty → the campaign name.")
+    model_alias: str = Field(
+        "latest-good", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
+        description="Registry alias moved to each newly registered version: load it as models:/<name>@<alias>.")
+
+    @field_validator("model_alias")
+    @classmethod
+    def _alias_not_reserved(cls, alias: str) -> str:
+        if alias.lower() == "latest" or (alias[0] in "vV" and alias[1:].isdigit()):
+            raise ValueError(f"{alias!r} is reserved by MLflow ('latest', 'v<number>'): choose another alias")
+        return alias
 
 
 class ValidationSpec(_Section):
@@ -247,9 +264,15 @@ class CampaignSpec(_Section):
     def tracking_uri(self) -> str:
         return self.tracking.uri or f"sqlite:///{self.workdir_path / 'mlflow.db'}"
 
+    @property
+    def registered_model_name(self) -> str:
+        return self.tracking.registered_model or self.name
+
     def spec_hash(self) -> str:
-        """Hash of everything that defines the campaign's results (not where it is stored)."""
-        body = self.model_dump(mode="json", exclude={"workdir"})
+        """Hash of everything that defines the campaign's results (not where it is stored).
+        Fields left at their defaults are not hashed, so a release that adds a field (with a
+        default) does not orphan existing workdirs."""
+        body = self.model_dump(mode="json", exclude={"workdir"}, exclude_defaults=True)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def with_workdir(self, workdir: str | Path | None) -> "CampaignSpec":

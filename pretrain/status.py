@@ -40,7 +40,7 @@ def campaign_status(workdir: str | Path) -> dict:
     return {
         "campaign": d["campaign"], "campaign_id": d["campaign_id"], "workdir": str(layout.root),
         "status": d["status"], "spec_hash": d["spec_hash"], "invocations": d["invocations"],
-        "data": d["data"], "stages": stages,
+        "data": d["data"], "stages": stages, "registered_model": d.get("registered_model"),
         "mlflow": {**d["mlflow"], "ui_command": f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:")
                    else f"open {uri}"},
     }
@@ -65,3 +65,5 @@ def render(status: dict, console: Console | None = None) -> None:
     console.print(table)
     console.print(f"MLflow: parent run {status['mlflow']['parent_run_id']} in experiment "
                   f"'{status['mlflow']['experiment']}' — {status['mlflow']['ui_command']}")
+    if reg := status.get("registered_model"):
+        console.print(f"Model: {reg['uri']} (version {reg['version']}, from {reg['checkpoint']})")

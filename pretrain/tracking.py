@@ -38,6 +38,19 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def metrics_at(values: dict[str, float], step: int) -> list[Metric]:
+    now = int(time.time() * 1000)
+    return [Metric(k, float(v), now, step) for k, v in values.items()]
+
+
+def log_to_run(tracking_uri: str | None, run_id: str, values: dict[str, float], step: int) -> None:
+    """Log ``values`` at ``step`` to an existing run (``tracking_uri`` None: MLflow's default,
+    e.g. ``MLFLOW_TRACKING_URI``). Fails if the run does not exist."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    client.get_run(run_id)  # a clear "run not found" before anything is written
+    client.log_batch(run_id, metrics=metrics_at(values, step))
+
+
 @dataclass
 class Tracker:
     tracking_uri: str
@@ -88,8 +101,7 @@ class Tracker:
             self.client.log_batch(run_id, metrics=metrics[i : i + _BATCH])
 
     def log_values(self, run_id: str, values: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
-        self.log_metrics(run_id, [Metric(k, float(v), now, step) for k, v in values.items()])
+        self.log_metrics(run_id, metrics_at(values, step))
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])

@@ -99,3 +99,62 @@ def run_campaign_while(spec, act):
         acted = act()
         return run.result(timeout=300), acted
 
+
+
+def save_checkpoint(spec: CampaignSpec, stage_index: int = 0, steps: int = 2):
+    """Train ``steps`` optimizer steps in this process and commit a checkpoint exactly as a
+    worker does (``trainer.state.save``, manifest with the job's record); returns its ref."""
+    import torch
+
+    from pretrain.jobs import build_job
+    from trainer import state
+    from trainer.data import GlobalSampler, TokenWindows, make_batch
+    from trainer.dist import DistInfo
+    from trainer.loop import build_model
+    from trainer.model import lm_loss
+
+    job = build_job(spec, stage_index, 1, None)
+    torch.manual_seed(spec.seed)
+    model, opt = build_model(job, torch.device("cpu"))
+    windows = TokenWindows(job.data_dir, "train", job.optim.seq_len)
+    sampler, b = GlobalSampler(len(windows), spec.seed), job.optim.micro_batch
+    for i in range(steps):
+        x, y = make_batch(windows, sampler, range(i * b, (i + 1) * b))
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        opt.step()
+    info = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torch.device("cpu"), backend="gloo")
+    return state.save(job, info, step=steps, consumed=steps * b, model=model, optimizer=opt)
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(prepared_data, tmp_path_factory):
+    """(spec, checkpoint ref) of a 2-step checkpoint of a small spec; treat it as read-only."""
+    spec = small_spec(tmp_path_factory.mktemp("trained"))
+    seed_data(spec, prepared_data)
+    return spec, save_checkpoint(spec)
+
+
+def pretrain_cli(*args: str, timeout: float = 180):
+    """Run the ``pretrain`` command line in a fresh process."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def copy_checkpoint(ref, dest: Path, edit=None) -> str:
+    """Copy a local checkpoint's stage directory into ``dest``; ``edit(step_dir)`` changes the
+    copy (e.g. flips a byte); returns the copy's location."""
+    stage = dest / Path(ref.location).parent.name
+    shutil.copytree(Path(ref.location).parent, stage)
+    step_dir = stage / Path(ref.location).name
+    if edit is not None:
+        edit(step_dir)
+    return str(step_dir)
+
+
+def flip_byte(path: Path, at: int = -10) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))

@@ -230,3 +230,10 @@ def moto_factory(tmp_path):
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch):
+    """The test servers' credentials in the standard AWS environment (inherited by subprocesses)."""
+    for k, v in {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)

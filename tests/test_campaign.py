@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from conftest import seed_data, small_spec, worker_processes
 from flows.campaign import pretrain_campaign
 from pretrain.ledger import CampaignMismatch
+from pretrain.registry import TAG_CHECKPOINT
 from pretrain.tracking import TAG_CAMPAIGN_ID, TAG_ROLE, TAG_STAGE
 from trainer import checkpoint as ckpt
 
@@ -76,6 +77,20 @@ def test_mlflow_has_one_parent_run_with_nested_stage_runs(finished):
         assert run.data.tags[f"verdict.{n:08d}"] == "good"
     campaign_steps = [m.step for m in client.get_metric_history(parent.info.run_id, "loss")]
     assert sorted(campaign_steps) == list(range(1, sum(s.steps for s in spec.stages) + 1))
+
+
+def test_final_good_checkpoint_is_registered_and_checkpoints_describe_themselves(finished):
+    spec, status = finished
+    final = status["stages"][-1]["good_checkpoint"]["path"]
+    store, step = ckpt.CheckpointStore.of_step(final)
+    manifest = store.manifest(step)
+    assert manifest["persisted_by"] == "saver" and manifest["stage"] == "main" and manifest["seq_len"] == 64
+    assert manifest["model"]["d_model"] == 32 and manifest["data_dir"] == str(spec.workdir_path / "data")
+    client = MlflowClient(spec.tracking_uri, spec.tracking_uri)
+    version = client.get_model_version_by_alias(spec.name, "latest-good")
+    assert version.run_id == status["mlflow"]["parent_run_id"] and version.tags[TAG_CHECKPOINT] == final
+    assert float(version.tags["val_loss"]) == pytest.approx(status["stages"][-1]["eval"]["val_loss"], rel=1e-5)
+    assert status["registered_model"]["uri"] == f"models:/{spec.name}@latest-good"
 
 
 def test_rerunning_a_finished_campaign_trains_nothing(finished, prefect_harness):

@@ -7,9 +7,8 @@ import os
 import signal
 import uuid
 
-import pytest
 import s3_servers
-from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
+from s3_servers import BUCKET, SECRET_KEY
 
 from conftest import run_campaign_while, seed_data, small_spec, wait_for, worker_processes
 from flows.campaign import pretrain_campaign
@@ -17,12 +16,7 @@ from pretrain.jobs import checkpoint_store
 from pretrain.status import campaign_status
 
 seaweed = s3_servers.seaweed
-
-
-@pytest.fixture
-def aws_env(monkeypatch):
-    for k, v in {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
+aws_env = s3_servers.aws_env
 
 
 def s3_spec(tmp_path, prepared_data, endpoint, **overrides):

@@ -92,6 +92,13 @@ class JobConfig:
 
         return CheckpointStore.of_step(location, self.storage_options)
 
+    def checkpoint_meta(self) -> dict:
+        """What every checkpoint's manifest records so it can be evaluated and exported with no
+        spec (``pretrain eval`` / ``pretrain export``): the model, the data set it was trained
+        on (its tokenizer and validation split) and the stage's sequence length."""
+        return {"stage": self.stage, "model": asdict(self.model), "data_dir": self.data_dir,
+                "seq_len": self.optim.seq_len}
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 

@@ -42,9 +42,10 @@ FINAL_COMMIT_WAIT_S = 5.0  # on the way out, how long the committer waits for ot
 
 class Saver:
     def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None,
-                 drills: list[dict] = (), job_dir: str | None = None):
+                 drills: list[dict] = (), job_dir: str | None = None, meta: dict | None = None):
         self.ns, self.nproc, self.store, self.keep, self.events = ns, nproc, store, keep, events
         self.drills, self.job_dir = list(drills), job_dir  # chaos drills acted on by the saver
+        self.meta = meta or {}  # recorded in every manifest (JobConfig.checkpoint_meta)
         self.stop = threading.Event()
         self._dead_seen: set[int] = set()
         self.pending: dict[int, int] = {}  # committer only: persisted step -> world size, not yet committed
@@ -130,7 +131,7 @@ class Saver:
             if not ckpt.model_files(names, world) or any(ckpt.rank_shard_name(r) not in names for r in range(world)):
                 continue  # other nodes have not finished their shards yet
             sharded = bool(ckpt.model_shard_ranks(names))
-            ref = self.store.commit(step, shards, {"world_size": world, "persisted_by": "saver",
+            ref = self.store.commit(step, shards, {**self.meta, "world_size": world, "persisted_by": "saver",
                                                    "parallelism": "fsdp" if sharded else "ddp"})
             del self.pending[step]
             self.store.prune(self.keep)
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     job = JobConfig.load(args.job)
     saver = Saver(args.ns, args.nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
-                  drills=job.chaos, job_dir=job.job_dir)
+                  drills=job.chaos, job_dir=job.job_dir, meta=job.checkpoint_meta())
     signal.signal(signal.SIGTERM, lambda *_: saver.stop.set())  # finish, save at breakpoint, exit
     saver._emit({"event": "saver_start"})
     saver.run()

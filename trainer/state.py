@@ -78,7 +78,7 @@ def save(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, opt
     shards.append(store.write_shard(step, ckpt.rank_shard_name(info.rank), st["rank"]))
     gathered = [entry for per_rank in all_gather_object(shards) for entry in per_rank]
     if info.rank == 0:
-        store.commit(step, gathered, {"stage": cfg.stage, "world_size": info.world_size, "consumed": consumed,
+        store.commit(step, gathered, {**cfg.checkpoint_meta(), "world_size": info.world_size, "consumed": consumed,
                                       "parallelism": cfg.parallelism})
         store.prune(cfg.ckpt_keep)
     broadcast_object(None)  # every rank waits for the commit

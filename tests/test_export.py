@@ -1,0 +1,73 @@
+"""`pretrain export`: a checkpoint becomes a Hugging Face directory that transformers loads as
+GPT2LMHeadModel with the same logits, tokens and greedy continuation as our model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
+
+from conftest import copy_checkpoint, flip_byte, pretrain_cli
+from pretrain.checkpoint_info import CheckpointRejected, describe
+from pretrain.dataprep import EOT
+from pretrain.export import PROVENANCE, WEIGHTS, export_checkpoint
+from trainer.checkpoint import load_shard
+from trainer.data import TokenWindows, read_manifest
+from trainer.model import GPT
+
+
+def our_model(location: str) -> GPT:
+    model = GPT(describe(location).model)
+    model.load_state_dict(load_shard(location, "model.pt")["model"])
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy(model: GPT, ids: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+def test_export_round_trip_matches_our_model(trained_checkpoint, tmp_path):
+    spec, ref = trained_checkpoint
+    out = tmp_path / "hf"
+    proc = pretrain_cli("export", ref.location, str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert f"exported step 2 of {ref.location}" in proc.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary left behind
+    assert {WEIGHTS, "config.json", "tokenizer.json", "tokenizer_config.json", PROVENANCE} <= {p.name for p in out.iterdir()}
+
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ours = our_model(ref.location)
+    assert isinstance(hf, GPT2LMHeadModel)
+    data_dir = spec.workdir_path / "data"
+    x = torch.stack([TokenWindows(data_dir, "val", 63)[i] for i in range(3)])  # full position table
+    with torch.no_grad():
+        assert (hf(x).logits - ours(x)).abs().max().item() < 1e-5
+    prompt = x[:1, :8]
+    assert torch.equal(hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0), greedy(ours, prompt, 6))
+
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "def loads(s, *, cls=None):\n    return json"
+    assert tok(text).input_ids == Tokenizer.from_file(str(data_dir / "tokenizer.json")).encode(text).ids
+    assert tok.eos_token == EOT and tok.eos_token_id == hf.config.eos_token_id == read_manifest(data_dir)["eot_id"]
+
+    proc = pretrain_cli("export", ref.location, str(out))
+    assert proc.returncode == 2 and "already exists" in proc.stderr and "--overwrite" in proc.stderr
+
+
+def test_export_refuses_a_corrupted_checkpoint_and_replaces_atomically(trained_checkpoint, tmp_path):
+    _, ref = trained_checkpoint
+    bad = copy_checkpoint(ref, tmp_path / "bad", lambda d: flip_byte(d / "model.pt"))
+    with pytest.raises(CheckpointRejected, match="sha256 does not match"):
+        export_checkpoint(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an earlier export")
+    export_checkpoint(ref.location, out, overwrite=True)
+    assert not (out / "stale.txt").exists() and (out / WEIGHTS).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "out"]

@@ -1,0 +1,61 @@
+"""The MLflow model registry (real sqlite backend): a checkpoint registered as a transformers
+model of a run, with its metrics and an alias, loads by ``models:/<name>@<alias>`` and predicts
+what our model predicts; registering it again changes nothing."""
+
+from __future__ import annotations
+
+import mlflow
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from tokenizers import Tokenizer
+
+from pretrain.checkpoint_info import describe
+from pretrain.registry import TAG_CHECKPOINT, register_checkpoint
+from pretrain.tracking import Tracker
+from test_export import greedy, our_model
+from trainer.data import TokenWindows
+
+
+def test_registered_model_loads_by_alias_and_predicts_like_our_model(trained_checkpoint, tmp_path, monkeypatch):
+    spec, ref = trained_checkpoint
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = Tracker(uri, "registry", tmp_path / "artifacts").campaign_run("c1", "t", "hash", {})
+    info = describe(ref.location)
+    reg = register_checkpoint(info, tracking_uri=uri, run_id=run_id, name="tiny-gpt", alias="latest-good",
+                              metrics={"val_loss": 5.5, "val_accuracy": 0.1}, step=16)
+    assert reg.uri == "models:/tiny-gpt@latest-good" and not reg.reused
+
+    client = MlflowClient(uri, uri)
+    version = client.get_model_version_by_alias("tiny-gpt", "latest-good")
+    assert str(version.version) == reg.version and version.run_id == run_id
+    assert version.tags[TAG_CHECKPOINT] == ref.location and version.tags["val_loss"] == "5.5"
+    logged = client.get_logged_model(reg.model_id)
+    assert logged.source_run_id == run_id and logged.status == "READY"
+    assert {(m.key, m.step, m.value) for m in logged.metrics} == {("val_loss", 16, 5.5), ("val_accuracy", 16, 0.1)}
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # how a user points MLflow at the server
+    parts = mlflow.transformers.load_model(reg.uri, return_type="components")
+    ours = our_model(ref.location)
+    x = torch.stack([TokenWindows(spec.workdir_path / "data", "val", 32)[i] for i in range(2)])
+    with torch.no_grad():
+        assert (parts["model"](x).logits - ours(x)).abs().max().item() < 1e-5
+
+    prompt = "def dumps(obj"
+    tok = Tokenizer.from_file(str(spec.workdir_path / "data" / "tokenizer.json"))
+    expected = tok.decode(greedy(ours, torch.tensor([tok.encode(prompt).ids]), 5)[0].tolist())
+    predicted = mlflow.pyfunc.load_model(reg.uri).predict([prompt], params={"max_new_tokens": 5})
+    assert predicted == [expected]
+
+    again = register_checkpoint(info, tracking_uri=uri, run_id=run_id, name="tiny-gpt", alias="latest-good",
+                                metrics={"val_loss": 5.5}, step=16)
+    assert again.reused and again.version == reg.version
+    assert len(client.search_model_versions("name = 'tiny-gpt'")) == 1
+
+
+@pytest.mark.parametrize("alias", ["latest", "v3", "has space"])
+def test_reserved_or_invalid_alias_is_refused_by_the_spec(alias):
+    from pretrain.spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError, match="tracking.model_alias"):
+        parse_spec({"tracking": {"model_alias": alias}})
