@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from pretrain.layout import CampaignLayout
 from pretrain.spec import ClusterSpec
 from trainer.config import JobConfig
+from trainer.healthcheck import judge_nodes
 
 
 class ClusterError(RuntimeError):
@@ -170,23 +170,6 @@ def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1) -> Cluster:
     if spec.kind == "local":
         return LocalCluster(spec, threads_per_worker)
     raise ClusterError(f"cluster.kind {spec.kind!r} is not supported yet")
-
-
-def judge_nodes(rows: list[dict], threshold: float) -> tuple[list[dict], set[int]]:
-    """Judge *nodes*: a node's time is its slowest worker slot's; a node is excluded if any of
-    its checks failed or its time exceeds ``threshold`` × the median node time. Each row gets
-    its time relative to that median. (A lone node can only fail, never be "slow".)"""
-    node_times: dict[int, float] = {}
-    for r in rows:
-        if r["ok"]:
-            node_times[r["node"]] = max(node_times.get(r["node"], 0.0), r["matmul_s"])
-    median = statistics.median_low(node_times.values()) if node_times else 0.0  # low median: one straggler of two stands out
-    failed = {r["node"] for r in rows if not r["ok"]}
-    excluded = failed | {n for n, t in node_times.items() if median and t / median > threshold}
-    for r in rows:
-        r["relative"] = round(r["matmul_s"] / median, 2) if r["ok"] and median else None
-        r["excluded"] = r["node"] in excluded
-    return rows, excluded
 
 
 def recheck_nodes(cluster: Cluster, workdir: Path, nodes: list[int], baseline: list[dict],

@@ -17,7 +17,7 @@ NON_RETRYABLE = {"too_many_rollbacks", "shm_too_small"}  # relaunching cannot he
 def cause_of(events: list[dict], exit_code: int | None = None) -> str:
     errors = " ".join(e.get("error", "") for e in events if e["event"] == "error")
     for marker, cause in (("TooManyRollbacks", "too_many_rollbacks"), ("ShmTooSmall", "shm_too_small"),
-                          ("OutOfMemoryError", "oom"), ("DataError", "data")):
+                          ("OutOfMemoryError", "oom"), ("DataError", "data"), ("NodeExcluded", "node_check")):
         if marker in errors:
             return cause
     for e in events:

@@ -65,7 +65,7 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
         spike={"window": ft.spike_window, "zscore": ft.spike_zscore, "min_steps": ft.spike_min_steps},
         max_rollbacks=ft.max_rollbacks,
         skip=[[w.start, w.end] for w in spec.skip_samples if w.stage == stage.name],
-        mixture=dict(stage.mixture),
+        mixture=dict(stage.mixture), node_check_threshold=ft.node_check_threshold, nodes_min=c.nodes_min,
         chaos=[d.model_dump() for d in spec.chaos if (d.stage or spec.stages[0].name) == stage.name],
     )
 

@@ -205,7 +205,7 @@ class ChaosDrill(_Section):
     step: int = Field(1, ge=1, description="Fires when training reaches this step of the stage (once per stage, never again after the restart).")
     rank: int = Field(0, ge=0, description="Worker rank for worker drills.")
     node: int = Field(0, ge=0, description="Node index for kill_node / kill_saver.")
-    delay_s: float = Field(0.2, ge=0, description="slow_worker: extra seconds per step (and a proportional slowdown of its node check).")
+    delay_s: float = Field(0.2, ge=0, description="slow_worker: extra seconds per step from `step` on, and a proportional slowdown of its node check (the one before training if `step` is 1, else the one after the next restart).")
     factor: float = Field(20.0, gt=1, description="loss_spike: the loss of that step is multiplied by this.")
 
 

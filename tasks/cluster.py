@@ -12,8 +12,9 @@ from pretrain.spec import CampaignSpec
 
 
 def chaos_delays(spec: CampaignSpec) -> dict[int, float]:
-    """Ranks slowed down by ``slow_worker`` drills (their node check is slowed too)."""
-    return {d.rank: d.delay_s for d in spec.chaos if d.kind == "slow_worker"}
+    """Ranks slowed down from the start by ``slow_worker`` drills (their node check is slowed
+    too; a drill from a later step slows the node check after a restart instead)."""
+    return {d.rank: d.delay_s for d in spec.chaos if d.kind == "slow_worker" and d.step <= 1}
 
 
 def _why(row: dict) -> str:

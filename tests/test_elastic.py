@@ -78,3 +78,32 @@ def test_a_lost_node_that_passes_its_recheck_scales_the_job_back_up(prefect_harn
     assert sorted(final) == list(range(1, 601))
     for step, m in final.items():  # global batch 4: step s trained on positions [4(s-1), 4s)
         assert m["consumed"] == 4 * step, step
+
+
+def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_harness, prepared_data, tmp_path):
+    """Two one-worker nodes pass the check before training; from step 5 one rank becomes a
+    straggler; a worker crash at step 8 restarts the job, the workers' node check after the
+    restart finds the straggler's node far above the median and excludes it, and training
+    finishes on the other node with the same global batch."""
+    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 4,
+                                         "rejoin_after_s": 0},
+                      stages=[{"name": "main", "steps": 24, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
+                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
+                      chaos=[{"kind": "slow_worker", "rank": 1, "step": 5, "delay_s": 0.05},
+                             {"kind": "kill_worker", "rank": 0, "step": 8}])
+    seed_data(spec, prepared_data)
+    status = pretrain_campaign(spec=spec)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == 24 and stage["attempts"] == 1
+    assert Ledger.open(spec).reload()["cluster"]["excluded"] == []  # both passed before training
+
+    events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
+    (check, *_) = [e for e in events if e["event"] == "node_check"]
+    slow = next(r for r in check["rows"] if r["rank"] == 1)
+    assert check["excluded"] == [slow["node"]] and slow["relative"] > 2
+    assert any(e["event"] == "node_excluded" and e["node"] == slow["node"] for e in events)
+    assert "node_check" in [f["cause"] for f in stage["failures"]]
+    metrics = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "metrics.jsonl")
+    final = {m["step"]: m for m in metrics}
+    assert (final[24]["world_size"], final[24]["grad_accum"]) == (1, 2)
+    assert all(m["consumed"] == 4 * s for s, m in final.items())

@@ -37,10 +37,16 @@ def claim(job_dir: str | Path, index: int) -> bool:
         return False
 
 
+def claimed(job_dir: str | Path, index: int) -> bool:
+    """Whether drill ``index`` has fired in this stage."""
+    return (marker_dir(job_dir) / f"drill_{index}").exists()
+
+
 class WorkerChaos:
     def __init__(self, drills: list[dict], job_dir: str | Path, rank: int, report):
         self.drills = [(i, d) for i, d in enumerate(drills) if d["kind"] in WORKER_KINDS]
         self.job_dir, self.rank, self.report = job_dir, rank, report
+        self._slowed: set[int] = set()
 
     def _due(self, d: dict, step: int) -> bool:
         return d.get("rank", 0) == self.rank and d.get("step", 0) == step
@@ -48,13 +54,22 @@ class WorkerChaos:
     def before_step(self, step: int) -> None:
         """Called before optimizer step ``step`` (1-based) is computed."""
         for i, d in self.drills:
-            if d["kind"] == "slow_worker" and d.get("rank", 0) == self.rank:
+            if d["kind"] == "slow_worker" and d.get("rank", 0) == self.rank and step >= d.get("step", 1):
+                if i not in self._slowed:  # record that the slowdown is on (the node check after a restart reads it)
+                    claim(self.job_dir, i)
+                    self._slowed.add(i)
                 time.sleep(d.get("delay_s", 0.1))  # a straggler, on purpose
             elif d["kind"] in ("kill_worker", "hang_worker") and self._due(d, step) and claim(self.job_dir, i):
                 self.report({"event": "chaos", "kind": d["kind"], "rank": self.rank, "step": step})
                 if d["kind"] == "kill_worker":
                     os.kill(os.getpid(), signal.SIGKILL)
                 threading.Event().wait()  # hang_worker: never returns; the hang detector must act
+
+    def check_delay(self) -> float:
+        """Extra seconds per matmul of this rank's node check after a restart: a ``slow_worker``
+        drill slows the check too once it is active (from its ``step`` on, recorded by a marker)."""
+        return sum(d.get("delay_s", 0.1) for i, d in self.drills if d["kind"] == "slow_worker"
+                   and d.get("rank", 0) == self.rank and (d.get("step", 1) <= 1 or claimed(self.job_dir, i)))
 
     def loss_factor(self, step: int) -> float:
         """What this rank's loss at ``step`` is multiplied by: NaN (``nan_loss``), ``factor``

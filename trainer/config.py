@@ -71,6 +71,8 @@ class JobConfig:
     spike: dict = field(default_factory=dict)  # window, zscore, min_steps of the loss-spike detector (zscore 0: off)
     max_rollbacks: int = 3  # loss anomalies tolerated in the stage before it fails
     skip: list = field(default_factory=list)  # [start, end) sample windows never trained on
+    node_check_threshold: float = 2.0  # after a restart, a node slower than this × the median node is excluded
+    nodes_min: int = 1  # fewest nodes the job may shrink to
     mixture: dict = field(default_factory=dict)  # data group → weight for this stage; empty: the whole split, one order
     chaos: list = field(default_factory=list)  # chaos drills for this stage (trainer.chaos)
     ckpt_keep: int = 3  # committed checkpoints kept

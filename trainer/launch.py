@@ -26,6 +26,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainer.chaos import AGENT_KINDS, claim
 from trainer.config import JobConfig
 from trainer.heartbeat import HangDetector, worker_pids
+from trainer.nodecheck import NODE_ENV, exclusion_marker
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 
@@ -88,7 +89,23 @@ def watch_workers(job: JobConfig, node: int, saver) -> HangDetector:
     for i, drill in enumerate(job.chaos):
         if drill["kind"] in AGENT_KINDS and drill.get("node", 0) == node:
             detector.observers.append(lambda step, i=i, d=drill: agent_drill(job, i, d, step, saver(), report))
+    detector.observers.append(lambda step: leave_if_excluded(job, node, report))
     return detector.start()
+
+
+def stop_node(job: JobConfig) -> None:
+    """The whole node at once: workers, saver, agent."""
+    for pid in worker_pids(job.job_dir):
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def leave_if_excluded(job: JobConfig, node: int, report) -> None:
+    """The workers' node check after a restart excluded this node: stop it, so the other
+    nodes' agents re-form the job without it (the orchestrator re-checks it later)."""
+    if exclusion_marker(job.job_dir, node).exists():
+        report({"event": "node_excluded", "reason": "node check after restart"})
+        stop_node(job)
 
 
 def agent_drill(job: JobConfig, index: int, drill: dict, step: int, saver, report) -> None:
@@ -97,10 +114,8 @@ def agent_drill(job: JobConfig, index: int, drill: dict, step: int, saver, repor
     report({"event": "chaos", "kind": drill["kind"], "step": step})
     if drill["kind"] == "kill_saver" and saver is not None:
         saver.proc.kill()
-    elif drill["kind"] == "kill_node":  # the whole node at once: workers, saver, agent
-        for pid in worker_pids(job.job_dir):
-            os.kill(pid, signal.SIGKILL)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+    elif drill["kind"] == "kill_node":
+        stop_node(job)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -134,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lock:
         hold_lock(args.lock, timeout_s=30)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ[NODE_ENV] = str(args.node)  # workers name their node in the node check after a restart
     worker_args = ["-u", "-m", "trainer.worker", args.job]
     if job.memory_interval > 0:
         ns.mkdir(parents=True, exist_ok=True)

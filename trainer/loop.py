@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -17,6 +19,7 @@ from trainer.data import TokenWindows, make_batch, make_sampler, micro_batch_pos
 from trainer.dist import DistInfo, all_reduce_mean, is_initialized
 from trainer.flash import SnapshotStore
 from trainer.heartbeat import Heartbeat
+from trainer.nodecheck import check_after_restart, this_node
 from trainer.shm import ShmTooSmall
 from trainer.model import GPT, lm_loss, lr_at, param_groups
 from trainer.reporting import EVENTS, METRICS, JsonLines
@@ -106,6 +109,21 @@ def open_snapshots(cfg: JobConfig, info: DistInfo, capacity: int, shm_ns: str | 
         return None
 
 
+class NodeExcluded(RuntimeError):
+    """A node failed the node check after a restart; the job re-forms without it."""
+
+
+def recheck_nodes(cfg: JobConfig, info: DistInfo, chaos: WorkerChaos, events: JsonLines) -> None:
+    """After an in-job restart, before any state is loaded: the node check among the ranks. If a
+    node is excluded, its workers wait for their agent to stop the node; the others leave, so
+    their agents re-rendezvous without it."""
+    excluded = check_after_restart(cfg, info, chaos.check_delay(), events.write)
+    if this_node() in excluded:
+        threading.Event().wait()  # the node agent sees the marker and stops this node
+    if excluded:
+        raise NodeExcluded(f"node(s) {sorted(excluded)} failed the node check after a restart; re-forming the job without them")
+
+
 def skip_windows(cfg: JobConfig) -> list[tuple[int, int]]:
     """The spec's skip windows plus those recorded by rollbacks in this stage; too many
     rollbacks stop the stage for a human to look at."""
@@ -131,6 +149,8 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     windows_to_skip = skip_windows(cfg)
     accum = o.accum_for(info.world_size)
 
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and info.world_size > 1:
+        recheck_nodes(cfg, info, chaos, events)
     snapshots = open_snapshots(cfg, info, snapshot_capacity(cfg, info.rank, info.world_size), shm_ns, events)
     model, opt = build_model(cfg, info.device)
     restored = state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
