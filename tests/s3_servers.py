@@ -136,7 +136,7 @@ class SeaweedServer(_Server):
         self.ports = dict(zip(names, free_ports(len(names), with_grpc=True)))
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
 
-    def start(self, timeout: float = 30) -> SeaweedServer:
+    def start(self, timeout: float = 60) -> SeaweedServer:
         p = self.ports
         # -master.resumeState=false: on a restart over an existing -dir, a resumed master may
         # answer the volume server's first heartbeat before it is raft leader; the volume
