@@ -7,6 +7,7 @@ from prefect import flow, get_run_logger
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import check_checkpoint
+from tasks.events import checkpoint_verdict
 from tasks.tracking import tracker_for
 
 
@@ -17,6 +18,7 @@ class CheckpointInvalid(RuntimeError):
 @flow(name="validate-checkpoint")
 def validate_checkpoint(spec: CampaignSpec, stage: str, path: str) -> dict:
     record = check_checkpoint(spec, path)
+    checkpoint_verdict(spec, stage, path, record)
     ledger = Ledger.open(spec)
     run_id = ledger.stage(stage)["mlflow_run_id"]
     if run_id:

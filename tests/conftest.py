@@ -15,6 +15,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 from pretrain.dataprep import prepare  # noqa: E402
 from pretrain.layout import CampaignLayout  # noqa: E402
 from pretrain.spec import CampaignSpec, parse_spec  # noqa: E402
+from prefect_server import on_prefect_server, prefect_server  # noqa: E402,F401 - a real server, on request
 
 DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"vocab_size": 512}, "val_fraction": 0.2}
 

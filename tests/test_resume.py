@@ -111,6 +111,7 @@ def test_stage_fails_clearly_after_max_attempts(prefect_harness, prepared_data, 
     assert "no window of 60001 tokens" in " ".join(status["stages"][0]["failures"][0]["errors"])
     client, runs = assert_mlflow_steps_unique(spec)
     assert {r.info.status for r in runs} == {"FAILED"}
+    assert all("stage main stopped at step 0/5" in r.data.tags["pretrain.end_cause"] for r in runs)  # the failure hook
 
 
 def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path):
