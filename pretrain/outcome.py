@@ -18,6 +18,7 @@ MLFLOW_STATUS = {"failed": "FAILED", "crashed": "FAILED", "cancelled": "KILLED"}
 TAG_END_STATE = "pretrain.end_state"
 TAG_END_CAUSE = "pretrain.end_cause"
 OPEN_STAGES = ("running", "trained")  # stages a run was working on when it ended
+FAILED_STAGE = "failed"  # set by train-stage before it raises; its MLflow run is still open
 
 
 def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str) -> dict | None:
@@ -38,9 +39,10 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
         if d.get("flow_run") != flow_run:
             return
         ours.append(True)
-        open_stages.extend(n for n, s in d["stages"].items() if s["status"] in OPEN_STAGES)
+        open_stages.extend(n for n, s in d["stages"].items() if s["status"] in (*OPEN_STAGES, FAILED_STAGE))
         for name in open_stages:
-            d["stages"][name]["status"] = outcome
+            if d["stages"][name]["status"] in OPEN_STAGES:
+                d["stages"][name]["status"] = outcome
         d["status"] = outcome
         d["end"] = {"state": outcome, "cause": cause, "time": time.time(), "flow_run": flow_run}
 

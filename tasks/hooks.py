@@ -13,21 +13,27 @@ from prefect.logging.loggers import flow_run_logger
 
 from blocks.references import resolve_campaign
 from pretrain.outcome import close_campaign
-from pretrain.spec import CampaignSpec, parse_spec
+from pretrain.spec import CampaignSpec, SpecError, parse_spec
 from tasks.artifacts import publish_reports
 
 
 def spec_of_run(parameters: dict) -> CampaignSpec:
-    """The campaign a flow run of ``pretrain_campaign`` ran, from its parameters (no credentials exported)."""
+    """The campaign a flow run of ``pretrain_campaign`` ran, from its parameters. Its blocks'
+    credentials (an MLflow token) go into this process's environment, as in the flow run: hooks
+    run in the flow-run process, or (Prefect 3.9 workers) in a subprocess of their own."""
     inline = parameters.get("spec")
     spec = inline if isinstance(inline, CampaignSpec) else (parse_spec(inline, "flow run parameter 'spec'") if inline else None)
-    return resolve_campaign(spec, parameters.get("spec_path"), parameters.get("workdir"), export_env=False)
+    return resolve_campaign(spec, parameters.get("spec_path"), parameters.get("workdir"))
 
 
 def _record(flow_run, state, outcome: str) -> CampaignSpec | None:
     logger = flow_run_logger(flow_run)
     try:
         spec = spec_of_run(flow_run.parameters or {})
+    except SpecError as err:
+        logger.warning("campaign hook: no campaign to record the %s run in: %s", outcome, err)
+        return None
+    try:
         cause = (state.message or outcome) if state is not None else outcome
         if close_campaign(spec.workdir_path, outcome, cause, str(flow_run.id)) is None:
             logger.info("campaign hook: this run never started campaign %s; leaving its ledger alone", spec.name)

@@ -100,3 +100,15 @@ def run_campaign_while(spec, act):
         acted = act()
         return run.result(timeout=300), acted
 
+
+
+def campaign_events(api_url: str, campaign: str) -> list[dict]:
+    """The ``pretrain.*`` events a Prefect server stored for ``campaign``, newest first."""
+    import httpx
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    flt = EventFilter(event=EventNameFilter(prefix=["pretrain."]),
+                      resource=EventResourceFilter(id=[f"pretrain.campaign.{campaign}"]))
+    r = httpx.post(f"{api_url}/events/filter", json={"filter": flt.model_dump(mode="json"), "limit": 50}, timeout=10)
+    r.raise_for_status()
+    return r.json()["events"]

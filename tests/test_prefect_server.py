@@ -13,7 +13,6 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
@@ -22,12 +21,11 @@ from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, DeploymentFilter, DeploymentFilterName
 from prefect.client.schemas.sorting import ArtifactSort
 from prefect.deployments import run_deployment
-from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 from prefect.exceptions import ObjectAlreadyExists
 from prefect.states import Cancelled, Cancelling
 from prefect_kubernetes.worker import KubernetesWorker
 
-from conftest import DATA, campaign_processes, seed_data, wait_for
+from conftest import DATA, campaign_events, campaign_processes, seed_data, wait_for
 from pretrain.ledger import Ledger
 from pretrain.layout import CampaignLayout
 from pretrain.lock import CampaignBusy
@@ -66,14 +64,6 @@ def final_state(flow_run_id, timeout: float):
 
 def start(deployment: str, **parameters):
     return run_deployment(deployment, parameters=parameters, timeout=0, as_subflow=False)
-
-
-def events(server, campaign: str) -> list[dict]:
-    flt = EventFilter(event=EventNameFilter(prefix=["pretrain."]),
-                      resource=EventResourceFilter(id=[f"pretrain.campaign.{campaign}"]))
-    r = httpx.post(f"{server.api_url}/events/filter", json={"filter": flt.model_dump(mode="json"), "limit": 50}, timeout=10)
-    r.raise_for_status()
-    return r.json()["events"]
 
 
 def latest_artifact(kind: str, campaign: str):
@@ -153,9 +143,9 @@ def test_worker_runs_a_campaign_with_artifacts_events_and_trigger(worker, prepar
         assert link.type == "markdown" and parent in link.data
         assert latest_artifact("node-check", name).type == "table"
 
-        seen = wait_for(lambda: {e["event"] for e in events(worker, name)} >= {"pretrain.checkpoint.good",
+        seen = wait_for(lambda: {e["event"] for e in campaign_events(worker.api_url, name)} >= {"pretrain.checkpoint.good",
                                                                                  "pretrain.campaign.completed"}
-                        and events(worker, name), 60, "the campaign's events")
+                        and campaign_events(worker.api_url, name), 60, "the campaign's events")
         [good_event] = [e for e in seen if e["event"] == "pretrain.checkpoint.good"]
         assert good_event["payload"]["checkpoint"] == good and good_event["payload"]["step"] == 8
         assert good_event["resource"]["prefect.resource.name"] == name
