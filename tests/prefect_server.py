@@ -26,10 +26,13 @@ class PrefectServer(_Server):
 
     def __init__(self, home: Path):
         self.home = home
-        self.port = free_ports(1)[0]
-        self.api_url = self.endpoint = f"http://127.0.0.1:{self.port}/api"
         self.log_path = home / "server.log"
         self.workers: list[subprocess.Popen] = []
+        self._pick_port()
+
+    def _pick_port(self) -> None:
+        self.port = free_ports(1)[0]
+        self.api_url = self.endpoint = f"http://127.0.0.1:{self.port}/api"
 
     def env(self, **extra: str) -> dict[str, str]:
         """Environment of a client process (CLI, worker) of this server; flow runs inherit it, and
@@ -40,17 +43,27 @@ class PrefectServer(_Server):
         env.update(extra)
         return env
 
-    def start(self, timeout: float = 120) -> PrefectServer:
+    def start(self, timeout: float = 120, attempts: int = 3) -> PrefectServer:
+        """Start the server and wait for ``/api/health``; a port taken between picking it and
+        binding it (other processes share this machine) means another try on a new port."""
         self.home.mkdir(parents=True, exist_ok=True)
         env = self.env(PREFECT_UI_ENABLED="false", PREFECT_SERVER_LOGGING_LEVEL="WARNING")
         env.pop("PREFECT_API_URL")
-        self._spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-                    env)
 
         def probe() -> None:
             httpx.get(f"{self.api_url}/health", timeout=2).raise_for_status()
 
-        self._wait_ready(probe, timeout)
+        for attempt in range(attempts):
+            self._spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                         "--port", str(self.port)], env)
+            try:
+                self._wait_ready(probe, timeout)
+                return self
+            except RuntimeError:
+                if attempt + 1 == attempts or "address already in use" not in self.log_path.read_text(errors="replace"):
+                    raise
+                self.log_path.rename(self.log_path.with_suffix(f".attempt{attempt}.log"))
+                self._pick_port()
         return self
 
     def start_worker(self, pool: str, log: Path, *extra: str) -> subprocess.Popen:
