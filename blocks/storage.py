@@ -1,11 +1,28 @@
-"""Block: where campaigns keep their working directories on a local (or shared) filesystem."""
+"""Blocks: where campaigns keep their state — a local (or shared) directory, or S3 for checkpoints.
+
+Both storage blocks answer the same three questions for a campaign name: its workdir
+(``workdir_for``), the spec settings they replace (``spec_update``) and the environment the
+training processes need (``environment``: credentials, never written to the spec or the ledger).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Union
 
 from pydantic import Field
 from prefect.blocks.core import Block
+from prefect_aws import AwsCredentials, MinIOCredentials
+
+_ROOT_DESCRIPTION = ("Directory where campaigns keep their workdirs, one sub-directory per campaign; '~' expands and a "
+                     "relative path is resolved against the current directory when used.")
+
+
+def _workdir(root: Path, campaign_name: str) -> Path:
+    """``<root>/<campaign_name>``; the name must be a single path component, so a campaign cannot escape the root."""
+    if not campaign_name or campaign_name in {".", ".."} or Path(campaign_name).name != campaign_name:
+        raise ValueError(f"campaign name {campaign_name!r} must be a single path component (no '/', not '.' or '..')")
+    return Path(root).expanduser().resolve() / campaign_name
 
 
 class LocalCampaignStorage(Block):
@@ -30,18 +47,85 @@ class LocalCampaignStorage(Block):
     _description = "A local or shared directory that holds one working directory per pre-training campaign."
     _documentation_url = "https://docs.prefect.io/v3/concepts/blocks"
 
-    root: Path = Field(
-        default=Path("./runs"),
-        title="Root directory",
-        description="Directory where campaigns keep their workdirs, one sub-directory per campaign; "
-        "'~' expands and a relative path is resolved against the current directory when used.",
-    )
+    root: Path = Field(default=Path("./runs"), title="Root directory", description=_ROOT_DESCRIPTION)
 
     def workdir_for(self, campaign_name: str) -> Path:
-        """Absolute workdir of ``campaign_name``: ``<root>/<campaign_name>``.
+        """Absolute workdir of ``campaign_name``: ``<root>/<campaign_name>``."""
+        return _workdir(self.root, campaign_name)
 
-        The name must be a single path component, so a campaign cannot escape the root.
-        """
-        if not campaign_name or campaign_name in {".", ".."} or Path(campaign_name).name != campaign_name:
-            raise ValueError(f"campaign name {campaign_name!r} must be a single path component (no '/', not '.' or '..')")
-        return Path(self.root).expanduser().resolve() / campaign_name
+    def spec_update(self, campaign_name: str) -> dict:
+        """Spec settings this block decides: the workdir (checkpoints stay inside it)."""
+        return {"workdir": str(self.workdir_for(campaign_name))}
+
+    def environment(self) -> dict[str, str]:
+        """Nothing: local directories need no credentials."""
+        return {}
+
+
+class S3CampaignStorage(Block):
+    """Checkpoints on S3 (or an S3-compatible server such as MinIO or SeaweedFS), the rest of a
+    campaign's state (ledger, data, MLflow database) in a local workdir.
+
+    Credentials are a saved ``AwsCredentials`` or ``MinIOCredentials`` block of prefect-aws; the
+    endpoint and region come from it too. The campaign flow hands them to its training
+    processes as the standard ``AWS_*`` environment variables — never through the spec, the
+    ledger or a job file.
+
+    A campaign spec uses it with ``blocks: {storage: s3-campaign-storage/<name>}``.
+
+    Example:
+        See where a campaign's checkpoints go:
+        ```python
+        from blocks import S3CampaignStorage
+
+        storage = S3CampaignStorage.load("BLOCK_NAME")
+        print(storage.checkpoint_uri("tiny"), storage.workdir_for("tiny"))
+        ```
+    """
+
+    _block_type_name = "S3 Campaign Storage"
+    _block_type_slug = "s3-campaign-storage"
+    _description = ("Pre-training checkpoints in an S3 bucket (AWS, MinIO, SeaweedFS, ...) with prefect-aws credentials; "
+                    "ledger and data in a local workdir.")
+    _documentation_url = "https://docs.prefect.io/integrations/prefect-aws"
+
+    bucket_name: str = Field(default=..., min_length=3, title="Bucket", description="Bucket that holds the checkpoints.")
+    prefix: str = Field(
+        default="campaigns", title="Key prefix",
+        description="Key prefix inside the bucket; a campaign's checkpoints go to "
+        "s3://<bucket>/<prefix>/<campaign>/<stage>/.")
+    credentials: Union[AwsCredentials, MinIOCredentials] = Field(
+        default_factory=AwsCredentials, title="Credentials",
+        description="prefect-aws credentials block; its region and client endpoint URL (MinIO, SeaweedFS) are used too.")
+    root: Path = Field(default=Path("./runs"), title="Local root directory", description=_ROOT_DESCRIPTION)
+
+    def workdir_for(self, campaign_name: str) -> Path:
+        """Absolute local workdir of ``campaign_name`` (ledger, data, MLflow database)."""
+        return _workdir(self.root, campaign_name)
+
+    def checkpoint_uri(self, campaign_name: str) -> str:
+        _workdir(Path("/"), campaign_name)  # same name rule as the workdir
+        key = "/".join(p for p in (self.prefix.strip("/"), campaign_name) if p)
+        return f"s3://{self.bucket_name}/{key}"
+
+    def spec_update(self, campaign_name: str) -> dict:
+        """Spec settings this block decides: the workdir and the checkpoint location, endpoint and region."""
+        params = self.credentials.aws_client_parameters
+        return {"workdir": str(self.workdir_for(campaign_name)),
+                "checkpoint": {"uri": self.checkpoint_uri(campaign_name),
+                               "s3_endpoint_url": params.endpoint_url or None,
+                               "s3_region": self.credentials.region_name or None}}
+
+    def environment(self) -> dict[str, str]:
+        """The credentials as standard ``AWS_*`` variables for the training processes (resolved through
+        boto3, so profiles and assumed roles become their current keys); empty if boto3 finds none."""
+        found = self.credentials.get_boto3_session().get_credentials()
+        if found is None:
+            return {}
+        frozen = found.get_frozen_credentials()
+        env = {"AWS_ACCESS_KEY_ID": frozen.access_key, "AWS_SECRET_ACCESS_KEY": frozen.secret_key}
+        if frozen.token:
+            env["AWS_SESSION_TOKEN"] = frozen.token
+        if self.credentials.region_name:
+            env["AWS_DEFAULT_REGION"] = self.credentials.region_name
+        return env

@@ -11,7 +11,7 @@ from pretrain.spec import TrackingSpec
 class MlflowTracking(Block):
     """Where a campaign's MLflow runs go: a tracking URI and an experiment, plus an optional
     bearer token for servers that need authentication. The token is stored encrypted by
-    Prefect, shown masked, and only leaves the block through ``auth_env()``.
+    Prefect, shown masked, and only leaves the block through ``environment()``.
 
     Example:
         Track a campaign on a shared MLflow server:
@@ -22,7 +22,7 @@ class MlflowTracking(Block):
         from pretrain.spec import load_spec
 
         tracking = MlflowTracking.load("BLOCK_NAME")
-        os.environ.update(tracking.auth_env())  # MlflowClient reads MLFLOW_TRACKING_TOKEN
+        os.environ.update(tracking.environment())  # MlflowClient reads MLFLOW_TRACKING_TOKEN
         spec = load_spec("builtin:tiny").model_copy(update={"tracking": tracking.to_spec()})
         ```
     """
@@ -54,6 +54,10 @@ class MlflowTracking(Block):
         """The campaign spec's ``tracking`` section (the token is not part of it)."""
         return TrackingSpec(uri=self.tracking_uri, experiment=self.experiment)
 
-    def auth_env(self) -> dict[str, str]:
+    def spec_update(self, campaign_name: str) -> dict:
+        """Spec settings this block decides: the ``tracking`` section's URI and experiment."""
+        return {"tracking": {"uri": self.tracking_uri, "experiment": self.experiment}}
+
+    def environment(self) -> dict[str, str]:
         """Environment variables that authenticate MLflow clients; empty without a token."""
         return {"MLFLOW_TRACKING_TOKEN": self.token.get_secret_value()} if self.token else {}

@@ -16,21 +16,19 @@ from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron
 
+from deployments import definitions
 from flows.campaign import pretrain_campaign
 
-DEPLOYMENT_NAME = "pretrain-campaign"
+DEPLOYMENT_NAME = definitions.campaign().name
 
 
 def build_deployment(spec_path: str = "builtin:tiny", cron: str | None = None,
                      timezone: str = "UTC") -> RunnerDeployment:
     """The campaign deployment: at most one run at a time (runs of one spec share a workdir)."""
+    d = definitions.campaign(spec_path)
     return pretrain_campaign.to_deployment(
-        name=DEPLOYMENT_NAME,
-        description="Run (or resume) an LLM pre-training campaign from a campaign spec.",
-        tags=["pretrain"],
-        parameters={"spec_path": spec_path},
-        schedules=[Cron(cron, timezone=timezone)] if cron else None,
-        concurrency_limit=1,
+        name=d.name, description=d.description, tags=d.tags, parameters=d.parameters,
+        schedules=[Cron(cron, timezone=timezone)] if cron else None, concurrency_limit=d.concurrency_limit,
     )
 
 

@@ -4,64 +4,71 @@ prepare_data → provision_cluster → for each stage: train_stage → validate_
 
 Idempotent: everything it needs to continue is in the workdir (data manifest, checkpoints,
 ledger), so running it again after any crash — of a worker, of the job, of this process —
-skips what is done and resumes the current stage from its newest complete checkpoint.
+skips what is done and resumes the current stage from its newest good checkpoint. At the end,
+the final good checkpoint is exported and registered in the MLflow model registry.
 """
 
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
+from blocks.references import resolve_campaign
 from flows.evaluate import evaluate
 from flows.prepare_data import prepare_data
 from flows.provision_cluster import provision_cluster
 from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
 from pretrain.ledger import Ledger
-from pretrain.spec import CampaignSpec, resolve_spec
+from pretrain.lock import campaign_lock
+from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
+from tasks.artifacts import link_mlflow_run, publish_reports
+from tasks.events import campaign_completed
+from tasks.hooks import CAMPAIGN_HOOKS
 from tasks.registry import register_final_model
-from tasks.tracking import finish_run, open_campaign_run
+from tasks.tracking import finish_run, open_campaign_run, tracker_for
 
 
-@flow(name="pretrain-campaign")
+@flow(name="pretrain-campaign", **CAMPAIGN_HOOKS)
 def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = None,
                       workdir: str | None = None) -> dict:
     """Run (or resume) a campaign. Give ``spec`` inline or ``spec_path`` (a YAML file or
-    ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state."""
-    logger = get_run_logger()
-    spec = resolve_spec(spec, spec_path, workdir)
+    ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state. One run per
+    campaign at a time: a second run of the same campaign fails at once (``CampaignBusy``)."""
+    spec = resolve_campaign(spec, spec_path, workdir)
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
+    with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()):
+        return run_campaign(spec)
+
+
+def run_campaign(spec: CampaignSpec) -> dict:
+    logger = get_run_logger()
     ledger = Ledger.open(spec)
-    ledger.mutate(lambda d: d.update(status="running", invocations=d["invocations"] + 1))
+    ledger.mutate(lambda d: d.update(status="running", invocations=d["invocations"] + 1, flow_run=flow_run.get_id()))
     logger.info("campaign %s in %s (spec %s)", spec.name, spec.workdir_path, spec.spec_hash())
     parent_run_id = open_campaign_run(spec, ledger)
-    current = None
-    try:
-        prepare_data(spec)
-        provision_cluster(spec)
-        init_from = None
-        for i, stage in enumerate(spec.stages):
-            current = stage.name
-            done = ledger.reload()["stages"][stage.name]
-            if done["status"] == "completed":
-                logger.info("stage %s already completed at step %s; skipping", stage.name, done["final_checkpoint"]["step"])
-                init_from = done["good_checkpoint"]["path"]
-                continue
-            final = train_stage(spec, i, init_from)
-            validate_checkpoint(spec, stage.name, final["path"])
-            evaluate(spec, stage.name, final["path"], final["step"])
-            finish_run(spec, ledger.reload()["stages"][stage.name]["mlflow_run_id"], "FINISHED")
-            ledger.update_stage(stage.name, status="completed")
-            init_from = final["path"]
-        current = None  # every stage is done (a failure from here on is the campaign's, not a stage's)
-        register_final_model(spec)
-    except BaseException:
-        ledger.set(status="failed")
-        stage_run_id = ledger.stage(current)["mlflow_run_id"] if current else None
-        for run_id in (stage_run_id, parent_run_id):
-            if run_id:
-                finish_run(spec, run_id, "FAILED")
-        raise
+    link_mlflow_run(spec, tracker_for(spec).experiment_id, parent_run_id)
+    prepare_data(spec)
+    provision_cluster(spec)
+    init_from = None
+    for i, stage in enumerate(spec.stages):
+        done = ledger.reload()["stages"][stage.name]
+        if done["status"] == "completed":
+            logger.info("stage %s already completed at step %s; skipping", stage.name, done["final_checkpoint"]["step"])
+            init_from = done["good_checkpoint"]["path"]
+            continue
+        final = train_stage(spec, i, init_from)
+        validate_checkpoint(spec, stage.name, final["path"])
+        evaluate(spec, stage.name, final["path"], final["step"])
+        finish_run(spec, ledger.reload()["stages"][stage.name]["mlflow_run_id"], "FINISHED")
+        ledger.update_stage(stage.name, status="completed")
+        publish_reports(spec)
+        init_from = final["path"]
+    register_final_model(spec)  # after every stage is completed: a failure here is the campaign's alone
     ledger.set(status="completed")
     finish_run(spec, parent_run_id, "FINISHED")
-    return campaign_status(spec.workdir_path)
+    status = campaign_status(spec.workdir_path)
+    publish_reports(spec)
+    campaign_completed(spec, status)
+    return status

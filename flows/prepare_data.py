@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from prefect import flow
 
+from blocks.references import resolve_campaign
 from pretrain.ledger import Ledger
-from pretrain.spec import CampaignSpec, resolve_spec
+from pretrain.spec import CampaignSpec
 from tasks.data import prepare_dataset
 
 
@@ -13,7 +14,7 @@ from tasks.data import prepare_dataset
 def prepare_data(spec: CampaignSpec | None = None, spec_path: str | None = None, workdir: str | None = None) -> dict:
     """Prepare the campaign's data set: give ``spec`` inline or ``spec_path`` (YAML or
     ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state."""
-    spec = resolve_spec(spec, spec_path, workdir)
+    spec = resolve_campaign(spec, spec_path, workdir)
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
     summary = prepare_dataset(spec)
     Ledger.open(spec).set(data=summary)

@@ -13,6 +13,7 @@ from pretrain.incidents import NON_RETRYABLE
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import find_resume_point, judge_pending
+from tasks.events import job_restarts, stage_failed, stage_relaunched
 from tasks.tracking import open_stage_run
 from tasks.training import run_training_job
 
@@ -50,6 +51,8 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         logger.info("stage %s: launching attempt %d from %s", stage.name, attempt,
                     f"checkpoint step {point['step']}" if point else (init_from or "scratch"))
         ledger.update_stage(stage.name, attempts=attempt + 1)
+        if attempt:
+            stage_relaunched(spec, stage.name, attempt, point["step"] if point else None)
         exclude = (ledger.reload().get("cluster") or {}).get("excluded", [])
         job = run_training_job.submit(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, step_offset, exclude)
         while not _finished(job):
@@ -57,6 +60,7 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         last = job.result()
         for r in last.resumes:
             ledger.append(stage.name, "resumes", {"attempt": attempt, **r})
+        job_restarts(spec, stage.name, attempt, last.resumes)
         for incident in last.incidents:
             logger.warning("stage %s: %s — %s (recovered in %ss, %.1fs lost)", stage.name, incident["cause"],
                            incident["action"], incident["recovery_s"], incident["time_lost_s"])
@@ -85,9 +89,12 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
     if not point or point["step"] < stage.steps:
         ledger.update_stage(stage.name, status="failed")
         cause = f"{last.cause} ({'; '.join(last.errors)})" if last and last.errors else (last.cause if last else "unknown")
-        raise StageFailed(
+        failed = StageFailed(
             f"stage {stage.name} stopped at step {point['step'] if point else 0}/{stage.steps} after "
             f"{ledger.stage(stage.name)['attempts']} attempt(s); last failure: {cause}. Logs: {spec.workdir_path / 'jobs' / stage.name}. "
             f"Fix the cause and run the same command again: it resumes from the last good checkpoint.")
+        stage_failed(spec, stage.name, point["step"] if point else 0, ledger.stage(stage.name)["attempts"],
+                     last.cause if last else None, str(failed))
+        raise failed
     ledger.update_stage(stage.name, status="trained", final_checkpoint=point)
     return point

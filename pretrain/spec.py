@@ -215,6 +215,25 @@ class SkipWindow(_Section):
     end: int = Field(..., gt=0, description="First global sample position no longer skipped.")
 
 
+class BlockRefs(_Section):
+    """Saved Prefect blocks a spec refers to by name instead of inline settings (resolved by the
+    campaign flow; the core never talks to Prefect)."""
+
+    storage: str | None = Field(
+        None, description="Campaign storage block as '<block-type-slug>/<name>', e.g. 'local-campaign-storage/shared' or "
+        "'s3-campaign-storage/prod': decides the workdir (and, for S3, where checkpoints go and their credentials). "
+        "Replaces `workdir` and `checkpoint.uri` / `s3_*`.")
+    cluster: str | None = Field(
+        None, description="Cluster block as '<block-type-slug>/<name>', e.g. 'local-process-cluster/two-workers'. "
+        "Replaces the `cluster` section.")
+    tracking: str | None = Field(
+        None, description="MLflow tracking block as '<block-type-slug>/<name>', e.g. 'mlflow-tracking/team'. Replaces "
+        "`tracking.uri` and `tracking.experiment` (a token stays in the block).")
+
+    def any(self) -> bool:
+        return any((self.storage, self.cluster, self.tracking))
+
+
 class CampaignSpec(_Section):
     name: str = Field("tiny", pattern=r"^[A-Za-z0-9_.-]+$", description="Campaign name (tags the MLflow runs).")
     workdir: str = Field("./runs/{name}", description="Where the campaign keeps its state: data, checkpoints, ledger, MLflow db. '{name}' expands.")
@@ -234,6 +253,23 @@ class CampaignSpec(_Section):
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec, description="Hang and loss-anomaly detection, node checks.")
     chaos: list[ChaosDrill] = Field(default_factory=list, description="Faults injected on purpose to rehearse recovery (chaos drills).")
     skip_samples: list[SkipWindow] = Field(default_factory=list, description="Sample windows never trained on (e.g. to reproduce a run that rolled back a loss spike).")
+    blocks: BlockRefs = Field(default_factory=BlockRefs, description="Saved Prefect blocks to take storage, cluster or tracking settings from, by name.")
+
+    @model_validator(mode="after")
+    def _blocks_or_inline(self) -> "CampaignSpec":
+        # by value, not by fields set: a spec that went through JSON (a deployment parameter) has every field set
+        default = CampaignSpec.model_fields
+        clashes = {
+            "storage": (["workdir"] if self.workdir != default["workdir"].default else [])
+            + (["checkpoint.uri"] if self.checkpoint.uri else []),
+            "cluster": ["cluster"] if self.cluster != ClusterSpec() else [],
+            "tracking": [f"tracking.{f}" for f in ("uri", "experiment")
+                         if getattr(self.tracking, f) != TrackingSpec.model_fields[f].default],
+        }
+        for ref, fields in clashes.items():
+            if getattr(self.blocks, ref) and fields:
+                raise ValueError(f"blocks.{ref} and {', '.join(fields)} both give the same settings: keep only one of them")
+        return self
 
     @model_validator(mode="after")
     def _stages_fit(self) -> "CampaignSpec":
@@ -271,8 +307,8 @@ class CampaignSpec(_Section):
     def spec_hash(self) -> str:
         """Hash of everything that defines the campaign's results (not where it is stored).
         Fields left at their defaults are not hashed, so a release that adds a field (with a
-        default) does not orphan existing workdirs."""
-        body = self.model_dump(mode="json", exclude={"workdir"}, exclude_defaults=True)
+        default) does not orphan existing workdirs; block references are hashed as resolved."""
+        body = self.model_dump(mode="json", exclude={"workdir", "blocks"}, exclude_defaults=True)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def with_workdir(self, workdir: str | Path | None) -> "CampaignSpec":

@@ -9,6 +9,7 @@ from pretrain.gate import judge, rewind_past_bad, wants_eval
 from pretrain.jobs import checkpoint_store
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
+from tasks.events import checkpoint_verdict
 from tasks.tracking import tracker_for
 
 
@@ -29,7 +30,10 @@ def check_checkpoint(spec: CampaignSpec, stage_index: int, step: int, evaluate: 
 
 
 def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
+    """The verdict goes to the ledger, the stage's MLflow run (tags; evaluation metrics at the
+    checkpoint's step) and out as a ``pretrain.checkpoint.good/bad`` event."""
     stage = spec.stages[stage_index].name
+    checkpoint_verdict(spec, stage, record["path"], record)
     ledger = Ledger.open(spec)
     ledger.append(stage, "verdicts", {k: record[k] for k in ("step", "path", "verdict", "problems", "probe", "metrics", "time")})
     if record["verdict"] == "good":

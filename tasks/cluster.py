@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from pretrain.cluster import ClusterError, judge_nodes, make_cluster
 from pretrain.jobs import threads_per_worker
 from pretrain.spec import CampaignSpec
+from tasks.artifacts import artifact_key
 
 
 def chaos_delays(spec: CampaignSpec) -> dict[int, float]:
@@ -33,7 +34,7 @@ def check_nodes(spec: CampaignSpec) -> dict:
         logger.info("node %s worker %s: matmul %.3fs (%s× median), allreduce %s MB/s%s", r["node"], r["local_rank"],
                     r.get("matmul_s", float("nan")), r["relative"], r.get("allreduce_MBps", "-"),
                     " — EXCLUDED" if r["excluded"] else "")
-    create_table_artifact(key=f"node-check-{spec.name.lower().replace('_', '-').replace('.', '-')}", table=[
+    create_table_artifact(key=artifact_key("node-check", spec.name), table=[
         {k: r.get(k) for k in ("node", "local_rank", "matmul_s", "relative", "allreduce_MBps", "excluded", "error")}
         for r in rows], description=f"Node health check of campaign {spec.name}")
     healthy = spec.cluster.nodes_max - len(excluded)

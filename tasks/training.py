@@ -16,6 +16,7 @@ from pretrain.incidents import cause_of, incidents
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import MetricsForwarder
+from tasks.artifacts import TrainingProgress
 from tasks.tracking import tracker_for
 from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
 
@@ -106,6 +107,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                 spec.cluster.nodes_max - len(exclude), spec.cluster.workers_per_node, job.job_dir)
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
                                  step_offset, events_path=Path(job.job_dir) / EVENTS)
+    progress = TrainingProgress(spec, stage_index)
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
     scaled_up: list[int] = []
@@ -120,12 +122,14 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                     logger.warning("stage %s: node %d lost (exit %s); training continues on the others", job.stage, node, exit_code)
                     events.write({"event": "node_lost", "node": node, "exit_code": exit_code, "source": "orchestrator"})
             forwarder.pump()
+            progress.update(forwarder.last_step)
             if code is None and (due := rejoin.due()):
                 scaled_up = try_scale_up(spec, job.stage, due, rejoin, events, logger)
                 if scaled_up:
                     handle.stop(grace_s=SCALE_UP_GRACE_S)  # the savers persist the newest snapshot on the way out
                     code = handle.poll()
         forwarder.pump()
+        progress.update(forwarder.last_step, force=True)
     finally:
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left
     result = summarize(Path(job.job_dir), attempt, code, started, Path(handle.logs[0]))

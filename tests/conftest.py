@@ -15,6 +15,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 from pretrain.dataprep import prepare  # noqa: E402
 from pretrain.layout import CampaignLayout  # noqa: E402
 from pretrain.spec import CampaignSpec, parse_spec  # noqa: E402
+from prefect_server import on_prefect_server, prefect_server  # noqa: E402,F401 - a real server, on request
 
 DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"vocab_size": 512}, "val_fraction": 0.2}
 
@@ -158,3 +159,15 @@ def flip_byte(path: Path, at: int = -10) -> None:
     data = bytearray(path.read_bytes())
     data[at] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def campaign_events(api_url: str, campaign: str) -> list[dict]:
+    """The ``pretrain.*`` events a Prefect server stored for ``campaign``, newest first."""
+    import httpx
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    flt = EventFilter(event=EventNameFilter(prefix=["pretrain."]),
+                      resource=EventResourceFilter(id=[f"pretrain.campaign.{campaign}"]))
+    r = httpx.post(f"{api_url}/events/filter", json={"filter": flt.model_dump(mode="json"), "limit": 50}, timeout=10)
+    r.raise_for_status()
+    return r.json()["events"]

@@ -1,27 +1,25 @@
-"""prefect.yaml and deployments/serve.py: entrypoints are real flows, the campaign runs one at
-a time, and ``prefect deploy --all`` really creates both deployments on a (test) server."""
+"""prefect.yaml, deployments/serve.py and deployments/deploy.py: entrypoints are real flows, the
+campaign runs one at a time, the evaluation deployment has its trigger, and the three say the
+same. (``prefect deploy --all`` against a real server: tests/test_prefect_server.py.)"""
 
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from prefect import Flow
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import WorkPoolCreate
-from prefect.exceptions import ObjectAlreadyExists
-from prefect.settings import PREFECT_API_URL
 
+from deployments import definitions
+from deployments.deploy import ROOT as DEPLOY_ROOT
+from deployments.deploy import build_deployments, source_of
 from deployments.serve import build_deployment, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = yaml.safe_load((ROOT / "prefect.yaml").read_text())
 DEPLOYMENTS = {d["name"]: d for d in PROJECT["deployments"]}
+LOCAL = ["pretrain-campaign", "prepare-data", "evaluate-checkpoint"]
 
 
 def load_entrypoint(entrypoint: str) -> Flow:
@@ -33,7 +31,7 @@ def load_entrypoint(entrypoint: str) -> Flow:
 
 def test_project_file_shape():
     assert PROJECT["name"] == "prefect-pretrain"
-    assert set(DEPLOYMENTS) == {"pretrain-campaign", "prepare-data"}
+    assert set(DEPLOYMENTS) == {*LOCAL, "kubernetes"}
     [step] = PROJECT["pull"]
     assert step == {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}
 
@@ -43,7 +41,11 @@ def test_entrypoint_is_a_prefect_flow(name):
     obj = load_entrypoint(DEPLOYMENTS[name]["entrypoint"])
     assert isinstance(obj, Flow)
     assert set(DEPLOYMENTS[name].get("parameters", {})) <= set(obj.parameters.properties)
-    assert DEPLOYMENTS[name]["work_pool"]["name"] == "local-process"
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_local_deployments_use_the_process_pool(name):
+    assert DEPLOYMENTS[name]["work_pool"] == {"name": "local-process", "work_queue_name": "default", "job_variables": {}}
 
 
 def test_campaign_deployment_runs_one_at_a_time_and_schedule_starts_paused():
@@ -59,6 +61,27 @@ def test_prepare_data_prepares_the_campaigns_spec():
     assert DEPLOYMENTS["prepare-data"]["parameters"] == DEPLOYMENTS["pretrain-campaign"]["parameters"]
 
 
+def test_evaluation_runs_on_good_checkpoints():
+    dep = DEPLOYMENTS["evaluate-checkpoint"]
+    assert dep["entrypoint"] == "flows/evaluate_checkpoint.py:evaluate_checkpoint"
+    flow = load_entrypoint(dep["entrypoint"])
+    assert flow.name == "evaluate-checkpoint" and flow.parameters.required == ["checkpoint"]
+    [trigger] = dep["triggers"]
+    expected = definitions.evaluate_on_good_checkpoint()
+    assert trigger["expect"] == sorted(expected.expect) == ["pretrain.checkpoint.good"]
+    assert trigger["match"] == expected.match.model_dump()
+    assert trigger["parameters"] == expected.parameters and trigger["enabled"]
+
+
+def test_kubernetes_example_clones_the_repository():
+    k8s = DEPLOYMENTS["kubernetes"]
+    assert k8s["entrypoint"] == DEPLOYMENTS["pretrain-campaign"]["entrypoint"] and k8s["concurrency_limit"] == 1
+    [clone] = k8s["pull"]
+    assert clone["prefect.deployments.steps.git_clone"]["repository"].endswith(".git")
+    assert k8s["work_pool"]["name"] == "kubernetes"
+    assert {"image", "namespace", "env"} <= set(k8s["work_pool"]["job_variables"])
+
+
 def test_serve_matches_the_project_file():
     campaign = DEPLOYMENTS["pretrain-campaign"]
     dep = build_deployment()
@@ -69,22 +92,14 @@ def test_serve_matches_the_project_file():
     assert (sched.schedule.cron, sched.schedule.timezone, sched.active) == ("0 2 * * *", "Europe/Paris", True)
 
 
-def test_prefect_deploy_all(prefect_harness, tmp_path):
-    with get_client(sync_client=True) as client:
-        try:
-            client.create_work_pool(WorkPoolCreate(name="local-process", type="process"))
-        except ObjectAlreadyExists:
-            pass
-    env = {**os.environ, "PWD": str(ROOT), "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    with get_client(sync_client=True) as client:
-        campaign = client.read_deployment_by_name("pretrain-campaign/pretrain-campaign")
-        prepare = client.read_deployment_by_name("prepare-data/prepare-data")
-    assert campaign.global_concurrency_limit.limit == 1
-    assert [(s.schedule.cron, s.active) for s in campaign.schedules] == [("0 2 * * *", False)]
-    assert campaign.parameters == {"spec_path": "builtin:tiny"}
-    for dep in (campaign, prepare):
-        assert dep.work_pool_name == "local-process"
-        assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
+def test_deploy_matches_the_project_file():
+    built = {d.name: d for d in build_deployments(source_of(), cron="0 2 * * *")}
+    assert set(built) == set(LOCAL)
+    for name, dep in built.items():
+        want = DEPLOYMENTS[name]
+        assert (dep.entrypoint, dep.parameters, dep.tags) == (want["entrypoint"], want.get("parameters", {}), want["tags"])
+        assert dep.concurrency_limit == want.get("concurrency_limit")
+        assert dep.storage.to_pull_step() == {"prefect.deployments.steps.set_working_directory": {"directory": str(DEPLOY_ROOT)}}
+    [trigger] = built["evaluate-checkpoint"].triggers
+    assert trigger.expect == {"pretrain.checkpoint.good"}
+    assert [s.schedule.cron for s in built["pretrain-campaign"].schedules] == ["0 2 * * *"]

@@ -10,8 +10,9 @@ import sys
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
+from prefect.settings import PREFECT_API_URL
 
-from conftest import run_campaign_while, saver_processes, seed_data, small_spec, wait_for, worker_processes
+from conftest import campaign_events, run_campaign_while, saver_processes, seed_data, small_spec, wait_for, worker_processes
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
 from pretrain.status import campaign_status
@@ -65,6 +66,10 @@ def test_worker_sigkill_is_survived_by_an_in_job_restart(prefect_harness, prepar
     stage_run = next(r for r in runs if r.data.tags["pretrain.role"] == "stage")
     assert sorted(m.step for m in client.get_metric_history(stage_run.info.run_id, "loss")) == list(range(1, 41))
     assert not worker_processes(spec.workdir_path)
+    restarted = wait_for(lambda: [e for e in campaign_events(PREFECT_API_URL.value(), spec.name)
+                                  if e["event"] == "pretrain.stage.restarted"
+                                  and e["resource"]["pretrain.workdir"] == str(spec.workdir_path)], 30, "the restart event")
+    assert restarted[0]["payload"]["in_job"] is True and restarted[0]["payload"]["source"] == "memory"
 
 
 def test_killed_saver_is_restarted_and_training_continues(prefect_harness, prepared_data, tmp_path):
@@ -111,6 +116,15 @@ def test_stage_fails_clearly_after_max_attempts(prefect_harness, prepared_data, 
     assert "no window of 60001 tokens" in " ".join(status["stages"][0]["failures"][0]["errors"])
     client, runs = assert_mlflow_steps_unique(spec)
     assert {r.info.status for r in runs} == {"FAILED"}
+    assert all("stage main stopped at step 0/5" in r.data.tags["pretrain.end_cause"] for r in runs)  # the failure hook
+
+    def stage_events():  # the stage's relaunch and its final failure, as Prefect events of this campaign
+        found = {e["event"]: e for e in campaign_events(PREFECT_API_URL.value(), spec.name)
+                 if e["resource"]["pretrain.workdir"] == str(spec.workdir_path)}
+        return found if {"pretrain.stage.restarted", "pretrain.stage.failed"} <= set(found) else None
+    found = wait_for(stage_events, 30, "the stage events", interval=0.5)
+    assert found["pretrain.stage.restarted"]["payload"] == {"stage": "main", "attempt": 1, "in_job": False, "from_step": None}
+    assert found["pretrain.stage.failed"]["payload"]["cause"] == "data"
 
 
 def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path):

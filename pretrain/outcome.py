@@ -1,0 +1,59 @@
+"""Record how a campaign run ended — failed, crashed or cancelled — in its ledger and MLflow runs,
+with the cause. Called by the campaign flow's state hooks, possibly in another process than the
+one that ran the campaign (Prefect runs cancellation hooks in the worker after the flow-run
+process is gone), so it needs nothing but the workdir."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pretrain.layout import CampaignLayout
+from pretrain.ledger import Ledger
+from pretrain.tracking import Tracker
+
+# how each way of ending shows in MLflow: a cancel is a deliberate kill; a crash of the
+# infrastructure (lost process, OOM kill) is a failure of the run like any other
+MLFLOW_STATUS = {"failed": "FAILED", "crashed": "FAILED", "cancelled": "KILLED"}
+TAG_END_STATE = "pretrain.end_state"
+TAG_END_CAUSE = "pretrain.end_cause"
+OPEN_STAGES = ("running", "trained")  # stages a run was working on when it ended
+FAILED_STAGE = "failed"  # set by train-stage before it raises; its MLflow run is still open
+
+
+def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str) -> dict | None:
+    """Mark the campaign and the stages it was working on ``outcome`` with ``cause``, and end its
+    MLflow runs with the matching status — if ``flow_run`` is the run the ledger says is running it
+    (a run refused before it started, e.g. because another run holds the campaign, changes
+    nothing). Returns the ledger's data (None: nothing recorded)."""
+    if outcome not in MLFLOW_STATUS:
+        raise ValueError(f"outcome must be one of {sorted(MLFLOW_STATUS)}, got {outcome!r}")
+    layout = CampaignLayout(Path(workdir))
+    ledger = Ledger.read(layout)
+    if ledger is None:
+        return None
+    open_stages: list[str] = []
+    ours = []
+
+    def change(d: dict) -> None:
+        if d.get("flow_run") != flow_run:
+            return
+        ours.append(True)
+        open_stages.extend(n for n, s in d["stages"].items() if s["status"] in (*OPEN_STAGES, FAILED_STAGE))
+        for name in open_stages:
+            if d["stages"][name]["status"] in OPEN_STAGES:
+                d["stages"][name]["status"] = outcome
+        d["status"] = outcome
+        d["end"] = {"state": outcome, "cause": cause, "time": time.time(), "flow_run": flow_run}
+
+    data = ledger.mutate(change)
+    if not ours:
+        return None
+    run_ids = [data["stages"][n]["mlflow_run_id"] for n in open_stages] + [data["mlflow"]["parent_run_id"]]
+    run_ids = [r for r in run_ids if r]
+    if run_ids:
+        tracker = Tracker(data["mlflow"]["tracking_uri"], data["mlflow"]["experiment"], layout.mlflow_artifacts)
+        for run_id in run_ids:
+            tracker.set_tags(run_id, {TAG_END_STATE: outcome, TAG_END_CAUSE: cause[:5000]})
+            tracker.finish(run_id, MLFLOW_STATUS[outcome])
+    return data

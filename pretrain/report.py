@@ -1,0 +1,94 @@
+"""A campaign's report, read from its workdir only (ledger + checkpoint stores): the tables the
+Prefect artifacts show, and the markdown campaign report. No Prefect here."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from pretrain.layout import CampaignLayout
+from pretrain.ledger import Ledger
+from pretrain.status import campaign_status
+from trainer.checkpoint import GOOD, CheckpointStore
+
+NODE_CHECK_COLUMNS = ("node", "local_rank", "matmul_s", "relative", "allreduce_MBps", "excluded", "error")
+
+
+def checkpoint_rows(workdir: str | Path) -> list[dict]:
+    """One row per stored checkpoint of every stage, oldest first: its verdict (good / bad /
+    unvalidated), whether it is the stage's good checkpoint, and its evaluation loss if evaluated."""
+    ledger = Ledger.read(CampaignLayout(Path(workdir)))
+    if ledger is None:
+        return []
+    rows = []
+    for name, stage in ledger.data["stages"].items():
+        store = CheckpointStore.open(stage["checkpoints"], ledger.data.get("storage_options"))
+        good = store.read_pointer(GOOD)
+        evaluated = stage.get("eval") or {}
+        for step in sorted(store.committed_steps()):
+            verdict = store.verdict(step) or {}
+            rows.append({"stage": name, "step": step, "verdict": verdict.get("verdict", "unvalidated"),
+                         "good_pointer": step == good,
+                         "eval_loss": round(evaluated["val_loss"], 4) if evaluated.get("step") == step else None,
+                         "problems": "; ".join(verdict.get("problems", [])) or None,
+                         "path": store.ref(step).location})
+    return rows
+
+
+def node_check_rows(status_or_ledger: dict) -> list[dict]:
+    cluster = status_or_ledger.get("cluster") or {}
+    return [{k: r.get(k) for k in NODE_CHECK_COLUMNS} for r in cluster.get("health") or []]
+
+
+def time_lost_by_cause(status: dict) -> dict[str, float]:
+    """Seconds of work lost per failure cause, over every stage (biggest first)."""
+    lost: dict[str, float] = defaultdict(float)
+    for stage in status["stages"]:
+        for f in stage["failures"]:
+            lost[f.get("cause") or "unknown"] += float(f.get("time_lost_s") or 0.0)
+    return dict(sorted(lost.items(), key=lambda kv: -kv[1]))
+
+
+def _table(rows: list[dict], columns: list[str] | tuple[str, ...]) -> list[str]:
+    if not rows:
+        return ["_none_", ""]
+
+    def cell(v) -> str:
+        text = "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows), ""]
+
+
+def campaign_report(workdir: str | Path) -> str:
+    """Markdown: where the campaign stands, its stages and attempts, every checkpoint with its
+    verdict and eval loss, the node check, failures and the time lost per cause."""
+    status = campaign_status(workdir)
+    ledger = Ledger.read(CampaignLayout(Path(status["workdir"])))
+    data = ledger.data if ledger else {}
+    end = data.get("end") or {}
+    lines = [f"# Campaign `{status['campaign']}` — {status['status']}", "",
+             f"- workdir: `{status['workdir']}`", f"- spec hash: `{status['spec_hash']}`, runs of the campaign flow: "
+             f"{status['invocations']}",
+             f"- MLflow: parent run `{status['mlflow']['parent_run_id']}` in experiment "
+             f"`{status['mlflow']['experiment']}` (`{status['mlflow']['ui_command']}`)"]
+    if end.get("cause") and status["status"] != "completed":
+        lines.append(f"- ended {end.get('state', '').lower()}: {end['cause']}")
+    lines += ["", "## Stages", ""]
+    stage_rows = [{"stage": s["name"], "status": s["status"], "steps": f"{s['steps_done']}/{s['steps_total']}",
+                   "attempts": s["attempts"], "in-job restarts": s["restarts"], "failures": len(s["failures"]),
+                   "good checkpoint": s["good_checkpoint"]["step"] if s["good_checkpoint"] else None,
+                   "eval loss": round(s["eval"]["val_loss"], 4) if s["eval"] else None} for s in status["stages"]]
+    lines += _table(stage_rows, list(stage_rows[0]) if stage_rows else ["stage"])
+    lines += ["## Checkpoints", ""]
+    lines += _table(checkpoint_rows(status["workdir"]), ("stage", "step", "verdict", "good_pointer", "eval_loss", "problems"))
+    lines += ["## Node check", ""]
+    lines += _table(node_check_rows(data), NODE_CHECK_COLUMNS)
+    lines += ["## Time lost per cause", ""]
+    lost = [{"cause": c, "seconds": round(s, 2)} for c, s in time_lost_by_cause(status).items()]
+    lines += _table(lost, ("cause", "seconds"))
+    failures = [{"stage": s["name"], **f} for s in status["stages"] for f in s["failures"]]
+    lines += ["## Failures", ""]
+    lines += _table(failures, ("stage", "attempt", "cause", "action", "time_lost_s", "recovery_s"))
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Custom Prefect events of a campaign, each with the campaign as its resource
+(``pretrain.campaign.<name>``), so automations can react to them:
+
+- ``pretrain.checkpoint.good`` / ``pretrain.checkpoint.bad``  a checkpoint passed / failed validation
+- ``pretrain.stage.restarted``  a stage's workers restarted inside a job, or its job was launched again
+- ``pretrain.stage.failed``     a stage gave up
+- ``pretrain.campaign.completed``  every stage is done
+
+``prefect.yaml`` ships a trigger that runs the evaluation deployment on ``pretrain.checkpoint.good``.
+"""
+
+from __future__ import annotations
+
+from prefect.events import emit_event
+
+from pretrain.layout import CampaignLayout
+from pretrain.spec import CampaignSpec
+
+CHECKPOINT_GOOD = "pretrain.checkpoint.good"
+CHECKPOINT_BAD = "pretrain.checkpoint.bad"
+STAGE_RESTARTED = "pretrain.stage.restarted"
+STAGE_FAILED = "pretrain.stage.failed"
+CAMPAIGN_COMPLETED = "pretrain.campaign.completed"
+
+
+def campaign_resource(spec: CampaignSpec) -> dict[str, str]:
+    return {"prefect.resource.id": f"pretrain.campaign.{spec.name}", "prefect.resource.name": spec.name,
+            "pretrain.workdir": str(spec.workdir_path), "pretrain.spec-hash": spec.spec_hash()}
+
+
+def _stage(spec: CampaignSpec, stage: str) -> dict[str, str]:
+    return {"prefect.resource.id": f"pretrain.stage.{spec.name}.{stage}", "prefect.resource.role": "stage",
+            "prefect.resource.name": stage}
+
+
+def emit_campaign_event(spec: CampaignSpec, event: str, payload: dict, stage: str | None = None) -> None:
+    emit_event(event=event, resource=campaign_resource(spec), payload=payload,
+               related=[_stage(spec, stage)] if stage else None)
+
+
+def checkpoint_verdict(spec: CampaignSpec, stage: str, path: str, record: dict) -> None:
+    """``pretrain.checkpoint.good`` or ``.bad`` for a validated checkpoint (``record``: the verdict)."""
+    good = record.get("verdict") == "good"
+    emit_campaign_event(spec, CHECKPOINT_GOOD if good else CHECKPOINT_BAD, {
+        "stage": stage, "step": record.get("step"), "checkpoint": path, "verdict": record.get("verdict"),
+        "problems": record.get("problems", []), "data_dir": str(CampaignLayout(spec.workdir_path).data_dir),
+    }, stage)
+
+
+def stage_relaunched(spec: CampaignSpec, stage: str, attempt: int, from_step: int | None) -> None:
+    """A stage's job launched again (after a failed job, or when a stopped campaign resumes)."""
+    emit_campaign_event(spec, STAGE_RESTARTED, {"stage": stage, "attempt": attempt, "in_job": False,
+                                                "from_step": from_step}, stage)
+
+
+def job_restarts(spec: CampaignSpec, stage: str, attempt: int, resumes: list[dict]) -> None:
+    """One event per in-job restart of the workers (elastic agent restarts) a finished job reported."""
+    for r in resumes:
+        if r.get("restart_count", 0) > 0:
+            emit_campaign_event(spec, STAGE_RESTARTED, {"stage": stage, "attempt": attempt, "in_job": True,
+                                                        "restart_count": r["restart_count"], "from_step": r.get("step"),
+                                                        "source": r.get("source")}, stage)
+
+
+def stage_failed(spec: CampaignSpec, stage: str, step: int, attempts: int, cause: str | None, message: str) -> None:
+    emit_campaign_event(spec, STAGE_FAILED, {"stage": stage, "step": step, "attempts": attempts, "cause": cause,
+                                             "message": message}, stage)
+
+
+def campaign_completed(spec: CampaignSpec, status: dict) -> None:
+    emit_campaign_event(spec, CAMPAIGN_COMPLETED, {
+        "workdir": status["workdir"], "invocations": status["invocations"],
+        "stages": [{"stage": s["name"], "steps": s["steps_done"], "good_checkpoint": s["good_checkpoint"],
+                    "eval_loss": s["eval"]["val_loss"] if s["eval"] else None} for s in status["stages"]],
+    })
