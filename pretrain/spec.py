@@ -158,8 +158,8 @@ class TrackingSpec(_Section):
     log_every: int = Field(1, gt=0, description="Log training metrics every this many steps.")
     register_model: bool = Field(
         True, description="When the campaign completes, export its final good checkpoint (Hugging Face GPT-2 layout), log "
-        "it as a model of the campaign's MLflow run with its eval metrics and register it in the model registry. Needs "
-        "transformers (pip install 'prefect-pretrain[hf]'); without it the step is skipped with a warning.")
+        "it as a model of the campaign's MLflow run with its eval metrics and register it in the model registry "
+        "(MLflow's transformers flavor).")
     registered_model: str | None = Field(
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="Registered model name in the MLflow model registry (letters, digits, '_', '.', '-'); empty → the campaign name.")

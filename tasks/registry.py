@@ -24,7 +24,8 @@ def register_final_model(spec: CampaignSpec) -> dict | None:
         return None
     if importlib.util.find_spec("transformers") is None:
         logger.warning("transformers is not installed, so the final model is not registered in MLflow: "
-                       "pip install 'prefect-pretrain[hf]' and run the campaign again (finished stages are skipped)")
+                       "reinstall prefect-pretrain (it depends on transformers) and run the campaign again "
+                       "(finished stages are skipped)")
         return None
     ledger = Ledger.open(spec)
     last = ledger.stage(spec.stages[-1].name)

@@ -25,6 +25,7 @@ import os
 import re
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,15 +92,25 @@ class CheckpointRef:
 
 
 class _HashingWriter:
-    """A file wrapper that hashes and counts what ``torch.save`` streams through it."""
+    """A file wrapper that hashes and counts what ``torch.save`` streams through it. A large
+    chunk (a tensor's bytes) is hashed on a helper thread while it is written — both release
+    the GIL — and ``write`` returns only when both are done, so the caller may reuse its buffer."""
 
-    def __init__(self, f):
-        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+    PARALLEL_MIN = 1 << 20
+
+    def __init__(self, f, pool: ThreadPoolExecutor):
+        self.f, self.pool, self.sha, self.bytes = f, pool, hashlib.sha256(), 0
 
     def write(self, b) -> int:
-        self.sha.update(b)
         self.bytes += len(b)
-        return self.f.write(b)
+        if len(b) < self.PARALLEL_MIN:
+            self.sha.update(b)
+            return self.f.write(b)
+        hashed = self.pool.submit(self.sha.update, b)
+        try:
+            return self.f.write(b)
+        finally:
+            hashed.result()
 
     def flush(self) -> None:
         self.f.flush()
@@ -149,8 +160,8 @@ class CheckpointStore:
             target_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=target_dir)
         try:
-            with os.fdopen(fd, "wb") as f:
-                out = _HashingWriter(f)
+            with os.fdopen(fd, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
+                out = _HashingWriter(f, pool)
                 torch.save(obj, out)
                 f.flush()
                 os.fsync(f.fileno())
