@@ -34,6 +34,8 @@ class _ElasticJob(Block, ABC):
     max_restarts: int = _mirror("max_restarts", "Maximum restarts", ge=0)
     backend: Literal["auto", "gloo", "nccl"] = _mirror("backend", "Collective backend")
     threads_per_worker: int = _mirror("threads_per_worker", "Threads per worker", ge=0)
+    parallelism: Literal["ddp", "fsdp"] = _mirror("parallelism", "Parallelism")
+    rejoin_after_s: float = _mirror("rejoin_after_s", "Re-check a lost node after (s)", ge=0)
 
     @model_validator(mode="after")
     def _valid_spec(self):

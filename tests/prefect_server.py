@@ -84,10 +84,17 @@ class PrefectServer(_Server):
     @contextmanager
     def settings(self):
         """Point this process's Prefect client at the server for the duration of the block."""
+        from prefect.events.worker import EventsWorker
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
+        # the events worker is a process-wide service bound to the API it first talked to:
+        # drain it on the way in and out, so events go to the server the settings name
+        EventsWorker.drain_all()
         with temporary_settings({PREFECT_API_URL: self.api_url}):
-            yield self
+            try:
+                yield self
+            finally:
+                EventsWorker.drain_all()
 
     def stop(self, timeout: float = 10) -> None:
         for w in self.workers:
