@@ -119,7 +119,6 @@ def test_prefect_deploy_all_creates_every_deployment(deployed):
     assert automation.actions[0].parameters["checkpoint"] == "{{ event.payload.checkpoint }}"  # rendered per event
 
 
-@pytest.mark.slow
 def test_worker_runs_a_campaign_with_artifacts_events_and_trigger(worker, prepared_data, tmp_path):
     name = f"e2e-{uuid.uuid4().hex[:6]}"
     path, spec = spec_file(tmp_path, prepared_data, name)
@@ -206,7 +205,6 @@ def test_a_second_run_of_a_training_campaign_never_trains(training, worker):
     assert len(campaign_processes(spec.workdir_path, "trainer.worker")) == 1  # still the first run's only worker
 
 
-@pytest.mark.slow
 def test_cancelling_from_the_api_stops_training_and_persists_a_final_checkpoint(training, worker):
     run, _, spec = training
     with worker.settings():
