@@ -18,7 +18,7 @@ from tasks.tracking import open_stage_run
 from tasks.training import run_training_job
 
 
-GATE_POLL_S = 2.0  # how often the gate looks for newly committed checkpoints while a job runs
+GATE_POLL_S = 10.0  # how often the gate judges newly committed checkpoints while a job runs (all pending at once)
 
 
 def _finished(future) -> bool:

@@ -7,7 +7,7 @@ from prefect import flow, get_run_logger
 
 from pretrain.jobs import checkpoint_store, storage_options
 from pretrain.spec import CampaignSpec
-from tasks.checkpoints import check_checkpoint
+from tasks.checkpoints import check_checkpoints
 from trainer.checkpoint import CheckpointStore
 
 
@@ -21,7 +21,7 @@ def validate_checkpoint(spec: CampaignSpec, stage: str, path: str) -> dict:
     _, step = CheckpointStore.of_step(path, storage_options(spec))
     record = checkpoint_store(spec, stage).verdict(step)
     if record is None:
-        record = check_checkpoint(spec, stage_index, step)  # records the verdict and emits its event
+        (record,) = check_checkpoints(spec, stage_index, [step])  # records the verdict and emits its event
     if record["verdict"] != "good":
         raise CheckpointInvalid(f"checkpoint {path} of stage {stage} failed validation: " + "; ".join(record["problems"]))
     get_run_logger().info("stage %s: checkpoint %s is good", stage, path)

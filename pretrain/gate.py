@@ -39,31 +39,36 @@ def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: 
     }
 
 
-def run_gate(request: dict, timeout_s: float = GATE_TIMEOUT_S) -> dict:
-    """Run ``python -m trainer.gate`` on the request; its ``{"verdict", "metrics"}``."""
+def run_gate(requests: list[dict], timeout_s: float = GATE_TIMEOUT_S) -> list[dict]:
+    """Run ``python -m trainer.gate`` on the requests; one ``{"verdict", "metrics"}`` each."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="pretrain-gate-") as f:
-        json.dump(request, f)
+        json.dump(requests, f)
         f.flush()
         proc = subprocess.run([sys.executable, "-m", "trainer.gate", f.name], capture_output=True, text=True,
                               timeout=timeout_s)
     if proc.returncode != 0:
-        raise GateError(f"validating {request['location']} failed to run (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        where = ", ".join(r["location"] for r in requests)
+        raise GateError(f"validating {where} failed to run (exit {proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def judge(spec: CampaignSpec, stage_index: int, step: int, evaluate: bool = False) -> dict:
-    """Validate (and, if good and asked, evaluate) one checkpoint of the stage; write its
-    verdict next to it (moving the stage's ``good`` pointer) and return the record."""
+def judge(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: set[int] = frozenset()) -> list[dict]:
+    """Validate checkpoints of the stage in one gate process (evaluating the good ones among
+    ``evaluate``); write each verdict next to its checkpoint (moving the stage's ``good``
+    pointer) and return the records, in the order of ``steps``."""
     store = checkpoint_store(spec, spec.stages[stage_index].name)
-    location = store.ref(step).location
+    locations = [store.ref(step).location for step in steps]
     t0 = time.monotonic()
-    out = run_gate(gate_request(spec, stage_index, location, evaluate))
-    v = out["verdict"]
-    record = {"step": step, "path": location, "verdict": "good" if v["ok"] else "bad", "problems": v["problems"],
-              "probe": v.get("metrics", {}), "metrics": out["metrics"], "gate_s": round(time.monotonic() - t0, 2),
-              "time": time.time()}
-    store.set_verdict(step, record)
-    return record
+    outs = run_gate([gate_request(spec, stage_index, loc, step in evaluate) for step, loc in zip(steps, locations)])
+    gate_s = round((time.monotonic() - t0) / max(1, len(steps)), 2)
+    records = []
+    for step, location, out in zip(steps, locations, outs):
+        v = out["verdict"]
+        record = {"step": step, "path": location, "verdict": "good" if v["ok"] else "bad", "problems": v["problems"],
+                  "probe": v.get("metrics", {}), "metrics": out["metrics"], "gate_s": gate_s, "time": time.time()}
+        store.set_verdict(step, record)
+        records.append(record)
+    return records
 
 
 def wants_eval(spec: CampaignSpec, stage_index: int, step: int) -> bool:

@@ -14,19 +14,21 @@ from tasks.tracking import tracker_for
 
 
 @task(name="validate-checkpoint", cache_policy=NO_CACHE)
-def check_checkpoint(spec: CampaignSpec, stage_index: int, step: int, evaluate: bool = False) -> dict:
-    """Judge one checkpoint in a separate process; record the verdict next to it, in the ledger
-    and as an MLflow tag (evaluation metrics, if run, at the checkpoint's step)."""
+def check_checkpoints(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: list[int] = ()) -> list[dict]:
+    """Judge checkpoints of a stage in a separate process; record each verdict next to it, in
+    the ledger, as MLflow tags and as an event (evaluation metrics, if run, at its step)."""
     logger = get_run_logger()
     stage = spec.stages[stage_index].name
-    record = judge(spec, stage_index, step, evaluate)
-    if record["verdict"] == "good":
-        logger.info("stage %s: checkpoint %d is good (probe loss %s)", stage, step,
-                    _fmt(record["probe"].get("probe_loss")))
-    else:
-        logger.error("stage %s: checkpoint %d is BAD, never resumed from: %s", stage, step, "; ".join(record["problems"]))
-    record_verdict(spec, stage_index, record)
-    return record
+    records = judge(spec, stage_index, list(steps), set(evaluate))
+    for record in records:
+        if record["verdict"] == "good":
+            logger.info("stage %s: checkpoint %d is good (probe loss %s)", stage, record["step"],
+                        _fmt(record["probe"].get("probe_loss")))
+        else:
+            logger.error("stage %s: checkpoint %d is BAD, never resumed from: %s", stage, record["step"],
+                         "; ".join(record["problems"]))
+        record_verdict(spec, stage_index, record)
+    return records
 
 
 def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
@@ -53,8 +55,10 @@ def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
 
 def judge_pending(spec: CampaignSpec, stage_index: int) -> list[dict]:
     """Judge every committed checkpoint of the stage that has no verdict yet, oldest first."""
-    store = checkpoint_store(spec, spec.stages[stage_index].name)
-    return [check_checkpoint(spec, stage_index, step, wants_eval(spec, stage_index, step)) for step in store.unjudged()]
+    steps = checkpoint_store(spec, spec.stages[stage_index].name).unjudged()
+    if not steps:
+        return []
+    return check_checkpoints(spec, stage_index, steps, [s for s in steps if wants_eval(spec, stage_index, s)])
 
 
 @task(name="find-resume-point", cache_policy=NO_CACHE)

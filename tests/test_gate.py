@@ -101,7 +101,7 @@ def test_damaged_checkpoint_is_bad_kept_and_never_resumed_from(prefect_harness, 
 def test_gate_accepts_a_sound_checkpoint_and_reports_its_probe(prepared_data, tmp_path):
     spec = _spec(tmp_path, prepared_data)
     write_checkpoint(spec, 4)
-    out = run_gate(gate_request(spec, 0, checkpoint_store(spec, "s").ref(4).location, evaluate=True))
+    (out,) = run_gate([gate_request(spec, 0, checkpoint_store(spec, "s").ref(4).location, evaluate=True)])
     assert out["verdict"]["ok"], out["verdict"]["problems"]
     probe = out["verdict"]["metrics"]
     assert probe["probe_loss"] == pytest.approx(probe["train_loss"], rel=1e-4)

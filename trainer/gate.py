@@ -1,9 +1,10 @@
-"""The validation gate as its own process: ``python -m trainer.gate REQUEST.json``.
+"""The validation gate as its own process: ``python -m trainer.gate REQUESTS.json``.
 
-Validates one checkpoint (``trainer.evaluate.validate`` with the probe) and, if it is good and
-asked to, evaluates it; prints one JSON object ``{"verdict": {...}, "metrics": {...}}`` on
-stdout. Running it in a separate process keeps the orchestrator free of model memory and lets
-validation overlap training. The request::
+For each request (a JSON list, one per checkpoint), validates the checkpoint
+(``trainer.evaluate.validate`` with the probe) and, if it is good and asked to, evaluates it;
+prints one JSON list of ``{"verdict": {...}, "metrics": {...}}`` on stdout. Running it in a
+separate process keeps the orchestrator free of model memory and lets validation overlap
+training; one process judges every pending checkpoint, so torch is imported once. A request::
 
     {"location": ".../step_00000040", "model": {ModelConfig fields}, "options": {storage options},
      "probe": {"data_dir": ..., "seq_len": ..., "windows": 16, "tolerance": 0.5} | null,
@@ -37,10 +38,10 @@ def run(request: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m trainer.gate REQUEST.json", file=sys.stderr)
+        print("usage: python -m trainer.gate REQUESTS.json", file=sys.stderr)
         return 2
     torch.set_num_threads(1)  # overlaps training: take one core, not all of them
-    print(json.dumps(run(json.loads(Path(args[0]).read_text()))))
+    print(json.dumps([run(request) for request in json.loads(Path(args[0]).read_text())]))
     return 0
 
 
