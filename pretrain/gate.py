@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pretrain.jobs import checkpoint_store, model_config, storage_options
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
-from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint import CheckpointStore, step_name
 from trainer.data import read_manifest
 
 GATE_TIMEOUT_S = 600.0
@@ -92,7 +92,7 @@ def rewind_past_bad(store: CheckpointStore) -> dict | None:
             if (store.verdict(step) or {}).get("verdict") == "bad":
                 quarantined.append({"step": step, "path": store.quarantine(step)})
             else:
-                store.storage.delete_prefix(f"step_{step:08d}")
+                store.storage.delete_prefix(step_name(step))
                 dropped.append(step)
     store.rewind(to)
     return {"from": limit, "to": to, "quarantined": quarantined, "dropped": dropped}

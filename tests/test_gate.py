@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import seed_data, small_spec
+from conftest import flip_byte, seed_data, small_spec
 from pretrain.gate import gate_request, run_gate
 from pretrain.jobs import checkpoint_store, model_config
 from pretrain.ledger import Ledger
@@ -49,10 +49,7 @@ def write_checkpoint(spec, step: int, *, nan: bool = False, reported_loss: float
 
 
 def _flip_byte(store, step):
-    p = store.storage.local_path(f"{step_name(step)}/model.pt")
-    data = bytearray(p.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    p.write_bytes(bytes(data))
+    flip_byte(store.storage.local_path(f"{step_name(step)}/model.pt"))
 
 
 def _truncate(store, step):

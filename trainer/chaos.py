@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+from trainer.checkpoint import step_name
+
 WORKER_KINDS = {"kill_worker", "hang_worker", "nan_loss", "loss_spike", "slow_worker"}
 AGENT_KINDS = {"kill_saver", "kill_node"}
 SAVER_KINDS = {"corrupt_checkpoint"}
@@ -87,7 +89,7 @@ def corrupt_committed(drills: list[dict], job_dir: str | Path, store, step: int,
     keeps the original sha256)."""
     for i, d in enumerate(drills):
         if d["kind"] in SAVER_KINDS and d.get("step") == step and claim(job_dir, i):
-            key = min(k for k in store.storage.list(f"step_{step:08d}/model") if k.endswith(".pt"))
+            key = min(k for k in store.storage.list(f"{step_name(step)}/model") if k.endswith(".pt"))
             data = bytearray(store.storage.get_bytes(key))
             data[len(data) // 2] ^= 0xFF
             store.storage.put_bytes(key, bytes(data))
