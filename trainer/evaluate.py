@@ -61,10 +61,17 @@ class Probe:
 def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None = None,
              probe: Probe | None = None) -> Verdict:
     """Validate the checkpoint at ``location`` (``…/step_XXXXXXXX``, local or s3://)."""
+    return validate_and_load(location, model_cfg, options, probe)[0]
+
+
+def validate_and_load(location: str | Path, model_cfg: ModelConfig, options: dict | None = None,
+                      probe: Probe | None = None) -> tuple[Verdict, GPT | None]:
+    """:func:`validate`, also returning the checkpoint's model when it loaded (so a caller
+    that evaluates next does not read the checkpoint again)."""
     store, step = ckpt.CheckpointStore.of_step(location, options)
     problems = store.verify(step)
     if problems:
-        return Verdict(False, step, problems)
+        return Verdict(False, step, problems), None
     manifest = store.manifest(step)
     shards = {}
     for name in manifest["files"]:
@@ -111,7 +118,7 @@ def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None 
         elif train_loss is not None and probe_loss > train_loss * (1 + probe.tolerance):
             problems.append(f"probe loss {probe_loss:.4f} on the held-out batch exceeds the training loss "
                             f"{train_loss:.4f} at step {step} by more than {probe.tolerance:.0%} (diverged or damaged weights)")
-    return Verdict(not problems, step, problems, metrics)
+    return Verdict(not problems, step, problems, metrics), model
 
 
 def load_model(location: str | Path, model_cfg: ModelConfig, options: dict | None = None) -> tuple[GPT, int]:
@@ -143,7 +150,11 @@ def held_out_loss(model: GPT, data_dir: str | Path, seq_len: int, windows: int, 
 def evaluate(location: str | Path, model_cfg: ModelConfig, data_dir: str | Path, seq_len: int,
              batch_size: int = 8, max_batches: int = 16, options: dict | None = None) -> dict:
     """Validation-split loss, perplexity and next-token accuracy of the checkpoint's model."""
-    model, _ = load_model(location, model_cfg, options)
+    return evaluate_model(load_model(location, model_cfg, options)[0], data_dir, seq_len, batch_size, max_batches)
+
+
+def evaluate_model(model: GPT, data_dir: str | Path, seq_len: int, batch_size: int = 8, max_batches: int = 16) -> dict:
+    """Validation-split loss, perplexity and next-token accuracy of a loaded model."""
     r = held_out_loss(model, data_dir, seq_len, batch_size * max_batches, batch_size)
     return {"val_loss": r["loss"], "val_perplexity": math.exp(min(r["loss"], 50.0)), "val_accuracy": r["accuracy"],
             "val_tokens": r["tokens"]}

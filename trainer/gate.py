@@ -20,18 +20,17 @@ from pathlib import Path
 import torch
 
 from trainer.config import ModelConfig
-from trainer.evaluate import Probe, evaluate, validate
+from trainer.evaluate import Probe, evaluate_model, validate_and_load
 
 
 def run(request: dict) -> dict:
     model_cfg = ModelConfig(**request["model"])
     probe = Probe(**request["probe"]) if request.get("probe") else None
-    verdict = validate(request["location"], model_cfg, request.get("options"), probe)
+    verdict, model = validate_and_load(request["location"], model_cfg, request.get("options"), probe)
     out = {"verdict": verdict.to_dict(), "metrics": {}}
     ev = request.get("evaluate")
-    if verdict.ok and ev:
-        out["metrics"] = evaluate(request["location"], model_cfg, ev["data_dir"], ev["seq_len"],
-                                  max_batches=ev.get("batches", 16), options=request.get("options"))
+    if verdict.ok and ev:  # the model validate loaded: the checkpoint is read once
+        out["metrics"] = evaluate_model(model, ev["data_dir"], ev["seq_len"], max_batches=ev.get("batches", 16))
     return out
 
 
