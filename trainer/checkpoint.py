@@ -307,9 +307,10 @@ class CheckpointStore:
         if limit is None:
             return []
         good = self.read_pointer(GOOD)
-        bad = {s for s in self.committed_steps() if (self.verdict(s) or {}).get("verdict") == "bad"}  # forensics
-        kept = set(self.committed_steps()[:keep]) | {limit} | set(protect) | bad | ({good} if good is not None else set())
-        deleted = [s for s in self.all_steps() if s <= limit and s not in kept]
+        committed = self.committed_steps()
+        kept = set(committed[:keep]) | {limit} | set(protect) | ({good} if good is not None else set())
+        bad = {s for s in committed if s not in kept and (self.verdict(s) or {}).get("verdict") == "bad"}  # forensics
+        deleted = [s for s in self.all_steps() if s <= limit and s not in kept | bad]
         for step in deleted:
             self.storage.delete_prefix(step_name(step))
         return deleted
