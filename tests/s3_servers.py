@@ -202,34 +202,31 @@ def seaweed(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture
-def seaweed_factory(tmp_path):
-    """Start private SeaweedFS servers (tests that kill them); all are stopped afterwards."""
-    servers: list[SeaweedServer] = []
+def _started_servers(make_server):
+    """A factory fixture's body: ``make()`` starts one more server (``make_server(index, workdir)``);
+    every server it started is stopped when the test ends."""
+    servers = []
 
-    def make(workdir: Path | None = None) -> SeaweedServer:
-        server = SeaweedServer(workdir or tmp_path / f"weed{len(servers)}")
+    def make(workdir: Path | None = None):
+        server = make_server(len(servers), workdir)
         servers.append(server)
         return server.start()
 
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def seaweed_factory(tmp_path):
+    """Start private SeaweedFS servers (tests that kill them); all are stopped afterwards."""
+    yield from _started_servers(lambda i, workdir: SeaweedServer(workdir or tmp_path / f"weed{i}"))
 
 
 @pytest.fixture
 def moto_factory(tmp_path):
     """Start private moto servers, bucket ``BUCKET`` created; all are stopped afterwards."""
-    servers: list[MotoServer] = []
-
-    def make() -> MotoServer:
-        server = MotoServer(tmp_path / f"moto{len(servers)}")
-        servers.append(server)
-        return server.start()
-
-    yield make
-    for server in servers:
-        server.stop()
+    yield from _started_servers(lambda i, workdir: MotoServer(workdir or tmp_path / f"moto{i}"))
 
 
 @pytest.fixture

@@ -28,8 +28,8 @@ def test_second_holder_is_refused_with_the_holder_named(tmp_path):
 
 
 def test_lock_of_a_killed_process_is_free_at_once(tmp_path):
-    code = ("import sys, time; from pretrain.lock import campaign_lock\n"
-            "with campaign_lock(sys.argv[1], 'c1'):\n    print('held', flush=True); time.sleep(600)\n")
+    code = ("import sys, threading; from pretrain.lock import campaign_lock\n"
+            "with campaign_lock(sys.argv[1], 'c1'):\n    print('held', flush=True); threading.Event().wait()\n")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
