@@ -55,14 +55,17 @@ def run_gate(requests: list[dict], timeout_s: float = GATE_TIMEOUT_S) -> list[di
 def judge(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: set[int] = frozenset()) -> list[dict]:
     """Validate checkpoints of the stage in one gate process (evaluating the good ones among
     ``evaluate``); write each verdict next to its checkpoint (moving the stage's ``good``
-    pointer) and return the records, in the order of ``steps``."""
+    pointer) and return the records, in the order of ``steps``. A step that training's retention
+    pruned meanwhile (its manifest is gone and the pointer is elsewhere) gets no record."""
     store = checkpoint_store(spec, spec.stages[stage_index].name)
     locations = [store.ref(step).location for step in steps]
     t0 = time.monotonic()
     outs = run_gate([gate_request(spec, stage_index, loc, step in evaluate) for step, loc in zip(steps, locations)])
     gate_s = round((time.monotonic() - t0) / max(1, len(steps)), 2)
-    records = []
+    records, pointer = [], store.read_pointer()
     for step, location, out in zip(steps, locations, outs):
+        if step != pointer and store.manifest(step) is None:
+            continue  # pruned while being judged: no longer a checkpoint, nothing to record
         v = out["verdict"]
         record = {"step": step, "path": location, "verdict": "good" if v["ok"] else "bad", "problems": v["problems"],
                   "probe": v.get("metrics", {}), "metrics": out["metrics"], "gate_s": gate_s, "time": time.time()}

@@ -91,6 +91,43 @@ def test_prune_keeps_last_k_the_pointer_target_and_the_good_one(store):
     assert store.prune(keep=1, protect={6}) == []
 
 
+class _PrunedWhileRead:
+    """A checkpoint store's storage while retention prunes concurrently: every object is
+    deleted right after its size was read (between the size and the sha256 check)."""
+
+    def __init__(self, storage):
+        self._storage = storage
+
+    def __getattr__(self, name):
+        return getattr(self._storage, name)
+
+    def size(self, key: str) -> int:
+        n = self._storage.size(key)
+        self._storage.delete(key)
+        return n
+
+
+def test_shards_deleted_during_verify_read_as_missing(store):
+    _save(store, 4)
+    racing = CheckpointStore(_PrunedWhileRead(store.storage), store.location)
+    assert racing.verify(4) == [f"{step_name(4)}/model.pt: missing", f"{step_name(4)}/{rank_shard_name(0)}: missing"]
+
+
+def test_prune_uncommits_before_it_deletes(store):
+    """A prune killed midway leaves no step that still looks committed but lacks shards."""
+    for step in (2, 4):
+        _save(store, step)
+
+    class _KilledAfterFirstDelete(_PrunedWhileRead):
+        def delete_prefix(self, prefix):
+            raise KeyboardInterrupt  # the process dies here
+
+    pruning = CheckpointStore(_KilledAfterFirstDelete(store.storage), store.location)
+    with pytest.raises(KeyboardInterrupt):
+        pruning.prune(keep=1)
+    assert store.committed_steps() == [4] and store.latest_complete().step == 4
+
+
 def test_writer_killed_after_manifest_before_pointer(tmp_path):
     """A real process commits step 4, writes every shard and the manifest of step 8, and is
     SIGKILLed before it moves the pointer: step 8 must never be picked up."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import flip_byte, seed_data, small_spec
-from pretrain.gate import gate_request, run_gate
+from pretrain.gate import gate_request, judge, run_gate
 from pretrain.jobs import checkpoint_store, model_config
 from pretrain.ledger import Ledger
 from tasks.checkpoints import find_resume_point
@@ -145,3 +145,19 @@ def test_campaign_rewinds_past_a_silently_corrupted_checkpoint(prefect_harness, 
     good_steps = {v["step"] for v in Ledger.open(spec).stage("s")["verdicts"] if v["verdict"] == "good"}
     evaluated = {m.step for m in client.get_metric_history(run.info.run_id, "val_loss")}
     assert 8 in evaluated and evaluated <= good_steps
+
+
+def test_checkpoints_pruned_before_they_are_judged_get_no_verdict(prepared_data, tmp_path):
+    """Retention (the saver's ``keep``) may delete checkpoints the gate has listed but not yet
+    judged: they are skipped, not judged bad, and nothing of them is written back."""
+    spec = _spec(tmp_path, prepared_data)
+    store = checkpoint_store(spec, "s")
+    for step in (2, 4, 6):
+        write_checkpoint(spec, step)
+    pending = store.unjudged()
+    assert store.prune(keep=1) == [2, 4]
+
+    records = judge(spec, 0, pending)
+
+    assert [(r["step"], r["verdict"]) for r in records] == [(6, "good")]
+    assert store.all_steps() == [6] and store.latest_good().step == 6

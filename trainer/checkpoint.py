@@ -230,13 +230,17 @@ class CheckpointStore:
                 continue
             if size != entry["bytes"]:
                 problems.append(f"{name}/{fname}: {size} bytes, manifest says {entry['bytes']}")
-            elif deep and self._sha256(key) != entry["sha256"]:
-                problems.append(f"{name}/{fname}: sha256 does not match the manifest")
+            elif deep and (digest := self._sha256(key)) != entry["sha256"]:
+                problems.append(f"{name}/{fname}: " + ("missing" if digest is None else "sha256 does not match the manifest"))
         return problems
 
-    def _sha256(self, key: str) -> str:
+    def _sha256(self, key: str) -> str | None:
+        """The object's sha256; None if it is gone (deleted while being verified)."""
         local = self.storage.local_path(key)
-        return sha256_file(local) if local is not None else hashlib.sha256(self.storage.get_bytes(key)).hexdigest()
+        try:
+            return sha256_file(local) if local is not None else hashlib.sha256(self.storage.get_bytes(key)).hexdigest()
+        except (NotFound, FileNotFoundError):
+            return None
 
     def latest_complete(self) -> CheckpointRef | None:
         """The newest committed checkpoint whose shards verify and that is not marked bad."""
@@ -311,7 +315,8 @@ class CheckpointStore:
         kept = set(committed[:keep]) | {limit} | set(protect) | ({good} if good is not None else set())
         bad = {s for s in committed if s not in kept and (self.verdict(s) or {}).get("verdict") == "bad"}  # forensics
         deleted = [s for s in self.all_steps() if s <= limit and s not in kept | bad]
-        for step in deleted:
+        for step in deleted:  # the manifest first: a half-deleted step is never "committed"
+            self.storage.delete(f"{step_name(step)}/{MANIFEST}")
             self.storage.delete_prefix(step_name(step))
         return deleted
 

@@ -73,6 +73,8 @@ def validate_and_load(location: str | Path, model_cfg: ModelConfig, options: dic
     if problems:
         return Verdict(False, step, problems), None
     manifest = store.manifest(step)
+    if manifest is None:  # deleted (pruned) since verify read it
+        return Verdict(False, step, [f"{ckpt.step_name(step)}: no {ckpt.MANIFEST} (deleted while being validated)"]), None
     shards = {}
     for name in manifest["files"]:
         try:
