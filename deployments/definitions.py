@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from prefect.events import DeploymentEventTrigger
 
-from tasks.events import CHECKPOINT_GOOD
+from tasks.events import CHECKPOINT_GOOD, FINAL_LABEL
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ def evaluate_checkpoint() -> Definition:
 
 
 def evaluate_on_good_checkpoint() -> DeploymentEventTrigger:
-    """Run the evaluation deployment for every checkpoint that passes validation, in any campaign."""
+    """Run the evaluation deployment for each stage's final checkpoint once it passed
+    validation, in any campaign."""
     return DeploymentEventTrigger(
-        enabled=True, match={"prefect.resource.id": "pretrain.campaign.*"}, expect={CHECKPOINT_GOOD},
+        enabled=True, match={"prefect.resource.id": "pretrain.campaign.*", FINAL_LABEL: "true"}, expect={CHECKPOINT_GOOD},
         parameters={"checkpoint": "{{ event.payload.checkpoint }}", "data_dir": "{{ event.payload.data_dir }}"})

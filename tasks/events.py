@@ -6,7 +6,10 @@
 - ``pretrain.stage.failed``     a stage gave up
 - ``pretrain.campaign.completed``  every stage is done
 
-``prefect.yaml`` ships a trigger that runs the evaluation deployment on ``pretrain.checkpoint.good``.
+Checkpoint events also label their resource ``pretrain.checkpoint.final`` ("true" for a stage's
+last checkpoint). ``prefect.yaml`` ships a trigger that runs the evaluation deployment on
+``pretrain.checkpoint.good`` of final checkpoints (one evaluation per stage, not one per
+checkpoint; the gate already evaluates every ``validation.eval_every``-th during training).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ CHECKPOINT_BAD = "pretrain.checkpoint.bad"
 STAGE_RESTARTED = "pretrain.stage.restarted"
 STAGE_FAILED = "pretrain.stage.failed"
 CAMPAIGN_COMPLETED = "pretrain.campaign.completed"
+FINAL_LABEL = "pretrain.checkpoint.final"
 
 
 def campaign_resource(spec: CampaignSpec) -> dict[str, str]:
@@ -33,18 +37,22 @@ def _stage(spec: CampaignSpec, stage: str) -> dict[str, str]:
             "prefect.resource.name": stage}
 
 
-def emit_campaign_event(spec: CampaignSpec, event: str, payload: dict, stage: str | None = None) -> None:
-    emit_event(event=event, resource=campaign_resource(spec), payload=payload,
+def emit_campaign_event(spec: CampaignSpec, event: str, payload: dict, stage: str | None = None,
+                        labels: dict[str, str] | None = None) -> None:
+    """Emit ``event`` about the campaign (its resource, with extra ``labels``), related to ``stage``."""
+    emit_event(event=event, resource={**campaign_resource(spec), **(labels or {})}, payload=payload,
                related=[_stage(spec, stage)] if stage else None)
 
 
 def checkpoint_verdict(spec: CampaignSpec, stage: str, path: str, record: dict) -> None:
     """``pretrain.checkpoint.good`` or ``.bad`` for a validated checkpoint (``record``: the verdict)."""
     good = record.get("verdict") == "good"
+    final = record.get("step", -1) >= next(s.steps for s in spec.stages if s.name == stage)
     emit_campaign_event(spec, CHECKPOINT_GOOD if good else CHECKPOINT_BAD, {
         "stage": stage, "step": record.get("step"), "checkpoint": path, "verdict": record.get("verdict"),
-        "problems": record.get("problems", []), "data_dir": str(CampaignLayout(spec.workdir_path).data_dir),
-    }, stage)
+        "final": final, "problems": record.get("problems", []),
+        "data_dir": str(CampaignLayout(spec.workdir_path).data_dir),
+    }, stage, labels={FINAL_LABEL: str(final).lower()})
 
 
 def stage_relaunched(spec: CampaignSpec, stage: str, attempt: int, from_step: int | None) -> None:

@@ -116,6 +116,7 @@ def test_prefect_deploy_all_creates_every_deployment(deployed):
     assert "prefect.deployments.steps.git_clone" in k8s.pull_steps[0]
     [automation] = automations
     assert automation.enabled and automation.trigger.expect == {"pretrain.checkpoint.good"}
+    assert automation.trigger.match.model_dump()["pretrain.checkpoint.final"] == "true"  # one per stage
     assert automation.actions[0].parameters["checkpoint"] == "{{ event.payload.checkpoint }}"  # rendered per event
 
 
@@ -149,17 +150,20 @@ def test_worker_runs_a_campaign_with_artifacts_events_and_trigger(worker, prepar
         goods = [e for e in seen if e["event"] == "pretrain.checkpoint.good"]
         assert {e["payload"]["step"] for e in goods} <= {4, 8}
         [good_event] = [e for e in goods if e["payload"]["step"] == 8]
-        assert good_event["payload"]["checkpoint"] == good
+        assert good_event["payload"]["checkpoint"] == good and good_event["payload"]["final"]
         assert good_event["resource"]["prefect.resource.name"] == name
+        assert {e["payload"]["step"]: e["resource"]["pretrain.checkpoint.final"] for e in goods} == {
+            e["payload"]["step"]: str(e["payload"]["step"] == 8).lower() for e in goods}
 
-        def evaluation_run():
+        def evaluation_runs():  # of this campaign's checkpoints
             with get_client(sync_client=True) as client:
                 runs = client.read_flow_runs(deployment_filter=DeploymentFilter(
                     name=DeploymentFilterName(any_=["evaluate-checkpoint"])))
-            return [r for r in runs if r.parameters.get("checkpoint") == good]
-        [triggered] = wait_for(evaluation_run, 60, "the trigger to start the evaluation deployment")
-        assert triggered.parameters["data_dir"] == str(spec.workdir_path / "data")
+            return [r for r in runs if r.parameters.get("checkpoint", "").startswith(str(spec.workdir_path))]
+        [triggered] = wait_for(evaluation_runs, 60, "the trigger to start the evaluation deployment")
+        assert triggered.parameters == {"checkpoint": good, "data_dir": str(spec.workdir_path / "data")}
         assert final_state(triggered.id, 300).is_completed()
+        assert len(evaluation_runs()) == 1  # only the final checkpoint (its event came after step 4's, if any)
     parent_run = MlflowClient(spec.tracking_uri).get_run(parent)
     assert parent_run.info.status == "FINISHED"
 
