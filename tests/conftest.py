@@ -22,9 +22,13 @@ DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"
 
 @pytest.fixture(scope="session")
 def prefect_harness():
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=60):
+    # No flow-run heartbeats in-process: their thread sleeps in 1 s ticks, so every (sub)flow
+    # run's exit waited up to 1 s for it (≈ 9 per campaign). Nothing here tests them; the
+    # worker tests on a real server run flows in their own processes with the defaults.
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), prefect_test_harness(server_startup_timeout=60):
         yield
 
 
