@@ -50,6 +50,8 @@ def small_spec(workdir: Path, **overrides) -> CampaignSpec:
                    {"name": "main", "steps": 10, "seq_len": 64, "micro_batch": 4, "grad_accum": 2}],
         "checkpoint": {"interval": 4, "memory_interval": 2, "keep": 2},
         "resume": {"max_attempts": 2},
+        # registration (export + MLflow model, ≈ 5 s) is tested where it is asked for
+        "tracking": {"register_model": False},
     }
     body.update(overrides)
     return parse_spec(body)

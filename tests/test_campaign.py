@@ -25,7 +25,7 @@ def mlflow_runs(spec):
 
 @pytest.fixture(scope="module")
 def finished(prefect_harness, prepared_data, tmp_path_factory):
-    spec = small_spec(tmp_path_factory.mktemp("campaign"))
+    spec = small_spec(tmp_path_factory.mktemp("campaign"), tracking={})  # the defaults: registers the final model
     seed_data(spec, prepared_data)
     return spec, pretrain_campaign(spec=spec)
 

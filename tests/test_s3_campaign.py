@@ -11,8 +11,11 @@ import s3_servers
 from s3_servers import BUCKET, SECRET_KEY
 
 from conftest import run_campaign_while, seed_data, small_spec, wait_for, worker_processes
+from mlflow.tracking import MlflowClient
+
 from flows.campaign import pretrain_campaign
 from pretrain.jobs import checkpoint_store
+from pretrain.registry import TAG_CHECKPOINT
 from pretrain.status import campaign_status
 
 seaweed = s3_servers.seaweed
@@ -28,9 +31,11 @@ def s3_spec(tmp_path, prepared_data, endpoint, **overrides):
 
 
 def test_campaign_with_checkpoints_on_s3(prefect_harness, prepared_data, tmp_path, seaweed, aws_env):
-    spec = s3_spec(tmp_path, prepared_data, seaweed.endpoint)
+    spec = s3_spec(tmp_path, prepared_data, seaweed.endpoint, tracking={"register_model": True})
     status = pretrain_campaign(spec=spec)
     assert status["status"] == "completed"
+    registered = MlflowClient(spec.tracking_uri, spec.tracking_uri).get_model_version_by_alias(spec.name, "latest-good")
+    assert registered.tags[TAG_CHECKPOINT] == f"{checkpoint_store(spec, 'main').location}/step_{spec.stages[-1].steps:08d}"
     for stage, s in zip(spec.stages, status["stages"]):
         store = checkpoint_store(spec, stage.name)
         assert store.location.startswith("s3://") and store.committed_steps()[0] == stage.steps
