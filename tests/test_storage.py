@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -173,6 +174,42 @@ def test_wrong_secret_key_is_a_clear_error(seaweed):
     assert wrong not in repr(store)
 
 
+def _chunks(data: bytes, size: int = MiB):
+    """A producer that writes ``data`` in pieces, as ``torch.save`` does."""
+    def write(f):
+        for i in range(0, len(data), size):
+            f.write(memoryview(data)[i:i + size])
+    return write
+
+
+def test_stream_round_trip(store):
+    data = os.urandom(12 * MiB + 7)  # > threshold: a multipart upload from a pipe on S3
+    store.put_stream("ckpt/model.pt", _chunks(data))
+    assert store.get_bytes("ckpt/model.pt") == data
+    store.put_stream("small", _chunks(b"tiny"))
+    assert store.get_bytes("small") == b"tiny"
+    assert store.list() == ["ckpt/model.pt", "small"]  # no temporary left behind
+
+
+def test_failing_producer_stores_nothing(store):
+    """``torch.save`` raising half way through a shard must not leave a truncated object,
+    nor (on S3) an unfinished multipart upload."""
+    store.put_stream("ckpt/model.pt", _chunks(b"previous"))
+
+    def half_then_fail(f):
+        _chunks(os.urandom(11 * MiB))(f)  # two full parts already uploaded on S3
+        raise ValueError("cannot pickle this")
+
+    with pytest.raises(ValueError, match="cannot pickle this"):
+        store.put_stream("ckpt/model.pt", half_then_fail)
+    assert store.get_bytes("ckpt/model.pt") == b"previous"
+    with pytest.raises(RuntimeError, match="early"):
+        store.put_stream("ckpt/other.pt", lambda f: (_ for _ in ()).throw(RuntimeError("early")))
+    assert store.list() == ["ckpt/model.pt"]
+    if isinstance(store, S3Storage):
+        assert store.client.list_multipart_uploads(Bucket=BUCKET, Prefix=store.prefix).get("Uploads", []) == []
+
+
 # --- faults: the server dies in the middle of a multipart upload --------------------------
 
 def _kill_after_first_part(store: S3Storage, server) -> list[float]:
@@ -208,6 +245,21 @@ def test_server_killed_mid_upload_keeps_previous_object(seaweed_factory, tmp_pat
     assert after.abort_incomplete_uploads() == 1
     assert after.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
     assert after.get_bytes("ckpt/model.pt") == b"v1"
+
+
+def test_server_killed_mid_stream_fails_and_ends_the_producer(seaweed_factory):
+    """The upload dies while ``torch.save`` is still producing: a storage error, the producer
+    is not left blocked on a full pipe, the previous object stays."""
+    server = seaweed_factory()
+    store = s3_storage(server.endpoint, prefix="run", max_attempts=2, connect_timeout=2, read_timeout=5)
+    store.put_bytes("ckpt/model.pt", b"v1")
+    killed = _kill_after_first_part(store, server)
+    with pytest.raises(StorageError, match="s3://ckpt/run/ckpt/model.pt"):
+        store.put_stream("ckpt/model.pt", _chunks(os.urandom(32 * MiB)))
+    assert killed
+    assert not [t for t in threading.enumerate() if t.name == "pipe-producer"]
+    server.start()
+    assert s3_storage(server.endpoint, prefix="run").get_bytes("ckpt/model.pt") == b"v1"
 
 
 def test_endpoint_gone_mid_upload_fails_clearly_and_boundedly(moto_factory, tmp_path):

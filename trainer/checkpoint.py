@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.atomic import fsync_dir, sha256_file
+from trainer.atomic import sha256_file
 from trainer.storage import NotFound, Storage, open_storage
 
 POINTER = "latest"
@@ -151,29 +151,18 @@ class CheckpointStore:
 
     # ---- writing -------------------------------------------------------------------------
     def write_shard(self, step: int, name: str, obj: object) -> dict:
-        """Durably write one shard, streaming ``torch.save`` through a sha256 (no in-memory
-        copy of the state). Returns its manifest entry."""
-        key = f"{step_name(step)}/{name}"
-        local = self.storage.local_path(key)
-        target_dir = local.parent if local is not None else None
-        if target_dir is not None:
-            target_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=target_dir)
-        try:
-            with os.fdopen(fd, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
-                out = _HashingWriter(f, pool)
+        """Durably write one shard, streaming ``torch.save`` through a sha256 straight into
+        storage (no in-memory copy of the state, no temporary file for S3). Returns its
+        manifest entry."""
+        with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
+            written: list[_HashingWriter] = []
+
+            def write(f) -> None:
+                written.append(out := _HashingWriter(f, pool))
                 torch.save(obj, out)
-                f.flush()
-                os.fsync(f.fileno())
-            if local is not None:  # already on the target file system: rename into place
-                os.replace(tmp, local)
-                fsync_dir(local.parent)
-            else:  # S3: (multipart) upload, all-or-nothing
-                self.storage.put_file(key, tmp)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return {"name": name, "sha256": out.sha.hexdigest(), "bytes": out.bytes}
+
+            self.storage.put_stream(f"{step_name(step)}/{name}", write)
+        return {"name": name, "sha256": written[0].sha.hexdigest(), "bytes": written[0].bytes}
 
     def write_node_record(self, step: int, node: str, world_size: int, shards: list[dict]) -> None:
         self.write_json(f"{step_name(step)}/node_{node}.json", {"world_size": world_size, "shards": shards})

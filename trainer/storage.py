@@ -15,9 +15,11 @@ import threading
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import BinaryIO, Callable
 from urllib.parse import unquote, urlparse
 
 from trainer.atomic import atomic_write_bytes, fsync_dir
+from trainer.streaming import pipe_to
 
 MiB = 1 << 20
 _TMP_MARK = ".tmp-"  # temporaries are ".<name>.tmp-<pid>..." next to their target
@@ -84,6 +86,9 @@ class Storage(ABC):
     @abstractmethod
     def put_file(self, key: str, path: str | Path) -> None: ...
     @abstractmethod
+    def put_stream(self, key: str, write: Callable[[BinaryIO], None]) -> None:
+        """Store what ``write(f)`` writes sequentially to ``f``; nothing if it raises."""
+    @abstractmethod
     def get_bytes(self, key: str) -> bytes: ...
     @abstractmethod
     def get_file(self, key: str, path: str | Path) -> None:
@@ -143,6 +148,12 @@ class LocalStorage(Storage):
 
     def put_file(self, key: str, path: str | Path) -> None:
         _write_local_atomic(self._path(key), lambda tmp: shutil.copyfile(path, tmp))
+
+    def put_stream(self, key: str, write: Callable[[BinaryIO], None]) -> None:
+        def fill(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                write(f)
+        _write_local_atomic(self._path(key), fill)
 
     def get_bytes(self, key: str) -> bytes:
         try:
@@ -314,6 +325,13 @@ class S3Storage(Storage):
         k = self._key(key)
         self._call("upload", key, self.client.upload_file, os.fspath(path), self.bucket, k,
                    Config=self._transfer)
+
+    def put_stream(self, key: str, write: Callable[[BinaryIO], None]) -> None:
+        """Upload straight from ``write`` through a pipe (multipart above the threshold, in
+        chunks of ``multipart_chunksize``): no local temporary file, no full copy in memory."""
+        k, client = self._key(key), self.client
+        pipe_to(write, lambda reader: self._call("upload", key, client.upload_fileobj, reader, self.bucket, k,
+                                                 Config=self._transfer))
 
     def get_bytes(self, key: str) -> bytes:
         k = self._key(key)
