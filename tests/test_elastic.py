@@ -28,6 +28,8 @@ def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness,
     final = {m["step"]: m for m in metrics}  # the last record of each step is the trajectory kept
     assert sorted(final) == list(range(1, 31))
     assert {final[1]["world_size"], final[30]["world_size"]} == {4, 2}
+    # the node died at step 12, however loaded the machine: no step from 12 on ran on 4 workers
+    assert not [m["step"] for m in metrics if m["step"] >= 12 and m["world_size"] == 4]
     assert (final[1]["grad_accum"], final[30]["grad_accum"]) == (1, 2)  # global batch 8 = 2 × 4 × 1 = 2 × 2 × 2
     for step, m in final.items():  # step s trained on sample positions [8(s-1), 8s): none twice, none skipped
         assert m["consumed"] == 8 * step, step

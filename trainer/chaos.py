@@ -44,17 +44,36 @@ def claimed(job_dir: str | Path, index: int) -> bool:
     return (marker_dir(job_dir) / f"drill_{index}").exists()
 
 
+def reached_marker(job_dir: str | Path, index: int) -> Path:
+    """Created by a worker of an agent-side drill's node when it is at the drill's step: it waits
+    there until the agent has fired the drill, so the drill happens at exactly that step however
+    late the agent's watcher looks (a loaded machine)."""
+    return marker_dir(job_dir) / f"reached_{index}"
+
+
 class WorkerChaos:
-    def __init__(self, drills: list[dict], job_dir: str | Path, rank: int, report):
+    def __init__(self, drills: list[dict], job_dir: str | Path, rank: int, report, node: int = 0):
         self.drills = [(i, d) for i, d in enumerate(drills) if d["kind"] in WORKER_KINDS]
+        self.agent_drills = [(i, d) for i, d in enumerate(drills) if d["kind"] in AGENT_KINDS and d.get("node", 0) == node]
         self.job_dir, self.rank, self.report = job_dir, rank, report
         self._slowed: set[int] = set()
+
+    def wait_for_agent_drills(self, step: int) -> None:
+        """At an agent-side drill's step on this worker's node: wait until the agent has fired it
+        (``kill_node``: for good, the agent kills this process)."""
+        for i, d in self.agent_drills:
+            if step >= d.get("step", 0) and not claimed(self.job_dir, i):
+                reached_marker(self.job_dir, i).parent.mkdir(parents=True, exist_ok=True)
+                reached_marker(self.job_dir, i).touch()
+                while d["kind"] == "kill_node" or not claimed(self.job_dir, i):
+                    threading.Event().wait(0.02)
 
     def _due(self, d: dict, step: int) -> bool:
         return d.get("rank", 0) == self.rank and d.get("step", 0) == step
 
     def before_step(self, step: int) -> None:
         """Called before optimizer step ``step`` (1-based) is computed."""
+        self.wait_for_agent_drills(step)
         for i, d in self.drills:
             if d["kind"] == "slow_worker" and d.get("rank", 0) == self.rank and step >= d.get("step", 1):
                 if i not in self._slowed:  # record that the slowdown is on (the node check after a restart reads it)

@@ -23,7 +23,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer.chaos import AGENT_KINDS, claim
+from trainer.chaos import AGENT_KINDS, claim, reached_marker
 from trainer.config import JobConfig
 from trainer.heartbeat import HangDetector, worker_pids
 from trainer.nodecheck import NODE_ENV, exclusion_marker
@@ -109,7 +109,8 @@ def leave_if_excluded(job: JobConfig, node: int, report) -> None:
 
 
 def agent_drill(job: JobConfig, index: int, drill: dict, step: int, saver, report) -> None:
-    if step < drill.get("step", 0) or not claim(job.job_dir, index):
+    due = step >= drill.get("step", 0) or reached_marker(job.job_dir, index).exists()
+    if not due or not claim(job.job_dir, index):
         return
     report({"event": "chaos", "kind": drill["kind"], "step": step})
     if drill["kind"] == "kill_saver" and saver is not None:

@@ -144,7 +144,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     events = JsonLines(job_dir / EVENTS)
     metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
     beat = heartbeat.beat if heartbeat is not None else (lambda phase, step: None)
-    chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write)
+    chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write, node=this_node())
     spikes = SpikeDetector(**cfg.spike) if cfg.spike else SpikeDetector(50, 0.0, 1)
     windows_to_skip = skip_windows(cfg)
     accum = o.accum_for(info.world_size)
