@@ -11,12 +11,12 @@ each way, the ratio, and the local disk each needs besides the server's own stor
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -24,26 +24,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedServer  # noqa: E402  (creates BUCKET)
 
-from trainer.checkpoint import CheckpointStore  # noqa: E402
+from trainer.checkpoint import CheckpointStore, _HashingWriter  # noqa: E402
 from trainer.storage import S3Storage  # noqa: E402
 
 
 def staged(store: CheckpointStore, key: str, obj: dict) -> None:
-    """The former path: torch.save through sha256 into a temp file, fsync, then upload it."""
+    """The former path: torch.save through sha256 (large chunks hashed on a helper thread, as
+    the saver does) into a temp file, fsync, then upload it."""
     fd, tmp = tempfile.mkstemp(prefix="bench-stage-")
     try:
-        with os.fdopen(fd, "wb") as f:
-            sha = hashlib.sha256()
-
-            class Hashing:
-                def write(self, b):
-                    sha.update(b)
-                    return f.write(b)
-
-                def flush(self):
-                    f.flush()
-
-            torch.save(obj, Hashing())
+        with os.fdopen(fd, "wb") as f, ThreadPoolExecutor(1) as pool:
+            torch.save(obj, _HashingWriter(f, pool))
             f.flush()
             os.fsync(f.fileno())
         store.storage.put_file(key, tmp)
