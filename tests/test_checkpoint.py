@@ -14,7 +14,8 @@ import torch
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
 from trainer.checkpoint import MANIFEST, CheckpointStore, rank_shard_name, step_name
-from trainer.storage import LocalStorage, S3Storage
+from trainer.s3storage import S3Storage
+from trainer.storage import LocalStorage
 
 seaweed = s3_servers.seaweed
 

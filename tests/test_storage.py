@@ -17,10 +17,10 @@ import pytest
 import s3_servers
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
+from trainer.s3storage import S3Storage
 from trainer.storage import (
     LocalStorage,
     NotFound,
-    S3Storage,
     StorageError,
     open_storage,
 )

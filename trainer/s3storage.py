@@ -1,0 +1,191 @@
+"""The S3 backend of :mod:`trainer.storage`: objects under ``s3://bucket/prefix`` on AWS S3 or
+an S3-compatible server (MinIO, SeaweedFS) through boto3, which is imported on first use."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+from trainer.storage import MiB, NotFound, Storage, StorageError, _dir_prefix, _write_local_atomic, check_key
+from trainer.streaming import pipe_to
+
+_AUTH_CODES = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403",
+               "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
+
+
+class S3Storage(Storage):
+    """Objects under ``s3://bucket/prefix`` on AWS S3 or an S3-compatible server.
+
+    A PUT and a completed multipart upload are each all-or-nothing in S3, so readers never see
+    a partial object. boto3 aborts a failed multipart upload; when the server is gone it cannot,
+    and ``abort_incomplete_uploads`` reclaims those parts later.
+    """
+
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
+                 region: str | None = None, access_key: str | None = None,
+                 secret_key: str | None = None, multipart_threshold: int = 8 * MiB,
+                 multipart_chunksize: int = 8 * MiB, max_attempts: int = 5,
+                 connect_timeout: float = 5.0, read_timeout: float = 30.0,
+                 max_concurrency: int = 4, addressing_style: str | None = None):
+        if not bucket or "/" in bucket:
+            raise ValueError(f"invalid S3 bucket name {bucket!r}")
+        self.bucket, self.prefix = bucket, check_key(p) if (p := prefix.strip("/")) else ""
+        self.endpoint_url, self.region = endpoint_url, region
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self._access_key, self._secret_key = access_key, secret_key
+        self.multipart_threshold = multipart_threshold
+        self.multipart_chunksize = multipart_chunksize
+        self.max_attempts, self.max_concurrency = max_attempts, max_concurrency
+        self.timeouts = (connect_timeout, read_timeout)
+        self.addressing_style = addressing_style or ("path" if endpoint_url else "auto")
+        self._client = self._transfer = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        where = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        return f"S3Storage({self.url!r}{where})"
+
+    def __getstate__(self) -> dict:  # picklable for worker processes; clients are not
+        state = {k: v for k, v in self.__dict__.items() if k != "_lock"}
+        return {**state, "_client": None, "_transfer": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    @property
+    def client(self):
+        """The boto3 S3 client, created on first use (event hooks may be registered on it)."""
+        with self._lock:
+            if self._client is None:
+                import boto3
+                from boto3.s3.transfer import TransferConfig
+                from botocore.config import Config
+
+                config = Config(retries={"max_attempts": self.max_attempts, "mode": "standard"},
+                                connect_timeout=self.timeouts[0], read_timeout=self.timeouts[1],
+                                s3={"addressing_style": self.addressing_style},
+                                max_pool_connections=max(10, 2 * self.max_concurrency))
+                self._client = boto3.session.Session().client(
+                    "s3", endpoint_url=self.endpoint_url, region_name=self.region,
+                    aws_access_key_id=self._access_key, aws_secret_access_key=self._secret_key,
+                    config=config)
+                self._transfer = TransferConfig(
+                    multipart_threshold=self.multipart_threshold,
+                    multipart_chunksize=self.multipart_chunksize,
+                    max_concurrency=self.max_concurrency, preferred_transfer_client="classic")
+            return self._client
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{check_key(key)}" if self.prefix else check_key(key)
+
+    def _error(self, op: str, key: str, exc: BaseException) -> StorageError:
+        from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
+
+        where = f"{self.url}/{key}" if key else self.url
+        cause = exc  # boto3 wraps upload ClientErrors in S3UploadFailedError
+        while cause is not None and not isinstance(cause, ClientError):
+            cause = cause.__cause__ or cause.__context__
+        code, detail = None, f"{type(exc).__name__}: {exc}"
+        if cause is not None:
+            err, meta = cause.response.get("Error", {}), cause.response.get("ResponseMetadata", {})
+            code = str(err.get("Code") or meta.get("HTTPStatusCode"))
+            detail = f"{code}: {err.get('Message') or 'no message'}"
+        if code in ("404", "NoSuchKey", "NotFound"):
+            return NotFound(f"{where} does not exist")
+        if code in _AUTH_CODES:
+            hint = "check the access key, secret key and the bucket's permissions"
+        elif code == "NoSuchBucket":
+            hint = f"create bucket {self.bucket!r} or fix the storage URL"
+        elif isinstance(exc, (ConnectionError, HTTPClientError)):
+            hint = (f"gave up after {self.max_attempts} attempts; check that the S3 endpoint "
+                    f"{self.endpoint_url or '(AWS)'} is up and reachable, then retry")
+        else:
+            hint = "check the S3 server and retry"
+        msg = f"S3 {op} of {where} failed ({detail}); {hint}"
+        return StorageError(msg.replace(self._secret_key, "***") if self._secret_key else msg)
+
+    def _call(self, op: str, key: str, fn, *args, **kwargs):
+        from boto3.exceptions import Boto3Error
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(*args, **kwargs)
+        except (ClientError, BotoCoreError, Boto3Error) as exc:
+            raise self._error(op, key, exc) from None
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        k = self._key(key)
+        self._call("upload", key, self.client.upload_fileobj, io.BytesIO(data), self.bucket, k,
+                   Config=self._transfer)
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        k = self._key(key)
+        self._call("upload", key, self.client.upload_file, os.fspath(path), self.bucket, k,
+                   Config=self._transfer)
+
+    def put_stream(self, key: str, write: Callable[[BinaryIO], None]) -> None:
+        """Upload straight from ``write`` through a pipe (multipart above the threshold, in
+        chunks of ``multipart_chunksize``): no local temporary file, no full copy in memory."""
+        k, client = self._key(key), self.client
+        pipe_to(write, lambda reader: self._call("upload", key, client.upload_fileobj, reader, self.bucket, k,
+                                                 Config=self._transfer))
+
+    def get_bytes(self, key: str) -> bytes:
+        k = self._key(key)
+        resp = self._call("download", key, self.client.get_object, Bucket=self.bucket, Key=k)
+        return self._call("download", key, resp["Body"].read)
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        k, client = self._key(key), self.client
+        _write_local_atomic(path, lambda tmp: self._call(
+            "download", key, client.download_file, self.bucket, k, str(tmp), Config=self._transfer))
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+            return True
+        except NotFound:
+            return False
+
+    def size(self, key: str) -> int:
+        k = self._key(key)
+        return self._call("stat", key, self.client.head_object, Bucket=self.bucket,
+                          Key=k)["ContentLength"]
+
+    def _paginate(self, op: str, prefix: str, item: str) -> list[dict]:
+        root = f"{self.prefix}/" if self.prefix else ""
+        pages = self.client.get_paginator(op).paginate(
+            Bucket=self.bucket, Prefix=root + check_key(prefix, prefix=True))
+        return [x for page in self._call("list", prefix, list, pages) for x in page.get(item, [])]
+
+    def list(self, prefix: str = "") -> list[str]:
+        skip = len(self.prefix) + 1 if self.prefix else 0
+        objects = self._paginate("list_objects_v2", prefix, "Contents")
+        return sorted(obj["Key"][skip:] for obj in objects)
+
+    def delete(self, key: str) -> None:
+        k = self._key(key)
+        self._call("delete", key, self.client.delete_object, Bucket=self.bucket, Key=k)
+
+    def delete_prefix(self, prefix: str) -> None:
+        keys = self.list(_dir_prefix(prefix))
+        for i in range(0, len(keys), 1000):
+            batch = [{"Key": self._key(k)} for k in keys[i:i + 1000]]
+            resp = self._call("delete", prefix, self.client.delete_objects, Bucket=self.bucket,
+                              Delete={"Objects": batch, "Quiet": True})
+            if errors := resp.get("Errors"):
+                e = errors[0]
+                raise StorageError(f"S3 delete of {self.url}/{prefix} failed for {len(errors)} "
+                                   f"keys (first: {e.get('Key')}: {e.get('Code')} "
+                                   f"{e.get('Message')}); retry delete_prefix")
+
+    def abort_incomplete_uploads(self, prefix: str = "") -> int:
+        """Abort unfinished multipart uploads under ``prefix``; returns how many were aborted."""
+        uploads = self._paginate("list_multipart_uploads", prefix, "Uploads")
+        for u in uploads:
+            self._call("abort upload", prefix, self.client.abort_multipart_upload,
+                       Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+        return len(uploads)
