@@ -46,11 +46,18 @@ def pipe_to(write: Callable[[BinaryIO], None], consume: Callable[[BinaryIO], obj
     failure: list[BaseException] = []
 
     def produce() -> None:
+        w = open(wfd, "wb", buffering=PIPE_BYTES, closefd=True)  # buffered: full writes
         try:
-            with open(wfd, "wb", buffering=PIPE_BYTES, closefd=True) as w:  # buffered: full writes
-                write(w)
+            write(w)
+            w.flush()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer's side
-            failure.append(exc)
+            failure.append(exc)  # before the close below: the reader must never see a clean EOF
+        finally:
+            try:
+                w.close()
+            except BaseException as exc:  # noqa: BLE001
+                if not failure:
+                    failure.append(exc)
 
     thread = threading.Thread(target=produce, name="pipe-producer", daemon=True)
     thread.start()
