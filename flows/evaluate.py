@@ -12,14 +12,15 @@ from tasks.tracking import tracker_for
 
 @flow(name="evaluate")
 def evaluate(spec: CampaignSpec, stage: str, path: str, step: int) -> dict:
-    stage_spec = next(s for s in spec.stages if s.name == stage)
+    index = spec.stage_index(stage)
+    stage_spec = spec.stages[index]
     metrics = evaluate_checkpoint(spec, path, stage_spec.seq_len)
     ledger = Ledger.open(spec)
     tracker = tracker_for(spec)
     run_id = ledger.stage(stage)["mlflow_run_id"]
     if run_id:
         tracker.log_values(run_id, metrics, step)
-    offset = sum(s.steps for s in spec.stages[: spec.stages.index(stage_spec)])
+    offset = sum(s.steps for s in spec.stages[:index])
     tracker.log_values(ledger.data["mlflow"]["parent_run_id"], metrics, offset + step)
     ledger.update_stage(stage, eval={**metrics, "step": step})
     return metrics

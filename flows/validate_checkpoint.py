@@ -17,7 +17,7 @@ class CheckpointInvalid(RuntimeError):
 
 @flow(name="validate-checkpoint")
 def validate_checkpoint(spec: CampaignSpec, stage: str, path: str) -> dict:
-    stage_index = [s.name for s in spec.stages].index(stage)
+    stage_index = spec.stage_index(stage)
     _, step = CheckpointStore.of_step(path, storage_options(spec))
     record = checkpoint_store(spec, stage).verdict(step)
     if record is None:

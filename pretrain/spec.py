@@ -304,6 +304,13 @@ class CampaignSpec(_Section):
     def registered_model_name(self) -> str:
         return self.tracking.registered_model or self.name
 
+    def stage_index(self, name: str) -> int:
+        """Position of the stage called ``name`` in ``stages``."""
+        for i, stage in enumerate(self.stages):
+            if stage.name == name:
+                return i
+        raise ValueError(f"campaign {self.name!r} has no stage {name!r} (stages: {[s.name for s in self.stages]})")
+
     def spec_hash(self) -> str:
         """Hash of everything that defines the campaign's results (not where it is stored).
         Fields left at their defaults are not hashed, so a release that adds a field (with a

@@ -47,7 +47,7 @@ def emit_campaign_event(spec: CampaignSpec, event: str, payload: dict, stage: st
 def checkpoint_verdict(spec: CampaignSpec, stage: str, path: str, record: dict) -> None:
     """``pretrain.checkpoint.good`` or ``.bad`` for a validated checkpoint (``record``: the verdict)."""
     good = record.get("verdict") == "good"
-    final = record.get("step", -1) >= next(s.steps for s in spec.stages if s.name == stage)
+    final = record.get("step", -1) >= spec.stages[spec.stage_index(stage)].steps
     emit_campaign_event(spec, CHECKPOINT_GOOD if good else CHECKPOINT_BAD, {
         "stage": stage, "step": record.get("step"), "checkpoint": path, "verdict": record.get("verdict"),
         "final": final, "problems": record.get("problems", []),

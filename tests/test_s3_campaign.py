@@ -35,7 +35,7 @@ def test_campaign_with_checkpoints_on_s3(prefect_harness, prepared_data, tmp_pat
     status = pretrain_campaign(spec=spec)
     assert status["status"] == "completed"
     registered = MlflowClient(spec.tracking_uri, spec.tracking_uri).get_model_version_by_alias(spec.name, "latest-good")
-    assert registered.tags[TAG_CHECKPOINT] == f"{checkpoint_store(spec, 'main').location}/step_{spec.stages[-1].steps:08d}"
+    assert registered.tags[TAG_CHECKPOINT] == checkpoint_store(spec, "main").ref(spec.stages[-1].steps).location
     for stage, s in zip(spec.stages, status["stages"]):
         store = checkpoint_store(spec, stage.name)
         assert store.location.startswith("s3://") and store.committed_steps()[0] == stage.steps
