@@ -25,11 +25,14 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> str:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:  # a failed write (disk full, I/O error) leaves no temporary behind
+        tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
     return hashlib.sha256(data).hexdigest()
 
