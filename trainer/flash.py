@@ -20,15 +20,24 @@ from pathlib import Path
 from trainer.shm import Slot, check_capacity, slot_paths
 
 
+def node_missing(ns: Path, capacities: dict[int, int]) -> int:
+    """Bytes still to allocate for the slots of every local rank (local rank → bytes per slot)."""
+    return sum(max(0, cap - (p.stat().st_size if p.exists() else 0))
+               for lr, cap in capacities.items() for p in slot_paths(ns, lr))
+
+
 class SnapshotStore:
-    def __init__(self, ns: str | Path, local_rank: int, rank: int, world_size: int, capacity: int):
+    def __init__(self, ns: str | Path, local_rank: int, rank: int, world_size: int, capacity: int,
+                 node: dict[int, int] | None = None):
+        """``node``: bytes per slot of every local rank on this node (default: this rank alone).
+        The check counts them all, so the node's ranks together cannot overcommit shared memory."""
         self.ns = Path(ns)
         self.rank, self.world_size = rank, world_size
         self.ns.mkdir(parents=True, exist_ok=True)
-        paths = slot_paths(self.ns, local_rank)
-        missing = sum(max(0, capacity - (p.stat().st_size if p.exists() else 0)) for p in paths)
-        check_capacity(self.ns, missing)
-        self.slots = [Slot(p, capacity) for p in paths]
+        node = {**(node or {}), local_rank: capacity}
+        check_capacity(self.ns, node_missing(self.ns, node),
+                       f"the checkpoint snapshots of the node's {len(node)} local rank(s) (2 slots each)")
+        self.slots = [Slot(p, capacity) for p in slot_paths(self.ns, local_rank)]
         self._digest: threading.Thread | None = None
 
     def _newest(self) -> int | None:

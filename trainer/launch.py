@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import hashlib
 import os
 import shutil
 import signal
@@ -23,6 +22,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainer import shmdirs
 from trainer.chaos import AGENT_KINDS, claim, reached_marker
 from trainer.config import JobConfig
 from trainer.heartbeat import HangDetector, worker_pids
@@ -119,6 +119,17 @@ def agent_drill(job: JobConfig, index: int, drill: dict, step: int, saver, repor
         stop_node(job)
 
 
+def sweep_shared_memory(job: JobConfig, node: int) -> None:
+    """Free the snapshot directories that agents killed without cleaning up left behind."""
+    swept = shmdirs.sweep_orphans(job.shm_dir)
+    if swept:
+        freed = sum(size for _, size in swept)
+        print(f"freed {freed / 2**20:.0f} MiB of shared memory left by dead agents: {', '.join(str(p) for p, _ in swept)}",
+              file=sys.stderr, flush=True)
+        JsonLines(Path(job.job_dir) / EVENTS).write({"source": "agent", "node": node, "event": "shm_swept",
+                                                     "dirs": [str(p) for p, _ in swept], "bytes": freed})
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.launch")
     p.add_argument("job", help="job config JSON")
@@ -139,12 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     job = JobConfig.load(args.job)
     saver: SaverProcess | None = None
-    ns = Path(job.shm_dir) / f"pretrain-{os.getpid()}-{hashlib.sha256(job.job_dir.encode()).hexdigest()[:10]}"
+    ns: Path | None = None
 
     def cleanup() -> None:
         if saver is not None:
             saver.close()
-        shutil.rmtree(ns, ignore_errors=True)
+        if ns is not None:
+            shutil.rmtree(ns, ignore_errors=True)
 
     exit_when_orphaned(on_orphan=cleanup)
     if args.lock:
@@ -153,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[NODE_ENV] = str(args.node)  # workers name their node in the node check after a restart
     worker_args = ["-u", "-m", "trainer.worker", args.job]
     if job.memory_interval > 0:
-        ns.mkdir(parents=True, exist_ok=True)
+        sweep_shared_memory(job, args.node)
+        ns = shmdirs.create(job.shm_dir, job.job_dir)
         saver = SaverProcess(ns, args.nproc, args.job)
         worker_args += ["--shm", str(ns)]
     config = LaunchConfig(

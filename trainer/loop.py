@@ -95,13 +95,20 @@ def grad_sync(net, model, last: bool):
     return nullcontext()
 
 
+def local_world_size() -> int:
+    """Workers on this node (set by the elastic agent; 1 when run alone)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def open_snapshots(cfg: JobConfig, info: DistInfo, capacity: int, shm_ns: str | None, events: JsonLines):
     """The rank's snapshot slots, allocated and touched now (off the training path); None for
     direct checkpoints (no shared memory configured, or too little of it with fallback on)."""
     if not shm_ns:
         return None
+    first = info.rank - info.local_rank  # ranks are laid out node by node
+    node = {lr: snapshot_capacity(cfg, first + lr, info.world_size) for lr in range(local_world_size())}
     try:
-        return SnapshotStore(shm_ns, info.local_rank, info.rank, info.world_size, capacity)
+        return SnapshotStore(shm_ns, info.local_rank, info.rank, info.world_size, capacity, node)
     except ShmTooSmall as err:
         if not cfg.shm_fallback:
             raise

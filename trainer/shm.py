@@ -11,6 +11,7 @@ Header states: ``writing`` (torn, never read) → ``ready`` (complete) → ``rea
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import mmap
@@ -37,13 +38,17 @@ def _page_align(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
-def check_capacity(shm_dir: str | Path, need: int) -> None:
+def too_small(shm_dir: str | Path, free: int, need: int, what: str = "the checkpoint snapshots") -> ShmTooSmall:
+    return ShmTooSmall(
+        f"{shm_dir} has {free / 2**20:.0f} MiB free but {what} need {need / 2**20:.0f} MiB: "
+        f"give the node more shared memory (docker --shm-size, Kubernetes emptyDir medium: Memory) or set "
+        f"checkpoint.shm_fallback: true to persist checkpoints directly without snapshots")
+
+
+def check_capacity(shm_dir: str | Path, need: int, what: str = "the checkpoint snapshots") -> None:
     free = shutil.disk_usage(shm_dir).free
     if free < need:
-        raise ShmTooSmall(
-            f"{shm_dir} has {free / 2**20:.0f} MiB free but the checkpoint snapshots need {need / 2**20:.0f} MiB: "
-            f"give the node more shared memory (docker --shm-size, Kubernetes emptyDir medium: Memory) or set "
-            f"checkpoint.shm_fallback: true to persist checkpoints directly without snapshots")
+        raise too_small(shm_dir, free, need, what)
 
 
 class Slot:
@@ -66,8 +71,15 @@ class Slot:
 
     def grow(self, capacity: int) -> None:
         """Allocate and touch every page now, so the first copy does not pay page faults."""
-        capacity = _page_align(HEADER_BYTES + capacity)
-        os.posix_fallocate(self.fd, 0, capacity)
+        capacity, before = _page_align(HEADER_BYTES + capacity), self.size
+        try:
+            os.posix_fallocate(self.fd, 0, capacity)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            os.ftruncate(self.fd, before)  # give back what a partial allocation took
+            raise too_small(self.path.parent, shutil.disk_usage(self.path.parent).free, capacity - before,
+                            f"the snapshot slot {self.path.name}") from None
         self._map()
         np.frombuffer(self.mm, dtype=np.uint8)[::PAGE] = 0
 
