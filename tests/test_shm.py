@@ -136,7 +136,7 @@ def test_capacity_check_counts_every_local_rank_of_the_node(tmp_path, monkeypatc
         if fits:
             assert open_snapshots(cfg, info, capacity, str(ns), events) is not None
             return
-        with pytest.raises(ShmTooSmall, match=rf"snapshots of the node's {local_ranks} local rank\(s\).*shm_fallback: true"):
+        with pytest.raises(ShmTooSmall, match=rf"each of the node's {local_ranks} local rank\(s\).*shm_fallback: true"):
             open_snapshots(cfg, info, capacity, str(ns), events)
         assert not any(ns.iterdir())  # nothing allocated
         fallback = ddp_job(tmp_path, shm_fallback=True)
@@ -148,7 +148,7 @@ def test_enospc_while_allocating_a_slot_is_shm_too_small_or_the_fallback(tmp_pat
     events = JsonLines(tmp_path / "job" / EVENTS)
     info = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=CPU, backend="gloo")
     with small_tmpfs(tmp_path / "shm", "4m") as shm:
-        with pytest.raises(ShmTooSmall, match=r"snapshot slot rank000.slot0 need .*shm_fallback: true"):
+        with pytest.raises(ShmTooSmall, match=r"snapshot slot rank000.slot0.*shm_fallback: true"):
             Slot(shm / "rank000.slot0", 8 << 20)
         assert (shm / "rank000.slot0").stat().st_size == 0  # a partial allocation is given back
         # slot files that look big enough (sparse) pass the check; allocating them hits ENOSPC

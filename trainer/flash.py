@@ -36,7 +36,7 @@ class SnapshotStore:
         self.ns.mkdir(parents=True, exist_ok=True)
         node = {**(node or {}), local_rank: capacity}
         check_capacity(self.ns, node_missing(self.ns, node),
-                       f"the checkpoint snapshots of the node's {len(node)} local rank(s) (2 slots each)")
+                       f" more (2 slots for each of the node's {len(node)} local rank(s))")
         self.slots = [Slot(p, capacity) for p in slot_paths(self.ns, local_rank)]
         self._digest: threading.Thread | None = None
 

@@ -38,17 +38,17 @@ def _page_align(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
-def too_small(shm_dir: str | Path, free: int, need: int, what: str = "the checkpoint snapshots") -> ShmTooSmall:
+def too_small(shm_dir: str | Path, free: int, need: int, detail: str = "") -> ShmTooSmall:
     return ShmTooSmall(
-        f"{shm_dir} has {free / 2**20:.0f} MiB free but {what} need {need / 2**20:.0f} MiB: "
+        f"{shm_dir} has {free / 2**20:.0f} MiB free but the checkpoint snapshots need {need / 2**20:.0f} MiB{detail}: "
         f"give the node more shared memory (docker --shm-size, Kubernetes emptyDir medium: Memory) or set "
         f"checkpoint.shm_fallback: true to persist checkpoints directly without snapshots")
 
 
-def check_capacity(shm_dir: str | Path, need: int, what: str = "the checkpoint snapshots") -> None:
+def check_capacity(shm_dir: str | Path, need: int, detail: str = "") -> None:
     free = shutil.disk_usage(shm_dir).free
     if free < need:
-        raise too_small(shm_dir, free, need, what)
+        raise too_small(shm_dir, free, need, detail)
 
 
 class Slot:
@@ -79,7 +79,7 @@ class Slot:
                 raise
             os.ftruncate(self.fd, before)  # give back what a partial allocation took
             raise too_small(self.path.parent, shutil.disk_usage(self.path.parent).free, capacity - before,
-                            f"the snapshot slot {self.path.name}") from None
+                            f" more (snapshot slot {self.path.name})") from None
         self._map()
         np.frombuffer(self.mm, dtype=np.uint8)[::PAGE] = 0
 
