@@ -18,8 +18,9 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pretrain.spec import DataSpec
-from trainer.atomic import atomic_write_bytes, atomic_write_json, read_json
+from trainer.atomic import atomic_write_bytes, read_json
 from trainer.data import MANIFEST
+from trainer.diskfull import describe, is_disk_full
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -113,22 +114,36 @@ def pack(tok: Tokenizer, docs: list[Document], eot_id: int) -> np.ndarray:
     return np.asarray(ids, dtype=np.uint16)
 
 
-def write_shards(out: Path, split: str, tokens: np.ndarray, shard_tokens: int, group: str = "all") -> list[dict]:
-    shards = []
+def shard_parts(split: str, tokens: np.ndarray, shard_tokens: int, group: str = "all") -> list[tuple[str, np.ndarray, str]]:
+    """(file name, tokens, group) of each shard of one group's tokens."""
     stem = split if group == "all" else f"{split}_{group}"
-    for i, start in enumerate(range(0, len(tokens), shard_tokens)):
-        part = tokens[start : start + shard_tokens]
-        name = f"{stem}_{i:05d}.bin"
-        digest = atomic_write_bytes(out / name, part.tobytes())
-        shards.append({"file": name, "tokens": int(len(part)), "sha256": digest, "group": group})
-    return shards
+    return [(f"{stem}_{i:05d}.bin", tokens[start : start + shard_tokens], group)
+            for i, start in enumerate(range(0, len(tokens), shard_tokens))]
 
 
-def write_split(out: Path, split: str, docs: list[Document], tok: Tokenizer, eot_id: int, shard_tokens: int) -> list[dict]:
-    """Pack and write one split, group after group (a group's windows stay contiguous)."""
+def pack_split(split: str, docs: list[Document], tok: Tokenizer, eot_id: int, shard_tokens: int) -> list[tuple[str, np.ndarray, str]]:
+    """Pack one split, group after group (a group's windows stay contiguous), into its shards."""
     groups = sorted({d.group for d in docs})
-    return [s for g in groups
-            for s in write_shards(out, split, pack(tok, [d for d in docs if d.group == g], eot_id), shard_tokens, g)]
+    return [part for g in groups
+            for part in shard_parts(split, pack(tok, [d for d in docs if d.group == g], eot_id), shard_tokens, g)]
+
+
+def write_files(out: Path, files: dict[str, bytes]) -> None:
+    """Write each file atomically; if the disk fills up, remove what this call wrote (a data set
+    without its manifest is never used, and the space is needed to try again) and say so."""
+    written: list[Path] = []
+    try:
+        for name, data in files.items():
+            atomic_write_bytes(out / name, data)
+            written.append(out / name)
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise DataPrepError(describe(out, sum(len(d) for d in files.values()), "the data set",
+                                     "Free space there (or lower data.max_bytes) and run again; the half-written "
+                                     "data set has no manifest and is never used.")) from None
 
 
 def prepare(data: DataSpec, out: Path, log=print) -> dict:
@@ -144,9 +159,12 @@ def prepare(data: DataSpec, out: Path, log=print) -> dict:
     train_docs, val_docs = split_documents(docs, data.val_fraction)
     tok = train_tokenizer(train_docs, data.tokenizer.vocab_size, data.tokenizer.min_frequency)
     eot_id = tok.token_to_id(EOT)
-    atomic_write_bytes(out / TOKENIZER_FILE, tok.to_str().encode())
-    splits = {name: write_split(out, name, ds, tok, eot_id, data.shard_tokens)
-              for name, ds in (("train", train_docs), ("val", val_docs))}
+    parts = {name: pack_split(name, ds, tok, eot_id, data.shard_tokens) for name, ds in (("train", train_docs), ("val", val_docs))}
+    out.mkdir(parents=True, exist_ok=True)
+    write_files(out, {TOKENIZER_FILE: tok.to_str().encode(),
+                      **{name: tokens.tobytes() for split in parts.values() for name, tokens, _ in split}})
+    splits = {split: [{"file": name, "tokens": int(len(tokens)), "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
+                       "group": group} for name, tokens, group in ps] for split, ps in parts.items()}
     manifest = {
         "version": 1, "fingerprint": fp, "dtype": "uint16", "vocab_size": tok.get_vocab_size(),
         "eot_id": eot_id, "tokenizer": TOKENIZER_FILE, "splits": splits,
@@ -154,7 +172,7 @@ def prepare(data: DataSpec, out: Path, log=print) -> dict:
         "tokens": {k: sum(s["tokens"] for s in v) for k, v in splits.items()},
         "groups": {g: {k: sum(s["tokens"] for s in v if s["group"] == g) for k, v in splits.items()} for g in files},
     }
-    atomic_write_json(out / MANIFEST, manifest)
+    write_files(out, {MANIFEST: (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()})
     log(f"prepared {manifest['tokens']['train']} train / {manifest['tokens']['val']} val tokens, "
         f"vocab {manifest['vocab_size']}, from {len(docs)} documents")
     return {**manifest, "reused": False}

@@ -11,13 +11,14 @@ import signal
 import statistics
 
 FAULT_EVENTS = ("hang", "anomaly", "chaos", "error", "node_lost")
-NON_RETRYABLE = {"too_many_rollbacks", "shm_too_small"}  # relaunching cannot help: a human must act
+NON_RETRYABLE = {"too_many_rollbacks", "shm_too_small", "disk_full"}  # relaunching cannot help: a human must act
 
 
 def cause_of(events: list[dict], exit_code: int | None = None) -> str:
     errors = " ".join(e.get("error", "") for e in events if e["event"] == "error")
     for marker, cause in (("TooManyRollbacks", "too_many_rollbacks"), ("ShmTooSmall", "shm_too_small"),
-                          ("OutOfMemoryError", "oom"), ("DataError", "data"), ("NodeExcluded", "node_check")):
+                          ("OutOfMemoryError", "oom"), ("DataError", "data"), ("NodeExcluded", "node_check"),
+                          ("CheckpointDiskFull", "disk_full"), ("SaverFailed", "saver_failure")):
         if marker in errors:
             return cause
     for e in events:

@@ -63,7 +63,7 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
         threads_per_worker=threads_per_worker(spec),
         hang_timeouts={"startup": ft.startup_timeout_s, "step": ft.step_timeout_s, "checkpoint": ft.checkpoint_timeout_s},
         spike={"window": ft.spike_window, "zscore": ft.spike_zscore, "min_steps": ft.spike_min_steps},
-        max_rollbacks=ft.max_rollbacks,
+        max_rollbacks=ft.max_rollbacks, attempt=attempt, saver_max_failures=ft.saver_max_failures,
         skip=[[w.start, w.end] for w in spec.skip_samples if w.stage == stage.name],
         mixture=dict(stage.mixture), node_check_threshold=ft.node_check_threshold, nodes_min=c.nodes_min,
         chaos=[d.model_dump() for d in spec.chaos if (d.stage or spec.stages[0].name) == stage.name],

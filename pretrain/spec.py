@@ -195,6 +195,7 @@ class FaultToleranceSpec(_Section):
     spike_min_steps: int = Field(20, ge=2, description="Steps the detector observes before it judges spikes.")
     max_rollbacks: int = Field(3, ge=0, description="Loss anomalies (NaN/Inf or spike) per stage that are rolled back and skipped before the stage fails.")
     node_check_threshold: float = Field(2.0, gt=1, description="A node whose health check is slower than this multiple of the median is excluded.")
+    saver_max_failures: int = Field(5, ge=1, description="A node's checkpoint saver that fails this many times in a row (restarted with a backoff doubling from 1 s up to 60 s; training goes on on its memory snapshots meanwhile) fails the job with the saver's error.")
 
 
 class ChaosDrill(_Section):

@@ -1,15 +1,21 @@
-"""Start one real node agent (``python -m trainer.launch``) for a stage of a small spec."""
+"""Helpers for tests of the node agent and its saver: one real agent (``python -m trainer.launch``)
+for a stage of a small spec, and snapshots in shared memory for a saver to persist."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 from conftest import seed_data, small_spec
 from pretrain.cluster import free_port
 from pretrain.jobs import build_job, write_job
 from trainer.config import JobConfig
+from trainer.flash import SnapshotStore
 
 
 def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int = 4, **checkpoint) -> JobConfig:
@@ -31,3 +37,26 @@ def start_agent(job: JobConfig, **popen) -> subprocess.Popen:
 
 def node_log(job: JobConfig) -> str:
     return (Path(job.job_dir) / "node0.log").read_text(errors="replace")
+
+
+def run_agent(job: JobConfig, timeout: float = 180) -> int:
+    """Run the job's agent to its end; returns its exit code. Nothing it started outlives this."""
+    agent = start_agent(job, start_new_session=True)
+    try:
+        return agent.wait(timeout)
+    finally:
+        try:
+            os.killpg(agent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def snapshot(ns: Path, step: int, rank: int = 0, world: int = 1, numel: int = 4) -> None:
+    """A sealed snapshot of ``step`` flagged for persisting, as the node's only worker writes it
+    (rank 0 holds the model: ``numel`` floats)."""
+    store = SnapshotStore(ns, 0, rank, world, capacity=4 * numel + (1 << 20))
+    state = {"rank": {"consumed": step, "step": step}}
+    if rank == 0:
+        state["shared"] = {"w": torch.full((numel,), float(step)), "step": step}
+    store.snapshot(step, state, persist=True)
+    store.flush()

@@ -3,12 +3,23 @@ clear message naming the file system, the bytes needed and the setting to change
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+from pathlib import Path
 
 import pytest
 
-from tmpfs import small_tmpfs
-from trainer.atomic import atomic_write_bytes
+from agents import agent_job, run_agent, snapshot
+from conftest import DATA
+from pretrain.dataprep import DataPrepError, prepare
+from pretrain.incidents import NON_RETRYABLE, cause_of
+from pretrain.spec import CampaignSpec
+from tmpfs import resize_tmpfs, small_tmpfs
+from trainer import checkpoint as ckpt
+from trainer.atomic import atomic_write_bytes, sha256_file
+from trainer.data import MANIFEST, read_manifest
+from trainer.reporting import EVENTS, METRICS, read_all
+from trainer.saver import CheckpointDiskFull, Saver
 
 
 def test_atomic_write_that_fills_the_disk_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -20,3 +31,54 @@ def test_atomic_write_that_fills_the_disk_leaves_the_old_file_and_no_temporary(t
         assert err.value.errno == errno.ENOSPC
         assert target.read_bytes() == b'{"step": 4}'
         assert sorted(p.name for p in fs.iterdir()) == ["latest"]  # no .latest.tmp-<pid> left
+
+
+def files_under(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_a_persist_that_fills_the_disk_takes_back_its_shards_and_says_what_to_change(tmp_path):
+    with small_tmpfs(tmp_path / "fs", "1m") as fs:
+        location = ckpt.store(fs / "s")
+        saver = Saver(tmp_path / "shm", 1, location, keep=2, events=None)
+        snapshot(tmp_path / "shm", 4)
+        assert saver.persist(4) and location.read_pointer() == 4
+        before = files_under(fs)
+        snapshot(tmp_path / "shm", 8, numel=512 << 10)  # 2 MiB of model: cannot fit
+        with pytest.raises(CheckpointDiskFull) as err:
+            saver.persist(8)
+        message = str(err.value)
+        assert f"no space left on {fs} (tmpfs" in message and "for checkpoint step 8" in message
+        assert "needs about 2.0 MiB" in message and "lower checkpoint.keep (now 2)" in message
+        assert "step 4) stays the resume point" in message
+        assert [f for f in files_under(fs) if not f.startswith("step_00000008/node_")] == before  # no shard, no temporary
+        assert location.read_pointer() == 4 and location.latest_complete().step == 4
+
+
+def test_a_full_checkpoint_disk_stops_the_job_with_the_message_while_training_went_on(prepared_data, tmp_path):
+    job = agent_job(tmp_path, prepared_data, steps=100_000, shm_dir=str(tmp_path / "shm"))
+    with small_tmpfs(tmp_path / "fs", "128k") as fs:
+        job = dataclasses.replace(job, ckpt_dir=str(fs / "s"), saver_max_failures=3, saver_backoff_s=0.05)
+        assert run_agent(job) == 1
+        events = read_all(Path(job.job_dir) / EVENTS)
+        failed = [e["error"] for e in events if e["event"] == "error"]
+        assert len(failed) == 1 and "CheckpointDiskFull: no space left on" in failed[0] and "checkpoint.keep" in failed[0]
+        assert cause_of(events, 1) == "disk_full" and "disk_full" in NON_RETRYABLE  # a human frees space first
+        assert max(m["step"] for m in read_all(Path(job.job_dir) / METRICS)) > 2  # trained on past the failed persist
+        assert ckpt.read_pointer(job.ckpt_dir) is None
+        assert [f for f in files_under(fs) if ".tmp-" in f or f.endswith(".pt")] == []
+
+
+def test_data_prep_that_fills_the_disk_leaves_no_trusted_data_set_and_a_retry_after_freeing_space_works(tmp_path):
+    data = CampaignSpec(data=DATA).data
+    with small_tmpfs(tmp_path / "fs", "32k") as fs:
+        out = fs / "data"
+        with pytest.raises(DataPrepError, match=rf"no space left on {fs} \(tmpfs.*Free space there"):
+            prepare(data, out, log=lambda *_: None)
+        assert not (out / MANIFEST).exists()
+        assert [f for f in files_under(fs) if ".tmp-" in f] == []
+        resize_tmpfs(fs, "4m")  # the operator frees space
+        manifest = prepare(data, out, log=lambda *_: None)
+        assert manifest["reused"] is False and read_manifest(out)["fingerprint"] == manifest["fingerprint"]
+        for shard in manifest["splits"]["train"] + manifest["splits"]["val"]:
+            assert sha256_file(out / shard["file"]) == shard["sha256"]

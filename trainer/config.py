@@ -76,6 +76,9 @@ class JobConfig:
     mixture: dict = field(default_factory=dict)  # data group → weight for this stage; empty: the whole split, one order
     chaos: list = field(default_factory=list)  # chaos drills for this stage (trainer.chaos)
     ckpt_keep: int = 3  # committed checkpoints kept
+    attempt: int = 0  # the stage's launch number (its job directory names it); fences commits to the newest job
+    saver_max_failures: int = 5  # checkpoint saver failures in a row (none persisting a step) before the job fails
+    saver_backoff_s: float = 1.0  # first wait before restarting a failed saver; doubles with each failure in a row
     log_every: int = 1  # steps between metric lines
     backend: str = "auto"  # auto | gloo | nccl
     parallelism: str = "ddp"  # ddp (replicated model, rank 0 checkpoints it) | fsdp (FSDP2: every rank its shard)

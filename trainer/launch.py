@@ -19,16 +19,18 @@ import threading
 import time
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer import shmdirs
+from trainer import fence, shmdirs
 from trainer.chaos import AGENT_KINDS, claim, reached_marker
 from trainer.config import JobConfig
 from trainer.heartbeat import HangDetector, worker_pids
 from trainer.nodecheck import NODE_ENV, exclusion_marker
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
+from trainer.saver import ERROR_FILE, PROGRESS_FILE
 
 
 class LockBusy(RuntimeError):
@@ -53,23 +55,59 @@ def hold_lock(path: Path, timeout_s: float) -> int:
 
 
 class SaverProcess:
-    """The node's checkpoint saver, kept alive for the agent's lifetime (restarted if it dies)."""
+    """The node's checkpoint saver, kept alive for the agent's lifetime: restarted if it dies,
+    after a backoff that doubles with each failure in a row (up to ``BACKOFF_CAP_S``); after
+    ``max_failures`` failures in a row — none of them persisted a step — it is given up and
+    ``on_give_up(message)`` is called with the saver's last error."""
 
-    def __init__(self, ns: Path, nproc: int, job_path: str):
+    BACKOFF_CAP_S = 60.0
+
+    def __init__(self, ns: Path, nproc: int, job_path: str, max_failures: int = 5, backoff_s: float = 1.0,
+                 on_give_up=None):
         self.cmd = [sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc), "--job", job_path]
-        self.proc = subprocess.Popen(self.cmd)
+        self.ns, self.max_failures, self.backoff_s, self.on_give_up = ns, max_failures, backoff_s, on_give_up
         self.closing = threading.Event()
-        self.restarts = 0
+        self.restarts, self.failures = 0, 0
+        self.failed: str | None = None  # the message, once given up
+        self._start()
         threading.Thread(target=self._watch, name="saver-watch", daemon=True).start()
+
+    def _start(self) -> None:
+        (self.ns / ERROR_FILE).unlink(missing_ok=True)
+        self.started = time.time()
+        self.proc = subprocess.Popen(self.cmd)
+
+    def _persisted_since_start(self) -> bool:
+        try:
+            return (self.ns / PROGRESS_FILE).stat().st_mtime >= self.started
+        except FileNotFoundError:
+            return False
+
+    def last_error(self, code: int) -> str:
+        try:
+            return (self.ns / ERROR_FILE).read_text(errors="replace").strip()
+        except FileNotFoundError:
+            return f"exit {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
 
     def _watch(self) -> None:
         while not self.closing.is_set():
             code = self.proc.wait()
             if self.closing.is_set():
                 return
+            self.failures = 1 if self._persisted_since_start() else self.failures + 1
+            error = self.last_error(code)
+            if self.failures >= self.max_failures:
+                self.failed = f"checkpoint saver failed {self.failures} times in a row; last error: {error}"
+                if self.on_give_up is not None:
+                    self.on_give_up(self.failed)
+                return
+            delay = min(self.BACKOFF_CAP_S, self.backoff_s * 2 ** (self.failures - 1))
+            print(f"checkpoint saver failed ({error}); restarting it in {delay:.1f} s "
+                  f"(failure {self.failures} of {self.max_failures} in a row)", file=sys.stderr, flush=True)
+            if self.closing.wait(delay):
+                return
             self.restarts += 1
-            print(f"checkpoint saver exited ({code}); restarting it", file=sys.stderr, flush=True)
-            self.proc = subprocess.Popen(self.cmd)
+            self._start()
 
     def close(self, timeout_s: float = 120) -> None:
         """Let the saver finish (including a save at breakpoint), then stop it."""
@@ -79,6 +117,15 @@ class SaverProcess:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def fail_job(job: JobConfig, node: int, message: str) -> None:
+    """Record why this node fails the job, then stop the workers: torch's agent turns SIGTERM
+    into its orderly shutdown, and ``main`` exits non-zero."""
+    JsonLines(Path(job.job_dir) / EVENTS).write({"source": "agent", "node": node, "event": "error",
+                                                 "error": f"SaverFailed: {message}"})
+    print(f"training job failed: {message}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def watch_workers(job: JobConfig, node: int, saver) -> HangDetector:
@@ -117,6 +164,10 @@ def agent_drill(job: JobConfig, index: int, drill: dict, step: int, saver, repor
         saver.proc.kill()
     elif drill["kind"] == "kill_node":
         stop_node(job)
+
+
+def _terminate(signum, frame) -> None:
+    raise SignalException(f"agent {os.getpid()} got signal {signal.Signals(signum).name}", signal.Signals(signum))
 
 
 def sweep_shared_memory(job: JobConfig, node: int) -> None:
@@ -164,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ[NODE_ENV] = str(args.node)  # workers name their node in the node check after a restart
     worker_args = ["-u", "-m", "trainer.worker", args.job]
+    fence.claim(job.checkpoints(), job.job_dir)  # savers of older jobs of this stage commit nothing from now on
     if job.memory_interval > 0:
         sweep_shared_memory(job, args.node)
         ns = shmdirs.create(job.shm_dir, job.job_dir)
-        saver = SaverProcess(ns, args.nproc, args.job)
+        saver = SaverProcess(ns, args.nproc, args.job, job.saver_max_failures, job.saver_backoff_s,
+                             on_give_up=lambda message: fail_job(job, args.node, message))
         worker_args += ["--shm", str(ns)]
     config = LaunchConfig(
         min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,
@@ -181,11 +234,17 @@ def main(argv: list[str] | None = None) -> int:
         start_method="spawn",
     )
     watch_workers(job, args.node, lambda: saver)
+    signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
     try:
         elastic_launch(config, sys.executable)(*worker_args)
     except ChildFailedError as err:
         print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
         return 1
+    except SignalException as err:
+        if saver is not None and saver.failed:
+            return 1  # fail_job reported why
+        print(f"stopped by {err.sigval.name}", file=sys.stderr, flush=True)
+        return 128 + err.sigval
     finally:
         cleanup()
     return 0

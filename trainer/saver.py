@@ -17,6 +17,12 @@ Only one saver ever writes the manifest and the pointer: the one whose node hold
 *committer*). The others only write shards and their node record; the committer keeps the
 steps it persisted as pending and commits each once every node's record is there. With a
 single writer the pointer cannot move backwards (no read-then-write race between nodes).
+
+A saver of a superseded job (``trainer.fence``) writes nothing. A persist that fails (disk
+full, storage error) removes the shards it wrote, leaves the previous checkpoint as the resume
+point and ends the saver with its error (``saver.error`` in the snapshot directory) for the
+node agent, which restarts it with backoff — training goes on on its memory snapshots — and
+fails the job after ``saver_max_failures`` failures in a row.
 """
 
 from __future__ import annotations
@@ -27,23 +33,37 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from trainer import checkpoint as ckpt
+from trainer import fence
+from trainer.atomic import atomic_write_bytes
 from trainer.chaos import corrupt_committed
 from trainer.config import JobConfig
+from trainer.diskfull import describe, is_disk_full
 from trainer.process import pid_alive
 from trainer.reporting import EVENTS, JsonLines
 from trainer.shm import Slot, slot_paths
 
 POLL_S = 0.05
 FINAL_COMMIT_WAIT_S = 5.0  # on the way out, how long the committer waits for other nodes' shards
+ERROR_FILE = "saver.error"  # in the snapshot directory: the last saver's error, for the node agent
+PROGRESS_FILE = "saver.progress"  # in the snapshot directory: touched after each persisted step
+
+
+class CheckpointDiskFull(RuntimeError):
+    """The checkpoint location is full; the message names the file system, the bytes needed and
+    the retention setting to change."""
 
 
 class Saver:
     def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None,
-                 drills: list[dict] = (), job_dir: str | None = None, meta: dict | None = None):
+                 drills: list[dict] = (), job_dir: str | None = None, meta: dict | None = None,
+                 fence_owner: str | None = None):
         self.ns, self.nproc, self.store, self.keep, self.events = ns, nproc, store, keep, events
+        self.fence_owner = fence_owner  # the job this saver commits for (None: no fencing)
+        self.superseded = False  # a newer job claimed the checkpoint location: write nothing more
         self.drills, self.job_dir = list(drills), job_dir  # chaos drills acted on by the saver
         self.meta = meta or {}  # recorded in every manifest (JobConfig.checkpoint_meta)
         self.stop = threading.Event()
@@ -85,9 +105,49 @@ class Saver:
         self._dead_seen |= dead
         return dead
 
+    def fenced(self, step: int) -> bool:
+        """Has a newer job claimed the checkpoint location? (Then this saver refuses to write.)"""
+        owner = fence.superseded(self.store, self.fence_owner)
+        if owner is not None:
+            self.superseded = True
+            self.pending.clear()
+            self.stop.set()
+            self._emit({"event": "commit_refused", "step": step,
+                        "reason": f"{self.store.location} is claimed by a newer job ({owner}); this saver's job "
+                                  f"({self.fence_owner}) was superseded, so it writes nothing"})
+        return owner is not None
+
     def persist(self, step: int) -> bool:
+        """Write this node's shards of ``step`` (and commit it, on the committer); a failure
+        removes what it wrote and raises (CheckpointDiskFull when the location is full)."""
+        if self.fenced(step):
+            return False
+        entries: list[dict] = []
+        try:
+            return self._persist(step, entries)
+        except Exception as err:
+            self._discard(step, entries)
+            if is_disk_full(err):
+                need = sum(h["data_len"] for hs in self.headers() for h in hs if h["step"] == step)
+                resume = self.store.read_pointer()
+                raise CheckpointDiskFull(describe(
+                    self.store.location, need, f"checkpoint step {step}",
+                    f"Free space there, or keep fewer checkpoints: lower checkpoint.keep (now {self.keep}). "
+                    f"The previous checkpoint ({'none' if resume is None else f'step {resume}'}) stays the resume point."))
+            raise
+
+    def _discard(self, step: int, entries: list[dict]) -> None:
+        """After a failed persist of an uncommitted step: remove its manifest (if the pointer
+        write failed after it) and the shards this saver wrote, giving the space back."""
+        if (self.store.read_pointer() or -1) >= step:
+            return  # committed after all (a later step failed): nothing to take back
+        self.store.storage.delete(f"{ckpt.step_name(step)}/{ckpt.MANIFEST}")
+        for e in entries:
+            self.store.storage.delete(f"{ckpt.step_name(step)}/{e['name']}")
+
+    def _persist(self, step: int, entries: list[dict]) -> bool:
         t0 = time.perf_counter()
-        entries, world = [], None
+        world = None
         for lr in range(self.nproc):
             path = next(p for p in slot_paths(self.ns, lr) if p.exists())
             for p in slot_paths(self.ns, lr):
@@ -115,6 +175,7 @@ class Saver:
         if any(e["name"] == ckpt.rank_shard_name(0) for e in entries):  # this node commits
             self.pending[step] = world
             self.commit_ready()
+        atomic_write_bytes(self.ns / PROGRESS_FILE, str(step).encode())
         self._emit({"event": "persisted", "step": step, "persist_s": time.perf_counter() - t0})
         return True
 
@@ -131,6 +192,8 @@ class Saver:
             if not ckpt.model_files(names, world) or any(ckpt.rank_shard_name(r) not in names for r in range(world)):
                 continue  # other nodes have not finished their shards yet
             sharded = bool(ckpt.model_shard_ranks(names))
+            if self.fenced(step):  # checked immediately before the manifest and the pointer
+                return
             ref = self.store.commit(step, shards, {**self.meta, "world_size": world, "persisted_by": "saver",
                                                    "parallelism": "fsdp" if sharded else "ddp"})
             del self.pending[step]
@@ -153,6 +216,8 @@ class Saver:
             if self.pending:
                 self.commit_ready()
             self.stop.wait(POLL_S)
+        if self.superseded:
+            return
         step = self.candidate(breakpoint=True)  # final breakpoint save on the way out
         if step is not None and step > (self.store.read_pointer() or -1):
             self.persist(step)
@@ -170,10 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     job = JobConfig.load(args.job)
     saver = Saver(args.ns, args.nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
-                  drills=job.chaos, job_dir=job.job_dir, meta=job.checkpoint_meta())
+                  drills=job.chaos, job_dir=job.job_dir, meta=job.checkpoint_meta(), fence_owner=job.job_dir)
     signal.signal(signal.SIGTERM, lambda *_: saver.stop.set())  # finish, save at breakpoint, exit
     saver._emit({"event": "saver_start"})
-    saver.run()
+    try:
+        saver.run()
+    except Exception as err:  # noqa: BLE001 - reported to the node agent, which restarts or fails the job
+        message = f"{type(err).__name__}: {err}"
+        atomic_write_bytes(args.ns / ERROR_FILE, message.encode())
+        saver._emit({"event": "saver_error", "error": message, "traceback": traceback.format_exc()[-2000:]})
+        print(f"checkpoint saver failed: {message}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

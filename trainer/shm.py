@@ -85,7 +85,10 @@ class Slot:
 
     def close(self) -> None:
         if self.mm is not None:
-            self.mm.close()
+            try:
+                self.mm.close()
+            except BufferError:  # views are still alive (e.g. held by an exception's traceback):
+                pass  # the mapping goes with the last of them; never mask the error being raised
         os.close(self.fd)
 
     # ---- header ------------------------------------------------------------------------

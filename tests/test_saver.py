@@ -1,0 +1,66 @@
+"""The node's checkpoint saver: bounded restarts that fail the job with the saver's error, and
+commit fencing (a saver of a superseded job writes nothing)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from agents import agent_job, node_log, run_agent, snapshot
+from pretrain.incidents import cause_of
+from trainer import checkpoint as ckpt
+from trainer import fence
+from trainer.reporting import EVENTS, JsonLines, read_all
+from trainer.saver import Saver
+
+
+def test_a_saver_that_keeps_failing_is_restarted_a_bounded_number_of_times_then_fails_the_job(prepared_data, tmp_path):
+    job = agent_job(tmp_path, prepared_data, steps=100_000, shm_dir=str(tmp_path / "shm"))
+    job = dataclasses.replace(job, saver_max_failures=3, saver_backoff_s=0.05)
+    location = Path(job.ckpt_dir)
+    location.mkdir(parents=True)
+    for step in range(2, 2000, 2):  # a file where each step's directory should be: every persist fails
+        (location / ckpt.step_name(step)).write_text("not a directory")
+    assert run_agent(job) == 1
+    events = read_all(Path(job.job_dir) / EVENTS)
+    assert sum(e["event"] == "saver_start" for e in events) == 3
+    failed = [e["error"] for e in events if e["event"] == "error" and e.get("source") == "agent"]
+    assert len(failed) == 1 and "SaverFailed: checkpoint saver failed 3 times in a row" in failed[0]
+    assert f"NotADirectoryError: [Errno 20] Not a directory: '{location}/step_" in failed[0]  # the saver's own error
+    assert cause_of(events, 1) == "saver_failure"
+    assert failed[0].removeprefix("SaverFailed: ") in node_log(job)
+    assert fence.holder(ckpt.store(job.ckpt_dir)) == job.job_dir  # the agent claimed the location first
+    assert not list((tmp_path / "shm").iterdir())
+
+
+def test_a_saver_of_a_superseded_job_writes_nothing(tmp_path):
+    location = ckpt.store(tmp_path / "ckpt")
+    events = JsonLines(tmp_path / "events.jsonl")
+    old = Saver(tmp_path / "shm", 1, location, keep=3, events=events, fence_owner="jobs/s/attempt_000")
+    fence.claim(location, "jobs/s/attempt_000")
+    snapshot(tmp_path / "shm", 4)
+    assert old.persist(4) and location.read_pointer() == 4
+
+    fence.claim(location, "jobs/s/attempt_001")  # the orchestrator started a newer job
+    snapshot(tmp_path / "shm", 8)
+    assert old.persist(8) is False
+    assert location.read_pointer() == 4 and location.all_steps() == [4]  # nothing of step 8 written
+    refused = [e for e in read_all(tmp_path / "events.jsonl") if e["event"] == "commit_refused"]
+    assert refused and "attempt_001" in refused[0]["reason"] and old.stop.is_set()
+
+
+def test_a_superseded_committer_writes_no_manifest_even_with_every_shard_in_place(tmp_path):
+    """The fence moves while the committer waits for the other node's shards: it must not commit."""
+    location = ckpt.store(tmp_path / "ckpt")
+    committer = Saver(tmp_path / "node0", 1, location, keep=3, events=None, fence_owner="jobs/s/attempt_000")
+    other = Saver(tmp_path / "node1", 1, location, keep=3, events=None, fence_owner="jobs/s/attempt_000")
+    fence.claim(location, "jobs/s/attempt_000")
+    snapshot(tmp_path / "node0", 6, rank=0, world=2)
+    snapshot(tmp_path / "node1", 6, rank=1, world=2)
+    assert committer.persist(6) and committer.pending == {6: 2}  # waiting for rank 1's shards
+    fence.claim(location, "jobs/s/attempt_001")
+    other.fence_owner = None  # (the other node's saver writes its shards regardless)
+    assert other.persist(6)
+    committer.commit_ready()
+    assert location.manifest(6) is None and location.read_pointer() is None
+    assert committer.pending == {}
