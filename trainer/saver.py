@@ -52,6 +52,10 @@ ERROR_FILE = "saver.error"  # in the snapshot directory: the last saver's error,
 PROGRESS_FILE = "saver.progress"  # in the snapshot directory: touched after each persisted step
 
 
+class SupersededJob(RuntimeError):
+    """A newer job of the stage claimed the checkpoint location; this job's saver writes nothing."""
+
+
 class CheckpointDiskFull(RuntimeError):
     """The checkpoint location is full; the message names the file system, the bytes needed and
     the retention setting to change."""
@@ -240,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     saver._emit({"event": "saver_start"})
     try:
         saver.run()
+        if saver.superseded:
+            raise SupersededJob(f"a newer job claimed {saver.store.location} (see its {fence.FENCE} record): "
+                                f"this job ({job.job_dir}) no longer commits checkpoints there")
     except Exception as err:  # noqa: BLE001 - reported to the node agent, which restarts or fails the job
         message = f"{type(err).__name__}: {err}"
         atomic_write_bytes(args.ns / ERROR_FILE, message.encode())
