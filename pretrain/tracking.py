@@ -53,7 +53,23 @@ def log_to_run(tracking_uri: str | None, run_id: str, values: dict[str, float], 
     e.g. ``MLFLOW_TRACKING_URI``). Fails if the run does not exist."""
     client = MlflowClient(tracking_uri=tracking_uri)
     client.get_run(run_id)  # a clear "run not found" before anything is written
-    client.log_batch(run_id, metrics=metrics_at(values, step))
+    log_once(client, run_id, values, step)
+
+
+def logged_at(client: MlflowClient, run_id: str, keys, step: int) -> dict[str, Metric]:
+    """What the run already holds at ``step`` of each of ``keys``."""
+    held = {}
+    for key in keys:
+        held.update({m.key: m for m in client.get_metric_history(run_id, key) if m.step == step})
+    return held
+
+
+def log_once(client: MlflowClient, run_id: str, values: dict[str, float], step: int) -> None:
+    """Log the ``values`` the run does not hold at ``step`` yet: a run never holds two values of
+    one metric at one step, however often this runs (a retried task, a resumed campaign)."""
+    held = logged_at(client, run_id, values, step)
+    if new := {k: v for k, v in values.items() if k not in held}:
+        client.log_batch(run_id, metrics=metrics_at(new, step))
 
 
 @dataclass
@@ -108,7 +124,8 @@ class Tracker:
             self.client.log_batch(run_id, metrics=metrics[i : i + _BATCH])
 
     def log_values(self, run_id: str, values: dict[str, float], step: int) -> None:
-        self.log_metrics(run_id, metrics_at(values, step))
+        """Log ``values`` at ``step``, except those the run already holds there."""
+        log_once(self.client, run_id, values, step)
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
