@@ -5,14 +5,17 @@ step still reaches MLflow exactly once."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 from mlflow.tracking import MlflowClient
 
 from conftest import assert_no_duplicate_metric_steps, wait_for
 from mlflow_server import MlflowServer
-from pretrain.tracking import Backoff, MetricsForwarder, Tracker, describe_error
+from pretrain.tracking import Backoff, MetricsForwarder, Tracker, describe_error, transient
+from tasks.evaluation import log_evaluation
 from trainer.reporting import JsonLines, read_all, read_new_lines
 
 LINE = b'{"step": 1, "time": 1.0}\n'
@@ -95,7 +98,8 @@ def mlflow_server(tmp_path_factory):
     server.stop()
 
 
-def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlflow_server, tmp_path, monkeypatch):
+def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlflow_server, prefect_harness, tmp_path,
+                                                                           monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast: the forwarder's own retries are tested
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     tracker = Tracker(mlflow_server.uri, "outage", tmp_path / "artifacts")
@@ -122,10 +126,15 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlfl
     records(tmp_path / "other.jsonl", [1])
     assert other.pump() == 0
     records(metrics, [6, 7])  # training goes on meanwhile
+    # a Prefect task that talks to MLflow (the evaluation of a checkpoint) waits the outage out
+    # (its retry delays shortened here; the retry condition is the task's own)
+    evaluation = ThreadPoolExecutor(1).submit(log_evaluation.with_options(retries=200, retry_delay_seconds=0.5),
+                                              mlflow_server.uri, stage, {"val_loss": 3.5}, 7)
     wait_for(lambda: fwd.backoff.due(), 5, "the next try")
     assert fwd.pump() == 0 and fwd.backoff.failures == 2
 
     mlflow_server.start()
+    evaluation.result(timeout=120)
     assert fwd.drain(timeout_s=60)
     assert other.drain(timeout_s=60)
     assert any("works again" in m for m in logged)
@@ -134,7 +143,7 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlfl
     assert history(client, stage) == [1, 2, 3, 4, 5, 6, 7]
     assert history(client, stage, "grad_norm") == [1, 2, 3, 4, 5, 6, 7]
     assert history(client, parent) == [101, 102, 103, 104, 105, 106, 107, 201]
-    assert history(client, later_stage) == [1]
+    assert history(client, later_stage) == [1] and history(client, stage, "val_loss") == [7]
     assert client.get_run(stage).data.tags["checkpoint.latest"] == "/ckpt/step_00000004"
     assert_no_duplicate_metric_steps(mlflow_server.uri)
 
@@ -162,3 +171,16 @@ def test_drain_gives_up_after_its_timeout_and_says_where_the_steps_are(tmp_path,
 ])
 def test_a_tracking_error_is_one_line_without_credentials(err, shown, hidden):
     assert describe_error(err) == shown and hidden not in describe_error(err)
+
+
+@pytest.mark.parametrize("err, retry", [
+    (MlflowException("API request to http://h/api failed with exception Max retries exceeded"), True),  # unreachable
+    (MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE), True),
+    (ConnectionResetError(104, "Connection reset by peer"), True),
+    (OSError(28, "No space left on device"), True),
+    (MlflowException("Run 'x' not found", error_code=RESOURCE_DOES_NOT_EXIST), False),  # a refusal: retrying changes nothing
+    (MlflowException("bad value", error_code=INVALID_PARAMETER_VALUE), False),
+    (KeyError("val_loss"), False),  # a bug, not an outage
+])
+def test_tasks_retry_what_mlflow_may_get_over_and_nothing_else(err, retry):
+    assert transient(err) is retry
