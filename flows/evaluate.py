@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.locking import holds_campaign_lock
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
 from tasks.evaluation import evaluate_checkpoint
@@ -11,6 +12,7 @@ from tasks.tracking import log_stage_evaluation
 
 
 @flow(name="evaluate")
+@holds_campaign_lock
 def evaluate(spec: CampaignSpec, stage: str, path: str, step: int) -> dict:
     index = spec.stage_index(stage)
     stage_spec = spec.stages[index]
