@@ -4,23 +4,22 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.locking import holds_campaign_lock
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
 from tasks.evaluation import evaluate_checkpoint
-from tasks.tracking import tracker_for
+from tasks.tracking import log_stage_evaluation
 
 
 @flow(name="evaluate")
+@holds_campaign_lock
 def evaluate(spec: CampaignSpec, stage: str, path: str, step: int) -> dict:
     index = spec.stage_index(stage)
     stage_spec = spec.stages[index]
     metrics = evaluate_checkpoint(spec, path, stage_spec.seq_len)
     ledger = Ledger.open(spec)
-    tracker = tracker_for(spec)
-    run_id = ledger.stage(stage)["mlflow_run_id"]
-    if run_id:
-        tracker.log_values(run_id, metrics, step)
     offset = sum(s.steps for s in spec.stages[:index])
-    tracker.log_values(ledger.data["mlflow"]["parent_run_id"], metrics, offset + step)
+    log_stage_evaluation(spec, ledger.stage(stage)["mlflow_run_id"], ledger.data["mlflow"]["parent_run_id"],
+                         metrics, step, offset + step)
     ledger.update_stage(stage, eval={**metrics, "step": step})
     return metrics

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.locking import holds_campaign_lock
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
 from tasks.cluster import check_nodes
@@ -11,6 +12,7 @@ from tasks.tracking import tracker_for
 
 
 @flow(name="provision-cluster")
+@holds_campaign_lock
 def provision_cluster(spec: CampaignSpec) -> dict:
     check = check_nodes(spec)
     info = {"kind": spec.cluster.kind, "nodes": spec.cluster.nodes_max - len(check["excluded"]),

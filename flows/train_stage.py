@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
+from flows.locking import holds_campaign_lock
 from pretrain.incidents import NON_RETRYABLE
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
@@ -31,6 +32,7 @@ class StageFailed(RuntimeError):
 
 
 @flow(name="train-stage")
+@holds_campaign_lock
 def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = None) -> dict:
     """Returns the stage's final checkpoint ``{"step", "path"}``."""
     logger = get_run_logger()

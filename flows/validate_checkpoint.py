@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
+from flows.locking import holds_campaign_lock
 from pretrain.jobs import checkpoint_store, storage_options
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import check_checkpoints
@@ -16,6 +17,7 @@ class CheckpointInvalid(RuntimeError):
 
 
 @flow(name="validate-checkpoint")
+@holds_campaign_lock
 def validate_checkpoint(spec: CampaignSpec, stage: str, path: str) -> dict:
     stage_index = spec.stage_index(stage)
     _, step = CheckpointStore.of_step(path, storage_options(spec))

@@ -3,17 +3,20 @@ held by the process that runs the campaign flow for as long as it runs.
 
 The kernel drops the lock when that process ends, however it ends (a crash, SIGKILL, a
 cancelled flow run), so a stale lock never blocks the next run. The file names the holder
-(host, pid, flow run, start time) so the refused run can say who has it.
+(host, pid, flow run, start time) so the refused run can say who has it. Every flow that writes
+campaign state takes it; within one flow run it is reentrant, so the campaign's subflows share it.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
 import time
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Iterator
 
@@ -40,16 +43,59 @@ def read_holder(workdir: str | Path) -> dict:
         return {}
 
 
+# The lock files this context (a flow run and the subflows it calls) holds, with their holder:
+# a subflow that writes campaign state (prepare-data) takes the lock its campaign already holds.
+_HELD: ContextVar[dict[str, dict]] = ContextVar("pretrain_campaign_locks", default={})
+
+# errno of a filesystem that cannot lock files, and what to do about it
+_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOLCK, errno.ENOSYS, errno.EINVAL}
+
+
+class LockUnavailable(RuntimeError):
+    """The campaign's lock file cannot be created or locked (not: someone else holds it)."""
+
+
+def lock_failure(path: Path, err: OSError) -> LockUnavailable:
+    """The error for a lock file that cannot be locked: names the file and what to do."""
+    why = f"{err.strerror or err} (errno {errno.errorcode.get(err.errno, err.errno)})"
+    if err.errno in _UNSUPPORTED:
+        return LockUnavailable(
+            f"cannot lock {path}: its filesystem does not support file locks: {why}. The lock keeps two runs of "
+            "one campaign from training at once. Put the campaign's workdir on a local filesystem (`workdir` in the "
+            "spec, or --workdir), or, where one machine runs the campaign, mount the NFS share with -o local_lock=flock")
+    return LockUnavailable(f"cannot lock {path}: {why}. Check that the campaign's workdir is writable, or choose "
+                           "another one (`workdir` in the spec, or --workdir)")
+
+
+def lock_fd(fd: int, path: Path) -> None:
+    """``flock`` the open lock file: BlockingIOError if another holder has it, :class:`LockUnavailable`
+    if its filesystem cannot lock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise
+    except OSError as err:
+        raise lock_failure(path, err) from None
+
+
 @contextmanager
 def campaign_lock(workdir: str | Path, campaign: str, flow_run: str | None = None) -> Iterator[dict]:
     """Hold the campaign's workdir for the duration of the block; raises :class:`CampaignBusy` at
-    once if another run holds it (no waiting: a second training run must not queue silently)."""
+    once if another run holds it (no waiting: a second training run must not queue silently).
+    Reentrant within one flow run: a subflow the campaign calls shares the campaign's lock."""
     path = Path(workdir) / LOCK_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    key = str(path.resolve())
+    if key in _HELD.get():
+        yield _HELD.get()[key]
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise lock_failure(path, err) from None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock_fd(fd, path)
         except BlockingIOError:
             raise CampaignBusy(
                 f"campaign {campaign!r} in {Path(workdir)} is already running ({_describe(read_holder(workdir))}). "
@@ -57,8 +103,16 @@ def campaign_lock(workdir: str | Path, campaign: str, flow_run: str | None = Non
                 "then run again (it resumes from the last checkpoint)") from None
         holder = {"campaign": campaign, "host": socket.gethostname(), "pid": os.getpid(), "flow_run": flow_run,
                   "since": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
-        yield holder
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except OSError as err:
+            raise lock_failure(path, err) from None
+        held = _HELD.get()
+        _HELD.set({**held, key: holder})
+        try:
+            yield holder
+        finally:
+            _HELD.set(held)
     finally:
         os.close(fd)  # releases the lock

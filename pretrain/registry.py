@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from pretrain.checkpoint_info import CheckpointInfo
 from pretrain.export import export_model
-from pretrain.tracking import flatten
+from pretrain.tracking import flatten, logged_at
 
 TAG_CHECKPOINT = "pretrain.checkpoint"
 TAG_STEP = "pretrain.step"
@@ -69,6 +69,17 @@ def save_mlflow_model(hf_dir: Path, path: Path, max_seq_len: int) -> None:
                                    model_config=defaults, pip_requirements=reqs)
 
 
+def link_metrics(client: MlflowClient, run_id: str, model_id: str, metrics: dict[str, float], step: int) -> None:
+    """Attach ``metrics`` at ``step`` to the logged model. A metric the run already holds at that
+    step (the campaign's final evaluation) is linked as it is — same value and timestamp, which
+    MLflow stores once in the run — so the run never gets a second value at one step."""
+    held = logged_at(client, run_id, metrics, step)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[
+        Metric(k, held[k].value, held[k].timestamp, step, model_id=model_id) if k in held
+        else Metric(k, float(v), now, step, model_id=model_id) for k, v in metrics.items()])
+
+
 def register_checkpoint(info: CheckpointInfo, *, tracking_uri: str, run_id: str, name: str, alias: str,
                         metrics: dict[str, float], step: int | None = None,
                         tags: dict[str, str] | None = None) -> Registered:
@@ -93,9 +104,7 @@ def register_checkpoint(info: CheckpointInfo, *, tracking_uri: str, run_id: str,
             client.finalize_logged_model(logged.model_id, "FAILED")
             raise
         client.finalize_logged_model(logged.model_id, "READY")
-    now = int(time.time() * 1000)
-    at = info.step if step is None else step
-    client.log_batch(run_id, metrics=[Metric(k, float(v), now, at, model_id=logged.model_id) for k, v in metrics.items()])
+    link_metrics(client, run_id, logged.model_id, metrics, info.step if step is None else step)
     try:
         client.get_registered_model(name)
     except MlflowException:

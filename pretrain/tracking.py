@@ -8,11 +8,16 @@ Uses ``MlflowClient`` only (no fluent API global state).
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Callable
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
@@ -48,7 +53,23 @@ def log_to_run(tracking_uri: str | None, run_id: str, values: dict[str, float], 
     e.g. ``MLFLOW_TRACKING_URI``). Fails if the run does not exist."""
     client = MlflowClient(tracking_uri=tracking_uri)
     client.get_run(run_id)  # a clear "run not found" before anything is written
-    client.log_batch(run_id, metrics=metrics_at(values, step))
+    log_once(client, run_id, values, step)
+
+
+def logged_at(client: MlflowClient, run_id: str, keys, step: int) -> dict[str, Metric]:
+    """What the run already holds at ``step`` of each of ``keys``."""
+    held = {}
+    for key in keys:
+        held.update({m.key: m for m in client.get_metric_history(run_id, key) if m.step == step})
+    return held
+
+
+def log_once(client: MlflowClient, run_id: str, values: dict[str, float], step: int) -> None:
+    """Log the ``values`` the run does not hold at ``step`` yet: a run never holds two values of
+    one metric at one step, however often this runs (a retried task, a resumed campaign)."""
+    held = logged_at(client, run_id, values, step)
+    if new := {k: v for k, v in values.items() if k not in held}:
+        client.log_batch(run_id, metrics=metrics_at(new, step))
 
 
 @dataclass
@@ -57,12 +78,14 @@ class Tracker:
     experiment: str
     artifact_dir: Path
     client: MlflowClient = field(init=False)
-    experiment_id: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)  # no request yet: MLflow may be away
+
+    @cached_property
+    def experiment_id(self) -> str:
         exp = self.client.get_experiment_by_name(self.experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
+        return exp.experiment_id if exp else self.client.create_experiment(
             self.experiment, artifact_location=Path(self.artifact_dir).resolve().as_uri())
 
     def _find(self, tags: dict[str, str]) -> str | None:
@@ -101,7 +124,8 @@ class Tracker:
             self.client.log_batch(run_id, metrics=metrics[i : i + _BATCH])
 
     def log_values(self, run_id: str, values: dict[str, float], step: int) -> None:
-        self.log_metrics(run_id, metrics_at(values, step))
+        """Log ``values`` at ``step``, except those the run already holds there."""
+        log_once(self.client, run_id, values, step)
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
@@ -110,10 +134,62 @@ class Tracker:
         self.client.set_terminated(run_id, status=status)
 
 
+def transient(err: BaseException) -> bool:
+    """Worth retrying: MLflow unreachable, timing out or failing on its side (5xx), not a
+    request it refuses (a missing run, an invalid value)."""
+    if isinstance(err, MlflowException):
+        return err.get_http_status_code() >= 500
+    return isinstance(err, OSError)  # connection errors (requests' are OSErrors too), a full disk
+
+
+def describe_error(err: BaseException, limit: int = 300) -> str:
+    """One line for a log: the error's type and the start of its first line, with any
+    credentials in URLs masked."""
+    text = (str(err).strip().splitlines() or [""])[0]
+    text = _USERINFO.sub(r"\1***@", text)
+    return f"{type(err).__name__}: {text[:limit]}{'…' if len(text) > limit else ''}"
+
+
+_USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)[^/@\s]+@")
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff between tries of a failing call: ``initial_s``, doubling up to ``max_s``."""
+
+    initial_s: float = 1.0
+    max_s: float = 60.0
+    failures: int = 0  # consecutive
+    next_at: float = 0.0  # time.monotonic() of the next try
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_at
+
+    def failed(self) -> float:
+        """Count a failure; returns the delay until the next try."""
+        self.failures += 1
+        delay = min(self.max_s, self.initial_s * 2 ** (self.failures - 1))
+        self.next_at = time.monotonic() + delay
+        return delay
+
+    def succeeded(self) -> None:
+        self.failures, self.next_at = 0, 0.0
+
+
+def _log_warning(message: str) -> None:
+    logging.getLogger(__name__).warning(message)
+
+
 @dataclass
 class MetricsForwarder:
     """Tails a job's ``metrics.jsonl`` into the stage run (stage step) and the campaign run
-    (campaign step = ``step_offset`` + stage step), skipping steps either run already has."""
+    (campaign step = ``step_offset`` + stage step), skipping steps either run already has.
+
+    Telemetry never stops training: while MLflow is away, what was read waits here and ``pump``
+    retries with backoff, logging one line per failed try; once MLflow answers, everything
+    catches up. No step reaches a run twice: steps a run already holds are skipped, and a retried
+    batch repeats identical metrics (step, value, timestamp), which MLflow stores once. Damaged
+    lines of the job's files are skipped and counted (``damaged``)."""
 
     tracker: Tracker
     path: Path
@@ -121,35 +197,108 @@ class MetricsForwarder:
     parent_run_id: str
     step_offset: int
     events_path: Path | None = None  # checkpoint events become tags naming the checkpoint
+    log: Callable[[str], None] = _log_warning  # one line per problem (outage, damaged lines)
+    backoff: Backoff = field(default_factory=Backoff)
     offset: int = 0
     events_offset: int = 0
-    last_step: int = field(init=False)
-    last_parent_step: int = field(init=False)
+    last_step: int = -1  # the newest stage step the job reported (or the stage run held)
+    damaged: int = 0  # lines of the job's files skipped as damaged
+    pending: list[dict] = field(default_factory=list)  # records not yet in both runs
+    pending_tags: dict[str, str] = field(default_factory=dict)  # not yet on the stage run
+    _logged: dict[str, int] | None = field(default=None, repr=False)  # run id → its highest step; None: not asked
 
-    def __post_init__(self) -> None:
-        self.last_step = self.tracker.max_step(self.stage_run_id)
-        self.last_parent_step = self.tracker.max_step(self.parent_run_id)
+    def pump(self, final: bool = False) -> int:
+        """Read what the job wrote since the last call and forward it (``final``: the job has
+        ended, take a last line without newline too). Returns how many steps reached the stage
+        run now: 0 while MLflow is away or the next try is not due. Never raises for tracking."""
+        self._read(final)
+        if not (self.pending or self.pending_tags) or not self.backoff.due():
+            return 0
+        try:
+            sent = self._send()
+        except Exception as err:  # noqa: BLE001 - whatever tracking fails with, training goes on
+            delay = self.backoff.failed()
+            self.log(f"MLflow tracking failed ({describe_error(err)}); {len(self.pending)} step(s) wait here, "
+                     f"next try in {delay:.0f}s; training goes on")
+            return 0
+        if self.backoff.failures:
+            self.log(f"MLflow tracking works again: caught up to step {self.last_step}")
+        self.backoff.succeeded()
+        return sent
 
-    def pump(self) -> int:
-        """Forward new complete records; returns how many steps were logged."""
-        records, self.offset = read_new_lines(self.path, self.offset)
-        stage, parent = [], []
-        for r in records:
-            ts = int(r["time"] * 1000)
-            if r["step"] > self.last_step:
-                stage += [Metric(k, float(r[k]), ts, r["step"]) for k in METRIC_KEYS if k in r]
-                self.last_step = r["step"]
-            global_step = self.step_offset + r["step"]
-            if global_step > self.last_parent_step:
-                parent += [Metric(k, float(r[k]), ts, global_step) for k in ("loss", "lr") if k in r]
-                self.last_parent_step = global_step
-        if stage:
-            self.tracker.log_metrics(self.stage_run_id, stage)
-        if parent:
-            self.tracker.log_metrics(self.parent_run_id, parent)
-        if self.events_path is not None:
-            events, self.events_offset = read_new_lines(self.events_path, self.events_offset)
-            ckpts = {f"checkpoint.{e['step']:08d}": e["path"] for e in events if e["event"] == "checkpoint"}
-            if ckpts:
-                self.tracker.set_tags(self.stage_run_id, {**ckpts, "checkpoint.latest": list(ckpts.values())[-1]})
-        return len(stage)
+    def drain(self, timeout_s: float) -> bool:
+        """After the job: forward the rest, retrying while MLflow is away for up to ``timeout_s``.
+        Returns whether everything is in MLflow; if not, says once where the rest still is."""
+        deadline = time.monotonic() + timeout_s
+        self.pump(final=True)
+        while (self.pending or self.pending_tags) and time.monotonic() + self._wait() < deadline:
+            time.sleep(self._wait())  # the backoff's own delay before the next try
+            self.pump(final=True)
+        if self.pending or self.pending_tags:
+            self.log(f"MLflow tracking: {len(self.pending)} step(s) not sent after {timeout_s:.0f}s of retries; "
+                     f"they remain in {self.path}")
+            return False
+        return True
+
+    def _wait(self) -> float:
+        return max(0.0, self.backoff.next_at - time.monotonic())
+
+    def _read(self, final: bool) -> None:
+        new = read_new_lines(self.path, self.offset, final)
+        self.offset = new.offset
+        records = [r for r in new.records if _is_step_record(r)]
+        self._count_damaged(self.path, new.damaged + len(new.records) - len(records))
+        self.pending += records
+        self.last_step = max([self.last_step] + [r["step"] for r in records])
+        if self.events_path is None:
+            return
+        new = read_new_lines(self.events_path, self.events_offset, final)
+        self.events_offset = new.offset
+        ckpts = [e for e in new.records if e.get("event") == "checkpoint"]
+        good = [e for e in ckpts if _is_int(e.get("step")) and isinstance(e.get("path"), str)]
+        self._count_damaged(self.events_path, new.damaged + len(ckpts) - len(good))
+        if good:
+            self.pending_tags.update({f"checkpoint.{e['step']:08d}": e["path"] for e in good})
+            self.pending_tags["checkpoint.latest"] = good[-1]["path"]
+
+    def _count_damaged(self, path: Path, n: int) -> None:
+        if n:
+            self.damaged += n
+            self.log(f"skipped {n} damaged line(s) of {path} ({self.damaged} so far in this job)")
+
+    def _send(self) -> int:
+        if self._logged is None:  # asked once MLflow answers, not when the job starts
+            self._logged = {run: self.tracker.max_step(run) for run in (self.stage_run_id, self.parent_run_id)}
+            self.last_step = max(self.last_step, self._logged[self.stage_run_id])
+        sent = self._send_to(self.stage_run_id, 0, METRIC_KEYS)
+        self._send_to(self.parent_run_id, self.step_offset, ("loss", "lr"))
+        self.pending = []
+        if self.pending_tags:
+            self.tracker.set_tags(self.stage_run_id, self.pending_tags)
+            self.pending_tags = {}
+        return sent
+
+    def _send_to(self, run_id: str, offset: int, keys: tuple[str, ...]) -> int:
+        """Log the pending steps ``run_id`` lacks (at step + ``offset``), oldest first, in batches;
+        the run's high-water mark moves with each batch, so a retry resends only what failed."""
+        high, steps = self._logged[run_id], []
+        for r in self.pending:
+            if offset + r["step"] > high:  # a step re-run after an in-job restart keeps its first values
+                high = offset + r["step"]
+                steps.append((high, [Metric(k, float(r[k]), int(r["time"] * 1000), high) for k in keys if k in r]))
+        per_batch = _BATCH // len(keys)
+        for i in range(0, len(steps), per_batch):
+            batch = steps[i : i + per_batch]
+            self.tracker.log_metrics(run_id, [m for _, ms in batch for m in ms])
+            self._logged[run_id] = batch[-1][0]
+        return len(steps)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_step_record(r: dict) -> bool:
+    """A metrics line the forwarder can use: an integer step, a time, numbers for the metrics."""
+    numbers = [r.get("time")] + [r[k] for k in METRIC_KEYS if k in r]
+    return _is_int(r.get("step")) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers)

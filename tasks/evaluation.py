@@ -11,6 +11,7 @@ from pretrain.jobs import model_config, storage_options
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import log_to_run
+from tasks.tracking import MLFLOW_RETRIES
 from trainer.data import read_manifest
 from trainer.evaluate import evaluate
 
@@ -49,6 +50,6 @@ def measure_checkpoint(info: CheckpointInfo, batch_size: int, max_batches: int) 
     return metrics
 
 
-@task(name="log-evaluation", cache_policy=NO_CACHE)
+@task(name="log-evaluation", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
 def log_evaluation(tracking_uri: str | None, run_id: str, metrics: dict, step: int) -> None:
     log_to_run(tracking_uri, run_id, metrics, step)

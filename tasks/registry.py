@@ -11,9 +11,10 @@ from pretrain.checkpoint_info import describe, spec_overrides
 from pretrain.ledger import Ledger
 from pretrain.registry import register_checkpoint
 from pretrain.spec import CampaignSpec
+from tasks.tracking import MLFLOW_RETRIES
 
 
-@task(name="register-final-model", cache_policy=NO_CACHE)
+@task(name="register-final-model", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
 def register_final_model(spec: CampaignSpec) -> dict | None:
     """Export the last stage's good checkpoint, log it to the campaign's MLflow run with its
     eval metrics, register it as ``spec.registered_model_name`` and move the alias to it.

@@ -8,14 +8,26 @@ from prefect.cache_policies import NO_CACHE
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
-from pretrain.tracking import Tracker
+from pretrain.tracking import Tracker, transient
+
+
+def _mlflow_may_recover(task, task_run, state) -> bool:
+    """Retry only what MLflow may get over (unreachable, a timeout, 5xx), not a refusal."""
+    err = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return isinstance(err, BaseException) and transient(err)
+
+
+# For tasks that talk to MLflow: an outage shorter than about two minutes (on top of MLflow's own
+# request retries) costs a wait, not the stage. What they write is idempotent (runs are found by
+# tags, a metric already held at a step is not logged again).
+MLFLOW_RETRIES = {"retries": 4, "retry_delay_seconds": [2, 10, 30, 60], "retry_condition_fn": _mlflow_may_recover}
 
 
 def tracker_for(spec: CampaignSpec) -> Tracker:
     return Tracker(spec.tracking_uri, spec.tracking.experiment, CampaignLayout(spec.workdir_path).mlflow_artifacts)
 
 
-@task(name="open-campaign-run", cache_policy=NO_CACHE)
+@task(name="open-campaign-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
 def open_campaign_run(spec: CampaignSpec, ledger: Ledger) -> str:
     params = spec.model_dump(mode="json", exclude={"stages"})
     params["stages"] = ",".join(f"{s.name}:{s.steps}" for s in spec.stages)
@@ -24,7 +36,7 @@ def open_campaign_run(spec: CampaignSpec, ledger: Ledger) -> str:
     return run_id
 
 
-@task(name="open-stage-run", cache_policy=NO_CACHE)
+@task(name="open-stage-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
 def open_stage_run(spec: CampaignSpec, ledger: Ledger, stage_index: int) -> str:
     stage = spec.stages[stage_index]
     run_id = tracker_for(spec).stage_run(ledger.data["campaign_id"], ledger.data["mlflow"]["parent_run_id"],
@@ -33,6 +45,16 @@ def open_stage_run(spec: CampaignSpec, ledger: Ledger, stage_index: int) -> str:
     return run_id
 
 
-@task(name="finish-run", cache_policy=NO_CACHE)
+@task(name="finish-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
 def finish_run(spec: CampaignSpec, run_id: str, status: str) -> None:
     tracker_for(spec).finish(run_id, status)
+
+
+@task(name="log-evaluation-to-runs", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
+def log_stage_evaluation(spec: CampaignSpec, stage_run_id: str | None, parent_run_id: str, metrics: dict,
+                         step: int, campaign_step: int) -> None:
+    """A stage's evaluation at ``step`` to its run, and at ``campaign_step`` to the campaign's."""
+    tracker = tracker_for(spec)
+    if stage_run_id:
+        tracker.log_values(stage_run_id, metrics, step)
+    tracker.log_values(parent_run_id, metrics, campaign_step)

@@ -22,6 +22,7 @@ from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
 
 POLL_S = 1.0
 SCALE_UP_GRACE_S = 120.0  # a stop for scaling up waits this long for the savers' final persist
+DRAIN_S = 120.0  # after the job, metrics waiting for MLflow get this long to reach it
 
 
 @dataclass
@@ -106,7 +107,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     logger.info("stage %s attempt %d: %d node(s) × %d workers, job dir %s", job.stage, attempt,
                 spec.cluster.nodes_max - len(exclude), spec.cluster.workers_per_node, job.job_dir)
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
-                                 step_offset, events_path=Path(job.job_dir) / EVENTS)
+                                 step_offset, events_path=Path(job.job_dir) / EVENTS, log=logger.warning)
     progress = TrainingProgress(spec, stage_index)
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
@@ -128,7 +129,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                 if scaled_up:
                     handle.stop(grace_s=SCALE_UP_GRACE_S)  # the savers persist the newest snapshot on the way out
                     code = handle.poll()
-        forwarder.pump()
+        forwarder.drain(timeout_s=DRAIN_S)
         progress.update(forwarder.last_step, force=True)
     finally:
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left

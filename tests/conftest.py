@@ -177,3 +177,21 @@ def campaign_events(api_url: str, campaign: str) -> list[dict]:
     r = httpx.post(f"{api_url}/events/filter", json={"filter": flt.model_dump(mode="json"), "limit": 50}, timeout=10)
     r.raise_for_status()
     return r.json()["events"]
+
+
+def assert_no_duplicate_metric_steps(tracking_uri: str) -> None:
+    """No run of any experiment at ``tracking_uri`` holds two values of one metric at one step."""
+    from collections import Counter
+
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exps = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    twice = {}
+    for run in client.search_runs(exps, run_view_type=ViewType.ALL, max_results=1000):
+        for key in run.data.metrics:
+            steps = Counter(m.step for m in client.get_metric_history(run.info.run_id, key))
+            if dup := sorted(s for s, n in steps.items() if n > 1):
+                twice[f"{run.info.run_name} ({run.info.run_id}) {key}"] = dup
+    assert not twice, f"metrics logged twice at one step: {twice}"

@@ -9,7 +9,7 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import seed_data, small_spec, worker_processes
+from conftest import assert_no_duplicate_metric_steps, seed_data, small_spec, worker_processes
 from flows.campaign import pretrain_campaign
 from pretrain.ledger import CampaignMismatch
 from pretrain.registry import TAG_CHECKPOINT
@@ -77,6 +77,7 @@ def test_mlflow_has_one_parent_run_with_nested_stage_runs(finished):
         assert run.data.tags[f"verdict.{n:08d}"] == "good"
     campaign_steps = [m.step for m in client.get_metric_history(parent.info.run_id, "loss")]
     assert sorted(campaign_steps) == list(range(1, sum(s.steps for s in spec.stages) + 1))
+    assert_no_duplicate_metric_steps(spec.tracking_uri)  # val_* at the final step: once from the evaluation, not again from registration
 
 
 def test_final_good_checkpoint_is_registered_and_checkpoints_describe_themselves(finished):
@@ -100,6 +101,7 @@ def test_rerunning_a_finished_campaign_trains_nothing(finished, prefect_harness)
     assert again["invocations"] == 2 and again["status"] == "completed"
     _, runs = mlflow_runs(spec)
     assert len(runs) == 3
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
 
 
 def test_a_different_spec_refuses_the_workdir(finished, prefect_harness):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import seed_data, small_spec
+from conftest import assert_no_duplicate_metric_steps, seed_data, small_spec
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
 from pretrain.jobs import checkpoint_store
@@ -49,6 +49,7 @@ def test_every_drill_fires_once_and_the_campaign_completes(drilled):
     fired = sorted((e["kind"], e["step"]) for e in events if e["event"] == "chaos")
     assert [k for k, _ in fired] == sorted(d["kind"] for d in DRILLS)
     assert status["stages"][0]["attempts"] == 1  # all recovered inside the job
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
 
 
 def test_failures_are_classified_with_recovery_times(drilled):
@@ -90,6 +91,7 @@ def test_recovery_is_bitwise_exact(drilled, prepared_data, tmp_path):
     clean = chaos_spec(tmp_path, prepared_data,
                        skip_samples=[{"stage": "main", "start": skip["start"], "end": skip["end"]}])
     assert pretrain_campaign(spec=clean)["stages"][0]["failures"] == []
+    assert_no_duplicate_metric_steps(clean.tracking_uri)
     a, b = final_model(spec), final_model(clean)
     assert a.keys() == b.keys()
     for k in a:
@@ -106,6 +108,7 @@ def test_too_many_rollbacks_stop_the_stage_without_relaunching(prefect_harness, 
         pretrain_campaign(spec=spec)
     stage = campaign_status(spec.workdir_path)["stages"][0]
     assert stage["attempts"] == 1 and stage["failures"][-1]["action"] == "stop"
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
 
 
 def test_loss_spike_is_rolled_back_and_skipped(prefect_harness, prepared_data, tmp_path):
@@ -115,5 +118,6 @@ def test_loss_spike_is_rolled_back_and_skipped(prefect_harness, prepared_data, t
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 30
     assert [f["cause"] for f in stage["failures"]] == ["loss_spike"]
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
     [skip] = read_all_skips(spec)
     assert skip["kind"] == "spike" and skip["step"] == 25

@@ -4,7 +4,7 @@ when the lost node passes its health check again, the job scales back up."""
 
 from __future__ import annotations
 
-from conftest import seed_data, small_spec
+from conftest import assert_no_duplicate_metric_steps, seed_data, small_spec
 from flows.campaign import pretrain_campaign
 from pretrain.jobs import checkpoint_store
 from pretrain.ledger import Ledger
@@ -19,6 +19,7 @@ def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness,
                       chaos=[{"kind": "kill_node", "node": 1, "step": 12}])
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 30 and stage["attempts"] == 1
     causes = [f["cause"] for f in stage["failures"]]
@@ -45,6 +46,7 @@ def test_node_check_excludes_a_slow_node(prefect_harness, prepared_data, tmp_pat
                       checkpoint={"interval": 2, "memory_interval": 2}, chaos=[{"kind": "slow_worker", "rank": 1, "delay_s": 0.05}])
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
     assert status["status"] == "completed"
     cluster = Ledger.open(spec).reload()["cluster"]
     rows = {r["node"]: r for r in cluster["health"]}
@@ -66,6 +68,7 @@ def test_a_lost_node_that_passes_its_recheck_scales_the_job_back_up(prefect_harn
                       chaos=[{"kind": "kill_node", "node": 1, "step": 10}])
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 600
     assert [r["nodes_back"] for r in stage["resizes"]] == [[1]] and stage["attempts"] == 2
@@ -95,6 +98,7 @@ def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_har
                              {"kind": "kill_worker", "rank": 0, "step": 8}])
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 24 and stage["attempts"] == 1
     assert Ledger.open(spec).reload()["cluster"]["excluded"] == []  # both passed before training

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import wait_for
+from conftest import assert_no_duplicate_metric_steps, wait_for
 from fsdp_ranks import job
 from test_chaos import chaos_spec
 from flows.campaign import pretrain_campaign
@@ -207,6 +207,7 @@ def final_full_model(spec) -> dict:
 def test_fsdp_worker_killed_after_a_snapshot_resumes_from_memory_bit_exact(prefect_harness, prepared_data, tmp_path):
     drilled = fsdp_spec(tmp_path / "drilled", prepared_data, chaos=[{"kind": "kill_worker", "step": 5, "rank": 1}])
     status = pretrain_campaign(spec=drilled)
+    assert_no_duplicate_metric_steps(drilled.tracking_uri)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 8 and stage["attempts"] == 1
     assert [f["cause"] for f in stage["failures"]] == ["worker_killed"]

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import flip_byte, seed_data, small_spec
+from conftest import assert_no_duplicate_metric_steps, flip_byte, seed_data, small_spec
 from pretrain.gate import gate_request, judge, run_gate
 from pretrain.jobs import checkpoint_store, model_config
 from pretrain.ledger import Ledger
@@ -128,6 +128,7 @@ def test_campaign_rewinds_past_a_silently_corrupted_checkpoint(prefect_harness, 
                              {"kind": "slow_worker", "rank": 0, "delay_s": 0.3}])
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
 
     (s,) = status["stages"]
     assert status["status"] == "completed" and s["good_checkpoint"]["step"] == 8 and s["attempts"] == 2

@@ -25,7 +25,7 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.states import Cancelled, Cancelling
 from prefect_kubernetes.worker import KubernetesWorker
 
-from conftest import DATA, campaign_events, campaign_processes, seed_data, wait_for
+from conftest import DATA, assert_no_duplicate_metric_steps, campaign_events, campaign_processes, seed_data, wait_for
 from pretrain.ledger import Ledger
 from pretrain.layout import CampaignLayout
 from pretrain.lock import CampaignBusy
@@ -166,6 +166,7 @@ def test_worker_runs_a_campaign_with_artifacts_events_and_trigger(worker, prepar
         assert len(evaluation_runs()) == 1  # only the final checkpoint (its event came after step 4's, if any)
     parent_run = MlflowClient(spec.tracking_uri).get_run(parent)
     assert parent_run.info.status == "FINISHED"
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +229,7 @@ def test_cancelling_from_the_api_stops_training_and_persists_a_final_checkpoint(
     for run_id in (data["mlflow"]["parent_run_id"], data["stages"]["main"]["mlflow_run_id"]):
         mlflow_run = client.get_run(run_id)
         assert mlflow_run.info.status == "KILLED" and mlflow_run.data.tags[TAG_END_CAUSE]
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
 
 
 def _git_snapshot(dest: Path) -> str:

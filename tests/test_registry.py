@@ -10,6 +10,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from tokenizers import Tokenizer
 
+from conftest import assert_no_duplicate_metric_steps
 from pretrain.checkpoint_info import describe
 from pretrain.registry import TAG_CHECKPOINT, register_checkpoint
 from pretrain.tracking import Tracker
@@ -51,6 +52,25 @@ def test_registered_model_loads_by_alias_and_predicts_like_our_model(trained_che
                                 metrics={"val_loss": 5.5}, step=16)
     assert again.reused and again.version == reg.version
     assert len(client.search_model_versions("name = 'tiny-gpt'")) == 1
+
+
+def test_registering_links_the_final_evaluation_without_logging_it_twice(trained_checkpoint, tmp_path):
+    spec, ref = trained_checkpoint
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "registry", tmp_path / "artifacts")
+    run_id = tracker.campaign_run("c1", "t", "hash", {})
+    evaluation = {"val_loss": 5.5, "val_accuracy": 0.1}
+    tracker.log_values(run_id, evaluation, 16)  # the campaign's final evaluation, as the evaluate flow logs it
+    tracker.log_values(run_id, evaluation, 16)  # ... and again after a resume: held already, not logged
+    reg = register_checkpoint(describe(ref.location), tracking_uri=uri, run_id=run_id, name="tiny-gpt",
+                              alias="latest-good", metrics={**evaluation, "val_tokens": 512.0}, step=16)
+    client = MlflowClient(uri, uri)
+    for key in ("val_loss", "val_accuracy", "val_tokens"):
+        assert [m.step for m in client.get_metric_history(run_id, key)] == [16]
+    logged = client.get_logged_model(reg.model_id)
+    assert {(m.key, m.step, m.value) for m in logged.metrics} == {("val_loss", 16, 5.5), ("val_accuracy", 16, 0.1),
+                                                                   ("val_tokens", 16, 512.0)}
+    assert_no_duplicate_metric_steps(uri)
 
 
 @pytest.mark.parametrize("alias", ["latest", "v3", "has space"])

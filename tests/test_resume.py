@@ -12,7 +12,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
-from conftest import campaign_events, run_campaign_while, saver_processes, seed_data, small_spec, wait_for, worker_processes
+from conftest import assert_no_duplicate_metric_steps, campaign_events, run_campaign_while, saver_processes, seed_data, small_spec, wait_for, worker_processes
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
 from pretrain.status import campaign_status
@@ -40,9 +40,7 @@ def assert_mlflow_steps_unique(spec, expected_parent_runs=1):
     runs = client.search_runs([exp.experiment_id])
     parents = [r for r in runs if r.data.tags["pretrain.role"] == "campaign"]
     assert len(parents) == expected_parent_runs
-    for run in runs:
-        steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
-        assert len(steps) == len(set(steps)), f"run {run.info.run_name} logged a step twice"
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
     return client, runs
 
 
@@ -82,6 +80,7 @@ def test_killed_saver_is_restarted_and_training_continues(prefect_harness, prepa
         return ckpt.read_pointer(ckpt_dir(spec))
 
     status, committed_at_kill = run_campaign_while(spec, kill_the_saver)
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 40 and stage["attempts"] == 1
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")

@@ -10,7 +10,7 @@ import uuid
 import s3_servers
 from s3_servers import BUCKET, SECRET_KEY
 
-from conftest import run_campaign_while, seed_data, small_spec, wait_for, worker_processes
+from conftest import assert_no_duplicate_metric_steps, run_campaign_while, seed_data, small_spec, wait_for, worker_processes
 from mlflow.tracking import MlflowClient
 
 from flows.campaign import pretrain_campaign
@@ -33,6 +33,7 @@ def s3_spec(tmp_path, prepared_data, endpoint, **overrides):
 def test_campaign_with_checkpoints_on_s3(prefect_harness, prepared_data, tmp_path, seaweed, aws_env):
     spec = s3_spec(tmp_path, prepared_data, seaweed.endpoint, tracking={"register_model": True})
     status = pretrain_campaign(spec=spec)
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
     assert status["status"] == "completed"
     registered = MlflowClient(spec.tracking_uri, spec.tracking_uri).get_model_version_by_alias(spec.name, "latest-good")
     assert registered.tags[TAG_CHECKPOINT] == checkpoint_store(spec, "main").ref(spec.stages[-1].steps).location
@@ -60,6 +61,7 @@ def test_worker_killed_with_s3_checkpoints_resumes(prefect_harness, prepared_dat
         os.kill(victim.pid, signal.SIGKILL)
 
     status, _ = run_campaign_while(spec, kill_a_worker)
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 40
     assert any(r["restart_count"] > 0 and r["source"] == "memory" for r in stage["resumes"])

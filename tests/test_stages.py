@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import small_spec
+from conftest import assert_no_duplicate_metric_steps, small_spec
 from flows.campaign import pretrain_campaign
 from pretrain.dataprep import prepare
 from pretrain.jobs import checkpoint_store
@@ -40,6 +40,7 @@ def three_stages(prefect_harness, tmp_path_factory):
 def test_each_stage_starts_from_the_previous_stages_final_good_checkpoint(three_stages):
     spec, status = three_stages
     assert status["status"] == "completed"
+    assert_no_duplicate_metric_steps(spec.tracking_uri)
     stages = status["stages"]
     for prev, cur in zip(stages, stages[1:]):
         start = [r for r in cur["resumes"] if r["source"] == "init_from"]

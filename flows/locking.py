@@ -1,0 +1,23 @@
+"""The campaign's workdir lock around a flow that writes campaign state (ledger, checkpoints,
+verdicts): run on its own it is refused while the campaign runs; called by the campaign flow as a
+subflow it shares the campaign's lock (``pretrain.lock`` is reentrant within a flow run)."""
+
+from __future__ import annotations
+
+import functools
+
+from prefect.runtime import flow_run
+
+from pretrain.lock import campaign_lock
+from pretrain.spec import CampaignSpec
+
+
+def holds_campaign_lock(fn):
+    """Decorate a flow function whose first parameter is the campaign's ``spec``."""
+
+    @functools.wraps(fn)
+    def locked(spec: CampaignSpec, *args, **kwargs):
+        with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()):
+            return fn(spec, *args, **kwargs)
+
+    return locked

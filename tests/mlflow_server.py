@@ -1,0 +1,52 @@
+"""A real ``mlflow server`` on 127.0.0.1 (free port, sqlite store and artifacts in a test
+directory) that a test can stop and start again on the same port and store: an outage of the
+tracking service while training goes on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from s3_servers import _Server, free_ports
+
+
+class MlflowServer(_Server):
+    name = "mlflow server"
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.log_path = workdir / "mlflow-server.log"
+        self.port = free_ports(1)[0]
+        self.endpoint = self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120) -> MlflowServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._spawn([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--workers", "1", "--backend-store-uri", f"sqlite:///{self.workdir / 'mlflow.db'}",
+                     "--artifacts-destination", str(self.workdir / "artifacts")], dict(os.environ))
+        self._wait_ready(lambda: httpx.get(f"{self.uri}/health", timeout=2).raise_for_status(), timeout)
+        return self
+
+    def stop(self, timeout: float = 10) -> None:
+        """Stop the server and the uvicorn workers it started (its own session)."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc:
+            self.proc.wait(timeout)
+            self._log.close()
+            self.proc = None
+
+    def down(self) -> bool:
+        try:
+            httpx.get(f"{self.uri}/health", timeout=2)
+        except httpx.TransportError:
+            return True
+        return False
