@@ -9,7 +9,10 @@ AWS environment, a profile, an instance or IRSA role), which also refreshes temp
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -46,3 +49,44 @@ class Credentials:
 
     def mlflow_token(self) -> str | None:
         return self.env.get("MLFLOW_TRACKING_TOKEN")
+
+
+# ---- MLflow: the token goes to this context's requests, not to os.environ -------------------
+_MLFLOW_TOKEN: ContextVar[str | None] = ContextVar("pretrain_mlflow_token", default=None)
+_REGISTERING = threading.Lock()
+
+
+class _TokenHeader:
+    """MLflow request header provider: ``Authorization: Bearer <token>`` for requests made inside
+    :func:`mlflow_auth` (MLflow's own MLFLOW_TRACKING_TOKEN, when set, takes precedence)."""
+
+    def in_context(self) -> bool:
+        return _MLFLOW_TOKEN.get() is not None
+
+    def request_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {_MLFLOW_TOKEN.get()}"}
+
+
+def _register_token_header() -> None:
+    from mlflow.tracking.request_header import registry
+
+    providers = registry._request_header_provider_registry  # MLflow's registry of header providers
+    with _REGISTERING:
+        if not any(isinstance(p, _TokenHeader) for p in providers):
+            providers.register(_TokenHeader)  # stateless: the token lives in the context variable
+
+
+@contextmanager
+def mlflow_auth(credentials: Credentials) -> Iterator[None]:
+    """MLflow clients used inside this block (and in threads and tasks started from it, which copy
+    the context) authenticate with the credentials' MLflow token; nothing changes outside it."""
+    token = credentials.mlflow_token()
+    if token is None:
+        yield
+        return
+    _register_token_header()
+    reset = _MLFLOW_TOKEN.set(token)
+    try:
+        yield
+    finally:
+        _MLFLOW_TOKEN.reset(reset)

@@ -407,6 +407,16 @@ class CampaignSpec(_Section):
         body = self.model_dump(mode="json", exclude={"workdir", "blocks"}, exclude_defaults=True)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
+    @property
+    def credentials(self) -> Credentials:
+        """The credentials of the spec's blocks, in this process's memory only (see pretrain.credentials)."""
+        return self._credentials
+
+    def with_credentials(self, credentials: Credentials) -> "CampaignSpec":
+        copy = self.model_copy()
+        copy._credentials = credentials
+        return copy
+
     def with_workdir(self, workdir: str | Path | None) -> "CampaignSpec":
         return self if workdir is None else self.model_copy(update={"workdir": str(Path(workdir).expanduser().resolve())})
 
