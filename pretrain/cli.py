@@ -176,7 +176,7 @@ def export(
     spec: Optional[str] = _SPEC,
     s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
     s3_region: Optional[str] = _S3_REGION,
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it is an earlier export (has pretrain.json); anything else is refused."),
 ) -> None:
     """Export a checkpoint as a Hugging Face GPT-2 model directory (safetensors, config, tokenizer)."""
     from pretrain.export import export_model

@@ -14,6 +14,7 @@ from pretrain.jobs import build_job, threads_per_worker, write_job
 from pretrain.ledger import Ledger
 from pretrain.incidents import cause_of, incidents
 from pretrain.layout import CampaignLayout
+from pretrain.redact import redact
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import MetricsForwarder
 from tasks.artifacts import TrainingProgress
@@ -138,7 +139,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
         result.cause, result.scaled_up = "scale_up", scaled_up
     for r in result.resumes:
         if r["source"] == "checkpoint":
-            logger.info("stage %s: workers resumed from step %d (%s)", job.stage, r["step"], r["checkpoint"])
+            logger.info("stage %s: workers resumed from step %d (%s)", job.stage, r["step"], redact(str(r["checkpoint"])))
     return result
 
 
