@@ -3,7 +3,6 @@ instead of giving those settings inline; this turns the references into an inlin
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from prefect.blocks.core import Block
@@ -11,6 +10,7 @@ from prefect.blocks.core import Block
 from blocks.cluster import KubernetesCluster, LocalProcessCluster
 from blocks.storage import LocalCampaignStorage, S3CampaignStorage
 from blocks.tracking import MlflowTracking
+from pretrain.credentials import Credentials
 from pretrain.spec import CampaignSpec, SpecError, parse_spec, resolve_spec
 
 KINDS: dict[str, tuple[type[Block], ...]] = {
@@ -46,10 +46,11 @@ def _merge(body: dict, update: dict) -> None:
 
 def apply_blocks(spec: CampaignSpec) -> tuple[CampaignSpec, dict[str, str]]:
     """The spec with its block references replaced by the blocks' settings (and ``blocks`` emptied, so
-    it resolves once), plus the environment the blocks' credentials need. A workdir that was set
-    by an override (``--workdir``) wins over the storage block's."""
+    it resolves once), plus the environment the blocks' credentials need (also attached to the
+    returned spec as ``spec.credentials``). A workdir that was set by an override (``--workdir``)
+    wins over the storage block's."""
     if not spec.blocks.any():
-        return spec, {}
+        return spec, dict(spec.credentials.env)
     body = spec.model_dump(mode="json")
     body["blocks"] = {}
     env: dict[str, str] = {}
@@ -67,16 +68,16 @@ def apply_blocks(spec: CampaignSpec) -> tuple[CampaignSpec, dict[str, str]]:
             update.pop("workdir", None)
         _merge(body, update)
         env.update(block.environment())
-    return parse_spec(body, f"{spec.name} (with blocks {spec.blocks.model_dump(exclude_none=True)})"), env
+    resolved = parse_spec(body, f"{spec.name} (with blocks {spec.blocks.model_dump(exclude_none=True)})")
+    return resolved.with_credentials(Credentials(env)), env
 
 
-def resolve_campaign(spec: CampaignSpec | None = None, spec_path: str | None = None, workdir: str | Path | None = None,
-                     export_env: bool = True) -> CampaignSpec:
+def resolve_campaign(spec: CampaignSpec | None = None, spec_path: str | None = None,
+                     workdir: str | Path | None = None) -> CampaignSpec:
     """The spec a flow was given (inline, ``spec_path`` or the built-in demo) with its block
-    references resolved; ``workdir`` overrides where the campaign keeps its state. With
-    ``export_env`` the blocks' credentials go into this process's environment, which the
-    training processes and MLflow clients it starts inherit."""
-    resolved, env = apply_blocks(resolve_spec(spec, spec_path))
-    if export_env:
-        os.environ.update(env)
-    return resolved.with_workdir(workdir)
+    references resolved; ``workdir`` overrides where the campaign keeps its state. The blocks'
+    credentials travel with the returned spec in this process's memory (``spec.credentials``):
+    child processes get them through their environment, S3 and MLflow clients as arguments;
+    this process's environment is left alone, so no other campaign (under ``deployments.serve``)
+    ever sees them."""
+    return apply_blocks(resolve_spec(spec, spec_path))[0].with_workdir(workdir)

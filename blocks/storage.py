@@ -10,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator
 from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials, MinIOCredentials
+
+from pretrain.spec import S3_CREDENTIALS_GO, no_credentials_in_url
 
 _ROOT_DESCRIPTION = ("Directory where campaigns keep their workdirs, one sub-directory per campaign; '~' expands and a "
                      "relative path is resolved against the current directory when used.")
@@ -68,8 +70,10 @@ class S3CampaignStorage(Block):
 
     Credentials are a saved ``AwsCredentials`` or ``MinIOCredentials`` block of prefect-aws; the
     endpoint and region come from it too. The campaign flow hands them to its training
-    processes as the standard ``AWS_*`` environment variables — never through the spec, the
-    ledger or a job file.
+    processes as the standard ``AWS_*`` environment variables of those processes alone (``env=``,
+    never this process's environment) and to S3 clients of the flow as arguments — never through
+    the spec, the ledger or a job file. Credentials that name no keys let boto3 find them in each
+    process (environment, profile, instance or IRSA role).
 
     A campaign spec uses it with ``blocks: {storage: s3-campaign-storage/<name>}``.
 
@@ -99,6 +103,16 @@ class S3CampaignStorage(Block):
         description="prefect-aws credentials block; its region and client endpoint URL (MinIO, SeaweedFS) are used too.")
     root: Path = Field(default=Path("./runs"), title="Local root directory", description=_ROOT_DESCRIPTION)
 
+    @field_validator("credentials")
+    @classmethod
+    def _credentials_usable_by_every_process(cls, credentials):
+        no_credentials_in_url(credentials.aws_client_parameters.endpoint_url, S3_CREDENTIALS_GO)
+        if getattr(credentials, "assume_role_arn", None):
+            raise ValueError("assume_role_arn is not supported: keys assumed here would expire inside long training "
+                             "jobs. Use an AWS profile with role_arn (profile_name), or the role of the machine or "
+                             "pod (IRSA): then every process's boto3 assumes and refreshes the role itself")
+        return credentials
+
     def workdir_for(self, campaign_name: str) -> Path:
         """Absolute local workdir of ``campaign_name`` (ledger, data, MLflow database)."""
         return _workdir(self.root, campaign_name)
@@ -117,15 +131,15 @@ class S3CampaignStorage(Block):
                                "s3_region": self.credentials.region_name or None}}
 
     def environment(self) -> dict[str, str]:
-        """The credentials as standard ``AWS_*`` variables for the training processes (resolved through
-        boto3, so profiles and assumed roles become their current keys); empty if boto3 finds none."""
-        found = self.credentials.get_boto3_session().get_credentials()
-        if found is None:
-            return {}
-        frozen = found.get_frozen_credentials()
-        env = {"AWS_ACCESS_KEY_ID": frozen.access_key, "AWS_SECRET_ACCESS_KEY": frozen.secret_key}
-        if frozen.token:
-            env["AWS_SESSION_TOKEN"] = frozen.token
-        if self.credentials.region_name:
-            env["AWS_DEFAULT_REGION"] = self.credentials.region_name
-        return env
+        """The credentials the block names, as standard ``AWS_*`` variables (keys, session token,
+        profile, region). Nothing is resolved or frozen here: a block that names no keys gives none,
+        and each process's boto3 finds its own (environment, profile, instance or IRSA role) and
+        refreshes temporary ones itself."""
+        c = self.credentials
+        if isinstance(c, MinIOCredentials):
+            pairs = [("AWS_ACCESS_KEY_ID", c.minio_root_user), ("AWS_SECRET_ACCESS_KEY", c.minio_root_password)]
+        else:
+            pairs = [("AWS_ACCESS_KEY_ID", c.aws_access_key_id), ("AWS_SECRET_ACCESS_KEY", c.aws_secret_access_key),
+                     ("AWS_SESSION_TOKEN", c.aws_session_token), ("AWS_PROFILE", c.profile_name)]
+        pairs.append(("AWS_DEFAULT_REGION", c.region_name))
+        return {k: v.get_secret_value() if isinstance(v, SecretStr) else v for k, v in pairs if v}

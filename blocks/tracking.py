@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from prefect.blocks.core import Block
 
-from pretrain.spec import TrackingSpec
+from pretrain.spec import MLFLOW_CREDENTIALS_GO, TrackingSpec, no_credentials_in_url
 
 
 class MlflowTracking(Block):
@@ -16,14 +16,12 @@ class MlflowTracking(Block):
     Example:
         Track a campaign on a shared MLflow server:
         ```python
-        import os
-
         from blocks import MlflowTracking
         from pretrain.spec import load_spec
 
         tracking = MlflowTracking.load("BLOCK_NAME")
-        os.environ.update(tracking.environment())  # MlflowClient reads MLFLOW_TRACKING_TOKEN
         spec = load_spec("builtin:tiny").model_copy(update={"tracking": tracking.to_spec()})
+        print(spec.tracking_uri, sorted(tracking.environment()))  # the token itself stays in the block
         ```
     """
 
@@ -49,6 +47,11 @@ class MlflowTracking(Block):
         title="Token",
         description="Bearer token for MLflow servers that require authentication (MLFLOW_TRACKING_TOKEN).",
     )
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, uri: str | None) -> str | None:
+        return no_credentials_in_url(uri, MLFLOW_CREDENTIALS_GO)
 
     def to_spec(self) -> TrackingSpec:
         """The campaign spec's ``tracking`` section (the token is not part of it)."""

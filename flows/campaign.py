@@ -19,6 +19,7 @@ from flows.prepare_data import prepare_data
 from flows.provision_cluster import provision_cluster
 from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
+from pretrain.credentials import mlflow_auth
 from pretrain.ledger import Ledger
 from pretrain.lock import campaign_lock
 from pretrain.spec import CampaignSpec
@@ -38,7 +39,7 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
     campaign at a time: a second run of the same campaign fails at once (``CampaignBusy``)."""
     spec = resolve_campaign(spec, spec_path, workdir)
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
-    with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()):
+    with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()), mlflow_auth(spec.credentials):
         return run_campaign(spec)
 
 
@@ -68,7 +69,7 @@ def run_campaign(spec: CampaignSpec) -> dict:
     register_final_model(spec)  # after every stage is completed: a failure here is the campaign's alone
     ledger.set(status="completed")
     finish_run(spec, parent_run_id, "FINISHED")
-    status = campaign_status(spec.workdir_path)
+    status = campaign_status(spec.workdir_path, spec.credentials.s3_options())
     publish_reports(spec)
     campaign_completed(spec, status)
     return status

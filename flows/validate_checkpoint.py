@@ -6,7 +6,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
-from pretrain.jobs import checkpoint_store, storage_options
+from pretrain.jobs import checkpoint_store, client_options
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import check_checkpoints
 from trainer.checkpoint import CheckpointStore
@@ -20,7 +20,7 @@ class CheckpointInvalid(RuntimeError):
 @holds_campaign_lock
 def validate_checkpoint(spec: CampaignSpec, stage: str, path: str) -> dict:
     stage_index = spec.stage_index(stage)
-    _, step = CheckpointStore.of_step(path, storage_options(spec))
+    _, step = CheckpointStore.of_step(path, client_options(spec))
     record = checkpoint_store(spec, stage).verdict(step)
     if record is None:
         (record,) = check_checkpoints(spec, stage_index, [step])  # records the verdict and emits its event

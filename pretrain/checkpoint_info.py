@@ -9,10 +9,10 @@ or a spec for checkpoints written before manifests described themselves).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pretrain.jobs import model_config, storage_options
+from pretrain.jobs import client_options, model_config
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from trainer.checkpoint import CheckpointStore
@@ -40,8 +40,8 @@ class CheckpointInfo:
     model: ModelConfig
     data_dir: Path  # prepared data set: tokenizer.json, manifest.json, val shards
     seq_len: int  # tokens per evaluation window
-    options: dict  # storage options (S3 endpoint, region)
-    manifest: dict  # the checkpoint's manifest
+    options: dict = field(repr=False)  # storage options (S3 endpoint, region; in a flow, the blocks' credentials)
+    manifest: dict = field(repr=False)  # the checkpoint's manifest
 
     def store(self) -> CheckpointStore:
         return CheckpointStore.of_step(self.location, self.options)[0]
@@ -59,7 +59,7 @@ def spec_overrides(spec: CampaignSpec, data_dir: str | Path | None = None) -> di
     except DataError:
         raise CheckpointInfoError(f"{data_dir} holds no prepared data set (no manifest.json): pass --data-dir with "
                                   "the campaign's prepared data") from None
-    return {"model": model_config(spec, vocab), "data_dir": data_dir, "options": storage_options(spec)}
+    return {"model": model_config(spec, vocab), "data_dir": data_dir, "options": client_options(spec)}
 
 
 def describe(location: str | Path, *, options: dict | None = None, model: ModelConfig | None = None,

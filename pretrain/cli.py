@@ -32,19 +32,32 @@ def run(
         raise typer.Exit(2)
     from flows.campaign import pretrain_campaign
     from pretrain.ledger import CampaignMismatch
-    from pretrain.status import campaign_status, render
+    from pretrain.status import render
 
     try:
-        pretrain_campaign(spec=campaign)
+        final = pretrain_campaign(spec=campaign)  # read with the blocks' credentials, which stay in the flow
     except CampaignMismatch as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2)
     except Exception as e:  # noqa: BLE001 - report, show where the campaign stands, exit non-zero
         err.print(f"[red]campaign failed:[/red] {e}", highlight=False)
-        if (campaign.workdir_path / "ledger.json").exists():
-            render(campaign_status(campaign.workdir_path))
+        _render_where_it_stands(campaign.workdir_path)
         raise typer.Exit(1)
-    render(campaign_status(campaign.workdir_path))
+    render(final)
+
+
+def _render_where_it_stands(workdir: Path) -> None:
+    """After a failed run: the campaign's status table, if it can be read from here (S3 checkpoints
+    behind a storage block's credentials cannot: those never leave the flow)."""
+    from pretrain.status import campaign_status, render
+
+    if not (workdir / "ledger.json").exists():
+        return
+    try:
+        render(campaign_status(workdir))
+    except Exception as e:  # noqa: BLE001 - the run's own error was printed already
+        err.print(f"(cannot show the campaign's status from here: {e}; `pretrain status --workdir {workdir}` "
+                  "with the storage's credentials in the environment shows it)", highlight=False)
 
 
 @app.command()
@@ -163,7 +176,7 @@ def export(
     spec: Optional[str] = _SPEC,
     s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
     s3_region: Optional[str] = _S3_REGION,
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it is an earlier export (has pretrain.json); anything else is refused."),
 ) -> None:
     """Export a checkpoint as a Hugging Face GPT-2 model directory (safetensors, config, tokenizer)."""
     from pretrain.export import export_model

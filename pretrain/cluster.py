@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,6 +120,7 @@ class LocalCluster(Cluster):
     spec: ClusterSpec
     threads_per_worker: int = 1
     python: str = sys.executable
+    env: Mapping[str, str] | None = field(default=None, repr=False)  # the job's environment (credentials); None: ours
 
     def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
                      nodes: list[int] | None = None) -> list[dict]:
@@ -161,14 +163,15 @@ class LocalCluster(Cluster):
                    "--node", str(node)] + (["--rdzv-host"] if node == nodes[0] else [])
             with open(log, "ab") as out:
                 procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                              start_new_session=True))
+                                              start_new_session=True, env=None if self.env is None else dict(self.env)))
             logs.append(log)
         return LocalJobHandle(procs, logs, self.spec.nodes_min)
 
 
-def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1) -> Cluster:
+def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1, env: Mapping[str, str] | None = None) -> Cluster:
+    """The cluster of ``spec``; ``env`` is the environment its training processes get (None: this process's)."""
     if spec.kind == "local":
-        return LocalCluster(spec, threads_per_worker)
+        return LocalCluster(spec, threads_per_worker, env=env)
     raise ClusterError(f"cluster.kind {spec.kind!r} is not supported yet")
 
 

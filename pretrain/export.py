@@ -108,12 +108,51 @@ def write_hf_dir(tmp: Path, info: CheckpointInfo) -> None:
     fsync_dir(tmp)
 
 
+class ExportRefused(FileExistsError):
+    """``out`` is not a place an export may be written to (or replace): it holds a campaign, the
+    checkpoint, or files that are not an earlier export."""
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def check_out(out: Path, checkpoint: str, overwrite: bool) -> None:
+    """Refuse an ``out`` whose replacement would destroy something other than an earlier export:
+    the checkpoint (or a directory holding it), a campaign workdir (``ledger.json``) or a parent
+    of one, or any directory without ``pretrain.json``. An empty directory may be replaced."""
+    real = out.resolve()
+    if "://" not in checkpoint or checkpoint.startswith("file://"):
+        ckpt = Path(checkpoint.removeprefix("file://")).expanduser().resolve()
+        if real == ckpt:
+            raise ExportRefused(f"{out} is the checkpoint being exported: export to a directory outside it")
+        if _is_within(real, ckpt):
+            raise ExportRefused(f"{out} is inside the checkpoint {ckpt}: export to a directory outside it")
+        if _is_within(ckpt, real):
+            raise ExportRefused(f"{out} holds the checkpoint {ckpt} being exported: choose another directory")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not overwrite:
+        raise ExportRefused(f"{out} already exists: choose another directory or pass --overwrite (overwrite=True)")
+    if not out.is_dir() or out.is_symlink():
+        raise ExportRefused(f"{out} is not a directory: remove it yourself or choose another directory")
+    if next(out.iterdir(), None) is None:
+        return
+    if not (out / PROVENANCE).is_file():
+        raise ExportRefused(f"{out} is not an earlier export (it has no {PROVENANCE}): --overwrite only replaces an "
+                            "earlier export; choose another directory, or empty this one yourself")
+    ledger = next(out.rglob("ledger.json"), None)
+    if ledger is not None:
+        raise ExportRefused(f"{out} holds a campaign ({ledger} is its ledger.json): --overwrite would delete it; "
+                            "choose another directory")
+
+
 def export_model(info: CheckpointInfo, out: str | Path, *, overwrite: bool = False) -> Path:
     """Validate the checkpoint (refusing a bad one: :class:`CheckpointRejected`), then write
-    its Hugging Face directory to ``out`` atomically. ``overwrite`` replaces an existing ``out``."""
+    its Hugging Face directory to ``out`` atomically. ``overwrite`` replaces an existing ``out``
+    that is an earlier export (:func:`check_out` refuses anything else: :class:`ExportRefused`)."""
     out = Path(out).expanduser().absolute()
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists: choose another directory or pass --overwrite (overwrite=True)")
+    check_out(out, str(info.location), overwrite)
     require_valid(info)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -124,7 +163,7 @@ def export_model(info: CheckpointInfo, out: str | Path, *, overwrite: bool = Fal
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
             os.rename(out, old)
             os.rename(tmp, out)
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+            shutil.rmtree(old)
         else:
             os.rename(tmp, out)
         fsync_dir(out.parent)

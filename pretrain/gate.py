@@ -39,13 +39,14 @@ def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: 
     }
 
 
-def run_gate(requests: list[dict], timeout_s: float = GATE_TIMEOUT_S) -> list[dict]:
-    """Run ``python -m trainer.gate`` on the requests; one ``{"verdict", "metrics"}`` each."""
+def run_gate(requests: list[dict], timeout_s: float = GATE_TIMEOUT_S, env: dict[str, str] | None = None) -> list[dict]:
+    """Run ``python -m trainer.gate`` on the requests; one ``{"verdict", "metrics"}`` each. ``env``:
+    the process's environment (credentials travel there, never in the request file)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="pretrain-gate-") as f:
         json.dump(requests, f)
         f.flush()
         proc = subprocess.run([sys.executable, "-m", "trainer.gate", f.name], capture_output=True, text=True,
-                              timeout=timeout_s)
+                              timeout=timeout_s, env=env)
     if proc.returncode != 0:
         where = ", ".join(r["location"] for r in requests)
         raise GateError(f"validating {where} failed to run (exit {proc.returncode}): {proc.stderr[-2000:]}")
@@ -60,7 +61,8 @@ def judge(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: set[
     store = checkpoint_store(spec, spec.stages[stage_index].name)
     locations = [store.ref(step).location for step in steps]
     t0 = time.monotonic()
-    outs = run_gate([gate_request(spec, stage_index, loc, step in evaluate) for step, loc in zip(steps, locations)])
+    outs = run_gate([gate_request(spec, stage_index, loc, step in evaluate) for step, loc in zip(steps, locations)],
+                    env=spec.credentials.child_env() if spec.credentials else None)
     gate_s = round((time.monotonic() - t0) / max(1, len(steps)), 2)
     records, pointer = [], store.read_pointer()
     for step, location, out in zip(steps, locations, outs):

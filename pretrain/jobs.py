@@ -33,8 +33,14 @@ def storage_options(spec: CampaignSpec) -> dict:
     return s3_options(spec.checkpoint.s3_endpoint_url, spec.checkpoint.s3_region)
 
 
+def client_options(spec: CampaignSpec) -> dict:
+    """Storage options plus the credentials of the spec's blocks: for S3 clients in this process
+    only (``storage_options`` is what may be written down: job files, ledger, gate requests)."""
+    return {**storage_options(spec), **spec.credentials.s3_options()}
+
+
 def checkpoint_store(spec: CampaignSpec, stage: str) -> CheckpointStore:
-    return CheckpointStore.open(checkpoint_location(spec, stage), storage_options(spec))
+    return CheckpointStore.open(checkpoint_location(spec, stage), client_options(spec))
 
 
 def threads_per_worker(spec: CampaignSpec) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pretrain.jobs import checkpoint_location, storage_options
 from pretrain.layout import CampaignLayout
+from pretrain.redact import redact, redact_tree
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_json, read_json
 
@@ -46,10 +47,10 @@ class Ledger:
             ledger = cls(layout, {
                 "campaign": spec.name, "campaign_id": uuid.uuid4().hex, "spec_hash": spec.spec_hash(),
                 "created": time.time(), "status": "new", "invocations": 0, "data": None, "cluster": None,
-                "mlflow": {"tracking_uri": spec.tracking_uri, "experiment": spec.tracking.experiment,
+                "mlflow": {"tracking_uri": redact(spec.tracking_uri), "experiment": spec.tracking.experiment,
                            "parent_run_id": None},
-                "storage_options": storage_options(spec),
-                "stages": {s.name: _new_stage(s.steps, checkpoint_location(spec, s.name)) for s in spec.stages},
+                "storage_options": redact_tree(storage_options(spec)),
+                "stages": {s.name: _new_stage(s.steps, redact(checkpoint_location(spec, s.name))) for s in spec.stages},
             })
         elif ledger.data["spec_hash"] != spec.spec_hash():
             raise CampaignMismatch(

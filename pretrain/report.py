@@ -8,21 +8,24 @@ from pathlib import Path
 
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
+from pretrain.redact import redact, redact_tree
 from pretrain.status import campaign_status
 from trainer.checkpoint import GOOD, CheckpointStore
 
 NODE_CHECK_COLUMNS = ("node", "local_rank", "matmul_s", "relative", "allreduce_MBps", "excluded", "error")
 
 
-def checkpoint_rows(workdir: str | Path) -> list[dict]:
+def checkpoint_rows(workdir: str | Path, s3_credentials: dict | None = None) -> list[dict]:
     """One row per stored checkpoint of every stage, oldest first: its verdict (good / bad /
-    unvalidated), whether it is the stage's good checkpoint, and its evaluation loss if evaluated."""
+    unvalidated), whether it is the stage's good checkpoint, and its evaluation loss if evaluated
+    (anything credential-shaped redacted). ``s3_credentials``: S3 client arguments for the reads."""
     ledger = Ledger.read(CampaignLayout(Path(workdir)))
     if ledger is None:
         return []
     rows = []
     for name, stage in ledger.data["stages"].items():
-        store = CheckpointStore.open(stage["checkpoints"], ledger.data.get("storage_options"))
+        store = CheckpointStore.open(stage["checkpoints"], {**(ledger.data.get("storage_options") or {}),
+                                                            **(s3_credentials or {})})
         good = store.read_pointer(GOOD)
         evaluated = stage.get("eval") or {}
         for step in sorted(store.committed_steps()):
@@ -32,7 +35,7 @@ def checkpoint_rows(workdir: str | Path) -> list[dict]:
                          "eval_loss": round(evaluated["val_loss"], 4) if evaluated.get("step") == step else None,
                          "problems": "; ".join(verdict.get("problems", [])) or None,
                          "path": store.ref(step).location})
-    return rows
+    return redact_tree(rows)
 
 
 def node_check_rows(status_or_ledger: dict) -> list[dict]:
@@ -61,10 +64,10 @@ def _table(rows: list[dict], columns: list[str] | tuple[str, ...]) -> list[str]:
             *("| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows), ""]
 
 
-def campaign_report(workdir: str | Path) -> str:
+def campaign_report(workdir: str | Path, s3_credentials: dict | None = None) -> str:
     """Markdown: where the campaign stands, its stages and attempts, every checkpoint with its
-    verdict and eval loss, the node check, failures and the time lost per cause."""
-    status = campaign_status(workdir)
+    verdict and eval loss, the node check, failures and the time lost per cause (redacted)."""
+    status = campaign_status(workdir, s3_credentials)
     ledger = Ledger.read(CampaignLayout(Path(status["workdir"])))
     data = ledger.data if ledger else {}
     end = data.get("end") or {}
@@ -82,7 +85,7 @@ def campaign_report(workdir: str | Path) -> str:
                    "eval loss": round(s["eval"]["val_loss"], 4) if s["eval"] else None} for s in status["stages"]]
     lines += _table(stage_rows, list(stage_rows[0]) if stage_rows else ["stage"])
     lines += ["## Checkpoints", ""]
-    lines += _table(checkpoint_rows(status["workdir"]), ("stage", "step", "verdict", "good_pointer", "eval_loss", "problems"))
+    lines += _table(checkpoint_rows(status["workdir"], s3_credentials), ("stage", "step", "verdict", "good_pointer", "eval_loss", "problems"))
     lines += ["## Node check", ""]
     lines += _table(node_check_rows(data), NODE_CHECK_COLUMNS)
     lines += ["## Time lost per cause", ""]
@@ -91,4 +94,4 @@ def campaign_report(workdir: str | Path) -> str:
     failures = [{"stage": s["name"], **f} for s in status["stages"] for f in s["failures"]]
     lines += ["## Failures", ""]
     lines += _table(failures, ("stage", "attempt", "cause", "action", "time_lost_s", "recovery_s"))
-    return "\n".join(lines)
+    return redact("\n".join(lines))

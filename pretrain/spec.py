@@ -8,24 +8,60 @@ reason (:class:`SpecError`).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
+import string
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
+
+from pretrain.credentials import Credentials
+from pretrain.redact import url_credentials
 
 BUILTIN_PREFIX = "builtin:"
+MAX_STEPS = 99_999_999  # step directories are named with 8 digits (step_00000040)
+S3_CREDENTIALS_GO = ("S3 credentials come from the AWS environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+                     "an instance or IRSA role) or from an s3-campaign-storage block's credentials (stored as secrets)")
+MLFLOW_CREDENTIALS_GO = ("MLflow credentials come from MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or "
+                         "MLFLOW_TRACKING_TOKEN in the environment, or from an mlflow-tracking block's token")
 
 
 class SpecError(ValueError):
     """A campaign spec could not be read or is invalid; the message says where and why."""
 
 
+def no_credentials_in_url(url: str | None, where: str) -> str | None:
+    """``url`` unchanged, or a ValueError saying that credentials do not belong in it and ``where`` they go."""
+    found = url_credentials(url) if url else None
+    if found:
+        raise ValueError(f"must not contain credentials ({found}): {where}; the URI itself is recorded in the "
+                         "ledger, MLflow and logs")
+    return url
+
+
+class FieldProblem(ValueError):
+    """A cross-field rule that fails on one field: the error is reported under ``field``'s path."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value, info: ValidationInfo):
+        """YAML's ``true`` is not a number: a bool for an int or float field is refused, not read as 1."""
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in (int, float):
+            raise ValueError(f"expected a number, got {str(value).lower()} (a number is not a boolean)")
+        return value
 
 
 class TokenizerSpec(_Section):
@@ -101,7 +137,7 @@ class ClusterSpec(_Section):
 
 class StageSpec(_Section):
     name: str = Field(..., pattern=r"^[A-Za-z0-9_-]+$", description="Stage name (letters, digits, '-', '_'); used in paths and MLflow.")
-    steps: int = Field(..., gt=0, description="Optimizer steps in this stage.")
+    steps: int = Field(..., gt=0, le=MAX_STEPS, description="Optimizer steps in this stage (below 10^8: step directories have 8 digits).")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     min_lr: float = Field(3e-4, ge=0, description="Learning rate at the end of the cosine decay.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps before cosine decay.")
@@ -138,6 +174,11 @@ class CheckpointSpec(_Section):
     s3_endpoint_url: str | None = Field(None, description="Endpoint of an S3-compatible server (MinIO, SeaweedFS, …); empty → AWS.")
     s3_region: str | None = Field(None, description="S3 region; empty → the AWS environment's default.")
 
+    @field_validator("uri", "s3_endpoint_url")
+    @classmethod
+    def _no_credentials(cls, url: str | None) -> str | None:
+        return no_credentials_in_url(url, S3_CREDENTIALS_GO)
+
     @model_validator(mode="after")
     def _s3_only_options(self) -> "CheckpointSpec":
         if (self.s3_endpoint_url or self.s3_region) and not (self.uri or "").startswith("s3://"):
@@ -166,6 +207,11 @@ class TrackingSpec(_Section):
     model_alias: str = Field(
         "latest-good", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
         description="Registry alias moved to each newly registered version: load it as models:/<name>@<alias>.")
+
+    @field_validator("uri")
+    @classmethod
+    def _no_credentials(cls, url: str | None) -> str | None:
+        return no_credentials_in_url(url, MLFLOW_CREDENTIALS_GO)
 
     @field_validator("model_alias")
     @classmethod
@@ -215,6 +261,12 @@ class SkipWindow(_Section):
     start: int = Field(..., ge=0, description="First global sample position skipped.")
     end: int = Field(..., gt=0, description="First global sample position no longer skipped.")
 
+    @model_validator(mode="after")
+    def _ordered(self) -> "SkipWindow":
+        if self.end <= self.start:
+            raise ValueError(f"end ({self.end}) must be greater than start ({self.start})")
+        return self
+
 
 class BlockRefs(_Section):
     """Saved Prefect blocks a spec refers to by name instead of inline settings (resolved by the
@@ -236,8 +288,8 @@ class BlockRefs(_Section):
 
 
 class CampaignSpec(_Section):
-    name: str = Field("tiny", pattern=r"^[A-Za-z0-9_.-]+$", description="Campaign name (tags the MLflow runs).")
-    workdir: str = Field("./runs/{name}", description="Where the campaign keeps its state: data, checkpoints, ledger, MLflow db. '{name}' expands.")
+    name: str = Field("tiny", pattern=r"^[A-Za-z0-9_.-]+$", description="Campaign name (tags the MLflow runs; one path component of the workdir, not '.' or '..').")
+    workdir: str = Field("./runs/{name}", description="Where the campaign keeps its state: data, checkpoints, ledger, MLflow db. '{name}' expands ('{{' and '}}' are literal braces).")
     seed: int = Field(1234, description="Seed for model init, data order and every rank's RNG.")
     data: DataSpec = Field(default_factory=DataSpec, description="Corpus, tokenizer and sharding.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="GPT dimensions.")
@@ -255,6 +307,43 @@ class CampaignSpec(_Section):
     chaos: list[ChaosDrill] = Field(default_factory=list, description="Faults injected on purpose to rehearse recovery (chaos drills).")
     skip_samples: list[SkipWindow] = Field(default_factory=list, description="Sample windows never trained on (e.g. to reproduce a run that rolled back a loss spike).")
     blocks: BlockRefs = Field(default_factory=BlockRefs, description="Saved Prefect blocks to take storage, cluster or tracking settings from, by name.")
+
+    _credentials: Credentials = PrivateAttr(default_factory=Credentials)  # from blocks; never dumped or hashed
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, name: str) -> str:
+        if name in (".", ".."):
+            raise ValueError(f"{name!r} is not a campaign name: it names a directory, not one of its own ('.' or '..')")
+        return name
+
+    @field_validator("workdir")
+    @classmethod
+    def _only_name_expands(cls, workdir: str) -> str:
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(workdir) if f is not None]
+        except ValueError as err:
+            raise ValueError(f"{workdir!r} is not a valid template ({err}); only '{{name}}' expands, "
+                             "write '{{' and '}}' for literal braces") from None
+        unknown = [f"{{{f}}}" for f in fields if f != "name"]
+        if unknown:
+            raise ValueError(f"{workdir!r} uses {', '.join(unknown)}: only '{{name}}' expands, "
+                             "write '{{' and '}}' for literal braces")
+        return workdir
+
+    @model_validator(mode="after")
+    def _chaos_in_cluster(self) -> "CampaignSpec":
+        if self.blocks.cluster:
+            return self  # the cluster block decides the world; checked again once it is resolved
+        c = self.cluster
+        for i, drill in enumerate(self.chaos):
+            if drill.rank >= c.workers_per_node * c.nodes_max:
+                raise FieldProblem(f"chaos.{i}.rank", f"rank {drill.rank} does not exist, the cluster has "
+                                 f"{c.workers_per_node * c.nodes_max} workers (ranks 0..{c.workers_per_node * c.nodes_max - 1})")
+            if drill.node >= c.nodes_max:
+                raise FieldProblem(f"chaos.{i}.node", f"node {drill.node} does not exist, the cluster has {c.nodes_max} "
+                                 f"node(s) (0..{c.nodes_max - 1})")
+        return self
 
     @model_validator(mode="after")
     def _blocks_or_inline(self) -> "CampaignSpec":
@@ -319,6 +408,16 @@ class CampaignSpec(_Section):
         body = self.model_dump(mode="json", exclude={"workdir", "blocks"}, exclude_defaults=True)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
+    @property
+    def credentials(self) -> Credentials:
+        """The credentials of the spec's blocks, in this process's memory only (see pretrain.credentials)."""
+        return self._credentials
+
+    def with_credentials(self, credentials: Credentials) -> "CampaignSpec":
+        copy = self.model_copy()
+        copy._credentials = credentials
+        return copy
+
     def with_workdir(self, workdir: str | Path | None) -> "CampaignSpec":
         return self if workdir is None else self.model_copy(update={"workdir": str(Path(workdir).expanduser().resolve())})
 
@@ -326,6 +425,10 @@ class CampaignSpec(_Section):
 def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid campaign spec {source}:"]
     for e in err.errors():
+        problem = (e.get("ctx") or {}).get("error")
+        if isinstance(problem, FieldProblem):
+            lines.append(f"  {'.'.join([*map(str, e['loc']), problem.field])}: {problem}")
+            continue
         path = ".".join(str(p) for p in e["loc"]) or "(top level)"
         lines.append(f"  {path}: {e['msg']}")
     lines.append("Fix the field(s) above; `pretrain spec-schema` lists every field with its description.")
@@ -350,18 +453,41 @@ def builtin_spec_path(name: str) -> Path:
     return path
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error (YAML would
+    silently keep the last one, so a typo'd override would win unnoticed)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r} (first on line {seen[key] + 1}); keep only one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_spec(path: str | Path) -> CampaignSpec:
     """Read a spec from a YAML file (or 'builtin:<name>'), failing with a clear SpecError."""
     text_path = str(path)
     p = builtin_spec_path(text_path[len(BUILTIN_PREFIX):]) if text_path.startswith(BUILTIN_PREFIX) else Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode("utf-8")
     except OSError as err:
         raise SpecError(f"cannot read campaign spec {p}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise SpecError(f"campaign spec {p} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        stream = io.StringIO(text)
+        stream.name = str(p)  # YAML's messages name the file
+        data = yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise SpecError(f"campaign spec {p} is not valid YAML: {err}") from None
+    if data is None:
+        raise SpecError(f"campaign spec {p} is empty: give at least the campaign's name and stages "
+                        f"(`pretrain spec-schema` lists every field; `{BUILTIN_PREFIX}tiny` is the demo)")
     return parse_spec(data, str(p))
 
 

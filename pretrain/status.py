@@ -9,6 +9,7 @@ from rich.table import Table
 
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
+from pretrain.redact import redact_tree
 from trainer.checkpoint import CheckpointStore
 
 
@@ -16,7 +17,9 @@ class NoCampaign(FileNotFoundError):
     pass
 
 
-def campaign_status(workdir: str | Path) -> dict:
+def campaign_status(workdir: str | Path, s3_credentials: dict | None = None) -> dict:
+    """Where the campaign in ``workdir`` stands (anything credential-shaped redacted).
+    ``s3_credentials``: S3 client arguments for reading its checkpoints (a flow's block credentials)."""
     layout = CampaignLayout(Path(workdir).expanduser().resolve())
     ledger = Ledger.read(layout)
     if ledger is None:
@@ -24,7 +27,7 @@ def campaign_status(workdir: str | Path) -> dict:
     d = ledger.data
     stages = []
     for name, s in d["stages"].items():
-        store = CheckpointStore.open(s["checkpoints"], d.get("storage_options"))
+        store = CheckpointStore.open(s["checkpoints"], {**(d.get("storage_options") or {}), **(s3_credentials or {})})
         latest, good = store.latest_complete(), store.latest_good()
         stages.append({
             "name": name, "status": s["status"], "steps_total": s["steps"],
@@ -37,13 +40,13 @@ def campaign_status(workdir: str | Path) -> dict:
             "failures": s["failures"], "resumes": s["resumes"], "mlflow_run_id": s["mlflow_run_id"], "eval": s["eval"],
         })
     uri = d["mlflow"]["tracking_uri"]
-    return {
+    return redact_tree({
         "campaign": d["campaign"], "campaign_id": d["campaign_id"], "workdir": str(layout.root),
         "status": d["status"], "spec_hash": d["spec_hash"], "invocations": d["invocations"],
         "data": d["data"], "stages": stages, "registered_model": d.get("registered_model"),
         "mlflow": {**d["mlflow"], "ui_command": f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:")
                    else f"open {uri}"},
-    }
+    })
 
 
 def render(status: dict, console: Console | None = None) -> None:

@@ -21,6 +21,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
+from pretrain.redact import redact_mapping, redact_value
 from trainer.reporting import read_new_lines
 
 TAG_CAMPAIGN_ID = "pretrain.campaign_id"
@@ -39,7 +40,7 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
         if isinstance(v, dict):
             out.update(flatten(v, f"{key}."))
         else:
-            out[key] = str(v)[:6000]
+            out[key] = redact_value(key, v)[:6000]
     return out
 
 
@@ -97,7 +98,7 @@ class Tracker:
     def _ensure(self, tags: dict[str, str], name: str, params: dict[str, str], extra_tags: dict[str, str]) -> str:
         run_id = self._find(tags)
         if run_id is None:
-            run = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, **extra_tags})
+            run = self.client.create_run(self.experiment_id, run_name=name, tags=redact_mapping({**tags, **extra_tags}))
             run_id = run.info.run_id
             items = [Param(k, v) for k, v in params.items()]
             for i in range(0, len(items), 90):
@@ -128,7 +129,7 @@ class Tracker:
         log_once(self.client, run_id, values, step)
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in redact_mapping(tags).items()])
 
     def finish(self, run_id: str, status: str) -> None:
         self.client.set_terminated(run_id, status=status)

@@ -17,6 +17,7 @@ from prefect import get_run_logger
 from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
                                create_table_artifact, update_progress_artifact)
 
+from pretrain.redact import redact
 from pretrain.report import campaign_report, checkpoint_rows
 from pretrain.spec import CampaignSpec
 
@@ -28,10 +29,11 @@ def artifact_key(kind: str, campaign: str) -> str:
 
 def publish_reports(spec: CampaignSpec) -> None:
     """The checkpoint table and the campaign report, as they stand now."""
-    rows = checkpoint_rows(spec.workdir_path)
+    credentials = spec.credentials.s3_options()  # for reading the checkpoints; the reports are redacted
+    rows = checkpoint_rows(spec.workdir_path, credentials)
     create_table_artifact(key=artifact_key("checkpoints", spec.name), table=rows or [{"stage": None, "step": None}],
                           description=f"Checkpoints of campaign {spec.name}: verdict, good pointer, eval loss")
-    create_markdown_artifact(key=artifact_key("campaign-report", spec.name), markdown=campaign_report(spec.workdir_path),
+    create_markdown_artifact(key=artifact_key("campaign-report", spec.name), markdown=campaign_report(spec.workdir_path, credentials),
                              description=f"Campaign {spec.name}: stages, attempts, checkpoints, node check, time lost")
 
 
@@ -45,7 +47,7 @@ def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> tuple[
 
 
 def link_mlflow_run(spec: CampaignSpec, experiment_id: str, run_id: str) -> None:
-    url, how = mlflow_run_url(spec.tracking_uri, experiment_id, run_id)
+    url, how = map(redact, mlflow_run_url(spec.tracking_uri, experiment_id, run_id))
     create_link_artifact(key=artifact_key("mlflow-run", spec.name), link=url, link_text=f"MLflow run of {spec.name}",
                          description=f"Campaign {spec.name}'s MLflow parent run {run_id} ({how})")
 

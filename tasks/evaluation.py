@@ -7,7 +7,7 @@ from prefect.cache_policies import NO_CACHE
 
 from pretrain.checkpoint_info import CheckpointInfo, CheckpointRejected, describe
 from pretrain.evaluation import measure, require_valid
-from pretrain.jobs import model_config, storage_options
+from pretrain.jobs import client_options, model_config
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import log_to_run
@@ -20,7 +20,7 @@ from trainer.evaluate import evaluate
 def evaluate_checkpoint(spec: CampaignSpec, path: str, seq_len: int) -> dict:
     data_dir = CampaignLayout(spec.workdir_path).data_dir
     metrics = evaluate(path, model_config(spec, read_manifest(data_dir)["vocab_size"]), data_dir, seq_len,
-                       options=storage_options(spec))
+                       options=client_options(spec))
     get_run_logger().info("evaluation of %s: %s", path, {k: round(v, 4) for k, v in metrics.items()})
     return metrics
 

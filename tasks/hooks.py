@@ -12,15 +12,17 @@ from __future__ import annotations
 from prefect.logging.loggers import flow_run_logger
 
 from blocks.references import resolve_campaign
+from pretrain.credentials import mlflow_auth
 from pretrain.outcome import close_campaign
 from pretrain.spec import CampaignSpec, SpecError, parse_spec
 from tasks.artifacts import publish_reports
 
 
 def spec_of_run(parameters: dict) -> CampaignSpec:
-    """The campaign a flow run of ``pretrain_campaign`` ran, from its parameters. Its blocks'
-    credentials (an MLflow token) go into this process's environment, as in the flow run: hooks
-    run in the flow-run process, or (Prefect 3.9 workers) in a subprocess of their own."""
+    """The campaign a flow run of ``pretrain_campaign`` ran, from its parameters, with its blocks'
+    credentials (``spec.credentials``, used inside :func:`mlflow_auth`; never put into this
+    process's environment: hooks may run in the worker or ``deployments.serve`` process, which
+    goes on to start other campaigns' runs)."""
     inline = parameters.get("spec")
     spec = inline if isinstance(inline, CampaignSpec) else (parse_spec(inline, "flow run parameter 'spec'") if inline else None)
     return resolve_campaign(spec, parameters.get("spec_path"), parameters.get("workdir"))
@@ -35,7 +37,9 @@ def _record(flow_run, state, outcome: str) -> CampaignSpec | None:
         return None
     try:
         cause = (state.message or outcome) if state is not None else outcome
-        if close_campaign(spec.workdir_path, outcome, cause, str(flow_run.id)) is None:
+        with mlflow_auth(spec.credentials):
+            closed = close_campaign(spec.workdir_path, outcome, cause, str(flow_run.id))
+        if closed is None:
             logger.info("campaign hook: this run never started campaign %s; leaving its ledger alone", spec.name)
             return None
         logger.info("campaign %s marked %s: %s", spec.name, outcome, cause)
@@ -49,7 +53,7 @@ def on_campaign_failure(flow, flow_run, state) -> None:
     spec = _record(flow_run, state, "failed")
     if spec is not None:
         try:
-            publish_reports(spec)
+            publish_reports(spec)  # its S3 reads take the spec's credentials
         except Exception:  # noqa: BLE001
             flow_run_logger(flow_run).exception("could not publish the campaign report")
 

@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from pretrain.checkpoint_info import describe, spec_overrides
 from pretrain.ledger import Ledger
+from pretrain.redact import redact
 from pretrain.registry import register_checkpoint
 from pretrain.spec import CampaignSpec
 from tasks.tracking import MLFLOW_RETRIES
@@ -39,5 +40,5 @@ def register_final_model(spec: CampaignSpec) -> dict | None:
         name=spec.registered_model_name, alias=spec.tracking.model_alias, metrics=metrics,
         step=offset + info.step, tags={"pretrain.campaign": spec.name, "pretrain.stage": spec.stages[-1].name})
     ledger.set(registered_model=reg.to_dict())
-    logger.info("registered %s version %s (%s) from %s", reg.name, reg.version, reg.uri, good["path"])
+    logger.info("registered %s version %s (%s) from %s", reg.name, reg.version, reg.uri, redact(good["path"]))
     return reg.to_dict()

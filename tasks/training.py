@@ -14,6 +14,7 @@ from pretrain.jobs import build_job, threads_per_worker, write_job
 from pretrain.ledger import Ledger
 from pretrain.incidents import cause_of, incidents
 from pretrain.layout import CampaignLayout
+from pretrain.redact import redact
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import MetricsForwarder
 from tasks.artifacts import TrainingProgress
@@ -103,7 +104,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     layout = CampaignLayout(spec.workdir_path)
     job = build_job(spec, stage_index, attempt, init_from)
     job_path = write_job(job)
-    handle = make_cluster(spec.cluster, job.threads_per_worker).start(job, job_path, layout, set(exclude))
+    env = spec.credentials.child_env() if spec.credentials else None  # the blocks' credentials, for this job only
+    handle = make_cluster(spec.cluster, job.threads_per_worker, env).start(job, job_path, layout, set(exclude))
     logger.info("stage %s attempt %d: %d node(s) × %d workers, job dir %s", job.stage, attempt,
                 spec.cluster.nodes_max - len(exclude), spec.cluster.workers_per_node, job.job_dir)
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
@@ -138,7 +140,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
         result.cause, result.scaled_up = "scale_up", scaled_up
     for r in result.resumes:
         if r["source"] == "checkpoint":
-            logger.info("stage %s: workers resumed from step %d (%s)", job.stage, r["step"], r["checkpoint"])
+            logger.info("stage %s: workers resumed from step %d (%s)", job.stage, r["step"], redact(str(r["checkpoint"])))
     return result
 
 

@@ -107,6 +107,23 @@ def test_s3_storage_takes_aws_credentials_too(tmp_path):
                                    "AWS_SESSION_TOKEN": "st", "AWS_DEFAULT_REGION": "eu-west-1"}
     assert block.spec_update("c")["checkpoint"] == {"uri": "s3://ckpt/campaigns/c", "s3_endpoint_url": None,
                                                     "s3_region": "eu-west-1"}
+    # a block that names no keys gives none: each process's boto3 finds its own (profile, role, IRSA)
+    assert S3CampaignStorage(bucket_name="ckpt").environment() == {}
+    assert S3CampaignStorage(bucket_name="ckpt", credentials=AwsCredentials(profile_name="train")).environment() == \
+        {"AWS_PROFILE": "train"}
+
+
+@pytest.mark.parametrize("make, field, where", [
+    (lambda: MlflowTracking(tracking_uri=f"https://u:{SECRET}@mlflow.example.com"), "tracking_uri", "MLFLOW_TRACKING_USERNAME"),
+    (lambda: S3CampaignStorage(bucket_name="ckpt", credentials=_minio(endpoint=f"http://ak:{SECRET}@127.0.0.1:9000")),
+     "credentials", "AWS_ACCESS_KEY_ID"),
+    (lambda: S3CampaignStorage(bucket_name="ckpt", credentials=AwsCredentials(assume_role_arn="arn:aws:iam::1:role/r")),
+     "credentials", "profile"),
+])
+def test_blocks_refuse_credentials_in_urls_and_frozen_roles(make, field, where):
+    with pytest.raises(ValidationError) as err:
+        make()
+    assert field in str(err.value) and where in str(err.value) and SECRET not in str(err.value)
 
 
 def test_cluster_blocks_mirror_cluster_spec():
@@ -165,15 +182,22 @@ def test_spec_refers_to_saved_blocks_by_name(on_prefect_server, tmp_path, monkey
                                                 "tracking": f"mlflow-tracking/{names['tracking']}"}})
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "MLFLOW_TRACKING_TOKEN"):
         monkeypatch.delenv(var, raising=False)  # restored after the test
+    before = dict(os.environ)
     resolved = resolve_campaign(spec)
     assert resolved.workdir_path == tmp_path.resolve() / "c7"
     assert (resolved.checkpoint.uri, resolved.checkpoint.s3_endpoint_url) == ("s3://ckpt/campaigns/c7", "http://127.0.0.1:9000")
     assert resolved.cluster == ClusterSpec(workers_per_node=1, max_restarts=0)
     assert (resolved.tracking.experiment, resolved.tracking.uri) == ("team-exp", None)
     assert not resolved.blocks.any() and resolved.spec_hash() != spec.spec_hash()
-    assert os.environ["AWS_SECRET_ACCESS_KEY"] == SECRET and os.environ["MLFLOW_TRACKING_TOKEN"] == SECRET
-    assert SECRET not in resolved.model_dump_json()
-    assert resolve_campaign(resolved, export_env=False) == resolved  # resolves once
+    # the credentials travel with the resolved spec, in memory only; this process's environment
+    # (which later runs of other campaigns inherit under deployments.serve) is left alone
+    assert dict(os.environ) == before
+    assert resolved.credentials.env["AWS_SECRET_ACCESS_KEY"] == SECRET == resolved.credentials.mlflow_token()
+    assert resolved.credentials.child_env({})["AWS_SECRET_ACCESS_KEY"] == SECRET
+    for text in (resolved.model_dump_json(), repr(resolved), repr(resolved.credentials), resolved.spec_hash()):
+        assert SECRET not in text
+    assert resolve_campaign(resolved) == resolved  # resolves once
+    assert resolve_campaign(resolved).credentials == resolved.credentials
     # an explicit workdir (flow parameter, --workdir) wins over the storage block's
     assert resolve_campaign(spec, workdir=tmp_path / "elsewhere").workdir_path == tmp_path / "elsewhere"
 

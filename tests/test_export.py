@@ -3,6 +3,8 @@ GPT2LMHeadModel with the same logits, tokens and greedy continuation as our mode
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -67,7 +69,49 @@ def test_export_refuses_a_corrupted_checkpoint_and_replaces_atomically(trained_c
 
     out = tmp_path / "out"
     out.mkdir()
+    (out / PROVENANCE).write_text("{}")  # an earlier export
     (out / "stale.txt").write_text("from an earlier export")
     export_checkpoint(ref.location, out, overwrite=True)
     assert not (out / "stale.txt").exists() and (out / WEIGHTS).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "out"]
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("out, refused", [
+    ("wd", "holds the checkpoint"),                         # the campaign's workdir
+    ("wd/checkpoints", "holds the checkpoint"),             # a parent of the checkpoint
+    ("{ckpt}", "is the checkpoint"),                        # the checkpoint itself
+    ("{ckpt}/hf", "inside the checkpoint"),
+    (".", "holds the checkpoint"),                          # a parent of the workdir
+    ("unrelated", "not an earlier export"),                 # someone else's files
+    ("previous-export-in-wd", "ledger.json"),               # has pretrain.json, but holds a campaign
+    ("previous-export", None),                              # replaced
+    ("empty", None),                                        # replaced
+])
+def test_export_overwrite_only_replaces_an_earlier_export(trained_checkpoint, tmp_path, out, refused):
+    """`pretrain export CKPT OUT --overwrite` never deletes a campaign: OUT is replaced only if it
+    is an earlier export (or empty); anything else is refused, exit 2, every file still there."""
+    _, ref = trained_checkpoint
+    wd = tmp_path / "wd"
+    ckpt = copy_checkpoint(ref, wd / "checkpoints")
+    out = out.format(ckpt=Path(ckpt).relative_to(tmp_path))
+    (wd / "ledger.json").write_text('{"campaign": "x"}')
+    (tmp_path / "unrelated").mkdir()
+    (tmp_path / "unrelated" / "notes.txt").write_text("mine")
+    for d in ("previous-export", "previous-export-in-wd"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / PROVENANCE).write_text("{}")
+    (tmp_path / "previous-export-in-wd" / "ledger.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    before = _files(tmp_path)
+    proc = pretrain_cli("export", ckpt, str(tmp_path / out), "--overwrite")
+    if refused:
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert refused in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert _files(tmp_path) == before  # nothing deleted, nothing left behind
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / out / WEIGHTS).is_file() and _files(tmp_path) >= before

@@ -67,3 +67,49 @@ def test_worker_killed_with_s3_checkpoints_resumes(prefect_harness, prepared_dat
     assert any(r["restart_count"] > 0 and r["source"] == "memory" for r in stage["resumes"])
     assert all(store.verify(s) == [] for s in store.committed_steps())
     assert campaign_status(spec.workdir_path)["stages"][0]["latest_checkpoint"]["path"].startswith("s3://")
+
+
+def test_block_credentials_reach_the_training_processes_and_nothing_else(prefect_harness, prepared_data, tmp_path,
+                                                                         seaweed, monkeypatch):
+    """A campaign whose S3 credentials (and MLflow token) come from saved blocks, with no AWS
+    variables anywhere: the training job's savers and the gate (child processes, env=) and the
+    flow's own S3 reads (arguments) all authenticate against SeaweedFS, which checks signatures;
+    this process's environment is the same afterwards, so a later campaign run by the same
+    process (deployments.serve, a test session) never sees them."""
+    from prefect_aws import MinIOCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    from blocks import MlflowTracking, S3CampaignStorage
+    from blocks.references import resolve_campaign
+    from pretrain.spec import parse_spec
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION",
+                "AWS_PROFILE", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    names = {k: f"{k}-{uuid.uuid4().hex[:8]}" for k in ("storage", "tracking")}
+    S3CampaignStorage(bucket_name=BUCKET, prefix=f"blocks-{uuid.uuid4().hex[:6]}", root=tmp_path / "root",
+                      credentials=MinIOCredentials(minio_root_user=s3_servers.ACCESS_KEY, minio_root_password=SECRET_KEY,
+                                                   region_name="us-east-1",
+                                                   aws_client_parameters=AwsClientParameters(endpoint_url=seaweed.endpoint))
+                      ).save(names["storage"])
+    token = "tok-" + uuid.uuid4().hex
+    MlflowTracking(token=token).save(names["tracking"])
+    wd = tmp_path / "wd"
+    seed_data(small_spec(wd), prepared_data)
+    body = small_spec(wd).model_dump(mode="json", exclude={"workdir"})
+    spec = parse_spec({**body, "blocks": {"storage": f"s3-campaign-storage/{names['storage']}",
+                                          "tracking": f"mlflow-tracking/{names['tracking']}"}})
+    before = dict(os.environ)
+
+    status = pretrain_campaign(spec=spec, workdir=str(wd))
+
+    assert status["status"] == "completed"
+    assert all(s["good_checkpoint"]["path"].startswith(f"s3://{BUCKET}/") for s in status["stages"])
+    changed = {k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k)}
+    assert not changed - {"_MLFLOW_TELEMETRY_SESSION_ID"}, changed  # MLflow's own; no AWS_*, no token left behind
+    assert not [k for k, v in os.environ.items() if SECRET_KEY in v or token in v]
+    written = [wd / "ledger.json", *wd.glob("jobs/*/*/job.json"), *wd.glob("jobs/*/*/*.log")]
+    assert all(SECRET_KEY not in p.read_text() and token not in p.read_text() for p in written)
+    # the next campaign this process runs resolves without the first one's credentials
+    other = resolve_campaign(parse_spec({"name": "other", "workdir": str(tmp_path / "other")}))
+    assert not other.credentials and "AWS_SECRET_ACCESS_KEY" not in other.credentials.child_env()

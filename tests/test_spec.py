@@ -81,3 +81,78 @@ def test_cli_rejects_a_bad_spec_before_anything_runs(tmp_path):
     assert proc.returncode == 2
     assert "stages.0.steps" in proc.stderr and "bad.yaml" in proc.stderr
     assert not workdir.exists()
+
+
+# ---- inputs that used to slip through (issue 10, item 8) ----------------------------------------
+@pytest.mark.parametrize("body, field, reason", [
+    ({"name": ".."}, "name", "'.' or '..'"),
+    ({"name": "."}, "name", "'.' or '..'"),
+    ({"name": "a/b"}, "name", "pattern"),
+    ({"workdir": "/tmp/{y}"}, "workdir", "{y}"),
+    ({"workdir": "/tmp/{0}"}, "workdir", "{0}"),
+    ({"workdir": "/tmp/{name"}, "workdir", "'{name}'"),
+    ({"stages": [{"name": "a", "steps": 100_000_000}]}, "stages.0.steps", "less than"),
+    ({"stages": [{"name": "a", "steps": True}]}, "stages.0.steps", "not a boolean"),
+    ({"seed": False}, "seed", "not a boolean"),
+    ({"stages": [{"name": "a", "steps": 5, "lr": True}]}, "stages.0.lr", "not a boolean"),
+    ({"skip_samples": [{"stage": "main", "start": 10, "end": 5}]}, "skip_samples.0", "end (5) must be greater than start (10)"),
+    ({"skip_samples": [{"stage": "main", "start": 5, "end": 5}]}, "skip_samples.0", "greater than start"),
+    ({"chaos": [{"kind": "kill_worker", "rank": 2}]}, "chaos.0.rank", "2 workers"),
+    ({"chaos": [{"kind": "kill_node", "node": 1}]}, "chaos.0.node", "1 node"),
+    ({"checkpoint": {"uri": "s3://AKIAXXX:S3cr3tV4lue@bucket/ckpt"}}, "checkpoint.uri", "AWS_ACCESS_KEY_ID"),
+    ({"checkpoint": {"uri": "s3://bucket/ckpt", "s3_endpoint_url": "http://u:S3cr3tV4lue@127.0.0.1:9000"}},
+     "checkpoint.s3_endpoint_url", "s3-campaign-storage"),
+    ({"tracking": {"uri": "https://user:S3cr3tV4lue@mlflow.example.com"}}, "tracking.uri", "MLFLOW_TRACKING_USERNAME"),
+    ({"tracking": {"uri": "https://mlflow.example.com/?token=S3cr3tV4lue"}}, "tracking.uri", "mlflow-tracking block"),
+])
+def test_more_invalid_values_name_the_field(body, field, reason):
+    with pytest.raises(SpecError) as err:
+        parse_spec(body, "x.yaml")
+    assert f"  {field}:" in str(err.value) and reason in str(err.value), str(err.value)
+    assert "S3cr3tV4lue" not in str(err.value)  # the error message does not repeat a secret
+
+
+def test_chaos_rank_is_checked_against_the_block_cluster_only_after_resolution():
+    # a cluster block may give more workers than the inline default: judged once it is resolved
+    parse_spec({"chaos": [{"kind": "kill_worker", "rank": 5}], "blocks": {"cluster": "local-process-cluster/big"}})
+    parse_spec({"cluster": {"workers_per_node": 3, "nodes_max": 2}, "chaos": [{"kind": "kill_worker", "rank": 5}]})
+
+
+def test_sqlite_paths_with_at_signs_are_not_credentials(tmp_path):
+    spec = parse_spec({"tracking": {"uri": "sqlite:////tmp/team@lab/mlflow.db"}})
+    assert spec.tracking.uri == "sqlite:////tmp/team@lab/mlflow.db"
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"", "is empty"),
+    (b"# only a comment\n", "is empty"),
+    (b"name: caf\xe9\n", "not UTF-8"),
+    (b"name: a\nseed: 1\nname: b\n", "duplicate key 'name'"),
+    (b"stages:\n  - name: a\n    steps: 5\n    steps: 6\n", "duplicate key 'steps'"),
+    (b"- a\n- b\n", "must be a mapping"),
+])
+def test_unreadable_spec_files_name_the_file_and_reason(tmp_path, content, reason):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert str(path) in str(err.value) and reason in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("content, what", [
+    (b"", "is empty"),
+    (b"name: ..\n", "name"),
+    (b"workdir: '{y}'\n", "workdir"),
+    (b"name: a\nname: b\n", "duplicate key"),
+    (b"\xff\xfe", "not UTF-8"),
+    (b"stages: [{name: a, steps: true}]\n", "stages.0.steps"),
+])
+def test_cli_refuses_bad_specs_without_traceback_or_writes(tmp_path, content, what):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    workdir = tmp_path / "wd"
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "run", str(bad), "--workdir", str(workdir)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert what in proc.stderr and "bad.yaml" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]  # no workdir, no runs/ beside it

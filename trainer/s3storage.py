@@ -26,7 +26,8 @@ class S3Storage(Storage):
 
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
                  region: str | None = None, access_key: str | None = None,
-                 secret_key: str | None = None, multipart_threshold: int = 8 * MiB,
+                 secret_key: str | None = None, session_token: str | None = None,
+                 profile: str | None = None, multipart_threshold: int = 8 * MiB,
                  multipart_chunksize: int = 8 * MiB, max_attempts: int = 5,
                  connect_timeout: float = 5.0, read_timeout: float = 30.0,
                  max_concurrency: int = 4, addressing_style: str | None = None):
@@ -36,6 +37,7 @@ class S3Storage(Storage):
         self.endpoint_url, self.region = endpoint_url, region
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self._access_key, self._secret_key = access_key, secret_key
+        self._session_token, self._profile = session_token, profile
         self.multipart_threshold = multipart_threshold
         self.multipart_chunksize = multipart_chunksize
         self.max_attempts, self.max_concurrency = max_attempts, max_concurrency
@@ -68,10 +70,10 @@ class S3Storage(Storage):
                                 connect_timeout=self.timeouts[0], read_timeout=self.timeouts[1],
                                 s3={"addressing_style": self.addressing_style},
                                 max_pool_connections=max(10, 2 * self.max_concurrency))
-                self._client = boto3.session.Session().client(
+                self._client = boto3.session.Session(profile_name=self._profile).client(
                     "s3", endpoint_url=self.endpoint_url, region_name=self.region,
                     aws_access_key_id=self._access_key, aws_secret_access_key=self._secret_key,
-                    config=config)
+                    aws_session_token=self._session_token, config=config)
                 self._transfer = TransferConfig(
                     multipart_threshold=self.multipart_threshold,
                     multipart_chunksize=self.multipart_chunksize,
