@@ -141,37 +141,53 @@ def test_every_writer_produces_what_the_parser_accepts(tmp_path):
 
 
 # ---- the same damage through `pretrain status` and `pretrain eval` ----------------------------------
-@pytest.fixture
-def campaign(tmp_path, prepared_data):
-    spec = small_spec(tmp_path / "w", stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 4}])
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory, prepared_data):
+    """A campaign workdir with two real checkpoints (steps 2 and 4, both judged good)."""
+    spec = small_spec(tmp_path_factory.mktemp("w"), stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 4}])
     seed_data(spec, prepared_data)
     Ledger.open(spec).save()
     save_checkpoint(spec, steps=2)
-    ref = save_checkpoint(spec, steps=4)
-    return spec, CheckpointStore.of_step(ref.location)[0]
+    s = CheckpointStore.of_step(save_checkpoint(spec, steps=4).location)[0]
+    for step in (2, 4):
+        s.set_verdict(step, {"verdict": "good", "problems": []})
+    return spec, s
 
 
-STATUS_DAMAGE = {**{k: v for k, v in CHECKPOINT_DAMAGE.items() if k.endswith("manifest") or "files" in k},
-                 "latest pointer": (POINTER, _truncate, "damaged"), "good pointer": (GOOD, _truncate, "ignored")}
+@pytest.fixture
+def damage_of(campaign):
+    """``damage_of(key, harm)`` damages one record of the campaign; undone after the test."""
+    _, s = campaign
+    kept = {}
+
+    def damage(key: str, harm) -> None:
+        kept[key] = s.storage.get_bytes(key)
+        harm(s, key)
+    yield damage
+    for key, data in kept.items():
+        s.storage.put_bytes(key, data)
+
+
+STATUS_DAMAGE = {**{k: v for k, v in CHECKPOINT_DAMAGE.items() if k in ("truncated manifest", "files is a list")},
+                 "latest pointer": (POINTER, _truncate, "damaged"), "good pointer": (GOOD, _truncate, "ignored"),
+                 "verdict": (f"{step_name(8)}/verdict.json", _truncate, "unjudged again")}
 
 
 @pytest.mark.parametrize("damage", list(STATUS_DAMAGE))
-def test_status_reports_damaged_records(campaign, damage):
-    spec, s = campaign
-    s.set_verdict(2, {"verdict": "good", "problems": []})
-    s.set_verdict(4, {"verdict": "good", "problems": []})
+def test_status_reports_damaged_records(campaign, damage_of, damage):
+    spec, _ = campaign
     key, harm, what = STATUS_DAMAGE[damage]
-    harm(s, key.replace(step_name(8), step_name(4)))
+    damage_of(key.replace(step_name(8), step_name(4)), harm)
 
     (stage,) = campaign_status(spec.workdir_path)["stages"]
 
     assert any(what in p for p in stage["problems"]), stage["problems"]
 
 
-def test_status_command_shows_damaged_records(campaign):
-    spec, s = campaign
-    _truncate(s, f"{step_name(4)}/{MANIFEST}")
-    _truncate(s, POINTER)
+def test_status_command_shows_damaged_records(campaign, damage_of):
+    spec, _ = campaign
+    damage_of(f"{step_name(4)}/{MANIFEST}", _truncate)
+    damage_of(POINTER, _truncate)
 
     proc = pretrain_cli("status", "--workdir", str(spec.workdir_path))
 
@@ -180,10 +196,10 @@ def test_status_command_shows_damaged_records(campaign):
 
 
 @pytest.mark.parametrize("damage", [k for k in CHECKPOINT_DAMAGE if "node" not in k])
-def test_eval_refuses_a_damaged_manifest_naming_it(campaign, damage):
+def test_eval_refuses_a_damaged_manifest_naming_it(campaign, damage_of, damage):
     _, s = campaign
     key, harm, what = CHECKPOINT_DAMAGE[damage]
-    harm(s, key.replace(step_name(8), step_name(4)))
+    damage_of(key.replace(step_name(8), step_name(4)), harm)
 
     with pytest.raises(CheckpointRejected) as err:
         describe(s.ref(4).location)
