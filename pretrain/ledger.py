@@ -104,11 +104,12 @@ def recover_ledger(workdir: str | Path) -> Path:
     previous generation is not intact either. Hold the campaign lock while calling it."""
     path = CampaignLayout(Path(workdir).expanduser().resolve()).ledger
     try:
-        if _read(path) is not None:
-            raise LedgerError(f"{path} is intact: nothing to recover")
-        raise LedgerError(f"{path} does not exist: no campaign to recover in {path.parent}")
+        intact = _read(path) is not None
     except LedgerDamaged:
-        pass
+        intact = None
+    if intact is not None:
+        raise LedgerError(f"{path} is intact: nothing to recover" if intact else
+                          f"{path} does not exist: no campaign to recover in {path.parent}")
     prev = _prev(path)
     try:
         data = prev.read_bytes()

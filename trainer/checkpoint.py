@@ -207,7 +207,7 @@ class CheckpointStore:
         try:
             ptr = self._read(name, records.parse_pointer)
         except DamagedRecord:
-            return self._newest_manifest_step() if name == POINTER else None
+            return max(self._manifest_steps(), default=None) if name == POINTER else None
         return None if ptr is None else ptr.step
 
     def pointer_problems(self) -> list[str]:
@@ -218,7 +218,7 @@ class CheckpointStore:
                 self._read(name, records.parse_pointer)
             except DamagedRecord as err:
                 if name == POINTER:
-                    derived = self._newest_manifest_step()
+                    derived = max(self._manifest_steps(), default=None)
                     notes.append(f"{err}: treated as step {derived} (the newest step with a {MANIFEST}); "
                                  "the next commit or resume writes it anew")
                 else:
@@ -231,9 +231,7 @@ class CheckpointStore:
         notes = self.pointer_problems()
         for step in self.all_steps():
             try:
-                self.manifest(step)
-                for key in self._node_keys(step):
-                    self._read(key, records.parse_node_record)
+                self._checked_manifest(step)
             except DamagedRecord as err:
                 notes.append(f"{err}: the checkpoint is unusable; the validation gate judges it bad and the stage "
                              "rewinds past it")
@@ -243,6 +241,13 @@ class CheckpointStore:
                 notes.append(f"{err}: the step is unjudged again; the next gate pass judges it")
         return notes
 
+    def _checked_manifest(self, step: int) -> Manifest | None:
+        """The step's manifest, having read its node records too; DamagedRecord for either."""
+        manifest = self.manifest(step)
+        for key in self._node_keys(step):
+            self._read(key, records.parse_node_record)
+        return manifest
+
     def _manifest_steps(self) -> set[int]:
         """Steps whose directory holds a ``manifest.json`` (readable or not)."""
         steps = set()
@@ -251,9 +256,6 @@ class CheckpointStore:
             if (m := _STEP.match(head)) and tail == MANIFEST:
                 steps.add(int(m.group(1)))
         return steps
-
-    def _newest_manifest_step(self) -> int | None:
-        return max(self._manifest_steps(), default=None)
 
     def manifest(self, step: int) -> Manifest | None:
         """The step's manifest; None if it has none; DamagedRecord if it cannot be read."""
@@ -274,11 +276,9 @@ class CheckpointStore:
         or node record is one of them."""
         name = step_name(step)
         try:
-            manifest = self.manifest(step)
-            for key in self._node_keys(step):
-                self._read(key, records.parse_node_record)
+            manifest = self._checked_manifest(step)
         except DamagedRecord as err:
-            return [f"{name}/{err.key.rpartition('/')[2]} is damaged ({err.what})"]
+            return [str(err)]
         if manifest is None:
             return [f"{name}: no {MANIFEST} (checkpoint was never committed)"]
         problems = []
