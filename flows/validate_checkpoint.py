@@ -24,6 +24,9 @@ def validate_checkpoint(spec: CampaignSpec, stage: str, path: str) -> dict:
     record = checkpoint_store(spec, stage).verdict(step)
     if record is None:
         (record,) = check_checkpoints(spec, stage_index, [step])  # records the verdict and emits its event
+    if record["verdict"] == "unjudged":  # the gate timed out or could not reach the checkpoint
+        raise CheckpointInvalid(f"checkpoint {path} of stage {stage} could not be validated now: "
+                                + "; ".join(record["problems"]) + ". Run the flow again.")
     if record["verdict"] != "good":
         raise CheckpointInvalid(f"checkpoint {path} of stage {stage} failed validation: " + "; ".join(record["problems"]))
     get_run_logger().info("stage %s: checkpoint %s is good", stage, path)

@@ -15,9 +15,10 @@ from pathlib import Path
 from pretrain.jobs import client_options, model_config
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
-from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint import MANIFEST, CheckpointStore
 from trainer.config import ModelConfig
 from trainer.data import DataError, read_manifest
+from trainer.records import DamagedRecord, Manifest
 
 
 class CheckpointInfoError(ValueError):
@@ -41,7 +42,7 @@ class CheckpointInfo:
     data_dir: Path  # prepared data set: tokenizer.json, manifest.json, val shards
     seq_len: int  # tokens per evaluation window
     options: dict = field(repr=False)  # storage options (S3 endpoint, region; in a flow, the blocks' credentials)
-    manifest: dict = field(repr=False)  # the checkpoint's manifest
+    manifest: Manifest = field(repr=False)  # the checkpoint's manifest
 
     def store(self) -> CheckpointStore:
         return CheckpointStore.of_step(self.location, self.options)[0]
@@ -74,20 +75,20 @@ def describe(location: str | Path, *, options: dict | None = None, model: ModelC
         raise CheckpointInfoError(f"{err}: give the path or URL of one checkpoint, e.g. <stage>/step_00000100") from None
     try:
         manifest = store.manifest(step)
-    except ValueError as err:  # unreadable JSON
-        raise CheckpointRejected(location, [f"manifest.json is not valid JSON ({err})"]) from None
+    except DamagedRecord as err:
+        raise CheckpointRejected(location, [f"{store.ref(step).location}/{MANIFEST} is damaged ({err.what})"]) from None
     if manifest is None:
         raise CheckpointRejected(location, store.verify(step))
     old = "it was written before checkpoints recorded it"
     if model is None:
-        if "model" not in manifest:
+        if "model" not in manifest.meta:
             raise CheckpointInfoError(f"checkpoint {location} does not record its model configuration ({old}): "
                                       "pass --spec with the campaign's spec YAML (or spec= / model=)")
         try:
-            model = ModelConfig(**manifest["model"])
+            model = ModelConfig(**manifest.meta["model"])
         except TypeError as err:
             raise CheckpointInfoError(f"checkpoint {location}: manifest.json has an unreadable model record ({err})") from None
-    data_dir = data_dir or manifest.get("data_dir")
+    data_dir = data_dir or manifest.meta.get("data_dir")
     if not data_dir:
         raise CheckpointInfoError(f"checkpoint {location} does not record its data directory ({old}): pass --data-dir "
                                   "with the campaign's prepared data (<workdir>/data, with tokenizer.json and the val split)")
@@ -100,7 +101,7 @@ def describe(location: str | Path, *, options: dict | None = None, model: ModelC
     if vocab != model.vocab_size:
         raise CheckpointInfoError(f"the data set in {data_dir} has a vocabulary of {vocab} tokens, the checkpoint's "
                                   f"model {model.vocab_size}: pass --data-dir with the data set it was trained on")
-    seq_len = seq_len or manifest.get("seq_len") or model.max_seq_len
+    seq_len = seq_len or manifest.meta.get("seq_len") or model.max_seq_len
     if seq_len > model.max_seq_len:
         raise CheckpointInfoError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
     return CheckpointInfo(location, step, model, data_dir, int(seq_len), dict(options or {}), manifest)

@@ -30,13 +30,14 @@ def run(
     except SpecError as e:
         err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         raise typer.Exit(2)
+    _exit_if_ledger_damaged(campaign.workdir_path)
     from flows.campaign import pretrain_campaign
-    from pretrain.ledger import CampaignMismatch
+    from pretrain.ledger import CampaignMismatch, LedgerDamaged
     from pretrain.status import render
 
     try:
         final = pretrain_campaign(spec=campaign)  # read with the blocks' credentials, which stay in the flow
-    except CampaignMismatch as e:
+    except (CampaignMismatch, LedgerDamaged) as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2)
     except Exception as e:  # noqa: BLE001 - report, show where the campaign stands, exit non-zero
@@ -66,17 +67,49 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Show a campaign's stages, checkpoints, attempts, restarts and MLflow runs."""
+    from pretrain.ledger import LedgerError
     from pretrain.status import NoCampaign, campaign_status, render
 
     try:
         st = campaign_status(workdir)
-    except NoCampaign as e:
+    except (NoCampaign, LedgerError) as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2)
     if as_json:
         sys.stdout.write(json.dumps(st, indent=2) + "\n")
     else:
         render(st)
+
+
+def _exit_if_ledger_damaged(workdir: Path) -> None:
+    """A damaged ledger stops ``run`` before anything starts: exit 2 saying how to recover."""
+    from pretrain.layout import CampaignLayout
+    from pretrain.ledger import Ledger, LedgerDamaged
+
+    try:
+        Ledger.read(CampaignLayout(workdir))
+    except LedgerDamaged as e:
+        err.print(f"error: {e}", highlight=False)
+        raise typer.Exit(2)
+
+
+@app.command("recover-ledger")
+def recover_ledger(
+    workdir: Path = typer.Option(..., "--workdir", "-w", help="The campaign's workdir."),
+) -> None:
+    """Replace a damaged ledger.json with its intact previous generation (the damaged one is kept)."""
+    from pretrain.ledger import LedgerError, recover_ledger as recover
+    from pretrain.lock import CampaignBusy, campaign_lock
+
+    try:
+        if not workdir.is_dir():
+            raise LedgerError(f"{workdir} is not a directory: give the campaign's workdir")
+        with campaign_lock(workdir, workdir.name):  # never under a running campaign
+            aside = recover(workdir)
+    except (LedgerError, CampaignBusy) as e:
+        err.print(f"error: {e}", highlight=False)
+        raise typer.Exit(2)
+    sys.stdout.write(f"restored {workdir / 'ledger.json'} from its previous generation; the damaged file is kept as {aside}\n")
 
 
 # ---- one checkpoint: eval / export ---------------------------------------------------------

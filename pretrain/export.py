@@ -100,9 +100,9 @@ def write_hf_dir(tmp: Path, info: CheckpointInfo) -> None:
     _json(tmp / "tokenizer_config.json", {**special, "tokenizer_class": "PreTrainedTokenizerFast",
                                           "model_max_length": cfg.max_seq_len, "clean_up_tokenization_spaces": False})
     _json(tmp / PROVENANCE, {
-        "checkpoint": info.location, "step": info.step, "stage": info.manifest.get("stage"),
-        "model_sha256": {n: info.manifest["files"][n]["sha256"] for n in model_files(
-            list(info.manifest["files"]), int(info.manifest.get("world_size", 1)))}, "model": asdict(cfg),
+        "checkpoint": info.location, "step": info.step, "stage": info.manifest.meta.get("stage"),
+        "model_sha256": {n: info.manifest.files[n].sha256 for n in model_files(
+            list(info.manifest.files), info.manifest.world_size)}, "model": asdict(cfg),
         "data_dir": str(info.data_dir), "data_fingerprint": data.get("fingerprint"), "exported": time.time(),
     })
     fsync_dir(tmp)

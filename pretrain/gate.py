@@ -18,14 +18,18 @@ from dataclasses import asdict
 from pretrain.jobs import checkpoint_store, model_config, storage_options
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
-from trainer.checkpoint import CheckpointStore, step_name
+from trainer.checkpoint import MANIFEST, CheckpointStore, step_name
 from trainer.data import read_manifest
+from trainer.records import DamagedRecord
 
-GATE_TIMEOUT_S = 600.0
+GATE_TIMEOUT_FLOOR_S = 600.0  # a gate process (torch import, probe, evaluation) gets at least this long
+GATE_PER_REQUEST_S = 60.0  # + this per checkpoint (loading, probing, evaluating it)
+GATE_MIN_BYTES_PER_S = 20 * 2**20  # + its bytes at this rate (every shard is hashed and then loaded)
 
 
-class GateError(RuntimeError):
-    """The validation process itself failed (not a verdict on the checkpoint)."""
+def gate_timeout_s(total_bytes: int, requests: int) -> float:
+    """How long a gate process may take for ``requests`` checkpoints of ``total_bytes`` in all."""
+    return max(GATE_TIMEOUT_FLOOR_S, GATE_PER_REQUEST_S * requests + 2 * total_bytes / GATE_MIN_BYTES_PER_S)
 
 
 def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: bool) -> dict:
@@ -39,35 +43,66 @@ def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: 
     }
 
 
-def run_gate(requests: list[dict], timeout_s: float = GATE_TIMEOUT_S, env: dict[str, str] | None = None) -> list[dict]:
-    """Run ``python -m trainer.gate`` on the requests; one ``{"verdict", "metrics"}`` each. ``env``:
+def run_gate(requests: list[dict], timeout_s: float = GATE_TIMEOUT_FLOOR_S,
+             env: dict[str, str] | None = None) -> list[dict]:
+    """Run ``python -m trainer.gate`` on the requests; one result each: ``{"verdict", "metrics"}``,
+    or ``{"unjudged": why}`` when it could not be judged now (that request's validation could not
+    run, or the whole gate process timed out or crashed): no verdict, the next pass retries. ``env``:
     the process's environment (credentials travel there, never in the request file)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="pretrain-gate-") as f:
         json.dump(requests, f)
         f.flush()
-        proc = subprocess.run([sys.executable, "-m", "trainer.gate", f.name], capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
-    if proc.returncode != 0:
-        where = ", ".join(r["location"] for r in requests)
-        raise GateError(f"validating {where} failed to run (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        try:
+            proc = subprocess.run([sys.executable, "-m", "trainer.gate", f.name], capture_output=True, text=True,
+                                  timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            return [{"unjudged": f"the gate process timed out after {timeout_s:.0f}s; retried on its next pass"}] * len(requests)
+    try:
+        outs = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+    except (ValueError, IndexError):
+        outs = None
+    if not isinstance(outs, list) or len(outs) != len(requests):
+        why = f"the gate process failed (exit {proc.returncode}): {proc.stderr.strip()[-1000:] or 'no error output'}"
+        return [{"unjudged": f"{why}; retried on its next pass"}] * len(requests)
+    return outs
 
 
-def judge(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: set[int] = frozenset()) -> list[dict]:
+def _bytes_to_verify(store: CheckpointStore, steps: list[int]) -> int:
+    total = 0
+    for step in steps:
+        try:
+            manifest = store.manifest(step)
+        except DamagedRecord:
+            continue  # judged bad at once
+        total += sum(e.bytes for e in manifest.files.values()) if manifest else 0
+    return total
+
+
+def judge(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: set[int] = frozenset(),
+          timeout_s: float | None = None) -> list[dict]:
     """Validate checkpoints of the stage in one gate process (evaluating the good ones among
     ``evaluate``); write each verdict next to its checkpoint (moving the stage's ``good``
     pointer) and return the records, in the order of ``steps``. A step that training's retention
-    pruned meanwhile (its manifest is gone and the pointer is elsewhere) gets no record."""
+    pruned meanwhile (its manifest is gone and the pointer is elsewhere) gets no record. A step
+    the gate could not judge now gets a record with verdict "unjudged" (its reason in
+    ``problems``) and nothing written: it stays pending. ``timeout_s``: default scaled with the
+    checkpoints' bytes (:func:`gate_timeout_s`)."""
     store = checkpoint_store(spec, spec.stages[stage_index].name)
     locations = [store.ref(step).location for step in steps]
+    if timeout_s is None:
+        timeout_s = gate_timeout_s(_bytes_to_verify(store, steps), len(steps))
     t0 = time.monotonic()
     outs = run_gate([gate_request(spec, stage_index, loc, step in evaluate) for step, loc in zip(steps, locations)],
-                    env=spec.credentials.child_env() if spec.credentials else None)
+                    timeout_s, env=spec.credentials.child_env() if spec.credentials else None)
     gate_s = round((time.monotonic() - t0) / max(1, len(steps)), 2)
     records, pointer = [], store.read_pointer()
     for step, location, out in zip(steps, locations, outs):
-        if step != pointer and store.manifest(step) is None:
+        if step != pointer and not store.storage.exists(f"{step_name(step)}/{MANIFEST}"):
             continue  # pruned while being judged: no longer a checkpoint, nothing to record
+        if "unjudged" in out:
+            records.append({"step": step, "path": location, "verdict": "unjudged", "problems": [out["unjudged"]],
+                            "probe": {}, "metrics": {}, "gate_s": gate_s, "time": time.time()})
+            continue
         v = out["verdict"]
         record = {"step": step, "path": location, "verdict": "good" if v["ok"] else "bad", "problems": v["problems"],
                   "probe": v.get("metrics", {}), "metrics": out["metrics"], "gate_s": gate_s, "time": time.time()}
@@ -86,11 +121,15 @@ def wants_eval(spec: CampaignSpec, stage_index: int, step: int) -> bool:
 def rewind_past_bad(store: CheckpointStore) -> dict | None:
     """Make the newest good checkpoint the stage's ``latest`` again: everything the pointer got
     to beyond it is bad (quarantined) or never committed (deleted). Returns what was done, or
-    None when the pointer already is at the newest good checkpoint."""
+    None when the pointer already is at the newest good checkpoint, or when a checkpoint beyond
+    it is still unjudged (the gate could not judge it now: it is judged on the next pass, never
+    discarded meanwhile)."""
     good, limit = store.latest_good(), store.read_pointer()
     to = good.step if good else None
     if limit is None or (to is not None and limit <= to):
         return None
+    if any(to is None or step > to for step in store.unjudged()):
+        return None  # the gate could not judge them yet: never discard what may be good
     quarantined, dropped = [], []
     for step in store.all_steps():
         if (to is None or step > to) and step <= limit:

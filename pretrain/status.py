@@ -36,7 +36,7 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None) -> 
             "good_checkpoint": good.to_dict() if good else None,
             "bad_checkpoints": [v for v in s.get("verdicts", []) if v["verdict"] == "bad"],
             "attempts": s["attempts"], "restarts": s["restarts"], "resizes": s.get("resizes", []),
-            "rewinds": s.get("rewinds", []),
+            "rewinds": s.get("rewinds", []), "problems": store.record_problems(),
             "failures": s["failures"], "resumes": s["resumes"], "mlflow_run_id": s["mlflow_run_id"], "eval": s["eval"],
         })
     uri = d["mlflow"]["tracking_uri"]
@@ -66,6 +66,9 @@ def render(status: dict, console: Console | None = None) -> None:
             f"{s['eval']['val_loss']:.3f}" if s["eval"] else "-", s["mlflow_run_id"] or "-",
         )
     console.print(table)
+    for s in status["stages"]:
+        for problem in s.get("problems", []):
+            console.print(f"stage {s['name']}: {problem}", highlight=False, markup=False)
     console.print(f"MLflow: parent run {status['mlflow']['parent_run_id']} in experiment "
                   f"'{status['mlflow']['experiment']}' — {status['mlflow']['ui_command']}")
     if reg := status.get("registered_model"):

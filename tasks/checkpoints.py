@@ -16,11 +16,16 @@ from tasks.tracking import tracker_for
 @task(name="validate-checkpoint", cache_policy=NO_CACHE)
 def check_checkpoints(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: list[int] = ()) -> list[dict]:
     """Judge checkpoints of a stage in a separate process; record each verdict next to it, in
-    the ledger, as MLflow tags and as an event (evaluation metrics, if run, at its step)."""
+    the ledger, as MLflow tags and as an event (evaluation metrics, if run, at its step). One the
+    gate could not judge now (verdict "unjudged") is only logged: it stays pending."""
     logger = get_run_logger()
     stage = spec.stages[stage_index].name
     records = judge(spec, stage_index, list(steps), set(evaluate))
     for record in records:
+        if record["verdict"] == "unjudged":
+            logger.warning("stage %s: checkpoint %d could not be judged now; the next gate pass retries: %s", stage,
+                           record["step"], "; ".join(record["problems"]))
+            continue
         if record["verdict"] == "good":
             logger.info("stage %s: checkpoint %d is good (probe loss %s)", stage, record["step"],
                         _fmt(record["probe"].get("probe_loss")))

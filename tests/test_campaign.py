@@ -84,7 +84,7 @@ def test_final_good_checkpoint_is_registered_and_checkpoints_describe_themselves
     spec, status = finished
     final = status["stages"][-1]["good_checkpoint"]["path"]
     store, step = ckpt.CheckpointStore.of_step(final)
-    manifest = store.manifest(step)
+    manifest = store.manifest(step).meta
     assert manifest["persisted_by"] == "saver" and manifest["stage"] == "main" and manifest["seq_len"] == 64
     assert manifest["model"]["d_model"] == 32 and manifest["data_dir"] == str(spec.workdir_path / "data")
     client = MlflowClient(spec.tracking_uri, spec.tracking_uri)

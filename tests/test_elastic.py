@@ -35,7 +35,7 @@ def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness,
     for step, m in final.items():  # step s trained on sample positions [8(s-1), 8s): none twice, none skipped
         assert m["consumed"] == 8 * step, step
     store = checkpoint_store(spec, "main")
-    assert store.manifest(30)["world_size"] == 2
+    assert store.manifest(30).world_size == 2
 
 
 def test_node_check_excludes_a_slow_node(prefect_harness, prepared_data, tmp_path):

@@ -96,7 +96,7 @@ def test_a_sharded_checkpoint_commits_only_when_every_ranks_piece_is_persisted(t
     finally:
         first.terminate()
         first.wait(30)
-    assert store.manifest(4)["parallelism"] == "fsdp" and store.verify(4) == []
+    assert store.manifest(4).meta["parallelism"] == "fsdp" and store.verify(4) == []
     assert torch.equal(load_full_state(store, 4)["model"]["w"], w)
 
 
@@ -136,8 +136,8 @@ def test_each_rank_restores_its_pieces_from_memory_and_from_storage(trained):
         assert r["memory"] == ["memory", 4, 16] and r["storage"] == ["checkpoint", 3, 12]
     store = ckpt.CheckpointStore.open(root / "ckpt")
     manifest = store.manifest(3)
-    assert manifest["parallelism"] == "fsdp" and ckpt.MODEL_SHARD not in manifest["files"]
-    assert ckpt.model_files(list(manifest["files"]), 2) == [ckpt.model_shard_name(0), ckpt.model_shard_name(1)]
+    assert manifest.meta["parallelism"] == "fsdp" and ckpt.MODEL_SHARD not in manifest.files
+    assert ckpt.model_files(list(manifest.files), 2) == [ckpt.model_shard_name(0), ckpt.model_shard_name(1)]
 
 
 def test_consolidated_state_is_the_full_model_and_validates(trained):
@@ -179,7 +179,7 @@ def test_fsdp_and_ddp_checkpoints_reshard_into_fsdp_of_another_size(trained, wor
     model, opt = build_model(ddp, torch.device("cpu"))
     state.restore(job(root, "ddp"), CPU0, model=model, optimizer=opt)
     state.save(ddp, CPU0, step=3, consumed=12, model=model, optimizer=opt)  # the same state, as DDP writes it
-    assert ckpt.MODEL_SHARD in ckpt.CheckpointStore.open(root / "ddp_ckpt").manifest(3)["files"]
+    assert ckpt.MODEL_SHARD in ckpt.CheckpointStore.open(root / "ddp_ckpt").manifest(3).files
     results = run_ranks("reshard", root, world=world)
     for r in results:
         assert r["fsdp"] == ["checkpoint", 3, 12] and r["ddp"] == ["init_from", 0, 0]
@@ -217,7 +217,7 @@ def test_fsdp_worker_killed_after_a_snapshot_resumes_from_memory_bit_exact(prefe
 
     store = checkpoint_store(drilled, "main")
     final = store.ref(store.read_pointer()).location
-    assert store.manifest(8)["parallelism"] == "fsdp"
+    assert store.manifest(8).meta["parallelism"] == "fsdp"
     data_dir = CampaignLayout(drilled.workdir_path).data_dir
     model_cfg = model_config(drilled, read_manifest(data_dir)["vocab_size"])
     assert validate(final, model_cfg).ok

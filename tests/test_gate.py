@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from conftest import assert_no_duplicate_metric_steps, flip_byte, seed_data, small_spec
-from pretrain.gate import gate_request, judge, run_gate
+from conftest import assert_no_duplicate_metric_steps, flip_byte, save_checkpoint, seed_data, small_spec
+from pretrain.gate import (GATE_MIN_BYTES_PER_S, GATE_TIMEOUT_FLOOR_S, gate_request, gate_timeout_s, judge,
+                           run_gate)
 from pretrain.jobs import checkpoint_store, model_config
 from pretrain.ledger import Ledger
 from tasks.checkpoints import find_resume_point
@@ -61,10 +62,24 @@ def _drop_manifest(store, step):
     store.storage.delete(f"{step_name(step)}/manifest.json")
 
 
+def _truncate_manifest(store, step):
+    p = store.storage.local_path(f"{step_name(step)}/manifest.json")
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _escaping_shard_name(store, step):
+    p = store.storage.local_path(f"{step_name(step)}/manifest.json")
+    manifest = json.loads(p.read_text())
+    manifest["files"]["../../outside.pt"] = manifest["files"].pop("model.pt")
+    p.write_text(json.dumps(manifest))
+
+
 DAMAGE = {
     "flipped byte": (lambda spec: write_checkpoint(spec, 8), _flip_byte, "sha256 does not match"),
     "truncated shard": (lambda spec: write_checkpoint(spec, 8), _truncate, "bytes, manifest says"),
     "missing manifest": (lambda spec: write_checkpoint(spec, 8), _drop_manifest, "no manifest.json"),
+    "truncated manifest": (lambda spec: write_checkpoint(spec, 8), _truncate_manifest, "manifest.json is damaged"),
+    "shard name escapes": (lambda spec: write_checkpoint(spec, 8), _escaping_shard_name, "'../../outside.pt'"),
     "NaN weights": (lambda spec: write_checkpoint(spec, 8, nan=True), None, "NaN/Inf"),
     "probe out of tolerance": (lambda spec: write_checkpoint(spec, 8, reported_loss=1.0), None, "probe loss"),
 }
@@ -162,3 +177,79 @@ def test_checkpoints_pruned_before_they_are_judged_get_no_verdict(prepared_data,
 
     assert [(r["step"], r["verdict"]) for r in records] == [(6, "good")]
     assert store.all_steps() == [6] and store.latest_good().step == 6
+
+
+def test_one_damaged_checkpoint_does_not_stop_the_gate_judging_the_others(prepared_data, tmp_path):
+    """The gate judges a batch in one process: a checkpoint whose manifest is damaged is judged
+    bad on its own; the good ones around it are judged good."""
+    spec = _spec(tmp_path, prepared_data)
+    store = checkpoint_store(spec, "s")
+    for step in (2, 4, 6):
+        write_checkpoint(spec, step)
+    _truncate_manifest(store, 4)
+
+    records = judge(spec, 0, [2, 4, 6])
+
+    assert [(r["step"], r["verdict"]) for r in records] == [(2, "good"), (4, "bad"), (6, "good")]
+    assert "manifest.json is damaged" in records[1]["problems"][0]
+    assert store.verdict(4)["verdict"] == "bad" and store.latest_good().step == 6
+
+
+def test_a_request_that_cannot_be_judged_now_is_unjudged_not_bad(prepared_data, tmp_path):
+    """A failure that is not the checkpoint's (here: the probe's data set is gone) leaves that
+    request unjudged, for the next gate pass; the other requests are judged."""
+    spec = _spec(tmp_path, prepared_data)
+    for step in (2, 4):
+        write_checkpoint(spec, step)
+    store = checkpoint_store(spec, "s")
+    requests = [gate_request(spec, 0, store.ref(step).location, evaluate=False) for step in (2, 4)]
+    requests[1]["probe"]["data_dir"] = str(tmp_path / "gone")
+
+    good, later = run_gate(requests)
+
+    assert good["verdict"]["ok"] and "unjudged" not in good
+    assert "no data manifest" in later["unjudged"] and "verdict" not in later
+
+
+def test_a_gate_timeout_is_unjudged_and_retried(prepared_data, tmp_path):
+    """The gate process running out of time is not a verdict and not a stage failure: nothing is
+    written, the checkpoint stays pending and the next pass judges it."""
+    spec = _spec(tmp_path, prepared_data)
+    write_checkpoint(spec, 4)
+    store = checkpoint_store(spec, "s")
+
+    (record,) = judge(spec, 0, [4], timeout_s=0.01)
+
+    assert record["verdict"] == "unjudged" and "timed out" in record["problems"][0]
+    assert store.verdict(4) is None and store.unjudged() == [4]
+    assert [r["verdict"] for r in judge(spec, 0, store.unjudged())] == ["good"]
+
+
+@pytest.mark.parametrize("total_bytes, requests, expected", [
+    (0, 1, GATE_TIMEOUT_FLOOR_S),  # small checkpoints: the floor
+    (100 * 2**20, 3, GATE_TIMEOUT_FLOOR_S),
+    (10 * 2**30, 1, 60 + 2 * 10 * 2**30 / GATE_MIN_BYTES_PER_S),  # 10 GiB: hashed and loaded at the minimum rate
+    (10 * 2**30, 4, 4 * 60 + 2 * 10 * 2**30 / GATE_MIN_BYTES_PER_S),
+])
+def test_gate_timeout_scales_with_the_bytes_to_verify(total_bytes, requests, expected):
+    assert gate_timeout_s(total_bytes, requests) == pytest.approx(expected)
+
+
+def test_campaign_rewinds_past_a_checkpoint_whose_manifest_was_truncated(prefect_harness, prepared_data, tmp_path):
+    """A committed checkpoint's manifest is truncated while the campaign is stopped: on resume,
+    the gate judges it bad, the stage rewinds to the previous good checkpoint and completes."""
+    from flows.campaign import pretrain_campaign
+
+    spec = _spec(tmp_path, prepared_data)
+    save_checkpoint(spec, steps=4)
+    save_checkpoint(spec, steps=6)
+    store = checkpoint_store(spec, "s")
+    _truncate_manifest(store, 6)
+
+    status = pretrain_campaign(spec=spec)
+
+    (s,) = status["stages"]
+    assert status["status"] == "completed" and s["good_checkpoint"]["step"] == 8
+    assert [b["step"] for b in s["bad_checkpoints"]] == [6]
+    assert "manifest.json is damaged" in s["bad_checkpoints"][0]["problems"][0]
+    assert s["rewinds"][0]["to"] == 4 and s["problems"] == []

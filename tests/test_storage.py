@@ -191,6 +191,15 @@ def test_stream_round_trip(store):
     assert store.list() == ["ckpt/model.pt", "small"]  # no temporary left behind
 
 
+def test_streamed_read_returns_the_object_in_bounded_blocks(store):
+    data = os.urandom(12 * MiB + 7)
+    store.put_bytes("ckpt/model.pt", data)
+    blocks = list(store.iter_bytes("ckpt/model.pt", chunk=MiB))
+    assert b"".join(blocks) == data and max(len(b) for b in blocks) <= MiB
+    with pytest.raises(NotFound):
+        list(store.iter_bytes("ckpt/missing.pt"))
+
+
 def test_failing_producer_stores_nothing(store):
     """``torch.save`` raising half way through a shard must not leave a truncated object,
     nor (on S3) an unfinished multipart upload."""

@@ -20,7 +20,6 @@ A checkpoint is named by its *location*: ``<stage location>/step_XXXXXXXX``.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import tempfile
@@ -31,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.atomic import sha256_file
+from trainer import records
+from trainer.records import DamagedRecord, Manifest
 from trainer.storage import NotFound, Storage, open_storage
 
 POINTER = "latest"
@@ -139,15 +139,25 @@ class CheckpointStore:
     def ref(self, step: int) -> CheckpointRef:
         return CheckpointRef(step, _join(self.location, step_name(step)))
 
-    # ---- small JSON records -----------------------------------------------------------
-    def read_json(self, key: str) -> dict | None:
+    # ---- small JSON records (schemas and encoders: trainer.records) ---------------------------
+    def _read(self, key: str, parse):
+        """``parse(key, bytes)`` of the object at ``key``; None if there is none."""
         try:
-            return json.loads(self.storage.get_bytes(key))
+            data = self.storage.get_bytes(key)
         except NotFound:
             return None
+        return parse(key, data)
+
+    def read_json(self, key: str) -> dict | None:
+        """Any JSON object kept in the store (not a checkpoint record); DamagedRecord if unreadable."""
+        return self._read(key, records.load_object)
 
     def write_json(self, key: str, obj: dict) -> None:
-        self.storage.put_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+        self.storage.put_bytes(key, records.encode_object(obj))
+
+    def _write_pointer(self, name: str, step: int) -> None:
+        """The one writer of the ``latest`` and ``good`` pointers."""
+        self.storage.put_bytes(name, records.encode_pointer(step))
 
     # ---- writing -------------------------------------------------------------------------
     def write_shard(self, step: int, name: str, obj: object) -> dict:
@@ -165,71 +175,136 @@ class CheckpointStore:
         return {"name": name, "sha256": written[0].sha.hexdigest(), "bytes": written[0].bytes}
 
     def write_node_record(self, step: int, node: str, world_size: int, shards: list[dict]) -> None:
-        self.write_json(f"{step_name(step)}/node_{node}.json", {"world_size": world_size, "shards": shards})
+        self.storage.put_bytes(f"{step_name(step)}/node_{node}.json", records.encode_node_record(world_size, shards))
+
+    def _node_keys(self, step: int) -> list[str]:
+        return [k for k in self.storage.list(f"{step_name(step)}/node_") if k.endswith(".json")]
 
     def node_shards(self, step: int) -> list[dict]:
-        keys = [k for k in self.storage.list(f"{step_name(step)}/node_") if k.endswith(".json")]
-        return [s for k in keys for s in (self.read_json(k) or {"shards": []})["shards"]]
+        """The shards the nodes' savers recorded for ``step``. A damaged node record counts as
+        not written: that step is never committed (verify reports it if it was)."""
+        shards = []
+        for key in self._node_keys(step):
+            try:
+                shards += (self._read(key, records.parse_node_record) or records.NodeRecord(1, [])).shards
+            except DamagedRecord:
+                continue
+        return shards
 
     def commit(self, step: int, shards: list[dict], meta: dict) -> CheckpointRef:
         """Write the manifest (all shards are already durable), then move the pointer."""
-        manifest = {"step": step, "files": {s["name"]: {"sha256": s["sha256"], "bytes": s["bytes"]} for s in shards},
-                    "created": time.time(), **meta}
-        self.write_json(f"{step_name(step)}/{MANIFEST}", manifest)
-        self.write_json(POINTER, {"step": step, "dir": step_name(step)})
+        self.storage.put_bytes(f"{step_name(step)}/{MANIFEST}", records.encode_manifest(step, shards, {"created": time.time(), **meta}))
+        self._write_pointer(POINTER, step)
         return self.ref(step)
 
     # ---- reading -------------------------------------------------------------------------
     def read_pointer(self, name: str = POINTER) -> int | None:
-        ptr = self.read_json(name)
-        return None if ptr is None else int(ptr["step"])
+        """The step a pointer names; None if there is none. A damaged ``latest`` is replaced by
+        the newest step that holds a manifest (what the pointer said unless a commit was torn
+        between manifest and pointer); a damaged ``good`` is ignored: ``latest_good`` is
+        recomputed from the verdicts and the next good verdict writes it anew.
+        ``pointer_problems`` reports either."""
+        try:
+            ptr = self._read(name, records.parse_pointer)
+        except DamagedRecord:
+            return max(self._manifest_steps(), default=None) if name == POINTER else None
+        return None if ptr is None else ptr.step
 
-    def manifest(self, step: int) -> dict | None:
-        return self.read_json(f"{step_name(step)}/{MANIFEST}")
+    def pointer_problems(self) -> list[str]:
+        """What is wrong with the stage's pointers, and what is done about it."""
+        notes = []
+        for name in (POINTER, GOOD):
+            try:
+                self._read(name, records.parse_pointer)
+            except DamagedRecord as err:
+                if name == POINTER:
+                    derived = max(self._manifest_steps(), default=None)
+                    notes.append(f"{err}: treated as step {derived} (the newest step with a {MANIFEST}); "
+                                 "the next commit or resume writes it anew")
+                else:
+                    notes.append(f"{err}: ignored (the good checkpoint is recomputed from the verdicts; "
+                                 "the next good verdict writes it anew)")
+        return notes
 
-    def committed_steps(self) -> list[int]:
-        """Steps at or before the pointer that hold a manifest, newest first."""
-        limit = self.read_pointer()
-        if limit is None:
-            return []
+    def record_problems(self) -> list[str]:
+        """Every damaged record of the stage, each with what is done about it (``pretrain status``)."""
+        notes = self.pointer_problems()
+        for step in self.all_steps():
+            try:
+                self._checked_manifest(step)
+            except DamagedRecord as err:
+                notes.append(f"{err}: the checkpoint is unusable; the validation gate judges it bad and the stage "
+                             "rewinds past it")
+            try:
+                self._read(f"{step_name(step)}/{VERDICT}", records.parse_verdict)
+            except DamagedRecord as err:
+                notes.append(f"{err}: the step is unjudged again; the next gate pass judges it")
+        return notes
+
+    def _checked_manifest(self, step: int) -> Manifest | None:
+        """The step's manifest, having read its node records too; DamagedRecord for either."""
+        manifest = self.manifest(step)
+        for key in self._node_keys(step):
+            self._read(key, records.parse_node_record)
+        return manifest
+
+    def _manifest_steps(self) -> set[int]:
+        """Steps whose directory holds a ``manifest.json`` (readable or not)."""
         steps = set()
         for key in self.storage.list("step_"):
             head, _, tail = key.partition("/")
-            m = _STEP.match(head)
-            if m and tail == MANIFEST and int(m.group(1)) <= limit:
+            if (m := _STEP.match(head)) and tail == MANIFEST:
                 steps.add(int(m.group(1)))
-        return sorted(steps, reverse=True)
+        return steps
+
+    def manifest(self, step: int) -> Manifest | None:
+        """The step's manifest; None if it has none; DamagedRecord if it cannot be read."""
+        return self._read(f"{step_name(step)}/{MANIFEST}", lambda key, data: records.parse_manifest(key, data, step))
+
+    def committed_steps(self) -> list[int]:
+        """Steps at or before the pointer that hold a manifest (readable or not), newest first."""
+        limit = self.read_pointer()
+        if limit is None:
+            return []
+        return sorted((s for s in self._manifest_steps() if s <= limit), reverse=True)
 
     def all_steps(self) -> list[int]:
         return sorted({int(m.group(1)) for k in self.storage.list("step_") if (m := _STEP.match(k.partition("/")[0]))})
 
     def verify(self, step: int, deep: bool = True) -> list[str]:
-        """Problems that make the checkpoint unusable (empty list: complete)."""
+        """Problems that make the checkpoint unusable (empty list: complete). A damaged manifest
+        or node record is one of them."""
         name = step_name(step)
-        manifest = self.manifest(step)
+        try:
+            manifest = self._checked_manifest(step)
+        except DamagedRecord as err:
+            return [str(err)]
         if manifest is None:
             return [f"{name}: no {MANIFEST} (checkpoint was never committed)"]
         problems = []
-        for fname, entry in manifest["files"].items():
+        for fname, entry in manifest.files.items():
             key = f"{name}/{fname}"
             try:
                 size = self.storage.size(key)
             except NotFound:
                 problems.append(f"{name}/{fname}: missing")
                 continue
-            if size != entry["bytes"]:
-                problems.append(f"{name}/{fname}: {size} bytes, manifest says {entry['bytes']}")
-            elif deep and (digest := self._sha256(key)) != entry["sha256"]:
+            if size != entry.bytes:
+                problems.append(f"{name}/{fname}: {size} bytes, manifest says {entry.bytes}")
+            elif deep and (digest := self._sha256(key)) != entry.sha256:
                 problems.append(f"{name}/{fname}: " + ("missing" if digest is None else "sha256 does not match the manifest"))
         return problems
 
     def _sha256(self, key: str) -> str | None:
-        """The object's sha256; None if it is gone (deleted while being verified)."""
-        local = self.storage.local_path(key)
+        """The object's sha256, streamed (never the whole object in memory); None if it is gone
+        (deleted while being verified)."""
+        h = hashlib.sha256()
         try:
-            return sha256_file(local) if local is not None else hashlib.sha256(self.storage.get_bytes(key)).hexdigest()
-        except (NotFound, FileNotFoundError):
+            for block in self.storage.iter_bytes(key):
+                h.update(block)
+        except NotFound:
             return None
+        return h.hexdigest()
 
     def latest_complete(self) -> CheckpointRef | None:
         """The newest committed checkpoint whose shards verify and that is not marked bad."""
@@ -250,7 +325,12 @@ class CheckpointStore:
 
     # ---- verdicts and retention -------------------------------------------------------------
     def verdict(self, step: int) -> dict | None:
-        return self.read_json(f"{step_name(step)}/{VERDICT}")
+        """The gate's verdict on ``step``; None if it has none, or if its record is damaged (the
+        step is unjudged again: the next gate pass judges it and writes a new one)."""
+        try:
+            return self._read(f"{step_name(step)}/{VERDICT}", records.parse_verdict)
+        except DamagedRecord:
+            return None
 
     def latest_good(self) -> CheckpointRef | None:
         """The newest committed checkpoint that passed validation (and whose files are all there)."""
@@ -282,15 +362,15 @@ class CheckpointStore:
         if step is None:
             self.storage.delete(POINTER)
         else:
-            self.write_json(POINTER, {"step": step, "dir": step_name(step)})
+            self._write_pointer(POINTER, step)
         good = self.read_pointer(GOOD)
-        if good is not None and (step is None or good > step):
+        if good is None or step is None or good > step:  # (None: absent, or damaged)
             self.storage.delete(GOOD)
 
     def set_verdict(self, step: int, record: dict) -> None:
-        self.write_json(f"{step_name(step)}/{VERDICT}", record)
+        self.storage.put_bytes(f"{step_name(step)}/{VERDICT}", records.encode_verdict(record))
         if record.get("verdict") == "good" and step >= (self.read_pointer(GOOD) or -1):
-            self.write_json(GOOD, {"step": step, "dir": step_name(step)})
+            self._write_pointer(GOOD, step)
 
     def prune(self, keep: int, protect: set[int] = frozenset()) -> list[int]:
         """Delete committed checkpoints beyond the newest ``keep`` (never the pointer's target,

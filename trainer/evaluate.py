@@ -20,6 +20,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import ModelConfig
 from trainer.data import TokenWindows
 from trainer.model import GPT, lm_loss
+from trainer.records import DamagedRecord
 from trainer.sharded import ShardLayoutError, consolidate, load_full_state
 
 
@@ -72,21 +73,24 @@ def validate_and_load(location: str | Path, model_cfg: ModelConfig, options: dic
     problems = store.verify(step)
     if problems:
         return Verdict(False, step, problems), None
-    manifest = store.manifest(step)
+    try:
+        manifest = store.manifest(step)
+    except DamagedRecord as err:  # rewritten since verify read it
+        return Verdict(False, step, [str(err)]), None
     if manifest is None:  # deleted (pruned) since verify read it
         return Verdict(False, step, [f"{ckpt.step_name(step)}: no {ckpt.MANIFEST} (deleted while being validated)"]), None
     shards = {}
-    for name in manifest["files"]:
+    for name in manifest.files:
         try:
             shards[name] = store.load_shard(step, name)
         except Exception as err:  # noqa: BLE001 - any load failure makes the checkpoint unusable
             problems.append(f"{name}: cannot be loaded with weights_only=True ({err.__class__.__name__}: {err})")
-    model_files = ckpt.model_files(list(manifest["files"]), int(manifest.get("world_size", 1)))
+    model_files = ckpt.model_files(list(manifest.files), manifest.world_size)
     what = model_files[0] if len(model_files) == 1 else f"the {len(model_files)} model shards"
     main, model = None, None
     if not model_files:
         problems.append(f"no model state: neither {ckpt.MODEL_SHARD} nor a model shard of every rank "
-                        f"(world_size {manifest.get('world_size')}) is in the manifest")
+                        f"(world_size {manifest.world_size}) is in the manifest")
     elif all(n in shards for n in model_files):
         for name in model_files:
             for key in ("model", "optimizer", "scheduler", "step"):

@@ -7,7 +7,7 @@ import io
 import os
 import threading
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 
 from trainer.storage import MiB, NotFound, Storage, StorageError, _dir_prefix, _write_local_atomic, check_key
 from trainer.streaming import pipe_to
@@ -139,6 +139,17 @@ class S3Storage(Storage):
         k = self._key(key)
         resp = self._call("download", key, self.client.get_object, Bucket=self.bucket, Key=k)
         return self._call("download", key, resp["Body"].read)
+
+    def iter_bytes(self, key: str, chunk: int = 4 * MiB) -> Iterator[bytes]:
+        """Stream the object's body (one GET) in blocks of ``chunk``."""
+        k = self._key(key)
+        body = self._call("download", key, self.client.get_object, Bucket=self.bucket, Key=k)["Body"]
+        try:
+            blocks = body.iter_chunks(chunk)
+            while block := self._call("download", key, next, blocks, b""):
+                yield block
+        finally:
+            body.close()
 
     def get_file(self, key: str, path: str | Path) -> None:
         k, client = self._key(key), self.client

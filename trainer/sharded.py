@@ -152,11 +152,11 @@ def model_files_of(store: ckpt.CheckpointStore, step: int) -> list[str]:
     manifest = store.manifest(step)
     if manifest is None:
         raise FileNotFoundError(f"{store.ref(step).location} has no {ckpt.MANIFEST}: the checkpoint was never committed")
-    names = list(manifest["files"])
-    files = ckpt.model_files(names, int(manifest.get("world_size", 1)))
+    names = list(manifest.files)
+    files = ckpt.model_files(names, manifest.world_size)
     if not files:
         raise ShardLayoutError(f"{store.ref(step).location}: no {ckpt.MODEL_SHARD} and not every rank's model shard "
-                               f"(world_size {manifest.get('world_size')}, found pieces of ranks "
+                               f"(world_size {manifest.world_size}, found pieces of ranks "
                                f"{ckpt.model_shard_ranks(names)})")
     return files
 

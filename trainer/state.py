@@ -100,9 +100,9 @@ def _model_state(cfg: JobConfig, info: DistInfo, store: ckpt.CheckpointStore, st
     """The checkpoint's model state as this rank needs it: its own piece when an FSDP run
     resumes an FSDP checkpoint of the same world size; otherwise the full state (consolidated
     from the pieces if the checkpoint is sharded), which FSDP then cuts into this rank's piece."""
-    manifest = store.manifest(step) or {}
-    if is_sharded(cfg) and manifest.get("world_size") == info.world_size and \
-            ckpt.model_shard_name(info.rank) in manifest.get("files", {}):
+    manifest = store.manifest(step)
+    if is_sharded(cfg) and manifest is not None and manifest.world_size == info.world_size and \
+            ckpt.model_shard_name(info.rank) in manifest.files:
         return store.load_shard(step, ckpt.model_shard_name(info.rank), map_location=info.device)
     return load_full_state(store, step, map_location=info.device)
 
@@ -159,7 +159,7 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
     if source == "init_from":  # moments carry over if asked; the new stage's schedule sets the lr
         _load_model(cfg, state, model, optimizer if cfg.init_optimizer else None)
         return Restored(0, 0, source, path)
-    world = (src.manifest(step) or {}).get("world_size", info.world_size)
+    world = manifest.world_size if (manifest := src.manifest(step)) else info.world_size
     if info.rank < world:
         mine = src.load_shard(step, ckpt.rank_shard_name(info.rank))
     else:  # the world grew: a new rank takes the (global) data position, and its own RNG stream

@@ -14,7 +14,7 @@ import tempfile
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 from urllib.parse import unquote, urlparse
 
 from trainer.atomic import atomic_write_bytes, fsync_dir
@@ -89,6 +89,9 @@ class Storage(ABC):
     @abstractmethod
     def get_bytes(self, key: str) -> bytes: ...
     @abstractmethod
+    def iter_bytes(self, key: str, chunk: int = 4 * MiB) -> Iterator[bytes]:
+        """The object's bytes in blocks of at most ``chunk`` (never all of it in memory at once)."""
+    @abstractmethod
     def get_file(self, key: str, path: str | Path) -> None:
         """Download to the local ``path``, atomically replacing it."""
     @abstractmethod
@@ -158,6 +161,15 @@ class LocalStorage(Storage):
             return self._path(key).read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFound(f"{self.url}: key {key!r} does not exist") from None
+
+    def iter_bytes(self, key: str, chunk: int = 4 * MiB) -> Iterator[bytes]:
+        try:
+            f = open(self._file(key), "rb")
+        except FileNotFoundError:  # deleted since _file looked
+            raise NotFound(f"{self.url}: key {key!r} does not exist") from None
+        with f:
+            while block := f.read(chunk):
+                yield block
 
     def get_file(self, key: str, path: str | Path) -> None:
         src = self._file(key)
