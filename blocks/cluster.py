@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from prefect.blocks.core import Block
 from prefect_kubernetes.credentials import KubernetesCredentials
 
-from pretrain.spec import ClusterSpec
+from pretrain.spec_sections import ClusterSpec
 
 _SPEC_FIELDS = ClusterSpec.model_fields
 
@@ -65,7 +65,7 @@ class LocalProcessCluster(_ElasticJob):
         Use the stored cluster settings for a campaign:
         ```python
         from blocks import LocalProcessCluster
-        from pretrain.spec import load_spec
+        from pretrain.specfile import load_spec
 
         cluster = LocalProcessCluster.load("BLOCK_NAME")
         spec = load_spec("builtin:tiny").model_copy(update={"cluster": cluster.to_spec()})

@@ -11,7 +11,8 @@ from blocks.cluster import KubernetesCluster, LocalProcessCluster
 from blocks.storage import LocalCampaignStorage, S3CampaignStorage
 from blocks.tracking import MlflowTracking
 from pretrain.credentials import Credentials
-from pretrain.spec import CampaignSpec, SpecError, parse_spec, resolve_spec
+from pretrain.spec import CampaignSpec, SpecError, parse_spec
+from pretrain.specfile import resolve_spec
 
 KINDS: dict[str, tuple[type[Block], ...]] = {
     "storage": (LocalCampaignStorage, S3CampaignStorage),

@@ -23,7 +23,8 @@ def run(
     workdir: Optional[Path] = typer.Option(None, "--workdir", "-w", help="Where the campaign keeps its state (overrides the spec)."),
 ) -> None:
     """Run a campaign, or resume it: the same command after any crash continues where it stopped."""
-    from pretrain.spec import SpecError, load_spec
+    from pretrain.spec import SpecError
+    from pretrain.specfile import load_spec
 
     try:
         campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
@@ -143,7 +144,7 @@ def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_l
     """The checkpoint's CheckpointInfo, from its manifest and the options given."""
     from pretrain.checkpoint_info import describe, spec_overrides
     from pretrain.jobs import s3_options
-    from pretrain.spec import load_spec
+    from pretrain.specfile import load_spec
 
     with _checkpoint_errors():
         given = spec_overrides(load_spec(spec), data_dir) if spec else {"data_dir": data_dir}

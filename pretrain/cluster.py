@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.layout import CampaignLayout
-from pretrain.spec import ClusterSpec
+from pretrain.spec_sections import ClusterSpec
 from trainer.config import JobConfig
 from trainer.healthcheck import judge_nodes
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pretrain.spec import DataSpec
+from pretrain.spec_sections import DataSpec
 from trainer.atomic import atomic_write_bytes, read_json
 from trainer.data import MANIFEST
 from trainer.diskfull import describe, is_disk_full

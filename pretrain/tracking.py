@@ -9,7 +9,6 @@ Uses ``MlflowClient`` only (no fluent API global state).
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -21,7 +20,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
-from pretrain.redact import redact_mapping, redact_value
+from pretrain.redact import redact, redact_mapping, redact_value
 from trainer.reporting import read_new_lines
 
 TAG_CAMPAIGN_ID = "pretrain.campaign_id"
@@ -144,14 +143,10 @@ def transient(err: BaseException) -> bool:
 
 
 def describe_error(err: BaseException, limit: int = 300) -> str:
-    """One line for a log: the error's type and the start of its first line, with any
-    credentials in URLs masked."""
-    text = (str(err).strip().splitlines() or [""])[0]
-    text = _USERINFO.sub(r"\1***@", text)
+    """One line for a log: the error's type and the start of its first line, with anything
+    credential-shaped masked (:func:`pretrain.redact.redact`)."""
+    text = redact((str(err).strip().splitlines() or [""])[0])
     return f"{type(err).__name__}: {text[:limit]}{'…' if len(text) > limit else ''}"
-
-
-_USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)[^/@\s]+@")
 
 
 @dataclass

@@ -20,7 +20,8 @@ import blocks
 from blocks import KubernetesCluster, LocalCampaignStorage, LocalProcessCluster, MlflowTracking, S3CampaignStorage
 from blocks.references import apply_blocks, resolve_campaign
 from pretrain.jobs import checkpoint_store
-from pretrain.spec import ClusterSpec, SpecError, TrackingSpec, parse_spec
+from pretrain.spec import SpecError, parse_spec
+from pretrain.spec_sections import ClusterSpec, TrackingSpec
 
 SECRET = "tok-" + uuid.uuid4().hex
 SLUGS = {"local-campaign-storage", "s3-campaign-storage", "local-process-cluster", "kubernetes-training-cluster",

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from pretrain.spec import CampaignSpec, SpecError, load_spec, parse_spec
+from pretrain.spec import CampaignSpec, SpecError, parse_spec
+from pretrain.specfile import load_spec
 
 
 def _models(model: type[BaseModel], seen=None):
