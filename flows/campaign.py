@@ -62,6 +62,7 @@ def run_campaign(spec: CampaignSpec) -> dict:
         final = train_stage(spec, i, init_from)
         validate_checkpoint(spec, stage.name, final["path"])
         evaluate(spec, stage.name, final["path"], final["step"])
+        sync_verdicts(spec, stage.name)  # what an MLflow outage kept from the stage run
         finish_run(spec, ledger.reload()["stages"][stage.name]["mlflow_run_id"], "FINISHED")
         ledger.update_stage(stage.name, status="completed")
         publish_reports(spec)

@@ -10,7 +10,8 @@ from pretrain.jobs import checkpoint_store
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
 from tasks.events import checkpoint_verdict
-from tasks.tracking import tracker_for
+from pretrain.tracking import describe_error, transient
+from tasks.tracking import MLFLOW_RETRIES, tracker_for
 
 
 @task(name="validate-checkpoint", cache_policy=NO_CACHE)
@@ -49,13 +50,38 @@ def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
             ledger.update_stage(stage, good_checkpoint={"step": record["step"], "path": record["path"]})
     run_id = ledger.stage(stage)["mlflow_run_id"]
     if run_id:
-        tracker = tracker_for(spec)
-        tags = {f"verdict.{record['step']:08d}": record["verdict"]}
+        try:
+            verdicts_to_mlflow(spec, run_id, [record])
+        except Exception as e:  # noqa: BLE001 - MLflow is a view: the verdict stands; sync_verdicts catches up
+            if not transient(e):
+                raise
+            get_run_logger().warning("stage %s: MLflow did not take the verdict of checkpoint %d (%s); it is sent "
+                                     "again when the stage ends", stage, record["step"], describe_error(e))
+
+
+def verdicts_to_mlflow(spec: CampaignSpec, run_id: str, records: list[dict]) -> None:
+    """Verdicts as tags of the stage run, evaluation metrics at their steps (idempotent: tags
+    are overwritten with the same value, a metric the run holds at that step is not logged again)."""
+    tracker = tracker_for(spec)
+    tags = {}
+    for record in records:
+        tags[f"verdict.{record['step']:08d}"] = record["verdict"]
         if record["problems"]:
             tags[f"verdict.{record['step']:08d}.problems"] = "; ".join(record["problems"])[:4000]
+    if tags:
         tracker.set_tags(run_id, tags)
-        if record["metrics"]:
+    for record in records:
+        if record.get("metrics"):
             tracker.log_values(run_id, record["metrics"], record["step"])
+
+
+@task(name="sync-verdicts-to-mlflow", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
+def sync_verdicts(spec: CampaignSpec, stage: str) -> None:
+    """Send every verdict the ledger holds for the stage to its MLflow run: what an MLflow outage
+    during training kept from it arrives now."""
+    s = Ledger.open(spec).stage(stage)
+    if s["mlflow_run_id"] and s["verdicts"]:
+        verdicts_to_mlflow(spec, s["mlflow_run_id"], s["verdicts"])
 
 
 def judge_pending(spec: CampaignSpec, stage_index: int) -> list[dict]:

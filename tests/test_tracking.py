@@ -12,9 +12,13 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 from mlflow.tracking import MlflowClient
 
-from conftest import assert_no_duplicate_metric_steps, wait_for
+from prefect import flow
+
+from conftest import assert_no_duplicate_metric_steps, small_spec, wait_for
 from mlflow_server import MlflowServer
 from pretrain.tracking import Backoff, MetricsForwarder, Tracker, describe_error, transient
+from pretrain.ledger import Ledger
+from tasks.checkpoints import record_verdict, sync_verdicts
 from tasks.evaluation import log_evaluation
 from trainer.reporting import JsonLines, read_all, read_new_lines
 
@@ -111,6 +115,10 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlfl
                            backoff=Backoff(initial_s=0.2, max_s=1.0))
     records(metrics, [1, 2, 3])
     assert fwd.pump() == 3
+    spec = small_spec(tmp_path / "wd", tracking={"uri": mlflow_server.uri, "register_model": False})
+    Ledger.open(spec).update_stage("warmup", mlflow_run_id=stage)
+    verdict = {"step": 4, "path": "/ckpt/step_00000004", "verdict": "good", "problems": [], "probe": {},
+               "metrics": {"val_perplexity": 30.0}, "time": 1.0}
 
     mlflow_server.stop()
     wait_for(mlflow_server.down, 30, "the MLflow server to stop")
@@ -132,12 +140,17 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlfl
                                               mlflow_server.uri, stage, {"val_loss": 3.5}, 7)
     wait_for(lambda: fwd.backoff.due(), 5, "the next try")
     assert fwd.pump() == 0 and fwd.backoff.failures == 2
+    # the gate judges a checkpoint meanwhile: its verdict stands (ledger) and the stage goes on
+    in_flow(record_verdict, spec, 0, verdict)
+    assert [v["step"] for v in Ledger.open(spec).stage("warmup")["verdicts"]] == [4]
 
     mlflow_server.start()
     evaluation.result(timeout=120)
     assert fwd.drain(timeout_s=60)
     assert other.drain(timeout_s=60)
     assert any("works again" in m for m in logged)
+    in_flow(sync_verdicts, spec, "warmup")  # the stage's end sends what the outage kept from MLflow
+    in_flow(sync_verdicts, spec, "warmup")  # twice: still one value per step
 
     client = MlflowClient(mlflow_server.uri)
     assert history(client, stage) == [1, 2, 3, 4, 5, 6, 7]
@@ -145,7 +158,15 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlfl
     assert history(client, parent) == [101, 102, 103, 104, 105, 106, 107, 201]
     assert history(client, later_stage) == [1] and history(client, stage, "val_loss") == [7]
     assert client.get_run(stage).data.tags["checkpoint.latest"] == "/ckpt/step_00000004"
+    assert client.get_run(stage).data.tags["verdict.00000004"] == "good"
+    assert history(client, stage, "val_perplexity") == [4]
     assert_no_duplicate_metric_steps(mlflow_server.uri)
+
+
+@flow
+def in_flow(fn, *args):
+    """Run a task body in a flow run (as the stage flow does)."""
+    return fn(*args)
 
 
 def test_drain_gives_up_after_its_timeout_and_says_where_the_steps_are(tmp_path, monkeypatch):
