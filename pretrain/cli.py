@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,21 +31,43 @@ def run(
     except SpecError as e:
         err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         raise typer.Exit(2)
-    from flows.campaign import pretrain_campaign
+    from deployments.local_run import run_campaign_here
+    from pretrain.interrupt import CampaignInterrupted, StoppedAtOnce
     from pretrain.ledger import CampaignMismatch
     from pretrain.status import campaign_status, render
 
     try:
-        pretrain_campaign(spec=campaign)
+        run_campaign_here(campaign, notice=lambda msg: err.print(msg, highlight=False))
     except CampaignMismatch as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2)
+    except CampaignInterrupted as e:
+        err.print(f"[yellow]interrupted:[/yellow] {e}", highlight=False)
+        _show_status(campaign.workdir_path)
+        err.print(f"Run the same command to resume: {_this_command()}", highlight=False)
+        if isinstance(e, StoppedAtOnce):  # the flow thread may still be unwinding: do not wait for it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
+        raise typer.Exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - report, show where the campaign stands, exit non-zero
         err.print(f"[red]campaign failed:[/red] {e}", highlight=False)
-        if (campaign.workdir_path / "ledger.json").exists():
-            render(campaign_status(campaign.workdir_path))
+        _show_status(campaign.workdir_path)
         raise typer.Exit(1)
     render(campaign_status(campaign.workdir_path))
+
+
+def _show_status(workdir: Path) -> None:
+    """The status table, if the campaign got as far as writing its ledger."""
+    from pretrain.status import campaign_status, render
+
+    if (workdir / "ledger.json").exists():
+        render(campaign_status(workdir))
+
+
+def _this_command() -> str:
+    """This invocation, to copy and paste (the same command resumes a campaign)."""
+    return shlex.join(["pretrain", *sys.argv[1:]])
 
 
 @app.command()

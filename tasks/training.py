@@ -10,6 +10,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pretrain.cluster import make_cluster, recheck_nodes
+from pretrain.interrupt import CampaignInterrupted, current_stop
 from pretrain.jobs import build_job, threads_per_worker, write_job
 from pretrain.ledger import Ledger
 from pretrain.incidents import cause_of, incidents
@@ -21,7 +22,7 @@ from tasks.tracking import tracker_for
 from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
 
 POLL_S = 1.0
-SCALE_UP_GRACE_S = 120.0  # a stop for scaling up waits this long for the savers' final persist
+SAVE_GRACE_S = 120.0  # a stop (to scale up, or asked by the operator) waits this long for the savers' final persist
 
 
 @dataclass
@@ -97,9 +98,14 @@ def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: 
 @task(name="run-training-job", cache_policy=NO_CACHE)
 def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None,
                      stage_run_id: str, parent_run_id: str, step_offset: int, exclude: list[int] = ()) -> JobResult:
-    """Start the stage's job on the cluster and wait for it, streaming metrics to MLflow."""
+    """Start the stage's job on the cluster and wait for it, streaming metrics to MLflow. An
+    operator's stop (``pretrain.interrupt``) stops the job with a save at breakpoint and raises
+    ``CampaignInterrupted``."""
     logger = get_run_logger()
     layout = CampaignLayout(spec.workdir_path)
+    stop = current_stop()
+    if stop is not None:
+        stop.raise_if_requested(f"before stage {spec.stages[stage_index].name} attempt {attempt} started")
     job = build_job(spec, stage_index, attempt, init_from)
     job_path = write_job(job)
     handle = make_cluster(spec.cluster, job.threads_per_worker).start(job, job_path, layout, set(exclude))
@@ -111,6 +117,9 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
     scaled_up: list[int] = []
+    interrupted = False
+    # a second signal kills the job from the main thread, without waiting for this one
+    forget_job = stop.kill_at_once(lambda: handle.stop(grace_s=0)) if stop is not None else None
     try:
         code, lost, events = None, {}, JsonLines(Path(job.job_dir) / EVENTS)
         while code is None:
@@ -126,13 +135,25 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
             if code is None and (due := rejoin.due()):
                 scaled_up = try_scale_up(spec, job.stage, due, rejoin, events, logger)
                 if scaled_up:
-                    handle.stop(grace_s=SCALE_UP_GRACE_S)  # the savers persist the newest snapshot on the way out
+                    handle.stop(grace_s=SAVE_GRACE_S)  # the savers persist the newest snapshot on the way out
                     code = handle.poll()
+            if code is None and stop is not None and stop.requested.is_set():
+                logger.warning("stage %s: %s received; stopping the job (its savers save at breakpoint, up to %.0fs)",
+                               job.stage, stop.name, SAVE_GRACE_S)
+                handle.stop(grace_s=SAVE_GRACE_S)
+                interrupted, code = True, handle.poll()
         forwarder.pump()
         progress.update(forwarder.last_step, force=True)
     finally:
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left
+        if forget_job is not None:
+            forget_job()
     result = summarize(Path(job.job_dir), attempt, code, started, Path(handle.logs[0]))
+    if interrupted:
+        saved = result.last_checkpoint_step
+        raise CampaignInterrupted(f"campaign interrupted by {stop.name}: stage {job.stage} stopped after "
+                                  + (f"committing its checkpoint at step {saved}" if saved else "no checkpoint"),
+                                  stop.signum)
     if scaled_up:
         result.cause, result.scaled_up = "scale_up", scaled_up
     for r in result.resumes:
