@@ -98,7 +98,7 @@ def test_ctrl_c_stops_the_campaign_and_the_same_command_resumes_it(prepared_data
     assert "interrupted" in output and "Run the same command to resume" in output
     assert f"pretrain run {tmp_path / 'spec.yaml'} --workdir {spec.workdir_path}" in output
     status = assert_recorded_interrupted(spec, "SIGINT")
-    assert at_signal <= status["stages"][0]["steps_done"] < STEPS
+    assert at_signal <= status["stages"][0]["latest_checkpoint"]["step"] < STEPS
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
     saved = max(e["step"] for e in events if e["event"] == "checkpoint")
     assert saved == ckpt.read_pointer(ckpt_dir(spec))  # the savers' final save committed (at breakpoint)
