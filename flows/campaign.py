@@ -56,8 +56,9 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
 def record_interrupted(spec: CampaignSpec, stop: StopRequest, error: Exception) -> CampaignInterrupted:
     """Record the campaign as interrupted (ledger, MLflow); whatever broke on the way out (a
     validation process the terminal's Ctrl-C also reached), the cause is the operator's stop."""
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
     interrupted = error if isinstance(error, CampaignInterrupted) else \
-        CampaignInterrupted(f"campaign interrupted by {stop.name} ({error})", stop.signum)
+        CampaignInterrupted(f"campaign interrupted by {stop.name} ({first_line})", stop.signum)
     stop.record_once(lambda: close_campaign(spec.workdir_path, "interrupted", str(interrupted), stop.flow_run))
     get_run_logger().warning("%s; run the same command again to resume", interrupted)
     return interrupted

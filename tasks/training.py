@@ -124,6 +124,12 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
         code, lost, events = None, {}, JsonLines(Path(job.job_dir) / EVENTS)
         while code is None:
             code = handle.wait(timeout=POLL_S)
+            if stop is not None and stop.requested.is_set() and code != 0:  # not a failure: the operator's stop
+                if code is None:
+                    logger.warning("stage %s: %s received; stopping the job (its savers save at breakpoint, up to %.0fs)",
+                                   job.stage, stop.name, SAVE_GRACE_S)
+                    handle.stop(grace_s=SAVE_GRACE_S)
+                interrupted, code = True, handle.poll()
             for node, exit_code in (handle.lost_nodes().items() if code is None else ()):
                 if node not in lost:  # a node died while the others go on
                     lost[node] = exit_code
@@ -137,11 +143,6 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                 if scaled_up:
                     handle.stop(grace_s=SAVE_GRACE_S)  # the savers persist the newest snapshot on the way out
                     code = handle.poll()
-            if code is None and stop is not None and stop.requested.is_set():
-                logger.warning("stage %s: %s received; stopping the job (its savers save at breakpoint, up to %.0fs)",
-                               job.stage, stop.name, SAVE_GRACE_S)
-                handle.stop(grace_s=SAVE_GRACE_S)
-                interrupted, code = True, handle.poll()
         forwarder.pump()
         progress.update(forwarder.last_step, force=True)
     finally:

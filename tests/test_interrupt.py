@@ -77,6 +77,7 @@ def assert_recorded_interrupted(spec, cause: str):
     status = campaign_status(spec.workdir_path)
     assert status["status"] == "interrupted"
     assert status["stages"][0]["status"] == "interrupted"
+    assert status["stages"][0]["failures"] == []  # an operator's stop is no failure of the job
     ledger = json.loads((spec.workdir_path / "ledger.json").read_text())
     assert ledger["end"]["state"] == "interrupted" and cause in ledger["end"]["cause"]
     client = MlflowClient(spec.tracking_uri)
