@@ -91,7 +91,7 @@ def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict
             if stop.requested.is_set() and not told:
                 told = True
                 notice(f"{stop.name} received: stopping the campaign; the running job saves a checkpoint first "
-                       "(press Ctrl-C again to stop at once)")
+                       "(Ctrl-C or the same signal again stops at once)")
         error = outcome.get("error")
         if error is None:
             return outcome["status"]
