@@ -2,8 +2,8 @@
 MLflow runs, with the cause. Called by the campaign flow's state hooks, possibly in another
 process than the one that ran the campaign (Prefect runs cancellation hooks in the worker after
 the flow-run process is gone), so it needs nothing but the workdir; and by ``pretrain run``
-when Ctrl-C / SIGTERM stopped it. A run's end is recorded once: the first record stands (an
-interrupted run also ends its flow in a failure, whose hook must not re-label it)."""
+when Ctrl-C / SIGTERM stopped it. An interruption stands once recorded: the interrupted flow
+still ends failed (or crashed) in Prefect, and that hook must not re-label it."""
 
 from __future__ import annotations
 
@@ -24,30 +24,31 @@ OPEN_STAGES = ("running", "trained")  # stages a run was working on when it ende
 FAILED_STAGE = "failed"  # set by train-stage before it raises; its MLflow run is still open
 
 
-def _ended(data: dict, flow_run: str) -> bool:
-    """The ledger already records how ``flow_run`` ended."""
-    return data.get("flow_run") == flow_run and (data.get("end") or {}).get("flow_run") == flow_run
+def _interrupted(data: dict, flow_run: str) -> bool:
+    """The ledger records ``flow_run`` as interrupted by the operator."""
+    end = data.get("end") or {}
+    return data.get("flow_run") == flow_run and end.get("flow_run") == flow_run and end.get("state") == "interrupted"
 
 
 def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str) -> dict | None:
     """Mark the campaign and the stages it was working on ``outcome`` with ``cause``, and end its
     MLflow runs with the matching status — if ``flow_run`` is the run the ledger says is running it
     (a run refused before it started, e.g. because another run holds the campaign, changes
-    nothing), and its end is not recorded yet. Returns the ledger's data, whose ``end`` says how
-    the run ended (None: not a run of this campaign)."""
+    nothing), unless it is recorded as interrupted already. Returns the ledger's data, whose
+    ``end`` says how the run ended (None: not a run of this campaign)."""
     if outcome not in MLFLOW_STATUS:
         raise ValueError(f"outcome must be one of {sorted(MLFLOW_STATUS)}, got {outcome!r}")
     layout = CampaignLayout(Path(workdir))
     ledger = Ledger.read(layout)
     if ledger is None:
         return None
-    if _ended(ledger.data, flow_run):
-        return ledger.data  # recorded already (e.g. interrupted, then the flow's failure hook): no write
+    if _interrupted(ledger.data, flow_run):
+        return ledger.data  # the flow's failure hook after an interruption: nothing to write
     open_stages: list[str] = []
     ours = []
 
     def change(d: dict) -> None:
-        if d.get("flow_run") != flow_run or _ended(d, flow_run):
+        if d.get("flow_run") != flow_run or _interrupted(d, flow_run):
             return
         ours.append(True)
         open_stages.extend(n for n, s in d["stages"].items() if s["status"] in (*OPEN_STAGES, FAILED_STAGE))
@@ -59,7 +60,7 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
 
     data = ledger.mutate(change)
     if not ours:
-        return data if _ended(data, flow_run) else None
+        return data if _interrupted(data, flow_run) else None
     run_ids = [data["stages"][n]["mlflow_run_id"] for n in open_stages] + [data["mlflow"]["parent_run_id"]]
     run_ids = [r for r in run_ids if r]
     if run_ids:

@@ -15,12 +15,53 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from conftest import seed_data, small_spec, wait_for
+from pretrain.interrupt import CampaignInterrupted, current_stop, stop_on_signals
 from pretrain.status import campaign_status
 from test_resume import SLOW_MODEL, assert_all_exit, assert_mlflow_steps_unique, ckpt_dir
 from trainer import checkpoint as ckpt
 from trainer.reporting import read_all
 
 STEPS = 80  # long enough that the signal lands well before the stage's end, even on a loaded machine
+
+
+def test_first_signal_asks_to_stop_a_second_kills_at_once():
+    """Real signals to this process: the handlers only record; a job's kill runs on the second."""
+    killed, before = [], signal.getsignal(signal.SIGTERM)
+    with stop_on_signals() as stop:
+        assert current_stop() is stop
+        stop.raise_if_requested("never")  # nothing asked yet
+        forget = stop.kill_at_once(lambda: killed.append("job"))
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(stop.requested.is_set, 5, "the first signal")
+        assert (stop.name, stop.urgent.is_set(), killed) == ("SIGTERM", False, [])
+        try:
+            stop.raise_if_requested("before stage main")
+        except CampaignInterrupted as e:
+            assert (str(e), e.exit_code) == ("campaign interrupted by SIGTERM before stage main", 143)
+        else:
+            raise AssertionError("no CampaignInterrupted")
+        os.kill(os.getpid(), signal.SIGINT)
+        wait_for(stop.urgent.is_set, 5, "the second signal")
+        stop.kill_now()
+        forget()
+        stop.kill_now()  # a job that ended is not killed again
+        assert killed == ["job"] and stop.signum == signal.SIGTERM  # the first signal names the stop
+        assert [stop.record_once(lambda: None) for _ in range(2)] == [True, False]
+    assert current_stop() is None and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_signal_ignored_at_start_stays_ignored():
+    """A background job started with SIGINT ignored is not stopped by a Ctrl-C meant for others."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stop_on_signals() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_for(stop.requested.is_set, 5, "SIGTERM")
+            assert stop.name == "SIGTERM" and stop.count == 1
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Cli:
