@@ -27,26 +27,28 @@ WAIT_S = 0.2  # how often the main thread looks at the stop request while the fl
 
 class _NoInterruptTraceback(logging.Formatter):
     """An operator's stop is not an error: Prefect logs the exception of every task and flow it
-    ends with its traceback; on the console, show only the message for an interruption."""
+    ends with its traceback. On the console, once a stop is asked for, show only the message
+    (the interruption itself, or what the terminal's Ctrl-C broke on the way, e.g. a validation
+    process in its process group); Prefect's API logs keep the tracebacks."""
 
-    def __init__(self, inner: logging.Formatter | None):
+    def __init__(self, inner: logging.Formatter | None, stop: StopRequest):
         super().__init__()
-        self.inner = inner or logging.Formatter()
+        self.inner, self.stop = inner or logging.Formatter(), stop
 
     def format(self, record: logging.LogRecord) -> str:
-        if record.exc_info and isinstance(record.exc_info[1], CampaignInterrupted):
+        if record.exc_info and (self.stop.requested.is_set() or isinstance(record.exc_info[1], CampaignInterrupted)):
             record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
         return self.inner.format(record)
 
 
 @contextmanager
-def _quiet_interrupt_tracebacks() -> Iterator[None]:
+def _quiet_interrupt_tracebacks(stop: StopRequest) -> Iterator[None]:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
     formatters = [h.formatter for h in handlers]
     for h in handlers:
-        h.setFormatter(_NoInterruptTraceback(h.formatter))
+        h.setFormatter(_NoInterruptTraceback(h.formatter, stop))
     try:
         yield
     finally:
@@ -69,7 +71,7 @@ def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict
     whatever the flow raised on the way out; other errors as the flow raised them."""
     from flows.campaign import pretrain_campaign
 
-    with stop_on_signals() as stop, api_server_for_this_run(), _quiet_interrupt_tracebacks():
+    with stop_on_signals() as stop, api_server_for_this_run(), _quiet_interrupt_tracebacks(stop):
         stop.raise_if_requested("before the campaign started")
         outcome: dict = {}
         context = contextvars.copy_context()  # the stop request and the API server's settings
