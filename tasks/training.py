@@ -21,8 +21,9 @@ from tasks.artifacts import TrainingProgress
 from tasks.tracking import tracker_for
 from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
 
+STOP_GRACE_S = 120.0  # an operator's stop (Ctrl-C, SIGTERM) waits this long for the savers' save at breakpoint
 POLL_S = 1.0
-SAVE_GRACE_S = 120.0  # a stop (to scale up, or asked by the operator) waits this long for the savers' final persist
+SCALE_UP_GRACE_S = 120.0  # a stop for scaling up waits this long for the savers' final persist
 
 
 @dataclass
@@ -127,8 +128,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
             if stop is not None and stop.requested.is_set() and code != 0:  # not a failure: the operator's stop
                 if code is None:
                     logger.warning("stage %s: %s received; stopping the job (its savers save at breakpoint, up to %.0fs)",
-                                   job.stage, stop.name, SAVE_GRACE_S)
-                    handle.stop(grace_s=SAVE_GRACE_S)
+                                   job.stage, stop.name, STOP_GRACE_S)
+                    handle.stop(grace_s=STOP_GRACE_S)
                 interrupted, code = True, handle.poll()
             for node, exit_code in (handle.lost_nodes().items() if code is None else ()):
                 if node not in lost:  # a node died while the others go on
@@ -141,7 +142,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
             if code is None and (due := rejoin.due()):
                 scaled_up = try_scale_up(spec, job.stage, due, rejoin, events, logger)
                 if scaled_up:
-                    handle.stop(grace_s=SAVE_GRACE_S)  # the savers persist the newest snapshot on the way out
+                    handle.stop(grace_s=SCALE_UP_GRACE_S)  # the savers persist the newest snapshot on the way out
                     code = handle.poll()
         forwarder.pump()
         progress.update(forwarder.last_step, force=True)
