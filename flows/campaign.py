@@ -22,7 +22,7 @@ from flows.validate_checkpoint import validate_checkpoint
 from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop
 from pretrain.ledger import Ledger
 from pretrain.lock import campaign_lock
-from pretrain.outcome import close_campaign
+from pretrain.outcome import record_interrupt
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_reports
@@ -59,8 +59,9 @@ def record_interrupted(spec: CampaignSpec, stop: StopRequest, error: Exception) 
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
     interrupted = error if isinstance(error, CampaignInterrupted) else \
         CampaignInterrupted(f"campaign interrupted by {stop.name} ({first_line})", stop.signum)
-    stop.record_once(lambda: close_campaign(spec.workdir_path, "interrupted", str(interrupted), stop.flow_run))
-    get_run_logger().warning("%s; run the same command again to resume", interrupted)
+    logger = get_run_logger()
+    record_interrupt(spec.workdir_path, stop, str(interrupted), logger.warning)
+    logger.warning("%s; run the same command again to resume", interrupted)
     return interrupted
 
 

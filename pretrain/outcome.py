@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pretrain.interrupt import StopRequest
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.tracking import Tracker
@@ -69,3 +70,19 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
             tracker.set_tags(run_id, {TAG_END_STATE: outcome, TAG_END_CAUSE: cause[:5000]})
             tracker.finish(run_id, MLFLOW_STATUS[outcome])
     return data
+
+
+def record_interrupt(workdir: str | Path, stop: StopRequest, cause: str, warn) -> None:
+    """Record the run ``stop`` belongs to as interrupted, once (the flow and a second signal's
+    stop at once may both try). A failure to record (MLflow unreachable) is reported through
+    ``warn``, never raised: the stop goes on, and the next run resumes all the same."""
+    if stop.flow_run is None:  # stopped before the campaign started: nothing to record
+        return
+
+    def record() -> None:
+        try:
+            close_campaign(workdir, "interrupted", cause, stop.flow_run)
+        except Exception as e:  # noqa: BLE001 - reported; the stop must not fail on it
+            warn(f"could not record the interruption in {workdir}: {e}")
+
+    stop.record_once(record)

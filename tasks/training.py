@@ -153,8 +153,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     result = summarize(Path(job.job_dir), attempt, code, started, Path(handle.logs[0]))
     if interrupted:
         saved = result.last_checkpoint_step
-        raise CampaignInterrupted(f"campaign interrupted by {stop.name}: stage {job.stage} stopped after "
-                                  + (f"committing its checkpoint at step {saved}" if saved else "no checkpoint"),
+        raise CampaignInterrupted(f"campaign interrupted by {stop.name}: stage {job.stage} stopped ("
+                                  + (f"newest checkpoint: step {saved})" if saved else "no checkpoint in this attempt)"),
                                   stop.signum)
     if scaled_up:
         result.cause, result.scaled_up = "scale_up", scaled_up
