@@ -51,9 +51,17 @@ def _quiet_interrupt_tracebacks(stop: StopRequest) -> Iterator[None]:
         h.setFormatter(_NoInterruptTraceback(h.formatter, stop))
     try:
         yield
-    finally:
-        for h, f in zip(handlers, formatters):
-            h.setFormatter(f)
+    except StoppedAtOnce:
+        raise  # kept: the flow thread goes on logging until the process exits
+    except BaseException:
+        _set_formatters(handlers, formatters)
+        raise
+    _set_formatters(handlers, formatters)
+
+
+def _set_formatters(handlers: list[logging.Handler], formatters: list[logging.Formatter | None]) -> None:
+    for h, f in zip(handlers, formatters):
+        h.setFormatter(f)
 
 
 def _stop_at_once(stop: StopRequest, spec: CampaignSpec, notice: Callable[[str], None]) -> StoppedAtOnce:
