@@ -168,6 +168,7 @@ def test_sigterm_stops_the_campaign_and_a_second_signal_stops_it_at_once(prepare
     assert "Traceback" not in output, output[-5000:]
     assert "Run the same command to resume" in output
     assert_recorded_interrupted(spec, "SIGTERM")
+    assert_mlflow_steps_unique(spec)
     assert_all_exit(tree)
     store = ckpt_dir(spec)
     for step in ckpt.committed_steps(store):  # nothing torn: every committed checkpoint verifies
