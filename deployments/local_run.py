@@ -19,7 +19,6 @@ from contextlib import contextmanager
 
 from deployments.api_server import api_server_for_this_run
 from pretrain.interrupt import CampaignInterrupted, StoppedAtOnce, StopRequest, stop_on_signals
-from pretrain.outcome import record_interrupt
 from pretrain.spec import CampaignSpec
 
 WAIT_S = 0.2  # how often the main thread looks at the stop request while the flow runs
@@ -64,11 +63,12 @@ def _set_formatters(handlers: list[logging.Handler], formatters: list[logging.Fo
         h.setFormatter(f)
 
 
-def _stop_at_once(stop: StopRequest, spec: CampaignSpec, notice: Callable[[str], None]) -> StoppedAtOnce:
+def _stop_at_once(stop: StopRequest, notice: Callable[[str], None]) -> StoppedAtOnce:
     """Kill the running job and record the campaign as interrupted (unless the flow already has)."""
     stop.kill_now()
     cause = f"campaign interrupted by {stop.name}, then stopped at once by a second signal"
-    record_interrupt(spec.workdir_path, stop, cause, notice)
+    if stop.recorder is not None:  # None: the campaign never started
+        stop.recorder(cause, notice)
     return StoppedAtOnce(cause, stop.signum)
 
 
@@ -96,7 +96,7 @@ def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict
             flow.join(WAIT_S)
             if stop.urgent.is_set():
                 notice(f"{stop.name} again: stopping at once")
-                raise _stop_at_once(stop, spec, notice)
+                raise _stop_at_once(stop, notice)
             if stop.requested.is_set() and not told:
                 told = True
                 notice(f"{stop.name} received: stopping the campaign; the running job saves a checkpoint first "

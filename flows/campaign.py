@@ -10,6 +10,8 @@ the final good checkpoint is exported and registered in the MLflow model registr
 
 from __future__ import annotations
 
+import contextvars
+
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
@@ -45,6 +47,8 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
         if stop is None:
             return run_campaign(spec)
         stop.flow_run = flow_run.get_id()
+        here = contextvars.copy_context()
+        stop.recorder = lambda cause, warn: here.run(record_interrupt, spec.workdir_path, stop, cause, warn)
         try:
             return run_campaign(spec, stop)
         except Exception as e:

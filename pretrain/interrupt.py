@@ -44,6 +44,9 @@ class StopRequest:
     signum: int | None = None  # the first signal received (None: no stop asked for)
     count: int = 0  # signals received
     flow_run: str | None = None  # the campaign run this process started (the ledger's ``flow_run``)
+    # how to record the interruption from another thread (a stop at once): set by the campaign
+    # flow, run in the flow's context (its MLflow credentials); called with (cause, warn)
+    recorder: Callable[[str, Callable[[str], None]], None] | None = None
     requested: threading.Event = field(default_factory=threading.Event)
     urgent: threading.Event = field(default_factory=threading.Event)  # a second signal: stop now
     _kills: dict[object, Callable[[], None]] = field(default_factory=dict)
