@@ -10,6 +10,8 @@ the final good checkpoint is exported and registered in the MLflow model registr
 
 from __future__ import annotations
 
+import contextvars
+
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
@@ -20,8 +22,10 @@ from flows.provision_cluster import provision_cluster
 from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
 from pretrain.credentials import mlflow_auth
+from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop
 from pretrain.ledger import Ledger
 from pretrain.lock import campaign_lock
+from pretrain.outcome import record_interrupt
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_reports
@@ -39,11 +43,38 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
     campaign at a time: a second run of the same campaign fails at once (``CampaignBusy``)."""
     spec = resolve_campaign(spec, spec_path, workdir)
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
+    stop = current_stop()  # set under `pretrain run`: Ctrl-C / SIGTERM stop the campaign
     with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()), mlflow_auth(spec.credentials):
-        return run_campaign(spec)
+        if stop is None:
+            return run_campaign(spec)
+        stop.flow_run = flow_run.get_id()
+        here = contextvars.copy_context()
+        stop.recorder = lambda cause, warn: here.run(record_interrupt, spec.workdir_path, stop, cause, warn)
+        try:
+            return run_campaign(spec, stop)
+        except Exception as e:
+            if not stop.requested.is_set():
+                raise
+            raise record_interrupted(spec, stop, e) from None
 
 
-def run_campaign(spec: CampaignSpec) -> dict:
+def record_interrupted(spec: CampaignSpec, stop: StopRequest, error: Exception) -> CampaignInterrupted:
+    """Record the campaign as interrupted (ledger, MLflow); whatever broke on the way out (a
+    validation process the terminal's Ctrl-C also reached), the cause is the operator's stop."""
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    interrupted = error if isinstance(error, CampaignInterrupted) else \
+        CampaignInterrupted(f"campaign interrupted by {stop.name} ({first_line})", stop.signum)
+    logger = get_run_logger()
+    record_interrupt(spec.workdir_path, stop, str(interrupted), logger.warning)
+    logger.warning("%s; run the same command again to resume", interrupted)
+    return interrupted
+
+
+def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
+    def stop_point(where: str) -> None:
+        if stop is not None:
+            stop.raise_if_requested(where)
+
     logger = get_run_logger()
     ledger = Ledger.open(spec)
     ledger.mutate(lambda d: d.update(status="running", invocations=d["invocations"] + 1, flow_run=flow_run.get_id()))
@@ -51,6 +82,7 @@ def run_campaign(spec: CampaignSpec) -> dict:
     parent_run_id = open_campaign_run(spec, ledger)
     link_mlflow_run(spec, tracker_for(spec).experiment_id, parent_run_id)
     prepare_data(spec)
+    stop_point("after preparing the data")
     provision_cluster(spec)
     init_from = None
     for i, stage in enumerate(spec.stages):
@@ -59,7 +91,9 @@ def run_campaign(spec: CampaignSpec) -> dict:
             logger.info("stage %s already completed at step %s; skipping", stage.name, done["final_checkpoint"]["step"])
             init_from = done["good_checkpoint"]["path"]
             continue
+        stop_point(f"before stage {stage.name}")
         final = train_stage(spec, i, init_from)
+        stop_point(f"after training stage {stage.name}, before its validation")
         validate_checkpoint(spec, stage.name, final["path"])
         evaluate(spec, stage.name, final["path"], final["step"])
         sync_verdicts(spec, stage.name)  # what an MLflow outage kept from the stage run
@@ -67,6 +101,7 @@ def run_campaign(spec: CampaignSpec) -> dict:
         ledger.update_stage(stage.name, status="completed")
         publish_reports(spec)
         init_from = final["path"]
+    stop_point("before registering the final model")
     register_final_model(spec)  # after every stage is completed: a failure here is the campaign's alone
     ledger.set(status="completed")
     finish_run(spec, parent_run_id, "FINISHED")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,15 +33,26 @@ def run(
         err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         raise typer.Exit(2)
     _exit_if_ledger_damaged(campaign.workdir_path)
-    from flows.campaign import pretrain_campaign
+    from deployments.local_run import run_campaign_here
+    from pretrain.interrupt import CampaignInterrupted, StoppedAtOnce
     from pretrain.ledger import CampaignMismatch, LedgerDamaged
     from pretrain.status import render
 
     try:
-        final = pretrain_campaign(spec=campaign)  # read with the blocks' credentials, which stay in the flow
+        # the flow reads the status with the blocks' credentials, which stay in the flow
+        final = run_campaign_here(campaign, notice=lambda msg: err.print(msg, highlight=False))
     except (CampaignMismatch, LedgerDamaged) as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2)
+    except CampaignInterrupted as e:
+        err.print(f"[yellow]interrupted:[/yellow] {e}", highlight=False)
+        _render_where_it_stands(campaign.workdir_path)
+        err.print(f"Run the same command to resume: {_this_command()}", highlight=False)
+        if isinstance(e, StoppedAtOnce):  # the flow thread may still be unwinding: do not wait for it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
+        raise typer.Exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - report, show where the campaign stands, exit non-zero
         err.print(f"[red]campaign failed:[/red] {e}", highlight=False)
         _render_where_it_stands(campaign.workdir_path)
@@ -60,6 +72,11 @@ def _render_where_it_stands(workdir: Path) -> None:
     except Exception as e:  # noqa: BLE001 - the run's own error was printed already
         err.print(f"(cannot show the campaign's status from here: {e}; `pretrain status --workdir {workdir}` "
                   "with the storage's credentials in the environment shows it)", highlight=False)
+
+
+def _this_command() -> str:
+    """This invocation, to copy and paste (the same command resumes a campaign)."""
+    return shlex.join(["pretrain", *sys.argv[1:]])
 
 
 @app.command()

@@ -1,42 +1,55 @@
-"""Record how a campaign run ended — failed, crashed or cancelled — in its ledger and MLflow runs,
-with the cause. Called by the campaign flow's state hooks, possibly in another process than the
-one that ran the campaign (Prefect runs cancellation hooks in the worker after the flow-run
-process is gone), so it needs nothing but the workdir."""
+"""Record how a campaign run ended — failed, crashed, cancelled or interrupted — in its ledger and
+MLflow runs, with the cause. Called by the campaign flow's state hooks, possibly in another
+process than the one that ran the campaign (Prefect runs cancellation hooks in the worker after
+the flow-run process is gone), so it needs nothing but the workdir; and by ``pretrain run``
+when Ctrl-C / SIGTERM stopped it. An interruption stands once recorded: the interrupted flow
+still ends failed (or crashed) in Prefect, and that hook must not re-label it."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+from pretrain.interrupt import StopRequest
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.tracking import Tracker
 
-# how each way of ending shows in MLflow: a cancel is a deliberate kill; a crash of the
-# infrastructure (lost process, OOM kill) is a failure of the run like any other
-MLFLOW_STATUS = {"failed": "FAILED", "crashed": "FAILED", "cancelled": "KILLED"}
+# how each way of ending shows in MLflow: a cancel (Prefect) or an interrupt (Ctrl-C / SIGTERM to
+# `pretrain run`) is a deliberate kill; a crash of the infrastructure (lost process, OOM kill)
+# is a failure of the run like any other
+MLFLOW_STATUS = {"failed": "FAILED", "crashed": "FAILED", "cancelled": "KILLED", "interrupted": "KILLED"}
 TAG_END_STATE = "pretrain.end_state"
 TAG_END_CAUSE = "pretrain.end_cause"
 OPEN_STAGES = ("running", "trained")  # stages a run was working on when it ended
 FAILED_STAGE = "failed"  # set by train-stage before it raises; its MLflow run is still open
 
 
+def _interrupted(data: dict, flow_run: str) -> bool:
+    """The ledger records ``flow_run`` as interrupted by the operator."""
+    end = data.get("end") or {}
+    return data.get("flow_run") == flow_run and end.get("flow_run") == flow_run and end.get("state") == "interrupted"
+
+
 def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str) -> dict | None:
     """Mark the campaign and the stages it was working on ``outcome`` with ``cause``, and end its
     MLflow runs with the matching status — if ``flow_run`` is the run the ledger says is running it
     (a run refused before it started, e.g. because another run holds the campaign, changes
-    nothing). Returns the ledger's data (None: nothing recorded)."""
+    nothing), unless it is recorded as interrupted already. Returns the ledger's data, whose
+    ``end`` says how the run ended (None: not a run of this campaign)."""
     if outcome not in MLFLOW_STATUS:
         raise ValueError(f"outcome must be one of {sorted(MLFLOW_STATUS)}, got {outcome!r}")
     layout = CampaignLayout(Path(workdir))
     ledger = Ledger.read(layout)
     if ledger is None:
         return None
+    if _interrupted(ledger.data, flow_run):
+        return ledger.data  # the flow's failure hook after an interruption: nothing to write
     open_stages: list[str] = []
     ours = []
 
     def change(d: dict) -> None:
-        if d.get("flow_run") != flow_run:
+        if d.get("flow_run") != flow_run or _interrupted(d, flow_run):
             return
         ours.append(True)
         open_stages.extend(n for n, s in d["stages"].items() if s["status"] in (*OPEN_STAGES, FAILED_STAGE))
@@ -48,7 +61,7 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
 
     data = ledger.mutate(change)
     if not ours:
-        return None
+        return data if _interrupted(data, flow_run) else None
     run_ids = [data["stages"][n]["mlflow_run_id"] for n in open_stages] + [data["mlflow"]["parent_run_id"]]
     run_ids = [r for r in run_ids if r]
     if run_ids:
@@ -57,3 +70,19 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
             tracker.set_tags(run_id, {TAG_END_STATE: outcome, TAG_END_CAUSE: cause[:5000]})
             tracker.finish(run_id, MLFLOW_STATUS[outcome])
     return data
+
+
+def record_interrupt(workdir: str | Path, stop: StopRequest, cause: str, warn) -> None:
+    """Record the run ``stop`` belongs to as interrupted, once (the flow and a second signal's
+    stop at once may both try). A failure to record (MLflow unreachable) is reported through
+    ``warn``, never raised: the stop goes on, and the next run resumes all the same."""
+    if stop.flow_run is None:  # stopped before the campaign started: nothing to record
+        return
+
+    def record() -> None:
+        try:
+            close_campaign(workdir, "interrupted", cause, stop.flow_run)
+        except Exception as e:  # noqa: BLE001 - reported; the stop must not fail on it
+            warn(f"could not record the interruption in {workdir}: {e}")
+
+    stop.record_once(record)

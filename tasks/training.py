@@ -10,6 +10,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pretrain.cluster import make_cluster, recheck_nodes
+from pretrain.interrupt import CampaignInterrupted, current_stop
 from pretrain.jobs import build_job, threads_per_worker, write_job
 from pretrain.ledger import Ledger
 from pretrain.incidents import cause_of, incidents
@@ -21,6 +22,7 @@ from tasks.artifacts import TrainingProgress
 from tasks.tracking import tracker_for
 from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
 
+STOP_GRACE_S = 120.0  # an operator's stop (Ctrl-C, SIGTERM) waits this long for the savers' save at breakpoint
 POLL_S = 1.0
 SCALE_UP_GRACE_S = 120.0  # a stop for scaling up waits this long for the savers' final persist
 DRAIN_S = 120.0  # after the job, metrics waiting for MLflow get this long to reach it
@@ -99,9 +101,14 @@ def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: 
 @task(name="run-training-job", cache_policy=NO_CACHE)
 def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None,
                      stage_run_id: str, parent_run_id: str, step_offset: int, exclude: list[int] = ()) -> JobResult:
-    """Start the stage's job on the cluster and wait for it, streaming metrics to MLflow."""
+    """Start the stage's job on the cluster and wait for it, streaming metrics to MLflow. An
+    operator's stop (``pretrain.interrupt``) stops the job with a save at breakpoint and raises
+    ``CampaignInterrupted``."""
     logger = get_run_logger()
     layout = CampaignLayout(spec.workdir_path)
+    stop = current_stop()
+    if stop is not None:
+        stop.raise_if_requested(f"before stage {spec.stages[stage_index].name} attempt {attempt} started")
     job = build_job(spec, stage_index, attempt, init_from)
     job_path = write_job(job)
     env = spec.credentials.child_env() if spec.credentials else None  # the blocks' credentials, for this job only
@@ -114,10 +121,19 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
     scaled_up: list[int] = []
+    interrupted = False
+    # a second signal kills the job from the main thread, without waiting for this one
+    forget_job = stop.kill_at_once(lambda: handle.stop(grace_s=0)) if stop is not None else None
     try:
         code, lost, events = None, {}, JsonLines(Path(job.job_dir) / EVENTS)
         while code is None:
             code = handle.wait(timeout=POLL_S)
+            if stop is not None and stop.requested.is_set() and code != 0:  # not a failure: the operator's stop
+                if code is None:
+                    logger.warning("stage %s: %s received; stopping the job (its savers save at breakpoint, up to %.0fs)",
+                                   job.stage, stop.name, STOP_GRACE_S)
+                    handle.stop(grace_s=STOP_GRACE_S)
+                interrupted, code = True, handle.poll()
             for node, exit_code in (handle.lost_nodes().items() if code is None else ()):
                 if node not in lost:  # a node died while the others go on
                     lost[node] = exit_code
@@ -135,7 +151,14 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
         progress.update(forwarder.last_step, force=True)
     finally:
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left
+        if forget_job is not None:
+            forget_job()
     result = summarize(Path(job.job_dir), attempt, code, started, Path(handle.logs[0]))
+    if interrupted:
+        saved = result.last_checkpoint_step
+        raise CampaignInterrupted(f"campaign interrupted by {stop.name}: stage {job.stage} stopped ("
+                                  + (f"newest checkpoint: step {saved})" if saved else "no checkpoint in this attempt)"),
+                                  stop.signum)
     if scaled_up:
         result.cause, result.scaled_up = "scale_up", scaled_up
     for r in result.resumes:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
@@ -42,6 +43,23 @@ def assert_mlflow_steps_unique(spec, expected_parent_runs=1):
     assert len(parents) == expected_parent_runs
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     return client, runs
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_all_exit(procs: list[psutil.Process], timeout: float = 30) -> None:
+    """Every one of ``procs`` exits within ``timeout`` (the stragglers are killed, then the test fails)."""
+    try:
+        wait_for(lambda: not [p for p in procs if alive(p)], timeout, "every process the CLI started to exit")
+    finally:
+        for p in procs:
+            if alive(p):
+                p.kill()
 
 
 def kill_a_worker_after_first_checkpoint(spec) -> int:
@@ -136,13 +154,14 @@ def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path)
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         wait_for(lambda: ckpt.read_pointer(ckpt_dir(spec)), 180, "the first checkpoint")
+        started = psutil.Process(first.pid).children(recursive=True)  # agents, workers, savers, the Prefect API server
     finally:
         first.kill()
         first.wait()
     killed_at = ckpt.read_pointer(ckpt_dir(spec))
     assert 0 < killed_at < 40
-    # orphaned agents and workers notice their parent is gone and stop on their own
-    wait_for(lambda: not worker_processes(spec.workdir_path), 30, "orphaned workers to exit")
+    # nothing the killed CLI started outlives it: each process notices its parent is gone and stops
+    assert_all_exit(started)
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     status = campaign_status(spec.workdir_path)

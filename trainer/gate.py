@@ -25,6 +25,7 @@ import torch
 from trainer.config import ModelConfig
 from trainer.data import DataError
 from trainer.evaluate import Probe, Verdict, evaluate_model, validate_and_load
+from trainer.process import exit_when_orphaned
 from trainer.records import DamagedRecord
 from trainer.storage import NotFound, StorageError
 
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m trainer.gate REQUESTS.json", file=sys.stderr)
         return 2
+    exit_when_orphaned()  # started by `pretrain run`: never outlive it
     torch.set_num_threads(1)  # overlaps training: take one core, not all of them
     print(json.dumps([judge_one(request) for request in json.loads(Path(args[0]).read_text())]))
     return 0

@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer.process import exit_when_orphaned
+
 
 def matmul_seconds(n: int = 256, reps: int = 6, trials: int = 5, extra_delay_s: float = 0.0) -> float:
     """CPU seconds of a fixed matmul workload on one thread, the fastest of ``trials`` runs.
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--master-port", type=int, default=0)
     p.add_argument("--extra-delay", type=float, default=0.0, help="seconds added per matmul (chaos drill)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    exit_when_orphaned()  # started by `pretrain run`: never outlive it
     torch.set_num_threads(1)
     row = {"rank": args.rank, "torch": torch.__version__, "cuda_devices": torch.cuda.device_count(),
            "matmul_s": round(matmul_seconds(extra_delay_s=args.extra_delay), 4),

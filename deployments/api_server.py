@@ -1,0 +1,163 @@
+"""The Prefect API server of one ``pretrain run``, when no Prefect server is configured.
+
+Prefect's own ephemeral server (``SubprocessASGIServer``) is a plain child of the flow's process:
+in the terminal's process group, so Ctrl-C kills it while the campaign still needs it to record
+how it ended, and it outlives a ``pretrain run`` killed with SIGKILL. This one is started the
+same way (uvicorn, ``prefect.server.api.server:create_app``, the same environment) but in a
+session of its own, so terminal signals reach only the CLI, which stops it last; and it runs
+under the same orphan watchdog as the node agents (``trainer.process.exit_when_orphaned``), so
+it ends with its parent whatever killed that.
+
+    python -m deployments.api_server --port P   # what the CLI starts; not for direct use
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from pretrain.interrupt import StoppedAtOnce
+from trainer.process import exit_when_orphaned
+
+HOST = "127.0.0.1"
+SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+STOP_TIMEOUT_S = 10.0
+
+
+class ApiServerError(RuntimeError):
+    """The local Prefect API server did not start."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ApiServer:
+    """One server process; ``start()`` returns its API URL once ``/api/health`` answers."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def start(self, timeout_s: float, attempts: int = 3) -> str:
+        from prefect.settings import get_current_settings
+
+        env = {**os.environ, **SERVER_ENV, **get_current_settings().to_environment_variables(exclude_unset=True)}
+        for _ in range(attempts):  # a port taken between choosing and binding: try another
+            port = _free_port()
+            self.proc = subprocess.Popen([sys.executable, "-m", "deployments.api_server", "--port", str(port)], env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.url = f"http://{HOST}:{port}/api"
+            if self._healthy(timeout_s):
+                return self.url
+            self.stop()
+        raise ApiServerError(f"the local Prefect API server did not start within {timeout_s:.0f}s; "
+                             "start one (`prefect server start`) and set PREFECT_API_URL to use it")
+
+    def _healthy(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2) as client:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return True
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)  # polls the server's health endpoint until it answers
+        return False
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM (uvicorn shuts down cleanly), then SIGKILL to its whole group (idempotent)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def drain_prefect_workers() -> None:
+    """Send the logs and events still queued in this process, while the server is up (as
+    ``prefect_test_harness`` does before stopping its server)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain() -> None:
+        try:
+            result = APILogWorker.instance().drain()
+            if inspect.isawaitable(result):
+                await result
+        except RuntimeError:  # never started
+            pass
+        result = EventsWorker.drain_all()
+        if inspect.isawaitable(result):
+            await result
+
+    run_coro_as_sync(drain())
+
+
+@contextmanager
+def api_server_for_this_run() -> Iterator[ApiServer | None]:
+    """Point Prefect at a server owned by this process for the block, if Prefect would otherwise
+    start its ephemeral one; a configured ``PREFECT_API_URL`` is used as it is (yields None)."""
+    from prefect.context import _temporary_global_settings_context, get_settings_context
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    settings = get_current_settings()
+    if settings.api.url or not settings.server.ephemeral.enabled:
+        yield None
+        return
+    server = ApiServer()
+    try:
+        url = server.start(settings.server.ephemeral.startup_timeout_seconds)
+        # this context and the process-global one: Prefect's log and event workers run in
+        # threads of their own, which see the global settings
+        with temporary_settings(updates={PREFECT_API_URL: url}), \
+                _temporary_global_settings_context(get_settings_context()):
+            try:
+                yield server
+            except StoppedAtOnce:
+                raise  # the flow may still be logging: waiting for its queues would not stop at once
+            except BaseException:
+                drain_prefect_workers()
+                raise
+            drain_prefect_workers()
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deployments.api_server")
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args(argv)
+    exit_when_orphaned()  # the CLI that owns this server is gone: so is the reason to serve
+    import uvicorn
+
+    uvicorn.run("prefect.server.api.server:create_app", factory=True, host=HOST, port=args.port, log_level="error",
+                lifespan="on")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Ctrl-C and SIGTERM stop a campaign: the real CLI in its own process group, signalled as a
+terminal (or a process manager) does, then the same command resumes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import yaml
+from mlflow.tracking import MlflowClient
+
+from conftest import seed_data, small_spec, wait_for
+from pretrain.interrupt import CampaignInterrupted, current_stop, stop_on_signals
+from pretrain.status import campaign_status
+from test_resume import SLOW_MODEL, assert_all_exit, assert_mlflow_steps_unique, ckpt_dir
+from trainer import checkpoint as ckpt
+from trainer.reporting import read_all
+
+STEPS = 80  # long enough that the signal lands well before the stage's end, even on a loaded machine
+
+
+def test_first_signal_asks_to_stop_a_second_kills_at_once():
+    """Real signals to this process: the handlers only record; a job's kill runs on the second."""
+    killed, before = [], signal.getsignal(signal.SIGTERM)
+    with stop_on_signals() as stop:
+        assert current_stop() is stop
+        stop.raise_if_requested("never")  # nothing asked yet
+        forget = stop.kill_at_once(lambda: killed.append("job"))
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(stop.requested.is_set, 5, "the first signal")
+        assert (stop.name, stop.urgent.is_set(), killed) == ("SIGTERM", False, [])
+        try:
+            stop.raise_if_requested("before stage main")
+        except CampaignInterrupted as e:
+            assert (str(e), e.exit_code) == ("campaign interrupted by SIGTERM before stage main", 143)
+        else:
+            raise AssertionError("no CampaignInterrupted")
+        os.kill(os.getpid(), signal.SIGINT)
+        wait_for(stop.urgent.is_set, 5, "the second signal")
+        stop.kill_now()
+        forget()
+        stop.kill_now()  # a job that ended is not killed again
+        assert killed == ["job"] and stop.signum == signal.SIGTERM  # the first signal names the stop
+        assert [stop.record_once(lambda: None) for _ in range(2)] == [True, False]
+    assert current_stop() is None and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_signal_ignored_at_start_stays_ignored():
+    """A background job started with SIGINT ignored is not stopped by a Ctrl-C meant for others."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stop_on_signals() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_for(stop.requested.is_set, 5, "SIGTERM")
+            assert stop.name == "SIGTERM" and stop.count == 1
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class Cli:
+    """``pretrain run`` in a session of its own with SIGINT at its default (a terminal's foreground
+    job; a background child would inherit SIGINT ignored), output to files."""
+
+    def __init__(self, tmp_path: Path, spec, name: str):
+        spec_file = tmp_path / "spec.yaml"
+        spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+        self.cmd = [sys.executable, "-m", "pretrain.cli", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
+        self.env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=self.env,
+                                         start_new_session=True,
+                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    def tree(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def output(self) -> str:
+        return self.out.read_text() + self.err.read_text()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"pretrain run did not stop within {timeout}s:\n{self.output()[-3000:]}") from None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def start_training(tmp_path: Path, prepared_data, name: str):
+    spec = small_spec(tmp_path / "wd", model=SLOW_MODEL, checkpoint={"interval": 10, "memory_interval": 5, "keep": 5},
+                      stages=[{"name": "main", "steps": STEPS, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}])
+    seed_data(spec, prepared_data)
+    cli = Cli(tmp_path, spec, name)
+    try:
+        wait_for(lambda: ckpt.read_pointer(ckpt_dir(spec)) or cli.proc.poll() is not None, 240, "the first checkpoint")
+        assert cli.proc.poll() is None, cli.output()[-3000:]
+    except BaseException:
+        cli.kill()
+        raise
+    return spec, cli
+
+
+def assert_recorded_interrupted(spec, cause: str):
+    status = campaign_status(spec.workdir_path)
+    assert status["status"] == "interrupted"
+    assert status["stages"][0]["status"] == "interrupted"
+    assert status["stages"][0]["failures"] == []  # an operator's stop is no failure of the job
+    ledger = json.loads((spec.workdir_path / "ledger.json").read_text())
+    assert ledger["end"]["state"] == "interrupted" and cause in ledger["end"]["cause"]
+    client = MlflowClient(spec.tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name(spec.tracking.experiment).experiment_id])
+    assert {r.info.status for r in runs} == {"KILLED"}
+    assert {r.data.tags["pretrain.end_state"] for r in runs} == {"interrupted"}
+    return status
+
+
+def test_ctrl_c_stops_the_campaign_and_the_same_command_resumes_it(prepared_data, tmp_path):
+    spec, cli = start_training(tmp_path, prepared_data, "first")
+    tree = cli.tree()
+    at_signal = ckpt.read_pointer(ckpt_dir(spec))
+    os.killpg(cli.proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: the whole foreground group
+    code = cli.wait(180)
+    output = cli.output()
+    assert code == 130, output[-3000:]
+    assert "Traceback" not in output, output[-5000:]
+    assert "interrupted" in output and "Run the same command to resume" in output
+    assert f"pretrain run {tmp_path / 'spec.yaml'} --workdir {spec.workdir_path}" in output
+    status = assert_recorded_interrupted(spec, "SIGINT")
+    assert at_signal <= status["stages"][0]["latest_checkpoint"]["step"] < STEPS
+    events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
+    saved = max(e["step"] for e in events if e["event"] == "checkpoint")
+    assert saved == ckpt.read_pointer(ckpt_dir(spec))  # the savers' final save committed (at breakpoint)
+    assert_all_exit(tree)
+
+    second = subprocess.run(cli.cmd, capture_output=True, text=True, env=cli.env, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    status = campaign_status(spec.workdir_path)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and status["invocations"] == 2 and stage["steps_done"] == STEPS
+    resumed = [r for r in stage["resumes"] if r["attempt"] == 1]
+    assert resumed[0]["source"] == "checkpoint" and resumed[0]["step"] == saved
+    assert_mlflow_steps_unique(spec)
+
+
+def test_sigterm_stops_the_campaign_and_a_second_signal_stops_it_at_once(prepared_data, tmp_path):
+    spec, cli = start_training(tmp_path, prepared_data, "first")
+    tree = cli.tree()
+    os.kill(cli.proc.pid, signal.SIGTERM)  # a process manager stops the CLI alone
+    wait_for(lambda: "stopping" in cli.err.read_text(), 30, "the CLI to acknowledge the signal")
+    os.kill(cli.proc.pid, signal.SIGTERM)  # impatient: stop now
+    code = cli.wait(60)
+    output = cli.output()
+    assert code == 143, output[-3000:]
+    assert "Traceback" not in output, output[-5000:]
+    assert "Run the same command to resume" in output
+    assert_recorded_interrupted(spec, "SIGTERM")
+    assert_mlflow_steps_unique(spec)
+    assert_all_exit(tree)
+    store = ckpt_dir(spec)
+    for step in ckpt.committed_steps(store):  # nothing torn: every committed checkpoint verifies
+        assert ckpt.verify(ckpt.step_dir(store, step)) == []
