@@ -29,6 +29,7 @@ from pretrain.outcome import record_interrupt
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_reports
+from tasks.checkpoints import sync_verdicts
 from tasks.events import campaign_completed
 from tasks.hooks import CAMPAIGN_HOOKS
 from tasks.registry import register_final_model
