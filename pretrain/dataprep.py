@@ -18,8 +18,8 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pretrain.spec_sections import DataSpec
-from trainer.atomic import atomic_write_bytes, read_json
-from trainer.data import MANIFEST
+from trainer.atomic import atomic_write_bytes
+from trainer.data import MANIFEST, DataError, read_manifest
 from trainer.diskfull import describe, is_disk_full
 
 EOT = "<|endoftext|>"
@@ -146,11 +146,22 @@ def write_files(out: Path, files: dict[str, bytes]) -> None:
                                      "data set has no manifest and is never used.")) from None
 
 
+def _existing_manifest(out: Path, log) -> dict | None:
+    """The data set already in ``out``, if any; a damaged manifest means none (prepared again)."""
+    if not (out / MANIFEST).exists():
+        return None
+    try:
+        return read_manifest(out)
+    except DataError as e:
+        log(f"{e}; preparing it again")
+        return None
+
+
 def prepare(data: DataSpec, out: Path, log=print) -> dict:
     """Build (or reuse) the data set in ``out``; returns its manifest."""
     files = select_files(data)
     fp = fingerprint(data, files)
-    existing = read_json(out / MANIFEST)
+    existing = _existing_manifest(out, log)
     if existing and existing.get("fingerprint") == fp:
         log(f"data set in {out} is up to date (fingerprint {fp}); skipping preparation")
         return {**existing, "reused": True}

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 
 from pretrain.dataprep import DataPrepError, prepare
 from pretrain.spec_sections import DataSpec
-from trainer.data import GlobalSampler, TokenWindows, micro_batch_positions, read_manifest
+from trainer.data import DataError, GlobalSampler, TokenWindows, micro_batch_positions, read_manifest
 
 
 def test_prepared_data_set_is_complete_and_decodes(prepared_data):
@@ -80,3 +80,25 @@ def test_data_groups_are_packed_separately_and_mixed_in_exact_proportions(tmp_pa
 
     with pytest.raises(Exception, match=r"stages\.0\.mixture|stages\[0\]\.mixture names data group"):
         parse_spec({"data": {"sources": {"json": ["x"]}}, "stages": [{"name": "a", "steps": 1, "mixture": {"code": 1}}]})
+
+
+@pytest.mark.parametrize("damage", [
+    lambda t: t[: len(t) // 2],  # truncated (a killed writer on a filesystem without atomic rename)
+    lambda t: b"\xff\xfe not utf-8",
+    lambda t: b"[1, 2, 3]",  # JSON, but not a data manifest
+    lambda t: t.replace(b'"splits"', b'"splats"'),  # a hand edit
+], ids=["truncated", "not utf-8", "a list", "no splits"])
+def test_a_damaged_data_manifest_is_a_clear_error_and_preparation_redoes_it(tmp_path, damage):
+    spec = DataSpec(sources=["{stdlib}/json/*.py"], max_bytes=50_000, tokenizer={"vocab_size": 300})
+    out = tmp_path / "data"
+    prepare(spec, out, log=lambda *_: None)
+    manifest = out / "manifest.json"
+    manifest.write_bytes(damage(manifest.read_bytes()))
+    with pytest.raises(DataError) as raised:  # what a worker, the gate or the evaluation would read
+        read_manifest(out)
+    assert str(manifest) in str(raised.value)
+    assert "run data preparation again" in str(raised.value)
+    logged: list[str] = []
+    again = prepare(spec, out, log=logged.append)  # `pretrain run` again: prepared anew, not a crash
+    assert again["reused"] is False and read_manifest(out)["fingerprint"] == again["fingerprint"]
+    assert any("is damaged" in line and "preparing it again" in line for line in logged)

@@ -29,11 +29,19 @@ class DataError(RuntimeError):
 
 
 def read_manifest(data_dir: str | Path) -> dict:
+    """The data set's manifest; a missing or damaged one is a :class:`DataError` saying what to do."""
     path = Path(data_dir) / MANIFEST
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise DataError(f"no data manifest at {path}: run data preparation first (`pretrain run` does)") from None
+    except ValueError as e:  # not JSON, not UTF-8, truncated
+        raise DataError(f"{path} is damaged ({e}): run data preparation again (`pretrain run` redoes it)") from None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("splits"), dict)
+            and all(k in manifest for k in ("dtype", "vocab_size"))):
+        raise DataError(f"{path} is damaged (not a data manifest: no splits/dtype/vocab_size): "
+                        "run data preparation again (`pretrain run` redoes it)")
+    return manifest
 
 
 class TokenWindows:
