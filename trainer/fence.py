@@ -10,7 +10,6 @@ its own; otherwise it writes nothing.
 
 from __future__ import annotations
 
-import json
 import time
 
 FENCE = "fence"
