@@ -24,6 +24,7 @@ from flows.validate_checkpoint import validate_checkpoint
 from pretrain.credentials import mlflow_auth
 from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop
 from pretrain.ledger import Ledger
+from pretrain.ledger_schema import CampaignStatus, StageStatus
 from pretrain.lock import campaign_lock
 from pretrain.outcome import record_interrupt
 from pretrain.spec import CampaignSpec
@@ -78,7 +79,7 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
 
     logger = get_run_logger()
     ledger = Ledger.open(spec)
-    ledger.mutate(lambda d: d.update(status="running", invocations=d["invocations"] + 1, flow_run=flow_run.get_id()))
+    ledger.begin_run(flow_run.get_id())
     logger.info("campaign %s in %s (spec %s)", spec.name, spec.workdir_path, spec.spec_hash())
     parent_run_id = open_campaign_run(spec, ledger)
     link_mlflow_run(spec, tracker_for(spec).experiment_id, parent_run_id)
@@ -87,10 +88,10 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     provision_cluster(spec)
     init_from = None
     for i, stage in enumerate(spec.stages):
-        done = ledger.reload()["stages"][stage.name]
-        if done["status"] == "completed":
-            logger.info("stage %s already completed at step %s; skipping", stage.name, done["final_checkpoint"]["step"])
-            init_from = done["good_checkpoint"]["path"]
+        done = ledger.reload().stages[stage.name]
+        if done.status == StageStatus.COMPLETED:
+            logger.info("stage %s already completed at step %s; skipping", stage.name, done.final_checkpoint.step)
+            init_from = done.good_checkpoint.path
             continue
         stop_point(f"before stage {stage.name}")
         final = train_stage(spec, i, init_from)
@@ -98,13 +99,13 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
         validate_checkpoint(spec, stage.name, final["path"])
         evaluate(spec, stage.name, final["path"], final["step"])
         sync_verdicts(spec, stage.name)  # what an MLflow outage kept from the stage run
-        finish_run(spec, ledger.reload()["stages"][stage.name]["mlflow_run_id"], "FINISHED")
-        ledger.update_stage(stage.name, status="completed")
+        finish_run(spec, ledger.reload().stages[stage.name].mlflow_run_id, "FINISHED")
+        ledger.set_stage_status(stage.name, StageStatus.COMPLETED)
         publish_reports(spec)
         init_from = final["path"]
     stop_point("before registering the final model")
     register_final_model(spec)  # after every stage is completed: a failure here is the campaign's alone
-    ledger.set(status="completed")
+    ledger.set_status(CampaignStatus.COMPLETED)
     finish_run(spec, parent_run_id, "FINISHED")
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options())
     publish_reports(spec)

@@ -18,8 +18,7 @@ def evaluate(spec: CampaignSpec, stage: str, path: str, step: int) -> dict:
     stage_spec = spec.stages[index]
     metrics = evaluate_checkpoint(spec, path, stage_spec.seq_len)
     ledger = Ledger.open(spec)
-    offset = sum(s.steps for s in spec.stages[:index])
-    log_stage_evaluation(spec, ledger.stage(stage)["mlflow_run_id"], ledger.data["mlflow"]["parent_run_id"],
-                         metrics, step, offset + step)
-    ledger.update_stage(stage, eval={**metrics, "step": step})
+    log_stage_evaluation(spec, ledger.stage(stage).mlflow_run_id, ledger.record.mlflow.parent_run_id,
+                         metrics, step, spec.step_offset(index) + step)
+    ledger.set_eval(stage, {**metrics, "step": step})
     return metrics

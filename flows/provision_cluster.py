@@ -6,6 +6,7 @@ from prefect import flow
 
 from flows.locking import holds_campaign_lock
 from pretrain.ledger import Ledger
+from pretrain.ledger_schema import ClusterRecord
 from pretrain.spec import CampaignSpec
 from tasks.cluster import check_nodes
 from tasks.tracking import tracker_for
@@ -15,11 +16,11 @@ from tasks.tracking import tracker_for
 @holds_campaign_lock
 def provision_cluster(spec: CampaignSpec) -> dict:
     check = check_nodes(spec)
-    info = {"kind": spec.cluster.kind, "nodes": spec.cluster.nodes_max - len(check["excluded"]),
-            "workers_per_node": spec.cluster.workers_per_node, "excluded": check["excluded"], "health": check["rows"]}
+    info = ClusterRecord(kind=spec.cluster.kind, nodes=spec.cluster.nodes_max - len(check["excluded"]),
+                         workers_per_node=spec.cluster.workers_per_node, excluded=check["excluded"], health=check["rows"])
     ledger = Ledger.open(spec)
-    ledger.set(cluster=info)
-    run_id = ledger.data["mlflow"]["parent_run_id"]
+    ledger.set_cluster(info)
+    run_id = ledger.record.mlflow.parent_run_id
     if run_id:
         tracker = tracker_for(spec)
         tracker.client.log_dict(run_id, check["rows"], "node_check.json")

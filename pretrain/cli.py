@@ -35,13 +35,13 @@ def run(
     _exit_if_ledger_damaged(campaign.workdir_path)
     from deployments.local_run import run_campaign_here
     from pretrain.interrupt import CampaignInterrupted, StoppedAtOnce
-    from pretrain.ledger import CampaignMismatch, LedgerDamaged
+    from pretrain.ledger import CampaignMismatch, LedgerError
     from pretrain.status import render
 
     try:
         # the flow reads the status with the blocks' credentials, which stay in the flow
         final = run_campaign_here(campaign, notice=lambda msg: err.print(msg, highlight=False))
-    except (CampaignMismatch, LedgerDamaged) as e:
+    except (CampaignMismatch, LedgerError) as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2)
     except CampaignInterrupted as e:
@@ -102,11 +102,11 @@ def status(
 def _exit_if_ledger_damaged(workdir: Path) -> None:
     """A damaged ledger stops ``run`` before anything starts: exit 2 saying how to recover."""
     from pretrain.layout import CampaignLayout
-    from pretrain.ledger import Ledger, LedgerDamaged
+    from pretrain.ledger import Ledger, LedgerError
 
     try:
         Ledger.read(CampaignLayout(workdir))
-    except LedgerDamaged as e:
+    except LedgerError as e:  # damaged, or written by a newer release
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2)
 

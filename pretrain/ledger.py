@@ -13,9 +13,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+from pydantic import ValidationError
 
 from pretrain.jobs import checkpoint_location, storage_options
 from pretrain.layout import CampaignLayout
+from pretrain.ledger_schema import (LEDGER_VERSION, CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord, Failure,
+                                    MlflowRecord, Resize, Resume, Rewind, StageRecord, StageStatus, Verdict,
+                                    describe_problem, new_stage)
 from pretrain.redact import redact, redact_tree
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes, atomic_write_json
@@ -33,45 +39,33 @@ class LedgerDamaged(LedgerError):
     """``ledger.json`` cannot be read; the message names it and how to recover."""
 
 
-# the ledger's shape: what status, the flows and the report read without checking
-_TOP = {"campaign": str, "campaign_id": str, "spec_hash": str, "status": str, "invocations": int, "mlflow": dict,
-        "stages": dict}
-_STAGE = {"status": str, "steps": int, "checkpoints": str, "attempts": int, "restarts": int, "failures": list,
-          "resumes": list}
+class LedgerNewer(LedgerError):
+    """``ledger.json`` was written by a newer release, in a version of the file this one does not know."""
 
 
-def _shape_problem(data: object) -> str | None:
-    """What is wrong with the ledger's shape, or None."""
-    if not isinstance(data, dict):
-        return f"a JSON {type(data).__name__}, not a JSON object"
-    fields = [(f"{name!r}", data.get(name), kind) for name, kind in _TOP.items()]
-    for stage, s in (data.get("stages") or {}).items() if isinstance(data.get("stages"), dict) else ():
-        if not isinstance(s, dict):
-            return f"stage {stage!r} is not an object"
-        fields += [(f"{name!r} of stage {stage!r}", s.get(name), kind) for name, kind in _STAGE.items()]
-        if not all(isinstance(v, dict) and v.get("verdict") in ("good", "bad") for v in s.get("verdicts", [])):
-            return f"a 'verdict' of stage {stage!r} is not good or bad"
-    for what, value, kind in fields:
-        if not isinstance(value, kind) or isinstance(value, bool):
-            return f"{what} is {'missing' if value is None else repr(value)[:60]}, not a {kind.__name__}"
-    return None
-
-
-def _parse(path: Path, data: bytes) -> dict:
+def _parse(path: Path, data: bytes) -> CampaignRecord:
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, ValueError) as err:
         raise LedgerDamaged(f"{path} is damaged (not valid JSON: {err})") from None
-    if problem := _shape_problem(obj):
-        raise LedgerDamaged(f"{path} is damaged ({problem})")
-    return obj
+    if not isinstance(obj, dict):
+        raise LedgerDamaged(f"{path} is damaged (a JSON {type(obj).__name__}, not a JSON object)")
+    version = obj.get("version", 1)
+    if isinstance(version, int) and not isinstance(version, bool) and version > LEDGER_VERSION:
+        raise LedgerNewer(f"{path} was written by a newer prefect-pretrain (ledger version {version}; this release "
+                          f"reads up to {LEDGER_VERSION}): run the campaign with that release, or upgrade this one")
+    try:
+        return CampaignRecord.model_validate(obj)
+    except ValidationError as err:
+        problems = "; ".join(describe_problem(e) for e in err.errors()[:3])
+        raise LedgerDamaged(f"{path} is damaged ({problems})") from None
 
 
 def _prev(path: Path) -> Path:
     return path.with_name(path.name + ".prev")
 
 
-def _read(path: Path) -> dict | None:
+def _read(path: Path) -> CampaignRecord | None:
     """The ledger at ``path``; None if there is none; LedgerDamaged saying how to recover."""
     try:
         data = path.read_bytes()
@@ -88,12 +82,12 @@ def _recovery(path: Path) -> str:
     prev = _prev(path)
     try:
         saved = _parse(prev, prev.read_bytes())
-    except (OSError, LedgerDamaged) as err:
+    except (OSError, LedgerError) as err:
         why = "it does not exist" if isinstance(err, FileNotFoundError) else str(err)
         return (f"There is no intact previous generation ({prev}: {why}). Move the damaged file aside "
                 f"(mv {path} {path}.damaged) and run the campaign again with its spec: training resumes from "
                 "its checkpoints; the ledger's history (attempts, failures, verdicts) starts anew")
-    return (f"The previous generation {prev} is intact (campaign {saved['campaign']!r}, status {saved['status']!r}): "
+    return (f"The previous generation {prev} is intact (campaign {saved.campaign!r}, status {saved.status.value!r}): "
             f"restore it with `pretrain recover-ledger --workdir {path.parent}` (the damaged file is kept as "
             f"{path.name}.damaged-<time>), then run the same command again")
 
@@ -123,22 +117,20 @@ def recover_ledger(workdir: str | Path) -> Path:
     return aside
 
 
-def _new_stage(steps: int, checkpoints: str) -> dict:
-    return {"status": "pending", "steps": steps, "checkpoints": checkpoints, "attempts": 0, "restarts": 0, "failures": [],
-            "resumes": [], "verdicts": [], "final_checkpoint": None, "good_checkpoint": None, "mlflow_run_id": None,
-            "eval": None}
-
-
 @dataclass
 class Ledger:
+    """The campaign's ledger file and its last read content (``record``). Every change re-reads
+    the file, applies itself and writes it back (:meth:`mutate`): several flows of one campaign
+    each hold a Ledger, and none may overwrite the others' updates."""
+
     layout: CampaignLayout
-    data: dict
+    record: CampaignRecord
 
     @classmethod
     def read(cls, layout: CampaignLayout) -> "Ledger | None":
         """The workdir's ledger; None if it has none; :class:`LedgerDamaged` if it cannot be read."""
-        data = _read(layout.ledger)
-        return None if data is None else cls(layout, data)
+        record = _read(layout.ledger)
+        return None if record is None else cls(layout, record)
 
     @classmethod
     def open(cls, spec: CampaignSpec) -> "Ledger":
@@ -146,17 +138,16 @@ class Ledger:
         layout = CampaignLayout(spec.workdir_path)
         ledger = cls.read(layout)
         if ledger is None:
-            ledger = cls(layout, {
-                "campaign": spec.name, "campaign_id": uuid.uuid4().hex, "spec_hash": spec.spec_hash(),
-                "created": time.time(), "status": "new", "invocations": 0, "data": None, "cluster": None,
-                "mlflow": {"tracking_uri": redact(spec.tracking_uri), "experiment": spec.tracking.experiment,
-                           "parent_run_id": None},
-                "storage_options": redact_tree(storage_options(spec)),
-                "stages": {s.name: _new_stage(s.steps, redact(checkpoint_location(spec, s.name))) for s in spec.stages},
-            })
-        elif ledger.data["spec_hash"] != spec.spec_hash():
+            ledger = cls(layout, CampaignRecord(
+                campaign=spec.name, campaign_id=uuid.uuid4().hex, spec_hash=spec.spec_hash(), created=time.time(),
+                status=CampaignStatus.NEW, invocations=0,
+                mlflow=MlflowRecord(tracking_uri=redact(spec.tracking_uri), experiment=spec.tracking.experiment),
+                storage_options=redact_tree(storage_options(spec)),
+                stages={s.name: new_stage(s.steps, redact(checkpoint_location(spec, s.name))) for s in spec.stages},
+            ))
+        elif ledger.record.spec_hash != spec.spec_hash():
             raise CampaignMismatch(
-                f"{layout.root} holds campaign {ledger.data['campaign']!r} with spec hash {ledger.data['spec_hash']}, "
+                f"{layout.root} holds campaign {ledger.record.campaign!r} with spec hash {ledger.record.spec_hash}, "
                 f"but this spec hashes to {spec.spec_hash()}: resume it with its original spec, "
                 f"or start a new campaign with --workdir pointing to an empty directory")
         return ledger
@@ -167,33 +158,92 @@ class Ledger:
         try:
             current = path.read_bytes()
             _parse(path, current)
-        except (FileNotFoundError, LedgerDamaged):
+        except (FileNotFoundError, LedgerError):
             current = None  # .prev keeps the last intact generation
         if current is not None:
             atomic_write_bytes(_prev(path), current)
-        atomic_write_json(path, self.data, sort_keys=False)  # stages stay in order
+        atomic_write_json(path, self.record.to_json(), sort_keys=False)  # stages stay in order
 
-    def reload(self) -> dict:
+    def reload(self) -> CampaignRecord:
         fresh = _read(self.layout.ledger)
         if fresh is not None:
-            self.data = fresh
-        return self.data
+            self.record = fresh
+        return self.record
 
-    def mutate(self, change) -> dict:
-        """Re-read the file, apply ``change(data)``, write it back: several flows of one
-        campaign each hold a Ledger, and none may overwrite the others' updates."""
+    def mutate(self, change: Callable[[CampaignRecord], object]) -> CampaignRecord:
+        """Re-read the file, apply ``change(record)``, write it back."""
         change(self.reload())
         self.save()
-        return self.data
+        return self.record
 
-    def stage(self, name: str) -> dict:
-        return self.data["stages"][name]
+    def stage(self, name: str) -> StageRecord:
+        """The stage as last read (:meth:`reload` for the file's current state)."""
+        return self.record.stages[name]
 
-    def update_stage(self, name: str, **fields) -> dict:
-        return self.mutate(lambda d: d["stages"][name].update(fields))["stages"][name]
+    def _change_stage(self, name: str, change: Callable[[StageRecord], object]) -> StageRecord:
+        return self.mutate(lambda r: change(r.stages[name])).stages[name]
 
-    def set(self, **fields) -> None:
-        self.mutate(lambda d: d.update(fields))
+    # the campaign
 
-    def append(self, stage: str, key: str, record: dict) -> None:
-        self.mutate(lambda d: d["stages"][stage].setdefault(key, []).append({**record, "time": record.get("time", time.time())}))
+    def begin_run(self, flow_run: str) -> None:
+        """A run of the campaign flow starts working on it."""
+        def change(r: CampaignRecord) -> None:
+            r.status, r.invocations, r.flow_run = CampaignStatus.RUNNING, r.invocations + 1, flow_run
+        self.mutate(change)
+
+    def set_status(self, status: CampaignStatus) -> None:
+        self.mutate(lambda r: setattr(r, "status", status))
+
+    def set_parent_run(self, run_id: str) -> None:
+        self.mutate(lambda r: setattr(r.mlflow, "parent_run_id", run_id))
+
+    def set_data(self, summary: dict) -> None:
+        self.mutate(lambda r: setattr(r, "data", summary))
+
+    def set_cluster(self, cluster: ClusterRecord) -> None:
+        self.mutate(lambda r: setattr(r, "cluster", cluster))
+
+    def set_registered_model(self, registered: dict) -> None:
+        self.mutate(lambda r: setattr(r, "registered_model", registered))
+
+    # a stage
+
+    def set_stage_status(self, stage: str, status: StageStatus, final_checkpoint: CheckpointRef | None = None) -> StageRecord:
+        def change(s: StageRecord) -> None:
+            s.status = status
+            if final_checkpoint is not None:
+                s.final_checkpoint = final_checkpoint
+        return self._change_stage(stage, change)
+
+    def set_stage_run(self, stage: str, run_id: str) -> None:
+        self._change_stage(stage, lambda s: setattr(s, "mlflow_run_id", run_id))
+
+    def set_eval(self, stage: str, evaluation: dict) -> None:
+        self._change_stage(stage, lambda s: setattr(s, "eval", evaluation))
+
+    def start_attempt(self, stage: str) -> int:
+        """Count a launch of the stage's job; returns its attempt number (0 for the first)."""
+        return self._change_stage(stage, lambda s: setattr(s, "attempts", s.attempts + 1)).attempts - 1
+
+    def add_restarts(self, stage: str, restarts: int) -> None:
+        self._change_stage(stage, lambda s: setattr(s, "restarts", s.restarts + restarts))
+
+    def record_failure(self, stage: str, failure: Failure) -> None:
+        self._change_stage(stage, lambda s: s.failures.append(failure.stamped()))
+
+    def record_resume(self, stage: str, resume: Resume) -> None:
+        self._change_stage(stage, lambda s: s.resumes.append(resume.stamped()))
+
+    def record_resize(self, stage: str, resize: Resize) -> None:
+        self._change_stage(stage, lambda s: s.resizes.append(resize.stamped()))
+
+    def record_rewind(self, stage: str, rewind: Rewind) -> None:
+        self._change_stage(stage, lambda s: s.rewinds.append(rewind.stamped()))
+
+    def record_verdict(self, stage: str, verdict: Verdict) -> None:
+        """Add the gate's verdict; a good one newer than the stage's good checkpoint becomes it."""
+        def change(s: StageRecord) -> None:
+            s.verdicts.append(verdict.stamped())
+            if verdict.verdict == "good" and s.newest_good_step() < verdict.step:
+                s.good_checkpoint = CheckpointRef(step=verdict.step, path=verdict.path)
+        self._change_stage(stage, change)

@@ -13,63 +13,61 @@ from pathlib import Path
 from pretrain.interrupt import StopRequest
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
+from pretrain.ledger_schema import OPEN_STAGES, CampaignRecord, CampaignStatus, RunEnd, StageStatus
 from pretrain.tracking import Tracker
 
 # how each way of ending shows in MLflow: a cancel (Prefect) or an interrupt (Ctrl-C / SIGTERM to
 # `pretrain run`) is a deliberate kill; a crash of the infrastructure (lost process, OOM kill)
 # is a failure of the run like any other
-MLFLOW_STATUS = {"failed": "FAILED", "crashed": "FAILED", "cancelled": "KILLED", "interrupted": "KILLED"}
+MLFLOW_STATUS = {CampaignStatus.FAILED: "FAILED", CampaignStatus.CRASHED: "FAILED", CampaignStatus.CANCELLED: "KILLED",
+                 CampaignStatus.INTERRUPTED: "KILLED"}
 TAG_END_STATE = "pretrain.end_state"
 TAG_END_CAUSE = "pretrain.end_cause"
-OPEN_STAGES = ("running", "trained")  # stages a run was working on when it ended
-FAILED_STAGE = "failed"  # set by train-stage before it raises; its MLflow run is still open
+# stages a run was working on when it ended; a failed one was set by train-stage before it
+# raised, and its MLflow run is still open
+ENDED_STAGES = (*OPEN_STAGES, StageStatus.FAILED)
 
 
-def _interrupted(data: dict, flow_run: str) -> bool:
-    """The ledger records ``flow_run`` as interrupted by the operator."""
-    end = data.get("end") or {}
-    return data.get("flow_run") == flow_run and end.get("flow_run") == flow_run and end.get("state") == "interrupted"
-
-
-def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str) -> dict | None:
+def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str) -> CampaignRecord | None:
     """Mark the campaign and the stages it was working on ``outcome`` with ``cause``, and end its
     MLflow runs with the matching status — if ``flow_run`` is the run the ledger says is running it
     (a run refused before it started, e.g. because another run holds the campaign, changes
-    nothing), unless it is recorded as interrupted already. Returns the ledger's data, whose
-    ``end`` says how the run ended (None: not a run of this campaign)."""
+    nothing), unless it is recorded as interrupted already. Returns the ledger, whose ``end``
+    says how the run ended (None: not a run of this campaign)."""
     if outcome not in MLFLOW_STATUS:
         raise ValueError(f"outcome must be one of {sorted(MLFLOW_STATUS)}, got {outcome!r}")
     layout = CampaignLayout(Path(workdir))
     ledger = Ledger.read(layout)
     if ledger is None:
         return None
-    if _interrupted(ledger.data, flow_run):
-        return ledger.data  # the flow's failure hook after an interruption: nothing to write
+    if ledger.record.interrupted(flow_run):
+        return ledger.record  # the flow's failure hook after an interruption: nothing to write
+    outcome = CampaignStatus(outcome)
     open_stages: list[str] = []
     ours = []
 
-    def change(d: dict) -> None:
-        if d.get("flow_run") != flow_run or _interrupted(d, flow_run):
+    def change(r: CampaignRecord) -> None:
+        if r.flow_run != flow_run or r.interrupted(flow_run):
             return
         ours.append(True)
-        open_stages.extend(n for n, s in d["stages"].items() if s["status"] in (*OPEN_STAGES, FAILED_STAGE))
+        open_stages.extend(n for n, s in r.stages.items() if s.status in ENDED_STAGES)
         for name in open_stages:
-            if d["stages"][name]["status"] in OPEN_STAGES:
-                d["stages"][name]["status"] = outcome
-        d["status"] = outcome
-        d["end"] = {"state": outcome, "cause": cause, "time": time.time(), "flow_run": flow_run}
+            if r.stages[name].status in OPEN_STAGES:
+                r.stages[name].status = StageStatus(outcome.value)
+        r.status = outcome
+        r.end = RunEnd(state=outcome.value, cause=cause, time=time.time(), flow_run=flow_run)
 
-    data = ledger.mutate(change)
+    record = ledger.mutate(change)
     if not ours:
-        return data if _interrupted(data, flow_run) else None
-    run_ids = [data["stages"][n]["mlflow_run_id"] for n in open_stages] + [data["mlflow"]["parent_run_id"]]
+        return record if record.interrupted(flow_run) else None
+    run_ids = [record.stages[n].mlflow_run_id for n in open_stages] + [record.mlflow.parent_run_id]
     run_ids = [r for r in run_ids if r]
     if run_ids:
-        tracker = Tracker(data["mlflow"]["tracking_uri"], data["mlflow"]["experiment"], layout.mlflow_artifacts)
+        tracker = Tracker(record.mlflow.tracking_uri, record.mlflow.experiment, layout.mlflow_artifacts)
         for run_id in run_ids:
             tracker.set_tags(run_id, {TAG_END_STATE: outcome, TAG_END_CAUSE: cause[:5000]})
             tracker.finish(run_id, MLFLOW_STATUS[outcome])
-    return data
+    return record
 
 
 def record_interrupt(workdir: str | Path, stop: StopRequest, cause: str, warn) -> None:

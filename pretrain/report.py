@@ -23,11 +23,10 @@ def checkpoint_rows(workdir: str | Path, s3_credentials: dict | None = None) -> 
     if ledger is None:
         return []
     rows = []
-    for name, stage in ledger.data["stages"].items():
-        store = CheckpointStore.open(stage["checkpoints"], {**(ledger.data.get("storage_options") or {}),
-                                                            **(s3_credentials or {})})
+    for name, stage in ledger.record.stages.items():
+        store = CheckpointStore.open(stage.checkpoints, {**ledger.record.storage_options, **(s3_credentials or {})})
         good = store.read_pointer(GOOD)
-        evaluated = stage.get("eval") or {}
+        evaluated = stage.eval or {}
         for step in sorted(store.committed_steps()):
             verdict = store.verdict(step) or {}
             rows.append({"stage": name, "step": step, "verdict": verdict.get("verdict", "unvalidated"),
@@ -38,9 +37,9 @@ def checkpoint_rows(workdir: str | Path, s3_credentials: dict | None = None) -> 
     return redact_tree(rows)
 
 
-def node_check_rows(status_or_ledger: dict) -> list[dict]:
-    cluster = status_or_ledger.get("cluster") or {}
-    return [{k: r.get(k) for k in NODE_CHECK_COLUMNS} for r in cluster.get("health") or []]
+def node_check_rows(health: list[dict]) -> list[dict]:
+    """The node check's rows (a ledger's ``cluster.health``) as table rows."""
+    return [{k: r.get(k) for k in NODE_CHECK_COLUMNS} for r in health]
 
 
 def time_lost_by_cause(status: dict) -> dict[str, float]:
@@ -69,15 +68,14 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None) -> 
     verdict and eval loss, the node check, failures and the time lost per cause (redacted)."""
     status = campaign_status(workdir, s3_credentials)
     ledger = Ledger.read(CampaignLayout(Path(status["workdir"])))
-    data = ledger.data if ledger else {}
-    end = data.get("end") or {}
+    end = ledger.record.end if ledger else None
     lines = [f"# Campaign `{status['campaign']}` — {status['status']}", "",
              f"- workdir: `{status['workdir']}`", f"- spec hash: `{status['spec_hash']}`, runs of the campaign flow: "
              f"{status['invocations']}",
              f"- MLflow: parent run `{status['mlflow']['parent_run_id']}` in experiment "
              f"`{status['mlflow']['experiment']}` (`{status['mlflow']['ui_command']}`)"]
-    if end.get("cause") and status["status"] != "completed":
-        lines.append(f"- ended {end.get('state', '').lower()}: {end['cause']}")
+    if end is not None and end.cause and status["status"] != "completed":
+        lines.append(f"- ended {end.state.lower()}: {end.cause}")
     lines += ["", "## Stages", ""]
     stage_rows = [{"stage": s["name"], "status": s["status"], "steps": f"{s['steps_done']}/{s['steps_total']}",
                    "attempts": s["attempts"], "in-job restarts": s["restarts"], "failures": len(s["failures"]),
@@ -87,7 +85,7 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None) -> 
     lines += ["## Checkpoints", ""]
     lines += _table(checkpoint_rows(status["workdir"], s3_credentials), ("stage", "step", "verdict", "good_pointer", "eval_loss", "problems"))
     lines += ["## Node check", ""]
-    lines += _table(node_check_rows(data), NODE_CHECK_COLUMNS)
+    lines += _table(node_check_rows(ledger.record.node_health() if ledger else []), NODE_CHECK_COLUMNS)
     lines += ["## Time lost per cause", ""]
     lost = [{"cause": c, "seconds": round(s, 2)} for c, s in time_lost_by_cause(status).items()]
     lines += _table(lost, ("cause", "seconds"))

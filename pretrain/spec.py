@@ -146,6 +146,11 @@ class CampaignSpec(Section):
                 return i
         raise ValueError(f"campaign {self.name!r} has no stage {name!r} (stages: {[s.name for s in self.stages]})")
 
+    def step_offset(self, stage_index: int) -> int:
+        """The campaign step at which the stage at ``stage_index`` starts (its step 0): the
+        steps of the stages before it. MLflow's campaign run and the registry count in it."""
+        return sum(s.steps for s in self.stages[:stage_index])
+
     def spec_hash(self) -> str:
         """Hash of everything that defines the campaign's results (not where it is stored).
         Fields left at their defaults are not hashed, so a release that adds a field (with a

@@ -24,28 +24,29 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None) -> 
     ledger = Ledger.read(layout)
     if ledger is None:
         raise NoCampaign(f"no campaign in {layout.root} (no {layout.ledger.name}); start one with `pretrain run --workdir {workdir}`")
-    d = ledger.data
+    r = ledger.record
     stages = []
-    for name, s in d["stages"].items():
-        store = CheckpointStore.open(s["checkpoints"], {**(d.get("storage_options") or {}), **(s3_credentials or {})})
+    for name, s in r.stages.items():
+        store = CheckpointStore.open(s.checkpoints, {**r.storage_options, **(s3_credentials or {})})
         latest, good = store.latest_complete(), store.latest_good()
+        entries = s.model_dump(mode="json", include={"verdicts", "resizes", "rewinds", "failures", "resumes"})
         stages.append({
-            "name": name, "status": s["status"], "steps_total": s["steps"],
+            "name": name, "status": s.status.value, "steps_total": s.steps,
             "steps_done": good.step if good else 0,  # what a resume would start from
             "latest_checkpoint": latest.to_dict() if latest else None,
             "good_checkpoint": good.to_dict() if good else None,
-            "bad_checkpoints": [v for v in s.get("verdicts", []) if v["verdict"] == "bad"],
-            "attempts": s["attempts"], "restarts": s["restarts"], "resizes": s.get("resizes", []),
-            "rewinds": s.get("rewinds", []), "problems": store.record_problems(),
-            "failures": s["failures"], "resumes": s["resumes"], "mlflow_run_id": s["mlflow_run_id"], "eval": s["eval"],
+            "bad_checkpoints": [v for v in entries["verdicts"] if v["verdict"] == "bad"],
+            "attempts": s.attempts, "restarts": s.restarts, "resizes": entries["resizes"],
+            "rewinds": entries["rewinds"], "problems": store.record_problems(),
+            "failures": entries["failures"], "resumes": entries["resumes"], "mlflow_run_id": s.mlflow_run_id, "eval": s.eval,
         })
-    uri = d["mlflow"]["tracking_uri"]
+    uri = r.mlflow.tracking_uri
     return redact_tree({
-        "campaign": d["campaign"], "campaign_id": d["campaign_id"], "workdir": str(layout.root),
-        "status": d["status"], "spec_hash": d["spec_hash"], "invocations": d["invocations"],
-        "data": d["data"], "stages": stages, "registered_model": d.get("registered_model"),
-        "mlflow": {**d["mlflow"], "ui_command": f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:")
-                   else f"open {uri}"},
+        "campaign": r.campaign, "campaign_id": r.campaign_id, "workdir": str(layout.root),
+        "status": r.status.value, "spec_hash": r.spec_hash, "invocations": r.invocations,
+        "data": r.data, "stages": stages, "registered_model": r.registered_model,
+        "mlflow": {**r.mlflow.model_dump(mode="json"), "ui_command": f"mlflow ui --backend-store-uri {uri}"
+                   if uri.startswith("sqlite:") else f"open {uri}"},
     })
 
 

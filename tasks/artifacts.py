@@ -58,7 +58,7 @@ class TrainingProgress:
 
     def __init__(self, spec: CampaignSpec, stage_index: int, min_interval_s: float = 2.0):
         self.total = sum(s.steps for s in spec.stages)
-        self.offset = sum(s.steps for s in spec.stages[:stage_index])
+        self.offset = spec.step_offset(stage_index)
         self.stage = spec.stages[stage_index].name
         self.min_interval_s = min_interval_s
         self.last_step, self.last_time = -1, 0.0

@@ -8,6 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from pretrain.gate import judge, rewind_past_bad, wants_eval
 from pretrain.jobs import checkpoint_store
 from pretrain.ledger import Ledger
+from pretrain.ledger_schema import Rewind, Verdict
 from pretrain.spec import CampaignSpec
 from tasks.events import checkpoint_verdict
 from pretrain.tracking import describe_error, transient
@@ -43,12 +44,8 @@ def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
     stage = spec.stages[stage_index].name
     checkpoint_verdict(spec, stage, record["path"], record)
     ledger = Ledger.open(spec)
-    ledger.append(stage, "verdicts", {k: record[k] for k in ("step", "path", "verdict", "problems", "probe", "metrics", "time")})
-    if record["verdict"] == "good":
-        s = ledger.stage(stage)
-        if (s["good_checkpoint"] or {}).get("step", -1) < record["step"]:
-            ledger.update_stage(stage, good_checkpoint={"step": record["step"], "path": record["path"]})
-    run_id = ledger.stage(stage)["mlflow_run_id"]
+    ledger.record_verdict(stage, Verdict(**{k: record[k] for k in ("step", "path", "verdict", "problems", "probe", "metrics", "time")}))
+    run_id = ledger.stage(stage).mlflow_run_id
     if run_id:
         try:
             verdicts_to_mlflow(spec, run_id, [record])
@@ -80,8 +77,8 @@ def sync_verdicts(spec: CampaignSpec, stage: str) -> None:
     """Send every verdict the ledger holds for the stage to its MLflow run: what an MLflow outage
     during training kept from it arrives now."""
     s = Ledger.open(spec).stage(stage)
-    if s["mlflow_run_id"] and s["verdicts"]:
-        verdicts_to_mlflow(spec, s["mlflow_run_id"], s["verdicts"])
+    if s.mlflow_run_id and s.verdicts:
+        verdicts_to_mlflow(spec, s.mlflow_run_id, [v.model_dump(mode="json") for v in s.verdicts])
 
 
 def judge_pending(spec: CampaignSpec, stage_index: int) -> list[dict]:
@@ -103,7 +100,7 @@ def find_resume_point(spec: CampaignSpec, stage_index: int) -> dict | None:
         get_run_logger().warning("stage %s: rewound from step %s to the last good checkpoint %s (bad ones quarantined: %s)",
                                  spec.stages[stage_index].name, rewound["from"], rewound["to"],
                                  [q["path"] for q in rewound["quarantined"]] or "none")
-        Ledger.open(spec).append(spec.stages[stage_index].name, "rewinds", rewound)
+        Ledger.open(spec).record_rewind(spec.stages[stage_index].name, Rewind(**rewound))
     ref = store.latest_good()
     return None if ref is None else ref.to_dict()
 

@@ -42,7 +42,7 @@ def _record(flow_run, state, outcome: str) -> CampaignSpec | None:
         if data is None:
             logger.info("campaign hook: this run never started campaign %s; leaving its ledger alone", spec.name)
             return None
-        logger.info("campaign %s marked %s: %s", spec.name, data["end"]["state"], data["end"]["cause"])
+        logger.info("campaign %s marked %s: %s", spec.name, data.end.state, data.end.cause)
         return spec
     except Exception:  # noqa: BLE001 - a hook must never hide the run's own outcome
         logger.exception("campaign hook could not record the %s run", outcome)

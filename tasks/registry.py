@@ -31,14 +31,14 @@ def register_final_model(spec: CampaignSpec) -> dict | None:
         return None
     ledger = Ledger.open(spec)
     last = ledger.stage(spec.stages[-1].name)
-    good, evaluation = last["good_checkpoint"], last["eval"] or {}
-    info = describe(good["path"], **spec_overrides(spec))  # the spec also covers checkpoints without a record
-    offset = sum(s.steps for s in spec.stages[:-1])  # campaign step, as in the run's metric history
+    good, evaluation = last.good_checkpoint, last.eval or {}
+    info = describe(good.path, **spec_overrides(spec))  # the spec also covers checkpoints without a record
+    offset = spec.step_offset(len(spec.stages) - 1)  # campaign step, as in the run's metric history
     metrics = {k: v for k, v in evaluation.items() if k.startswith("val_")}
     reg = register_checkpoint(
-        info, tracking_uri=spec.tracking_uri, run_id=ledger.data["mlflow"]["parent_run_id"],
+        info, tracking_uri=spec.tracking_uri, run_id=ledger.record.mlflow.parent_run_id,
         name=spec.registered_model_name, alias=spec.tracking.model_alias, metrics=metrics,
         step=offset + info.step, tags={"pretrain.campaign": spec.name, "pretrain.stage": spec.stages[-1].name})
-    ledger.set(registered_model=reg.to_dict())
-    logger.info("registered %s version %s (%s) from %s", reg.name, reg.version, reg.uri, redact(good["path"]))
+    ledger.set_registered_model(reg.to_dict())
+    logger.info("registered %s version %s (%s) from %s", reg.name, reg.version, reg.uri, redact(good.path))
     return reg.to_dict()

@@ -31,17 +31,17 @@ def tracker_for(spec: CampaignSpec) -> Tracker:
 def open_campaign_run(spec: CampaignSpec, ledger: Ledger) -> str:
     params = spec.model_dump(mode="json", exclude={"stages"})
     params["stages"] = ",".join(f"{s.name}:{s.steps}" for s in spec.stages)
-    run_id = tracker_for(spec).campaign_run(ledger.data["campaign_id"], spec.name, spec.spec_hash(), params)
-    ledger.mutate(lambda d: d["mlflow"].update(parent_run_id=run_id))
+    run_id = tracker_for(spec).campaign_run(ledger.record.campaign_id, spec.name, spec.spec_hash(), params)
+    ledger.set_parent_run(run_id)
     return run_id
 
 
 @task(name="open-stage-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
 def open_stage_run(spec: CampaignSpec, ledger: Ledger, stage_index: int) -> str:
     stage = spec.stages[stage_index]
-    run_id = tracker_for(spec).stage_run(ledger.data["campaign_id"], ledger.data["mlflow"]["parent_run_id"],
+    run_id = tracker_for(spec).stage_run(ledger.record.campaign_id, ledger.record.mlflow.parent_run_id,
                                          spec.name, stage.name, stage.model_dump(mode="json"))
-    ledger.update_stage(stage.name, mlflow_run_id=run_id)
+    ledger.set_stage_run(stage.name, run_id)
     return run_id
 
 

@@ -46,7 +46,7 @@ class RejoinWatch:
 def try_scale_up(spec: CampaignSpec, stage: str, due: list[int], rejoin: RejoinWatch, events: JsonLines, logger) -> list[int]:
     """Re-check lost nodes; the ones that pass make the job scale back up (returned). The ones
     that fail are checked again after another ``rejoin_after_s``."""
-    baseline = (Ledger.open(spec).reload().get("cluster") or {}).get("health") or []
+    baseline = Ledger.open(spec).reload().node_health()
     fit, rows = recheck_nodes(make_cluster(spec.cluster, threads_per_worker(spec)), spec.workdir_path, due, baseline,
                               spec.fault_tolerance.node_check_threshold)
     for node in due:

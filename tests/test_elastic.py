@@ -48,9 +48,9 @@ def test_node_check_excludes_a_slow_node(prefect_harness, prepared_data, tmp_pat
     status = pretrain_campaign(spec=spec)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     assert status["status"] == "completed"
-    cluster = Ledger.open(spec).reload()["cluster"]
-    rows = {r["node"]: r for r in cluster["health"]}
-    assert cluster["excluded"] == [1] and rows[1]["relative"] > 2 and rows[0]["relative"] == 1
+    cluster = Ledger.open(spec).reload().cluster
+    rows = {r["node"]: r for r in cluster.health}
+    assert cluster.excluded == [1] and rows[1]["relative"] > 2 and rows[0]["relative"] == 1
     assert all(r["ok"] and r["allreduce_MBps"] > 0 for r in rows.values())
     metrics = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "metrics.jsonl")
     assert {m["world_size"] for m in metrics} == {1} and {m["grad_accum"] for m in metrics} == {2}
@@ -101,7 +101,7 @@ def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_har
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 24 and stage["attempts"] == 1
-    assert Ledger.open(spec).reload()["cluster"]["excluded"] == []  # both passed before training
+    assert Ledger.open(spec).reload().cluster.excluded == []  # both passed before training
 
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
     (check, *_) = [e for e in events if e["event"] == "node_check"]

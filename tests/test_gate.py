@@ -101,10 +101,10 @@ def test_damaged_checkpoint_is_bad_kept_and_never_resumed_from(prefect_harness, 
     assert store.read_pointer() == 4 and store.latest_good().step == 4
     assert store.latest_complete().step == 4  # what a worker restoring from storage would take
     stage = Ledger.open(spec).stage("s")
-    verdicts = {v["step"]: v for v in stage["verdicts"]}
-    assert verdicts[4]["verdict"] == "good" and verdicts[8]["verdict"] == "bad"
-    assert any(reason in p for p in verdicts[8]["problems"]), verdicts[8]["problems"]
-    (moved,) = stage["rewinds"][0]["quarantined"]  # kept for forensics, out of the way
+    verdicts = {v.step: v for v in stage.verdicts}
+    assert verdicts[4].verdict == "good" and verdicts[8].verdict == "bad"
+    assert any(reason in p for p in verdicts[8].problems), verdicts[8].problems
+    (moved,) = stage.rewinds[0].quarantined  # kept for forensics, out of the way
     kept = store.storage.local_path(moved["path"].rpartition("/checkpoints/s/")[2])
     assert kept.is_dir() and json.loads((kept / "verdict.json").read_text())["verdict"] == "bad"
     assert not (store.storage.local_path(step_name(8))).exists()  # step 8 can be committed again
@@ -158,7 +158,7 @@ def test_campaign_rewinds_past_a_silently_corrupted_checkpoint(prefect_harness, 
     client = MlflowClient(spec.tracking_uri)
     run = client.get_run(s["mlflow_run_id"])
     assert run.data.tags["verdict.00000008"] == "good" and "sha256" in run.data.tags["verdict.00000008.problems"]
-    good_steps = {v["step"] for v in Ledger.open(spec).stage("s")["verdicts"] if v["verdict"] == "good"}
+    good_steps = {v.step for v in Ledger.open(spec).stage("s").verdicts if v.verdict == "good"}
     evaluated = {m.step for m in client.get_metric_history(run.info.run_id, "val_loss")}
     assert 8 in evaluated and evaluated <= good_steps
 

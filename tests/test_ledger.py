@@ -11,6 +11,7 @@ import yaml
 from conftest import pretrain_cli, small_spec
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger, LedgerDamaged, LedgerError, recover_ledger
+from pretrain.ledger_schema import CampaignStatus
 
 
 def _truncate(path):
@@ -43,7 +44,7 @@ def spec(tmp_path):
     spec = small_spec(tmp_path / "w")
     ledger = Ledger.open(spec)
     ledger.save()
-    ledger.set(status="running", invocations=1)  # a second generation: .prev holds the first
+    ledger.begin_run("a-flow-run")  # a second generation: .prev holds the first
     return spec
 
 
@@ -64,7 +65,7 @@ def test_a_damaged_ledger_is_one_clear_error_offering_the_previous_generation(sp
 def test_every_save_keeps_the_previous_generation(spec):
     layout = CampaignLayout(spec.workdir_path)
     before = layout.ledger.read_bytes()
-    Ledger.open(spec).set(status="completed")
+    Ledger.open(spec).set_status(CampaignStatus.COMPLETED)
     assert layout.ledger.with_name("ledger.json.prev").read_bytes() == before
     assert json.loads(layout.ledger.read_text())["status"] == "completed"
 

@@ -139,7 +139,7 @@ def test_worker_runs_a_campaign_with_artifacts_events_and_trigger(worker, prepar
         progress = latest_artifact("training-progress", name)
         assert progress.type == "progress" and float(progress.data) == 100.0
         link = latest_artifact("mlflow-run", name)
-        parent = Ledger.read(CampaignLayout(spec.workdir_path)).data["mlflow"]["parent_run_id"]
+        parent = Ledger.read(CampaignLayout(spec.workdir_path)).record.mlflow.parent_run_id
         assert link.type == "markdown" and parent in link.data
         assert latest_artifact("node-check", name).type == "table"
 
@@ -208,8 +208,8 @@ def test_a_second_run_of_a_training_campaign_never_trains(training, worker):
                                                rf"flow run {run.id}, since .*\).*wait for that run to finish, or cancel it"):
             pretrain_campaign(spec_path=str(path))
         assert time.monotonic() - started < 60
-    data = Ledger.read(CampaignLayout(spec.workdir_path)).data
-    assert data["status"] == "running" and data["invocations"] == 1 and data["flow_run"] == str(run.id)
+    record = Ledger.read(CampaignLayout(spec.workdir_path)).record
+    assert record.status == "running" and record.invocations == 1 and record.flow_run == str(run.id)
     assert len(campaign_processes(spec.workdir_path, "trainer.worker")) == 1  # still the first run's only worker
 
 
@@ -223,10 +223,10 @@ def test_cancelling_from_the_api_stops_training_and_persists_a_final_checkpoint(
     store = ckpt.store(spec.workdir_path / "checkpoints" / "main")
     [step] = store.committed_steps()  # periodic checkpoints are 1000 steps apart: this is the save at breakpoint
     assert step >= 6 and step % 2 == 0 and store.verify(step) == []
-    data = Ledger.read(CampaignLayout(spec.workdir_path)).data
-    assert data["status"] == "cancelled" and data["stages"]["main"]["status"] == "cancelled"
+    record = Ledger.read(CampaignLayout(spec.workdir_path)).record
+    assert record.status == "cancelled" and record.stages["main"].status == "cancelled"
     client = MlflowClient(spec.tracking_uri)
-    for run_id in (data["mlflow"]["parent_run_id"], data["stages"]["main"]["mlflow_run_id"]):
+    for run_id in (record.mlflow.parent_run_id, record.stages["main"].mlflow_run_id):
         mlflow_run = client.get_run(run_id)
         assert mlflow_run.info.status == "KILLED" and mlflow_run.data.tags[TAG_END_CAUSE]
     assert_no_duplicate_metric_steps(spec.tracking_uri)
@@ -260,4 +260,4 @@ def test_deploy_from_git_runs_the_cloned_code(worker, prepared_data, tmp_path):
         run = start("prepare-data/prepare-data", spec_path=str(path))
         state = final_state(run.id, 300)
     assert state.is_completed(), state.message
-    assert Ledger.read(CampaignLayout(spec.workdir_path)).data["data"]["vocab_size"] > 0
+    assert Ledger.read(CampaignLayout(spec.workdir_path)).record.data["vocab_size"] > 0

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from conftest import pretrain_cli, small_spec
 from pretrain.credentials import Credentials, mlflow_auth
 from pretrain.ledger import Ledger
+from pretrain.ledger_schema import Failure
 from pretrain.redact import redact, redact_mapping
 from pretrain.report import campaign_report
 from pretrain.tracking import Tracker
@@ -65,9 +66,8 @@ def test_report_and_status_are_redacted(tmp_path):
     spec = small_spec(tmp_path / "wd")
     ledger = Ledger.open(spec)
     ledger.save()
-    ledger.append("main", "failures", {"attempt": 0, "cause": f"storage: aws_secret_access_key={SECRET}",
-                                       "action": "stop", "time_lost_s": 1.0,
-                                       "errors": [f"PUT s3://AKIAIOSFODNN7EXAMPLE:{SECRET}@b/k failed"]})
+    ledger.record_failure("main", Failure(attempt=0, cause=f"storage: aws_secret_access_key={SECRET}", action="stop",
+                                          time_lost_s=1.0, errors=[f"PUT s3://AKIAIOSFODNN7EXAMPLE:{SECRET}@b/k failed"]))
     report = campaign_report(spec.workdir_path)
     assert "aws_secret_access_key=***" in report and SECRET not in report
     proc = pretrain_cli("status", "--workdir", str(spec.workdir_path), "--json")

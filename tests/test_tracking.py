@@ -116,7 +116,7 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlfl
     records(metrics, [1, 2, 3])
     assert fwd.pump() == 3
     spec = small_spec(tmp_path / "wd", tracking={"uri": mlflow_server.uri, "register_model": False})
-    Ledger.open(spec).update_stage("warmup", mlflow_run_id=stage)
+    Ledger.open(spec).set_stage_run("warmup", stage)
     verdict = {"step": 4, "path": "/ckpt/step_00000004", "verdict": "good", "problems": [], "probe": {},
                "metrics": {"val_perplexity": 30.0}, "time": 1.0}
 
@@ -142,7 +142,7 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlfl
     assert fwd.pump() == 0 and fwd.backoff.failures == 2
     # the gate judges a checkpoint meanwhile: its verdict stands (ledger) and the stage goes on
     in_flow(record_verdict, spec, 0, verdict)
-    assert [v["step"] for v in Ledger.open(spec).stage("warmup")["verdicts"]] == [4]
+    assert [v.step for v in Ledger.open(spec).stage("warmup").verdicts] == [4]
 
     mlflow_server.start()
     evaluation.result(timeout=120)

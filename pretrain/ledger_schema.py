@@ -1,0 +1,244 @@
+"""The schema of ``ledger.json``: what the campaign ledger holds, typed.
+
+Version 2 of the file; version 1 (written by the releases before, without a ``version`` key)
+has the same keys and is read as is, keys it lacks taking their defaults. The key names are the
+file's public shape (``pretrain status --json``, reports and tests read them), so they never
+change meaning. Entries of a stage's lists (failures, resumes, ...) are written with exactly the
+keys they were given: a failure inside a job and a failed job record different facts.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
+
+LEDGER_VERSION = 2  # what this release writes; it reads every version up to it
+
+
+class CampaignStatus(StrEnum):
+    """Where the campaign stands (``status`` of the ledger)."""
+
+    NEW = "new"  # created, no run has started
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"  # a stage (or the final registration) failed
+    CRASHED = "crashed"  # the infrastructure lost the run
+    CANCELLED = "cancelled"  # cancelled in Prefect
+    INTERRUPTED = "interrupted"  # Ctrl-C / SIGTERM to `pretrain run`
+
+
+class StageStatus(StrEnum):
+    """Where a stage stands; the ways a run ends are the campaign's (:class:`CampaignStatus`)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    TRAINED = "trained"  # its last step is committed and good; validation and evaluation follow
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CRASHED = "crashed"
+    CANCELLED = "cancelled"
+    INTERRUPTED = "interrupted"
+
+
+OPEN_STAGES = (StageStatus.RUNNING, StageStatus.TRAINED)  # what a run was working on when it ended
+
+
+class Entry(BaseModel):
+    """One entry of a stage's history: written with the keys it was given (and ``time``, when it
+    was recorded), unknown keys kept as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    time: float | None = None
+
+    @model_serializer(mode="wrap")
+    def _given_keys_only(self, handler) -> dict[str, Any]:
+        given = self.model_fields_set | set(self.model_extra or ())
+        out = {k: v for k, v in handler(self).items() if k in given and k != "time"}
+        return out if "time" not in given else {**out, "time": self.time}  # last, as the release before wrote it
+
+    def stamped(self) -> "Entry":
+        """This entry with ``time`` set to now if it has none."""
+        if self.time is None:
+            self.time = time.time()
+        return self
+
+
+class Failure(Entry):
+    """A failure: recovered inside a job (``in_job``: restart of workers or saver) or of the whole
+    job (the flow relaunched it, or stopped)."""
+
+    attempt: int
+    cause: str
+    in_job: bool = False
+    action: str = ""
+    time_lost_s: float = 0.0
+    exit_code: int | None = None  # a failed job's agent exit code
+    errors: list[str] = Field(default_factory=list)  # what the workers reported
+    log: str = ""  # the failed job's node agent log
+    detected_at: float | None = None  # in-job: when the fault showed
+    recovery_s: float | None = None  # in-job: until training stepped again
+    steps_redone: int = 0
+
+
+class Resume(Entry):
+    """A (re)start of the workers in a job that loaded state (``source``: checkpoint, init, scratch ...)."""
+
+    attempt: int
+    restart_count: int = 0
+    step: int = 0
+    source: str = ""
+    checkpoint: str | None = None
+
+
+class Resize(Entry):
+    """A planned relaunch: lost nodes passed their re-check and the job restarted on all nodes."""
+
+    attempt: int
+    nodes_back: list[int] = Field(default_factory=list)
+    duration_s: float = 0.0
+
+
+class Rewind(Entry):
+    """The pointer got past the newest good checkpoint and was moved back to it (its ``from``
+    step, a Python keyword, is kept as given)."""
+
+    to: int | None = None
+    quarantined: list[dict] = Field(default_factory=list)
+    dropped: list[int] = Field(default_factory=list)
+
+
+class Verdict(Entry):
+    """The validation gate's judgement of one checkpoint."""
+
+    step: int
+    path: str
+    verdict: Literal["good", "bad"]
+    problems: list[str] = Field(default_factory=list)
+    probe: dict = Field(default_factory=dict)
+    metrics: dict = Field(default_factory=dict)
+
+
+class CheckpointRef(BaseModel):
+    """A checkpoint by step and location."""
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int
+    path: str
+
+
+class StageRecord(BaseModel):
+    """One stage of the campaign."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: StageStatus
+    steps: StrictInt
+    checkpoints: StrictStr  # where its checkpoints live (redacted)
+    attempts: StrictInt  # job launches so far
+    restarts: StrictInt  # in-job restarts, over all attempts
+    failures: list[Failure]
+    resumes: list[Resume]
+    resizes: list[Resize] = Field(default_factory=list)
+    rewinds: list[Rewind] = Field(default_factory=list)
+    verdicts: list[Verdict] = Field(default_factory=list)
+    final_checkpoint: CheckpointRef | None = None  # the good checkpoint at its last step, once trained
+    good_checkpoint: CheckpointRef | None = None  # the newest checkpoint judged good
+    mlflow_run_id: str | None = None
+    eval: dict | None = None  # the final evaluation's metrics and its ``step``
+
+    def newest_good_step(self) -> int:
+        return self.good_checkpoint.step if self.good_checkpoint else -1
+
+
+class MlflowRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    tracking_uri: StrictStr  # redacted
+    experiment: StrictStr
+    parent_run_id: str | None = None
+
+
+class ClusterRecord(BaseModel):
+    """The cluster as the node check found it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    kind: str = ""
+    nodes: int = 0
+    workers_per_node: int = 0
+    excluded: list[int] = Field(default_factory=list)
+    health: list[dict] = Field(default_factory=list)  # one row per worker slot
+
+
+class RunEnd(BaseModel):
+    """How the last run of the campaign ended, if not completed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    state: str
+    cause: str = ""
+    time: float | None = None
+    flow_run: str | None = None
+
+
+class CampaignRecord(BaseModel):
+    """The whole ledger."""
+
+    model_config = ConfigDict(extra="allow")
+
+    version: int = LEDGER_VERSION
+    campaign: StrictStr
+    campaign_id: StrictStr
+    spec_hash: StrictStr
+    created: float | None = None
+    status: CampaignStatus
+    invocations: StrictInt  # runs of the campaign flow
+    data: dict | None = None  # the data set's summary
+    cluster: ClusterRecord | None = None
+    mlflow: MlflowRecord
+    storage_options: dict = Field(default_factory=dict)  # redacted
+    stages: dict[str, StageRecord]
+    flow_run: str | None = None  # the Prefect flow run working on it (last one)
+    registered_model: dict | None = None
+    end: RunEnd | None = None
+
+    def interrupted(self, flow_run: str) -> bool:
+        """The ledger records ``flow_run`` as interrupted by the operator."""
+        return (self.flow_run == flow_run and self.end is not None and self.end.flow_run == flow_run
+                and self.end.state == CampaignStatus.INTERRUPTED)
+
+    def excluded_nodes(self) -> list[int]:
+        return list(self.cluster.excluded) if self.cluster else []
+
+    def node_health(self) -> list[dict]:
+        return list(self.cluster.health) if self.cluster else []
+
+    def to_json(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+def new_stage(steps: int, checkpoints: str) -> StageRecord:
+    return StageRecord(status=StageStatus.PENDING, steps=steps, checkpoints=checkpoints, attempts=0, restarts=0,
+                       failures=[], resumes=[])
+
+
+def describe_problem(error: dict) -> str:
+    """One pydantic error of a ledger, said in the file's terms."""
+    loc, value = error["loc"], error.get("input")
+    if loc[:1] == ("stages",) and len(loc) >= 2:
+        stage = loc[1]
+        if len(loc) == 2:
+            return f"stage {stage!r} is not an object"
+        if loc[2] == "verdicts" and len(loc) >= 4 and (len(loc) == 4 or loc[4] == "verdict"):
+            return f"a 'verdict' of stage {stage!r} is not good or bad"
+        what = f"{'.'.join(map(str, loc[2:]))!r} of stage {stage!r}"
+    else:
+        what = repr(".".join(map(str, loc)))
+    if error["type"] == "missing":
+        return f"{what} is missing"
+    return f"{what} is {repr(value)[:60]} ({error['msg'].lower()})"
