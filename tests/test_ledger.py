@@ -4,6 +4,7 @@ the previous generation (ledger.json.prev), which `pretrain recover-ledger` rest
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -11,7 +12,8 @@ import yaml
 from conftest import pretrain_cli, small_spec
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger, LedgerDamaged, LedgerError, recover_ledger
-from pretrain.ledger_schema import CampaignStatus
+from pretrain.ledger_schema import CampaignStatus, Failure, StageStatus
+from pretrain.status import campaign_status
 
 
 def _truncate(path):
@@ -107,3 +109,64 @@ def test_recover_ledger_leaves_an_intact_ledger_alone(spec):
     with pytest.raises(LedgerError, match="is intact"):
         recover_ledger(layout.root)
     assert layout.ledger.read_bytes() == before
+
+
+# ledger.json of a real run on main 6b4a8a5, the last release writing ledger version 1 (no
+# "version" key): tests/test_resume.py::test_failed_job_is_relaunched_from_the_last_checkpoint,
+# its workdir replaced by {WORKDIR}. A failed job (in_job false), two launches, four verdicts.
+RELEASE_BEFORE = Path(__file__).parent / "data" / "ledger_v1_release_before.json"
+
+
+def _release_before_workdir(tmp_path) -> tuple[Path, dict]:
+    """A workdir holding the release-before ledger, and that ledger as it was written."""
+    from test_resume import ONE_STAGE, SLOW_MODEL
+
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    text = RELEASE_BEFORE.read_text().replace("{WORKDIR}", str(workdir))
+    (workdir / "ledger.json").write_text(text)
+    spec = small_spec(workdir, model=SLOW_MODEL, stages=ONE_STAGE, checkpoint={"interval": 10, "memory_interval": 5, "keep": 5},
+                      cluster={"workers_per_node": 2, "max_restarts": 0})
+    return spec, json.loads(text)
+
+
+def test_a_ledger_written_by_the_release_before_is_read_and_resumed(tmp_path):
+    spec, before = _release_before_workdir(tmp_path)
+    layout = CampaignLayout(spec.workdir_path)
+
+    ledger = Ledger.open(spec)  # the same spec: its workdir, not refused as another campaign's
+    stage = ledger.stage("main")
+    assert ledger.record.status == CampaignStatus.COMPLETED and stage.status == StageStatus.COMPLETED
+    assert stage.attempts == 2 and [(f.attempt, f.in_job, f.exit_code) for f in stage.failures] == [(0, False, 1)]
+    assert [r.source for r in stage.resumes if r.attempt == 1] == ["checkpoint"]
+    assert stage.good_checkpoint.step == stage.final_checkpoint.step == 40 and len(stage.verdicts) == 4
+    assert stage.resizes == [] and stage.rewinds == []  # keys it lacks: their defaults
+
+    # a new run resumes it: every write keeps what the old file said
+    ledger.begin_run("next-run")
+    assert layout.ledger.with_name("ledger.json.prev").read_text() == RELEASE_BEFORE.read_text().replace(
+        "{WORKDIR}", str(spec.workdir_path))  # .prev: the old file, as it was
+    attempt = ledger.start_attempt("main")
+    ledger.record_failure("main", Failure(attempt=attempt, cause="hang", in_job=True, action="restart workers"))
+    after = json.loads(layout.ledger.read_text())
+    assert after["version"] == 2 and after["invocations"] == before["invocations"] + 1 and after["flow_run"] == "next-run"
+    assert {k: v for k, v in after.items() if k in before and k not in ("status", "invocations", "flow_run", "stages")} == \
+        {k: v for k, v in before.items() if k not in ("status", "invocations", "flow_run", "stages")}
+    old, new = before["stages"]["main"], after["stages"]["main"]
+    assert {k: new[k] for k in old if k not in ("attempts", "failures")} == \
+        {k: v for k, v in old.items() if k not in ("attempts", "failures")}
+    assert new["attempts"] == 3 and new["failures"][0] == old["failures"][0] and new["failures"][1]["cause"] == "hang"
+
+    status = campaign_status(spec.workdir_path)  # what `pretrain status --json` shows
+    assert status["stages"][0]["attempts"] == 3 and status["stages"][0]["failures"][0] == old["failures"][0]
+    assert status["stages"][0]["resumes"] == old["resumes"] and status["invocations"] == before["invocations"] + 1
+
+
+def test_a_ledger_of_a_newer_release_is_refused_saying_so(tmp_path):
+    spec, before = _release_before_workdir(tmp_path)
+    (spec.workdir_path / "ledger.json").write_text(json.dumps({**before, "version": 3}))
+
+    with pytest.raises(LedgerError, match=r"ledger\.json was written by a newer prefect-pretrain \(ledger version 3; "
+                                          r"this release reads up to 2\): .*upgrade") as err:
+        Ledger.open(spec)
+    assert not isinstance(err.value, LedgerDamaged)  # nothing to recover: the file is sound
