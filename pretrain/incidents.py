@@ -10,28 +10,41 @@ from __future__ import annotations
 import signal
 import statistics
 
-FAULT_EVENTS = ("hang", "anomaly", "chaos", "error", "node_lost")
+from trainer.events import EventKind
+
+FAULT_EVENTS = (EventKind.HANG, EventKind.ANOMALY, EventKind.CHAOS, EventKind.ERROR, EventKind.NODE_LOST)
 NON_RETRYABLE = {"too_many_rollbacks", "shm_too_small", "disk_full"}  # relaunching cannot help: a human must act
+# the cause of an error event, by the class of the error (or of what led to it), first match wins
+ERROR_CAUSES = (("TooManyRollbacks", "too_many_rollbacks"), ("ShmTooSmall", "shm_too_small"),
+                ("OutOfMemoryError", "oom"), ("DataError", "data"), ("NodeExcluded", "node_check"),
+                ("CheckpointDiskFull", "disk_full"), ("SaverFailed", "saver_failure"))
+
+
+def error_types(event: dict) -> set[str]:
+    """The classes of an error event's error and its causes. An event written by the release
+    before has no ``error_type``: the classes named in its text stand in."""
+    if "error_type" in event:
+        return {event["error_type"], *event.get("cause_types", [])}
+    text = event.get("error", "")
+    return {name for name, _ in ERROR_CAUSES if name in text}
 
 
 def cause_of(events: list[dict], exit_code: int | None = None) -> str:
-    errors = " ".join(e.get("error", "") for e in events if e["event"] == "error")
-    for marker, cause in (("TooManyRollbacks", "too_many_rollbacks"), ("ShmTooSmall", "shm_too_small"),
-                          ("OutOfMemoryError", "oom"), ("DataError", "data"), ("NodeExcluded", "node_check"),
-                          ("CheckpointDiskFull", "disk_full"), ("SaverFailed", "saver_failure")):
-        if marker in errors:
+    types = set().union(*(error_types(e) for e in events if e["event"] == EventKind.ERROR))
+    for name, cause in ERROR_CAUSES:
+        if name in types:
             return cause
     for e in events:
-        if e["event"] == "anomaly":
+        if e["event"] == EventKind.ANOMALY:
             return "nonfinite_loss" if e["kind"] == "nonfinite" else "loss_spike"
     for e in events:
-        if e["event"] == "hang":
+        if e["event"] == EventKind.HANG:
             return "hang"
     for e in events:
-        if e["event"] == "node_lost":
+        if e["event"] == EventKind.NODE_LOST:
             return "node_lost"
     for e in events:
-        if e["event"] == "chaos" and e["kind"] in ("kill_worker", "kill_node"):
+        if e["event"] == EventKind.CHAOS and e["kind"] in ("kill_worker", "kill_node"):
             return "node_lost" if e["kind"] == "kill_node" else "worker_killed"
     if exit_code is not None and exit_code < 0:
         return f"signal:{signal.Signals(-exit_code).name}"
@@ -42,7 +55,7 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
     """One record per in-job restart (and per saver restart) seen in a job's streams."""
     events = sorted(events, key=lambda e: e["time"])
     step_time = statistics.median([m["step_time"] for m in metrics]) if metrics else 0.0
-    starts = [e for e in events if e["event"] == "start" and e.get("rank") == 0]
+    starts = [e for e in events if e["event"] == EventKind.START and e.get("rank") == 0]
     out = []
     for prev, cur in zip(starts, starts[1:]):
         window = [e for e in events if prev["time"] < e["time"] <= cur["time"] and e["event"] in FAULT_EVENTS]
@@ -55,7 +68,7 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
                     "detected_at": detected, "recovery_s": None if recovery is None else round(recovery, 2),
                     "steps_redone": redone, "time_lost_s": round((recovery or 0.0) + redone * step_time, 2)})
     saver_starts: dict[int, int] = {}
-    for e in (e for e in events if e["event"] == "saver_start"):
+    for e in (e for e in events if e["event"] == EventKind.SAVER_START):
         saver_starts[e.get("agent", 0)] = saver_starts.get(e.get("agent", 0), 0) + 1
         if saver_starts[e.get("agent", 0)] == 1:
             continue  # each node agent starts one saver; later starts replace a dead one

@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from pretrain.redact import redact, redact_mapping, redact_value
+from trainer.events import EventKind
 from trainer.reporting import read_new_lines
 
 TAG_CAMPAIGN_ID = "pretrain.campaign_id"
@@ -250,7 +251,7 @@ class MetricsForwarder:
             return
         new = read_new_lines(self.events_path, self.events_offset, final)
         self.events_offset = new.offset
-        ckpts = [e for e in new.records if e.get("event") == "checkpoint"]
+        ckpts = [e for e in new.records if e.get("event") == EventKind.CHECKPOINT]
         good = [e for e in ckpts if _is_int(e.get("step")) and isinstance(e.get("path"), str)]
         self._count_damaged(self.events_path, new.damaged + len(ckpts) - len(good))
         if good:

@@ -20,6 +20,7 @@ from pretrain.spec import CampaignSpec
 from pretrain.tracking import MetricsForwarder
 from tasks.artifacts import TrainingProgress
 from tasks.tracking import tracker_for
+from trainer.events import EventKind
 from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
 
 STOP_GRACE_S = 120.0  # an operator's stop (Ctrl-C, SIGTERM) waits this long for the savers' save at breakpoint
@@ -51,7 +52,7 @@ def try_scale_up(spec: CampaignSpec, stage: str, due: list[int], rejoin: RejoinW
                               spec.fault_tolerance.node_check_threshold)
     for node in due:
         rejoin.lost(node)  # restart its clock: re-checked later if it did not pass now
-    events.write({"event": "node_recheck", "nodes": due, "fit": fit, "rows": rows, "source": "orchestrator"})
+    events.write({"event": EventKind.NODE_RECHECK, "nodes": due, "fit": fit, "rows": rows, "source": "orchestrator"})
     if fit:
         logger.info("stage %s: node(s) %s passed the health check again; stopping the job to scale back up", stage, fit)
     else:
@@ -84,18 +85,18 @@ class JobResult:
 def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: Path) -> JobResult:
     events = read_all(job_dir / EVENTS)
     metrics = read_all(job_dir / METRICS)
-    last_start = max((e["time"] for e in events if e["event"] == "start"), default=started)
-    ckpts = [e for e in events if e["event"] == "checkpoint"]
+    last_start = max((e["time"] for e in events if e["event"] == EventKind.START), default=started)
+    ckpts = [e for e in events if e["event"] == EventKind.CHECKPOINT]
     resumes = [{"restart_count": e["restart_count"], "step": e["step"], "source": e["source"],
                 "checkpoint": e["checkpoint"], "time": e["time"]}
-               for e in events if e["event"] == "start" and e["rank"] == 0]
+               for e in events if e["event"] == EventKind.START and e["rank"] == 0]
     last_safe = max([started] + [e["time"] for e in ckpts])
     ended = time.time()
     cause = None if exit_code == 0 else cause_of([e for e in events if e["time"] >= last_start], exit_code)
     return JobResult(attempt=attempt, exit_code=exit_code, cause=cause, incidents=incidents(events, metrics, attempt),
                      duration_s=ended - started, time_lost_s=0.0 if exit_code == 0 else ended - last_safe,
                      last_checkpoint_step=ckpts[-1]["step"] if ckpts else None, resumes=resumes,
-                     errors=sorted({e["error"] for e in events if e["event"] == "error"}), log=str(log))
+                     errors=sorted({e["error"] for e in events if e["event"] == EventKind.ERROR}), log=str(log))
 
 
 @task(name="run-training-job", cache_policy=NO_CACHE)
@@ -139,7 +140,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                     lost[node] = exit_code
                     rejoin.lost(node)
                     logger.warning("stage %s: node %d lost (exit %s); training continues on the others", job.stage, node, exit_code)
-                    events.write({"event": "node_lost", "node": node, "exit_code": exit_code, "source": "orchestrator"})
+                    events.write({"event": EventKind.NODE_LOST, "node": node, "exit_code": exit_code, "source": "orchestrator"})
             forwarder.pump()
             progress.update(forwarder.last_step)
             if code is None and (due := rejoin.due()):

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from trainer.events import EventKind
 from trainer.process import pid_alive
 
 
@@ -78,7 +79,7 @@ class HangDetector:
                 stalled.append(hb)
         if stalled:
             first = min(stalled, key=lambda hb: hb["time"])
-            self.on_event({"event": "hang", "ranks": sorted(hb["rank"] for hb in stalled), "phase": first["phase"],
+            self.on_event({"event": EventKind.HANG, "ranks": sorted(hb["rank"] for hb in stalled), "phase": first["phase"],
                            "step": first["step"], "stalled_s": round(now - first["time"], 1)})
             for hb in stalled:
                 try:

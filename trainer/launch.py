@@ -26,6 +26,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainer import fence, shmdirs
 from trainer.chaos import AGENT_KINDS, claim, reached_marker
 from trainer.config import JobConfig
+from trainer.events import EventKind
 from trainer.heartbeat import HangDetector, worker_pids
 from trainer.nodecheck import NODE_ENV, exclusion_marker
 from trainer.process import exit_when_orphaned
@@ -58,7 +59,7 @@ class SaverProcess:
     """The node's checkpoint saver, kept alive for the agent's lifetime: restarted if it dies,
     after a backoff that doubles with each failure in a row (up to ``BACKOFF_CAP_S``); after
     ``max_failures`` failures in a row — none of them persisted a step — it is given up and
-    ``on_give_up(message)`` is called with the saver's last error."""
+    ``on_give_up(message, error_type)`` is called with the saver's last error and its class."""
 
     BACKOFF_CAP_S = 60.0
 
@@ -69,6 +70,7 @@ class SaverProcess:
         self.closing = threading.Event()
         self.restarts, self.failures = 0, 0
         self.failed: str | None = None  # the message, once given up
+        self.failed_type: str | None = None  # the class of the saver's last error, once given up
         self._start()
         threading.Thread(target=self._watch, name="saver-watch", daemon=True).start()
 
@@ -98,8 +100,9 @@ class SaverProcess:
             error = self.last_error(code)
             if self.failures >= self.max_failures:
                 self.failed = f"checkpoint saver failed {self.failures} times in a row; last error: {error}"
+                self.failed_type = error_class(error)
                 if self.on_give_up is not None:
-                    self.on_give_up(self.failed)
+                    self.on_give_up(self.failed, self.failed_type)
                 return
             delay = min(self.BACKOFF_CAP_S, self.backoff_s * 2 ** (self.failures - 1))
             print(f"checkpoint saver failed ({error}); restarting it in {delay:.1f} s "
@@ -119,11 +122,19 @@ class SaverProcess:
             self.proc.kill()
 
 
-def fail_job(job: JobConfig, node: int, message: str) -> None:
+def error_class(error: str) -> str | None:
+    """The class of a saver's error, as ``trainer.saver`` writes it to its error file
+    (``"<class>: <message>"``); None when it died without writing one (killed, or exit code)."""
+    name = error.partition(":")[0]
+    return name if name.isidentifier() else None
+
+
+def fail_job(job: JobConfig, node: int, message: str, saver_error_type: str | None = None) -> None:
     """Record why this node fails the job, then stop the workers: torch's agent turns SIGTERM
     into its orderly shutdown, and ``main`` exits non-zero."""
-    JsonLines(Path(job.job_dir) / EVENTS).write({"source": "agent", "node": node, "event": "error",
-                                                 "error": f"SaverFailed: {message}"})
+    JsonLines(Path(job.job_dir) / EVENTS).write({"source": "agent", "node": node, "event": EventKind.ERROR,
+                                                 "error": f"SaverFailed: {message}", "error_type": "SaverFailed",
+                                                 "cause_types": [saver_error_type] if saver_error_type else []})
     print(f"training job failed: {message}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -151,7 +162,7 @@ def leave_if_excluded(job: JobConfig, node: int, report) -> None:
     """The workers' node check after a restart excluded this node: stop it, so the other
     nodes' agents re-form the job without it (the orchestrator re-checks it later)."""
     if exclusion_marker(job.job_dir, node).exists():
-        report({"event": "node_excluded", "reason": "node check after restart"})
+        report({"event": EventKind.NODE_EXCLUDED, "reason": "node check after restart"})
         stop_node(job)
 
 
@@ -159,7 +170,7 @@ def agent_drill(job: JobConfig, index: int, drill: dict, step: int, saver, repor
     due = step >= drill.get("step", 0) or reached_marker(job.job_dir, index).exists()
     if not due or not claim(job.job_dir, index):
         return
-    report({"event": "chaos", "kind": drill["kind"], "step": step})
+    report({"event": EventKind.CHAOS, "kind": drill["kind"], "step": step})
     if drill["kind"] == "kill_saver" and saver is not None:
         saver.proc.kill()
     elif drill["kind"] == "kill_node":
@@ -177,7 +188,7 @@ def sweep_shared_memory(job: JobConfig, node: int) -> None:
         freed = sum(size for _, size in swept)
         print(f"freed {freed / 2**20:.0f} MiB of shared memory left by dead agents: {', '.join(str(p) for p, _ in swept)}",
               file=sys.stderr, flush=True)
-        JsonLines(Path(job.job_dir) / EVENTS).write({"source": "agent", "node": node, "event": "shm_swept",
+        JsonLines(Path(job.job_dir) / EVENTS).write({"source": "agent", "node": node, "event": EventKind.SHM_SWEPT,
                                                      "dirs": [str(p) for p, _ in swept], "bytes": freed})
 
 
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep_shared_memory(job, args.node)
         ns = shmdirs.create(job.shm_dir, job.job_dir)
         saver = SaverProcess(ns, args.nproc, args.job, job.saver_max_failures, job.saver_backoff_s,
-                             on_give_up=lambda message: fail_job(job, args.node, message))
+                             on_give_up=lambda message, error_type: fail_job(job, args.node, message, error_type))
         worker_args += ["--shm", str(ns)]
     config = LaunchConfig(
         min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,

@@ -17,6 +17,7 @@ from trainer.chaos import WorkerChaos
 from trainer.config import JobConfig
 from trainer.data import TokenWindows, make_batch, make_sampler, micro_batch_positions
 from trainer.dist import DistInfo, all_reduce_mean, is_initialized
+from trainer.events import EventKind
 from trainer.flash import SnapshotStore
 from trainer.heartbeat import Heartbeat
 from trainer.nodecheck import check_after_restart, this_node
@@ -36,14 +37,14 @@ def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, 
         t0 = time.perf_counter()
         ref = state.save(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer, loss=loss)
         if info.rank == 0:
-            events.write({"event": "checkpoint", "step": step, "path": str(ref.path)})
+            events.write({"event": EventKind.CHECKPOINT, "step": step, "path": str(ref.path)})
         return time.perf_counter() - t0
     if not (persist or step % cfg.memory_interval == 0):
         return None
     st = state.training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer, loss=loss)
     blocked = snapshots.snapshot(step, st, persist=persist, wait=last)
     if blocked is None:
-        events.write({"event": "snapshot_skipped", "rank": info.rank, "step": step, "reason": "slot busy"})
+        events.write({"event": EventKind.SNAPSHOT_SKIPPED, "rank": info.rank, "step": step, "reason": "slot busy"})
     return blocked
 
 
@@ -112,7 +113,7 @@ def open_snapshots(cfg: JobConfig, info: DistInfo, capacity: int, shm_ns: str | 
     except ShmTooSmall as err:
         if not cfg.shm_fallback:
             raise
-        events.write({"event": "shm_fallback", "rank": info.rank, "reason": str(err)})
+        events.write({"event": EventKind.SHM_FALLBACK, "rank": info.rank, "reason": str(err)})
         return None
 
 
@@ -162,7 +163,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     model, opt = build_model(cfg, info.device)
     restored = state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
     step, consumed = restored.step, restored.consumed
-    events.write({"event": "start", "rank": info.rank, "world_size": info.world_size,
+    events.write({"event": EventKind.START, "rank": info.rank, "world_size": info.world_size,
                   "restart_count": info.restart_count, "step": step, "source": restored.source,
                   "checkpoint": restored.checkpoint})
 
@@ -199,7 +200,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
             err = LossAnomaly(anomaly, step + 1, mean_loss, (consumed, consumed + global_batch))
             if info.rank == 0:
                 record_skip(cfg.job_dir, err)
-                events.write({"event": "anomaly", "kind": anomaly, "step": step + 1, "loss": repr(mean_loss),
+                events.write({"event": EventKind.ANOMALY, "kind": anomaly, "step": step + 1, "loss": repr(mean_loss),
                               "skip": list(err.window)})
             raise err
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
@@ -220,7 +221,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         beat("checkpoint", step)
         snapshots.flush()
         state.wait_committed(cfg, info, o.steps)
-    events.write({"event": "done", "rank": info.rank, "step": step})
+    events.write({"event": EventKind.DONE, "rank": info.rank, "step": step})
     events.close()
     if metrics is not None:
         metrics.close()

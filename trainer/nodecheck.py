@@ -15,6 +15,7 @@ from pathlib import Path
 
 from trainer.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object
+from trainer.events import EventKind
 from trainer.healthcheck import judge_nodes, matmul_seconds
 
 NODE_ENV = "PRETRAIN_NODE"  # set by the node agent: the node's index in the cluster
@@ -37,7 +38,7 @@ def check_after_restart(cfg: JobConfig, info: DistInfo, extra_delay_s: float, re
     if len(nodes) - len(excluded) < cfg.nodes_min:
         excluded = set()  # too few would remain: keep training on all of them
     if info.rank == 0:
-        report({"event": "node_check", "rows": rows, "excluded": sorted(excluded)})
+        report({"event": EventKind.NODE_CHECK, "rows": rows, "excluded": sorted(excluded)})
     if node in excluded:
         exclusion_marker(cfg.job_dir, node).touch()
     return excluded

@@ -42,13 +42,14 @@ from trainer.atomic import atomic_write_bytes
 from trainer.chaos import corrupt_committed
 from trainer.config import JobConfig
 from trainer.diskfull import describe, is_disk_full
+from trainer.events import EventKind
 from trainer.process import pid_alive
 from trainer.reporting import EVENTS, JsonLines
 from trainer.shm import Slot, slot_paths
 
 POLL_S = 0.05
 FINAL_COMMIT_WAIT_S = 5.0  # on the way out, how long the committer waits for other nodes' shards
-ERROR_FILE = "saver.error"  # in the snapshot directory: the last saver's error, for the node agent
+ERROR_FILE = "saver.error"  # in the snapshot directory: the last saver's error ("<class>: <message>"), for the node agent
 PROGRESS_FILE = "saver.progress"  # in the snapshot directory: touched after each persisted step
 
 
@@ -116,7 +117,7 @@ class Saver:
             self.superseded = True
             self.pending.clear()
             self.stop.set()
-            self._emit({"event": "commit_refused", "step": step,
+            self._emit({"event": EventKind.COMMIT_REFUSED, "step": step,
                         "reason": f"{self.store.location} is claimed by a newer job ({owner}); this saver's job "
                                   f"({self.fence_owner}) was superseded, so it writes nothing"})
         return owner is not None
@@ -173,14 +174,14 @@ class Saver:
                 finally:
                     slot.close()
             else:
-                self._emit({"event": "persist_skipped", "step": step, "reason": f"no verified snapshot in {path.parent}"})
+                self._emit({"event": EventKind.PERSIST_SKIPPED, "step": step, "reason": f"no verified snapshot in {path.parent}"})
                 return False
         self.store.write_node_record(step, min(e["name"] for e in entries).removesuffix(".pt"), world, entries)
         if any(e["name"] == ckpt.rank_shard_name(0) for e in entries):  # this node commits
             self.pending[step] = world
             self.commit_ready()
         atomic_write_bytes(self.ns / PROGRESS_FILE, str(step).encode())
-        self._emit({"event": "persisted", "step": step, "persist_s": time.perf_counter() - t0})
+        self._emit({"event": EventKind.PERSISTED, "step": step, "persist_s": time.perf_counter() - t0})
         return True
 
     def commit_ready(self) -> None:
@@ -202,7 +203,7 @@ class Saver:
                                                    "parallelism": "fsdp" if sharded else "ddp"})
             del self.pending[step]
             self.store.prune(self.keep)
-            self._emit({"event": "checkpoint", "step": step, "path": ref.location})
+            self._emit({"event": EventKind.CHECKPOINT, "step": step, "path": ref.location})
             if self.drills:
                 corrupt_committed(self.drills, self.job_dir, self.store, step, self._emit)
 
@@ -214,7 +215,7 @@ class Saver:
             if (step is None or step <= committed) and self.newly_dead_workers():
                 step = self.candidate(breakpoint=True)
                 if step is not None and step > committed:
-                    self._emit({"event": "breakpoint_save", "step": step})
+                    self._emit({"event": EventKind.BREAKPOINT_SAVE, "step": step})
             if step is not None and step > committed and self.persist(step):
                 committed = step
             if self.pending:
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     saver = Saver(args.ns, args.nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
                   drills=job.chaos, job_dir=job.job_dir, meta=job.checkpoint_meta(), fence_owner=job.job_dir)
     signal.signal(signal.SIGTERM, lambda *_: saver.stop.set())  # finish, save at breakpoint, exit
-    saver._emit({"event": "saver_start"})
+    saver._emit({"event": EventKind.SAVER_START})
     try:
         saver.run()
         if saver.superseded:
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - reported to the node agent, which restarts or fails the job
         message = f"{type(err).__name__}: {err}"
         atomic_write_bytes(args.ns / ERROR_FILE, message.encode())
-        saver._emit({"event": "saver_error", "error": message, "traceback": traceback.format_exc()[-2000:]})
+        saver._emit({"event": EventKind.SAVER_ERROR, "error": message, "traceback": traceback.format_exc()[-2000:]})
         print(f"checkpoint saver failed: {message}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -16,6 +16,7 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.dist import init_distributed, shutdown_and_exit
+from trainer.events import error_event
 from trainer.heartbeat import Heartbeat
 from trainer.loop import train
 from trainer.process import exit_when_orphaned
@@ -40,8 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as err:  # noqa: BLE001 - report every failure, then exit non-zero
         traceback.print_exc()
         report = JsonLines(Path(cfg.job_dir) / EVENTS)
-        report.write({"event": "error", "rank": int(os.environ.get("RANK", "0")), "error": f"{type(err).__name__}: {err}",
-                      "traceback": traceback.format_exc()[-2000:]})
+        report.write(error_event(err, rank=int(os.environ.get("RANK", "0")), traceback=traceback.format_exc()[-2000:]))
         code = 1
     shutdown_and_exit(code)
 

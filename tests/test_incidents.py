@@ -1,0 +1,54 @@
+"""Failure causes from a job's events (pretrain/incidents.py): by the error's class, which the
+workers and node agents write as data (``error_type``), not by words in its text."""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.incidents import cause_of
+from trainer.data import DataError
+from trainer.events import EventKind, error_event
+
+
+def error(text: str, error_type: str | None = None, cause_types: list[str] = ()) -> dict:
+    event = {"event": "error", "time": 1.0, "error": text}
+    return event if error_type is None else {**event, "error_type": error_type, "cause_types": list(cause_types)}
+
+
+CASES = {
+    "data error": ([error("DataError: no window of 60001 tokens", "DataError")], "data"),
+    "a message that names a class is not that class": (
+        [error("RuntimeError: could not open the DataError log", "RuntimeError")], "worker_failure:exit_1"),
+    "the class of what led to it": ([error("RuntimeError: loader died", "RuntimeError", ["DataError"])], "data"),
+    "a saver that filled the disk": ([error("SaverFailed: ... last error: CheckpointDiskFull: no space", "SaverFailed",
+                                            ["CheckpointDiskFull"])], "disk_full"),
+    "a saver that kept failing": ([error("SaverFailed: ... NotADirectoryError: x", "SaverFailed", ["NotADirectoryError"])],
+                                  "saver_failure"),
+    "rollbacks before data": ([error("DataError: x", "DataError"), error("TooManyRollbacks: y", "TooManyRollbacks")],
+                              "too_many_rollbacks"),
+    # events files of the release before carry no error_type: the text still says the cause
+    "release before: data": ([error("DataError: no window of 60001 tokens")], "data"),
+    "release before: disk full": ([error("SaverFailed: ... last error: CheckpointDiskFull: no space")], "disk_full"),
+    "release before: oom": ([error("OutOfMemoryError: CUDA out of memory")], "oom"),
+    "no error: a hang": ([{"event": "hang", "time": 1.0}], "hang"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cause_of(case):
+    events, cause = CASES[case]
+    assert cause_of(events, 1) == cause
+
+
+def test_a_workers_error_event_carries_its_class_and_causes():
+    try:
+        try:
+            raise DataError("no window of 60001 tokens")
+        except DataError as inner:
+            raise RuntimeError("start-up failed") from inner
+    except RuntimeError as err:
+        event = error_event(err, rank=1)
+    assert event["event"] == EventKind.ERROR == "error" and event["rank"] == 1
+    assert event["error"] == "RuntimeError: start-up failed"
+    assert (event["error_type"], event["cause_types"]) == ("RuntimeError", ["DataError"])
+    assert cause_of([{**event, "time": 1.0}], 1) == "data"

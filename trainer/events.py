@@ -1,0 +1,47 @@
+"""What a job's ``events.jsonl`` holds: the kinds of event (``"event"`` of each line), and the
+structured error event. Written by the workers, savers and node agents (and the orchestrator's
+``node_lost`` / ``node_recheck``); read by ``pretrain.incidents`` to classify failures."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class EventKind(StrEnum):
+    START = "start"  # a worker (re)started: rank, step, source (checkpoint / init / scratch), restart_count
+    DONE = "done"  # a worker finished its last step
+    CHECKPOINT = "checkpoint"  # a checkpoint was committed: step, path
+    SNAPSHOT_SKIPPED = "snapshot_skipped"  # the in-memory slot was busy
+    SHM_FALLBACK = "shm_fallback"  # too little shared memory: direct checkpoints instead
+    ANOMALY = "anomaly"  # a non-finite loss or a loss spike: kind, step, loss
+    HANG = "hang"  # ranks stopped beating
+    ERROR = "error"  # a worker or node agent failed: error, error_type, cause_types
+    CHAOS = "chaos"  # a fault drill fired: kind
+    SAVER_START = "saver_start"
+    SAVER_ERROR = "saver_error"
+    COMMIT_REFUSED = "commit_refused"
+    PERSIST_SKIPPED = "persist_skipped"
+    PERSISTED = "persisted"
+    BREAKPOINT_SAVE = "breakpoint_save"
+    NODE_CHECK = "node_check"
+    NODE_EXCLUDED = "node_excluded"
+    SHM_SWEPT = "shm_swept"
+    NODE_LOST = "node_lost"  # written by the orchestrator
+    NODE_RECHECK = "node_recheck"  # written by the orchestrator
+
+
+def cause_types(err: BaseException) -> list[str]:
+    """The class names of what led to ``err`` (its ``__cause__`` / ``__context__`` chain)."""
+    names, seen, cur = [], {id(err)}, err.__cause__ or err.__context__
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        names.append(type(cur).__name__)
+        cur = cur.__cause__ or cur.__context__
+    return names
+
+
+def error_event(err: BaseException, **fields) -> dict:
+    """The error event for ``err``: its text, and its class (and its causes' classes) as data,
+    which failure classification reads instead of the text."""
+    return {"event": EventKind.ERROR, **fields, "error": f"{type(err).__name__}: {err}",
+            "error_type": type(err).__name__, "cause_types": cause_types(err)}
