@@ -38,11 +38,11 @@ def _record(flow_run, state, outcome: str) -> CampaignSpec | None:
     try:
         cause = (state.message or outcome) if state is not None else outcome
         with mlflow_auth(spec.credentials):
-            data = close_campaign(spec.workdir_path, outcome, cause, str(flow_run.id))
-        if data is None:
+            record = close_campaign(spec.workdir_path, outcome, cause, str(flow_run.id))
+        if record is None:
             logger.info("campaign hook: this run never started campaign %s; leaving its ledger alone", spec.name)
             return None
-        logger.info("campaign %s marked %s: %s", spec.name, data.end.state, data.end.cause)
+        logger.info("campaign %s marked %s: %s", spec.name, record.end.state, record.end.cause)
         return spec
     except Exception:  # noqa: BLE001 - a hook must never hide the run's own outcome
         logger.exception("campaign hook could not record the %s run", outcome)
