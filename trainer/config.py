@@ -83,7 +83,6 @@ class JobConfig:
     backend: str = "auto"  # auto | gloo | nccl
     parallelism: str = "ddp"  # ddp (replicated model, rank 0 checkpoints it) | fsdp (FSDP2: every rank its shard)
     threads_per_worker: int = 0  # torch intra-op threads; 0 = leave as launched
-    extra: dict = field(default_factory=dict)  # forward-compatible knobs
 
     def checkpoints(self):
         """This stage's checkpoint store (local directory or S3 prefix)."""

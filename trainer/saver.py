@@ -1,4 +1,4 @@
-"""The node's checkpoint saver: ``python -m trainer.saver --ns SHM_DIR --nproc N --ckpt-dir DIR``.
+"""The node's checkpoint saver: ``python -m trainer.saver --ns SHM_DIR --nproc N --job JOB.json``.
 
 Started by the node agent (``trainer.launch``) before the workers and kept alive across their
 restarts. It watches the node's shared-memory slots and persists a snapshot when every local
