@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from pretrain.spec import CampaignSpec, SpecError, parse_spec
-from pretrain.specfile import load_spec
+from pretrain.specfile import builtin_names, load_spec
 
 
 def _models(model: type[BaseModel], seen=None):
@@ -31,9 +32,30 @@ def test_every_field_is_documented():
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in Path(__file__).parents[1].joinpath("examples").glob("*.yaml")))
-def test_every_shipped_example_spec_is_valid(name):
+def test_every_example_spec_is_a_valid_builtin(name):
+    """The examples/ a user reads are the specs the package ships (``builtin:<name>``)."""
+    assert name in builtin_names()
     spec = load_spec(f"builtin:{name}")
     assert spec.name and spec.stages
+    assert spec == load_spec(Path(__file__).parents[1] / "examples" / f"{name}.yaml")
+
+
+def test_builtins_ship_in_the_pretrain_package_not_a_top_level_examples(tmp_path):
+    """Another package called ``examples`` first on the path does not shadow the built-ins."""
+    shadow = tmp_path / "examples"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("")
+    (shadow / "tiny.yaml").write_text("name: not-the-builtin\n")
+    code = "from pretrain.specfile import load_spec; print(load_spec('builtin:tiny').name)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "tiny"
+
+
+def test_an_unknown_builtin_names_the_ones_there_are():
+    with pytest.raises(SpecError, match="no built-in spec 'tinny'; the built-ins are builtin:three-stage, builtin:tiny"):
+        load_spec("builtin:tinny")
 
 
 def test_builtin_demo_spec_is_valid():
