@@ -12,6 +12,7 @@ from prefect import flow, get_run_logger
 from flows.locking import holds_campaign_lock
 from pretrain.incidents import NON_RETRYABLE
 from pretrain.ledger import Ledger
+from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import find_resume_point, judge_pending
 from tasks.events import job_restarts, stage_failed, stage_relaunched
@@ -19,11 +20,8 @@ from tasks.tracking import open_stage_run
 from tasks.training import run_training_job
 
 
-GATE_POLL_S = 10.0  # how often the gate judges newly committed checkpoints while a job runs (all pending at once)
-
-
 def _finished(future) -> bool:
-    future.wait(timeout=GATE_POLL_S)
+    future.wait(timeout=PretrainSettings.from_env().gate_poll_s)  # then the gate judges what was committed meanwhile
     return future.state.is_final()
 
 

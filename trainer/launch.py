@@ -191,10 +191,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-id", required=True, help="rendezvous id shared by the job's nodes")
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--lock", type=Path, help="file locked for the agent's lifetime")
+    p.add_argument("--lock-wait", type=float,
+                   help="seconds to wait for a dying predecessor to let go of --lock (PRETRAIN_NODE_LOCK_WAIT_S)")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per worker")
     p.add_argument("--node", type=int, default=0, help="this node's index in the cluster (chaos drills, logs)")
     p.add_argument("--rdzv-host", action="store_true", help="this node hosts the rendezvous store (exactly one node)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.lock and args.lock_wait is None:
+        p.error("--lock needs --lock-wait")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     exit_when_orphaned(on_orphan=cleanup)
     if args.lock:
-        hold_lock(args.lock, timeout_s=30)
+        hold_lock(args.lock, timeout_s=args.lock_wait)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ[NODE_ENV] = str(args.node)  # workers name their node in the node check after a restart
     worker_args = ["-u", "-m", "trainer.worker", args.job]
