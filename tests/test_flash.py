@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import wait_for
+from jobs import tiny_job
 from trainer import checkpoint as ckpt
 from trainer import state
-from trainer.config import JobConfig, ModelConfig, OptimConfig
+from trainer.config import JobConfig
 from trainer.dist import DistInfo
 from trainer.flash import SnapshotStore
 from trainer.loop import build_model, open_snapshots, snapshot_capacity
@@ -25,10 +26,7 @@ CPU0 = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torc
 
 
 def job(tmp_path, **kw) -> JobConfig:
-    return JobConfig(stage="s", stage_index=0, seed=1, data_dir=str(tmp_path / "data"), ckpt_dir=str(tmp_path / "ckpt"),
-                     job_dir=str(tmp_path / "job"), model=ModelConfig(64, 2, 2, 16, 32),
-                     optim=OptimConfig(steps=20, lr=1e-3, min_lr=1e-4, warmup_steps=1, weight_decay=0.1, grad_clip=1.0,
-                                       micro_batch=2, grad_accum=1, seq_len=8), **kw)
+    return tiny_job(tmp_path, **kw)
 
 
 def trained(cfg: JobConfig, steps: int = 2):

@@ -5,12 +5,20 @@ import subprocess
 import sys
 
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from pydantic import BaseModel
 
 from pretrain.spec import CampaignSpec, SpecError, parse_spec
 from pretrain.specfile import builtin_names, load_spec
+
+
+def _types(annotation):
+    """The annotation and every type nested in it (list[…], unions, Annotated[…])."""
+    yield annotation
+    for arg in get_args(annotation):
+        yield from _types(arg)
 
 
 def _models(model: type[BaseModel], seen=None):
@@ -20,12 +28,13 @@ def _models(model: type[BaseModel], seen=None):
     seen.add(model)
     yield model
     for f in model.model_fields.values():
-        for arg in [f.annotation, *getattr(f.annotation, "__args__", ())]:
+        for arg in _types(f.annotation):
             if isinstance(arg, type) and issubclass(arg, BaseModel):
                 yield from _models(arg, seen)
 
 
 def test_every_field_is_documented():
+    assert {"KillWorker", "SlowWorker", "CorruptCheckpoint"} <= {m.__name__ for m in _models(CampaignSpec)}
     for model in _models(CampaignSpec):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
@@ -122,6 +131,15 @@ def test_cli_rejects_a_bad_spec_before_anything_runs(tmp_path):
     ({"skip_samples": [{"stage": "main", "start": 5, "end": 5}]}, "skip_samples.0", "greater than start"),
     ({"chaos": [{"kind": "kill_worker", "rank": 2}]}, "chaos.0.rank", "2 workers"),
     ({"chaos": [{"kind": "kill_node", "node": 1}]}, "chaos.0.node", "1 node"),
+    # each drill kind has only its own fields: one of another kind is refused, named
+    ({"chaos": [{"kind": "kill_worker", "factor": 3}]}, "chaos.0.kill_worker.factor", "Extra inputs"),
+    ({"chaos": [{"kind": "kill_node", "rank": 1}]}, "chaos.0.kill_node.rank", "Extra inputs"),
+    ({"chaos": [{"kind": "kill_saver", "delay_s": 1}]}, "chaos.0.kill_saver.delay_s", "Extra inputs"),
+    ({"chaos": [{"kind": "slow_worker", "node": 0}]}, "chaos.0.slow_worker.node", "Extra inputs"),
+    ({"chaos": [{"kind": "corrupt_checkpoint", "step": 4, "rank": 0}]}, "chaos.0.corrupt_checkpoint.rank", "Extra inputs"),
+    ({"chaos": [{"kind": "loss_spike", "factor": 1}]}, "chaos.0.loss_spike.factor", "greater than 1"),
+    ({"chaos": [{"kind": "kill_wrker"}]}, "chaos.0", "`kind` must be one of kill_worker, hang_worker"),
+    ({"chaos": [{"step": 3}]}, "chaos.0", "`kind` must be one of"),
     ({"checkpoint": {"uri": "s3://AKIAXXX:S3cr3tV4lue@bucket/ckpt"}}, "checkpoint.uri", "AWS_ACCESS_KEY_ID"),
     ({"checkpoint": {"uri": "s3://bucket/ckpt", "s3_endpoint_url": "http://u:S3cr3tV4lue@127.0.0.1:9000"}},
      "checkpoint.s3_endpoint_url", "s3-campaign-storage"),

@@ -25,7 +25,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer import fence, shmdirs
 from trainer.chaos import AGENT_KINDS, claim, reached_marker
-from trainer.config import JobConfig
+from trainer.config import JobConfig, NodeDrill
 from trainer.heartbeat import HangDetector, worker_pids
 from trainer.nodecheck import NODE_ENV, exclusion_marker
 from trainer.process import exit_when_orphaned
@@ -134,7 +134,7 @@ def watch_workers(job: JobConfig, node: int, saver) -> HangDetector:
     report = lambda record: events.write({"source": "agent", "node": node, **record})  # noqa: E731
     detector = HangDetector(job.job_dir, job.hang_timeouts, report)
     for i, drill in enumerate(job.chaos):
-        if drill["kind"] in AGENT_KINDS and drill.get("node", 0) == node:
+        if drill.kind in AGENT_KINDS and drill.node == node:
             detector.observers.append(lambda step, i=i, d=drill: agent_drill(job, i, d, step, saver(), report))
     detector.observers.append(lambda step: leave_if_excluded(job, node, report))
     return detector.start()
@@ -155,14 +155,14 @@ def leave_if_excluded(job: JobConfig, node: int, report) -> None:
         stop_node(job)
 
 
-def agent_drill(job: JobConfig, index: int, drill: dict, step: int, saver, report) -> None:
-    due = step >= drill.get("step", 0) or reached_marker(job.job_dir, index).exists()
+def agent_drill(job: JobConfig, index: int, drill: NodeDrill, step: int, saver, report) -> None:
+    due = step >= drill.step or reached_marker(job.job_dir, index).exists()
     if not due or not claim(job.job_dir, index):
         return
-    report({"event": "chaos", "kind": drill["kind"], "step": step})
-    if drill["kind"] == "kill_saver" and saver is not None:
+    report({"event": "chaos", "kind": drill.kind, "step": step})
+    if drill.kind == "kill_saver" and saver is not None:
         saver.proc.kill()
-    elif drill["kind"] == "kill_node":
+    elif drill.kind == "kill_node":
         stop_node(job)
 
 
