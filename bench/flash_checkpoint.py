@@ -13,6 +13,7 @@ Prints, for one rank's model + AdamW state:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import statistics
 import tempfile
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from pretrain.jobs import job_config
+from pretrain.spec import parse_spec
 from trainer import state
-from trainer.config import JobConfig, ModelConfig, OptimConfig
 from trainer.dist import DistInfo
 from trainer.evaluate import iter_tensors
 from trainer.flash import SnapshotStore
@@ -52,9 +54,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(dir=a.disk_dir or "."))
     shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
-        cfg = JobConfig(stage="bench", stage_index=0, seed=0, data_dir="", ckpt_dir=str(work / "ckpt"), job_dir=str(work),
-                        model=ModelConfig(a.vocab, a.layers, max(1, a.d_model // 64), a.d_model, 256),
-                        optim=OptimConfig(10, 1e-3, 1e-4, 1, 0.1, 1.0, 1, 1, 8))
+        spec = parse_spec({"name": "bench", "workdir": str(work), "seed": 0, "cluster": {"workers_per_node": 1},
+                           "model": {"n_layer": a.layers, "n_head": max(1, a.d_model // 64), "d_model": a.d_model,
+                                     "max_seq_len": 256},
+                           "stages": [{"name": "bench", "steps": 10, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1,
+                                       "micro_batch": 1, "seq_len": 8}]})
+        cfg = dataclasses.replace(job_config(spec, 0, 0, None, a.vocab), data_dir="", ckpt_dir=str(work / "ckpt"),
+                                  job_dir=str(work))
         model, opt = build_model(cfg, torch.device("cpu"))
         model(torch.randint(0, a.vocab, (1, 8))).float().mean().backward()
         opt.step()

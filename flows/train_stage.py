@@ -15,6 +15,7 @@ from flows.locking import holds_campaign_lock
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CheckpointRef, Failure, Resume, StageStatus
 from pretrain.policy import Action, Budget, after_job, before_launch, stage_end
+from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import find_resume_point, judge_pending
 from tasks.events import job_restarts, stage_failed, stage_relaunched
@@ -22,11 +23,8 @@ from tasks.tracking import open_stage_run
 from tasks.training import JobResult, run_training_job
 
 
-GATE_POLL_S = 10.0  # how often the gate judges newly committed checkpoints while a job runs (all pending at once)
-
-
 def _finished(future) -> bool:
-    future.wait(timeout=GATE_POLL_S)
+    future.wait(timeout=PretrainSettings.from_env().gate_poll_s)  # then the gate judges what was committed meanwhile
     return future.state.is_final()
 
 

@@ -176,8 +176,8 @@ def eval_checkpoint(
     data_dir: Optional[Path] = _DATA_DIR,
     spec: Optional[str] = _SPEC,
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per evaluation window; default: the stage's training seq_len."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Windows per forward pass."),
-    max_batches: int = typer.Option(16, "--max-batches", min=1, help="Batches evaluated at most."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Windows per forward pass (default 8)."),
+    max_batches: Optional[int] = typer.Option(None, "--max-batches", min=1, help="Batches evaluated at most (default: the spec's validation.eval_batches default, 16)."),
     s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
     s3_region: Optional[str] = _S3_REGION,
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI for --run-id (default: MLflow's, e.g. MLFLOW_TRACKING_URI)."),
@@ -201,8 +201,8 @@ def eval_checkpoint(
             err.print(f"error: cannot log to MLflow run {run_id}: {e.message}", highlight=False)
             raise typer.Exit(2)
     with _checkpoint_errors():
-        metrics = evaluate_checkpoint(info, batch_size=batch_size, max_batches=max_batches,
-                                      tracking_uri=tracking_uri, run_id=run_id)
+        sizes = {k: v for k, v in (("batch_size", batch_size), ("max_batches", max_batches)) if v is not None}
+        metrics = evaluate_checkpoint(info, **sizes, tracking_uri=tracking_uri, run_id=run_id)
     if as_json:
         sys.stdout.write(json.dumps({"checkpoint": info.location, "step": info.step, **metrics}, indent=2) + "\n")
         return

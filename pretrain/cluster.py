@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.layout import CampaignLayout
+from pretrain.settings import PretrainSettings
 from pretrain.spec_sections import ClusterSpec
 from trainer.config import JobConfig
 from trainer.healthcheck import judge_nodes
@@ -121,6 +122,7 @@ class LocalCluster(Cluster):
     threads_per_worker: int = 1
     python: str = sys.executable
     env: Mapping[str, str] | None = field(default=None, repr=False)  # the job's environment (credentials); None: ours
+    settings: PretrainSettings = field(default_factory=PretrainSettings.from_env)  # health-check timeout, lock wait
 
     def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
                      nodes: list[int] | None = None) -> list[dict]:
@@ -134,7 +136,7 @@ class LocalCluster(Cluster):
         rows = []
         for r, proc in zip(slots, procs):
             try:
-                out, err = proc.communicate(timeout=180)
+                out, err = proc.communicate(timeout=self.settings.health_check_timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 out, err = proc.communicate()
@@ -156,11 +158,12 @@ class LocalCluster(Cluster):
         procs, logs = [], []
         for node in nodes:
             log = Path(job.job_dir) / f"node{node}.log"
-            cmd = [self.python, "-m", "trainer.launch", str(job_path), "--nproc", str(self.spec.workers_per_node),
-                   "--nnodes-min", str(self.spec.nodes_min), "--nnodes-max", str(len(nodes)),
-                   "--rdzv-endpoint", endpoint, "--run-id", run_id, "--max-restarts", str(self.spec.max_restarts),
-                   "--lock", str(layout.stage_lock(job.stage, node)), "--threads", str(self.threads_per_worker),
-                   "--node", str(node)] + (["--rdzv-host"] if node == nodes[0] else [])
+            cmd = ([self.python, "-m", "trainer.launch", str(job_path), "--nproc", str(self.spec.workers_per_node),
+                    "--nnodes-min", str(self.spec.nodes_min), "--nnodes-max", str(len(nodes)),
+                    "--rdzv-endpoint", endpoint, "--run-id", run_id, "--max-restarts", str(self.spec.max_restarts),
+                    "--lock", str(layout.stage_lock(job.stage, node)), "--threads", str(self.threads_per_worker),
+                    "--node", str(node), "--lock-wait", str(self.settings.node_lock_wait_s)]
+                    + (["--rdzv-host"] if node == nodes[0] else []))
             with open(log, "ab") as out:
                 procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True, env=None if self.env is None else dict(self.env)))
@@ -168,10 +171,12 @@ class LocalCluster(Cluster):
         return LocalJobHandle(procs, logs, self.spec.nodes_min)
 
 
-def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1, env: Mapping[str, str] | None = None) -> Cluster:
-    """The cluster of ``spec``; ``env`` is the environment its training processes get (None: this process's)."""
+def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1, env: Mapping[str, str] | None = None,
+                 settings: PretrainSettings | None = None) -> Cluster:
+    """The cluster of ``spec``; ``env`` is the environment its training processes get (None: this
+    process's); ``settings``: None reads this process's environment."""
     if spec.kind == "local":
-        return LocalCluster(spec, threads_per_worker, env=env)
+        return LocalCluster(spec, threads_per_worker, env=env, settings=settings or PretrainSettings.from_env())
     raise ClusterError(f"cluster.kind {spec.kind!r} is not supported yet")
 
 

@@ -7,7 +7,10 @@ campaign's validation gate it writes no verdict next to the checkpoint.
 from __future__ import annotations
 
 from pretrain.checkpoint_info import CheckpointInfo, CheckpointRejected
-from trainer.evaluate import Verdict, evaluate, validate
+from pretrain.spec_sections import ValidationSpec
+from trainer.evaluate import EVAL_BATCH_SIZE, Verdict, evaluate, validate
+
+DEFAULT_BATCHES = ValidationSpec.model_fields["eval_batches"].default  # with no spec: the spec's default
 
 
 def require_valid(info: CheckpointInfo) -> Verdict:
@@ -18,13 +21,13 @@ def require_valid(info: CheckpointInfo) -> Verdict:
     return verdict
 
 
-def measure(info: CheckpointInfo, batch_size: int = 8, max_batches: int = 16) -> dict:
+def measure(info: CheckpointInfo, batch_size: int, max_batches: int) -> dict:
     """Validation loss, perplexity, next-token accuracy (and tokens scored) of a valid checkpoint."""
     return evaluate(info.location, info.model, info.data_dir, info.seq_len, batch_size=batch_size,
                     max_batches=max_batches, options=info.options)
 
 
-def evaluate_checkpoint(info: CheckpointInfo, *, batch_size: int = 8, max_batches: int = 16,
+def evaluate_checkpoint(info: CheckpointInfo, *, batch_size: int = EVAL_BATCH_SIZE, max_batches: int = DEFAULT_BATCHES,
                         tracking_uri: str | None = None, run_id: str | None = None) -> dict:
     """Validate, evaluate, and (with ``run_id``) log the metrics to that MLflow run at the
     checkpoint's step. Returns the metrics."""

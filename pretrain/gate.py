@@ -17,19 +17,16 @@ from dataclasses import asdict
 
 from pretrain.jobs import checkpoint_store, model_config, storage_options
 from pretrain.layout import CampaignLayout
+from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from trainer.checkpoint import MANIFEST, CheckpointStore, step_name
 from trainer.data import read_manifest
 from trainer.records import DamagedRecord
 
-GATE_TIMEOUT_FLOOR_S = 600.0  # a gate process (torch import, probe, evaluation) gets at least this long
-GATE_PER_REQUEST_S = 60.0  # + this per checkpoint (loading, probing, evaluating it)
-GATE_MIN_BYTES_PER_S = 20 * 2**20  # + its bytes at this rate (every shard is hashed and then loaded)
-
-
-def gate_timeout_s(total_bytes: int, requests: int) -> float:
+def gate_timeout_s(total_bytes: int, requests: int, settings: PretrainSettings) -> float:
     """How long a gate process may take for ``requests`` checkpoints of ``total_bytes`` in all."""
-    return max(GATE_TIMEOUT_FLOOR_S, GATE_PER_REQUEST_S * requests + 2 * total_bytes / GATE_MIN_BYTES_PER_S)
+    return max(settings.gate_timeout_floor_s,
+               settings.gate_per_request_s * requests + 2 * total_bytes / settings.gate_min_bytes_per_s)
 
 
 def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: bool) -> dict:
@@ -43,8 +40,7 @@ def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: 
     }
 
 
-def run_gate(requests: list[dict], timeout_s: float = GATE_TIMEOUT_FLOOR_S,
-             env: dict[str, str] | None = None) -> list[dict]:
+def run_gate(requests: list[dict], timeout_s: float, env: dict[str, str] | None = None) -> list[dict]:
     """Run ``python -m trainer.gate`` on the requests; one result each: ``{"verdict", "metrics"}``,
     or ``{"unjudged": why}`` when it could not be judged now (that request's validation could not
     run, or the whole gate process timed out or crashed): no verdict, the next pass retries. ``env``:
@@ -79,18 +75,18 @@ def _bytes_to_verify(store: CheckpointStore, steps: list[int]) -> int:
 
 
 def judge(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: set[int] = frozenset(),
-          timeout_s: float | None = None) -> list[dict]:
+          timeout_s: float | None = None, settings: PretrainSettings | None = None) -> list[dict]:
     """Validate checkpoints of the stage in one gate process (evaluating the good ones among
     ``evaluate``); write each verdict next to its checkpoint (moving the stage's ``good``
     pointer) and return the records, in the order of ``steps``. A step that training's retention
     pruned meanwhile (its manifest is gone and the pointer is elsewhere) gets no record. A step
     the gate could not judge now gets a record with verdict "unjudged" (its reason in
     ``problems``) and nothing written: it stays pending. ``timeout_s``: default scaled with the
-    checkpoints' bytes (:func:`gate_timeout_s`)."""
+    checkpoints' bytes (:func:`gate_timeout_s`; ``settings`` default: this process's environment)."""
     store = checkpoint_store(spec, spec.stages[stage_index].name)
     locations = [store.ref(step).location for step in steps]
     if timeout_s is None:
-        timeout_s = gate_timeout_s(_bytes_to_verify(store, steps), len(steps))
+        timeout_s = gate_timeout_s(_bytes_to_verify(store, steps), len(steps), settings or PretrainSettings.from_env())
     t0 = time.monotonic()
     outs = run_gate([gate_request(spec, stage_index, loc, step in evaluate) for step, loc in zip(steps, locations)],
                     timeout_s, env=spec.credentials.child_env() if spec.credentials else None)

@@ -9,7 +9,7 @@ from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes
 from trainer.checkpoint import CheckpointStore
-from trainer.config import JobConfig, ModelConfig, OptimConfig
+from trainer.config import JobConfig, ModelConfig, OptimConfig, drill_from_dict
 from trainer.data import read_manifest
 
 
@@ -49,9 +49,15 @@ def threads_per_worker(spec: CampaignSpec) -> int:
 
 
 def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None) -> JobConfig:
+    """The job of the stage's ``attempt``-th launch (the vocabulary from its prepared data set)."""
+    vocab = read_manifest(CampaignLayout(spec.workdir_path).data_dir)["vocab_size"]
+    return job_config(spec, stage_index, attempt, init_from, vocab)
+
+
+def job_config(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None, vocab_size: int) -> JobConfig:
+    """Every field of the job from the spec: the one place the trainer's settings come from."""
     layout = CampaignLayout(spec.workdir_path)
     stage = spec.stages[stage_index]
-    vocab = read_manifest(layout.data_dir)["vocab_size"]
     c, ft = spec.cluster, spec.fault_tolerance
     optim = OptimConfig(steps=stage.steps, lr=stage.lr, min_lr=stage.min_lr, warmup_steps=stage.warmup_steps,
                         weight_decay=stage.weight_decay, grad_clip=stage.grad_clip, micro_batch=stage.micro_batch,
@@ -61,7 +67,7 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
         stage=stage.name, stage_index=stage_index, seed=spec.seed, data_dir=str(layout.data_dir),
         ckpt_dir=checkpoint_location(spec, stage.name), job_dir=str(layout.job_dir(stage.name, attempt)),
         storage_options=storage_options(spec),
-        model=model_config(spec, vocab), optim=optim, init_from=init_from, init_optimizer=stage.carry_optimizer,
+        model=model_config(spec, vocab_size), optim=optim, init_from=init_from, init_optimizer=stage.carry_optimizer,
         ckpt_interval=spec.checkpoint.interval, ckpt_keep=spec.checkpoint.keep,
         memory_interval=spec.checkpoint.memory_interval, shm_dir=spec.checkpoint.shm_dir,
         shm_fallback=spec.checkpoint.shm_fallback,
@@ -70,9 +76,11 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
         hang_timeouts={"startup": ft.startup_timeout_s, "step": ft.step_timeout_s, "checkpoint": ft.checkpoint_timeout_s},
         spike={"window": ft.spike_window, "zscore": ft.spike_zscore, "min_steps": ft.spike_min_steps},
         max_rollbacks=ft.max_rollbacks, attempt=attempt, saver_max_failures=ft.saver_max_failures,
+        saver_backoff_s=ft.saver_backoff_s,
         skip=[[w.start, w.end] for w in spec.skip_samples if w.stage == stage.name],
         mixture=dict(stage.mixture), node_check_threshold=ft.node_check_threshold, nodes_min=c.nodes_min,
-        chaos=[d.model_dump() for d in spec.chaos if (d.stage or spec.stages[0].name) == stage.name],
+        chaos=[drill_from_dict(d.model_dump(exclude={"stage"})) for d in spec.chaos
+               if (d.stage or spec.stages[0].name) == stage.name],
     )
 
 

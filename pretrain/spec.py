@@ -82,10 +82,10 @@ class CampaignSpec(Section):
             return self  # the cluster block decides the world; checked again once it is resolved
         c = self.cluster
         for i, drill in enumerate(self.chaos):
-            if drill.rank >= c.workers_per_node * c.nodes_max:
+            if getattr(drill, "rank", 0) >= c.workers_per_node * c.nodes_max:
                 raise FieldProblem(f"chaos.{i}.rank", f"rank {drill.rank} does not exist, the cluster has "
                                  f"{c.workers_per_node * c.nodes_max} workers (ranks 0..{c.workers_per_node * c.nodes_max - 1})")
-            if drill.node >= c.nodes_max:
+            if getattr(drill, "node", 0) >= c.nodes_max:
                 raise FieldProblem(f"chaos.{i}.node", f"node {drill.node} does not exist, the cluster has {c.nodes_max} "
                                  f"node(s) (0..{c.nodes_max - 1})")
         return self

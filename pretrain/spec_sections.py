@@ -6,9 +6,9 @@ puts them together and checks the rules that span sections.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from pretrain.redact import url_credentials
 
@@ -219,19 +219,71 @@ class FaultToleranceSpec(Section):
     spike_min_steps: int = Field(20, ge=2, description="Steps the detector observes before it judges spikes.")
     max_rollbacks: int = Field(3, ge=0, description="Loss anomalies (NaN/Inf or spike) per stage that are rolled back and skipped before the stage fails.")
     node_check_threshold: float = Field(2.0, gt=1, description="A node whose health check is slower than this multiple of the median is excluded.")
-    saver_max_failures: int = Field(5, ge=1, description="A node's checkpoint saver that fails this many times in a row (restarted with a backoff doubling from 1 s up to 60 s; training goes on on its memory snapshots meanwhile) fails the job with the saver's error.")
+    saver_max_failures: int = Field(5, ge=1, description="A node's checkpoint saver that fails this many times in a row (restarted with a backoff doubling from `saver_backoff_s` up to 60 s; training goes on on its memory snapshots meanwhile) fails the job with the saver's error.")
+    saver_backoff_s: float = Field(1.0, gt=0, description="First wait before a failed checkpoint saver is restarted; doubles with each failure in a row (up to 60 s).")
 
 
-class ChaosDrill(Section):
-    kind: Literal["kill_worker", "hang_worker", "nan_loss", "loss_spike", "slow_worker", "kill_saver", "kill_node",
-                  "corrupt_checkpoint"] = Field(
-        ..., description="Fault to inject: kill or hang a worker, make the loss NaN or spike, slow a worker (and its node check), kill the node's checkpoint saver, kill a whole node, flip a byte of the checkpoint persisted at `step` (silent storage corruption: the validation gate must catch it).")
+# ---- chaos drills: one model per kind, each with only its own fields (``kind`` picks the model) ----
+class _Drill(Section):
     stage: str | None = Field(None, description="Stage in which the drill fires (default: the first stage).")
     step: int = Field(1, ge=1, description="Fires when training reaches this step of the stage (once per stage, never again after the restart).")
-    rank: int = Field(0, ge=0, description="Worker rank for worker drills.")
-    node: int = Field(0, ge=0, description="Node index for kill_node / kill_saver.")
-    delay_s: float = Field(0.2, ge=0, description="slow_worker: extra seconds per step from `step` on, and a proportional slowdown of its node check (the one before training if `step` is 1, else the one after the next restart).")
-    factor: float = Field(20.0, gt=1, description="loss_spike: the loss of that step is multiplied by this.")
+
+
+class _WorkerDrill(_Drill):
+    rank: int = Field(0, ge=0, description="Global rank of the worker the drill acts on.")
+
+
+class _NodeDrill(_Drill):
+    node: int = Field(0, ge=0, description="Index of the node the drill acts on.")
+
+
+class KillWorker(_WorkerDrill):
+    kind: Literal["kill_worker"] = Field(description="SIGKILL the worker at `step`: its node's agent restarts the workers from the newest memory snapshot.")
+
+
+class HangWorker(_WorkerDrill):
+    kind: Literal["hang_worker"] = Field(description="The worker stops making progress at `step`: the hang detector must restart the workers.")
+
+
+class NanLoss(_WorkerDrill):
+    kind: Literal["nan_loss"] = Field(description="The worker's loss at `step` is NaN: the step is rolled back and its samples skipped.")
+
+
+class LossSpike(_WorkerDrill):
+    kind: Literal["loss_spike"] = Field(description="The worker's loss at `step` is multiplied by `factor`: the spike detector rolls it back.")
+    factor: float = Field(20.0, gt=1, description="What the loss of that step is multiplied by.")
+
+
+class SlowWorker(_WorkerDrill):
+    kind: Literal["slow_worker"] = Field(description="The worker is a straggler from `step` on (no marker: every step), and its node check is slowed too.")
+    delay_s: float = Field(0.2, ge=0, description="Extra seconds per step from `step` on, and a proportional slowdown of its node check (the one before training if `step` is 1, else the one after the next restart).")
+
+
+class KillSaver(_NodeDrill):
+    kind: Literal["kill_saver"] = Field(description="Kill the node's checkpoint saver at `step`: the agent restarts it; training goes on meanwhile.")
+
+
+class KillNode(_NodeDrill):
+    kind: Literal["kill_node"] = Field(description="Kill the whole node (agent, workers, saver) at `step`: training goes on without it (elastic) and it rejoins after `cluster.rejoin_after_s`.")
+
+
+class CorruptCheckpoint(_Drill):
+    kind: Literal["corrupt_checkpoint"] = Field(description="Flip one byte of the model state of the checkpoint persisted at `step` (silent storage corruption: the validation gate must catch it).")
+
+
+DRILL_KINDS = {m.model_fields["kind"].annotation.__args__[0]: m for m in
+               (KillWorker, HangWorker, NanLoss, LossSpike, SlowWorker, KillSaver, KillNode, CorruptCheckpoint)}
+
+
+def _drill_kind(value) -> str | None:
+    return value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+
+
+ChaosDrill = Annotated[
+    Union[tuple(Annotated[model, Tag(kind)] for kind, model in DRILL_KINDS.items())],
+    Discriminator(_drill_kind, custom_error_type="drill_kind",
+                  custom_error_message=f"`kind` must be one of {', '.join(DRILL_KINDS)}"),
+]
 
 
 class SkipWindow(Section):

@@ -15,10 +15,22 @@ from pretrain.spec import CampaignSpec, SpecError, parse_spec
 BUILTIN_PREFIX = "builtin:"
 
 
+def _builtin_dir():
+    """Where the built-in specs ship: package data of ``pretrain`` (also when installed from a
+    wheel, and whatever else on the path is called ``examples``)."""
+    return resources.files("pretrain") / "builtin"
+
+
+def builtin_names() -> list[str]:
+    """Names of the built-in specs (``builtin:<name>``)."""
+    return sorted(p.name.removesuffix(".yaml") for p in _builtin_dir().iterdir() if p.name.endswith(".yaml"))
+
+
 def builtin_spec_path(name: str) -> Path:
-    path = Path(str(resources.files("examples") / f"{name}.yaml"))
+    path = Path(str(_builtin_dir() / f"{name}.yaml"))
     if not path.is_file():
-        raise SpecError(f"no built-in spec {name!r}; built-ins live in examples/*.yaml")
+        raise SpecError(f"no built-in spec {name!r}; the built-ins are "
+                        + ", ".join(f"{BUILTIN_PREFIX}{n}" for n in builtin_names()))
     return path
 
 

@@ -15,7 +15,7 @@ from pretrain.tracking import describe_error, transient
 from tasks.tracking import MLFLOW_RETRIES, tracker_for
 
 
-@task(name="validate-checkpoint", cache_policy=NO_CACHE)
+@task(name="judge-checkpoints", cache_policy=NO_CACHE)
 def check_checkpoints(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: list[int] = ()) -> list[dict]:
     """Judge checkpoints of a stage in a separate process; record each verdict next to it, in
     the ledger, as MLflow tags and as an event (evaluation metrics, if run, at its step). One the

@@ -16,11 +16,12 @@ from trainer.data import read_manifest
 from trainer.evaluate import evaluate
 
 
-@task(name="evaluate-checkpoint", cache_policy=NO_CACHE)
-def evaluate_checkpoint(spec: CampaignSpec, path: str, seq_len: int) -> dict:
+@task(name="evaluate-stage-checkpoint", cache_policy=NO_CACHE)
+def evaluate_stage_checkpoint(spec: CampaignSpec, path: str, seq_len: int) -> dict:
+    """Validation loss, perplexity and accuracy of a stage's checkpoint (``validation.eval_batches`` batches)."""
     data_dir = CampaignLayout(spec.workdir_path).data_dir
     metrics = evaluate(path, model_config(spec, read_manifest(data_dir)["vocab_size"]), data_dir, seq_len,
-                       options=client_options(spec))
+                       max_batches=spec.validation.eval_batches, options=client_options(spec))
     get_run_logger().info("evaluation of %s: %s", path, {k: round(v, 4) for k, v in metrics.items()})
     return metrics
 

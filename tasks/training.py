@@ -16,17 +16,14 @@ from pretrain.ledger import Ledger
 from pretrain.incidents import cause_of, incidents
 from pretrain.layout import CampaignLayout
 from pretrain.redact import redact
+from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
-from pretrain.tracking import MetricsForwarder
+from pretrain.tracking import Backoff, MetricsForwarder
 from tasks.artifacts import TrainingProgress
 from tasks.tracking import tracker_for
 from trainer.events import EventKind
 from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
 
-STOP_GRACE_S = 120.0  # an operator's stop (Ctrl-C, SIGTERM) waits this long for the savers' save at breakpoint
-POLL_S = 1.0
-SCALE_UP_GRACE_S = 120.0  # a stop for scaling up waits this long for the savers' final persist
-DRAIN_S = 120.0  # after the job, metrics waiting for MLflow get this long to reach it
 
 
 @dataclass
@@ -44,12 +41,13 @@ class RejoinWatch:
         return sorted(n for n, t in self.since.items() if self.after_s and now - t >= self.after_s)
 
 
-def try_scale_up(spec: CampaignSpec, stage: str, due: list[int], rejoin: RejoinWatch, events: JsonLines, logger) -> list[int]:
+def try_scale_up(spec: CampaignSpec, stage: str, due: list[int], rejoin: RejoinWatch, events: JsonLines, logger,
+                 settings: PretrainSettings) -> list[int]:
     """Re-check lost nodes; the ones that pass make the job scale back up (returned). The ones
     that fail are checked again after another ``rejoin_after_s``."""
     baseline = Ledger.open(spec).reload().node_health()
-    fit, rows = recheck_nodes(make_cluster(spec.cluster, threads_per_worker(spec)), spec.workdir_path, due, baseline,
-                              spec.fault_tolerance.node_check_threshold)
+    fit, rows = recheck_nodes(make_cluster(spec.cluster, threads_per_worker(spec), settings=settings), spec.workdir_path,
+                              due, baseline, spec.fault_tolerance.node_check_threshold)
     for node in due:
         rejoin.lost(node)  # restart its clock: re-checked later if it did not pass now
     events.write({"event": EventKind.NODE_RECHECK, "nodes": due, "fit": fit, "rows": rows, "source": "orchestrator"})
@@ -101,11 +99,13 @@ def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: 
 
 @task(name="run-training-job", cache_policy=NO_CACHE)
 def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None,
-                     stage_run_id: str, parent_run_id: str, step_offset: int, exclude: list[int] = ()) -> JobResult:
+                     stage_run_id: str, parent_run_id: str, step_offset: int, exclude: list[int] = (),
+                     settings: PretrainSettings | None = None) -> JobResult:
     """Start the stage's job on the cluster and wait for it, streaming metrics to MLflow. An
     operator's stop (``pretrain.interrupt``) stops the job with a save at breakpoint and raises
-    ``CampaignInterrupted``."""
+    ``CampaignInterrupted``. ``settings``: the waits and polls (None: this process's environment)."""
     logger = get_run_logger()
+    settings = settings or PretrainSettings.from_env()
     layout = CampaignLayout(spec.workdir_path)
     stop = current_stop()
     if stop is not None:
@@ -113,11 +113,12 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     job = build_job(spec, stage_index, attempt, init_from)
     job_path = write_job(job)
     env = spec.credentials.child_env() if spec.credentials else None  # the blocks' credentials, for this job only
-    handle = make_cluster(spec.cluster, job.threads_per_worker, env).start(job, job_path, layout, set(exclude))
+    handle = make_cluster(spec.cluster, job.threads_per_worker, env, settings).start(job, job_path, layout, set(exclude))
     logger.info("stage %s attempt %d: %d node(s) × %d workers, job dir %s", job.stage, attempt,
                 spec.cluster.nodes_max - len(exclude), spec.cluster.workers_per_node, job.job_dir)
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
-                                 step_offset, events_path=Path(job.job_dir) / EVENTS, log=logger.warning)
+                                 step_offset, events_path=Path(job.job_dir) / EVENTS, log=logger.warning,
+                                 backoff=Backoff.of(settings))
     progress = TrainingProgress(spec, stage_index)
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
@@ -128,12 +129,12 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     try:
         code, lost, events = None, {}, JsonLines(Path(job.job_dir) / EVENTS)
         while code is None:
-            code = handle.wait(timeout=POLL_S)
+            code = handle.wait(timeout=settings.job_poll_s)
             if stop is not None and stop.requested.is_set() and code != 0:  # not a failure: the operator's stop
                 if code is None:
                     logger.warning("stage %s: %s received; stopping the job (its savers save at breakpoint, up to %.0fs)",
-                                   job.stage, stop.name, STOP_GRACE_S)
-                    handle.stop(grace_s=STOP_GRACE_S)
+                                   job.stage, stop.name, settings.stop_grace_s)
+                    handle.stop(grace_s=settings.stop_grace_s)
                 interrupted, code = True, handle.poll()
             for node, exit_code in (handle.lost_nodes().items() if code is None else ()):
                 if node not in lost:  # a node died while the others go on
@@ -144,11 +145,11 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
             forwarder.pump()
             progress.update(forwarder.last_step)
             if code is None and (due := rejoin.due()):
-                scaled_up = try_scale_up(spec, job.stage, due, rejoin, events, logger)
+                scaled_up = try_scale_up(spec, job.stage, due, rejoin, events, logger, settings)
                 if scaled_up:
-                    handle.stop(grace_s=SCALE_UP_GRACE_S)  # the savers persist the newest snapshot on the way out
+                    handle.stop(grace_s=settings.scale_up_grace_s)  # the savers persist the newest snapshot on the way out
                     code = handle.poll()
-        forwarder.drain(timeout_s=DRAIN_S)
+        forwarder.drain(timeout_s=settings.mlflow_drain_s)
         progress.update(forwarder.last_step, force=True)
     finally:
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left

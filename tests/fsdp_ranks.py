@@ -18,23 +18,21 @@ from pathlib import Path
 
 import torch
 
+from jobs import tiny_job
 from trainer import state
-from trainer.config import JobConfig, ModelConfig, OptimConfig
+from trainer.config import JobConfig
 from trainer.dist import init_distributed, shutdown_and_exit
 from trainer.flash import SnapshotStore
 from trainer.loop import build_model, seed_everything, snapshot_capacity
 from trainer.model import lm_loss
 from trainer.sharded import localize
 
-# vocab 65 and 33 positions: the embeddings split unevenly (33 + 32 and 17 + 16 rows)
-MODEL = ModelConfig(vocab_size=65, n_layer=2, n_head=2, d_model=16, max_seq_len=33)
-
-
 def job(root: Path, parallelism: str = "fsdp") -> JobConfig:
-    return JobConfig(stage="s", stage_index=0, seed=1, data_dir=str(root / "data"), ckpt_dir=str(root / "ckpt"),
-                     job_dir=str(root / "job"), model=MODEL, parallelism=parallelism,
-                     optim=OptimConfig(steps=10, lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1, grad_clip=1.0,
-                                       micro_batch=2, grad_accum=1, seq_len=8))
+    # vocab 65 and 33 positions: the embeddings split unevenly (33 + 32 and 17 + 16 rows)
+    return tiny_job(root, parallelism=parallelism, vocab_size=65, max_seq_len=33, steps=10, lr=1e-2, min_lr=1e-3)
+
+
+MODEL = job(Path(".")).model
 
 
 def train_step(model, opt, rank: int, step: int) -> None:

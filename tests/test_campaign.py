@@ -44,7 +44,7 @@ def test_campaign_completes_every_stage(finished):
 def test_retention_keeps_at_most_k_checkpoints_ending_at_the_last_step(finished):
     spec, _ = finished
     d = spec.workdir_path / "checkpoints" / "main"
-    steps = ckpt.committed_steps(d)  # the saver persists the newest due snapshot: 4 or 8 may be passed over
+    steps = ckpt.CheckpointStore.open(d).committed_steps()  # the saver persists the newest due snapshot: 4 or 8 may be passed over
     assert steps[0] == 10 and len(steps) <= 2 and all(s % 4 == 0 for s in steps[1:])
     assert sorted(int(p.name[5:]) for p in d.glob("step_*")) == sorted(steps)
 

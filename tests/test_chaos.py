@@ -3,14 +3,18 @@ recovery is exact — the parameters match a fault-free run bit for bit."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from conftest import assert_no_duplicate_metric_steps, seed_data, small_spec
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
-from pretrain.jobs import checkpoint_store
+from pretrain.jobs import checkpoint_store, job_config
 from pretrain.status import campaign_status
+from trainer.chaos import WorkerChaos
+from trainer.config import JobConfig
 from trainer.reporting import read_all
 
 STAGE = [{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 4, "warmup_steps": 3}]
@@ -78,8 +82,6 @@ def test_nan_step_is_rolled_back_and_its_samples_skipped(drilled):
 
 
 def read_all_skips(spec):
-    import json
-
     return json.loads((spec.workdir_path / "jobs" / "main" / "skips.json").read_text())
 
 
@@ -121,3 +123,18 @@ def test_loss_spike_is_rolled_back_and_skipped(prefect_harness, prepared_data, t
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     [skip] = read_all_skips(spec)
     assert skip["kind"] == "spike" and skip["step"] == 25
+
+
+def test_drills_reach_the_workers_typed_with_the_specs_values(tmp_path):
+    """job.json carries each drill with its kind's fields only, and the workers act on the
+    spec's values (a slow_worker's delay, a loss_spike's factor), not on defaults of their own."""
+    spec = small_spec(tmp_path, chaos=[{"kind": "slow_worker", "rank": 1}, {"kind": "loss_spike", "step": 3, "rank": 1},
+                                       {"kind": "kill_node", "step": 2}, {"kind": "corrupt_checkpoint", "step": 4}])
+    job = JobConfig.from_dict(json.loads(job_config(spec, 0, 0, None, 512).to_json()))  # as a worker reads it
+    assert [sorted(vars(d)) for d in job.chaos] == [["delay_s", "kind", "rank", "step"], ["factor", "kind", "rank", "step"],
+                                                   ["kind", "node", "step"], ["kind", "step"]]
+    fired = []
+    worker = WorkerChaos(job.chaos, tmp_path / "jobs" / "warmup" / "attempt_000", rank=1, report=fired.append)
+    assert worker.check_delay() == spec.chaos[0].delay_s == 0.2
+    assert worker.loss_factor(3) == spec.chaos[1].factor == 20.0
+    assert [e["kind"] for e in fired] == ["loss_spike"]

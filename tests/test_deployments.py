@@ -103,3 +103,17 @@ def test_deploy_matches_the_project_file():
     [trigger] = built["evaluate-checkpoint"].triggers
     assert trigger.expect == {"pretrain.checkpoint.good"}
     assert [s.schedule.cron for s in built["pretrain-campaign"].schedules] == ["0 2 * * *"]
+
+
+def test_no_two_tasks_or_flows_share_a_name():
+    """The UI, the logs and automations find runs by name: a task named like a flow is ambiguous."""
+    from prefect import Task
+
+    names: dict[str, str] = {}
+    for package in ("flows", "tasks"):
+        for path in sorted((ROOT / package).glob("*.py")):
+            module = importlib.import_module(f"{package}.{path.stem}")
+            for attr, obj in vars(module).items():
+                if isinstance(obj, (Flow, Task)) and obj.__module__ == module.__name__:
+                    where = f"{module.__name__}.{attr}"
+                    assert names.setdefault(obj.name, where) == where, f"{obj.name!r}: {names[obj.name]} and {where}"

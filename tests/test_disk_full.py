@@ -39,7 +39,7 @@ def files_under(root) -> list[str]:
 
 def test_a_persist_that_fills_the_disk_takes_back_its_shards_and_says_what_to_change(tmp_path):
     with small_tmpfs(tmp_path / "fs", "1m") as fs:
-        location = ckpt.store(fs / "s")
+        location = ckpt.CheckpointStore.open(fs / "s")
         saver = Saver(tmp_path / "shm", 1, location, keep=2, events=None)
         snapshot(tmp_path / "shm", 4)
         assert saver.persist(4) and location.read_pointer() == 4
@@ -65,7 +65,7 @@ def test_a_full_checkpoint_disk_stops_the_job_with_the_message_while_training_we
         assert len(failed) == 1 and "CheckpointDiskFull: no space left on" in failed[0] and "checkpoint.keep" in failed[0]
         assert cause_of(events, 1) == "disk_full" and "disk_full" in NON_RETRYABLE  # a human frees space first
         assert max(m["step"] for m in read_all(Path(job.job_dir) / METRICS)) > 2  # trained on past the failed persist
-        assert ckpt.read_pointer(job.ckpt_dir) is None
+        assert ckpt.CheckpointStore.open(job.ckpt_dir).read_pointer() is None
         assert [f for f in files_under(fs) if ".tmp-" in f or f.endswith(".pt")] == []
 
 

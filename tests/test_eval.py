@@ -17,6 +17,7 @@ from conftest import copy_checkpoint, flip_byte, pretrain_cli, save_checkpoint, 
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from pretrain.checkpoint_info import CheckpointInfoError, CheckpointRejected, describe
 from pretrain.jobs import model_config
+from tasks.evaluation import evaluate_stage_checkpoint
 from trainer.checkpoint import MANIFEST
 from trainer.evaluate import evaluate
 
@@ -50,7 +51,8 @@ def test_eval_prints_the_metrics_of_a_good_checkpoint(trained_checkpoint, tmp_pa
     out = json.loads(proc.stdout)
     assert client.get_run(run_id).data.metrics["val_loss"] == pytest.approx(out["val_loss"])
     data_dir = spec.workdir_path / "data"
-    expected = evaluate(ref.location, model_config(spec, 512), data_dir, spec.stages[0].seq_len)
+    expected = evaluate(ref.location, model_config(spec, 512), data_dir, spec.stages[0].seq_len,
+                        max_batches=spec.validation.eval_batches)
     assert out["checkpoint"] == ref.location and out["step"] == ref.step == 2
     for key in ("val_loss", "val_accuracy", "val_tokens"):
         assert out[key] == pytest.approx(expected[key])
@@ -104,3 +106,15 @@ def test_eval_of_a_checkpoint_on_s3(prepared_data, tmp_path, seaweed, aws_env):
     proc = pretrain_cli("eval", ref.location, "--s3-endpoint-url", seaweed.endpoint)
     assert proc.returncode == 0, proc.stderr
     assert "(step 2): valid" in proc.stdout and "val_perplexity" in proc.stdout
+
+
+def test_the_stage_evaluation_scores_validation_eval_batches(prefect_harness, trained_checkpoint):
+    """The evaluation of a stage's final checkpoint scores ``validation.eval_batches`` batches
+    of 8 sequences (the spec's setting, not a default of its own)."""
+    spec, ref = trained_checkpoint
+    seq_len = spec.stages[0].seq_len
+    scored = {}
+    for batches in (1, 2):
+        v = spec.validation.model_copy(update={"eval_batches": batches})
+        scored[batches] = evaluate_stage_checkpoint(spec.model_copy(update={"validation": v}), ref.location, seq_len)["val_tokens"]
+    assert scored == {1: 8 * seq_len, 2: 2 * 8 * seq_len}

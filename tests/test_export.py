@@ -14,14 +14,15 @@ from conftest import copy_checkpoint, flip_byte, pretrain_cli
 from pretrain.checkpoint_info import CheckpointRejected, describe
 from pretrain.dataprep import EOT
 from pretrain.export import PROVENANCE, WEIGHTS, export_checkpoint
-from trainer.checkpoint import load_shard
+from trainer.checkpoint import CheckpointStore
 from trainer.data import TokenWindows, read_manifest
 from trainer.model import GPT
 
 
 def our_model(location: str) -> GPT:
     model = GPT(describe(location).model)
-    model.load_state_dict(load_shard(location, "model.pt")["model"])
+    store, step = CheckpointStore.of_step(location)
+    model.load_state_dict(store.load_shard(step, "model.pt")["model"])
     return model.eval()
 
 

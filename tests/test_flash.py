@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import wait_for
+from jobs import tiny_job
 from trainer import checkpoint as ckpt
 from trainer import state
-from trainer.config import JobConfig, ModelConfig, OptimConfig
+from trainer.config import JobConfig
 from trainer.dist import DistInfo
 from trainer.flash import SnapshotStore
 from trainer.loop import build_model, open_snapshots, snapshot_capacity
@@ -25,10 +26,7 @@ CPU0 = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torc
 
 
 def job(tmp_path, **kw) -> JobConfig:
-    return JobConfig(stage="s", stage_index=0, seed=1, data_dir=str(tmp_path / "data"), ckpt_dir=str(tmp_path / "ckpt"),
-                     job_dir=str(tmp_path / "job"), model=ModelConfig(64, 2, 2, 16, 32),
-                     optim=OptimConfig(steps=20, lr=1e-3, min_lr=1e-4, warmup_steps=1, weight_decay=0.1, grad_clip=1.0,
-                                       micro_batch=2, grad_accum=1, seq_len=8), **kw)
+    return tiny_job(tmp_path, **kw)
 
 
 def trained(cfg: JobConfig, steps: int = 2):
@@ -131,14 +129,15 @@ def test_saver_persists_only_flagged_snapshots_bit_exact(tmp_path):
     store.snapshot(10, st, persist=True)
     saver = start_saver(tmp_path, ns)
     try:
-        wait_for(lambda: ckpt.read_pointer(cfg.ckpt_dir) == 10, 60, "the saver to commit step 10")
+        wait_for(lambda: ckpt.CheckpointStore.open(cfg.ckpt_dir).read_pointer() == 10, 60, "the saver to commit step 10")
     finally:
         saver.terminate()
         saver.wait(30)
-    assert ckpt.committed_steps(cfg.ckpt_dir) == [10]
-    ref = ckpt.latest_complete(cfg.ckpt_dir)
-    assert_same(ckpt.load_shard(ref.path, state.MODEL_SHARD), st["shared"])
-    assert_same(ckpt.load_shard(ref.path, ckpt.rank_shard_name(0)), st["rank"])
+    assert ckpt.CheckpointStore.open(cfg.ckpt_dir).committed_steps() == [10]
+    saved = ckpt.CheckpointStore.open(cfg.ckpt_dir)
+    step = saved.latest_complete().step
+    assert_same(saved.load_shard(step, state.MODEL_SHARD), st["shared"])
+    assert_same(saved.load_shard(step, ckpt.rank_shard_name(0)), st["rank"])
 
 
 def test_saver_killed_mid_persist_never_commits_a_torn_checkpoint(tmp_path):
@@ -148,20 +147,21 @@ def test_saver_killed_mid_persist_never_commits_a_torn_checkpoint(tmp_path):
     store.snapshot(8, big, persist=True)
     store.flush()
     saver = start_saver(tmp_path, ns)
-    step_dir = ckpt.step_dir(tmp_path / "ckpt", 8)
+    step_dir = tmp_path / "ckpt" / ckpt.step_name(8)
     wait_for(step_dir.exists, 60, "the saver to start persisting")
     saver.send_signal(signal.SIGKILL)
     saver.wait()
     assert not (step_dir / ckpt.MANIFEST).exists(), "the kill came too late to be mid-persist"
-    assert ckpt.latest_complete(tmp_path / "ckpt") is None
+    assert ckpt.CheckpointStore.open(tmp_path / "ckpt").latest_complete() is None
     saver = start_saver(tmp_path, ns)  # what the node agent does when its saver dies
     try:
-        wait_for(lambda: ckpt.read_pointer(tmp_path / "ckpt") == 8, 120, "the restarted saver to commit step 8")
+        wait_for(lambda: ckpt.CheckpointStore.open(tmp_path / "ckpt").read_pointer() == 8, 120, "the restarted saver to commit step 8")
     finally:
         saver.terminate()
         saver.wait(30)
-    ref = ckpt.latest_complete(tmp_path / "ckpt")
-    assert ref.step == 8 and torch.equal(ckpt.load_shard(ref.path, "model.pt")["model"]["w"], big["shared"]["model"]["w"])
+    saved = ckpt.CheckpointStore.open(tmp_path / "ckpt")
+    assert saved.latest_complete().step == 8
+    assert torch.equal(saved.load_shard(8, "model.pt")["model"]["w"], big["shared"]["model"]["w"])
 
 
 def test_saver_saves_at_breakpoint_when_a_worker_dies(tmp_path):
@@ -183,12 +183,13 @@ def test_saver_saves_at_breakpoint_when_a_worker_dies(tmp_path):
     assert worker.stdout.readline().strip() == "snapshotted"
     saver = start_saver(tmp_path, ns)
     try:
-        wait_for(lambda: ckpt.read_pointer(tmp_path / "ckpt") == 6, 60, "the flagged step 6")
+        wait_for(lambda: ckpt.CheckpointStore.open(tmp_path / "ckpt").read_pointer() == 6, 60, "the flagged step 6")
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
-        wait_for(lambda: ckpt.read_pointer(tmp_path / "ckpt") == 12, 60, "the breakpoint save of step 12")
+        wait_for(lambda: ckpt.CheckpointStore.open(tmp_path / "ckpt").read_pointer() == 12, 60, "the breakpoint save of step 12")
     finally:
         saver.terminate()
         saver.wait(30)
     assert any(e["event"] == "breakpoint_save" and e["step"] == 12 for e in read_all(tmp_path / "job" / "events.jsonl"))
-    assert torch.equal(ckpt.load_shard(ckpt.latest_complete(tmp_path / "ckpt").path, "model.pt")["w"], torch.full((4,), 12.0))
+    saved = ckpt.CheckpointStore.open(tmp_path / "ckpt")
+    assert torch.equal(saved.load_shard(saved.latest_complete().step, "model.pt")["w"], torch.full((4,), 12.0))

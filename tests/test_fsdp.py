@@ -221,7 +221,8 @@ def test_fsdp_worker_killed_after_a_snapshot_resumes_from_memory_bit_exact(prefe
     data_dir = CampaignLayout(drilled.workdir_path).data_dir
     model_cfg = model_config(drilled, read_manifest(data_dir)["vocab_size"])
     assert validate(final, model_cfg).ok
-    assert evaluate(final, model_cfg, data_dir, seq_len=32)["val_loss"] == stage["eval"]["val_loss"]
+    batches = drilled.validation.eval_batches
+    assert evaluate(final, model_cfg, data_dir, seq_len=32, max_batches=batches)["val_loss"] == stage["eval"]["val_loss"]
 
     clean = fsdp_spec(tmp_path / "clean", prepared_data)
     assert pretrain_campaign(spec=clean)["stages"][0]["failures"] == []

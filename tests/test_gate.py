@@ -9,15 +9,18 @@ import pytest
 import torch
 
 from conftest import assert_no_duplicate_metric_steps, flip_byte, save_checkpoint, seed_data, small_spec
-from pretrain.gate import (GATE_MIN_BYTES_PER_S, GATE_TIMEOUT_FLOOR_S, gate_request, gate_timeout_s, judge,
-                           run_gate)
+from pretrain.gate import gate_request, gate_timeout_s, judge, run_gate
 from pretrain.jobs import checkpoint_store, model_config
 from pretrain.ledger import Ledger
+from pretrain.settings import PretrainSettings, SettingsError
 from tasks.checkpoints import find_resume_point
 from trainer.checkpoint import rank_shard_name, step_name
 from trainer.data import TokenWindows, read_manifest
 from trainer.evaluate import held_out_loss
 from trainer.model import GPT, lm_loss
+
+
+TIMEOUT = PretrainSettings().gate_timeout_floor_s  # run_gate called directly
 
 
 def _spec(tmp_path, prepared_data):
@@ -113,7 +116,7 @@ def test_damaged_checkpoint_is_bad_kept_and_never_resumed_from(prefect_harness, 
 def test_gate_accepts_a_sound_checkpoint_and_reports_its_probe(prepared_data, tmp_path):
     spec = _spec(tmp_path, prepared_data)
     write_checkpoint(spec, 4)
-    (out,) = run_gate([gate_request(spec, 0, checkpoint_store(spec, "s").ref(4).location, evaluate=True)])
+    (out,) = run_gate([gate_request(spec, 0, checkpoint_store(spec, "s").ref(4).location, evaluate=True)], TIMEOUT)
     assert out["verdict"]["ok"], out["verdict"]["problems"]
     probe = out["verdict"]["metrics"]
     assert probe["probe_loss"] == pytest.approx(probe["train_loss"], rel=1e-4)
@@ -205,7 +208,7 @@ def test_a_request_that_cannot_be_judged_now_is_unjudged_not_bad(prepared_data, 
     requests = [gate_request(spec, 0, store.ref(step).location, evaluate=False) for step in (2, 4)]
     requests[1]["probe"]["data_dir"] = str(tmp_path / "gone")
 
-    good, later = run_gate(requests)
+    good, later = run_gate(requests, TIMEOUT)
 
     assert good["verdict"]["ok"] and "unjudged" not in good
     assert "no data manifest" in later["unjudged"] and "verdict" not in later
@@ -226,13 +229,30 @@ def test_a_gate_timeout_is_unjudged_and_retried(prepared_data, tmp_path):
 
 
 @pytest.mark.parametrize("total_bytes, requests, expected", [
-    (0, 1, GATE_TIMEOUT_FLOOR_S),  # small checkpoints: the floor
-    (100 * 2**20, 3, GATE_TIMEOUT_FLOOR_S),
-    (10 * 2**30, 1, 60 + 2 * 10 * 2**30 / GATE_MIN_BYTES_PER_S),  # 10 GiB: hashed and loaded at the minimum rate
-    (10 * 2**30, 4, 4 * 60 + 2 * 10 * 2**30 / GATE_MIN_BYTES_PER_S),
+    (0, 1, 600),  # small checkpoints: the floor
+    (100 * 2**20, 3, 600),
+    (10 * 2**30, 1, 60 + 2 * 10 * 2**30 / (20 * 2**20)),  # 10 GiB: hashed and loaded at the minimum rate
+    (10 * 2**30, 4, 4 * 60 + 2 * 10 * 2**30 / (20 * 2**20)),
 ])
 def test_gate_timeout_scales_with_the_bytes_to_verify(total_bytes, requests, expected):
-    assert gate_timeout_s(total_bytes, requests) == pytest.approx(expected)
+    assert gate_timeout_s(total_bytes, requests, PretrainSettings()) == pytest.approx(expected)
+
+
+def test_the_gate_timeout_is_set_by_pretrain_environment_variables(prepared_data, tmp_path, monkeypatch):
+    """PRETRAIN_GATE_* reach the gate the campaign runs (``judge`` with no timeout of its own):
+    a machine whose gate needs less (or more) time says so without touching the spec."""
+    spec = _spec(tmp_path, prepared_data)
+    write_checkpoint(spec, 4)
+    monkeypatch.setenv("PRETRAIN_GATE_TIMEOUT_FLOOR_S", "0.01")
+    monkeypatch.setenv("PRETRAIN_GATE_PER_REQUEST_S", "0")
+    monkeypatch.setenv("PRETRAIN_GATE_MIN_BYTES_PER_S", "1e15")
+
+    (record,) = judge(spec, 0, [4])
+
+    assert record["verdict"] == "unjudged" and "timed out after 0s" in record["problems"][0]
+    monkeypatch.setenv("PRETRAIN_GATE_PER_REQUEST_S", "not a number")
+    with pytest.raises(SettingsError, match="PRETRAIN_GATE_PER_REQUEST_S='not a number': Input should be a valid number"):
+        judge(spec, 0, [4])
 
 
 def test_campaign_rewinds_past_a_checkpoint_whose_manifest_was_truncated(prefect_harness, prepared_data, tmp_path):

@@ -106,7 +106,7 @@ def start_training(tmp_path: Path, prepared_data, name: str):
     seed_data(spec, prepared_data)
     cli = Cli(tmp_path, spec, name)
     try:
-        wait_for(lambda: ckpt.read_pointer(ckpt_dir(spec)) or cli.proc.poll() is not None, 240, "the first checkpoint")
+        wait_for(lambda: ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer() or cli.proc.poll() is not None, 240, "the first checkpoint")
         assert cli.proc.poll() is None, cli.output()[-3000:]
     except BaseException:
         cli.kill()
@@ -131,7 +131,7 @@ def assert_recorded_interrupted(spec, cause: str):
 def test_ctrl_c_stops_the_campaign_and_the_same_command_resumes_it(prepared_data, tmp_path):
     spec, cli = start_training(tmp_path, prepared_data, "first")
     tree = cli.tree()
-    at_signal = ckpt.read_pointer(ckpt_dir(spec))
+    at_signal = ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
     os.killpg(cli.proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: the whole foreground group
     code = cli.wait(180)
     output = cli.output()
@@ -143,7 +143,7 @@ def test_ctrl_c_stops_the_campaign_and_the_same_command_resumes_it(prepared_data
     assert at_signal <= status["stages"][0]["latest_checkpoint"]["step"] < STEPS
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
     saved = max(e["step"] for e in events if e["event"] == "checkpoint")
-    assert saved == ckpt.read_pointer(ckpt_dir(spec))  # the savers' final save committed (at breakpoint)
+    assert saved == ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()  # the savers' final save committed (at breakpoint)
     assert_all_exit(tree)
 
     second = subprocess.run(cli.cmd, capture_output=True, text=True, env=cli.env, timeout=300)
@@ -171,5 +171,5 @@ def test_sigterm_stops_the_campaign_and_a_second_signal_stops_it_at_once(prepare
     assert_mlflow_steps_unique(spec)
     assert_all_exit(tree)
     store = ckpt_dir(spec)
-    for step in ckpt.committed_steps(store):  # nothing torn: every committed checkpoint verifies
-        assert ckpt.verify(ckpt.step_dir(store, step)) == []
+    for step in ckpt.CheckpointStore.open(store).committed_steps():  # nothing torn: every committed checkpoint verifies
+        assert ckpt.CheckpointStore.open(store).verify(step) == []

@@ -220,7 +220,7 @@ def test_cancelling_from_the_api_stops_training_and_persists_a_final_checkpoint(
             client.set_flow_run_state(run.id, Cancelling(message="test: cancel from the UI"), force=True)
         assert final_state(run.id, 180).is_cancelled()
     wait_for(lambda: not trainer_processes(spec.workdir_path), 30, "every training process to exit")
-    store = ckpt.store(spec.workdir_path / "checkpoints" / "main")
+    store = ckpt.CheckpointStore.open(spec.workdir_path / "checkpoints" / "main")
     [step] = store.committed_steps()  # periodic checkpoints are 1000 steps apart: this is the save at breakpoint
     assert step >= 6 and step % 2 == 0 and store.verify(step) == []
     record = Ledger.read(CampaignLayout(spec.workdir_path)).record

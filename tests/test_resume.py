@@ -63,9 +63,9 @@ def assert_all_exit(procs: list[psutil.Process], timeout: float = 30) -> None:
 
 
 def kill_a_worker_after_first_checkpoint(spec) -> int:
-    wait_for(lambda: ckpt.read_pointer(ckpt_dir(spec)), 120, "the first checkpoint")
+    wait_for(lambda: ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer(), 120, "the first checkpoint")
     victim = wait_for(lambda: worker_processes(spec.workdir_path), 30, "a training worker")[-1]
-    step_at_kill = ckpt.read_pointer(ckpt_dir(spec))
+    step_at_kill = ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
     os.kill(victim.pid, signal.SIGKILL)
     return step_at_kill
 
@@ -92,10 +92,10 @@ def test_killed_saver_is_restarted_and_training_continues(prefect_harness, prepa
     spec = slow_spec(tmp_path, prepared_data)
 
     def kill_the_saver() -> int:
-        wait_for(lambda: ckpt.read_pointer(ckpt_dir(spec)), 120, "the first checkpoint")
+        wait_for(lambda: ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer(), 120, "the first checkpoint")
         [saver] = saver_processes(spec.workdir_path)
         saver.kill()
-        return ckpt.read_pointer(ckpt_dir(spec))
+        return ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
 
     status, committed_at_kill = run_campaign_while(spec, kill_the_saver)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
@@ -105,8 +105,8 @@ def test_killed_saver_is_restarted_and_training_continues(prefect_harness, prepa
     assert sum(e["event"] == "saver_start" for e in events) == 2
     later = [e["step"] for e in events if e["event"] == "checkpoint" and e["step"] > committed_at_kill]
     assert later and later[-1] == 40
-    for step in ckpt.committed_steps(ckpt_dir(spec)):
-        assert ckpt.verify(ckpt.step_dir(ckpt_dir(spec), step)) == []
+    for step in ckpt.CheckpointStore.open(ckpt_dir(spec)).committed_steps():
+        assert ckpt.CheckpointStore.open(ckpt_dir(spec)).verify(step) == []
 
 
 def test_failed_job_is_relaunched_from_the_last_checkpoint(prefect_harness, prepared_data, tmp_path):
@@ -153,12 +153,12 @@ def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path)
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        wait_for(lambda: ckpt.read_pointer(ckpt_dir(spec)), 180, "the first checkpoint")
+        wait_for(lambda: ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer(), 180, "the first checkpoint")
         started = psutil.Process(first.pid).children(recursive=True)  # agents, workers, savers, the Prefect API server
     finally:
         first.kill()
         first.wait()
-    killed_at = ckpt.read_pointer(ckpt_dir(spec))
+    killed_at = ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
     assert 0 < killed_at < 40
     # nothing the killed CLI started outlives it: each process notices its parent is gone and stops
     assert_all_exit(started)

@@ -29,12 +29,12 @@ def test_a_saver_that_keeps_failing_is_restarted_a_bounded_number_of_times_then_
     assert f"NotADirectoryError: [Errno 20] Not a directory: '{location}/step_" in failed[0]  # the saver's own error
     assert cause_of(events, 1) == "saver_failure"
     assert failed[0].removeprefix("SaverFailed: ") in node_log(job)
-    assert fence.holder(ckpt.store(job.ckpt_dir)) == job.job_dir  # the agent claimed the location first
+    assert fence.holder(ckpt.CheckpointStore.open(job.ckpt_dir)) == job.job_dir  # the agent claimed the location first
     assert not list((tmp_path / "shm").iterdir())
 
 
 def test_a_saver_of_a_superseded_job_writes_nothing(tmp_path):
-    location = ckpt.store(tmp_path / "ckpt")
+    location = ckpt.CheckpointStore.open(tmp_path / "ckpt")
     events = JsonLines(tmp_path / "events.jsonl")
     old = Saver(tmp_path / "shm", 1, location, keep=3, events=events, fence_owner="jobs/s/attempt_000")
     fence.claim(location, "jobs/s/attempt_000")
@@ -51,7 +51,7 @@ def test_a_saver_of_a_superseded_job_writes_nothing(tmp_path):
 
 def test_a_superseded_committer_writes_no_manifest_even_with_every_shard_in_place(tmp_path):
     """The fence moves while the committer waits for the other node's shards: it must not commit."""
-    location = ckpt.store(tmp_path / "ckpt")
+    location = ckpt.CheckpointStore.open(tmp_path / "ckpt")
     committer = Saver(tmp_path / "node0", 1, location, keep=3, events=None, fence_owner="jobs/s/attempt_000")
     other = Saver(tmp_path / "node1", 1, location, keep=3, events=None, fence_owner="jobs/s/attempt_000")
     fence.claim(location, "jobs/s/attempt_000")

@@ -16,9 +16,10 @@ import torch
 
 from agents import agent_job, node_log, start_agent
 from conftest import wait_for
+from jobs import tiny_job
 from tmpfs import small_tmpfs
 from trainer import shmdirs
-from trainer.config import JobConfig, ModelConfig, OptimConfig
+from trainer.config import JobConfig
 from trainer.dist import DistInfo
 from trainer.flash import SnapshotStore
 from trainer.loop import open_snapshots, snapshot_capacity
@@ -116,10 +117,7 @@ CPU = torch.device("cpu")
 
 
 def ddp_job(tmp_path, **kw) -> JobConfig:
-    return JobConfig(stage="s", stage_index=0, seed=1, data_dir=str(tmp_path / "data"), ckpt_dir=str(tmp_path / "ckpt"),
-                     job_dir=str(tmp_path / "job"), model=ModelConfig(64, 2, 2, 16, 32),
-                     optim=OptimConfig(steps=20, lr=1e-3, min_lr=1e-4, warmup_steps=1, weight_decay=0.1, grad_clip=1.0,
-                                       micro_batch=2, grad_accum=1, seq_len=8), parallelism="fsdp", **kw)
+    return tiny_job(tmp_path, parallelism="fsdp", **kw)
 
 
 @pytest.mark.parametrize("local_ranks, fits", [(1, True), (2, True), (4, False)])

@@ -1,15 +1,24 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from pydantic import BaseModel
 
 from pretrain.spec import CampaignSpec, SpecError, parse_spec
-from pretrain.specfile import load_spec
+from pretrain.specfile import builtin_names, load_spec
+
+
+def _types(annotation):
+    """The annotation and every type nested in it (list[…], unions, Annotated[…])."""
+    yield annotation
+    for arg in get_args(annotation):
+        yield from _types(arg)
 
 
 def _models(model: type[BaseModel], seen=None):
@@ -19,21 +28,43 @@ def _models(model: type[BaseModel], seen=None):
     seen.add(model)
     yield model
     for f in model.model_fields.values():
-        for arg in [f.annotation, *getattr(f.annotation, "__args__", ())]:
+        for arg in _types(f.annotation):
             if isinstance(arg, type) and issubclass(arg, BaseModel):
                 yield from _models(arg, seen)
 
 
 def test_every_field_is_documented():
+    assert {"KillWorker", "SlowWorker", "CorruptCheckpoint"} <= {m.__name__ for m in _models(CampaignSpec)}
     for model in _models(CampaignSpec):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in Path(__file__).parents[1].joinpath("examples").glob("*.yaml")))
-def test_every_shipped_example_spec_is_valid(name):
+def test_every_example_spec_is_a_valid_builtin(name):
+    """The examples/ a user reads are the specs the package ships (``builtin:<name>``)."""
+    assert name in builtin_names()
     spec = load_spec(f"builtin:{name}")
     assert spec.name and spec.stages
+    assert spec == load_spec(Path(__file__).parents[1] / "examples" / f"{name}.yaml")
+
+
+def test_builtins_ship_in_the_pretrain_package_not_a_top_level_examples(tmp_path):
+    """Another package called ``examples`` first on the path does not shadow the built-ins."""
+    shadow = tmp_path / "examples"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("")
+    (shadow / "tiny.yaml").write_text("name: not-the-builtin\n")
+    code = "from pretrain.specfile import load_spec; print(load_spec('builtin:tiny').name)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "tiny"
+
+
+def test_an_unknown_builtin_names_the_ones_there_are():
+    with pytest.raises(SpecError, match="no built-in spec 'tinny'; the built-ins are builtin:three-stage, builtin:tiny"):
+        load_spec("builtin:tinny")
 
 
 def test_builtin_demo_spec_is_valid():
@@ -100,6 +131,15 @@ def test_cli_rejects_a_bad_spec_before_anything_runs(tmp_path):
     ({"skip_samples": [{"stage": "main", "start": 5, "end": 5}]}, "skip_samples.0", "greater than start"),
     ({"chaos": [{"kind": "kill_worker", "rank": 2}]}, "chaos.0.rank", "2 workers"),
     ({"chaos": [{"kind": "kill_node", "node": 1}]}, "chaos.0.node", "1 node"),
+    # each drill kind has only its own fields: one of another kind is refused, named
+    ({"chaos": [{"kind": "kill_worker", "factor": 3}]}, "chaos.0.kill_worker.factor", "Extra inputs"),
+    ({"chaos": [{"kind": "kill_node", "rank": 1}]}, "chaos.0.kill_node.rank", "Extra inputs"),
+    ({"chaos": [{"kind": "kill_saver", "delay_s": 1}]}, "chaos.0.kill_saver.delay_s", "Extra inputs"),
+    ({"chaos": [{"kind": "slow_worker", "node": 0}]}, "chaos.0.slow_worker.node", "Extra inputs"),
+    ({"chaos": [{"kind": "corrupt_checkpoint", "step": 4, "rank": 0}]}, "chaos.0.corrupt_checkpoint.rank", "Extra inputs"),
+    ({"chaos": [{"kind": "loss_spike", "factor": 1}]}, "chaos.0.loss_spike.factor", "greater than 1"),
+    ({"chaos": [{"kind": "kill_wrker"}]}, "chaos.0", "`kind` must be one of kill_worker, hang_worker"),
+    ({"chaos": [{"step": 3}]}, "chaos.0", "`kind` must be one of"),
     ({"checkpoint": {"uri": "s3://AKIAXXX:S3cr3tV4lue@bucket/ckpt"}}, "checkpoint.uri", "AWS_ACCESS_KEY_ID"),
     ({"checkpoint": {"uri": "s3://bucket/ckpt", "s3_endpoint_url": "http://u:S3cr3tV4lue@127.0.0.1:9000"}},
      "checkpoint.s3_endpoint_url", "s3-campaign-storage"),

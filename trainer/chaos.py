@@ -4,9 +4,11 @@ campaign (and so the tests and benchmarks can exercise it).
 Each drill fires **once per stage**: a marker file created with O_EXCL in the stage's job
 directory records it, so a restarted worker (or a relaunched job) does not fire it again.
 Worker-side kinds: ``kill_worker``, ``hang_worker``, ``nan_loss``, ``loss_spike`` (the loss ×
-``factor``), ``slow_worker`` (every step, no marker). Agent-side kinds (``trainer.launch``): ``kill_saver``, ``kill_node``.
-Saver-side kind: ``corrupt_checkpoint`` (one byte of the committed model state flipped in
-storage: silent corruption that only the validation gate's sha256 check can catch).
+``factor``), ``slow_worker`` (every step, no marker). Agent-side kinds (``trainer.launch``):
+``kill_saver``, ``kill_node``. Saver-side kind: ``corrupt_checkpoint`` (one byte of the committed
+model state flipped in storage: silent corruption that only the validation gate's sha256 check
+can catch). Drills come typed per kind from the job (``trainer.config.Drill`` and subclasses),
+with every value from the spec: none is defaulted here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from pathlib import Path
 
 from trainer.checkpoint import step_name
+from trainer.config import Drill, NodeDrill, SlowWorker, WorkerDrill
+from trainer.events import EventKind
 
 WORKER_KINDS = {"kill_worker", "hang_worker", "nan_loss", "loss_spike", "slow_worker"}
 AGENT_KINDS = {"kill_saver", "kill_node"}
@@ -52,9 +56,10 @@ def reached_marker(job_dir: str | Path, index: int) -> Path:
 
 
 class WorkerChaos:
-    def __init__(self, drills: list[dict], job_dir: str | Path, rank: int, report, node: int = 0):
-        self.drills = [(i, d) for i, d in enumerate(drills) if d["kind"] in WORKER_KINDS]
-        self.agent_drills = [(i, d) for i, d in enumerate(drills) if d["kind"] in AGENT_KINDS and d.get("node", 0) == node]
+    def __init__(self, drills: list[Drill], job_dir: str | Path, rank: int, report, node: int = 0):
+        self.drills: list[tuple[int, WorkerDrill]] = [(i, d) for i, d in enumerate(drills) if d.kind in WORKER_KINDS]
+        self.agent_drills: list[tuple[int, NodeDrill]] = [(i, d) for i, d in enumerate(drills)
+                                                          if d.kind in AGENT_KINDS and d.node == node]
         self.job_dir, self.rank, self.report = job_dir, rank, report
         self._slowed: set[int] = set()
 
@@ -62,54 +67,54 @@ class WorkerChaos:
         """At an agent-side drill's step on this worker's node: wait until the agent has fired it
         (``kill_node``: for good, the agent kills this process)."""
         for i, d in self.agent_drills:
-            if step >= d.get("step", 0) and not claimed(self.job_dir, i):
+            if step >= d.step and not claimed(self.job_dir, i):
                 reached_marker(self.job_dir, i).parent.mkdir(parents=True, exist_ok=True)
                 reached_marker(self.job_dir, i).touch()
-                while d["kind"] == "kill_node" or not claimed(self.job_dir, i):
+                while d.kind == "kill_node" or not claimed(self.job_dir, i):
                     threading.Event().wait(0.02)
 
-    def _due(self, d: dict, step: int) -> bool:
-        return d.get("rank", 0) == self.rank and d.get("step", 0) == step
+    def _due(self, d: WorkerDrill, step: int) -> bool:
+        return d.rank == self.rank and d.step == step
 
     def before_step(self, step: int) -> None:
         """Called before optimizer step ``step`` (1-based) is computed."""
         self.wait_for_agent_drills(step)
         for i, d in self.drills:
-            if d["kind"] == "slow_worker" and d.get("rank", 0) == self.rank and step >= d.get("step", 1):
+            if isinstance(d, SlowWorker) and d.rank == self.rank and step >= d.step:
                 if i not in self._slowed:  # record that the slowdown is on (the node check after a restart reads it)
                     claim(self.job_dir, i)
                     self._slowed.add(i)
-                time.sleep(d.get("delay_s", 0.1))  # a straggler, on purpose
-            elif d["kind"] in ("kill_worker", "hang_worker") and self._due(d, step) and claim(self.job_dir, i):
-                self.report({"event": "chaos", "kind": d["kind"], "rank": self.rank, "step": step})
-                if d["kind"] == "kill_worker":
+                time.sleep(d.delay_s)  # a straggler, on purpose
+            elif d.kind in ("kill_worker", "hang_worker") and self._due(d, step) and claim(self.job_dir, i):
+                self.report({"event": EventKind.CHAOS, "kind": d.kind, "rank": self.rank, "step": step})
+                if d.kind == "kill_worker":
                     os.kill(os.getpid(), signal.SIGKILL)
                 threading.Event().wait()  # hang_worker: never returns; the hang detector must act
 
     def check_delay(self) -> float:
         """Extra seconds per matmul of this rank's node check after a restart: a ``slow_worker``
         drill slows the check too once it is active (from its ``step`` on, recorded by a marker)."""
-        return sum(d.get("delay_s", 0.1) for i, d in self.drills if d["kind"] == "slow_worker"
-                   and d.get("rank", 0) == self.rank and (d.get("step", 1) <= 1 or claimed(self.job_dir, i)))
+        return sum(d.delay_s for i, d in self.drills if isinstance(d, SlowWorker)
+                   and d.rank == self.rank and (d.step <= 1 or claimed(self.job_dir, i)))
 
     def loss_factor(self, step: int) -> float:
         """What this rank's loss at ``step`` is multiplied by: NaN (``nan_loss``), ``factor``
         (``loss_spike``) or 1."""
         for i, d in self.drills:
-            if d["kind"] in ("nan_loss", "loss_spike") and self._due(d, step) and claim(self.job_dir, i):
-                self.report({"event": "chaos", "kind": d["kind"], "rank": self.rank, "step": step})
-                return float("nan") if d["kind"] == "nan_loss" else d.get("factor", 20.0)
+            if d.kind in ("nan_loss", "loss_spike") and self._due(d, step) and claim(self.job_dir, i):
+                self.report({"event": EventKind.CHAOS, "kind": d.kind, "rank": self.rank, "step": step})
+                return float("nan") if d.kind == "nan_loss" else d.factor
         return 1.0
 
 
-def corrupt_committed(drills: list[dict], job_dir: str | Path, store, step: int, report) -> None:
+def corrupt_committed(drills: list[Drill], job_dir: str | Path, store, step: int, report) -> None:
     """The ``corrupt_checkpoint`` drill: after ``step`` is committed, flip one byte in the middle
     of its model state in storage (``model.pt``, or the first FSDP model shard; the manifest
     keeps the original sha256)."""
     for i, d in enumerate(drills):
-        if d["kind"] in SAVER_KINDS and d.get("step") == step and claim(job_dir, i):
+        if d.kind in SAVER_KINDS and d.step == step and claim(job_dir, i):
             key = min(k for k in store.storage.list(f"{step_name(step)}/model") if k.endswith(".pt"))
             data = bytearray(store.storage.get_bytes(key))
             data[len(data) // 2] ^= 0xFF
             store.storage.put_bytes(key, bytes(data))
-            report({"event": "chaos", "kind": d["kind"], "step": step, "key": key})
+            report({"event": EventKind.CHAOS, "kind": d.kind, "step": step, "key": key})

@@ -389,35 +389,3 @@ class CheckpointStore:
             self.storage.delete_prefix(step_name(step))
         return deleted
 
-
-# ---- conveniences taking a location (local directory or s3:// URL) ----------------------------
-def store(location: str | Path | CheckpointStore) -> CheckpointStore:
-    return location if isinstance(location, CheckpointStore) else CheckpointStore.open(location)
-
-
-def step_dir(ckpt_dir: str | Path, step: int) -> Path:
-    """The local directory of a step (local checkpoints only)."""
-    return Path(ckpt_dir) / step_name(step)
-
-
-def read_pointer(location) -> int | None:
-    return store(location).read_pointer()
-
-
-def committed_steps(location) -> list[int]:
-    return store(location).committed_steps()
-
-
-def latest_complete(location) -> CheckpointRef | None:
-    return store(location).latest_complete()
-
-
-def verify(step_location: str | Path, deep: bool = True) -> list[str]:
-    s, step = CheckpointStore.of_step(step_location)
-    return s.verify(step, deep)
-
-
-def load_shard(step_location: str | Path, name: str, map_location: str | torch.device = "cpu") -> dict:
-    s, step = CheckpointStore.of_step(step_location)
-    return s.load_shard(step, name, map_location)
-

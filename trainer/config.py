@@ -1,13 +1,14 @@
 """Job configuration handed from the orchestrator to every worker as one JSON file.
 
 Plain dataclasses (no pydantic, no prefect) so pods need nothing but torch and numpy. The
-orchestrator builds it from the campaign spec (``pretrain.jobs.build_job``).
+orchestrator builds it from the campaign spec (``pretrain.jobs.build_job``), which is the one
+place defaults live: no field here has a default of its own.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
@@ -18,7 +19,7 @@ class ModelConfig:
     n_head: int  # attention heads per block
     d_model: int  # hidden size
     max_seq_len: int  # rows of the learned position table
-    dropout: float = 0.0  # dropout probability
+    dropout: float  # dropout probability
 
     def num_params(self) -> int:
         """Parameters of ``trainer.model.GPT`` (embeddings tied), without building it."""
@@ -37,7 +38,7 @@ class OptimConfig:
     micro_batch: int  # sequences per worker per micro-step
     grad_accum: int  # micro-steps per optimizer step at full size (nodes_max)
     seq_len: int  # tokens per sequence
-    global_batch: int = 0  # sequences per optimizer step, fixed whatever the world size; 0 = micro × accum × world
+    global_batch: int  # sequences per optimizer step, fixed whatever the world size; 0 = micro × accum × world
 
     def accum_for(self, world: int) -> int:
         """Micro-steps per optimizer step that keep ``global_batch`` fixed at this world size."""
@@ -50,6 +51,53 @@ class OptimConfig:
         return self.global_batch // per_micro
 
 
+# ---- chaos drills (trainer.chaos), typed per kind as in the spec (pretrain.spec_sections) ----------
+@dataclass(frozen=True)
+class Drill:
+    kind: str  # which fault
+    step: int  # the stage step it fires at (slow_worker: from)
+
+
+@dataclass(frozen=True)
+class WorkerDrill(Drill):
+    """kill_worker, hang_worker, nan_loss."""
+
+    rank: int  # the worker's global rank
+
+
+@dataclass(frozen=True)
+class LossSpike(WorkerDrill):
+    factor: float  # the loss of that step is multiplied by this
+
+
+@dataclass(frozen=True)
+class SlowWorker(WorkerDrill):
+    delay_s: float  # extra seconds per step (and per matmul of its node check)
+
+
+@dataclass(frozen=True)
+class NodeDrill(Drill):
+    """kill_saver, kill_node (fired by the node's agent)."""
+
+    node: int  # the node's index
+
+
+@dataclass(frozen=True)
+class CorruptCheckpoint(Drill):
+    """One byte of the model state committed at ``step`` flipped (by the saver)."""
+
+
+DRILLS: dict[str, type[Drill]] = {
+    "kill_worker": WorkerDrill, "hang_worker": WorkerDrill, "nan_loss": WorkerDrill, "loss_spike": LossSpike,
+    "slow_worker": SlowWorker, "kill_saver": NodeDrill, "kill_node": NodeDrill, "corrupt_checkpoint": CorruptCheckpoint,
+}
+
+
+def drill_from_dict(d: dict) -> Drill:
+    """The typed drill of a ``job.json`` entry (its kind's fields, nothing else)."""
+    return DRILLS[d["kind"]](**d)
+
+
 @dataclass(frozen=True)
 class JobConfig:
     stage: str  # stage name
@@ -60,30 +108,29 @@ class JobConfig:
     job_dir: str  # this launch's directory: metrics.jsonl, events.jsonl, logs
     model: ModelConfig
     optim: OptimConfig
-    init_from: str | None = None  # checkpoint directory to start from when the stage has none
-    init_optimizer: bool = True  # also take optimizer state from init_from
-    ckpt_interval: int = 20  # steps between checkpoints persisted to storage
-    memory_interval: int = 0  # steps between shared-memory snapshots; 0 = write checkpoints directly
-    shm_dir: str = "/dev/shm"  # where the node's snapshot slots live
-    shm_fallback: bool = False  # too little shared memory: persist directly instead of failing
-    storage_options: dict = field(default_factory=dict)  # S3 options for ckpt_dir (endpoint_url, region); never secrets
-    hang_timeouts: dict = field(default_factory=dict)  # phase → seconds without a heartbeat before a worker counts as hung
-    spike: dict = field(default_factory=dict)  # window, zscore, min_steps of the loss-spike detector (zscore 0: off)
-    max_rollbacks: int = 3  # loss anomalies tolerated in the stage before it fails
-    skip: list = field(default_factory=list)  # [start, end) sample windows never trained on
-    node_check_threshold: float = 2.0  # after a restart, a node slower than this × the median node is excluded
-    nodes_min: int = 1  # fewest nodes the job may shrink to
-    mixture: dict = field(default_factory=dict)  # data group → weight for this stage; empty: the whole split, one order
-    chaos: list = field(default_factory=list)  # chaos drills for this stage (trainer.chaos)
-    ckpt_keep: int = 3  # committed checkpoints kept
-    attempt: int = 0  # the stage's launch number (its job directory names it); fences commits to the newest job
-    saver_max_failures: int = 5  # checkpoint saver failures in a row (none persisting a step) before the job fails
-    saver_backoff_s: float = 1.0  # first wait before restarting a failed saver; doubles with each failure in a row
-    log_every: int = 1  # steps between metric lines
-    backend: str = "auto"  # auto | gloo | nccl
-    parallelism: str = "ddp"  # ddp (replicated model, rank 0 checkpoints it) | fsdp (FSDP2: every rank its shard)
-    threads_per_worker: int = 0  # torch intra-op threads; 0 = leave as launched
-    extra: dict = field(default_factory=dict)  # forward-compatible knobs
+    init_from: str | None  # checkpoint directory to start from when the stage has none
+    init_optimizer: bool  # also take optimizer state from init_from
+    ckpt_interval: int  # steps between checkpoints persisted to storage
+    memory_interval: int  # steps between shared-memory snapshots; 0 = write checkpoints directly
+    shm_dir: str  # where the node's snapshot slots live
+    shm_fallback: bool  # too little shared memory: persist directly instead of failing
+    storage_options: dict  # S3 options for ckpt_dir (endpoint_url, region); never secrets
+    hang_timeouts: dict  # phase → seconds without a heartbeat before a worker counts as hung
+    spike: dict  # window, zscore, min_steps of the loss-spike detector (zscore 0: off)
+    max_rollbacks: int  # loss anomalies tolerated in the stage before it fails
+    skip: list  # [start, end) sample windows never trained on
+    node_check_threshold: float  # after a restart, a node slower than this × the median node is excluded
+    nodes_min: int  # fewest nodes the job may shrink to
+    mixture: dict  # data group → weight for this stage; empty: the whole split, one order
+    chaos: list[Drill]  # chaos drills for this stage (trainer.chaos)
+    ckpt_keep: int  # committed checkpoints kept
+    attempt: int  # the stage's launch number (its job directory names it); fences commits to the newest job
+    saver_max_failures: int  # checkpoint saver failures in a row (none persisting a step) before the job fails
+    saver_backoff_s: float  # first wait before restarting a failed saver; doubles with each failure in a row
+    log_every: int  # steps between metric lines
+    backend: str  # auto | gloo | nccl
+    parallelism: str  # ddp (replicated model, rank 0 checkpoints it) | fsdp (FSDP2: every rank its shard)
+    threads_per_worker: int  # torch intra-op threads; 0 = leave as launched
 
     def checkpoints(self):
         """This stage's checkpoint store (local directory or S3 prefix)."""
@@ -112,6 +159,7 @@ class JobConfig:
         d = dict(d)
         d["model"] = ModelConfig(**d["model"])
         d["optim"] = OptimConfig(**d["optim"])
+        d["chaos"] = [drill_from_dict(x) for x in d["chaos"]]
         return cls(**d)
 
     @classmethod

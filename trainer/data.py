@@ -141,9 +141,6 @@ class MixtureSampler:
         k = cycle * self.ints[g] + self.before[slot][g]
         return self.ranges[g].start + self.samplers[g].index(k)
 
-    def group_of(self, position: int) -> str:
-        return self.names[self.schedule[position % self.period]]
-
 
 def make_sampler(windows: "TokenWindows", mixture: dict[str, float], seed: int, stream: int):
     """The stage's sampler: the whole split in one permutation, or the stage's mixture."""

@@ -23,6 +23,8 @@ from trainer.model import GPT, lm_loss
 from trainer.records import DamagedRecord
 from trainer.sharded import ShardLayoutError, consolidate, load_full_state
 
+EVAL_BATCH_SIZE = 8  # sequences per evaluation batch (``validation.eval_batches`` counts these batches)
+
 
 @dataclass
 class Verdict:
@@ -55,8 +57,8 @@ class Probe:
 
     data_dir: str
     seq_len: int
-    windows: int = 16
-    tolerance: float = 0.5
+    windows: int  # validation.probe_windows
+    tolerance: float  # validation.probe_tolerance
 
 
 def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None = None,
@@ -136,7 +138,7 @@ def load_model(location: str | Path, model_cfg: ModelConfig, options: dict | Non
 
 
 @torch.no_grad()
-def held_out_loss(model: GPT, data_dir: str | Path, seq_len: int, windows: int, batch_size: int = 8) -> dict:
+def held_out_loss(model: GPT, data_dir: str | Path, seq_len: int, windows: int, batch_size: int = EVAL_BATCH_SIZE) -> dict:
     """Loss and next-token accuracy over the first ``windows`` windows of the validation split
     (a fixed batch: the same for every checkpoint, so results compare across steps)."""
     model.eval()
@@ -153,13 +155,16 @@ def held_out_loss(model: GPT, data_dir: str | Path, seq_len: int, windows: int, 
     return {"loss": total_loss / tokens, "accuracy": correct / tokens, "tokens": tokens}
 
 
-def evaluate(location: str | Path, model_cfg: ModelConfig, data_dir: str | Path, seq_len: int,
-             batch_size: int = 8, max_batches: int = 16, options: dict | None = None) -> dict:
-    """Validation-split loss, perplexity and next-token accuracy of the checkpoint's model."""
-    return evaluate_model(load_model(location, model_cfg, options)[0], data_dir, seq_len, batch_size, max_batches)
+def evaluate(location: str | Path, model_cfg: ModelConfig, data_dir: str | Path, seq_len: int, *, max_batches: int,
+             batch_size: int = EVAL_BATCH_SIZE, options: dict | None = None) -> dict:
+    """Validation-split loss, perplexity and next-token accuracy of the checkpoint's model, over
+    its first ``max_batches`` batches."""
+    return evaluate_model(load_model(location, model_cfg, options)[0], data_dir, seq_len, max_batches=max_batches,
+                          batch_size=batch_size)
 
 
-def evaluate_model(model: GPT, data_dir: str | Path, seq_len: int, batch_size: int = 8, max_batches: int = 16) -> dict:
+def evaluate_model(model: GPT, data_dir: str | Path, seq_len: int, *, max_batches: int,
+                   batch_size: int = EVAL_BATCH_SIZE) -> dict:
     """Validation-split loss, perplexity and next-token accuracy of a loaded model."""
     r = held_out_loss(model, data_dir, seq_len, batch_size * max_batches, batch_size)
     return {"val_loss": r["loss"], "val_perplexity": math.exp(min(r["loss"], 50.0)), "val_accuracy": r["accuracy"],

@@ -2,8 +2,9 @@
 
 Each local rank owns two slots and alternates between them, so the newest complete snapshot is
 never overwritten while the next one is copied. After the copy a background thread computes
-the slot's sha256 (off the training path). The node's saver (``trainer.saver``) persists
-snapshots flagged ``persist`` and commits them; the worker never writes storage itself.
+the slot's xxh3-128 digest (off the training path; the shards in storage carry sha256). The
+node's saver (``trainer.saver``) persists snapshots flagged ``persist`` and commits them; the
+worker never writes storage itself.
 
 Policy when the slot to write is busy (the saver is still persisting it, or its digest is
 still being computed): the snapshot is **skipped** (reported as such), never waited for and

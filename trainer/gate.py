@@ -10,8 +10,10 @@ orchestrator free of model memory and lets validation overlap training; one proc
 every pending checkpoint, so torch is imported once. A request::
 
     {"location": ".../step_00000040", "model": {ModelConfig fields}, "options": {storage options},
-     "probe": {"data_dir": ..., "seq_len": ..., "windows": 16, "tolerance": 0.5} | null,
-     "evaluate": {"data_dir": ..., "seq_len": ..., "batches": 16} | null}
+     "probe": {"data_dir": ..., "seq_len": ..., "windows": ..., "tolerance": ...} | null,
+     "evaluate": {"data_dir": ..., "seq_len": ..., "batches": ...} | null}
+
+(every value from the campaign spec's ``validation`` section: ``pretrain.gate.gate_request``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def run(request: dict) -> dict:
     out = {"verdict": verdict.to_dict(), "metrics": {}}
     ev = request.get("evaluate")
     if verdict.ok and ev:  # the model validate loaded: the checkpoint is read once
-        out["metrics"] = evaluate_model(model, ev["data_dir"], ev["seq_len"], max_batches=ev.get("batches", 16))
+        out["metrics"] = evaluate_model(model, ev["data_dir"], ev["seq_len"], max_batches=ev["batches"])
     return out
 
 
@@ -58,6 +60,8 @@ def judge_one(request: dict) -> dict:
         ModelConfig(**request["model"])
         if request.get("probe"):
             Probe(**request["probe"])
+        if request.get("evaluate"):
+            int(request["evaluate"]["batches"])
     except Exception as err:  # noqa: BLE001 - the orchestrator's request, not the checkpoint
         return {"unjudged": f"malformed gate request ({type(err).__name__}: {err})"}
     try:

@@ -25,7 +25,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer import fence, shmdirs
 from trainer.chaos import AGENT_KINDS, claim, reached_marker
-from trainer.config import JobConfig
+from trainer.config import JobConfig, NodeDrill
 from trainer.events import EventKind
 from trainer.heartbeat import HangDetector, worker_pids
 from trainer.nodecheck import NODE_ENV, exclusion_marker
@@ -145,7 +145,7 @@ def watch_workers(job: JobConfig, node: int, saver) -> HangDetector:
     report = lambda record: events.write({"source": "agent", "node": node, **record})  # noqa: E731
     detector = HangDetector(job.job_dir, job.hang_timeouts, report)
     for i, drill in enumerate(job.chaos):
-        if drill["kind"] in AGENT_KINDS and drill.get("node", 0) == node:
+        if drill.kind in AGENT_KINDS and drill.node == node:
             detector.observers.append(lambda step, i=i, d=drill: agent_drill(job, i, d, step, saver(), report))
     detector.observers.append(lambda step: leave_if_excluded(job, node, report))
     return detector.start()
@@ -166,14 +166,14 @@ def leave_if_excluded(job: JobConfig, node: int, report) -> None:
         stop_node(job)
 
 
-def agent_drill(job: JobConfig, index: int, drill: dict, step: int, saver, report) -> None:
-    due = step >= drill.get("step", 0) or reached_marker(job.job_dir, index).exists()
+def agent_drill(job: JobConfig, index: int, drill: NodeDrill, step: int, saver, report) -> None:
+    due = step >= drill.step or reached_marker(job.job_dir, index).exists()
     if not due or not claim(job.job_dir, index):
         return
-    report({"event": EventKind.CHAOS, "kind": drill["kind"], "step": step})
-    if drill["kind"] == "kill_saver" and saver is not None:
+    report({"event": EventKind.CHAOS, "kind": drill.kind, "step": step})
+    if drill.kind == "kill_saver" and saver is not None:
         saver.proc.kill()
-    elif drill["kind"] == "kill_node":
+    elif drill.kind == "kill_node":
         stop_node(job)
 
 
@@ -202,10 +202,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-id", required=True, help="rendezvous id shared by the job's nodes")
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--lock", type=Path, help="file locked for the agent's lifetime")
+    p.add_argument("--lock-wait", type=float,
+                   help="seconds to wait for a dying predecessor to let go of --lock (PRETRAIN_NODE_LOCK_WAIT_S)")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per worker")
     p.add_argument("--node", type=int, default=0, help="this node's index in the cluster (chaos drills, logs)")
     p.add_argument("--rdzv-host", action="store_true", help="this node hosts the rendezvous store (exactly one node)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.lock and args.lock_wait is None:
+        p.error("--lock needs --lock-wait")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     exit_when_orphaned(on_orphan=cleanup)
     if args.lock:
-        hold_lock(args.lock, timeout_s=30)
+        hold_lock(args.lock, timeout_s=args.lock_wait)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ[NODE_ENV] = str(args.node)  # workers name their node in the node check after a restart
     worker_args = ["-u", "-m", "trainer.worker", args.job]

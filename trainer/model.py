@@ -95,11 +95,6 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (6N + attention), as in the PaLM appendix."""
-        c = self.cfg
-        return 6 * self.num_params() + 12 * c.n_layer * c.d_model * seq_len
-
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -1,4 +1,4 @@
-"""The node's checkpoint saver: ``python -m trainer.saver --ns SHM_DIR --nproc N --ckpt-dir DIR``.
+"""The node's checkpoint saver: ``python -m trainer.saver --ns SHM_DIR --nproc N --job JOB.json``.
 
 Started by the node agent (``trainer.launch``) before the workers and kept alive across their
 restarts. It watches the node's shared-memory slots and persists a snapshot when every local
@@ -40,7 +40,7 @@ from trainer import checkpoint as ckpt
 from trainer import fence
 from trainer.atomic import atomic_write_bytes
 from trainer.chaos import corrupt_committed
-from trainer.config import JobConfig
+from trainer.config import Drill, JobConfig
 from trainer.diskfull import describe, is_disk_full
 from trainer.events import EventKind
 from trainer.process import pid_alive
@@ -64,7 +64,7 @@ class CheckpointDiskFull(RuntimeError):
 
 class Saver:
     def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None,
-                 drills: list[dict] = (), job_dir: str | None = None, meta: dict | None = None,
+                 drills: list[Drill] = (), job_dir: str | None = None, meta: dict | None = None,
                  fence_owner: str | None = None):
         self.ns, self.nproc, self.store, self.keep, self.events = ns, nproc, store, keep, events
         self.fence_owner = fence_owner  # the job this saver commits for (None: no fencing)

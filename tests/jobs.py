@@ -1,0 +1,30 @@
+"""A small job config for trainer-level tests, filled from a spec exactly as the orchestrator
+fills it (``pretrain.jobs.job_config``): the spec is the one source of every default."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from pretrain.jobs import job_config
+from pretrain.spec import parse_spec
+from trainer.config import JobConfig
+
+
+def tiny_job(root: Path, *, parallelism: str = "ddp", vocab_size: int = 64, max_seq_len: int = 32, steps: int = 20,
+             lr: float = 1e-3, min_lr: float = 1e-4, **changes) -> JobConfig:
+    """A 2-layer GPT (d_model 16) trained on micro-batches of 2 × 8 tokens; its data, checkpoints
+    and job directory under ``root``; no memory snapshots, and one optimizer step takes one
+    micro-batch per worker whatever the world size. ``changes``: other JobConfig fields."""
+    spec = parse_spec({
+        "name": "t", "workdir": str(root), "seed": 1,
+        "model": {"n_layer": 2, "n_head": 2, "d_model": 16, "max_seq_len": max_seq_len},
+        "cluster": {"workers_per_node": 1, "parallelism": parallelism},
+        "stages": [{"name": "s", "steps": steps, "lr": lr, "min_lr": min_lr, "warmup_steps": 1, "micro_batch": 2,
+                    "seq_len": 8}],
+        "checkpoint": {"memory_interval": 0},
+    })
+    job = job_config(spec, 0, 0, None, vocab_size)
+    root = Path(root)
+    return dataclasses.replace(job, data_dir=str(root / "data"), ckpt_dir=str(root / "ckpt"), job_dir=str(root / "job"),
+                               optim=dataclasses.replace(job.optim, global_batch=0), threads_per_worker=0, **changes)
