@@ -24,12 +24,12 @@ import torch
 
 from pretrain.jobs import job_config
 from pretrain.spec import parse_spec
-from trainer import state
+from trainer.checkpoint import state
+from trainer.checkpoint.flash import SnapshotStore
+from trainer.checkpoint.saver import Saver
 from trainer.dist import DistInfo
 from trainer.evaluate import iter_tensors
-from trainer.flash import SnapshotStore
 from trainer.loop import build_model, snapshot_capacity
-from trainer.saver import Saver
 
 CPU0 = DistInfo(0, 0, 1, 0, torch.device("cpu"), "gloo")
 

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedServer  # noqa: E402  (creates BUCKET)
 
-from trainer.checkpoint import CheckpointStore, _HashingWriter  # noqa: E402
-from trainer.s3storage import S3Storage  # noqa: E402
+from trainer.checkpoint.store import CheckpointStore, _HashingWriter  # noqa: E402
+from trainer.storage.s3 import S3Storage  # noqa: E402
 
 
 def staged(store: CheckpointStore, key: str, obj: dict) -> None:

@@ -9,7 +9,7 @@ from flows.locking import holds_campaign_lock
 from pretrain.jobs import checkpoint_store, client_options
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import check_checkpoints
-from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.store import CheckpointStore
 
 
 class CheckpointInvalid(RuntimeError):

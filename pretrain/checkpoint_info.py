@@ -15,10 +15,10 @@ from pathlib import Path
 from pretrain.jobs import client_options, model_config
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
-from trainer.checkpoint import MANIFEST, CheckpointStore
+from trainer.checkpoint.records import DamagedRecord, Manifest
+from trainer.checkpoint.store import MANIFEST, CheckpointStore
 from trainer.config import ModelConfig
 from trainer.data import DataError, read_manifest
-from trainer.records import DamagedRecord, Manifest
 
 
 class CheckpointInfoError(ValueError):

@@ -23,7 +23,7 @@ from pretrain.layout import CampaignLayout
 from pretrain.settings import PretrainSettings
 from pretrain.spec_sections import ClusterSpec
 from trainer.config import JobConfig
-from trainer.healthcheck import judge_nodes
+from trainer.resilience.healthcheck import judge_nodes
 
 
 class ClusterError(RuntimeError):

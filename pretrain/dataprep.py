@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from pretrain.spec_sections import DataSpec
 from trainer.atomic import atomic_write_bytes
 from trainer.data import MANIFEST, DataError, read_manifest
-from trainer.diskfull import describe, is_disk_full
+from trainer.resilience.diskfull import describe, is_disk_full
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"

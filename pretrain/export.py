@@ -35,9 +35,9 @@ from pretrain.checkpoint_info import CheckpointInfo, describe
 from pretrain.dataprep import EOT
 from pretrain.evaluation import require_valid
 from trainer.atomic import fsync_dir
+from trainer.checkpoint.sharded import load_full_state
+from trainer.checkpoint.store import model_files
 from trainer.config import ModelConfig
-from trainer.checkpoint import model_files
-from trainer.sharded import load_full_state
 
 WEIGHTS = "model.safetensors"
 PROVENANCE = "pretrain.json"

@@ -19,9 +19,9 @@ from pretrain.jobs import checkpoint_store, model_config, storage_options
 from pretrain.layout import CampaignLayout
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
-from trainer.checkpoint import MANIFEST, CheckpointStore, step_name
+from trainer.checkpoint.records import DamagedRecord
+from trainer.checkpoint.store import MANIFEST, CheckpointStore, step_name
 from trainer.data import read_manifest
-from trainer.records import DamagedRecord
 
 def gate_timeout_s(total_bytes: int, requests: int, settings: PretrainSettings) -> float:
     """How long a gate process may take for ``requests`` checkpoints of ``total_bytes`` in all."""

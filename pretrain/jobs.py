@@ -8,7 +8,7 @@ from pathlib import Path
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes
-from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.store import CheckpointStore
 from trainer.config import JobConfig, ModelConfig, OptimConfig, drill_from_dict
 from trainer.data import read_manifest
 

@@ -10,7 +10,7 @@ from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.redact import redact, redact_tree
 from pretrain.status import campaign_status
-from trainer.checkpoint import GOOD, CheckpointStore
+from trainer.checkpoint.store import GOOD, CheckpointStore
 
 NODE_CHECK_COLUMNS = ("node", "local_rank", "matmul_s", "relative", "allreduce_MBps", "excluded", "error")
 

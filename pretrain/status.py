@@ -10,7 +10,7 @@ from rich.table import Table
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.redact import redact_tree
-from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.store import CheckpointStore
 
 
 class NoCampaign(FileNotFoundError):

@@ -14,8 +14,8 @@ import torch
 from conftest import seed_data, small_spec
 from pretrain.cluster import free_port
 from pretrain.jobs import build_job, write_job
+from trainer.checkpoint.flash import SnapshotStore
 from trainer.config import JobConfig
-from trainer.flash import SnapshotStore
 
 
 def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int = 4, **checkpoint) -> JobConfig:

@@ -110,11 +110,11 @@ def run_campaign_while(spec, act):
 
 def save_checkpoint(spec: CampaignSpec, stage_index: int = 0, steps: int = 2):
     """Train ``steps`` optimizer steps in this process and commit a checkpoint exactly as a
-    worker does (``trainer.state.save``, manifest with the job's record); returns its ref."""
+    worker does (``trainer.checkpoint.state.save``, manifest with the job's record); returns its ref."""
     import torch
 
     from pretrain.jobs import build_job
-    from trainer import state
+    from trainer.checkpoint import state
     from trainer.data import GlobalSampler, TokenWindows, make_batch
     from trainer.dist import DistInfo
     from trainer.loop import build_model

@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from jobs import tiny_job
-from trainer import state
+from trainer.checkpoint import state
+from trainer.checkpoint.flash import SnapshotStore
+from trainer.checkpoint.sharded import localize
 from trainer.config import JobConfig
 from trainer.dist import init_distributed, shutdown_and_exit
-from trainer.flash import SnapshotStore
 from trainer.loop import build_model, seed_everything, snapshot_capacity
 from trainer.model import lm_loss
-from trainer.sharded import localize
 
 def job(root: Path, parallelism: str = "fsdp") -> JobConfig:
     # vocab 65 and 33 positions: the embeddings split unevenly (33 + 32 and 17 + 16 rows)

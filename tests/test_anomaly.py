@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.anomaly import SpikeDetector, skip_past
+from trainer.resilience.anomaly import SpikeDetector, skip_past
 
 
 def test_nan_and_inf_are_caught_from_the_first_step():

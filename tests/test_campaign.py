@@ -14,7 +14,7 @@ from flows.campaign import pretrain_campaign
 from pretrain.ledger import CampaignMismatch
 from pretrain.registry import TAG_CHECKPOINT
 from pretrain.tracking import TAG_CAMPAIGN_ID, TAG_ROLE, TAG_STAGE
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import store as ckpt
 
 
 def mlflow_runs(spec):

@@ -13,9 +13,9 @@ from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
 from pretrain.jobs import checkpoint_store, job_config
 from pretrain.status import campaign_status
-from trainer.chaos import WorkerChaos
 from trainer.config import JobConfig
 from trainer.reporting import read_all
+from trainer.resilience.chaos import WorkerChaos
 
 STAGE = [{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 4, "warmup_steps": 3}]
 DRILLS = [

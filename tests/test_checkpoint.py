@@ -14,9 +14,9 @@ import s3_servers
 import torch
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
-from trainer.checkpoint import MANIFEST, CheckpointStore, rank_shard_name, step_name
-from trainer.s3storage import S3Storage
+from trainer.checkpoint.store import MANIFEST, CheckpointStore, rank_shard_name, step_name
 from trainer.storage import LocalStorage
+from trainer.storage.s3 import S3Storage
 
 seaweed = s3_servers.seaweed
 
@@ -153,7 +153,7 @@ def test_writer_killed_after_manifest_before_pointer(tmp_path):
     SIGKILLed before it moves the pointer: step 8 must never be picked up."""
     script = textwrap.dedent(f"""
         import sys, torch
-        from trainer.checkpoint import CheckpointStore, MANIFEST, step_name
+        from trainer.checkpoint.store import CheckpointStore, MANIFEST, step_name
         s = CheckpointStore.open({str(tmp_path)!r})
         for step in (4, 8):
             shards = [s.write_shard(step, "model.pt", {{"w": torch.full((4,), float(step))}})]

@@ -15,11 +15,11 @@ from pretrain.dataprep import DataPrepError, prepare
 from pretrain.incidents import NON_RETRYABLE, cause_of
 from pretrain.spec import CampaignSpec
 from tmpfs import resize_tmpfs, small_tmpfs
-from trainer import checkpoint as ckpt
 from trainer.atomic import atomic_write_bytes, sha256_file
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.saver import CheckpointDiskFull, Saver
 from trainer.data import MANIFEST, read_manifest
 from trainer.reporting import EVENTS, METRICS, read_all
-from trainer.saver import CheckpointDiskFull, Saver
 
 
 def test_atomic_write_that_fills_the_disk_leaves_the_old_file_and_no_temporary(tmp_path):

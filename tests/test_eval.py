@@ -18,7 +18,7 @@ from flows.evaluate_checkpoint import evaluate_checkpoint
 from pretrain.checkpoint_info import CheckpointInfoError, CheckpointRejected, describe
 from pretrain.jobs import model_config
 from tasks.evaluation import evaluate_stage_checkpoint
-from trainer.checkpoint import MANIFEST
+from trainer.checkpoint.store import MANIFEST
 from trainer.evaluate import evaluate
 
 seaweed = s3_servers.seaweed

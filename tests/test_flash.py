@@ -13,14 +13,14 @@ import torch
 
 from conftest import wait_for
 from jobs import tiny_job
-from trainer import checkpoint as ckpt
-from trainer import state
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint import state
+from trainer.checkpoint.flash import SnapshotStore
+from trainer.checkpoint.shm import ShmTooSmall
 from trainer.config import JobConfig
 from trainer.dist import DistInfo
-from trainer.flash import SnapshotStore
 from trainer.loop import build_model, open_snapshots, snapshot_capacity
 from trainer.reporting import JsonLines, read_all
-from trainer.shm import ShmTooSmall
 
 CPU0 = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torch.device("cpu"), backend="gloo")
 
@@ -170,7 +170,7 @@ def test_saver_saves_at_breakpoint_when_a_worker_dies(tmp_path):
     ns = tmp_path / "shm"
     script = textwrap.dedent(f"""
         import sys, torch
-        from trainer.flash import SnapshotStore
+        from trainer.checkpoint.flash import SnapshotStore
         store = SnapshotStore({str(ns)!r}, 0, 0, 1, capacity=1 << 20)
         for step in (6, 12):
             store.snapshot(step, {{"shared": {{"w": torch.full((4,), float(step)), "step": step}},

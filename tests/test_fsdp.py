@@ -20,14 +20,14 @@ from test_chaos import chaos_spec
 from flows.campaign import pretrain_campaign
 from pretrain.jobs import checkpoint_store, model_config
 from pretrain.layout import CampaignLayout
-from trainer import checkpoint as ckpt
-from trainer import state
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint import state
+from trainer.checkpoint.flash import SnapshotStore
+from trainer.checkpoint.sharded import PIECE, ShardLayoutError, chunk_bounds, consolidate, load_full_state
 from trainer.data import read_manifest
 from trainer.evaluate import evaluate, validate
-from trainer.flash import SnapshotStore
 from trainer.loop import build_model
 from trainer.reporting import read_all
-from trainer.sharded import PIECE, ShardLayoutError, chunk_bounds, consolidate, load_full_state
 from test_flash import CPU0, assert_same, start_saver
 
 RANKS = Path(__file__).with_name("fsdp_ranks.py")

@@ -14,7 +14,7 @@ from pretrain.jobs import checkpoint_store, model_config
 from pretrain.ledger import Ledger
 from pretrain.settings import PretrainSettings, SettingsError
 from tasks.checkpoints import find_resume_point
-from trainer.checkpoint import rank_shard_name, step_name
+from trainer.checkpoint.store import rank_shard_name, step_name
 from trainer.data import TokenWindows, read_manifest
 from trainer.evaluate import held_out_loss
 from trainer.model import GPT, lm_loss

@@ -18,7 +18,7 @@ from conftest import seed_data, small_spec, wait_for
 from pretrain.interrupt import CampaignInterrupted, current_stop, stop_on_signals
 from pretrain.status import campaign_status
 from test_resume import SLOW_MODEL, assert_all_exit, assert_mlflow_steps_unique, ckpt_dir
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import store as ckpt
 from trainer.reporting import read_all
 
 STEPS = 80  # long enough that the signal lands well before the stage's end, even on a loaded machine

@@ -32,7 +32,7 @@ from pretrain.lock import CampaignBusy
 from pretrain.outcome import TAG_END_CAUSE
 from pretrain.spec import parse_spec
 from tasks.artifacts import artifact_key
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import store as ckpt
 from trainer.reporting import read_all
 
 ROOT = Path(__file__).resolve().parents[1]

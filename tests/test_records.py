@@ -13,8 +13,8 @@ from conftest import pretrain_cli, save_checkpoint, seed_data, small_spec
 from pretrain.checkpoint_info import CheckpointRejected, describe
 from pretrain.ledger import Ledger
 from pretrain.status import campaign_status
-from trainer.checkpoint import GOOD, MANIFEST, POINTER, CheckpointStore, rank_shard_name, step_name
-from trainer.records import DamagedRecord, parse_manifest
+from trainer.checkpoint.records import DamagedRecord, parse_manifest
+from trainer.checkpoint.store import GOOD, MANIFEST, POINTER, CheckpointStore, rank_shard_name, step_name
 from trainer.storage import LocalStorage
 
 

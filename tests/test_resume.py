@@ -17,7 +17,7 @@ from conftest import assert_no_duplicate_metric_steps, campaign_events, run_camp
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
 from pretrain.status import campaign_status
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import store as ckpt
 from trainer.reporting import read_all
 
 # steps of ~0.1 s, so a worker can be killed well inside the stage

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from agents import agent_job, node_log, run_agent, snapshot
 from pretrain.incidents import cause_of
-from trainer import checkpoint as ckpt
-from trainer import fence
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint import fence
+from trainer.checkpoint.saver import Saver
 from trainer.reporting import EVENTS, JsonLines, read_all
-from trainer.saver import Saver
 
 
 def test_a_saver_that_keeps_failing_is_restarted_a_bounded_number_of_times_then_fails_the_job(prepared_data, tmp_path):

@@ -18,13 +18,13 @@ from agents import agent_job, node_log, start_agent
 from conftest import wait_for
 from jobs import tiny_job
 from tmpfs import small_tmpfs
-from trainer import shmdirs
+from trainer.checkpoint import shmdirs
+from trainer.checkpoint.flash import SnapshotStore
+from trainer.checkpoint.shm import ShmTooSmall, Slot, slot_paths
 from trainer.config import JobConfig
 from trainer.dist import DistInfo
-from trainer.flash import SnapshotStore
 from trainer.loop import open_snapshots, snapshot_capacity
 from trainer.reporting import EVENTS, JsonLines, read_all
-from trainer.shm import ShmTooSmall, Slot, slot_paths
 
 
 def test_a_sigkilled_agent_leaves_its_snapshot_dir_and_the_next_agent_sweeps_it(prepared_data, tmp_path):

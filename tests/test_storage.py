@@ -17,7 +17,7 @@ import pytest
 import s3_servers
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
-from trainer.s3storage import S3Storage
+from trainer.storage.s3 import S3Storage
 from trainer.storage import (
     LocalStorage,
     NotFound,

@@ -1,4 +1,4 @@
-"""Node agent: ``python -m trainer.launch JOB.json --nproc N ...``.
+"""The node agent, started as ``python -m trainer.launch JOB.json --nproc N ...``.
 
 Runs torch's elastic agent (the ``torchrun`` machinery: c10d rendezvous, worker monitoring,
 in-job restarts) for one node and starts ``python -m trainer.worker JOB.json`` per local rank.
@@ -23,15 +23,15 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer import fence, shmdirs
-from trainer.chaos import AGENT_KINDS, claim, reached_marker
+from trainer.checkpoint import fence, shmdirs
+from trainer.checkpoint.saver import ERROR_FILE, PROGRESS_FILE
 from trainer.config import JobConfig, NodeDrill
 from trainer.events import EventKind
-from trainer.heartbeat import HangDetector, worker_pids
-from trainer.nodecheck import NODE_ENV, exclusion_marker
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
-from trainer.saver import ERROR_FILE, PROGRESS_FILE
+from trainer.resilience.chaos import AGENT_KINDS, claim, reached_marker
+from trainer.resilience.heartbeat import HangDetector, worker_pids
+from trainer.resilience.nodecheck import NODE_ENV, exclusion_marker
 
 
 class LockBusy(RuntimeError):
@@ -192,29 +192,9 @@ def sweep_shared_memory(job: JobConfig, node: int) -> None:
                                                      "dirs": [str(p) for p, _ in swept], "bytes": freed})
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer.launch")
-    p.add_argument("job", help="job config JSON")
-    p.add_argument("--nproc", type=int, required=True, help="workers on this node")
-    p.add_argument("--nnodes-min", type=int, default=1)
-    p.add_argument("--nnodes-max", type=int, default=1)
-    p.add_argument("--rdzv-endpoint", required=True, help="host:port of the c10d rendezvous")
-    p.add_argument("--run-id", required=True, help="rendezvous id shared by the job's nodes")
-    p.add_argument("--max-restarts", type=int, default=0)
-    p.add_argument("--lock", type=Path, help="file locked for the agent's lifetime")
-    p.add_argument("--lock-wait", type=float,
-                   help="seconds to wait for a dying predecessor to let go of --lock (PRETRAIN_NODE_LOCK_WAIT_S)")
-    p.add_argument("--threads", type=int, default=1, help="OMP threads per worker")
-    p.add_argument("--node", type=int, default=0, help="this node's index in the cluster (chaos drills, logs)")
-    p.add_argument("--rdzv-host", action="store_true", help="this node hosts the rendezvous store (exactly one node)")
-    args = p.parse_args(argv)
-    if args.lock and args.lock_wait is None:
-        p.error("--lock needs --lock-wait")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def run_node(args: argparse.Namespace) -> int:
+    """Run this node's part of the job (``args``: the command line of ``trainer.launch``); the
+    agent's exit code."""
     job = JobConfig.load(args.job)
     saver: SaverProcess | None = None
     ns: Path | None = None
@@ -265,6 +245,3 @@ def main(argv: list[str] | None = None) -> int:
         cleanup()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

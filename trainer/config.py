@@ -51,7 +51,7 @@ class OptimConfig:
         return self.global_batch // per_micro
 
 
-# ---- chaos drills (trainer.chaos), typed per kind as in the spec (pretrain.spec_sections) ----------
+# ---- chaos drills (trainer.resilience.chaos), typed per kind as in the spec (pretrain.spec_sections) ----------
 @dataclass(frozen=True)
 class Drill:
     kind: str  # which fault
@@ -122,7 +122,7 @@ class JobConfig:
     node_check_threshold: float  # after a restart, a node slower than this × the median node is excluded
     nodes_min: int  # fewest nodes the job may shrink to
     mixture: dict  # data group → weight for this stage; empty: the whole split, one order
-    chaos: list[Drill]  # chaos drills for this stage (trainer.chaos)
+    chaos: list[Drill]  # chaos drills for this stage (trainer.resilience.chaos)
     ckpt_keep: int  # committed checkpoints kept
     attempt: int  # the stage's launch number (its job directory names it); fences commits to the newest job
     saver_max_failures: int  # checkpoint saver failures in a row (none persisting a step) before the job fails
@@ -134,13 +134,13 @@ class JobConfig:
 
     def checkpoints(self):
         """This stage's checkpoint store (local directory or S3 prefix)."""
-        from trainer.checkpoint import CheckpointStore
+        from trainer.checkpoint.store import CheckpointStore
 
         return CheckpointStore.open(self.ckpt_dir, self.storage_options)
 
     def checkpoint_at(self, location: str):
         """The store and step of a checkpoint location (e.g. ``init_from``)."""
-        from trainer.checkpoint import CheckpointStore
+        from trainer.checkpoint.store import CheckpointStore
 
         return CheckpointStore.of_step(location, self.storage_options)
 

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.records import DamagedRecord
+from trainer.checkpoint.sharded import ShardLayoutError, consolidate, load_full_state
 from trainer.config import ModelConfig
-from trainer.data import TokenWindows
+from trainer.data import DataError, TokenWindows
 from trainer.model import GPT, lm_loss
-from trainer.records import DamagedRecord
-from trainer.sharded import ShardLayoutError, consolidate, load_full_state
+from trainer.storage import NotFound, StorageError
 
 EVAL_BATCH_SIZE = 8  # sequences per evaluation batch (``validation.eval_batches`` counts these batches)
 
@@ -169,3 +170,49 @@ def evaluate_model(model: GPT, data_dir: str | Path, seq_len: int, *, max_batche
     r = held_out_loss(model, data_dir, seq_len, batch_size * max_batches, batch_size)
     return {"val_loss": r["loss"], "val_perplexity": math.exp(min(r["loss"], 50.0)), "val_accuracy": r["accuracy"],
             "val_tokens": r["tokens"]}
+
+
+# failures that say nothing about the checkpoint: judge it again later
+NOT_THE_CHECKPOINTS = (StorageError, DataError, OSError, MemoryError)
+
+
+def judge(request: dict) -> dict:
+    """Judge one gate request (``trainer.gate``): the verdict and, when good and asked, the metrics
+    (raises what validation raises; :func:`judge_one` never does)."""
+    model_cfg = ModelConfig(**request["model"])
+    probe = Probe(**request["probe"]) if request.get("probe") else None
+    verdict, model = validate_and_load(request["location"], model_cfg, request.get("options"), probe)
+    out = {"verdict": verdict.to_dict(), "metrics": {}}
+    ev = request.get("evaluate")
+    if verdict.ok and ev:  # the model validate loaded: the checkpoint is read once
+        out["metrics"] = evaluate_model(model, ev["data_dir"], ev["seq_len"], max_batches=ev["batches"])
+    return out
+
+
+def _bad(*problems: str) -> dict:
+    return {"verdict": Verdict(False, None, list(problems)).to_dict(), "metrics": {}}
+
+
+def judge_one(request: dict) -> dict:
+    """:func:`judge`, never raising: a failure of the checkpoint (a damaged record, a vanished
+    file, anything else its validation raises) is a bad verdict; a failure of the surroundings
+    (storage, the probe's data, a malformed request) leaves it unjudged, for the next pass."""
+    try:
+        where = request["location"]
+        ModelConfig(**request["model"])
+        if request.get("probe"):
+            Probe(**request["probe"])
+        if request.get("evaluate"):
+            int(request["evaluate"]["batches"])
+    except Exception as err:  # noqa: BLE001 - the orchestrator's request, not the checkpoint
+        return {"unjudged": f"malformed gate request ({type(err).__name__}: {err})"}
+    try:
+        return judge(request)
+    except DamagedRecord as err:
+        return _bad(str(err))
+    except NotFound as err:
+        return _bad(f"{where}: {err}")
+    except NOT_THE_CHECKPOINTS as err:
+        return {"unjudged": f"{where}: {type(err).__name__}: {err}"}
+    except Exception as err:  # noqa: BLE001 - validation failed on this checkpoint's content
+        return _bad(f"validating {where} raised {type(err).__name__}: {str(err)[:500]}")

@@ -11,19 +11,19 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer import state
-from trainer.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips, record_skip, skip_past, skips_path
-from trainer.chaos import WorkerChaos
+from trainer.checkpoint import state
+from trainer.checkpoint.flash import SnapshotStore
+from trainer.checkpoint.shm import ShmTooSmall
 from trainer.config import JobConfig
 from trainer.data import TokenWindows, make_batch, make_sampler, micro_batch_positions
 from trainer.dist import DistInfo, all_reduce_mean, is_initialized
 from trainer.events import EventKind
-from trainer.flash import SnapshotStore
-from trainer.heartbeat import Heartbeat
-from trainer.nodecheck import check_after_restart, this_node
-from trainer.shm import ShmTooSmall
 from trainer.model import GPT, lm_loss, lr_at, param_groups
 from trainer.reporting import EVENTS, METRICS, JsonLines
+from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips, record_skip, skip_past, skips_path
+from trainer.resilience.chaos import WorkerChaos
+from trainer.resilience.heartbeat import Heartbeat
+from trainer.resilience.nodecheck import check_after_restart, this_node
 
 
 def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, step: int, consumed: int,

@@ -17,10 +17,10 @@ import torch
 from trainer.config import JobConfig
 from trainer.dist import init_distributed, shutdown_and_exit
 from trainer.events import error_event
-from trainer.heartbeat import Heartbeat
 from trainer.loop import train
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
+from trainer.resilience.heartbeat import Heartbeat
 
 
 def main(argv: list[str] | None = None) -> None:

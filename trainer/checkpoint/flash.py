@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainer.shm import Slot, check_capacity, slot_paths
+from trainer.checkpoint.shm import Slot, check_capacity, slot_paths
 
 
 def node_missing(ns: Path, capacities: dict[int, int]) -> int:

@@ -1,4 +1,4 @@
-"""The node's checkpoint saver: ``python -m trainer.saver --ns SHM_DIR --nproc N --job JOB.json``.
+"""The node's checkpoint saver, started as ``python -m trainer.saver --ns SHM_DIR --nproc N --job JOB.json``.
 
 Started by the node agent (``trainer.launch``) before the workers and kept alive across their
 restarts. It watches the node's shared-memory slots and persists a snapshot when every local
@@ -18,7 +18,7 @@ Only one saver ever writes the manifest and the pointer: the one whose node hold
 steps it persisted as pending and commits each once every node's record is there. With a
 single writer the pointer cannot move backwards (no read-then-write race between nodes).
 
-A saver of a superseded job (``trainer.fence``) writes nothing. A persist that fails (disk
+A saver of a superseded job (``trainer.checkpoint.fence``) writes nothing. A persist that fails (disk
 full, storage error) removes the shards it wrote, leaves the previous checkpoint as the resume
 point and ends the saver with its error (``saver.error`` in the snapshot directory) for the
 node agent, which restarts it with backoff — training goes on on its memory snapshots — and
@@ -27,7 +27,6 @@ fails the job after ``saver_max_failures`` failures in a row.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -36,16 +35,16 @@ import time
 import traceback
 from pathlib import Path
 
-from trainer import checkpoint as ckpt
-from trainer import fence
 from trainer.atomic import atomic_write_bytes
-from trainer.chaos import corrupt_committed
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint import fence
+from trainer.checkpoint.shm import Slot, slot_paths
 from trainer.config import Drill, JobConfig
-from trainer.diskfull import describe, is_disk_full
 from trainer.events import EventKind
 from trainer.process import pid_alive
 from trainer.reporting import EVENTS, JsonLines
-from trainer.shm import Slot, slot_paths
+from trainer.resilience.chaos import corrupt_committed
+from trainer.resilience.diskfull import describe, is_disk_full
 
 POLL_S = 0.05
 FINAL_COMMIT_WAIT_S = 5.0  # on the way out, how long the committer waits for other nodes' shards
@@ -232,14 +231,11 @@ class Saver:
             time.sleep(POLL_S)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.saver")
-    p.add_argument("--ns", type=Path, required=True, help="the node's shared-memory snapshot directory")
-    p.add_argument("--nproc", type=int, required=True, help="workers on this node")
-    p.add_argument("--job", type=Path, required=True, help="the job config: checkpoint location, retention, job dir")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    job = JobConfig.load(args.job)
-    saver = Saver(args.ns, args.nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
+def serve(ns: Path, nproc: int, job_path: Path) -> int:
+    """Run the node's saver until SIGTERM (then save at breakpoint); the process's exit code.
+    A failure is written to ``ns/saver.error`` for the node agent."""
+    job = JobConfig.load(job_path)
+    saver = Saver(ns, nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
                   drills=job.chaos, job_dir=job.job_dir, meta=job.checkpoint_meta(), fence_owner=job.job_dir)
     signal.signal(signal.SIGTERM, lambda *_: saver.stop.set())  # finish, save at breakpoint, exit
     saver._emit({"event": EventKind.SAVER_START})
@@ -250,12 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                                 f"this job ({job.job_dir}) no longer commits checkpoints there")
     except Exception as err:  # noqa: BLE001 - reported to the node agent, which restarts or fails the job
         message = f"{type(err).__name__}: {err}"
-        atomic_write_bytes(args.ns / ERROR_FILE, message.encode())
+        atomic_write_bytes(ns / ERROR_FILE, message.encode())
         saver._emit({"event": EventKind.SAVER_ERROR, "error": message, "traceback": traceback.format_exc()[-2000:]})
         print(f"checkpoint saver failed: {message}", file=sys.stderr, flush=True)
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

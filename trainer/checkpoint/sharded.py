@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import store as ckpt
 
 PIECE = "__piece__"
 

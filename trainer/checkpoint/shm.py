@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from trainer.flat import Layout, read_state, write_tensors
+from trainer.checkpoint.flat import Layout, read_state, write_tensors
 
 HEADER_BYTES = 4096
 MAGIC = b"PTSNAP01"

@@ -1,7 +1,7 @@
 """Saving and restoring a worker's training state through the atomic checkpoint protocol.
 
 Under DDP rank 0 writes the replicated state (model, optimizer, scheduler) once; under FSDP
-every rank writes its piece of it (``trainer.sharded``). Every rank writes its own shard (RNG,
+every rank writes its piece of it (``trainer.checkpoint.sharded``). Every rank writes its own shard (RNG,
 data position). The ranks exchange shard digests, then rank 0 commits the
 manifest and pointer; nobody continues before the commit, so a restart never sees a
 checkpoint that some rank has not finished.
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.flash import SnapshotStore
+from trainer.checkpoint.sharded import apply_sharded, load_full_state, localize
 from trainer.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object, broadcast_object
-from trainer.flash import SnapshotStore
-from trainer.sharded import apply_sharded, load_full_state, localize
 
 MODEL_SHARD = ckpt.MODEL_SHARD
 

@@ -3,7 +3,7 @@
 Layout of one stage's checkpoint location (a local directory or an ``s3://bucket/prefix``)::
 
     step_00000020/model.pt          model, optimizer, scheduler (rank 0; DDP replicas are equal)
-    step_00000020/model_shard_00000.pt   … or, under FSDP, each rank's piece of them (``trainer.sharded``)
+    step_00000020/model_shard_00000.pt   … or, under FSDP, each rank's piece of them (``trainer.checkpoint.sharded``)
     step_00000020/rank_00000.pt     per-rank state: RNG, data position
     step_00000020/node_*.json       a saver's record of the shards it persisted
     step_00000020/manifest.json     sha256 + size of every shard; written after all shards
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from trainer import records
-from trainer.records import DamagedRecord, Manifest
+from trainer.checkpoint import records
+from trainer.checkpoint.records import DamagedRecord, Manifest
 from trainer.storage import NotFound, Storage, open_storage
 
 POINTER = "latest"
@@ -139,7 +139,7 @@ class CheckpointStore:
     def ref(self, step: int) -> CheckpointRef:
         return CheckpointRef(step, _join(self.location, step_name(step)))
 
-    # ---- small JSON records (schemas and encoders: trainer.records) ---------------------------
+    # ---- small JSON records (schemas and encoders: trainer.checkpoint.records) ---------------------------
     def _read(self, key: str, parse):
         """``parse(key, bytes)`` of the object at ``key``; None if there is none."""
         try:

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainer.checkpoint import step_name
+from trainer.checkpoint.store import step_name
 from trainer.config import Drill, NodeDrill, SlowWorker, WorkerDrill
 from trainer.events import EventKind
 

@@ -1,28 +1,21 @@
-"""Node health check, one process per worker slot:
-``python -m trainer.healthcheck --rank R --world W --master-port P --workdir DIR``.
+"""Node health check, run in one process per worker slot
+(``python -m trainer.healthcheck --rank R --world W --master-port P --workdir DIR``).
 
 Each process times a fixed matmul workload, then all of them join a gloo group on 127.0.0.1
 (or NCCL on GPU) and time an allreduce. Each prints one JSON line; the orchestrator compares
 the rows (``judge_nodes``: relative to the median node) and excludes slow or failing nodes
 before workers start. After an in-job restart the workers repeat the matmul part among
-themselves (``trainer.nodecheck``).
+themselves (``trainer.resilience.nodecheck``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shutil
 import statistics
-import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from trainer.process import exit_when_orphaned
 
 
 def matmul_seconds(n: int = 256, reps: int = 6, trials: int = 5, extra_delay_s: float = 0.0) -> float:
@@ -73,27 +66,3 @@ def judge_nodes(rows: list[dict], threshold: float) -> tuple[list[dict], set[int
         r["relative"] = round(r["matmul_s"] / median, 2) if r["ok"] and median else None
         r["excluded"] = r["node"] in excluded
     return rows, excluded
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.healthcheck")
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world", type=int, default=1)
-    p.add_argument("--master-port", type=int, default=0)
-    p.add_argument("--extra-delay", type=float, default=0.0, help="seconds added per matmul (chaos drill)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    exit_when_orphaned()  # started by `pretrain run`: never outlive it
-    torch.set_num_threads(1)
-    row = {"rank": args.rank, "torch": torch.__version__, "cuda_devices": torch.cuda.device_count(),
-           "matmul_s": round(matmul_seconds(extra_delay_s=args.extra_delay), 4),
-           "shm_free_bytes": shutil.disk_usage("/dev/shm").free, "disk_free_bytes": shutil.disk_usage(args.workdir).free}
-    if args.world > 1:
-        row["allreduce_MBps"] = round(allreduce_mbps(args.rank, args.world, args.master_port), 1)
-    print(json.dumps(row), flush=True)
-    sys.stdout.flush()
-    os._exit(0)  # skip gloo's teardown at interpreter exit (see docs/platform.md)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,6 @@
-"""Checkpoint storage: one small interface, a local-directory backend (here) and an S3
-backend (``trainer.s3storage``).
+"""Checkpoint storage, the interface: ``Storage``, its errors and key rules, shared by the
+local-directory backend (``trainer.storage.local``) and the S3 backend (``trainer.storage.s3``);
+``trainer.storage.url.open_storage`` picks one by the URL's scheme.
 
 Keys are "/"-separated paths relative to the storage root ("step_000100/model.pt"); a key can
 never leave the root. Writes are atomic: a reader sees the old object or the complete new one.
@@ -9,15 +10,13 @@ Pure python; boto3 is imported only when an S3 backend creates its client.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
-from urllib.parse import unquote, urlparse
 
-from trainer.atomic import atomic_write_bytes, fsync_dir
+from trainer.atomic import fsync_dir
 
 MiB = 1 << 20
 _TMP_MARK = ".tmp-"  # temporaries are ".<name>.tmp-<pid>..." next to their target
@@ -124,119 +123,3 @@ class Storage(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
-
-
-class LocalStorage(Storage):
-    """A directory on a local (or mounted) file system."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root).expanduser().absolute()
-        self.url = self.root.as_uri()
-
-    def _path(self, key: str) -> Path:
-        return self.root.joinpath(*check_key(key).split("/"))
-
-    def _file(self, key: str) -> Path:
-        path = self._path(key)
-        if not path.is_file():
-            raise NotFound(f"{self.url}: key {key!r} does not exist")
-        return path
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        _mkdirs(path.parent)
-        atomic_write_bytes(path, data)
-
-    def put_file(self, key: str, path: str | Path) -> None:
-        _write_local_atomic(self._path(key), lambda tmp: shutil.copyfile(path, tmp))
-
-    def put_stream(self, key: str, write: Callable[[BinaryIO], None]) -> None:
-        def fill(tmp: Path) -> None:
-            with open(tmp, "wb") as f:
-                write(f)
-        _write_local_atomic(self._path(key), fill)
-
-    def get_bytes(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise NotFound(f"{self.url}: key {key!r} does not exist") from None
-
-    def iter_bytes(self, key: str, chunk: int = 4 * MiB) -> Iterator[bytes]:
-        try:
-            f = open(self._file(key), "rb")
-        except FileNotFoundError:  # deleted since _file looked
-            raise NotFound(f"{self.url}: key {key!r} does not exist") from None
-        with f:
-            while block := f.read(chunk):
-                yield block
-
-    def get_file(self, key: str, path: str | Path) -> None:
-        src = self._file(key)
-        _write_local_atomic(path, lambda tmp: shutil.copyfile(src, tmp))
-
-    def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
-
-    def size(self, key: str) -> int:
-        return self._file(key).stat().st_size
-
-    def list(self, prefix: str = "") -> list[str]:
-        head = check_key(prefix, prefix=True).rpartition("/")[0]
-        keys = []
-        for dirpath, _, files in os.walk(self.root.joinpath(*head.split("/")) if head else self.root):
-            rel = Path(dirpath).relative_to(self.root).as_posix()
-            for name in files:
-                key = name if rel == "." else f"{rel}/{name}"
-                if key.startswith(prefix) and not (name.startswith(".") and _TMP_MARK in name):
-                    keys.append(key)  # (skipped: an in-flight or abandoned atomic write)
-        return sorted(keys)
-
-    def delete(self, key: str) -> None:
-        path = self._path(key)
-        try:
-            path.unlink()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            return
-        fsync_dir(path.parent)
-
-    def delete_prefix(self, prefix: str) -> None:
-        prefix = _dir_prefix(prefix)
-        if prefix == "":
-            for key in self.list():
-                self.delete(key)
-        elif (target := self._path(prefix[:-1])).is_dir():
-            shutil.rmtree(target)
-            fsync_dir(target.parent)
-
-    def move_prefix(self, src: str, dst: str) -> None:
-        source, target = self._path(_dir_prefix(src)[:-1]), self._path(_dir_prefix(dst)[:-1])
-        if not source.is_dir():
-            return
-        _mkdirs(target.parent)
-        os.rename(source, target)  # one atomic rename on the same file system
-        fsync_dir(source.parent)
-        fsync_dir(target.parent)
-
-    def local_path(self, key: str) -> Path:
-        return self._path(key)
-
-
-def open_storage(url: str | Path, **s3_options) -> Storage:
-    """``file:///dir``, a plain path, or ``s3://bucket/prefix`` (options go to S3Storage)."""
-    url = os.fspath(url)
-    parsed = urlparse(url) if "://" in url else None
-    if parsed is None or parsed.scheme == "file":
-        if s3_options:
-            raise ValueError(f"options {sorted(s3_options)} only apply to s3:// storage URLs")
-        if parsed is not None and parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"file URL {url!r} must name a local path (file:///abs/dir)")
-        return LocalStorage(unquote(parsed.path) if parsed is not None else url)
-    if parsed.scheme == "s3":
-        if "@" in parsed.netloc or not parsed.netloc:
-            raise ValueError("an s3:// URL must be s3://bucket/prefix, without credentials; "
-                             "pass access_key/secret_key as options")
-        from trainer.s3storage import S3Storage  # boto3 only where S3 is used
-
-        return S3Storage(parsed.netloc, parsed.path.strip("/"), **s3_options)
-    raise ValueError(f"unsupported storage URL scheme {parsed.scheme!r}: use file:// or s3://")

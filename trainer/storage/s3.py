@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from trainer.storage import MiB, NotFound, Storage, StorageError, _dir_prefix, _write_local_atomic, check_key
-from trainer.streaming import pipe_to
+from trainer.storage.base import MiB, NotFound, Storage, StorageError, _dir_prefix, _write_local_atomic, check_key
+from trainer.storage.streaming import pipe_to
 
 _AUTH_CODES = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403",
                "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}

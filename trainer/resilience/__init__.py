@@ -1,0 +1,9 @@
+"""Fault detection and rehearsal, shared by workers, the node agent and the saver.
+
+- ``heartbeat``: worker heartbeats and the agent's hang detector.
+- ``anomaly``: loss anomalies (non-finite, spikes) and the windows skipped after a rollback.
+- ``healthcheck``: node health measurements (matmul, allreduce) and their judgement.
+- ``nodecheck``: the workers' node check after an in-job restart.
+- ``diskfull``: recognise disk-full errors and describe them.
+- ``chaos``: drills that inject faults on purpose.
+"""

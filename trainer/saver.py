@@ -1,0 +1,27 @@
+"""The node's checkpoint saver: ``python -m trainer.saver --ns SHM_DIR --nproc N --job JOB.json``
+(the saver itself: ``trainer.checkpoint.saver``).
+
+Started by the node agent (``trainer.agent``) before the workers and kept alive across their
+restarts; SIGTERM makes it save at breakpoint and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainer.checkpoint.saver import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.saver")
+    p.add_argument("--ns", type=Path, required=True, help="the node's shared-memory snapshot directory")
+    p.add_argument("--nproc", type=int, required=True, help="workers on this node")
+    p.add_argument("--job", type=Path, required=True, help="the job config: checkpoint location, retention, job dir")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    return serve(args.ns, args.nproc, args.job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
