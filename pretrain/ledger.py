@@ -25,6 +25,7 @@ from pretrain.ledger_schema import (LEDGER_VERSION, CampaignRecord, CampaignStat
 from pretrain.redact import redact, redact_tree
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes, atomic_write_json
+from trainer.resilience.diskfull import describe, is_disk_full
 
 
 class CampaignMismatch(RuntimeError):
@@ -37,6 +38,11 @@ class LedgerError(RuntimeError):
 
 class LedgerDamaged(LedgerError):
     """``ledger.json`` cannot be read; the message names it and how to recover."""
+
+
+class LedgerDiskFull(RuntimeError):
+    """The ledger could not be written: its file system is full (the campaign fails, saying what to
+    free). The file on disk is the previous, intact one."""
 
 
 class LedgerNewer(LedgerError):
@@ -160,9 +166,18 @@ class Ledger:
             _parse(path, current)
         except (FileNotFoundError, LedgerError):
             current = None  # .prev keeps the last intact generation
-        if current is not None:
-            atomic_write_bytes(_prev(path), current)
-        atomic_write_json(path, self.record.to_json(), sort_keys=False)  # stages stay in order
+        try:
+            if current is not None:
+                atomic_write_bytes(_prev(path), current)
+            atomic_write_json(path, self.record.to_json(), sort_keys=False)  # stages stay in order
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            need = 2 * len(json.dumps(self.record.to_json(), indent=2)) + (len(current) if current else 0)
+            raise LedgerDiskFull(describe(
+                path.parent, need, "the campaign ledger",
+                f"{path.name} on disk is the previous version, intact. Free space there (older checkpoints: lower "
+                "`checkpoint.keep`; old jobs/ logs), then run the same command again.")) from None
 
     def reload(self) -> CampaignRecord:
         fresh = _read(self.layout.ledger)

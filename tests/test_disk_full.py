@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from agents import agent_job, run_agent, snapshot
-from conftest import DATA
+from conftest import DATA, small_spec
 from pretrain.dataprep import DataPrepError, prepare
 from pretrain.incidents import NON_RETRYABLE, cause_of
+from pretrain.ledger import Ledger, LedgerDiskFull
 from pretrain.spec import CampaignSpec
 from tmpfs import resize_tmpfs, small_tmpfs
 from trainer.atomic import atomic_write_bytes, sha256_file
@@ -82,3 +83,26 @@ def test_data_prep_that_fills_the_disk_leaves_no_trusted_data_set_and_a_retry_af
         assert manifest["reused"] is False and read_manifest(out)["fingerprint"] == manifest["fingerprint"]
         for shard in manifest["splits"]["train"] + manifest["splits"]["val"]:
             assert sha256_file(out / shard["file"]) == shard["sha256"]
+
+
+def test_a_ledger_write_that_fills_the_disk_keeps_the_ledger_and_says_what_to_free(tmp_path):
+    with small_tmpfs(tmp_path / "small", "1m") as fs:
+        spec = small_spec(fs / "wd")
+        ledger = Ledger.open(spec)
+        ledger.begin_run("flow-1")
+        before = (fs / "wd" / "ledger.json").read_bytes()
+        filler = fs / "filler"
+        with pytest.raises(OSError):  # fill the file system up to its last byte
+            with open(filler, "wb") as f:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        with pytest.raises(LedgerDiskFull) as err:
+            ledger.begin_run("flow-2")
+        message = str(err.value)
+        assert "no space left on" in message and str(fs) in message and "checkpoint.keep" in message
+        assert (fs / "wd" / "ledger.json").read_bytes() == before  # the previous version, intact
+        assert not [p for p in (fs / "wd").iterdir() if ".tmp-" in p.name]  # nothing torn left
+        filler.unlink()  # the operator frees space: the same write now works
+        ledger.begin_run("flow-2")
+        assert Ledger.open(spec).record.invocations == 2
