@@ -23,8 +23,8 @@ from tasks.tracking import open_stage_run
 from tasks.training import JobResult, run_training_job
 
 
-def _finished(future) -> bool:
-    future.wait(timeout=PretrainSettings.from_env().gate_poll_s)  # then the gate judges what was committed meanwhile
+def _finished(future, poll_s: float) -> bool:
+    future.wait(timeout=poll_s)  # then the gate judges what was committed meanwhile
     return future.state.is_final()
 
 
@@ -88,11 +88,12 @@ def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str |
     """Run one launch of the stage's job (the gate judging alongside) and record its in-job
     resumes, restarts and recovered failures."""
     logger, stage = get_run_logger(), spec.stages[stage_index].name
+    settings = PretrainSettings.from_env()  # once per launch, for the job, its polling and the gate
     exclude = ledger.reload().excluded_nodes()
     job = run_training_job.submit(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id,
-                                  spec.step_offset(stage_index), exclude)
-    while not _finished(job):
-        judge_pending(spec, stage_index)  # the gate overlaps training
+                                  spec.step_offset(stage_index), exclude, settings)
+    while not _finished(job, settings.gate_poll_s):
+        judge_pending(spec, stage_index, settings)  # the gate overlaps training
     result = job.result()
     for r in result.resumes:
         ledger.record_resume(stage, Resume(attempt=attempt, **r))

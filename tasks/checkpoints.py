@@ -9,20 +9,22 @@ from pretrain.gate import judge, rewind_past_bad, wants_eval
 from pretrain.jobs import checkpoint_store
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import Rewind, Verdict
+from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
-from tasks.events import checkpoint_verdict
 from pretrain.tracking import describe_error, transient
+from tasks.events import checkpoint_verdict
 from tasks.tracking import MLFLOW_RETRIES, tracker_for
 
 
 @task(name="judge-checkpoints", cache_policy=NO_CACHE)
-def check_checkpoints(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: list[int] = ()) -> list[dict]:
+def check_checkpoints(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: list[int] = (),
+                      settings: PretrainSettings | None = None) -> list[dict]:
     """Judge checkpoints of a stage in a separate process; record each verdict next to it, in
     the ledger, as MLflow tags and as an event (evaluation metrics, if run, at its step). One the
     gate could not judge now (verdict "unjudged") is only logged: it stays pending."""
     logger = get_run_logger()
     stage = spec.stages[stage_index].name
-    records = judge(spec, stage_index, list(steps), set(evaluate))
+    records = judge(spec, stage_index, list(steps), set(evaluate), settings=settings)
     for record in records:
         if record["verdict"] == "unjudged":
             logger.warning("stage %s: checkpoint %d could not be judged now; the next gate pass retries: %s", stage,
@@ -81,12 +83,12 @@ def sync_verdicts(spec: CampaignSpec, stage: str) -> None:
         verdicts_to_mlflow(spec, s.mlflow_run_id, [v.model_dump(mode="json") for v in s.verdicts])
 
 
-def judge_pending(spec: CampaignSpec, stage_index: int) -> list[dict]:
+def judge_pending(spec: CampaignSpec, stage_index: int, settings: PretrainSettings | None = None) -> list[dict]:
     """Judge every committed checkpoint of the stage that has no verdict yet, oldest first."""
     steps = checkpoint_store(spec, spec.stages[stage_index].name).unjudged()
     if not steps:
         return []
-    return check_checkpoints(spec, stage_index, steps, [s for s in steps if wants_eval(spec, stage_index, s)])
+    return check_checkpoints(spec, stage_index, steps, [s for s in steps if wants_eval(spec, stage_index, s)], settings)
 
 
 @task(name="find-resume-point", cache_policy=NO_CACHE)
