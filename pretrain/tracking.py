@@ -22,6 +22,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from pretrain.redact import redact, redact_mapping, redact_value
 from pretrain.settings import PretrainSettings
+from trainer.backoff import Backoff
 from trainer.events import EventKind
 from trainer.reporting import read_new_lines
 
@@ -151,32 +152,9 @@ def describe_error(err: BaseException, limit: int = 300) -> str:
     return f"{type(err).__name__}: {text[:limit]}{'…' if len(text) > limit else ''}"
 
 
-@dataclass
-class Backoff:
-    """Exponential backoff between tries of a failing call: ``initial_s``, doubling up to ``max_s``."""
-
-    initial_s: float  # PretrainSettings.forwarder_backoff_s
-    max_s: float  # PretrainSettings.forwarder_backoff_max_s
-    failures: int = 0  # consecutive
-    next_at: float = 0.0  # time.monotonic() of the next try
-
-    @classmethod
-    def of(cls, settings: PretrainSettings) -> "Backoff":
-        """The metrics forwarder's backoff (``PRETRAIN_FORWARDER_BACKOFF_S`` / ``…_MAX_S``)."""
-        return cls(settings.forwarder_backoff_s, settings.forwarder_backoff_max_s)
-
-    def due(self) -> bool:
-        return time.monotonic() >= self.next_at
-
-    def failed(self) -> float:
-        """Count a failure; returns the delay until the next try."""
-        self.failures += 1
-        delay = min(self.max_s, self.initial_s * 2 ** (self.failures - 1))
-        self.next_at = time.monotonic() + delay
-        return delay
-
-    def succeeded(self) -> None:
-        self.failures, self.next_at = 0, 0.0
+def forwarder_backoff(settings: PretrainSettings) -> Backoff:
+    """The metrics forwarder's backoff (``PRETRAIN_FORWARDER_BACKOFF_S`` / ``…_MAX_S``)."""
+    return Backoff(settings.forwarder_backoff_s, settings.forwarder_backoff_max_s)
 
 
 def _log_warning(message: str) -> None:
@@ -201,7 +179,7 @@ class MetricsForwarder:
     step_offset: int
     events_path: Path | None = None  # checkpoint events become tags naming the checkpoint
     log: Callable[[str], None] = _log_warning  # one line per problem (outage, damaged lines)
-    backoff: Backoff = field(default_factory=lambda: Backoff.of(PretrainSettings.from_env()))
+    backoff: Backoff = field(default_factory=lambda: forwarder_backoff(PretrainSettings.from_env()))
     offset: int = 0
     events_offset: int = 0
     last_step: int = -1  # the newest stage step the job reported (or the stage run held)

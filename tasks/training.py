@@ -18,7 +18,7 @@ from pretrain.layout import CampaignLayout
 from pretrain.redact import redact
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
-from pretrain.tracking import Backoff, MetricsForwarder
+from pretrain.tracking import MetricsForwarder, forwarder_backoff
 from tasks.artifacts import TrainingProgress
 from tasks.tracking import tracker_for
 from trainer.events import EventKind
@@ -118,7 +118,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                 spec.cluster.nodes_max - len(exclude), spec.cluster.workers_per_node, job.job_dir)
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
                                  step_offset, events_path=Path(job.job_dir) / EVENTS, log=logger.warning,
-                                 backoff=Backoff.of(settings))
+                                 backoff=forwarder_backoff(settings))
     progress = TrainingProgress(spec, stage_index)
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)

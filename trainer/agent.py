@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainer.backoff import Backoff
 from trainer.checkpoint import fence, shmdirs
 from trainer.checkpoint.saver import ERROR_FILE, PROGRESS_FILE
 from trainer.config import JobConfig, NodeDrill
@@ -66,11 +67,10 @@ class SaverProcess:
     def __init__(self, ns: Path, nproc: int, job_path: str, max_failures: int = 5, backoff_s: float = 1.0,
                  on_give_up=None):
         self.cmd = [sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc), "--job", job_path]
-        self.ns, self.max_failures, self.backoff_s, self.on_give_up = ns, max_failures, backoff_s, on_give_up
+        self.ns, self.max_failures, self.on_give_up = ns, max_failures, on_give_up
         self.closing = threading.Event()
-        self.restarts, self.failures = 0, 0
+        self.restarts, self.backoff = 0, Backoff(backoff_s, self.BACKOFF_CAP_S)
         self.failed: str | None = None  # the message, once given up
-        self.failed_type: str | None = None  # the class of the saver's last error, once given up
         self._start()
         threading.Thread(target=self._watch, name="saver-watch", daemon=True).start()
 
@@ -96,17 +96,17 @@ class SaverProcess:
             code = self.proc.wait()
             if self.closing.is_set():
                 return
-            self.failures = 1 if self._persisted_since_start() else self.failures + 1
+            if self._persisted_since_start():  # it did its work before dying: not a failure in a row
+                self.backoff.succeeded()
+            delay, failures = self.backoff.failed(), self.backoff.failures
             error = self.last_error(code)
-            if self.failures >= self.max_failures:
-                self.failed = f"checkpoint saver failed {self.failures} times in a row; last error: {error}"
-                self.failed_type = error_class(error)
+            if failures >= self.max_failures:
+                self.failed = f"checkpoint saver failed {failures} times in a row; last error: {error}"
                 if self.on_give_up is not None:
-                    self.on_give_up(self.failed, self.failed_type)
+                    self.on_give_up(self.failed, error_class(error))
                 return
-            delay = min(self.BACKOFF_CAP_S, self.backoff_s * 2 ** (self.failures - 1))
             print(f"checkpoint saver failed ({error}); restarting it in {delay:.1f} s "
-                  f"(failure {self.failures} of {self.max_failures} in a row)", file=sys.stderr, flush=True)
+                  f"(failure {failures} of {self.max_failures} in a row)", file=sys.stderr, flush=True)
             if self.closing.wait(delay):
                 return
             self.restarts += 1
