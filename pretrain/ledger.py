@@ -73,12 +73,18 @@ def _prev(path: Path) -> Path:
 
 def _read(path: Path) -> CampaignRecord | None:
     """The ledger at ``path``; None if there is none; LedgerDamaged saying how to recover."""
+    read = _read_with_bytes(path)
+    return None if read is None else read[1]
+
+
+def _read_with_bytes(path: Path) -> tuple[bytes, CampaignRecord] | None:
+    """The ledger's bytes and what they say (the bytes become ``.prev`` on the next write)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
     try:
-        return _parse(path, data)
+        return data, _parse(path, data)
     except LedgerDamaged as err:
         raise LedgerDamaged(f"{err}. {_recovery(path)}") from None
 
@@ -166,6 +172,11 @@ class Ledger:
             _parse(path, current)
         except (FileNotFoundError, LedgerError):
             current = None  # .prev keeps the last intact generation
+        self._write(current)
+
+    def _write(self, current: bytes | None) -> None:
+        """Keep ``current`` (the intact file's bytes, None: none) as ``.prev``, then write the record."""
+        path = self.layout.ledger
         try:
             if current is not None:
                 atomic_write_bytes(_prev(path), current)
@@ -186,9 +197,14 @@ class Ledger:
         return self.record
 
     def mutate(self, change: Callable[[CampaignRecord], object]) -> CampaignRecord:
-        """Re-read the file, apply ``change(record)``, write it back."""
-        change(self.reload())
-        self.save()
+        """Re-read the file, apply ``change(record)``, write it back (the bytes read, which were
+        just validated, become ``.prev``)."""
+        read = _read_with_bytes(self.layout.ledger)
+        current = None
+        if read is not None:
+            current, self.record = read
+        change(self.record)
+        self._write(current)
         return self.record
 
     def stage(self, name: str) -> StageRecord:

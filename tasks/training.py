@@ -45,7 +45,7 @@ def try_scale_up(spec: CampaignSpec, stage: str, due: list[int], rejoin: RejoinW
                  settings: PretrainSettings) -> list[int]:
     """Re-check lost nodes; the ones that pass make the job scale back up (returned). The ones
     that fail are checked again after another ``rejoin_after_s``."""
-    baseline = Ledger.open(spec).reload().node_health()
+    baseline = Ledger.open(spec).record.node_health()
     fit, rows = recheck_nodes(make_cluster(spec.cluster, threads_per_worker(spec), settings=settings), spec.workdir_path,
                               due, baseline, spec.fault_tolerance.node_check_threshold)
     for node in due:
