@@ -45,13 +45,12 @@ def _merge(body: dict, update: dict) -> None:
             body[key] = value
 
 
-def apply_blocks(spec: CampaignSpec) -> tuple[CampaignSpec, dict[str, str]]:
+def apply_blocks(spec: CampaignSpec) -> CampaignSpec:
     """The spec with its block references replaced by the blocks' settings (and ``blocks`` emptied, so
-    it resolves once), plus the environment the blocks' credentials need (also attached to the
-    returned spec as ``spec.credentials``). A workdir that was set by an override (``--workdir``)
-    wins over the storage block's."""
+    it resolves once), the environment the blocks' credentials need attached as ``spec.credentials``.
+    A workdir that was set by an override (``--workdir``) wins over the storage block's."""
     if not spec.blocks.any():
-        return spec, dict(spec.credentials.env)
+        return spec
     body = spec.model_dump(mode="json")
     body["blocks"] = {}
     env: dict[str, str] = {}
@@ -70,7 +69,7 @@ def apply_blocks(spec: CampaignSpec) -> tuple[CampaignSpec, dict[str, str]]:
         _merge(body, update)
         env.update(block.environment())
     resolved = parse_spec(body, f"{spec.name} (with blocks {spec.blocks.model_dump(exclude_none=True)})")
-    return resolved.with_credentials(Credentials(env)), env
+    return resolved.with_credentials(Credentials(env))
 
 
 def resolve_campaign(spec: CampaignSpec | None = None, spec_path: str | None = None,
@@ -81,4 +80,4 @@ def resolve_campaign(spec: CampaignSpec | None = None, spec_path: str | None = N
     child processes get them through their environment, S3 and MLflow clients as arguments;
     this process's environment is left alone, so no other campaign (under ``deployments.serve``)
     ever sees them."""
-    return apply_blocks(resolve_spec(spec, spec_path))[0].with_workdir(workdir)
+    return apply_blocks(resolve_spec(spec, spec_path)).with_workdir(workdir)

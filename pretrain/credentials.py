@@ -36,9 +36,6 @@ class Credentials:
     def __bool__(self) -> bool:
         return bool(self.env)
 
-    def merged(self, other: "Credentials") -> "Credentials":
-        return Credentials({**self.env, **other.env})
-
     def child_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment for a child process: ``base`` (default: this process's) plus these."""
         return {**(os.environ if base is None else base), **self.env}

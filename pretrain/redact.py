@@ -56,8 +56,7 @@ def redact_tree(obj):
     if isinstance(obj, str):
         return redact(obj)
     if isinstance(obj, Mapping):
-        return {k: MASK if isinstance(v, str) and v and _SECRET_KEY.search(str(k)) else redact_tree(v)
-                for k, v in obj.items()}
+        return {k: redact_value(k, v) if isinstance(v, str) else redact_tree(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [redact_tree(v) for v in obj]
     return obj

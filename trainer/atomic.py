@@ -41,14 +41,6 @@ def atomic_write_json(path: str | Path, obj: object, sort_keys: bool = True) -> 
     return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n").encode())
 
 
-def read_json(path: str | Path) -> dict | None:
-    """The JSON object in ``path``, or None if the file does not exist."""
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return None
-
-
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
