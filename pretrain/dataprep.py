@@ -11,6 +11,7 @@ import glob
 import hashlib
 import json
 import sysconfig
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pretrain.spec_sections import DataSpec
-from trainer.atomic import atomic_write_bytes
+from trainer.atomic import atomic_write_bytes, atomic_write_json
 from trainer.data import MANIFEST, DataError, read_manifest
 from trainer.resilience.diskfull import describe, is_disk_full
 
@@ -128,22 +129,29 @@ def pack_split(split: str, docs: list[Document], tok: Tokenizer, eot_id: int, sh
             for part in shard_parts(split, pack(tok, [d for d in docs if d.group == g], eot_id), shard_tokens, g)]
 
 
-def write_files(out: Path, files: dict[str, bytes]) -> None:
-    """Write each file atomically; if the disk fills up, remove what this call wrote (a data set
-    without its manifest is never used, and the space is needed to try again) and say so."""
+@contextmanager
+def _removed_if_disk_full(out: Path, need: int):
+    """Yields the list of files written inside; if the disk fills up, they are removed (a data
+    set without its manifest is never used, and the space is needed to try again) and a
+    :class:`DataPrepError` says so."""
     written: list[Path] = []
     try:
-        for name, data in files.items():
-            atomic_write_bytes(out / name, data)
-            written.append(out / name)
+        yield written
     except OSError as err:
         if not is_disk_full(err):
             raise
         for path in written:
             path.unlink(missing_ok=True)
-        raise DataPrepError(describe(out, sum(len(d) for d in files.values()), "the data set",
+        raise DataPrepError(describe(out, need, "the data set",
                                      "Free space there (or lower data.max_bytes) and run again; the half-written "
                                      "data set has no manifest and is never used.")) from None
+
+
+def _write(path: Path, data: bytes, written: list[Path]) -> str:
+    """Write one file of the data set atomically; returns its sha256."""
+    digest = atomic_write_bytes(path, data)
+    written.append(path)
+    return digest
 
 
 def _existing_manifest(out: Path, log) -> dict | None:
@@ -172,18 +180,20 @@ def prepare(data: DataSpec, out: Path, log=print) -> dict:
     eot_id = tok.token_to_id(EOT)
     parts = {name: pack_split(name, ds, tok, eot_id, data.shard_tokens) for name, ds in (("train", train_docs), ("val", val_docs))}
     out.mkdir(parents=True, exist_ok=True)
-    write_files(out, {TOKENIZER_FILE: tok.to_str().encode(),
-                      **{name: tokens.tobytes() for split in parts.values() for name, tokens, _ in split}})
-    splits = {split: [{"file": name, "tokens": int(len(tokens)), "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
-                       "group": group} for name, tokens, group in ps] for split, ps in parts.items()}
-    manifest = {
-        "version": 1, "fingerprint": fp, "dtype": "uint16", "vocab_size": tok.get_vocab_size(),
-        "eot_id": eot_id, "tokenizer": TOKENIZER_FILE, "splits": splits,
-        "documents": {"train": len(train_docs), "val": len(val_docs)},
-        "tokens": {k: sum(s["tokens"] for s in v) for k, v in splits.items()},
-        "groups": {g: {k: sum(s["tokens"] for s in v if s["group"] == g) for k, v in splits.items()} for g in files},
-    }
-    write_files(out, {MANIFEST: (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()})
+    tokenizer = tok.to_str().encode()
+    need = len(tokenizer) + sum(tokens.nbytes for ps in parts.values() for _, tokens, _ in ps)
+    with _removed_if_disk_full(out, need) as written:
+        _write(out / TOKENIZER_FILE, tokenizer, written)
+        splits = {split: [{"file": name, "tokens": int(len(tokens)), "sha256": _write(out / name, tokens.tobytes(), written),
+                           "group": group} for name, tokens, group in ps] for split, ps in parts.items()}
+        manifest = {
+            "version": 1, "fingerprint": fp, "dtype": "uint16", "vocab_size": tok.get_vocab_size(),
+            "eot_id": eot_id, "tokenizer": TOKENIZER_FILE, "splits": splits,
+            "documents": {"train": len(train_docs), "val": len(val_docs)},
+            "tokens": {k: sum(s["tokens"] for s in v) for k, v in splits.items()},
+            "groups": {g: {k: sum(s["tokens"] for s in v if s["group"] == g) for k, v in splits.items()} for g in files},
+        }
+        atomic_write_json(out / MANIFEST, manifest)  # last: the data set counts from here
     log(f"prepared {manifest['tokens']['train']} train / {manifest['tokens']['val']} val tokens, "
         f"vocab {manifest['vocab_size']}, from {len(docs)} documents")
     return {**manifest, "reused": False}
