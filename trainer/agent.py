@@ -30,7 +30,7 @@ from trainer.config import JobConfig, NodeDrill
 from trainer.events import EventKind
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
-from trainer.resilience.chaos import AGENT_KINDS, claim, reached_marker
+from trainer.resilience.chaos import claim, reached_marker
 from trainer.resilience.heartbeat import HangDetector, worker_pids
 from trainer.resilience.nodecheck import NODE_ENV, exclusion_marker
 
@@ -145,7 +145,7 @@ def watch_workers(job: JobConfig, node: int, saver) -> HangDetector:
     report = lambda record: events.write({"source": "agent", "node": node, **record})  # noqa: E731
     detector = HangDetector(job.job_dir, job.hang_timeouts, report)
     for i, drill in enumerate(job.chaos):
-        if drill.kind in AGENT_KINDS and drill.node == node:
+        if isinstance(drill, NodeDrill) and drill.node == node:
             detector.observers.append(lambda step, i=i, d=drill: agent_drill(job, i, d, step, saver(), report))
     detector.observers.append(lambda step: leave_if_excluded(job, node, report))
     return detector.start()

@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 
 from trainer.checkpoint.store import step_name
-from trainer.config import Drill, NodeDrill, SlowWorker, WorkerDrill
+from trainer.config import CorruptCheckpoint, Drill, NodeDrill, SlowWorker, WorkerDrill
 from trainer.events import EventKind
 
-WORKER_KINDS = {"kill_worker", "hang_worker", "nan_loss", "loss_spike", "slow_worker"}
-AGENT_KINDS = {"kill_saver", "kill_node"}
-SAVER_KINDS = {"corrupt_checkpoint"}
+# who fires a drill follows from its type (trainer.config.DRILLS): workers fire WorkerDrills, the
+# node's agent NodeDrills, the saver CorruptCheckpoint
 
 
 def marker_dir(job_dir: str | Path) -> Path:
@@ -57,9 +56,9 @@ def reached_marker(job_dir: str | Path, index: int) -> Path:
 
 class WorkerChaos:
     def __init__(self, drills: list[Drill], job_dir: str | Path, rank: int, report, node: int = 0):
-        self.drills: list[tuple[int, WorkerDrill]] = [(i, d) for i, d in enumerate(drills) if d.kind in WORKER_KINDS]
+        self.drills: list[tuple[int, WorkerDrill]] = [(i, d) for i, d in enumerate(drills) if isinstance(d, WorkerDrill)]
         self.agent_drills: list[tuple[int, NodeDrill]] = [(i, d) for i, d in enumerate(drills)
-                                                          if d.kind in AGENT_KINDS and d.node == node]
+                                                          if isinstance(d, NodeDrill) and d.node == node]
         self.job_dir, self.rank, self.report = job_dir, rank, report
         self._slowed: set[int] = set()
 
@@ -112,7 +111,7 @@ def corrupt_committed(drills: list[Drill], job_dir: str | Path, store, step: int
     of its model state in storage (``model.pt``, or the first FSDP model shard; the manifest
     keeps the original sha256)."""
     for i, d in enumerate(drills):
-        if d.kind in SAVER_KINDS and d.step == step and claim(job_dir, i):
+        if isinstance(d, CorruptCheckpoint) and d.step == step and claim(job_dir, i):
             key = min(k for k in store.storage.list(f"{step_name(step)}/model") if k.endswith(".pt"))
             data = bytearray(store.storage.get_bytes(key))
             data[len(data) // 2] ^= 0xFF
