@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pretrain.spec_sections import DataSpec
+from pretrain.spec_data import DataSpec
 from trainer.atomic import atomic_write_bytes, atomic_write_json
 from trainer.data import MANIFEST, DataError, read_manifest
 from trainer.resilience.diskfull import describe, is_disk_full
@@ -54,11 +54,11 @@ def expand_sources(patterns: list[str], field: str) -> list[Path]:
 def select_files(data: DataSpec) -> dict[str, list[Path]]:
     """Per data group, its source files in order, up to ``max_bytes`` per group."""
     out = {}
-    for group, patterns in data.groups().items():
+    for group, sources in data.groups().items():
         field = "data.sources" if isinstance(data.sources, list) else f"data.sources.{group}"
         chosen, total = [], 0
-        for f in expand_sources(patterns, field):
-            if total >= data.max_bytes:
+        for f in expand_sources([s.path for s in sources], field):
+            if data.max_bytes is not None and total >= data.max_bytes:
                 break
             chosen.append(f)
             total += f.stat().st_size
@@ -74,12 +74,13 @@ def fingerprint(data: DataSpec, files: dict[str, list[Path]]) -> str:
     return h.hexdigest()[:16]
 
 
-def read_documents(files: dict[str, list[Path]], max_bytes: int) -> list[Document]:
+def read_documents(files: dict[str, list[Path]], max_bytes: int | None) -> list[Document]:
     docs = []
     for group, paths in files.items():
         total = 0
         for f in paths:
-            text = f.read_bytes()[: max(0, max_bytes - total)].decode("utf-8", errors="replace")
+            raw = f.read_bytes()
+            text = (raw if max_bytes is None else raw[: max(0, max_bytes - total)]).decode("utf-8", errors="replace")
             total += len(text)
             if text.strip():
                 docs.append(Document(str(f), text, group))

@@ -16,7 +16,8 @@ from pathlib import Path
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from pretrain.credentials import Credentials
-from pretrain.spec_sections import (BlockRefs, ChaosDrill, CheckpointSpec, ClusterSpec, DataSpec, FaultToleranceSpec,
+from pretrain.spec_data import DataSpec
+from pretrain.spec_sections import (BlockRefs, ChaosDrill, CheckpointSpec, ClusterSpec, FaultToleranceSpec,
                                     ModelSpec, ResumeSpec, Section, SkipWindow, StageSpec, TrackingSpec, ValidationSpec)
 
 

@@ -5,7 +5,6 @@ puts them together and checks the rules that span sections.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
@@ -40,39 +39,6 @@ class Section(BaseModel):
         if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in (int, float):
             raise ValueError(f"expected a number, got {str(value).lower()} (a number is not a boolean)")
         return value
-
-
-class TokenizerSpec(Section):
-    vocab_size: int = Field(2048, ge=260, le=65535, description="BPE vocabulary size (byte-level; at least 256 bytes + specials).")
-    min_frequency: int = Field(2, ge=1, description="Minimum pair frequency for a BPE merge.")
-
-
-class DataSpec(Section):
-    sources: list[str] | dict[str, list[str]] = Field(
-        default_factory=lambda: ["{stdlib}/json/*.py"],
-        description="Text files or glob patterns to train on; '{stdlib}' expands to the Python standard library "
-        "directory, so the demo needs nothing from outside; '**' recurses. A mapping of group name → patterns "
-        "makes named data groups that stages can mix in chosen proportions (`stages[].mixture`); a plain list is "
-        "one group named 'all'.",
-    )
-    max_bytes: int = Field(8_000_000, gt=0, description="Stop reading sources after this many bytes, per group (keeps demos small).")
-    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="Tokenizer training settings.")
-    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Fraction of documents held out for validation/evaluation.")
-    shard_tokens: int = Field(1_000_000, gt=0, description="Tokens per packed shard file.")
-
-    @model_validator(mode="after")
-    def _groups_named(self) -> "DataSpec":
-        groups = self.groups()
-        if not groups or not all(groups.values()):
-            raise ValueError("sources must name at least one file pattern (in every group)")
-        bad = [g for g in groups if not re.fullmatch(r"[A-Za-z0-9_-]+", g)]
-        if bad:
-            raise ValueError(f"data group names may use letters, digits, '-', '_' only: {bad}")
-        return self
-
-    def groups(self) -> dict[str, list[str]]:
-        """Named groups of source patterns ('all' for a plain list)."""
-        return dict(self.sources) if isinstance(self.sources, dict) else {"all": list(self.sources)}
 
 
 class ModelSpec(Section):
@@ -315,3 +281,4 @@ class BlockRefs(Section):
 
     def any(self) -> bool:
         return any((self.storage, self.cluster, self.tracking))
+

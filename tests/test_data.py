@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from pretrain.dataprep import DataPrepError, prepare
-from pretrain.spec_sections import DataSpec
+from pretrain.spec_data import DataSpec
 from trainer.data import DataError, GlobalSampler, TokenWindows, micro_batch_positions, read_manifest
 
 
