@@ -1,0 +1,2 @@
+"""Data preparation at scale: sources (pretrain.corpus) → tokenizer → token shards in a versioned,
+immutable data set (``<root>/<fingerprint>/``) with its manifest written last."""
