@@ -51,6 +51,8 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         point = find_resume_point(spec, stage_index)
         decision = before_launch(stage.steps, _step(point), budget)
         if decision.action is not Action.LAUNCH:
+            if decision.action is Action.GIVE_UP:
+                logger.warning("stage %s: not launched again: %s", stage.name, decision.reason)
             break
         budget = decision.budget
         attempt = ledger.start_attempt(stage.name)
@@ -62,13 +64,12 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         decision = after_job(last, attempt, budget)
         budget = decision.budget
         if decision.resize is not None:  # a planned relaunch, not a failure
-            logger.info("stage %s: node(s) %s are back; relaunching on all nodes from the newest checkpoint",
-                        stage.name, last.scaled_up)
+            logger.info("stage %s: %s; relaunching on all nodes from the newest checkpoint", stage.name, decision.reason)
             ledger.record_resize(stage.name, decision.resize)
         if decision.failure is not None:
-            logger.warning("stage %s attempt %d failed (%s: %s) after %.1fs; %.1fs of work lost; log: %s",
+            logger.warning("stage %s attempt %d failed (%s: %s) after %.1fs; %.1fs of work lost; log: %s; next: %s",
                            stage.name, attempt, last.cause, "; ".join(last.errors) or "no worker error reported",
-                           last.duration_s, last.time_lost_s, last.log)
+                           last.duration_s, last.time_lost_s, last.log, decision.reason)
             ledger.record_failure(stage.name, decision.failure)
         if decision.action is Action.GIVE_UP:
             point = find_resume_point(spec, stage_index)
