@@ -5,8 +5,6 @@ tracking service while training goes on."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,19 +28,6 @@ class MlflowServer(_Server):
                      "--artifacts-destination", str(self.workdir / "artifacts")], dict(os.environ))
         self._wait_ready(lambda: httpx.get(f"{self.uri}/health", timeout=2).raise_for_status(), timeout)
         return self
-
-    def stop(self, timeout: float = 10) -> None:
-        """Stop the server and the uvicorn workers it started (its own session)."""
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc:
-            self.proc.wait(timeout)
-            self._log.close()
-            self.proc = None
 
     def down(self) -> bool:
         try:

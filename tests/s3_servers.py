@@ -7,6 +7,7 @@ with a deadline. Test modules bind the fixtures they use: ``seaweed = s3_servers
 from __future__ import annotations
 
 import os
+import signal
 import random
 import shutil
 import socket
@@ -100,21 +101,31 @@ class _Server:
                 last = exc
             time.sleep(0.1)  # poll interval, bounded by the deadline
         tail = self.log_path.read_text(errors="replace")[-3000:]
+        code = self.proc.poll()
         self.kill()
         raise RuntimeError(f"{self.name} at {self.endpoint} not ready after {timeout}s "
-                           f"(exit code {self.proc.returncode}, last error {last!r}); log:\n{tail}")
+                           f"(exit code {code}, last error {last!r}); log:\n{tail}")
+
+    def _signal(self, sig: int) -> None:
+        """Signal the server and every process it started (its own session)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def kill(self) -> None:
         """SIGKILL: the server gets no chance to clean up (a crash)."""
         if self.proc and self.proc.poll() is None:
-            self.proc.kill()
+            self._signal(signal.SIGKILL)
         if self.proc:
             self.proc.wait(10)
             self._log.close()
+            self.proc = None
 
     def stop(self, timeout: float = 10) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``."""
         if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
