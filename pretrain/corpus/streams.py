@@ -48,6 +48,40 @@ class S3RangeFile(io.RawIOBase):
         return len(data)
 
 
+class ZstdReader(io.RawIOBase):
+    """Decompresses a zstd stream (one or more frames) and, unlike ``stream_reader``, fails on a
+    stream that ends in the middle of a frame (a truncated file) instead of ending quietly."""
+
+    def __init__(self, f: BinaryIO, block: int = 1 << 16):
+        import zstandard
+
+        self._new = zstandard.ZstdDecompressor().decompressobj
+        self.f, self.block, self.d, self.fed = f, block, self._new(), False
+        self.pending, self.at = b"", 0  # decompressed bytes not yet read: pending[at:]
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while self.at >= len(self.pending):
+            self.pending, self.at = b"", 0
+            data = self.f.read(self.block)
+            if not data:
+                if self.fed and not self.d.eof:
+                    raise EOFError("the zstd data ends in the middle of a frame (the file is truncated)")
+                return 0
+            while data:
+                if self.d.eof:  # the next frame
+                    self.d, self.fed = self._new(), False
+                self.pending += self.d.decompress(data)
+                self.fed = True
+                data = self.d.unused_data if self.d.eof else b""
+        n = min(len(buf), len(self.pending) - self.at)
+        buf[:n] = memoryview(self.pending)[self.at:self.at + n]
+        self.at += n
+        return n
+
+
 def _changed(source: SourceFile) -> CorpusError:
     return CorpusError(f"{source.describe()} changed while the corpus was being prepared (size or "
                        "modification time differ from when it was listed); run again")
@@ -94,10 +128,7 @@ def open_source(source: SourceFile, s3_options: dict | None, *, decoded: bool = 
         if decoded and source.compression == "gz":
             stream = stack.enter_context(gzip.GzipFile(fileobj=stream, mode="rb"))
         elif decoded and source.compression == "zst":
-            import zstandard
-
-            reader = stack.enter_context(zstandard.ZstdDecompressor().stream_reader(stream))
-            stream = stack.enter_context(io.BufferedReader(reader, LOCAL_BUFFER))
+            stream = stack.enter_context(io.BufferedReader(ZstdReader(stream), LOCAL_BUFFER))
         yield stream
 
 
