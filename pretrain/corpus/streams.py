@@ -10,8 +10,8 @@ import os
 from contextlib import ExitStack, contextmanager
 from typing import BinaryIO, Iterator
 
-from pretrain.corpus.files import CorpusError, SourceFile
-from trainer.storage import StorageError, open_storage
+from pretrain.corpus.files import CorpusError, SourceFile, bucket_storage
+from trainer.storage import StorageError
 
 LOCAL_BUFFER = 1 << 20
 S3_BUFFER = 8 << 20  # bytes per ranged GET when reading sequentially
@@ -91,7 +91,7 @@ def _open_stored(source: SourceFile, s3_options: dict | None) -> BinaryIO:
     """The file's bytes as stored (still compressed), seekable."""
     if source.is_s3:
         bucket, key = source.bucket_key()
-        storage = open_storage(f"s3://{bucket}", **(s3_options or {}))
+        storage = bucket_storage(bucket, s3_options)
         return io.BufferedReader(S3RangeFile(storage, key, source.size, source.identity or None), S3_BUFFER)
     st = os.stat(source.uri)
     if f"{st.st_size}:{st.st_mtime_ns}" != source.identity:
