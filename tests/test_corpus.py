@@ -364,3 +364,11 @@ def test_a_zstd_file_of_several_frames_reads_whole(tmp_path):
     parts = [write_jsonl(tmp_path / f"p{i}.jsonl", [f"part {i} doc {j}" for j in range(5)]).read_bytes() for i in range(3)]
     path.write_bytes(b"".join(zstandard.ZstdCompressor().compress(p) for p in parts))
     assert texts(read_all(spec([str(path)]))) == [f"part {i} doc {j}" for i in range(3) for j in range(5)]
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path):
+    lines = tmp_path / "a.jsonl"
+    lines.write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "second"}\r\n')
+    text = tmp_path / "b.txt"
+    text.write_bytes(b"\xef\xbb\xbfhello\n")
+    assert texts(read_all(spec([str(lines), str(text)]))) == ["first", "second", "hello\n"]

@@ -22,7 +22,7 @@ def _parquet_file(source: SourceFile, s3_options: dict | None):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with open_source(source, s3_options, decoded=False) as f:
+    with open_source(source, s3_options, decoded=False, buffered=False) as f:
         try:
             pf = pq.ParquetFile(f)
         except (pa.ArrowException, ValueError) as err:

@@ -18,6 +18,7 @@ from pretrain.spec_data import DataSpec
 __all__ = ["Doc", "SKIP_REASONS", "Skip", "read_unit", "reader_settings"]
 
 HEAD_BYTES = 8192  # a file whose head looks binary is skipped whole
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark at the start of a file is not text
 
 
 def reader_settings(data: DataSpec) -> dict:
@@ -38,7 +39,7 @@ def read_unit(unit: WorkUnit, data: DataSpec, s3_options: dict | None = None) ->
         if unit.start == 0:  # counted once per file, by its first unit
             yield Skip("binary", src.uri)
         return
-    with open_source(src, s3_options) as f:
+    with open_source(src, s3_options, stop=unit.stop) as f:
         pos = 0
         if unit.start > 0:  # skip the line that began in the previous unit (if any)
             f.seek(unit.start - 1)
@@ -64,7 +65,7 @@ def _text(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec) -> Iterator[Doc
         if not chunk.endswith(b"\n"):
             chunk += f.readline()  # the last line belongs to this unit: its first byte is in it
         where = src.uri if whole else f"{src.uri} bytes {pos}-{pos + len(chunk)}"
-        pos += len(chunk)
+        pos, chunk = pos + len(chunk), chunk.removeprefix(BOM) if pos == 0 else chunk
         yield document(decode(chunk, data, where), where)
         if not src.compression:
             return
@@ -97,6 +98,8 @@ def _jsonl(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec, s3_options: di
         if not raw:
             return
         offset, pos, lines = pos, pos + len(raw), lines + 1
+        if offset == 0:
+            raw = raw.removeprefix(BOM)
         if not raw.strip():
             continue
         try:
