@@ -372,3 +372,10 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path):
     text = tmp_path / "b.txt"
     text.write_bytes(b"\xef\xbb\xbfhello\n")
     assert texts(read_all(spec([str(lines), str(text)]))) == ["first", "second", "hello\n"]
+
+
+def test_a_line_longer_than_several_units_is_read_once_and_whole(tmp_path):
+    records = ["short", "y" * (3 << 20), "after"]  # the long line spans units it does not start in
+    path = write_jsonl(tmp_path / "long.jsonl", records)
+    for unit_bytes in (1 << 20, 10**7):
+        assert texts(read_all(spec([str(path)]), unit_bytes)) == records

@@ -43,11 +43,21 @@ def read_unit(unit: WorkUnit, data: DataSpec, s3_options: dict | None = None) ->
         pos = 0
         if unit.start > 0:  # skip the line that began in the previous unit (if any)
             f.seek(unit.start - 1)
-            pos = unit.start - 1 + len(f.readline())
+            pos = unit.start - 1 + _skip_line(f)
         if src.format == "jsonl":
             yield from _jsonl(f, pos, unit, data, s3_options)
         else:
             yield from _text(f, pos, unit, data)
+
+
+def _skip_line(f: BinaryIO, block: int = 1 << 20) -> int:
+    """Read past the next newline without holding the line (it may be long); returns bytes read."""
+    n = 0
+    while part := f.readline(block):
+        n += len(part)
+        if part.endswith(b"\n"):
+            break
+    return n
 
 
 def _text(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec) -> Iterator[Doc | Skip]:
