@@ -55,6 +55,7 @@ def test_s3_globs_and_prefixes_list_objects_in_order_with_their_etag(s3, tmp_pat
         write_jsonl(tmp_path / name, [name])
         key = f"{url.removeprefix(f's3://{BUCKET}/')}/{name}"
         client.put_object(Bucket=BUCKET, Key=key, Body=(tmp_path / name).read_bytes())
+    client.put_object(Bucket=BUCKET, Key=f"{url.removeprefix(f's3://{BUCKET}/')}/sub/", Body=b"")  # a "directory"
 
     def names(pattern):
         return [f.uri.removeprefix(url + "/") for f in expand_sources(spec([pattern]), options)["all"]]
@@ -62,6 +63,7 @@ def test_s3_globs_and_prefixes_list_objects_in_order_with_their_etag(s3, tmp_pat
     assert names(f"{url}/**.jsonl") == ["a.jsonl", "b.jsonl", "sub/c.jsonl"]
     assert names(f"{url}/*.jsonl") == ["a.jsonl", "b.jsonl"]
     assert names(f"{url}/sub") == ["sub/c.jsonl", "sub/d.txt"]  # a prefix: every object under it
+    assert names(f"{url}/**") == ["a.jsonl", "b.jsonl", "e.jsonl.gz", "sub/c.jsonl", "sub/d.txt"]
     assert names(f"{url}/a.jsonl") == ["a.jsonl"]
     gz = expand_sources(spec([f"{url}/e.jsonl.gz"]), options)["all"][0]
     head = client.head_object(Bucket=BUCKET, Key=gz.bucket_key()[1])

@@ -115,9 +115,10 @@ def _s3_matches(url: str, s3_options: dict | None) -> list[tuple[str, int, str]]
     else:
         listed = storage.list_objects(key)
         exact = [o for o in listed if o.key == key]
-        under = key.rstrip("/") + "/"
-        objects = exact or [o for o in listed if o.key.startswith(under) and not o.key.endswith("/")]
-    return [(f"s3://{bucket}/{o.key}", o.size, o.etag) for o in objects]
+        under = key.rstrip("/") + "/" if key.strip("/") else ""
+        objects = exact or [o for o in listed if o.key.startswith(under)]
+    return [(f"s3://{bucket}/{o.key}", o.size, o.etag) for o in objects
+            if not o.key.endswith("/")]  # "directory" marker objects hold no text
 
 
 def _matches(spec: SourceSpec, entry: str, s3_options: dict | None) -> list[tuple[str, int, str]]:
