@@ -379,3 +379,22 @@ def test_a_line_longer_than_several_units_is_read_once_and_whole(tmp_path):
     path = write_jsonl(tmp_path / "long.jsonl", records)
     for unit_bytes in (1 << 20, 10**7):
         assert texts(read_all(spec([str(path)]), unit_bytes)) == records
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux /proc")
+def test_an_unreadable_file_is_an_error_naming_it_and_its_entry():
+    data = spec(["{stdlib}/json/__init__.py", "/proc/self/mem"])  # listed as a file; reading it fails (EIO)
+    with pytest.raises(CorpusError, match=r"^/proc/self/mem \(from data.sources\[1\]\) is unreadable \(OSError: .*\); "
+                                          "replace or fix the file, or remove it from data.sources"):
+        read_all(data)
+
+
+def test_a_unit_key_changes_when_what_the_unit_yields_can_change(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"line {i}\n" for i in range(500)))
+    packed = expand_sources(spec([str(compress(text, "gz"))]))["all"][0]
+    # one unit either way, but cut into documents every unit_bytes: its key follows
+    assert plan_units(packed, 4096)[0].key != plan_units(packed, 8192)[0].key
+    plain = expand_sources(spec([str(text)]))["all"][0]
+    assert plan_units(plain, 4096)[0].key == plan_units(plain, 4096)[0].key
+    assert plan_units(plain, 4096)[0].key != plan_units(plain, 2048)[0].key

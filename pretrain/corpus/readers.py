@@ -24,7 +24,7 @@ BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark at the start of a file is not t
 def reader_settings(data: DataSpec) -> dict:
     """The settings that change what :func:`read_unit` yields for the same unit: a cache of
     unit results must key on them too (with :attr:`WorkUnit.key` and the tokenizer)."""
-    return {k: getattr(data, k) for k in ("unit_bytes", "decode_errors", "binary_threshold", "on_bad_record")}
+    return {k: getattr(data, k) for k in ("decode_errors", "binary_threshold", "on_bad_record")}
 
 
 def read_unit(unit: WorkUnit, data: DataSpec, s3_options: dict | None = None) -> Iterator[Doc | Skip]:
@@ -66,7 +66,7 @@ def _text(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec) -> Iterator[Doc
     src = unit.source
     whole = unit.start == 0 and unit.stop >= src.size and not src.compression
     while True:
-        end = (pos // data.unit_bytes + 1) * data.unit_bytes if src.compression else unit.stop
+        end = (pos // unit.chunk_bytes + 1) * unit.chunk_bytes if unit.chunk_bytes else unit.stop
         chunk = f.read(end - pos) if pos < end else b""
         if not chunk:
             if pos == 0:
@@ -77,7 +77,7 @@ def _text(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec) -> Iterator[Doc
         where = src.uri if whole else f"{src.uri} bytes {pos}-{pos + len(chunk)}"
         pos, chunk = pos + len(chunk), chunk.removeprefix(BOM) if pos == 0 else chunk
         yield document(decode(chunk, data, where), where)
-        if not src.compression:
+        if not unit.chunk_bytes:
             return
 
 
