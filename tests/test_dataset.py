@@ -13,15 +13,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import s3_servers
+from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 from tokenizers import Tokenizer
 
-from conftest import wait_for
 from pretrain.dataset.errors import DataPrepError
 from pretrain.dataset.prepare import prepare
 from pretrain.spec_data import DataSpec
 from trainer.atomic import sha256_file
 from trainer.data import TokenWindows, read_manifest
 from trainer.data_manifest import MANIFEST
+from trainer.storage import open_storage
+
+seaweed = s3_servers.seaweed
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = {"log": lambda *_: None}
@@ -238,3 +242,41 @@ def test_a_bad_jsonl_line_in_a_worker_stops_preparation_naming_file_and_line(tmp
                 tmp_path / "data", work=tmp_path / "w", **QUIET)
     skipped = prepare(spec([str(corpus)], on_bad_record="skip"), tmp_path / "data", work=tmp_path / "w", **QUIET)
     assert skipped["skipped"]["bad_record"] == 1 and sum(skipped["documents"].values()) == 30
+
+
+def test_an_s3_root_gets_the_same_data_set_uploaded_manifest_last_and_reuses_it(seaweed, tmp_path):
+    """Sources, tokenizer and data set all on SeaweedFS; the bytes equal a local run's."""
+    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY, "secret_key": SECRET_KEY}
+    bucket = open_storage(f"s3://{BUCKET}/dataset-test", **options)
+    for k, path in enumerate(jsonl_corpus(tmp_path / "corpus", files=2, per_file=30)):
+        bucket.put_file(f"corpus/part{k}.jsonl", path)
+    bucket.put_file("tok/tokenizer.json", wide_tokenizer(tmp_path / "t.json", 1000))
+    data = spec([f"s3://{BUCKET}/dataset-test/corpus/*.jsonl"], workers=2,
+                tokenizer={"path": f"s3://{BUCKET}/dataset-test/tok/tokenizer.json"})
+    root = f"s3://{BUCKET}/dataset-test/datasets"
+
+    m = prepare(data, root, work=tmp_path / "work", s3_options=options, **QUIET)
+    assert m["location"] == f"{root}/{m['fingerprint']}" and not m["reused"]
+    remote = open_storage(m["location"], **options)
+    names = remote.list()
+    assert MANIFEST in names and len(names) == 2 + sum(len(v) for v in m["splits"].values())
+    assert not (tmp_path / "work" / "staging" / m["fingerprint"]).exists()  # the local staging copy is gone
+    local = prepare(data, tmp_path / "local", work=tmp_path / "work", s3_options=options, **QUIET)
+    assert {n: remote.get_bytes(n) for n in names} == data_set_bytes(local["location"])
+
+    again = prepare(data, root, work=tmp_path / "fresh-work", s3_options=options, **QUIET)
+    assert again["reused"] is True and again["fingerprint"] == m["fingerprint"]
+
+
+def test_data_prep_that_fills_the_disk_leaves_no_data_set_and_a_retry_after_freeing_space_works(tmp_path):
+    from tmpfs import resize_tmpfs, small_tmpfs
+
+    data = spec(["{stdlib}/json/*.py"], tokenizer={"vocab_size": 400}, val_fraction=0.2, shard_tokens=2048)
+    with small_tmpfs(tmp_path / "fs", "32k") as fs:
+        with pytest.raises(DataPrepError, match=rf"no space left on {fs} \(tmpfs.*Free space there"):
+            prepare(data, fs / "data", work=tmp_path / "work", **QUIET)
+        assert not list((fs / "data").glob(f"*/{MANIFEST}"))
+        assert [p for p in (fs / "data").rglob("*") if p.is_file()] == []  # no shard, no temporary left
+        resize_tmpfs(fs, "4m")  # the operator frees space
+        m = prepare(data, fs / "data", work=tmp_path / "work", **QUIET)
+        assert m["reused"] is False and read_manifest(m["location"])["fingerprint"] == m["fingerprint"]
