@@ -90,10 +90,16 @@ def test_the_data_set_is_byte_identical_for_any_number_of_workers(tmp_path):
     corpus = jsonl_corpus(tmp_path / "corpus")
     sets = []
     for workers in (1, 2):
+        seen = []
         m = prepare(spec([str(tmp_path / "corpus/*.jsonl")], workers=workers), tmp_path / f"data{workers}",
-                    work=tmp_path / f"work{workers}", **QUIET)
-        assert sum(s["units"] for s in m["sources"]) > 2 * len(corpus)  # several units per file
+                    work=tmp_path / f"work{workers}", progress=seen.append, **QUIET)
+        units = sum(s["units"] for s in m["sources"])
+        assert units > 2 * len(corpus)  # several units per file
         sets.append(data_set_bytes(m["location"]))
+        tokenize = [p for p in seen if p.phase == "tokenize"]
+        assert [p.units_done for p in tokenize] == list(range(1, units + 1))  # one report per finished unit
+        assert [p.phase for p in seen if p.phase != "tokenize"] == ["scan", "tokenizer", "assemble", "done"]
+        assert seen[-1].fraction == 1.0 and seen[-1].tokens == tokenize[-1].tokens > 0
     assert sets[0] == sets[1]
 
 
@@ -266,6 +272,14 @@ def test_an_s3_root_gets_the_same_data_set_uploaded_manifest_last_and_reuses_it(
 
     again = prepare(data, root, work=tmp_path / "fresh-work", s3_options=options, **QUIET)
     assert again["reused"] is True and again["fingerprint"] == m["fingerprint"]
+
+
+def test_an_s3_root_in_a_missing_bucket_is_a_clear_error(seaweed, tmp_path):
+    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY, "secret_key": SECRET_KEY}
+    write_jsonl(tmp_path / "c.jsonl", docs(10))
+    with pytest.raises(DataPrepError, match=r"cannot read data sets under s3://no-such-bucket/sets/.*create bucket"):
+        prepare(spec([str(tmp_path / "c.jsonl")]), "s3://no-such-bucket/sets", work=tmp_path / "w",
+                s3_options=options, **QUIET)
 
 
 def test_data_prep_that_fills_the_disk_leaves_no_data_set_and_a_retry_after_freeing_space_works(tmp_path):

@@ -89,7 +89,7 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
     if _is_s3(location):
         report(PrepProgress("upload", len(units), len(units), *_totals(units, results)))
         _upload(out, target, manifest, location)
-    _log_summary(log, manifest, location, flat)
+    _log_summary(log, manifest, location, flat, [e for _, r in results for e in r.skip_examples][:3])
     report(PrepProgress("done", len(units), len(units), *_totals(units, results)))
     return {**manifest, "reused": False, "location": location}
 
@@ -195,9 +195,9 @@ def _upload(staged: Path, target, manifest: dict, location: str) -> None:
     shutil.rmtree(staged, ignore_errors=True)
 
 
-def _log_summary(log, manifest: dict, location: str, flat) -> None:
+def _log_summary(log, manifest: dict, location: str, flat, examples: list[str]) -> None:
     skipped = ", ".join(f"{n} {r}" for r, n in manifest["skipped"].items() if n)
     log(f"prepared {manifest['tokens']['train']} train / {manifest['tokens']['val']} val tokens "
         f"({manifest['documents']['train']} / {manifest['documents']['val']} documents, vocab "
         f"{manifest['vocab_size']}, {manifest['dtype']}) from {len(flat)} file(s) in {location}"
-        + (f"; skipped: {skipped}" if skipped else ""))
+        + (f"; skipped: {skipped}" if skipped else "") + (f" (e.g. {'; '.join(examples)})" if examples else ""))
