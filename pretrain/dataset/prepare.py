@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from pretrain.corpus.files import expand_sources
+from pretrain.corpus.readers import reader_settings
 from pretrain.corpus.units import plan_units
 from pretrain.dataset.assemble import AssembledUnit, assemble
 from pretrain.dataset.errors import DataPrepError, removed_if_disk_full
@@ -104,8 +105,7 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
     """Every unit's result, in unit order: finished ones reused, the rest tokenized on the pool."""
     cache = work / "units"
     clear_stale_temporaries(cache)
-    read_settings = {"decode_errors": data.decode_errors, "binary_threshold": data.binary_threshold,
-                     "on_bad_record": data.on_bad_record}
+    read_settings = reader_settings(data)
     itemsize = 2 if tok.dtype == "uint16" else 4
     paths = [cache / unit_dir_name(u.key, tok.sha256, read_settings) for _, u, _ in units]
     results: list[UnitResult | None] = [read_unit_result(p, itemsize) for p in paths]
