@@ -110,6 +110,11 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
     paths = [cache / unit_dir_name(u.key, tok.sha256, read_settings) for _, u, _ in units]
     results: list[UnitResult | None] = [read_unit_result(p, itemsize) for p in paths]
     todo = [i for i, r in enumerate(results) if r is None]
+    for i in todo:  # a damaged result in the way of the unit's new one (a rename never replaces a directory)
+        if paths[i].is_dir():
+            shutil.rmtree(paths[i])
+        else:
+            paths[i].unlink(missing_ok=True)
     workers = data.workers or os.cpu_count() or 1
     done = {"units": 0, "bytes": 0, "tokens": 0, "docs": 0}
     total_bytes = sum(b for *_, b in units)
