@@ -11,7 +11,7 @@ __all__ = ["DataPrepError", "PrepProgress", "prepare"]
 
 def __getattr__(name: str):
     if name == "prepare":
-        from pretrain.dataset.prepare import prepare
+        from pretrain.dataset.build import prepare
 
         return prepare
     if name == "DataPrepError":
