@@ -165,6 +165,7 @@ def test_with_a_given_tokenizer_a_changed_file_re_tokenizes_only_its_units(tmp_p
     assert after["fingerprint"] != before["fingerprint"] and read_manifest(before["location"])  # old set intact
     assert after["documents"]["train"] + after["documents"]["val"] == sum(before["documents"].values()) + 5
     assert changed_units and after["tokenizer_sha256"] == before["tokenizer_sha256"]
+    assert len(list((tmp_path / "work" / "units").iterdir())) == total  # the changed file's old units are gone
 
 
 def test_a_trained_tokenizer_says_a_changed_corpus_re_tokenizes_everything(tmp_path):

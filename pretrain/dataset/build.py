@@ -19,7 +19,7 @@ from pretrain.dataset.pool import UnitJob, run_units
 from pretrain.dataset.progress import PrepProgress, ProgressCallback
 from pretrain.dataset.sample import trained_tokenizer
 from pretrain.dataset.tokenizer import LoadedTokenizer, load_tokenizer
-from pretrain.dataset.unitcache import UnitResult, clear_stale_temporaries, read_unit_result, unit_dir_name
+from pretrain.dataset.unitcache import UnitResult, clear_stale_temporaries, prune, read_unit_result, unit_dir_name
 from pretrain.spec_data import DataSpec
 from trainer.atomic import atomic_write_bytes
 from trainer.data_manifest import MANIFEST, SKIP_REASONS, TOKENIZER_FILE, DamagedManifest, encode_manifest, parse_manifest
@@ -91,6 +91,7 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
         report(PrepProgress("upload", len(units), len(units), *_totals(units, results)))
         _upload(out, target, manifest, location)
     _log_summary(log, manifest, location, flat, [e for _, r in results for e in r.skip_examples][:3])
+    _prune(work, {p.name for p, _ in results}, f"{fp}.json")
     report(PrepProgress("done", len(units), len(units), *_totals(units, results)))
     return {**manifest, "reused": False, "location": location}
 
@@ -198,6 +199,14 @@ def _upload(staged: Path, target, manifest: dict, location: str) -> None:
     except StorageError as err:
         raise DataPrepError(f"uploading the data set to {location} failed: {err}") from None
     shutil.rmtree(staged, ignore_errors=True)
+
+
+def _prune(work: Path, units: set[str], tokenizer: str) -> None:
+    """Keep only what the next incremental run can use: this data set's unit results and tokenizer."""
+    prune(work / "units", units)
+    for p in (work / "tokenizers").glob("*.json"):
+        if p.name != tokenizer:
+            p.unlink(missing_ok=True)
 
 
 def _log_summary(log, manifest: dict, location: str, flat, examples: list[str]) -> None:
