@@ -142,7 +142,7 @@ def test_a_run_killed_mid_preparation_resumes_at_unfinished_units_with_an_identi
 
     logged: list[str] = []
     resumed = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
-    assert any(f"finished earlier are reused" in line and f"of {total} work unit" in line for line in logged), logged
+    assert any("finished earlier are reused" in line and f"of {total} work unit" in line for line in logged), logged
     clean = prepare(data, tmp_path / "clean", work=tmp_path / "clean-work", **QUIET)
     assert resumed["fingerprint"] == clean["fingerprint"]
     assert data_set_bytes(resumed["location"]) == data_set_bytes(clean["location"])  # manifest and shards
