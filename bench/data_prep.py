@@ -1,6 +1,7 @@
 """Data preparation throughput and memory, side by side in one run:
 
-1. raw ``Tokenizer.encode_batch`` on one core (RAYON_NUM_THREADS=1) over the corpus's texts;
+1. raw ``Tokenizer.encode_batch`` on one core (RAYON_NUM_THREADS=1) over the corpus's texts, and
+   ``encode_batch_fast`` (no offsets: what the pipeline's workers call);
 2. the pipeline (``pretrain.dataset.prepare``) with 1 worker on the same JSONL corpus;
 3. the pipeline with all workers (one per core);
 4. peak RSS of (3) on a corpus 4× larger.
@@ -62,21 +63,22 @@ def make_corpus(out: Path, mib: int, copies: int = 1) -> list[Path]:
 def child(mode: str, corpus: str, tokenizer: str, workers: int) -> None:
     """One measurement; prints one JSON line."""
     extra: dict[str, float] = {}
-    if mode == "raw":
+    if mode in ("raw", "raw-fast"):
         os.environ["RAYON_NUM_THREADS"] = "1"  # this child only: one core
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(tokenizer)
         texts = [json.loads(line)["text"] for p in sorted(Path(corpus).glob("*.jsonl")) for line in open(p)]
+        encode = tok.encode_batch if mode == "raw" else tok.encode_batch_fast  # _fast: no offsets (the pipeline's)
         t0 = time.perf_counter()
         tokens, batch, size = 0, [], 0
         for text in texts:
             batch.append(text)
             size += len(text)
             if size >= 1 << 20:
-                tokens += sum(len(e.ids) for e in tok.encode_batch(batch))
+                tokens += sum(len(e.ids) for e in encode(batch))
                 batch, size = [], 0
-        tokens += sum(len(e.ids) for e in tok.encode_batch(batch))
+        tokens += sum(len(e.ids) for e in encode(batch))
         seconds = time.perf_counter() - t0
     else:
         from pretrain.dataset import prepare
@@ -134,9 +136,10 @@ def main() -> None:
         tokenizer = Path(tmp) / "tokenizer.json"
         tok.save(str(tokenizer))
 
-        runs: dict[str, list[dict]] = {"raw": [], "one": [], "many": []}
+        runs: dict[str, list[dict]] = {"raw": [], "fast": [], "one": [], "many": []}
         for _ in range(args.repeats):  # interleaved: a busy spell of the shared machine hits every way alike
             runs["raw"].append(run_child("raw", small, tokenizer))
+            runs["fast"].append(run_child("raw-fast", small, tokenizer))
             runs["one"].append(run_child("pipeline", small, tokenizer, 1))
             runs["many"].append(run_child("pipeline", small, tokenizer, all_workers))
         big = run_child("pipeline", large, tokenizer, all_workers)
@@ -148,8 +151,11 @@ def main() -> None:
           f"best of {args.repeats}, load average before/after {load0:.1f}/{os.getloadavg()[0]:.1f}")
     print(f"raw encode_batch, 1 core        {rate['raw']:>10,.0f} tokens/s  {raw['seconds']:5.1f} s  "
           f"{cpu['raw']:>10,.0f} tokens/CPU-s")
+    print(f"raw encode_batch_fast, 1 core   {rate['fast']:>10,.0f} tokens/s  {best['fast']['seconds']:5.1f} s  "
+          f"{cpu['fast']:>10,.0f} tokens/CPU-s")
     print(f"pipeline, 1 worker              {rate['one']:>10,.0f} tokens/s  {one['seconds']:5.1f} s  "
-          f"{cpu['one']:>10,.0f} tokens/CPU-s  → {rate['one'] / rate['raw']:.2f}× raw (target ≥ 0.8)")
+          f"{cpu['one']:>10,.0f} tokens/CPU-s  → {rate['one'] / rate['raw']:.2f}× raw (target ≥ 0.8), "
+          f"{rate['one'] / rate['fast']:.2f}× raw _fast")
     print(f"pipeline, {all_workers} workers             {rate['many']:>10,.0f} tokens/s  {many['seconds']:5.1f} s  "
           f"{cpu['many']:>10,.0f} tokens/CPU-s  → {rate['many'] / rate['one']:.2f}× 1 worker (target ≥ 1.7)")
     for name, r in (("1 worker", one), (f"{all_workers} workers", many), (f"{all_workers} workers, 4× corpus", big)):
