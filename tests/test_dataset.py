@@ -331,3 +331,16 @@ def test_a_damaged_unit_result_is_tokenized_again_never_trusted(tmp_path):
     assert any(line.startswith(f"tokenizing 1 of {len(units)} work unit") for line in logged), logged
     clean = prepare(other, tmp_path / "clean", work=tmp_path / "clean-work", **QUIET)
     assert data_set_bytes(m["location"]) == data_set_bytes(clean["location"])
+
+
+@pytest.mark.parametrize("make, eos, message", [
+    (lambda p: p / "missing.json", "<|endoftext|>", r"tokenizer.path '.*missing.json' cannot be read .*fix the path"),
+    (lambda p: (p / "t.json").write_text("{not a tokenizer") and p / "t.json", "<|endoftext|>",
+     r"is not a Hugging Face tokenizer.json"),
+    (lambda p: wide_tokenizer(p / "t.json", 1000), "</s>", r"has no token '</s>' to separate documents: set tokenizer.eos_token"),
+], ids=["missing", "not a tokenizer", "no separator"])
+def test_a_given_tokenizer_that_cannot_serve_is_a_clear_error(tmp_path, make, eos, message):
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs(10))
+    data = spec([str(corpus)], tokenizer={"path": str(make(tmp_path)), "eos_token": eos})
+    with pytest.raises(DataPrepError, match=message):
+        prepare(data, tmp_path / "data", work=tmp_path / "w", **QUIET)
