@@ -344,3 +344,18 @@ def test_a_given_tokenizer_that_cannot_serve_is_a_clear_error(tmp_path, make, eo
     data = spec([str(corpus)], tokenizer={"path": str(make(tmp_path)), "eos_token": eos})
     with pytest.raises(DataPrepError, match=message):
         prepare(data, tmp_path / "data", work=tmp_path / "w", **QUIET)
+
+
+def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
+    jsonl_corpus(tmp_path / "corpus", files=1, per_file=40)
+    data = spec([str(tmp_path / "corpus/*.jsonl")])
+    first = prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
+    cached = tmp_path / "work" / "tokenizers" / f"{first['fingerprint']}.json"
+    cached.write_bytes(cached.read_bytes()[:100])  # torn
+    manifest = Path(first["location"]) / MANIFEST
+    before = manifest.read_bytes()
+    manifest.unlink()  # the data set is prepared again, from the cache
+    logged: list[str] = []
+    again = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
+    assert any(f"{cached} is damaged; training the tokenizer again" in line for line in logged), logged
+    assert again["reused"] is False and manifest.read_bytes() == before
