@@ -359,3 +359,19 @@ def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
     again = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
     assert any(f"{cached} is damaged; training the tokenizer again" in line for line in logged), logged
     assert again["reused"] is False and manifest.read_bytes() == before
+
+
+def test_a_failing_progress_display_never_stops_preparation(tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", docs(30))
+    calls: list[str] = []
+
+    def broken(p):
+        calls.append(p.phase)
+        raise ConnectionError("the Prefect server went away")
+
+    logged: list[str] = []
+    m = prepare(spec([str(tmp_path / "c.jsonl")]), tmp_path / "data", work=tmp_path / "w", log=logged.append,
+                progress=broken)
+    assert read_manifest(m["location"])["fingerprint"] == m["fingerprint"] and calls == ["scan"]
+    assert [line for line in logged if "progress reporting failed" in line] == [
+        "progress reporting failed (ConnectionError: the Prefect server went away); data preparation goes on without it"]

@@ -46,6 +46,22 @@ def _existing(target, location: str, log) -> dict | None:
         return None
 
 
+def _guarded(progress: ProgressCallback | None, log) -> ProgressCallback:
+    """``progress``, but a display that fails (a console, a Prefect server going away) is logged
+    once and then left out: it never stops data preparation."""
+    state = {"failed": progress is None}
+
+    def report(p: PrepProgress) -> None:
+        if state["failed"]:
+            return
+        try:
+            progress(p)
+        except Exception as err:  # whatever the display raises
+            state["failed"] = True
+            log(f"progress reporting failed ({type(err).__name__}: {err}); data preparation goes on without it")
+    return report
+
+
 def _unit_bytes(unit, n_units: int) -> int:
     """Source bytes one unit stands for (progress): its byte range, or a Parquet file's share."""
     return unit.source.size // n_units if unit.source.format == "parquet" else unit.stop - unit.start
@@ -55,7 +71,7 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
             progress: ProgressCallback | None = None) -> dict:
     """Build (or reuse) the data set for ``data`` under ``root``; returns its manifest plus
     ``reused`` and ``location`` (the data set's directory or s3 URL)."""
-    report = progress or (lambda p: None)
+    report = _guarded(progress, log)
     report(PrepProgress("scan"))
     s3 = s3_options or {}
     sources = expand_sources(data, s3_options)
