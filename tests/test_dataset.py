@@ -375,3 +375,24 @@ def test_a_failing_progress_display_never_stops_preparation(tmp_path):
     assert read_manifest(m["location"])["fingerprint"] == m["fingerprint"] and calls == ["scan"]
     assert [line for line in logged if "progress reporting failed" in line] == [
         "progress reporting failed (ConnectionError: the Prefect server went away); data preparation goes on without it"]
+
+
+@pytest.mark.parametrize("batches", [
+    [[5, 3, 5, 1], [3, 7, 7], [], [1, 2, 3, 4, 5, 6, 7, 8]],
+    [[2**64 - 1, 0, 2**64 - 1], [0]],
+    [list(range(i, i + 50)) for i in range(0, 1000, 30)],  # overlapping runs: many merges
+    [list(np.random.default_rng(3).integers(0, 400, size=97)) for _ in range(40)],
+], ids=["small", "extremes", "overlapping", "random"])
+def test_the_dedup_hash_set_agrees_with_a_python_set(batches):
+    from pretrain.dataset.dedup import HashSet
+
+    hs, reference = HashSet(), set()
+    for batch in batches:
+        expected = []
+        for h in batch:
+            expected.append(int(h) not in reference)
+            reference.add(int(h))
+        assert hs.first_seen(np.asarray(batch, dtype=np.uint64)).tolist() == expected
+        assert len(hs) == len(reference)
+    sizes = [len(b) for b in hs.blocks]
+    assert sizes == sorted(sizes, reverse=True)

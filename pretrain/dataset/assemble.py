@@ -2,7 +2,8 @@
 (first wins), each document to train or val by its hash, train documents repeated by their
 source's weight, packed with a separator after each document into fixed-size shards per
 (split, group). Only the unit results are read, so the output cannot depend on how many
-workers made them; memory is one shard buffer per split plus the set of document hashes."""
+workers made them; memory is one shard buffer per split plus the set of document hashes
+(8 bytes per distinct document, :mod:`pretrain.dataset.dedup`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.atomic import atomic_write_bytes
+from pretrain.dataset.dedup import HashSet
 from pretrain.dataset.unitcache import UnitResult, load_docs, load_tokens
 
 TWO64 = 1 << 64
@@ -87,7 +89,7 @@ def assemble(units: list[AssembledUnit], groups: list[str], *, out: Path, dtype:
              val_fraction: float, shard_tokens: int, n_sources: int, written: list[Path]):
     """Write every shard into ``out``; returns (splits, documents per split, per-source stats)."""
     threshold, forced_val, forced_train = split_rule(units, val_fraction)
-    seen: set[int] = set()
+    seen = HashSet()
     stats = [SourceStats() for _ in range(n_sources)]
     splits: dict[str, list[dict]] = {"train": [], "val": []}
     documents = {"train": 0, "val": 0}
@@ -103,14 +105,13 @@ def assemble(units: list[AssembledUnit], groups: list[str], *, out: Path, dtype:
             if not u.result.documents:
                 continue
             docs, tokens = load_docs(u.path), load_tokens(u.path, dtype)
-            reps = repeats(docs["hash"], u.weight)
+            reps, first = repeats(docs["hash"], u.weight), seen.first_seen(docs["hash"])
             start = 0
-            for (end, h), rep in zip(docs.tolist(), reps.tolist()):
+            for (end, h), rep, new in zip(docs.tolist(), reps.tolist(), first.tolist()):
                 doc, start = tokens[start:end], end
-                if h in seen:
+                if not new:
                     st.skipped["duplicate"] = st.skipped.get("duplicate", 0) + 1
                     continue
-                seen.add(h)
                 val = (h < threshold or h == forced_val) and h != forced_train
                 split, copies = ("val", 1) if val else ("train", rep)
                 if not copies:  # a weight below 1 left it out of this data set
