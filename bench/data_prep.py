@@ -81,7 +81,7 @@ def child(mode: str, corpus: str, tokenizer: str, workers: int) -> None:
         tokens += sum(len(e.ids) for e in encode(batch))
         seconds = time.perf_counter() - t0
     else:
-        from pretrain.dataset import prepare
+        from pretrain.dataset.prepare import prepare
         from pretrain.spec_data import DataSpec
 
         data = DataSpec(sources=[f"{corpus}/*.jsonl"], tokenizer={"path": tokenizer}, workers=workers,

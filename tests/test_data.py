@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from pretrain.dataset import prepare
+from pretrain.dataset.prepare import prepare
 from pretrain.spec_data import DataSpec
 from trainer.data import DataError, GlobalSampler, TokenWindows, micro_batch_positions, read_manifest
 

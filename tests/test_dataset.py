@@ -17,8 +17,8 @@ import s3_servers
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 from tokenizers import Tokenizer
 
-from pretrain.dataset import DataPrepError
-from pretrain.dataset import prepare
+from pretrain.dataset.errors import DataPrepError
+from pretrain.dataset.prepare import prepare
 from pretrain.spec_data import DataSpec
 from trainer.atomic import sha256_file
 from trainer.data import TokenWindows, read_manifest
@@ -106,7 +106,7 @@ def test_the_data_set_is_byte_identical_for_any_number_of_workers(tmp_path):
 KILLED_RUN = """
 import sys
 from pathlib import Path
-from pretrain.dataset import prepare
+from pretrain.dataset.prepare import prepare
 from pretrain.spec_data import DataSpec
 
 def stop_at_unit(p):
