@@ -275,12 +275,17 @@ def test_an_s3_root_gets_the_same_data_set_uploaded_manifest_last_and_reuses_it(
     assert again["reused"] is True and again["fingerprint"] == m["fingerprint"]
 
 
-def test_an_s3_root_in_a_missing_bucket_is_a_clear_error(seaweed, tmp_path):
-    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY, "secret_key": SECRET_KEY}
+@pytest.mark.parametrize("root, secret, message", [
+    ("s3://no-such-bucket/sets", SECRET_KEY, r"cannot read data sets under s3://no-such-bucket/sets/.*create bucket"),
+    (f"s3://{BUCKET}/sets", "wrong-secret", rf"cannot read data sets under s3://{BUCKET}/sets/.*check the access key"),
+], ids=["missing bucket", "bad credentials"])
+def test_an_s3_root_that_cannot_be_used_is_a_clear_error(seaweed, tmp_path, root, secret, message):
+    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY, "secret_key": secret,
+               "max_attempts": 1}
     write_jsonl(tmp_path / "c.jsonl", docs(10))
-    with pytest.raises(DataPrepError, match=r"cannot read data sets under s3://no-such-bucket/sets/.*create bucket"):
-        prepare(spec([str(tmp_path / "c.jsonl")]), "s3://no-such-bucket/sets", work=tmp_path / "w",
-                s3_options=options, **QUIET)
+    with pytest.raises(DataPrepError, match=message) as raised:
+        prepare(spec([str(tmp_path / "c.jsonl")]), root, work=tmp_path / "w", s3_options=options, **QUIET)
+    assert "wrong-secret" not in str(raised.value)
 
 
 def test_data_prep_that_fills_the_disk_leaves_no_data_set_and_a_retry_after_freeing_space_works(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pretrain.corpus.files import expand_sources
@@ -205,12 +206,17 @@ def _tok_settings(data: DataSpec, tok: LoadedTokenizer) -> dict:
              "eos_token": t.eos_token})
 
 
+UPLOADS = 8  # shards uploaded at once (one boto3 client is thread-safe)
+
+
 def _upload(staged: Path, target, manifest: dict, location: str) -> None:
-    """Shards and tokenizer first, the manifest last; then the local staging copy goes."""
+    """Shards and tokenizer first (several at a time), the manifest last, once every one of them
+    is stored; then the local staging copy goes."""
     files = [TOKENIZER_FILE] + [s["file"] for shards in manifest["splits"].values() for s in shards]
     try:
-        for name in files:
-            target.put_file(name, staged / name)
+        with ThreadPoolExecutor(UPLOADS) as pool:
+            for _ in pool.map(lambda name: target.put_file(name, staged / name), files):
+                pass  # re-raises the first failure
         target.put_file(MANIFEST, staged / MANIFEST)
     except StorageError as err:
         raise DataPrepError(f"uploading the data set to {location} failed: {err}") from None
@@ -220,6 +226,7 @@ def _upload(staged: Path, target, manifest: dict, location: str) -> None:
 def _prune(work: Path, units: set[str], tokenizer: str) -> None:
     """Keep only what the next incremental run can use: this data set's unit results and tokenizer."""
     prune(work / "units", units)
+    shutil.rmtree(work / "staging", ignore_errors=True)  # an S3 data set's copy left by a failed upload
     for p in (work / "tokenizers").glob("*.json"):
         if p.name != tokenizer:
             p.unlink(missing_ok=True)
