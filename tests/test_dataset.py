@@ -23,7 +23,7 @@ from pretrain.spec_data import DataSpec
 from trainer.atomic import sha256_file
 from trainer.data import TokenWindows, read_manifest
 from trainer.data_manifest import MANIFEST
-from trainer.storage import open_storage
+from trainer.storage import LocalStorage, StorageError, open_storage
 
 seaweed = s3_servers.seaweed
 
@@ -401,3 +401,44 @@ def test_the_dedup_hash_set_agrees_with_a_python_set(batches):
         assert len(hs) == len(reference)
     sizes = [len(b) for b in hs.blocks]
     assert sizes == sorted(sizes, reverse=True)
+
+
+class RecordingStorage(LocalStorage):
+    """A real local storage that records what is put, and can refuse one key (an S3 failure)."""
+
+    def __init__(self, root, refuse: str | None = None):
+        super().__init__(root)
+        self.put, self.refuse = [], refuse
+
+    def put_file(self, key, path):
+        if key == self.refuse:
+            raise StorageError(f"S3 upload of {key} failed (503: slow down); check the S3 server and retry")
+        super().put_file(key, path)
+        self.put.append(key)
+
+
+@pytest.mark.parametrize("refuse", [None, "shard_00007.bin"])
+def test_staged_files_upload_as_written_and_the_manifest_only_after_all_of_them(tmp_path, refuse):
+    from pretrain.dataset.upload import Uploader
+
+    target = RecordingStorage(tmp_path / "remote", refuse=refuse)
+    staged = tmp_path / "staging"
+    staged.mkdir()
+    uploader = Uploader(target, "s3://bucket/sets/fp")
+    names = [f"shard_{i:05d}.bin" for i in range(40)]
+    try:
+        for name in names:
+            (staged / name).write_bytes(name.encode() * 1000)
+            uploader(staged / name)
+        (staged / MANIFEST).write_text("{}")
+        uploader.finish(staged / MANIFEST)
+    except DataPrepError as err:
+        assert refuse and f"uploading the data set to s3://bucket/sets/fp failed: S3 upload of {refuse}" in str(err)
+        assert MANIFEST not in target.put  # a data set without all its shards is never committed
+        return
+    finally:
+        uploader.close()
+    assert not refuse
+    assert sorted(target.put[:-1]) == names and target.put[-1] == MANIFEST
+    assert list(staged.iterdir()) == []  # each local copy went once stored
+    assert all((tmp_path / "remote" / n).read_bytes() == n.encode() * 1000 for n in names)

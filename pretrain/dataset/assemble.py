@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -43,8 +44,9 @@ class ShardWriter:
     """Packs token runs into ``<stem>_NNNNN.bin`` files of ``shard_tokens`` tokens (the last one
     shorter), each written atomically as soon as it is full."""
 
-    def __init__(self, out: Path, stem: str, group: str, dtype: str, shard_tokens: int, written: list[Path]):
-        self.out, self.stem, self.group, self.written = out, stem, group, written
+    def __init__(self, out: Path, stem: str, group: str, dtype: str, shard_tokens: int, written: list[Path],
+                 on_shard: Callable[[Path], None] | None = None):
+        self.out, self.stem, self.group, self.written, self.on_shard = out, stem, group, written, on_shard
         self.buf = np.empty(shard_tokens, dtype=dtype)
         self.fill = 0
         self.shards: list[dict] = []
@@ -66,6 +68,8 @@ class ShardWriter:
             digest = atomic_write_bytes(path, self.buf[:self.fill].tobytes())
             self.shards.append({"file": name, "tokens": int(self.fill), "sha256": digest, "group": self.group})
             self.fill = 0
+            if self.on_shard:
+                self.on_shard(path)
 
 
 def split_rule(units: list[AssembledUnit], val_fraction: float) -> tuple[int, int | None, int | None]:
@@ -86,8 +90,10 @@ def repeats(hashes: np.ndarray, weight: float) -> np.ndarray:
 
 
 def assemble(units: list[AssembledUnit], groups: list[str], *, out: Path, dtype: str, eot_id: int,
-             val_fraction: float, shard_tokens: int, n_sources: int, written: list[Path]):
-    """Write every shard into ``out``; returns (splits, documents per split, per-source stats)."""
+             val_fraction: float, shard_tokens: int, n_sources: int, written: list[Path],
+             on_shard: Callable[[Path], None] | None = None):
+    """Write every shard into ``out`` (``on_shard(path)`` after each); returns (splits, documents
+    per split, per-source stats)."""
     threshold, forced_val, forced_train = split_rule(units, val_fraction)
     seen = HashSet()
     stats = [SourceStats() for _ in range(n_sources)]
@@ -96,7 +102,7 @@ def assemble(units: list[AssembledUnit], groups: list[str], *, out: Path, dtype:
     eot = np.asarray([eot_id], dtype=dtype)
     for group in groups:
         writers = {split: ShardWriter(out, split if group == "all" else f"{split}_{group}", group, dtype,
-                                      shard_tokens, written) for split in splits}
+                                      shard_tokens, written, on_shard) for split in splits}
         for u in (u for u in units if u.group == group):
             st = stats[u.source_index]
             st.units += 1

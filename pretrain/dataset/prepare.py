@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pretrain.corpus.files import expand_sources
@@ -20,6 +19,7 @@ from pretrain.dataset.pool import UnitJob, run_units
 from pretrain.dataset.progress import PrepProgress, ProgressCallback
 from pretrain.dataset.sample import trained_tokenizer
 from pretrain.dataset.tokenizer import LoadedTokenizer, load_tokenizer
+from pretrain.dataset.upload import Uploader
 from pretrain.dataset.unitcache import UnitResult, clear_stale_temporaries, prune, read_unit_result, unit_dir_name
 from pretrain.spec_data import DataSpec
 from trainer.atomic import atomic_write_bytes
@@ -103,10 +103,15 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
                             "data.sources at text, JSONL or Parquet files with text in them")
     report(PrepProgress("assemble", len(units), len(units), *_totals(units, results)))
     out = Path(location) if not _is_s3(location) else work / "staging" / fp
-    manifest = _write_data_set(data, sources, flat, units, results, tok, fp, settings, out, location)
-    if _is_s3(location):
-        report(PrepProgress("upload", len(units), len(units), *_totals(units, results)))
-        _upload(out, target, manifest, location)
+    uploader = Uploader(target, location) if _is_s3(location) else None
+    try:
+        manifest = _write_data_set(data, sources, flat, units, results, tok, fp, settings, out, uploader)
+        if uploader:
+            report(PrepProgress("upload", len(units), len(units), *_totals(units, results)))
+            uploader.finish(out / MANIFEST)
+    finally:
+        if uploader:
+            uploader.close()
     _log_summary(log, manifest, location, flat, [e for _, r in results for e in r.skip_examples][:3])
     _prune(work, {p.name for p, _ in results}, f"{fp}.json")
     report(PrepProgress("done", len(units), len(units), *_totals(units, results)))
@@ -172,8 +177,9 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
 
 
 def _write_data_set(data, sources, flat, units, results, tok: LoadedTokenizer, fp: str, settings: dict,
-                    out: Path, location: str) -> dict:
-    """Tokenizer, shards and (last) the manifest into ``out``; returns the manifest."""
+                    out: Path, uploader: Uploader | None) -> dict:
+    """Tokenizer, shards and (last) the manifest into ``out`` (each but the manifest handed to
+    ``uploader`` once written, for an S3 data set); returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # a damaged one: uncommit before touching shards
     itemsize = 2 if tok.dtype == "uint16" else 4
@@ -183,9 +189,11 @@ def _write_data_set(data, sources, flat, units, results, tok: LoadedTokenizer, f
     with removed_if_disk_full(out, need) as written:
         written.append(out / TOKENIZER_FILE)
         atomic_write_bytes(out / TOKENIZER_FILE, tok.json.encode())
+        if uploader:
+            uploader(out / TOKENIZER_FILE)
         splits, documents, stats = assemble(assembled, list(sources), out=out, dtype=tok.dtype, eot_id=tok.eot_id,
                                             val_fraction=data.val_fraction, shard_tokens=data.shard_tokens,
-                                            n_sources=len(flat), written=written)
+                                            n_sources=len(flat), written=written, on_shard=uploader)
         if not (documents["train"] and documents["val"]):
             raise DataPrepError(f"data.sources gave {sum(documents.values())} distinct document(s); need at least 2 "
                                 "(one for training, one for validation): add data")
@@ -204,23 +212,6 @@ def _tok_settings(data: DataSpec, tok: LoadedTokenizer) -> dict:
     return ({"path": t.path, "sha256": tok.sha256, "eos_token": t.eos_token} if t.path else
             {"vocab_size": t.vocab_size, "min_frequency": t.min_frequency, "sample_bytes": t.sample_bytes,
              "eos_token": t.eos_token})
-
-
-UPLOADS = 8  # shards uploaded at once (one boto3 client is thread-safe)
-
-
-def _upload(staged: Path, target, manifest: dict, location: str) -> None:
-    """Shards and tokenizer first (several at a time), the manifest last, once every one of them
-    is stored; then the local staging copy goes."""
-    files = [TOKENIZER_FILE] + [s["file"] for shards in manifest["splits"].values() for s in shards]
-    try:
-        with ThreadPoolExecutor(UPLOADS) as pool:
-            for _ in pool.map(lambda name: target.put_file(name, staged / name), files):
-                pass  # re-raises the first failure
-        target.put_file(MANIFEST, staged / MANIFEST)
-    except StorageError as err:
-        raise DataPrepError(f"uploading the data set to {location} failed: {err}") from None
-    shutil.rmtree(staged, ignore_errors=True)
 
 
 def _prune(work: Path, units: set[str], tokenizer: str) -> None:
