@@ -63,6 +63,14 @@ def _guarded(progress: ProgressCallback | None, log) -> ProgressCallback:
     return report
 
 
+def _cores() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _unit_bytes(unit, n_units: int) -> int:
     """Source bytes one unit stands for (progress): its byte range, or a Parquet file's share."""
     return unit.source.size // n_units if unit.source.format == "parquet" else unit.stop - unit.start
@@ -138,7 +146,7 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
             shutil.rmtree(paths[i])
         else:
             paths[i].unlink(missing_ok=True)
-    workers = data.workers or os.cpu_count() or 1
+    workers = data.workers or _cores()
     done = {"units": 0, "bytes": 0, "tokens": 0, "docs": 0}
     total_bytes = sum(b for *_, b in units)
 
