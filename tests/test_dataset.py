@@ -273,6 +273,9 @@ def test_an_s3_root_gets_the_same_data_set_uploaded_manifest_last_and_reuses_it(
 
     again = prepare(data, root, work=tmp_path / "fresh-work", s3_options=options, **QUIET)
     assert again["reused"] is True and again["fingerprint"] == m["fingerprint"]
+    remote.delete(m["splits"]["val"][0]["file"])  # an object lost from the bucket
+    repaired = prepare(data, root, work=tmp_path / "fresh-work", s3_options=options, **QUIET)
+    assert repaired["reused"] is False and remote.list() == names
 
 
 @pytest.mark.parametrize("root, secret, message", [
@@ -442,3 +445,20 @@ def test_staged_files_upload_as_written_and_the_manifest_only_after_all_of_them(
     assert sorted(target.put[:-1]) == names and target.put[-1] == MANIFEST
     assert list(staged.iterdir()) == []  # each local copy went once stored
     assert all((tmp_path / "remote" / n).read_bytes() == n.encode() * 1000 for n in names)
+
+
+@pytest.mark.parametrize("damage", [
+    lambda p: p.unlink(),
+    lambda p: p.write_bytes(p.read_bytes()[:-2]),
+], ids=["shard deleted", "shard truncated"])
+def test_a_data_set_with_a_missing_or_truncated_shard_is_prepared_again_not_reused(tmp_path, damage):
+    jsonl_corpus(tmp_path / "corpus", files=1, per_file=60)
+    data = spec([str(tmp_path / "corpus/*.jsonl")])
+    first = prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
+    before = data_set_bytes(first["location"])
+    shard = Path(first["location"]) / first["splits"]["train"][0]["file"]
+    damage(shard)
+    logged: list[str] = []
+    again = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
+    assert again["reused"] is False and data_set_bytes(again["location"]) == before
+    assert any(f"is damaged ({shard.name} " in line and "preparing it again" in line for line in logged), logged

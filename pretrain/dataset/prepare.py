@@ -41,10 +41,33 @@ def _existing(target, location: str, log) -> dict | None:
     except StorageError as err:
         raise DataPrepError(f"cannot read data sets under {location}: {err}") from None
     try:
-        return parse_manifest(raw)
+        manifest = parse_manifest(raw)
     except DamagedManifest as err:
         log(f"{location}/{MANIFEST} is damaged ({err}); preparing it again")
         return None
+    if problem := _missing_file(target, manifest):
+        log(f"data set {location} is damaged ({problem}); preparing it again")
+        return None
+    return manifest
+
+
+def _missing_file(target, manifest: dict) -> str | None:
+    """A file the manifest names that is absent, or (on a local disk, where a stat is cheap) of
+    the wrong size: what is wrong, or None. Contents are checked by their sha256 where they are
+    fetched (the node cache), not on every run."""
+    itemsize = 2 if manifest["dtype"] == "uint16" else 4
+    shards = [(s["file"], s["tokens"] * itemsize) for split in manifest["splits"].values() for s in split]
+    if target.local_path(MANIFEST) is None:  # S3: one listing, not a request per shard
+        present = set(target.list())
+        gone = [f for f in [manifest.get("tokenizer", TOKENIZER_FILE)] + [f for f, _ in shards] if f not in present]
+        return f"{gone[0]} is missing" if gone else None
+    for name, size in [(manifest.get("tokenizer", TOKENIZER_FILE), None)] + shards:
+        path = target.local_path(name)
+        if not path.is_file():
+            return f"{name} is missing"
+        if size is not None and path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, not {size}"
+    return None
 
 
 def _guarded(progress: ProgressCallback | None, log) -> ProgressCallback:
