@@ -1,0 +1,207 @@
+"""What a person sees of data preparation: the progress display, ``pretrain data prepare`` /
+``inspect``, the flow's Prefect progress artifact and the data set as an MLflow dataset input."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.console import Console
+from mlflow.tracking import MlflowClient
+
+from conftest import DATA, pretrain_cli, small_spec
+from pretrain.console_progress import LineProgress, clock_time, human, progress_display
+from pretrain.data_inspect import InspectError, inspect_data_set, open_data_set
+from pretrain.dataset.progress import PrepProgress
+from pretrain.ledger import Ledger
+from pretrain.tracking import Tracker
+from pretrain.layout import CampaignLayout
+
+
+# ---- the progress display -------------------------------------------------------------------
+@pytest.mark.parametrize("n, unit, text", [
+    (0, "", "0"), (999, "", "999"), (1234, "", "1.2k"), (2_500_000, "", "2.5M"), (3e9, "", "3.0G"),
+    (512, "B", "512 B"), (1_200_000, "B", "1.2 MB"), (0.5, "", "0.5"),
+])
+def test_human_numbers(n, unit, text):
+    assert human(n, unit) == text
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0:00:00"), (59.6, "0:01:00"), (3725, "1:02:05")])
+def test_clock_time(seconds, text):
+    assert clock_time(seconds) == text
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_off_a_terminal_a_line_per_stage_then_one_per_interval_with_rates_and_eta():
+    clock, lines = FakeClock(), []
+    display = LineProgress("data", lines.append, unit="B", rated=("tokens",), interval_s=10, clock=clock)
+    display.update(0, 0, "scan")
+    display.update(0, 0, "tokenizer")
+    for i in range(1, 9):  # 2 MB and 500k tokens every 5 s
+        clock.now += 5
+        display.update(i * 2_000_000, 16_000_000, "tokenize", tokens=i * 500_000)
+    display.close()
+    assert lines[:2] == ["data: scan", "data: tokenizer"]
+    # the first tokenize line comes at once (new stage), then one per 10 s, then the final state
+    assert [l.split(" ")[2] for l in lines[2:]] == ["12%", "38%", "62%", "88%", "100%"]
+    assert "2.0 MB/16.0 MB" in lines[2]
+    assert "(400.0 kB/s)" in lines[3] and "tokens 1.5M (100.0k/s)" in lines[3] and "ETA 0:00:25" in lines[3]
+    assert lines[-1] == "data: tokenize 100% 16.0 MB/16.0 MB, tokens 4.0M"  # final: totals, no rates
+
+
+def test_close_repeats_nothing_already_shown():
+    lines = []
+    display = LineProgress("data", lines.append, clock=FakeClock())
+    display.update(5, 10, "tokenize")
+    display.close()
+    assert lines == ["data: tokenize 50% 5/10"]
+
+
+def test_the_display_is_a_bar_on_a_terminal_and_lines_elsewhere():
+    stream = io.StringIO()
+    lines = progress_display("data", stream=stream, interval_s=0)
+    lines.update(1, 2, "tokenize", tokens=3)
+    lines.close()
+    assert stream.getvalue() == "data: tokenize 50% 1/2, tokens 3\n"
+    bar = progress_display("data", stream=io.StringIO(), tty=True)
+    try:
+        bar.update(1, 2, "tokenize", tokens=3)
+    finally:
+        bar.close()
+    assert bar.progress.tasks[0].completed == 1 and "tokenize" in bar.progress.tasks[0].description
+
+
+# ---- pretrain data inspect ------------------------------------------------------------------
+@pytest.fixture
+def data_copy(prepared_data, tmp_path) -> Path:
+    dest = tmp_path / "ds"
+    shutil.copytree(prepared_data, dest)
+    return dest
+
+
+def test_inspect_prints_stats_and_decodes_windows(data_copy):
+    manifest = json.loads((data_copy / "manifest.json").read_text())
+    proc = pretrain_cli("data", "inspect", str(data_copy), "--windows", "2", "--tokens", "16")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert f"fingerprint {manifest['fingerprint']}" in out and f"vocab {manifest['vocab_size']}" in out
+    assert f"{manifest['tokens']['train']:,}" in out and f"{manifest['tokens']['val']:,}" in out
+    assert out.count("@ token") == 2 and "train_00000.bin" in out
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json is damaged"),
+    (lambda d: (d / "manifest.json").write_text('{"a": 1}'), "manifest.json is not a data manifest"),
+    (lambda d: (d / "train_00000.bin").unlink(), "train_00000.bin is missing"),
+    (lambda d: (d / "train_00000.bin").write_bytes(b"\0\0"), "train_00000.bin has 2 bytes"),
+    (lambda d: (d / "tokenizer.json").write_text("[]"), "tokenizer.json is damaged"),
+    (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
+])
+def test_inspect_names_the_damaged_file_and_what_to_do(data_copy, damage, says):
+    damage(data_copy)
+    with pytest.raises(InspectError, match="prepare") as e:
+        inspect_data_set(str(data_copy), Console(file=io.StringIO()))
+    assert says in str(e.value) and str(data_copy) in str(e.value)
+
+
+def test_the_cli_reports_a_damaged_data_set_in_one_line_exit_2(data_copy):
+    (data_copy / "manifest.json").write_text("{not json")
+    proc = pretrain_cli("data", "inspect", str(data_copy))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"error: {data_copy / 'manifest.json'} is damaged") and "Traceback" not in proc.stderr
+
+
+def test_inspect_of_a_missing_path_or_a_data_root_says_what_to_give(data_copy, tmp_path):
+    with pytest.raises(InspectError, match="does not exist: give a prepared data set's directory"):
+        open_data_set(str(tmp_path / "nowhere"))
+    root = tmp_path / "data"
+    root.mkdir()
+    data_copy.rename(root / "abc123")
+    with pytest.raises(InspectError, match=f"it holds these data sets: {root / 'abc123'}"):
+        open_data_set(str(root))
+
+
+# ---- the flow: Prefect progress artifact, MLflow dataset input ------------------------------
+def test_the_flow_publishes_progress_and_logs_the_data_set_to_the_campaign_run_once(prefect_harness, tmp_path):
+    from flows.prepare_data import prepare_data
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from tasks.artifacts import artifact_key
+
+    spec = small_spec(tmp_path / "wd")
+    ledger = Ledger.open(spec)
+    tracker = Tracker(spec.tracking_uri, spec.tracking.experiment, CampaignLayout(spec.workdir_path).mlflow_artifacts)
+    run_id = tracker.campaign_run(ledger.record.campaign_id, spec.name, spec.spec_hash(), {})
+    ledger.set_parent_run(run_id)
+    seen: list[PrepProgress] = []
+    summary = prepare_data(spec=spec, progress=seen.append)
+    prepare_data(spec=spec)  # again: the data set is reused, and logged once
+    assert seen and seen[-1].phase == "done"
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[artifact_key("data-preparation", spec.name)])))
+    assert found and all(a.data == 100.0 for a in found) and "**done**" in found[0].description
+    inputs = MlflowClient(spec.tracking_uri).get_run(run_id).inputs.dataset_inputs
+    assert len(inputs) == 1
+    dataset = inputs[0].dataset
+    assert dataset.digest == summary["fingerprint"] and dataset.name == f"{spec.name}-data"
+    assert json.loads(dataset.profile)["tokens"] == summary["tokens"]
+
+
+def test_an_mlflow_refusal_never_fails_data_preparation(prefect_harness, tmp_path):
+    from flows.prepare_data import prepare_data
+
+    spec = small_spec(tmp_path / "wd")
+    Ledger.open(spec).set_parent_run("0" * 32)  # a run MLflow does not have: refused, not retried
+    summary = prepare_data(spec=spec)
+    assert summary["tokens"]["train"] > 0
+    assert Ledger.open(spec).record.data is not None
+
+
+# ---- pretrain data prepare ------------------------------------------------------------------
+def data_cli(*args: str) -> subprocess.CompletedProcess:
+    """``pretrain data ...`` in a fresh process on the session's Prefect server (no server of its own)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", "data", *args], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()})
+
+
+def write_spec(tmp_path: Path, data: dict) -> str:
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump({"name": "ux", "workdir": str(tmp_path / "wd"), "data": data,
+                                         "stages": [{"name": "s", "steps": 2}]}))
+    return str(spec_file)
+
+
+def test_cli_prepare_shows_progress_lines_off_a_terminal_and_ends_with_the_stats(prefect_harness, tmp_path):
+    result = data_cli("prepare", write_spec(tmp_path, DATA), "--interval", "0")
+    assert result.returncode == 0, result.stderr
+    assert "data: done" in result.stderr  # progress lines on stderr, not a bar
+    assert "\x1b[" not in result.stderr
+    manifest = Ledger.read(CampaignLayout((tmp_path / "wd").resolve())).record.data
+    assert f"fingerprint {manifest['fingerprint']}" in result.stdout
+    assert f"{manifest['tokens']['train']:,}" in result.stdout and f"{manifest['tokens']['val']:,}" in result.stdout
+
+
+def test_cli_prepare_with_a_bad_source_is_one_line_exit_2(prefect_harness, tmp_path):
+    result = data_cli("prepare", write_spec(tmp_path, {"sources": [str(tmp_path / "none" / "*.jsonl")]}))
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data.sources[0]") and "matched no files" in last
+    assert "Traceback" not in result.stderr + result.stdout
