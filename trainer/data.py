@@ -13,7 +13,6 @@ round-robin schedule, and counts within the group in closed form — still one i
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MANIFEST = "manifest.json"
+from trainer.data_manifest import MANIFEST, DamagedManifest, parse_manifest
 
 
 class DataError(RuntimeError):
@@ -29,19 +28,15 @@ class DataError(RuntimeError):
 
 
 def read_manifest(data_dir: str | Path) -> dict:
-    """The data set's manifest; a missing or damaged one is a :class:`DataError` saying what to do."""
+    """The data set's manifest (version 1 or 2); a missing or damaged one is a :class:`DataError`
+    saying what to do."""
     path = Path(data_dir) / MANIFEST
     try:
-        manifest = json.loads(path.read_bytes())
+        return parse_manifest(path.read_bytes())
     except FileNotFoundError:
         raise DataError(f"no data manifest at {path}: run data preparation first (`pretrain run` does)") from None
-    except ValueError as e:  # not JSON, not UTF-8, truncated
+    except DamagedManifest as e:
         raise DataError(f"{path} is damaged ({e}): run data preparation again (`pretrain run` redoes it)") from None
-    if not (isinstance(manifest, dict) and isinstance(manifest.get("splits"), dict)
-            and all(k in manifest for k in ("dtype", "vocab_size"))):
-        raise DataError(f"{path} is damaged (not a data manifest: no splits/dtype/vocab_size): "
-                        "run data preparation again (`pretrain run` redoes it)")
-    return manifest
 
 
 class TokenWindows:
