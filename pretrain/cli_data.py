@@ -20,7 +20,10 @@ err = Console(stderr=True, soft_wrap=True)
 def show_on(display: ProgressDisplay):
     """A ``ProgressCallback`` drawing preparation's snapshots on ``display``."""
     def show(p: PrepProgress) -> None:
-        display.update(p.bytes_done, p.bytes_total, p.phase, units=p.units_done, documents=p.documents, tokens=p.tokens)
+        fields = {"units": f"{p.units_done}/{p.units_total}"} if p.units_total else {}
+        if p.tokens or p.documents:
+            fields.update(documents=p.documents, tokens=p.tokens)
+        display.update(p.bytes_done, p.bytes_total, p.phase, **fields)
     return show
 
 

@@ -18,8 +18,9 @@ RATE_WINDOW_S = 30.0  # rates and the ETA follow the last this-many seconds, not
 
 
 class ProgressDisplay(Protocol):
-    def update(self, done: float, total: float, stage: str = "", **fields: float) -> None:
-        """The work is at ``done`` of ``total`` (0: unknown), in ``stage``; ``fields`` are cumulative counts."""
+    def update(self, done: float, total: float, stage: str = "", **fields: float | str) -> None:
+        """The work is at ``done`` of ``total`` (0: unknown), in ``stage``; ``fields`` are cumulative
+        counts (shown with a rate when named in ``rated``) or text shown as it is."""
 
     def close(self) -> None:
         """The work ended: show where it ended, release the terminal."""
@@ -63,7 +64,7 @@ class _Snapshot:
     done: float = 0.0
     total: float = 0.0
     stage: str = ""
-    fields: dict[str, float] = field(default_factory=dict)
+    fields: dict[str, float | str] = field(default_factory=dict)
 
 
 def describe(snap: _Snapshot, rates: Rates, unit: str, rated: tuple[str, ...], final: bool = False,
@@ -76,11 +77,18 @@ def describe(snap: _Snapshot, rates: Rates, unit: str, rated: tuple[str, ...], f
         head = f"{100 * min(1.0, snap.done / snap.total):.0f}% {head}"
     parts = [head + (f" ({human(done_rate, unit)}/s)" if done_rate else "")] if head else []
     for name, value in snap.fields.items():
+        if isinstance(value, str):
+            parts.append(f"{name} {value}")
+            continue
         r = rates.rate(name) if name in rated and not final else None
         parts.append(f"{name} {human(value)}" + (f" ({human(r)}/s)" if r else ""))
     if snap.total and done_rate and snap.done < snap.total:
         parts.append(f"ETA {clock_time((snap.total - snap.done) / done_rate)}")
     return ", ".join(parts)
+
+
+def _numbers(fields: dict) -> dict[str, float]:
+    return {k: v for k, v in fields.items() if not isinstance(v, str)}
 
 
 def line(title: str, snap: _Snapshot, text: str) -> str:
@@ -99,11 +107,11 @@ class LineProgress:
         self.last_line_at: float | None = None
         self.unwritten = False  # an update came since the last line
 
-    def update(self, done: float, total: float, stage: str = "", **fields: float) -> None:
+    def update(self, done: float, total: float, stage: str = "", **fields: float | str) -> None:
         now = self.clock()
         new_stage = stage != self.snap.stage
         self.snap, self.unwritten = _Snapshot(done, total, stage, dict(fields)), True
-        self.rates.add(now, {"_done": done, **fields})
+        self.rates.add(now, {"_done": done, **_numbers(fields)})
         if new_stage or self.last_line_at is None or now - self.last_line_at >= self.interval_s:
             self.write(line(self.title, self.snap, describe(self.snap, self.rates, self.unit, self.rated)))
             self.last_line_at, self.unwritten = now, False
@@ -129,9 +137,9 @@ class BarProgress:
         self.progress.start()
         self.task = self.progress.add_task(title, total=None, line="")
 
-    def update(self, done: float, total: float, stage: str = "", **fields: float) -> None:
+    def update(self, done: float, total: float, stage: str = "", **fields: float | str) -> None:
         self.snap = _Snapshot(done, total, stage, dict(fields))
-        self.rates.add(time.monotonic(), {"_done": done, **fields})
+        self.rates.add(time.monotonic(), {"_done": done, **_numbers(fields)})
         self.progress.update(self.task, completed=done, total=total or None,
                              description=f"{self.title}: {stage}" if stage else self.title,
                              line=describe(self.snap, self.rates, self.unit, self.rated, percent=False))

@@ -4,7 +4,6 @@ with its own tokenizer, to see what training will read. Local directories and s3
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pretrain.console_progress import human
-from trainer.data import MANIFEST
+from trainer.data_manifest import MANIFEST, SKIP_REASONS, TOKENIZER_FILE, DamagedManifest, parse_manifest
 from trainer.storage import NotFound, Storage, StorageError, open_storage
-
-SKIP_KINDS = ("binary", "decode", "bad_record", "empty", "duplicate")
 
 
 class InspectError(ValueError):
@@ -46,6 +43,15 @@ class DataSet:
     def where(self, name: str) -> str:
         return f"{self.location.rstrip('/')}/{name}"
 
+    def tokens(self, name: str, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) of shard ``name``: memory-mapped locally, one ranged read on S3."""
+        dtype = np.dtype(self.manifest["dtype"])
+        local = self.storage.local_path(name)
+        if local is not None:
+            return np.array(np.memmap(local, dtype=dtype, mode="r")[start : start + count])
+        raw = self.storage.read_range(name, start * dtype.itemsize, (start + count) * dtype.itemsize)
+        return np.frombuffer(raw, dtype=dtype)
+
 
 def _candidates(location: str) -> list[str]:
     """Data sets one level below a local directory that is not one itself (``<workdir>/data``)."""
@@ -68,21 +74,17 @@ def open_data_set(location: str, s3_options: dict | None = None) -> DataSet:
         raise InspectError(f"no data set at {location} (no {MANIFEST}): {hint}") from None
     except (StorageError, ValueError) as e:  # unreachable, refused, or options that do not fit the URL
         raise InspectError(f"cannot read {location}: {e}") from None
-    where = f"{location.rstrip('/')}/{MANIFEST}"
     try:
-        manifest = json.loads(raw)
-    except ValueError as e:
-        raise InspectError(f"{where} is damaged ({e}): prepare the data set again (`pretrain data prepare SPEC`)") from None
-    if not (isinstance(manifest, dict) and isinstance(manifest.get("splits"), dict)
-            and all(k in manifest for k in ("dtype", "vocab_size"))):
-        raise InspectError(f"{where} is not a data manifest (no splits/dtype/vocab_size): prepare the data set "
-                           "again (`pretrain data prepare SPEC`)")
+        manifest = parse_manifest(raw)
+    except DamagedManifest as e:
+        raise InspectError(f"{location.rstrip('/')}/{MANIFEST} is damaged ({e}): prepare the data set again "
+                           "(`pretrain data prepare SPEC`)") from None
     return DataSet(location, storage, manifest)
 
 
 def _skips(counts: dict | None) -> str:
     counts = counts or {}
-    return ", ".join(f"{k} {counts[k]}" for k in SKIP_KINDS if counts.get(k)) or "none"
+    return ", ".join(f"{k} {counts[k]}" for k in SKIP_REASONS if counts.get(k)) or "none"
 
 
 def render_summary(m: dict, out: Console) -> None:
@@ -135,25 +137,20 @@ def random_windows(ds: DataSet, count: int, tokens: int, seed: int) -> list[tupl
     """(shard, first token, decoded text) of ``count`` windows of the train split, chosen by ``seed``."""
     from tokenizers import Tokenizer
 
-    name = ds.manifest.get("tokenizer", "tokenizer.json")
+    name = ds.manifest.get("tokenizer", TOKENIZER_FILE)
+    raw = ds.read(name)
     try:
-        tok = Tokenizer.from_str(ds.read(name).decode())
-    except (UnicodeDecodeError, Exception) as e:  # noqa: BLE001 - tokenizers raises its own Exception type
-        if isinstance(e, InspectError):
-            raise
-        raise InspectError(f"{ds.where(name)} is damaged ({str(e)[:200]}): prepare the data set again") from None
+        tok = Tokenizer.from_str(raw.decode())
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type; bytes may not be UTF-8
+        raise InspectError(f"{ds.where(name)} is damaged ({str(e)[:200]}): prepare the data set again "
+                           "(`pretrain data prepare SPEC`)") from None
     shards = [s for s in ds.manifest["splits"].get("train", []) if s["tokens"] > 0]
-    rng, out, loaded = random.Random(seed), [], {}
+    rng, out = random.Random(seed), []
     for _ in range(count if shards else 0):
         shard = rng.choices(shards, weights=[s["tokens"] for s in shards])[0]
-        if shard["file"] not in loaded:
-            local = ds.storage.local_path(shard["file"])
-            loaded[shard["file"]] = (np.memmap(local, dtype=ds.manifest["dtype"], mode="r") if local
-                                     else np.frombuffer(ds.read(shard["file"]), dtype=ds.manifest["dtype"]))
-        ids = loaded[shard["file"]]
-        start = rng.randrange(max(1, len(ids) - tokens))
-        out.append((shard["file"], start, tok.decode([int(i) for i in ids[start : start + tokens]],
-                                                      skip_special_tokens=False)))
+        start = rng.randrange(max(1, shard["tokens"] - tokens))
+        ids = ds.tokens(shard["file"], start, tokens)
+        out.append((shard["file"], start, tok.decode([int(i) for i in ids], skip_special_tokens=False)))
     return out
 
 

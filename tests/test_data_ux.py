@@ -20,7 +20,10 @@ from conftest import DATA, pretrain_cli, small_spec
 from pretrain.console_progress import LineProgress, clock_time, human, progress_display
 from pretrain.data_inspect import InspectError, inspect_data_set, open_data_set
 from pretrain.dataset.progress import PrepProgress
+from pretrain.cli_data import show_on
+from pretrain.dataset.prepare import prepare
 from pretrain.ledger import Ledger
+from pretrain.spec_data import DataSpec
 from pretrain.tracking import Tracker
 from pretrain.layout import CampaignLayout
 
@@ -106,7 +109,7 @@ def test_inspect_prints_stats_and_decodes_windows(data_copy):
 
 @pytest.mark.parametrize("damage, says", [
     (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json is damaged"),
-    (lambda d: (d / "manifest.json").write_text('{"a": 1}'), "manifest.json is not a data manifest"),
+    (lambda d: (d / "manifest.json").write_text('{"a": 1}'), "manifest.json is damaged (not a data manifest"),
     (lambda d: (d / "train_00000.bin").unlink(), "train_00000.bin is missing"),
     (lambda d: (d / "train_00000.bin").write_bytes(b"\0\0"), "train_00000.bin has 2 bytes"),
     (lambda d: (d / "tokenizer.json").write_text("[]"), "tokenizer.json is damaged"),
@@ -124,6 +127,42 @@ def test_the_cli_reports_a_damaged_data_set_in_one_line_exit_2(data_copy):
     proc = pretrain_cli("data", "inspect", str(data_copy))
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: {data_copy / 'manifest.json'} is damaged") and "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def jsonl_data_set(tmp_path_factory):
+    """(manifest, progress lines) of a v2 data set prepared from JSONL with a repeated document and a
+    broken line (skipped), its progress shown on a display as ``pretrain data prepare`` shows it."""
+    root = tmp_path_factory.mktemp("jsonl")
+    texts = [f"def f{i}(x):\n    return x * {i} + json.dumps(x)\n" * 3 for i in range(40)]
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:20]) + "not json\n")
+    (root / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[19:]))  # texts[19] twice
+    data = DataSpec.model_validate({"sources": [str(root / "*.jsonl")], "tokenizer": {"vocab_size": 300},
+                                    "val_fraction": 0.1, "unit_bytes": 4096, "workers": 1, "on_bad_record": "skip"})
+    lines: list[str] = []
+    display = LineProgress("data", lines.append, unit="B", rated=("tokens",), interval_s=0)
+    manifest = prepare(data, root / "data", work=root / "work", log=lambda *_: None, progress=show_on(display))
+    display.close()
+    return manifest, lines
+
+
+def test_preparation_progress_reads_as_lines_per_phase_ending_with_the_totals(jsonl_data_set):
+    manifest, lines = jsonl_data_set
+    phases = [line.split(" ")[1] for line in lines]
+    assert phases[:2] == ["scan", "tokenizer"] and phases[-1] == "done"
+    assert "tokenize" in phases and phases.index("tokenize") < phases.index("assemble")
+    tokens = sum(manifest["tokens"].values())
+    assert lines[-1].startswith("data: done 100% ") and f"tokens {human(tokens)}" in lines[-1]
+
+
+def test_inspect_shows_sources_skips_and_duplicates_of_a_v2_data_set(jsonl_data_set):
+    manifest, _ = jsonl_data_set
+    out = io.StringIO()
+    inspect_data_set(manifest["location"], Console(file=out, width=250), windows=1, window_tokens=8)
+    text = out.getvalue()
+    assert f"fingerprint {manifest['fingerprint']}" in text and "manifest v2" in text
+    assert "a.jsonl" in text and "b.jsonl" in text and "bad_record 1" in text and "duplicate 1" in text
+    assert f"sha256 {manifest['tokenizer_sha256'][:16]}" in text and text.count("@ token") == 1
 
 
 def test_inspect_of_a_missing_path_or_a_data_root_says_what_to_give(data_copy, tmp_path):
