@@ -12,20 +12,25 @@ import sys
 from pathlib import Path
 
 import pytest
+import s3_servers
 import yaml
-from rich.console import Console
-from mlflow.tracking import MlflowClient
-
 from conftest import DATA, pretrain_cli, small_spec
+from mlflow.tracking import MlflowClient
+from rich.console import Console
+from s3_servers import BUCKET, aws_env  # noqa: F401 - a fixture
+
+from pretrain.cli_data import show_on
 from pretrain.console_progress import LineProgress, clock_time, human, progress_display
 from pretrain.data_inspect import InspectError, inspect_data_set, open_data_set
-from pretrain.dataset.progress import PrepProgress
-from pretrain.cli_data import show_on
 from pretrain.dataset.prepare import prepare
+from pretrain.dataset.progress import PrepProgress
+from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.spec_data import DataSpec
 from pretrain.tracking import Tracker
-from pretrain.layout import CampaignLayout
+from trainer.storage import open_storage
+
+seaweed = s3_servers.seaweed
 
 
 # ---- the progress display -------------------------------------------------------------------
@@ -163,6 +168,22 @@ def test_inspect_shows_sources_skips_and_duplicates_of_a_v2_data_set(jsonl_data_
     assert f"fingerprint {manifest['fingerprint']}" in text and "manifest v2" in text
     assert "a.jsonl" in text and "b.jsonl" in text and "bad_record 1" in text and "duplicate 1" in text
     assert f"sha256 {manifest['tokenizer_sha256'][:16]}" in text and text.count("@ token") == 1
+
+
+def test_inspect_reads_a_data_set_on_s3_by_ranges_with_credentials_from_the_environment(jsonl_data_set, seaweed,
+                                                                                      aws_env):
+    manifest, _ = jsonl_data_set
+    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1"}  # what --s3-endpoint-url/--s3-region give
+    location = f"s3://{BUCKET}/ux-inspect/{manifest['fingerprint']}"
+    remote = open_storage(location, **options)
+    for path in Path(manifest["location"]).iterdir():
+        remote.put_file(path.name, path)
+    local, on_s3 = io.StringIO(), io.StringIO()
+    inspect_data_set(manifest["location"], Console(file=local, width=250), windows=2, window_tokens=8, seed=3)
+    inspect_data_set(location, Console(file=on_s3, width=250), windows=2, window_tokens=8, seed=3, s3_options=options)
+    assert on_s3.getvalue().replace(location, "X") == local.getvalue().replace(manifest["location"], "X")
+    with pytest.raises(InspectError, match=f"no data set at s3://{BUCKET}/ux-inspect/nothing"):
+        open_data_set(f"s3://{BUCKET}/ux-inspect/nothing", options)
 
 
 def test_inspect_of_a_missing_path_or_a_data_root_says_what_to_give(data_copy, tmp_path):
