@@ -60,7 +60,8 @@ def _candidates(location: str) -> list[str]:
 
 
 def open_data_set(location: str, s3_options: dict | None = None) -> DataSet:
-    """The data set at ``location``; :class:`InspectError` when there is none or its manifest is damaged."""
+    """The data set at ``location`` (or the only one under it, e.g. ``<workdir>/data``);
+    :class:`InspectError` when there is none or its manifest is damaged."""
     if not location.startswith("s3://") and not Path(location).exists():
         raise InspectError(f"{location} does not exist: give a prepared data set's directory (it holds {MANIFEST}) "
                            "or its s3:// URL")
@@ -69,6 +70,8 @@ def open_data_set(location: str, s3_options: dict | None = None) -> DataSet:
         raw = storage.get_bytes(MANIFEST)
     except (NotFound, FileNotFoundError):
         inside = _candidates(location)
+        if len(inside) == 1:
+            return open_data_set(inside[0])
         hint = (f"it holds these data sets: {', '.join(inside)}; give one of them" if inside
                 else f"give a prepared data set's directory (it holds {MANIFEST}); `pretrain data prepare SPEC` makes one")
         raise InspectError(f"no data set at {location} (no {MANIFEST}): {hint}") from None
@@ -159,7 +162,7 @@ def inspect_data_set(location: str, out: Console, *, windows: int = 3, window_to
     """Print the stats of the data set at ``location`` and ``windows`` decoded windows; a damaged
     or incomplete data set is an :class:`InspectError` after the stats, naming its files."""
     ds = open_data_set(location, s3_options)
-    render_summary({"location": location, **ds.manifest}, out)
+    render_summary({"location": ds.location, **ds.manifest}, out)
     if problems := check_shards(ds):
         raise InspectError("the data set is damaged: " + "; ".join(problems)
                            + ": prepare it again (`pretrain data prepare SPEC`)")

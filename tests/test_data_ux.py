@@ -190,9 +190,11 @@ def test_inspect_of_a_missing_path_or_a_data_root_says_what_to_give(data_copy, t
     with pytest.raises(InspectError, match="does not exist: give a prepared data set's directory"):
         open_data_set(str(tmp_path / "nowhere"))
     root = tmp_path / "data"
-    root.mkdir()
-    data_copy.rename(root / "abc123")
-    with pytest.raises(InspectError, match=f"it holds these data sets: {root / 'abc123'}"):
+    (root / ".work" / "units").mkdir(parents=True)  # preparation's own files are no data set
+    shutil.copytree(data_copy, root / "abc123")
+    assert open_data_set(str(root)).location == str(root / "abc123")  # the only one: that one
+    data_copy.rename(root / "def456")
+    with pytest.raises(InspectError, match=f"it holds these data sets: {root / 'abc123'}, {root / 'def456'}; give one"):
         open_data_set(str(root))
 
 
