@@ -90,10 +90,16 @@ def test_the_data_set_is_byte_identical_for_any_number_of_workers(tmp_path):
     corpus = jsonl_corpus(tmp_path / "corpus")
     sets = []
     for workers in (1, 2):
+        seen = []
         m = prepare(spec([str(tmp_path / "corpus/*.jsonl")], workers=workers), tmp_path / f"data{workers}",
-                    work=tmp_path / f"work{workers}", **QUIET)
-        assert sum(s["units"] for s in m["sources"]) > 2 * len(corpus)  # several units per file
+                    work=tmp_path / f"work{workers}", progress=seen.append, **QUIET)
+        units = sum(s["units"] for s in m["sources"])
+        assert units > 2 * len(corpus)  # several units per file
         sets.append(data_set_bytes(m["location"]))
+        tokenize = [p for p in seen if p.phase == "tokenize"]
+        assert [p.units_done for p in tokenize] == list(range(1, units + 1))  # one report per finished unit
+        assert [p.phase for p in seen if p.phase != "tokenize"] == ["scan", "tokenizer", "assemble", "done"]
+        assert seen[-1].fraction == 1.0 and seen[-1].tokens == tokenize[-1].tokens > 0
     assert sets[0] == sets[1]
 
 
@@ -268,6 +274,14 @@ def test_an_s3_root_gets_the_same_data_set_uploaded_manifest_last_and_reuses_it(
     assert again["reused"] is True and again["fingerprint"] == m["fingerprint"]
 
 
+def test_an_s3_root_in_a_missing_bucket_is_a_clear_error(seaweed, tmp_path):
+    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY, "secret_key": SECRET_KEY}
+    write_jsonl(tmp_path / "c.jsonl", docs(10))
+    with pytest.raises(DataPrepError, match=r"cannot read data sets under s3://no-such-bucket/sets/.*create bucket"):
+        prepare(spec([str(tmp_path / "c.jsonl")]), "s3://no-such-bucket/sets", work=tmp_path / "w",
+                s3_options=options, **QUIET)
+
+
 def test_data_prep_that_fills_the_disk_leaves_no_data_set_and_a_retry_after_freeing_space_works(tmp_path):
     from tmpfs import resize_tmpfs, small_tmpfs
 
@@ -280,3 +294,39 @@ def test_data_prep_that_fills_the_disk_leaves_no_data_set_and_a_retry_after_free
         resize_tmpfs(fs, "4m")  # the operator frees space
         m = prepare(data, fs / "data", work=tmp_path / "work", **QUIET)
         assert m["reused"] is False and read_manifest(m["location"])["fingerprint"] == m["fingerprint"]
+
+
+def test_every_source_format_yields_the_same_documents(tmp_path):
+    """The same documents as JSONL, JSONL.gz, JSONL.zst and Parquet: every copy after the first is
+    an exact duplicate, so each format read every document, and read it identically."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    texts = docs(40)
+    plain = write_jsonl(tmp_path / "a.jsonl", texts)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    pq.write_table(pa.table({"body": texts}), tmp_path / "d.parquet", row_group_size=7)
+    m = prepare(spec([str(plain), str(tmp_path / "b.jsonl.gz"), str(tmp_path / "c.jsonl.zst"),
+                      {"path": str(tmp_path / "d.parquet"), "text_field": "body"}], workers=2),
+                tmp_path / "data", work=tmp_path / "w", **QUIET)
+    assert [(s["format"], s["documents"], s["skipped"]["duplicate"]) for s in m["sources"]] == [
+        ("jsonl", 40, 0), ("jsonl", 0, 40), ("jsonl", 0, 40), ("parquet", 0, 40)]
+
+
+def test_a_damaged_unit_result_is_tokenized_again_never_trusted(tmp_path):
+    jsonl_corpus(tmp_path / "corpus", files=1, per_file=80)
+    data = spec([str(tmp_path / "corpus/*.jsonl")])
+    prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
+    units = sorted(p for p in (tmp_path / "work" / "units").iterdir())
+    tokens = units[0] / "tokens.bin"
+    tokens.write_bytes(tokens.read_bytes()[:-2])  # a torn write on a file system without atomic rename
+    logged: list[str] = []
+    other = data.model_copy(update={"shard_tokens": 1000})  # a new data set from the same units
+    m = prepare(other, tmp_path / "data", work=tmp_path / "work", log=logged.append)
+    assert any(line.startswith(f"tokenizing 1 of {len(units)} work unit") for line in logged), logged
+    clean = prepare(other, tmp_path / "clean", work=tmp_path / "clean-work", **QUIET)
+    assert data_set_bytes(m["location"]) == data_set_bytes(clean["location"])

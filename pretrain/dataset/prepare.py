@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from pretrain.corpus.files import expand_sources
+from pretrain.corpus.readers import reader_settings
 from pretrain.corpus.units import plan_units
 from pretrain.dataset.assemble import AssembledUnit, assemble
 from pretrain.dataset.errors import DataPrepError, removed_if_disk_full
@@ -89,7 +90,7 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
     if _is_s3(location):
         report(PrepProgress("upload", len(units), len(units), *_totals(units, results)))
         _upload(out, target, manifest, location)
-    _log_summary(log, manifest, location, flat)
+    _log_summary(log, manifest, location, flat, [e for _, r in results for e in r.skip_examples][:3])
     report(PrepProgress("done", len(units), len(units), *_totals(units, results)))
     return {**manifest, "reused": False, "location": location}
 
@@ -104,12 +105,16 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
     """Every unit's result, in unit order: finished ones reused, the rest tokenized on the pool."""
     cache = work / "units"
     clear_stale_temporaries(cache)
-    read_settings = {"decode_errors": data.decode_errors, "binary_threshold": data.binary_threshold,
-                     "on_bad_record": data.on_bad_record}
+    read_settings = reader_settings(data)
     itemsize = 2 if tok.dtype == "uint16" else 4
     paths = [cache / unit_dir_name(u.key, tok.sha256, read_settings) for _, u, _ in units]
     results: list[UnitResult | None] = [read_unit_result(p, itemsize) for p in paths]
     todo = [i for i, r in enumerate(results) if r is None]
+    for i in todo:  # a damaged result in the way of the unit's new one (a rename never replaces a directory)
+        if paths[i].is_dir():
+            shutil.rmtree(paths[i])
+        else:
+            paths[i].unlink(missing_ok=True)
     workers = data.workers or os.cpu_count() or 1
     done = {"units": 0, "bytes": 0, "tokens": 0, "docs": 0}
     total_bytes = sum(b for *_, b in units)
@@ -195,9 +200,9 @@ def _upload(staged: Path, target, manifest: dict, location: str) -> None:
     shutil.rmtree(staged, ignore_errors=True)
 
 
-def _log_summary(log, manifest: dict, location: str, flat) -> None:
+def _log_summary(log, manifest: dict, location: str, flat, examples: list[str]) -> None:
     skipped = ", ".join(f"{n} {r}" for r, n in manifest["skipped"].items() if n)
     log(f"prepared {manifest['tokens']['train']} train / {manifest['tokens']['val']} val tokens "
         f"({manifest['documents']['train']} / {manifest['documents']['val']} documents, vocab "
         f"{manifest['vocab_size']}, {manifest['dtype']}) from {len(flat)} file(s) in {location}"
-        + (f"; skipped: {skipped}" if skipped else ""))
+        + (f"; skipped: {skipped}" if skipped else "") + (f" (e.g. {'; '.join(examples)})" if examples else ""))
