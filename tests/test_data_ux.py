@@ -252,11 +252,17 @@ def write_spec(tmp_path: Path, data: dict) -> str:
 
 
 def test_cli_prepare_shows_progress_lines_off_a_terminal_and_ends_with_the_stats(prefect_harness, tmp_path):
-    result = data_cli("prepare", write_spec(tmp_path, DATA), "--interval", "0")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for k in range(2):
+        (corpus / f"part{k}.jsonl").write_text("".join(
+            json.dumps({"content": f"def f{k}_{i}(x):\n    return x * {i} + json.dumps(x)\n" * 4}) + "\n" for i in range(30)))
+    data = {"sources": [{"path": str(corpus / "*.jsonl"), "text_field": "content"}], "tokenizer": {"vocab_size": 300},
+            "val_fraction": 0.1, "unit_bytes": 4096, "workers": 1}
+    result = data_cli("prepare", write_spec(tmp_path, data), "--interval", "0")
     assert result.returncode == 0, result.stderr
-    assert "data: done" in result.stderr  # progress lines on stderr, not a bar
-    assert "\x1b[" not in result.stderr
-    manifest = Ledger.read(CampaignLayout((tmp_path / "wd").resolve())).record.data
+    assert "data: done" in result.stderr and "\x1b[" not in result.stderr  # progress lines on stderr, not a bar
+    manifest = open_data_set(str(tmp_path / "wd" / "data")).manifest  # the one data set it made
     assert f"fingerprint {manifest['fingerprint']}" in result.stdout
     assert f"{manifest['tokens']['train']:,}" in result.stdout and f"{manifest['tokens']['val']:,}" in result.stdout
 
