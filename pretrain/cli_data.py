@@ -27,6 +27,11 @@ def show_on(display: ProgressDisplay):
     return show
 
 
+def out() -> Console:
+    """Stdout: a terminal's width, or wide enough that piped tables keep whole paths."""
+    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240)
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     err.print(f"error: {message}", highlight=False)
     return typer.Exit(code)
@@ -66,7 +71,22 @@ def prepare(
     display.close()
     from pretrain.data_inspect import render_summary
 
-    render_summary(summary, Console(soft_wrap=True))
+    render_summary(_stats(campaign, summary), out())
+
+
+def _stats(campaign, summary: dict) -> dict:
+    """The prepared data set's manifest (shards and sources too), or the flow's summary where the
+    data set cannot be read from here (S3 behind a block's credentials)."""
+    from pretrain.data_inspect import InspectError, open_data_set
+    from pretrain.jobs import s3_options
+
+    location = str(summary.get("location") or "")
+    data, ckpt = campaign.data, campaign.checkpoint
+    options = s3_options(data.s3_endpoint_url or ckpt.s3_endpoint_url, data.s3_region or ckpt.s3_region)
+    try:
+        return {**summary, **open_data_set(location, options if location.startswith("s3://") else None).manifest}
+    except InspectError:
+        return summary
 
 
 @data_app.command("inspect")
@@ -84,7 +104,7 @@ def inspect(
     from pretrain.jobs import s3_options
 
     try:
-        inspect_data_set(location, Console(soft_wrap=True), windows=windows, window_tokens=tokens, seed=seed,
+        inspect_data_set(location, out(), windows=windows, window_tokens=tokens, seed=seed,
                          s3_options=s3_options(s3_endpoint_url, s3_region))
     except InspectError as e:
         raise fail(str(e))

@@ -100,11 +100,11 @@ def render_summary(m: dict, out: Console) -> None:
     out.print(f"tokenizer {m.get('tokenizer', 'tokenizer.json')}: vocab {m.get('vocab_size')}, {m.get('dtype')} shards, "
               f"document separator id {m.get('eot_id')}" + (f", sha256 {sha[:16]}…" if sha else ""),
               highlight=False, markup=False)
-    splits = Table("split", "documents", "tokens", "shards", title="splits")
-    shards = m.get("splits") or {}
+    shards = m.get("splits")
+    splits = Table("split", "documents", "tokens", *(["shards"] if shards else []), title="splits")
     for split, tokens in (m.get("tokens") or {}).items():
         splits.add_row(split, str((m.get("documents") or {}).get(split, "?")), f"{tokens:,}",
-                       str(len(shards[split])) if split in shards else "-")
+                       *([str(len(shards.get(split, [])))] if shards else []))
     out.print(splits)
     groups = m.get("groups") or {}
     if set(groups) - {"all"}:
@@ -113,10 +113,11 @@ def render_summary(m: dict, out: Console) -> None:
             table.add_row(g, *(f"{per_split.get(s, 0):,}" for s in m.get("tokens") or {}))
         out.print(table)
     if sources := m.get("sources"):
-        table = Table("source", "format", "group", "units", "documents", "tokens", "skipped", title="sources")
+        table = Table("format", "group", "units", "documents", "tokens", "skipped", title="sources")
+        table.add_column("source", overflow="fold")  # whole paths (copy-paste), wrapped if they must
         for s in sources:
-            table.add_row(str(s.get("uri")), str(s.get("format", "")), str(s.get("group", "")), str(s.get("units", "")),
-                          f"{s.get('documents', 0):,}", f"{s.get('tokens', 0):,}", _skips(s.get("skipped")))
+            table.add_row(str(s.get("format", "")), str(s.get("group", "")), str(s.get("units", "")),
+                          f"{s.get('documents', 0):,}", f"{s.get('tokens', 0):,}", _skips(s.get("skipped")), str(s.get("uri")))
         out.print(table)
     if "skipped" in m:
         out.print(f"skipped: {_skips(m['skipped'])} (duplicates are exact repeats of an earlier document)",
@@ -167,5 +168,6 @@ def inspect_data_set(location: str, out: Console, *, windows: int = 3, window_to
         raise InspectError("the data set is damaged: " + "; ".join(problems)
                            + ": prepare it again (`pretrain data prepare SPEC`)")
     for shard, start, text in random_windows(ds, windows, window_tokens, seed):
-        out.rule(f"{shard} @ token {start:,} ({human(window_tokens)} tokens)", style="dim")
+        out.print(f"── {shard} @ token {start:,} ({human(window_tokens)} tokens) ──", style="dim", highlight=False,
+                  markup=False)
         out.print(text, highlight=False, markup=False)
