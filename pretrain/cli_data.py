@@ -53,6 +53,7 @@ def prepare(
     except SpecError as e:
         raise fail(str(e))
     from deployments.local_prepare import prepare_data_here
+    from pretrain.ledger import CampaignMismatch, LedgerError
     from pretrain.lock import CampaignBusy
 
     display = progress_display("data", unit="B", rated=("tokens",), interval_s=interval)
@@ -62,7 +63,8 @@ def prepare(
         display.close()
         err.print("interrupted: finished work units are kept; run the same command to resume", highlight=False)
         raise typer.Exit(130)
-    except (ValueError, CampaignBusy) as e:  # the data section cannot give a data set (DataPrepError, CorpusError)
+    except (ValueError, CampaignBusy, CampaignMismatch, LedgerError) as e:  # bad sources (DataPrepError,
+        # CorpusError), the workdir busy, of another campaign or its ledger damaged
         display.close()
         raise fail(str(e))
     except Exception as e:  # noqa: BLE001 - one line, not a traceback

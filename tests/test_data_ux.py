@@ -267,9 +267,20 @@ def test_cli_prepare_shows_progress_lines_off_a_terminal_and_ends_with_the_stats
     assert f"{manifest['tokens']['train']:,}" in result.stdout and f"{manifest['tokens']['val']:,}" in result.stdout
 
 
-def test_cli_prepare_with_a_bad_source_is_one_line_exit_2(prefect_harness, tmp_path):
-    result = data_cli("prepare", write_spec(tmp_path, {"sources": [str(tmp_path / "none" / "*.jsonl")]}))
+@pytest.mark.parametrize("case, says", [
+    ("no such source", "error: data.sources[0]"),
+    ("the workdir of another campaign", "error: "),
+])
+def test_cli_prepare_refuses_wrong_input_in_one_line_exit_2(prefect_harness, tmp_path, case, says):
+    if case == "no such source":
+        spec_file = write_spec(tmp_path, {"sources": [str(tmp_path / "none" / "*.jsonl")]})
+        also = "matched no files"
+    else:
+        Ledger.open(small_spec(tmp_path / "wd")).save()  # the workdir holds campaign "t"
+        spec_file = write_spec(tmp_path, DATA)  # campaign "ux", same workdir
+        also = "holds campaign 't'"
+    result = data_cli("prepare", spec_file)
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: data.sources[0]") and "matched no files" in last
+    assert last.startswith(says) and also in last
     assert "Traceback" not in result.stderr + result.stdout
