@@ -123,7 +123,8 @@ class LineProgress:
 
 
 class BarProgress:
-    """A terminal: a rich progress bar with the done/total, its rate, the fields and the ETA."""
+    """A terminal: a rich progress bar with the done/total, its rate, the fields and the ETA. It
+    appears with the first update (nothing animates while the work has not started)."""
 
     def __init__(self, title: str, *, unit: str = "", rated: tuple[str, ...] = (), stream: TextIO | None = None):
         from rich.console import Console
@@ -131,13 +132,15 @@ class BarProgress:
 
         self.title, self.unit, self.rated = title, unit, rated
         self.rates, self.snap = Rates(), _Snapshot()
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
-                                 TextColumn("{task.fields[line]}"), console=Console(file=stream or sys.stderr),
-                                 transient=False)
-        self.progress.start()
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), TaskProgressColumn(),
+                                 TextColumn("{task.fields[line]}"), console=Console(file=stream or sys.stderr))
         self.task = self.progress.add_task(title, total=None, line="")
+        self.started = False
 
     def update(self, done: float, total: float, stage: str = "", **fields: float | str) -> None:
+        if not self.started:
+            self.progress.start()
+            self.started = True
         self.snap = _Snapshot(done, total, stage, dict(fields))
         self.rates.add(time.monotonic(), {"_done": done, **_numbers(fields)})
         self.progress.update(self.task, completed=done, total=total or None,
@@ -145,7 +148,9 @@ class BarProgress:
                              line=describe(self.snap, self.rates, self.unit, self.rated, percent=False))
 
     def close(self) -> None:
-        self.progress.stop()
+        if self.started:
+            self.progress.stop()
+            self.started = False
 
 
 def progress_display(title: str, *, unit: str = "", rated: tuple[str, ...] = (), stream: TextIO | None = None,

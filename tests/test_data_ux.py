@@ -86,12 +86,14 @@ def test_the_display_is_a_bar_on_a_terminal_and_lines_elsewhere():
     lines.update(1, 2, "tokenize", tokens=3)
     lines.close()
     assert stream.getvalue() == "data: tokenize 50% 1/2, tokens 3\n"
-    bar = progress_display("data", stream=io.StringIO(), tty=True)
+    screen = io.StringIO()
+    bar = progress_display("data", stream=screen, tty=True)
+    assert screen.getvalue() == ""  # nothing shows (or animates) before the work reports
     try:
         bar.update(1, 2, "tokenize", tokens=3)
     finally:
         bar.close()
-    assert bar.progress.tasks[0].completed == 1 and "tokenize" in bar.progress.tasks[0].description
+    assert "data: tokenize" in screen.getvalue() and "1/2, tokens 3" in screen.getvalue()
 
 
 # ---- pretrain data inspect ------------------------------------------------------------------
