@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import s3_servers
 import yaml
-from conftest import DATA, pretrain_cli, small_spec
+from conftest import DATA, pretrain_cli, small_spec, wait_for
 from mlflow.tracking import MlflowClient
 from rich.console import Console
 from s3_servers import BUCKET, aws_env  # noqa: F401 - a fixture
@@ -286,3 +287,43 @@ def test_cli_prepare_refuses_wrong_input_in_one_line_exit_2(prefect_harness, tmp
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(says) and also in last
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def _campaign_prepares_in_units() -> bool:
+    """Whether the prepare-data task runs pretrain.dataset.prepare (work units under data/.work)."""
+    import inspect
+
+    import tasks.data
+    return "from pretrain.dataset.prepare import" in inspect.getsource(tasks.data)
+
+
+@pytest.mark.skipif(not _campaign_prepares_in_units(),
+                    reason="needs the prepare-data task on pretrain.dataset.prepare (branch identity wires it)")
+def test_ctrl_c_stops_cli_prepare_in_one_line_exit_130_and_the_same_command_resumes(prefect_harness, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for k in range(4):
+        (corpus / f"part{k}.jsonl").write_text("".join(
+            json.dumps({"text": f"def f{k}_{i}(x):\n    return x * {i} + {k}\n" * 40}) + "\n" for i in range(200)))
+    spec_file = write_spec(tmp_path, {"sources": [str(corpus / "*.jsonl")], "tokenizer": {"vocab_size": 300},
+                                      "unit_bytes": 4096, "workers": 1})
+    from prefect.settings import PREFECT_API_URL
+
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "data", "prepare", spec_file], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()})
+    units = tmp_path / "wd" / "data" / ".work" / "units"
+    try:
+        wait_for(lambda: proc.poll() is not None or (units.is_dir() and any(
+            not d.name.startswith(".") for d in units.iterdir())), 120, "a finished work unit")
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole process group
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted: finished work units are kept; run the same command to resume"
+    assert "Traceback" not in err + out
+    again = data_cli("prepare", spec_file)
+    assert again.returncode == 0 and "finished earlier are reused" in again.stderr
