@@ -228,6 +228,16 @@ def test_the_flow_publishes_progress_and_logs_the_data_set_to_the_campaign_run_o
     assert json.loads(dataset.profile)["tokens"] == summary["tokens"]
 
 
+def test_a_refused_progress_artifact_is_said_once_and_preparation_goes_on(prefect_harness):
+    from tasks.data_progress import PrepArtifact
+
+    said: list[str] = []
+    artifact = PrepArtifact("Not A Valid Key!", said.append, min_interval_s=0)  # Prefect refuses this key
+    for phase in ("scan", "tokenizer", "tokenize", "done"):
+        artifact(PrepProgress(phase))  # never raises
+    assert len(said) == 1 and "preparation goes on" in said[0] and artifact.artifact_id is None
+
+
 def test_an_mlflow_refusal_never_fails_data_preparation(prefect_harness, tmp_path):
     from flows.prepare_data import prepare_data
 
