@@ -19,7 +19,8 @@ from pretrain.dataset.pool import UnitJob, run_units
 from pretrain.dataset.progress import PrepProgress, ProgressCallback
 from pretrain.dataset.sample import trained_tokenizer
 from pretrain.dataset.tokenizer import LoadedTokenizer, load_tokenizer
-from pretrain.dataset.unitcache import UnitResult, clear_stale_temporaries, read_unit_result, unit_dir_name
+from pretrain.dataset.upload import Uploader
+from pretrain.dataset.unitcache import UnitResult, clear_stale_temporaries, prune, read_unit_result, unit_dir_name
 from pretrain.spec_data import DataSpec
 from trainer.atomic import atomic_write_bytes
 from trainer.data_manifest import MANIFEST, SKIP_REASONS, TOKENIZER_FILE, DamagedManifest, encode_manifest, parse_manifest
@@ -40,10 +41,57 @@ def _existing(target, location: str, log) -> dict | None:
     except StorageError as err:
         raise DataPrepError(f"cannot read data sets under {location}: {err}") from None
     try:
-        return parse_manifest(raw)
+        manifest = parse_manifest(raw)
     except DamagedManifest as err:
         log(f"{location}/{MANIFEST} is damaged ({err}); preparing it again")
         return None
+    if problem := _missing_file(target, manifest):
+        log(f"data set {location} is damaged ({problem}); preparing it again")
+        return None
+    return manifest
+
+
+def _missing_file(target, manifest: dict) -> str | None:
+    """A file the manifest names that is absent, or (on a local disk, where a stat is cheap) of
+    the wrong size: what is wrong, or None. Contents are checked by their sha256 where they are
+    fetched (the node cache), not on every run."""
+    itemsize = 2 if manifest["dtype"] == "uint16" else 4
+    shards = [(s["file"], s["tokens"] * itemsize) for split in manifest["splits"].values() for s in split]
+    if target.local_path(MANIFEST) is None:  # S3: one listing, not a request per shard
+        present = set(target.list())
+        gone = [f for f in [manifest.get("tokenizer", TOKENIZER_FILE)] + [f for f, _ in shards] if f not in present]
+        return f"{gone[0]} is missing" if gone else None
+    for name, size in [(manifest.get("tokenizer", TOKENIZER_FILE), None)] + shards:
+        path = target.local_path(name)
+        if not path.is_file():
+            return f"{name} is missing"
+        if size is not None and path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, not {size}"
+    return None
+
+
+def _guarded(progress: ProgressCallback | None, log) -> ProgressCallback:
+    """``progress``, but a display that fails (a console, a Prefect server going away) is logged
+    once and then left out: it never stops data preparation."""
+    state = {"failed": progress is None}
+
+    def report(p: PrepProgress) -> None:
+        if state["failed"]:
+            return
+        try:
+            progress(p)
+        except Exception as err:  # whatever the display raises
+            state["failed"] = True
+            log(f"progress reporting failed ({type(err).__name__}: {err}); data preparation goes on without it")
+    return report
+
+
+def _cores() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _unit_bytes(unit, n_units: int) -> int:
@@ -55,7 +103,7 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
             progress: ProgressCallback | None = None) -> dict:
     """Build (or reuse) the data set for ``data`` under ``root``; returns its manifest plus
     ``reused`` and ``location`` (the data set's directory or s3 URL)."""
-    report = progress or (lambda p: None)
+    report = _guarded(progress, log)
     report(PrepProgress("scan"))
     s3 = s3_options or {}
     sources = expand_sources(data, s3_options)
@@ -86,11 +134,17 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
                             "data.sources at text, JSONL or Parquet files with text in them")
     report(PrepProgress("assemble", len(units), len(units), *_totals(units, results)))
     out = Path(location) if not _is_s3(location) else work / "staging" / fp
-    manifest = _write_data_set(data, sources, flat, units, results, tok, fp, settings, out, location)
-    if _is_s3(location):
-        report(PrepProgress("upload", len(units), len(units), *_totals(units, results)))
-        _upload(out, target, manifest, location)
+    uploader = Uploader(target, location) if _is_s3(location) else None
+    try:
+        manifest = _write_data_set(data, sources, flat, units, results, tok, fp, settings, out, uploader)
+        if uploader:
+            report(PrepProgress("upload", len(units), len(units), *_totals(units, results)))
+            uploader.finish(out / MANIFEST)
+    finally:
+        if uploader:
+            uploader.close()
     _log_summary(log, manifest, location, flat, [e for _, r in results for e in r.skip_examples][:3])
+    _prune(work, {p.name for p, _ in results}, f"{fp}.json")
     report(PrepProgress("done", len(units), len(units), *_totals(units, results)))
     return {**manifest, "reused": False, "location": location}
 
@@ -115,7 +169,7 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
             shutil.rmtree(paths[i])
         else:
             paths[i].unlink(missing_ok=True)
-    workers = data.workers or os.cpu_count() or 1
+    workers = data.workers or _cores()
     done = {"units": 0, "bytes": 0, "tokens": 0, "docs": 0}
     total_bytes = sum(b for *_, b in units)
 
@@ -154,8 +208,9 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
 
 
 def _write_data_set(data, sources, flat, units, results, tok: LoadedTokenizer, fp: str, settings: dict,
-                    out: Path, location: str) -> dict:
-    """Tokenizer, shards and (last) the manifest into ``out``; returns the manifest."""
+                    out: Path, uploader: Uploader | None) -> dict:
+    """Tokenizer, shards and (last) the manifest into ``out`` (each but the manifest handed to
+    ``uploader`` once written, for an S3 data set); returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # a damaged one: uncommit before touching shards
     itemsize = 2 if tok.dtype == "uint16" else 4
@@ -165,9 +220,11 @@ def _write_data_set(data, sources, flat, units, results, tok: LoadedTokenizer, f
     with removed_if_disk_full(out, need) as written:
         written.append(out / TOKENIZER_FILE)
         atomic_write_bytes(out / TOKENIZER_FILE, tok.json.encode())
+        if uploader:
+            uploader(out / TOKENIZER_FILE)
         splits, documents, stats = assemble(assembled, list(sources), out=out, dtype=tok.dtype, eot_id=tok.eot_id,
                                             val_fraction=data.val_fraction, shard_tokens=data.shard_tokens,
-                                            n_sources=len(flat), written=written)
+                                            n_sources=len(flat), written=written, on_shard=uploader)
         if not (documents["train"] and documents["val"]):
             raise DataPrepError(f"data.sources gave {sum(documents.values())} distinct document(s); need at least 2 "
                                 "(one for training, one for validation): add data")
@@ -188,16 +245,13 @@ def _tok_settings(data: DataSpec, tok: LoadedTokenizer) -> dict:
              "eos_token": t.eos_token})
 
 
-def _upload(staged: Path, target, manifest: dict, location: str) -> None:
-    """Shards and tokenizer first, the manifest last; then the local staging copy goes."""
-    files = [TOKENIZER_FILE] + [s["file"] for shards in manifest["splits"].values() for s in shards]
-    try:
-        for name in files:
-            target.put_file(name, staged / name)
-        target.put_file(MANIFEST, staged / MANIFEST)
-    except StorageError as err:
-        raise DataPrepError(f"uploading the data set to {location} failed: {err}") from None
-    shutil.rmtree(staged, ignore_errors=True)
+def _prune(work: Path, units: set[str], tokenizer: str) -> None:
+    """Keep only what the next incremental run can use: this data set's unit results and tokenizer."""
+    prune(work / "units", units)
+    shutil.rmtree(work / "staging", ignore_errors=True)  # an S3 data set's copy left by a failed upload
+    for p in (work / "tokenizers").glob("*.json"):
+        if p.name != tokenizer:
+            p.unlink(missing_ok=True)
 
 
 def _log_summary(log, manifest: dict, location: str, flat, examples: list[str]) -> None:
