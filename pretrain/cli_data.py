@@ -43,8 +43,7 @@ def prepare(
     workdir: Optional[Path] = typer.Option(None, "--workdir", "-w", help="Where the campaign keeps its state (overrides the spec)."),
     interval: float = typer.Option(10.0, "--interval", min=0.0, help="Seconds between progress lines when not on a terminal."),
 ) -> None:
-    """Prepare (or reuse) the campaign's data set, as `pretrain run` does first; a re-run after a
-    kill resumes where it stopped. Prints the data set's stats."""
+    """Prepare (or reuse) the campaign's data set as `pretrain run` does first, then print its stats; after a kill, the same command resumes."""
     from pretrain.spec import SpecError
     from pretrain.specfile import load_spec
 
@@ -100,8 +99,7 @@ def inspect(
     s3_endpoint_url: Optional[str] = typer.Option(None, "--s3-endpoint-url", help="S3-compatible endpoint; credentials from the AWS environment."),
     s3_region: Optional[str] = typer.Option(None, "--s3-region", help="S3 region."),
 ) -> None:
-    """Print a data set's stats (documents, tokens per split, group and source, skips, duplicates,
-    tokenizer, fingerprint) and decode a few random windows of its train split."""
+    """Print a data set's stats (documents, tokens, sources, skips, duplicates, tokenizer, fingerprint) and decode a few random train windows."""
     from pretrain.data_inspect import InspectError, inspect_data_set
     from pretrain.jobs import s3_options
 
