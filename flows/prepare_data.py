@@ -2,23 +2,38 @@
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from blocks.references import resolve_campaign
+from pretrain.dataset.progress import ProgressCallback
 from pretrain.ledger import Ledger
 from pretrain.lock import campaign_lock
 from pretrain.spec import CampaignSpec
+from pretrain.tracking import describe_error
 from tasks.data import prepare_dataset
+from tasks.data_progress import PrepArtifact, fan_out
+from tasks.tracking import log_data_set_input
 
 
 @flow(name="prepare-data", log_prints=True)
-def prepare_data(spec: CampaignSpec | None = None, spec_path: str | None = None, workdir: str | None = None) -> dict:
+def prepare_data(spec: CampaignSpec | None = None, spec_path: str | None = None, workdir: str | None = None,
+                 progress: ProgressCallback | None = None) -> dict:
     """Prepare the campaign's data set: give ``spec`` inline or ``spec_path`` (YAML or
-    ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state. Refused
-    (``CampaignBusy``) while another run of the campaign holds its workdir."""
+    ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state; ``progress`` (in
+    this process only, e.g. the CLI's display) also receives the progress the flow publishes as
+    its ``data-preparation-<campaign>`` artifact. Refused (``CampaignBusy``) while another run
+    of the campaign holds its workdir. The data set is logged to the campaign's MLflow run, if
+    it has one yet, as a dataset input; MLflow being away never fails this flow."""
     spec = resolve_campaign(spec, spec_path, workdir)
+    logger = get_run_logger()
     with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()):  # the campaign's own, when it calls this
-        summary = prepare_dataset(spec)
-        Ledger.open(spec).set_data(summary)
+        summary = prepare_dataset(spec, fan_out(PrepArtifact.for_campaign(spec.name, logger.warning), progress))
+        ledger = Ledger.open(spec)
+        ledger.set_data(summary)
+    if run_id := ledger.record.mlflow.parent_run_id:
+        state = log_data_set_input(spec, run_id, summary, return_state=True)
+        if state.is_failed():
+            logger.warning("the data set is not logged to MLflow run %s (%s); the campaign goes on, and the next "
+                           "run of this flow logs it", run_id, describe_error(state.result(raise_on_failure=False)))
     return summary

@@ -18,6 +18,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 err = Console(stderr=True, soft_wrap=True)  # paths in messages stay whole (copy-paste)
 
 
+def _add_sub_apps() -> None:
+    from pretrain.cli_data import data_app
+
+    app.add_typer(data_app, name="data")
+
+
+_add_sub_apps()
+
+
 @app.command()
 def run(
     spec: Optional[str] = typer.Argument(None, help="Campaign spec YAML (default: the built-in tiny demo)."),

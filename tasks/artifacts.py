@@ -3,6 +3,7 @@
 - ``campaign-report-<campaign>``  markdown: stages, attempts, checkpoints, node check, time lost per cause
 - ``checkpoints-<campaign>``      table: every stored checkpoint with its verdict and eval loss
 - ``training-progress-<campaign>`` progress (0-100 %) over all stages, updated while a job trains
+- ``data-preparation-<campaign>`` progress (0-100 %) of data preparation (``tasks.data_progress``)
 - ``mlflow-run-<campaign>``       link to the campaign's MLflow parent run
 - ``node-check-<campaign>``       table: the node health check (made by ``tasks.cluster``)
 """

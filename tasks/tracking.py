@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from pretrain.data_input import log_data_set
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
@@ -58,3 +59,9 @@ def log_stage_evaluation(spec: CampaignSpec, stage_run_id: str | None, parent_ru
     if stage_run_id:
         tracker.log_values(stage_run_id, metrics, step)
     tracker.log_values(parent_run_id, metrics, campaign_step)
+
+
+@task(name="log-data-set-input", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
+def log_data_set_input(spec: CampaignSpec, run_id: str, summary: dict) -> None:
+    """The prepared data set as the campaign run's dataset input (idempotent)."""
+    log_data_set(tracker_for(spec).client, run_id, f"{spec.name}-data", summary)

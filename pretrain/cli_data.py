@@ -1,0 +1,111 @@
+"""``pretrain data``: prepare a campaign's data set with a progress display, inspect a data set."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from pretrain.console_progress import ProgressDisplay, progress_display
+from pretrain.dataset.progress import PrepProgress
+
+data_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                       help="Prepare a campaign's data set, or inspect a prepared one.")
+err = Console(stderr=True, soft_wrap=True)
+
+
+def show_on(display: ProgressDisplay):
+    """A ``ProgressCallback`` drawing preparation's snapshots on ``display``."""
+    def show(p: PrepProgress) -> None:
+        fields = {"units": f"{p.units_done}/{p.units_total}"} if p.units_total else {}
+        if p.tokens or p.documents:
+            fields.update(documents=p.documents, tokens=p.tokens)
+        display.update(p.bytes_done, p.bytes_total, p.phase, **fields)
+    return show
+
+
+def out() -> Console:
+    """Stdout: a terminal's width, or wide enough that piped tables keep whole paths."""
+    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240)
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    err.print(f"error: {message}", highlight=False)
+    return typer.Exit(code)
+
+
+@data_app.command("prepare")
+def prepare(
+    spec: Optional[str] = typer.Argument(None, help="Campaign spec YAML (default: the built-in tiny demo)."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", "-w", help="Where the campaign keeps its state (overrides the spec)."),
+    interval: float = typer.Option(10.0, "--interval", min=0.0, help="Seconds between progress lines when not on a terminal."),
+) -> None:
+    """Prepare (or reuse) the campaign's data set as `pretrain run` does first, then print its stats; after a kill, the same command resumes."""
+    from pretrain.spec import SpecError
+    from pretrain.specfile import load_spec
+
+    try:
+        campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
+    except SpecError as e:
+        raise fail(str(e))
+    from deployments.local_prepare import prepare_data_here
+    from pretrain.ledger import CampaignMismatch, LedgerError
+    from pretrain.lock import CampaignBusy
+
+    display = progress_display("data", unit="B", rated=("tokens",), interval_s=interval)
+    try:
+        summary = prepare_data_here(campaign, progress=show_on(display))
+    except KeyboardInterrupt:
+        display.close()
+        err.print("interrupted: finished work units are kept; run the same command to resume", highlight=False)
+        raise typer.Exit(130)
+    except (ValueError, CampaignBusy, CampaignMismatch, LedgerError) as e:  # bad sources (DataPrepError,
+        # CorpusError), the workdir busy, of another campaign or its ledger damaged
+        display.close()
+        raise fail(str(e))
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback
+        display.close()
+        raise fail(f"data preparation failed: {type(e).__name__}: {e}", 1)
+    display.close()
+    from pretrain.data_inspect import render_summary
+
+    render_summary(_stats(campaign, summary), out())
+
+
+def _stats(campaign, summary: dict) -> dict:
+    """The prepared data set's manifest (shards and sources too), or the flow's summary where the
+    data set cannot be read from here (S3 behind a block's credentials)."""
+    from pretrain.data_inspect import InspectError, open_data_set
+    from pretrain.jobs import s3_options
+
+    location = str(summary.get("location") or "")
+    data, ckpt = campaign.data, campaign.checkpoint
+    options = s3_options(data.s3_endpoint_url or ckpt.s3_endpoint_url, data.s3_region or ckpt.s3_region)
+    try:
+        return {**summary, **open_data_set(location, options if location.startswith("s3://") else None).manifest}
+    except InspectError:
+        return summary
+
+
+@data_app.command("inspect")
+def inspect(
+    location: str = typer.Argument(..., help="A prepared data set: its directory (with manifest.json) or s3:// URL."),
+    windows: int = typer.Option(3, "--windows", min=0, help="Random train windows to decode."),
+    tokens: int = typer.Option(64, "--tokens", min=1, help="Tokens per decoded window."),
+    seed: int = typer.Option(0, "--seed", help="Seed choosing the windows."),
+    s3_endpoint_url: Optional[str] = typer.Option(None, "--s3-endpoint-url", help="S3-compatible endpoint; credentials from the AWS environment."),
+    s3_region: Optional[str] = typer.Option(None, "--s3-region", help="S3 region."),
+) -> None:
+    """Print a data set's stats (documents, tokens, sources, skips, duplicates, tokenizer, fingerprint) and decode a few random train windows."""
+    from pretrain.data_inspect import InspectError, inspect_data_set
+    from pretrain.jobs import s3_options
+
+    try:
+        inspect_data_set(location, out(), windows=windows, window_tokens=tokens, seed=seed,
+                         s3_options=s3_options(s3_endpoint_url, s3_region))
+    except InspectError as e:
+        raise fail(str(e))
+    sys.stdout.flush()
