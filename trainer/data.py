@@ -32,14 +32,21 @@ def read_manifest(data_dir: str | Path) -> dict:
     """The data set's manifest; a missing or damaged one is a :class:`DataError` saying what to do."""
     path = Path(data_dir) / MANIFEST
     try:
-        manifest = json.loads(path.read_bytes())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise DataError(f"no data manifest at {path}: run data preparation first (`pretrain run` does)") from None
+    return parse_manifest(raw, str(path))
+
+
+def parse_manifest(raw: bytes, where: str) -> dict:
+    """A manifest's bytes (read from ``where``, a path or URL) as a dict, checked to be one (v1 or v2)."""
+    try:
+        manifest = json.loads(raw)
     except ValueError as e:  # not JSON, not UTF-8, truncated
-        raise DataError(f"{path} is damaged ({e}): run data preparation again (`pretrain run` redoes it)") from None
+        raise DataError(f"{where} is damaged ({e}): run data preparation again (`pretrain run` redoes it)") from None
     if not (isinstance(manifest, dict) and isinstance(manifest.get("splits"), dict)
             and all(k in manifest for k in ("dtype", "vocab_size"))):
-        raise DataError(f"{path} is damaged (not a data manifest: no splits/dtype/vocab_size): "
+        raise DataError(f"{where} is damaged (not a data manifest: no splits/dtype/vocab_size): "
                         "run data preparation again (`pretrain run` redoes it)")
     return manifest
 
