@@ -19,6 +19,6 @@ def prepare_data(spec: CampaignSpec | None = None, spec_path: str | None = None,
     (``CampaignBusy``) while another run of the campaign holds its workdir."""
     spec = resolve_campaign(spec, spec_path, workdir)
     with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()):  # the campaign's own, when it calls this
-        summary = prepare_dataset(spec)
-        Ledger.open(spec).set_data(summary)
-    return summary
+        record = prepare_dataset(spec)
+        Ledger.open(spec).set_data(record)
+    return record.to_json()

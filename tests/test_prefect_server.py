@@ -260,4 +260,4 @@ def test_deploy_from_git_runs_the_cloned_code(worker, prepared_data, tmp_path):
         run = start("prepare-data/prepare-data", spec_path=str(path))
         state = final_state(run.id, 300)
     assert state.is_completed(), state.message
-    assert Ledger.read(CampaignLayout(spec.workdir_path)).record.data["vocab_size"] > 0
+    assert Ledger.read(CampaignLayout(spec.workdir_path)).record.data.vocab_size > 0

@@ -54,13 +54,7 @@ def local_data_dir(location: str | Path, cache_root: str | Path, s3_options: dic
             _check_fingerprint(read_manifest(local), fingerprint, str(local))
         return local
     location = os.fspath(location).rstrip("/")
-    storage = open_storage(location, **(s3_options or {}))
-    try:
-        raw = storage.get_bytes(MANIFEST)
-    except NotFound:
-        raise DataError(f"no data set at {location} (no {MANIFEST}): prepare it first (`pretrain run` or "
-                        "`pretrain data prepare` does), or fix data.uri") from None
-    manifest = parse_manifest(raw, f"{location}/{MANIFEST}")
+    storage, raw, manifest = fetch_manifest(location, s3_options)
     if fingerprint:
         _check_fingerprint(manifest, fingerprint, location)
     digest = hashlib.sha256(raw).hexdigest()
@@ -87,6 +81,17 @@ def local_data_dir(location: str | Path, cache_root: str | Path, s3_options: dic
                                  "Free space there, or point the node cache at a larger disk; the cache never "
                                  "uses a partly fetched file.")) from None
     return target
+
+
+def fetch_manifest(location: str, s3_options: dict | None = None) -> tuple[Storage, bytes, dict]:
+    """The storage of the data set at ``location`` (local or S3), its manifest's bytes and content."""
+    storage = open_storage(location, **((s3_options or {}) if is_remote(location) else {}))
+    try:
+        raw = storage.get_bytes(MANIFEST)
+    except NotFound:
+        raise DataError(f"no data set at {location} (no {MANIFEST}): prepare it first (`pretrain run` or "
+                        "`pretrain data prepare` does), or fix data.uri") from None
+    return storage, raw, parse_manifest(raw, f"{location}/{MANIFEST}")
 
 
 def _check_fingerprint(manifest: dict, fingerprint: str, where: str) -> None:
