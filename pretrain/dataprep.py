@@ -1,4 +1,7 @@
-"""Raw text → byte-level BPE tokenizer → packed token shards with a manifest.
+"""The previous release's data preparation (flat ``<workdir>/data``), kept while the campaign
+still calls it; :mod:`pretrain.dataset` replaces it.
+
+Raw text → byte-level BPE tokenizer → packed token shards with a manifest.
 
 Idempotent: the manifest records a fingerprint of the inputs (files, sizes, mtimes and the
 settings); if it matches, nothing is redone. Shards are written atomically and the manifest
@@ -11,24 +14,19 @@ import glob
 import hashlib
 import json
 import sysconfig
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pretrain.dataset.errors import DataPrepError, removed_if_disk_full  # noqa: F401 - re-exported
+from pretrain.dataset.tokenizer import EOT
 from pretrain.spec_data import DataSpec
 from trainer.atomic import atomic_write_bytes, atomic_write_json
 from trainer.data import MANIFEST, DataError, read_manifest
-from trainer.resilience.diskfull import describe, is_disk_full
 
-EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
-
-
-class DataPrepError(ValueError):
-    """The data section of the spec cannot produce a data set; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -130,24 +128,6 @@ def pack_split(split: str, docs: list[Document], tok: Tokenizer, eot_id: int, sh
             for part in shard_parts(split, pack(tok, [d for d in docs if d.group == g], eot_id), shard_tokens, g)]
 
 
-@contextmanager
-def _removed_if_disk_full(out: Path, need: int):
-    """Yields the list of files written inside; if the disk fills up, they are removed (a data
-    set without its manifest is never used, and the space is needed to try again) and a
-    :class:`DataPrepError` says so."""
-    written: list[Path] = []
-    try:
-        yield written
-    except OSError as err:
-        if not is_disk_full(err):
-            raise
-        for path in written:
-            path.unlink(missing_ok=True)
-        raise DataPrepError(describe(out, need, "the data set",
-                                     "Free space there (or lower data.max_bytes) and run again; the half-written "
-                                     "data set has no manifest and is never used.")) from None
-
-
 def _write(path: Path, data: bytes, written: list[Path]) -> str:
     """Write one file of the data set atomically; returns its sha256."""
     digest = atomic_write_bytes(path, data)
@@ -183,7 +163,7 @@ def prepare(data: DataSpec, out: Path, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = tok.to_str().encode()
     need = len(tokenizer) + sum(tokens.nbytes for ps in parts.values() for _, tokens, _ in ps)
-    with _removed_if_disk_full(out, need) as written:
+    with removed_if_disk_full(out, need) as written:
         _write(out / TOKENIZER_FILE, tokenizer, written)
         splits = {split: [{"file": name, "tokens": int(len(tokens)), "sha256": _write(out / name, tokens.tobytes(), written),
                            "group": group} for name, tokens, group in ps] for split, ps in parts.items()}

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint_info import CheckpointInfo, describe
-from pretrain.dataprep import EOT
+from pretrain.dataset.tokenizer import EOT
 from pretrain.evaluation import require_valid
 from trainer.atomic import fsync_dir
 from trainer.checkpoint.sharded import load_full_state

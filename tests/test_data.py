@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from pretrain.dataprep import DataPrepError, prepare
+from pretrain.dataset.prepare import prepare
 from pretrain.spec_data import DataSpec
 from trainer.data import DataError, GlobalSampler, TokenWindows, micro_batch_positions, read_manifest
 
@@ -20,22 +22,6 @@ def test_prepared_data_set_is_complete_and_decodes(prepared_data):
     tok = Tokenizer.from_file(str(prepared_data / m["tokenizer"]))
     text = 'def f(x):\n    return json.dumps(x)\n'
     assert tok.decode(tok.encode(text).ids) == text
-
-
-def test_preparation_is_skipped_when_inputs_are_unchanged(tmp_path):
-    spec = DataSpec(sources=["{stdlib}/json/*.py"], max_bytes=50_000, tokenizer={"vocab_size": 300})
-    first = prepare(spec, tmp_path, log=lambda *_: None)
-    mtime = (tmp_path / "train_00000.bin").stat().st_mtime_ns
-    again = prepare(spec, tmp_path, log=lambda *_: None)
-    assert not first["reused"] and again["reused"] and again["fingerprint"] == first["fingerprint"]
-    assert (tmp_path / "train_00000.bin").stat().st_mtime_ns == mtime
-    changed = prepare(spec.model_copy(update={"val_fraction": 0.3}), tmp_path, log=lambda *_: None)
-    assert not changed["reused"] and changed["fingerprint"] != first["fingerprint"]
-
-
-def test_source_matching_nothing_is_a_clear_error(tmp_path):
-    with pytest.raises(DataPrepError, match=r"data.sources\[1\] .*matched no files"):
-        prepare(DataSpec(sources=["{stdlib}/json/*.py", str(tmp_path / "nope/*.txt")]), tmp_path)
 
 
 @pytest.mark.parametrize("world, micro, accum", [(1, 8, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2)])
@@ -61,9 +47,9 @@ def test_data_groups_are_packed_separately_and_mixed_in_exact_proportions(tmp_pa
 
     spec = DataSpec(sources={"json": ["{stdlib}/json/*.py"], "email": ["{stdlib}/email/*.py"]},
                     max_bytes=60_000, tokenizer={"vocab_size": 300}, val_fraction=0.2)
-    m = prepare(spec, tmp_path, log=lambda *_: None)
+    m = prepare(spec, tmp_path / "data", work=tmp_path / "work", log=lambda *_: None)
     assert set(m["groups"]) == {"json", "email"} and all(g["train"] > 0 for g in m["groups"].values())
-    windows = TokenWindows(tmp_path, "train", 16)
+    windows = TokenWindows(m["location"], "train", 16)
     assert set(windows.groups) == {"json", "email"}
     assert sum(len(r) for r in windows.groups.values()) == len(windows)
 
@@ -87,11 +73,13 @@ def test_data_groups_are_packed_separately_and_mixed_in_exact_proportions(tmp_pa
     lambda t: b"\xff\xfe not utf-8",
     lambda t: b"[1, 2, 3]",  # JSON, but not a data manifest
     lambda t: t.replace(b'"splits"', b'"splats"'),  # a hand edit
-], ids=["truncated", "not utf-8", "a list", "no splits"])
+    lambda t: t.replace(b'"version": 2', b'"version": 7'),  # written by a newer release
+    lambda t: t.replace(b'"file": "train_00000.bin"', b'"file": "../../etc/passwd"'),  # a shard outside the set
+    lambda t: t.replace(b'"fingerprint"', b'"fingerprunt"'),  # version 2 without its fingerprint
+], ids=["truncated", "not utf-8", "a list", "no splits", "newer version", "shard outside", "no fingerprint"])
 def test_a_damaged_data_manifest_is_a_clear_error_and_preparation_redoes_it(tmp_path, damage):
     spec = DataSpec(sources=["{stdlib}/json/*.py"], max_bytes=50_000, tokenizer={"vocab_size": 300})
-    out = tmp_path / "data"
-    prepare(spec, out, log=lambda *_: None)
+    out = Path(prepare(spec, tmp_path / "data", work=tmp_path / "work", log=lambda *_: None)["location"])
     manifest = out / "manifest.json"
     manifest.write_bytes(damage(manifest.read_bytes()))
     with pytest.raises(DataError) as raised:  # what a worker, the gate or the evaluation would read
@@ -99,6 +87,6 @@ def test_a_damaged_data_manifest_is_a_clear_error_and_preparation_redoes_it(tmp_
     assert str(manifest) in str(raised.value)
     assert "run data preparation again" in str(raised.value)
     logged: list[str] = []
-    again = prepare(spec, out, log=logged.append)  # `pretrain run` again: prepared anew, not a crash
+    again = prepare(spec, tmp_path / "data", work=tmp_path / "work", log=logged.append)  # prepared anew, not a crash
     assert again["reused"] is False and read_manifest(out)["fingerprint"] == again["fingerprint"]
     assert any("is damaged" in line and "preparing it again" in line for line in logged)

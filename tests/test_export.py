@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 from conftest import copy_checkpoint, flip_byte, pretrain_cli
 from pretrain.checkpoint_info import CheckpointRejected, describe
-from pretrain.dataprep import EOT
+from pretrain.dataset.tokenizer import EOT
 from pretrain.export import PROVENANCE, WEIGHTS, export_checkpoint
 from trainer.checkpoint.store import CheckpointStore
 from trainer.data import TokenWindows, read_manifest

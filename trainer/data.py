@@ -13,7 +13,6 @@ round-robin schedule, and counts within the group in closed form — still one i
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MANIFEST = "manifest.json"
+from trainer.data_manifest import MANIFEST, DamagedManifest, parse_manifest
 
 
 class DataError(RuntimeError):
@@ -29,26 +28,22 @@ class DataError(RuntimeError):
 
 
 def read_manifest(data_dir: str | Path) -> dict:
-    """The data set's manifest; a missing or damaged one is a :class:`DataError` saying what to do."""
+    """The data set's manifest (version 1 or 2); a missing or damaged one is a :class:`DataError`
+    saying what to do."""
     path = Path(data_dir) / MANIFEST
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise DataError(f"no data manifest at {path}: run data preparation first (`pretrain run` does)") from None
-    return parse_manifest(raw, str(path))
+    return load_manifest(raw, str(path))
 
 
-def parse_manifest(raw: bytes, where: str) -> dict:
-    """A manifest's bytes (read from ``where``, a path or URL) as a dict, checked to be one (v1 or v2)."""
+def load_manifest(raw: bytes, where: str) -> dict:
+    """The manifest in ``raw``, read from ``where`` (a path or URL); a damaged one is a :class:`DataError`."""
     try:
-        manifest = json.loads(raw)
-    except ValueError as e:  # not JSON, not UTF-8, truncated
+        return parse_manifest(raw)
+    except DamagedManifest as e:
         raise DataError(f"{where} is damaged ({e}): run data preparation again (`pretrain run` redoes it)") from None
-    if not (isinstance(manifest, dict) and isinstance(manifest.get("splits"), dict)
-            and all(k in manifest for k in ("dtype", "vocab_size"))):
-        raise DataError(f"{where} is damaged (not a data manifest: no splits/dtype/vocab_size): "
-                        "run data preparation again (`pretrain run` redoes it)")
-    return manifest
 
 
 class TokenWindows:

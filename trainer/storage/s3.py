@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
@@ -14,6 +15,15 @@ from trainer.storage.streaming import pipe_to
 
 _AUTH_CODES = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403",
                "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its key (relative to the storage root), size and ETag."""
+
+    key: str
+    size: int
+    etag: str
 
 
 class S3Storage(Storage):
@@ -101,6 +111,8 @@ class S3Storage(Storage):
             hint = "check the access key, secret key and the bucket's permissions"
         elif code == "NoSuchBucket":
             hint = f"create bucket {self.bucket!r} or fix the storage URL"
+        elif code in ("PreconditionFailed", "412"):
+            hint = "the object changed since it was listed (its ETag differs); run again"
         elif isinstance(exc, (ConnectionError, HTTPClientError)):
             hint = (f"gave up after {self.max_attempts} attempts; check that the S3 endpoint "
                     f"{self.endpoint_url or '(AWS)'} is up and reachable, then retry")
@@ -151,6 +163,16 @@ class S3Storage(Storage):
         finally:
             body.close()
 
+    def read_range(self, key: str, start: int, stop: int, etag: str | None = None) -> bytes:
+        """Bytes [start, stop) of the object (one ranged GET); with ``etag``, only of that version
+        of it (a changed object fails instead of mixing two versions)."""
+        if stop <= start:
+            return b""
+        k, extra = self._key(key), {"IfMatch": etag} if etag else {}
+        resp = self._call("download", key, self.client.get_object, Bucket=self.bucket, Key=k,
+                          Range=f"bytes={start}-{stop - 1}", **extra)
+        return self._call("download", key, resp["Body"].read)
+
     def get_file(self, key: str, path: str | Path) -> None:
         k, client = self._key(key), self.client
         _write_local_atomic(path, lambda tmp: self._call(
@@ -178,6 +200,12 @@ class S3Storage(Storage):
         skip = len(self.prefix) + 1 if self.prefix else 0
         objects = self._paginate("list_objects_v2", prefix, "Contents")
         return sorted(obj["Key"][skip:] for obj in objects)
+
+    def list_objects(self, prefix: str = "") -> list[ObjectInfo]:
+        """Like :meth:`list`, with each object's size and ETag (its version identity)."""
+        skip = len(self.prefix) + 1 if self.prefix else 0
+        return sorted((ObjectInfo(o["Key"][skip:], o["Size"], o.get("ETag", "").strip('"'))
+                       for o in self._paginate("list_objects_v2", prefix, "Contents")), key=lambda o: o.key)
 
     def delete(self, key: str) -> None:
         k = self._key(key)

@@ -1,0 +1,282 @@
+"""Data preparation at scale (pretrain.dataset): versioned data sets, determinism across worker
+counts, resuming after a kill, incremental re-runs, deduplication, weights, wide vocabularies,
+an S3 root and the bad-input errors. Real files, real worker processes, a real S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import s3_servers
+from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
+from tokenizers import Tokenizer
+
+from pretrain.dataset.errors import DataPrepError
+from pretrain.dataset.prepare import prepare
+from pretrain.spec_data import DataSpec
+from trainer.atomic import sha256_file
+from trainer.data import TokenWindows, read_manifest
+from trainer.data_manifest import MANIFEST
+from trainer.storage import open_storage
+
+seaweed = s3_servers.seaweed
+
+ROOT = Path(__file__).resolve().parent.parent
+QUIET = {"log": lambda *_: None}
+
+
+def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def docs(n: int, seed: int = 0, words: int = 40) -> list[str]:
+    """``n`` distinct, code-like documents (deterministic)."""
+    rng = np.random.default_rng(seed)
+    vocab = ["def", "return", "self", "value", "import", "json", "for", "in", "if", "else", "(", ")", ":", "x", "y"]
+    return [f"# doc {seed}-{i}\n" + " ".join(rng.choice(vocab, size=words)) for i in range(n)]
+
+
+def jsonl_corpus(root: Path, files: int = 3, per_file: int = 60) -> list[Path]:
+    return [write_jsonl(root / f"part{k}.jsonl", docs(per_file, seed=k)) for k in range(files)]
+
+
+def spec(sources, **over) -> DataSpec:
+    body = {"sources": sources, "tokenizer": {"vocab_size": 300}, "val_fraction": 0.1, "shard_tokens": 4096,
+            "unit_bytes": 4096, "workers": 1}
+    body.update(over)
+    return DataSpec.model_validate(body)
+
+
+def data_set_bytes(location: str | Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(location).iterdir())}
+
+
+def test_a_prepared_data_set_is_versioned_complete_and_reused_never_rewritten(tmp_path):
+    data = spec(["{stdlib}/json/*.py"], tokenizer={"vocab_size": 400}, val_fraction=0.2)
+    m = prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
+    location = Path(m["location"])
+    assert location == tmp_path / "data" / m["fingerprint"] and m["reused"] is False
+    on_disk = read_manifest(location)
+    assert on_disk["version"] == 2 and on_disk["fingerprint"] == m["fingerprint"] and on_disk["dtype"] == "uint16"
+    for split, shards in on_disk["splits"].items():
+        arr = np.concatenate([np.fromfile(location / s["file"], dtype=on_disk["dtype"]) for s in shards])
+        assert len(arr) == on_disk["tokens"][split] > 0 and arr.max() < on_disk["vocab_size"]
+        assert all(sha256_file(location / s["file"]) == s["sha256"] for s in shards)
+    assert [s["uri"].rsplit("/", 1)[1] for s in on_disk["sources"]] == sorted(s["uri"].rsplit("/", 1)[1] for s in on_disk["sources"])
+    assert sum(s["documents"] for s in on_disk["sources"]) == sum(on_disk["documents"].values())
+    tok = Tokenizer.from_file(str(location / on_disk["tokenizer"]))
+    assert tok.decode(tok.encode('def f(x):\n    return json.dumps(x)\n').ids) == 'def f(x):\n    return json.dumps(x)\n'
+    assert len(TokenWindows(location, "train", 32)) > 0  # what training reads
+
+    before = {p.name: p.stat().st_mtime_ns for p in location.iterdir()}
+    again = prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
+    assert again["reused"] is True and again["location"] == m["location"]
+    assert {p.name: p.stat().st_mtime_ns for p in location.iterdir()} == before  # not rewritten
+
+    changed = prepare(data.model_copy(update={"val_fraction": 0.3}), tmp_path / "data", work=tmp_path / "work", **QUIET)
+    assert changed["fingerprint"] != m["fingerprint"] and Path(changed["location"]).parent == location.parent
+    assert {p.name: p.stat().st_mtime_ns for p in location.iterdir()} == before  # the old set stays as it was
+
+
+def test_the_data_set_is_byte_identical_for_any_number_of_workers(tmp_path):
+    corpus = jsonl_corpus(tmp_path / "corpus")
+    sets = []
+    for workers in (1, 2):
+        m = prepare(spec([str(tmp_path / "corpus/*.jsonl")], workers=workers), tmp_path / f"data{workers}",
+                    work=tmp_path / f"work{workers}", **QUIET)
+        assert sum(s["units"] for s in m["sources"]) > 2 * len(corpus)  # several units per file
+        sets.append(data_set_bytes(m["location"]))
+    assert sets[0] == sets[1]
+
+
+KILLED_RUN = """
+import sys
+from pathlib import Path
+from pretrain.dataset.prepare import prepare
+from pretrain.spec_data import DataSpec
+
+def stop_at_unit(p):
+    if p.phase == "tokenize" and p.units_done == 3:
+        print("UNITS", p.units_done, p.units_total, flush=True)
+        sys.stdin.readline()  # held here until the test kills this process
+
+if __name__ == "__main__":
+    data = DataSpec.model_validate_json(sys.argv[1])
+    prepare(data, sys.argv[2], work=Path(sys.argv[3]), log=lambda *_: None, progress=stop_at_unit)
+"""
+
+
+def test_a_run_killed_mid_preparation_resumes_at_unfinished_units_with_an_identical_manifest(tmp_path):
+    jsonl_corpus(tmp_path / "corpus", files=2, per_file=120)
+    data = spec([str(tmp_path / "corpus/*.jsonl")])
+    script = tmp_path / "killed_run.py"
+    script.write_text(KILLED_RUN)
+    proc = subprocess.Popen([sys.executable, str(script), data.model_dump_json(), str(tmp_path / "data"),
+                             str(tmp_path / "work")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    try:
+        line = proc.stdout.readline().split()
+        assert line[:2] == ["UNITS", "3"], line
+        total = int(line[2])
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the preparing process and its workers, at a unit boundary
+        proc.wait()
+    units = tmp_path / "work" / "units"
+    finished = [p for p in units.iterdir() if not p.name.startswith(".")]
+    assert 3 <= len(finished) < total
+    assert not list((tmp_path / "data").glob(f"*/{MANIFEST}"))  # nothing half-written counts as a data set
+
+    logged: list[str] = []
+    resumed = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
+    assert any(f"finished earlier are reused" in line and f"of {total} work unit" in line for line in logged), logged
+    clean = prepare(data, tmp_path / "clean", work=tmp_path / "clean-work", **QUIET)
+    assert resumed["fingerprint"] == clean["fingerprint"]
+    assert data_set_bytes(resumed["location"]) == data_set_bytes(clean["location"])  # manifest and shards
+
+
+def test_with_a_given_tokenizer_a_changed_file_re_tokenizes_only_its_units(tmp_path):
+    files = jsonl_corpus(tmp_path / "corpus", files=3, per_file=40)
+    first = prepare(spec([str(tmp_path / "corpus/*.jsonl")]), tmp_path / "seed", work=tmp_path / "seedwork", **QUIET)
+    tokenizer = Path(first["location"]) / "tokenizer.json"
+    data = spec([str(tmp_path / "corpus/*.jsonl")], tokenizer={"path": str(tokenizer)})
+    before = prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
+    changed_units = next(s["units"] for s in before["sources"] if s["uri"] == str(files[1]))
+    write_jsonl(files[1], docs(45, seed=1))  # the middle file changes (5 more documents)
+
+    logged: list[str] = []
+    after = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
+    new_units = next(s["units"] for s in after["sources"] if s["uri"] == str(files[1]))
+    total = sum(s["units"] for s in after["sources"])
+    assert any(line.startswith(f"tokenizing {new_units} of {total} work unit") for line in logged), logged
+    assert after["fingerprint"] != before["fingerprint"] and read_manifest(before["location"])  # old set intact
+    assert after["documents"]["train"] + after["documents"]["val"] == sum(before["documents"].values()) + 5
+    assert changed_units and after["tokenizer_sha256"] == before["tokenizer_sha256"]
+
+
+def test_a_trained_tokenizer_says_a_changed_corpus_re_tokenizes_everything(tmp_path):
+    files = jsonl_corpus(tmp_path / "corpus", files=2, per_file=30)
+    data = spec([str(tmp_path / "corpus/*.jsonl")])
+    prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
+    write_jsonl(files[0], docs(31, seed=0))
+    logged: list[str] = []
+    prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
+    assert any("trained on a sample of the corpus" in line and "tokenizer.path" in line for line in logged), logged
+
+
+def test_exact_duplicate_documents_are_dropped_first_wins_and_counted(tmp_path):
+    texts = docs(50)
+    a = write_jsonl(tmp_path / "a.jsonl", texts + texts[:5])  # 5 repeated within the file
+    b = write_jsonl(tmp_path / "b.jsonl", texts[10:30] + docs(10, seed=9))  # 20 seen in a.jsonl
+    m = prepare(spec([str(a), str(b)]), tmp_path / "data", work=tmp_path / "work", **QUIET)
+    by_uri = {s["uri"]: s for s in m["sources"]}
+    assert by_uri[str(a)]["skipped"]["duplicate"] == 5 and by_uri[str(a)]["documents"] == 50
+    assert by_uri[str(b)]["skipped"]["duplicate"] == 20 and by_uri[str(b)]["documents"] == 10
+    assert m["skipped"]["duplicate"] == 25 and sum(m["documents"].values()) == 60
+
+
+@pytest.mark.parametrize("weight, low, high", [(2.0, 2.0, 2.0), (3.0, 3.0, 3.0), (0.5, 0.3, 0.7), (1.5, 1.3, 1.7)])
+def test_a_source_weight_repeats_its_train_documents_and_never_its_val_documents(tmp_path, weight, low, high):
+    texts = docs(200)
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts)
+    base = prepare(spec([str(corpus)]), tmp_path / "base", work=tmp_path / "w", **QUIET)
+    weighted = prepare(spec([{"path": str(corpus), "weight": weight}]), tmp_path / "weighted", work=tmp_path / "w", **QUIET)
+    assert weighted["tokens"]["val"] == base["tokens"]["val"] and weighted["documents"]["val"] == base["documents"]["val"]
+    assert low <= weighted["tokens"]["train"] / base["tokens"]["train"] <= high
+    again = prepare(spec([{"path": str(corpus), "weight": weight}]), tmp_path / "again", work=tmp_path / "w2", **QUIET)
+    assert data_set_bytes(again["location"]) == data_set_bytes(weighted["location"])  # the chosen share is fixed
+
+
+def wide_tokenizer(path: Path, vocab: int = 70_000) -> Path:
+    """A byte-level tokenizer whose separator id is above 65535 (so shards must be uint32)."""
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    ids = {ch: i for i, ch in enumerate(alphabet)}
+    ids.update({f"filler{i}": len(ids) + i for i in range(vocab - len(ids) - 1)})
+    tok = Tokenizer(models.BPE(vocab=ids, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path))
+    return path
+
+
+def test_a_vocabulary_above_65536_gives_uint32_shards_with_the_separator_intact(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs(20))
+    tokenizer = wide_tokenizer(tmp_path / "wide.json")
+    m = prepare(spec([str(corpus)], tokenizer={"path": str(tokenizer)}), tmp_path / "data", work=tmp_path / "w", **QUIET)
+    assert m["dtype"] == "uint32" and m["vocab_size"] == 70_000 and m["eot_id"] == 69_999
+    tokens = np.fromfile(Path(m["location"]) / m["splits"]["train"][0]["file"], dtype="uint32")
+    assert (tokens == 69_999).sum() == m["documents"]["train"] and tokens[-1] == 69_999
+    assert len(TokenWindows(m["location"], "train", 16)) > 0
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"a.txt": b"", "b.txt": b"  \n"}, r"gave no documents \(2 file\(s\); skipped: 2 empty\)"),
+    ({"a.bin": b"\x00\x01\x02" * 100}, r"gave no documents \(1 file\(s\); skipped: 1 binary\)"),
+    ({"one.txt": b"just one document"}, r"gave 1 distinct document\(s\); need at least 2"),
+], ids=["empty", "binary", "one document"])
+def test_a_corpus_without_enough_documents_is_a_clear_error_and_no_data_set(tmp_path, files, message):
+    for name, raw in files.items():
+        (tmp_path / "corpus").mkdir(exist_ok=True)
+        (tmp_path / "corpus" / name).write_bytes(raw)
+    with pytest.raises(DataPrepError, match=message):
+        prepare(spec([str(tmp_path / "corpus/*")]), tmp_path / "data", work=tmp_path / "w", **QUIET)
+    assert not list((tmp_path / "data").glob(f"*/{MANIFEST}"))
+
+
+def test_a_bad_jsonl_line_in_a_worker_stops_preparation_naming_file_and_line(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs(30))
+    with open(corpus, "a") as f:
+        f.write("{not json\n")
+    with pytest.raises(ValueError, match=rf"{corpus}.*line 31"):
+        prepare(spec([str(corpus)], tokenizer={"path": str(wide_tokenizer(tmp_path / "t.json", 1000))}),
+                tmp_path / "data", work=tmp_path / "w", **QUIET)
+    skipped = prepare(spec([str(corpus)], on_bad_record="skip"), tmp_path / "data", work=tmp_path / "w", **QUIET)
+    assert skipped["skipped"]["bad_record"] == 1 and sum(skipped["documents"].values()) == 30
+
+
+def test_an_s3_root_gets_the_same_data_set_uploaded_manifest_last_and_reuses_it(seaweed, tmp_path):
+    """Sources, tokenizer and data set all on SeaweedFS; the bytes equal a local run's."""
+    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY, "secret_key": SECRET_KEY}
+    bucket = open_storage(f"s3://{BUCKET}/dataset-test", **options)
+    for k, path in enumerate(jsonl_corpus(tmp_path / "corpus", files=2, per_file=30)):
+        bucket.put_file(f"corpus/part{k}.jsonl", path)
+    bucket.put_file("tok/tokenizer.json", wide_tokenizer(tmp_path / "t.json", 1000))
+    data = spec([f"s3://{BUCKET}/dataset-test/corpus/*.jsonl"], workers=2,
+                tokenizer={"path": f"s3://{BUCKET}/dataset-test/tok/tokenizer.json"})
+    root = f"s3://{BUCKET}/dataset-test/datasets"
+
+    m = prepare(data, root, work=tmp_path / "work", s3_options=options, **QUIET)
+    assert m["location"] == f"{root}/{m['fingerprint']}" and not m["reused"]
+    remote = open_storage(m["location"], **options)
+    names = remote.list()
+    assert MANIFEST in names and len(names) == 2 + sum(len(v) for v in m["splits"].values())
+    assert not (tmp_path / "work" / "staging" / m["fingerprint"]).exists()  # the local staging copy is gone
+    local = prepare(data, tmp_path / "local", work=tmp_path / "work", s3_options=options, **QUIET)
+    assert {n: remote.get_bytes(n) for n in names} == data_set_bytes(local["location"])
+
+    again = prepare(data, root, work=tmp_path / "fresh-work", s3_options=options, **QUIET)
+    assert again["reused"] is True and again["fingerprint"] == m["fingerprint"]
+
+
+def test_data_prep_that_fills_the_disk_leaves_no_data_set_and_a_retry_after_freeing_space_works(tmp_path):
+    from tmpfs import resize_tmpfs, small_tmpfs
+
+    data = spec(["{stdlib}/json/*.py"], tokenizer={"vocab_size": 400}, val_fraction=0.2, shard_tokens=2048)
+    with small_tmpfs(tmp_path / "fs", "32k") as fs:
+        with pytest.raises(DataPrepError, match=rf"no space left on {fs} \(tmpfs.*Free space there"):
+            prepare(data, fs / "data", work=tmp_path / "work", **QUIET)
+        assert not list((fs / "data").glob(f"*/{MANIFEST}"))
+        assert [p for p in (fs / "data").rglob("*") if p.is_file()] == []  # no shard, no temporary left
+        resize_tmpfs(fs, "4m")  # the operator frees space
+        m = prepare(data, fs / "data", work=tmp_path / "work", **QUIET)
+        assert m["reused"] is False and read_manifest(m["location"])["fingerprint"] == m["fingerprint"]
