@@ -6,9 +6,9 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.campaign_data import data_record, kept_flat_data
+from pretrain.campaign_data import data_record, data_root, kept_flat_data
 from pretrain.data_identity import DataChanged, refuse_changed_data, trained_stages
-from pretrain.dataprep import prepare
+from pretrain.dataset.prepare import prepare
 from pretrain.jobs import data_client_options
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
@@ -29,8 +29,8 @@ def prepare_dataset(spec: CampaignSpec) -> DataRecord:
         logger.info("campaign prepared by an earlier release: keeps its data set in %s (fingerprint %s)",
                     kept.location, kept.fingerprint)
         return kept
-    out = CampaignLayout(spec.workdir_path).data_dir
-    prepared = {**prepare(spec.data, out, log=logger.info), "location": str(out)}
+    prepared = prepare(spec.data, data_root(spec), work=CampaignLayout(spec.workdir_path).data_work,
+                       s3_options=data_client_options(spec), log=logger.info)
     old = None
     if record.data is not None and record.data.fingerprint != prepared.get("fingerprint") and trained_stages(record):
         try:

@@ -12,7 +12,8 @@ import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from pretrain.dataprep import prepare  # noqa: E402
+from pretrain.campaign_data import data_record  # noqa: E402
+from pretrain.dataset.prepare import prepare  # noqa: E402
 from pretrain.layout import CampaignLayout  # noqa: E402
 from pretrain.spec import CampaignSpec, parse_spec  # noqa: E402
 from prefect_server import on_prefect_server, prefect_server  # noqa: E402,F401 - a real server, on request
@@ -34,10 +35,10 @@ def prefect_harness():
 
 @pytest.fixture(scope="session")
 def prepared_data(tmp_path_factory) -> Path:
-    """One data set for the session; campaigns copy it (its fingerprint matches their spec)."""
-    out = tmp_path_factory.mktemp("data")
-    prepare(CampaignSpec(data=DATA).data, out, log=lambda *_: None)
-    return out
+    """One data set for the session (its directory ``<root>/<fingerprint>``); campaigns copy it
+    (its fingerprint matches their spec)."""
+    root = tmp_path_factory.mktemp("data")
+    return Path(prepare(CampaignSpec(data=DATA).data, root, work=root / ".work", log=lambda *_: None)["location"])
 
 
 def small_spec(workdir: Path, **overrides) -> CampaignSpec:
@@ -58,7 +59,21 @@ def small_spec(workdir: Path, **overrides) -> CampaignSpec:
 
 
 def seed_data(spec: CampaignSpec, prepared: Path) -> None:
-    shutil.copytree(prepared, CampaignLayout(spec.workdir_path).data_dir, dirs_exist_ok=True)
+    """The campaign's data set as its data preparation leaves it: in ``<workdir>/data/<fingerprint>``,
+    recorded in the ledger (preparation then finds it up to date)."""
+    from pretrain.ledger import Ledger
+    from trainer.data import read_manifest
+
+    copy = CampaignLayout(spec.workdir_path).data_dir / prepared.name
+    shutil.copytree(prepared, copy, dirs_exist_ok=True)
+    Ledger.open(spec).set_data(data_record({**read_manifest(copy), "location": str(copy)}))
+
+
+def campaign_data_dir(spec: CampaignSpec) -> Path:
+    """The local directory of the data set the campaign's ledger records."""
+    from pretrain.campaign_data import campaign_data
+
+    return Path(campaign_data(spec).location)
 
 
 def wait_for(condition, timeout: float, what: str, interval: float = 0.05):

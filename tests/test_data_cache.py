@@ -36,7 +36,7 @@ def write_data_set(root: Path, fingerprint: str = "fp0123456789abcd") -> Path:
     (root / "tokenizer.json").write_bytes(tokenizer)
     manifest = {"version": 2, "fingerprint": fingerprint, "dtype": "uint16", "vocab_size": 512, "eot_id": 0,
                 "tokenizer": "tokenizer.json", "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest(),
-                "splits": splits}
+                "splits": splits, "sources": [], "settings": {}}
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
 

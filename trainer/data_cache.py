@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from trainer.atomic import atomic_write_bytes, atomic_write_json, fsync_dir, sha256_file
-from trainer.data import MANIFEST, DataError, parse_manifest, read_manifest
+from trainer.data import DataError, load_manifest, read_manifest
+from trainer.data_manifest import MANIFEST
 from trainer.resilience.diskfull import describe, is_disk_full
 from trainer.storage import NotFound, Storage, check_key, open_storage
 
@@ -91,7 +92,7 @@ def fetch_manifest(location: str, s3_options: dict | None = None) -> tuple[Stora
     except NotFound:
         raise DataError(f"no data set at {location} (no {MANIFEST}): prepare it first (`pretrain run` or "
                         "`pretrain data prepare` does), or fix data.uri") from None
-    return storage, raw, parse_manifest(raw, f"{location}/{MANIFEST}")
+    return storage, raw, load_manifest(raw, f"{location}/{MANIFEST}")
 
 
 def _check_fingerprint(manifest: dict, fingerprint: str, where: str) -> None:
