@@ -10,7 +10,7 @@ from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes
 from trainer.checkpoint.store import CheckpointStore
 from trainer.config import JobConfig, ModelConfig, OptimConfig, drill_from_dict
-from trainer.data import read_manifest
+from trainer.data_cache import fetch_manifest
 
 
 def model_config(spec: CampaignSpec, vocab_size: int) -> ModelConfig:
@@ -65,7 +65,7 @@ def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str
     from pretrain.campaign_data import campaign_data  # it reads the ledger, which imports this module
 
     data = campaign_data(spec)
-    vocab = data.vocab_size or read_manifest(data.location)["vocab_size"]
+    vocab = data.vocab_size or fetch_manifest(data.location, data_client_options(spec))[2]["vocab_size"]
     return job_config(spec, stage_index, attempt, init_from, vocab, data.location, data.fingerprint or "")
 
 

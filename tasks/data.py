@@ -16,6 +16,7 @@ from pretrain.ledger_schema import DataRecord
 from pretrain.spec import CampaignSpec
 from trainer.data import DataError
 from trainer.data_cache import fetch_manifest
+from trainer.storage import StorageError
 
 
 @task(name="prepare-dataset", cache_policy=NO_CACHE)
@@ -31,11 +32,11 @@ def prepare_dataset(spec: CampaignSpec) -> DataRecord:
         return kept
     prepared = prepare(spec.data, data_root(spec), work=CampaignLayout(spec.workdir_path).data_work,
                        s3_options=data_client_options(spec), log=logger.info)
-    old = None
-    if record.data is not None and record.data.fingerprint != prepared.get("fingerprint") and trained_stages(record):
+    old, recorded = None, record.data
+    if recorded and recorded.location and recorded.fingerprint != prepared.get("fingerprint") and trained_stages(record):
         try:
-            old = fetch_manifest(record.data.location, data_client_options(spec))[2]
-        except (DataError, OSError) as err:
+            old = fetch_manifest(recorded.location, data_client_options(spec))[2]
+        except (DataError, StorageError, OSError) as err:  # the message then says it cannot list the changes
             logger.warning("cannot read the manifest of the data set the campaign trained on: %s", err)
     try:
         refuse_changed_data(record, prepared, old)

@@ -15,9 +15,9 @@ from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
 from trainer.data import DataError, TokenWindows
 from trainer.data_cache import local_data_dir
-from trainer.storage import open_storage
+from trainer.storage import StorageError, open_storage
 
-seaweed = s3_servers.seaweed
+seaweed, seaweed_factory = s3_servers.seaweed, s3_servers.seaweed_factory
 
 
 def write_data_set(root: Path, fingerprint: str = "fp0123456789abcd") -> Path:
@@ -128,3 +128,24 @@ def test_a_local_data_set_is_used_where_it_is(tmp_path):
     assert local_data_dir(str(src), tmp_path / "cache") == src and not (tmp_path / "cache").exists()
     with pytest.raises(DataError, match="built for data set other"):
         local_data_dir(str(src), tmp_path / "cache", fingerprint="other")
+
+
+def test_while_s3_is_away_a_complete_cached_copy_still_trains(tmp_path, seaweed_factory):
+    server = seaweed_factory()
+    options = {"endpoint_url": server.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY,
+               "secret_key": SECRET_KEY, "max_attempts": 1}
+    src = write_data_set(tmp_path / "src")
+    url = f"s3://{BUCKET}/datasets/fp0123456789abcd"
+    store = open_storage(url, **options)
+    for f in sorted(src.iterdir(), key=lambda f: f.name == "manifest.json"):
+        store.put_file(f.name, f)
+    cache = tmp_path / "cache"
+    local = local_data_dir(url, cache, options, splits=["train"], fingerprint="fp0123456789abcd")
+    server.stop()
+
+    assert local_data_dir(url, cache, options, splits=["train"], fingerprint="fp0123456789abcd") == local  # a restart
+    with pytest.raises(StorageError):  # what is not cached (the val split) cannot be had
+        local_data_dir(url, cache, options, splits=["val"], fingerprint="fp0123456789abcd")
+    (local / "train_00000.bin").write_bytes(b"\x00" * 600)  # nor a cached copy that is no longer intact
+    with pytest.raises(StorageError):
+        local_data_dir(url, cache, options, splits=["train"], fingerprint="fp0123456789abcd")

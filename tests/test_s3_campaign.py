@@ -14,6 +14,7 @@ from conftest import DATA, assert_no_duplicate_metric_steps, run_campaign_while,
 from mlflow.tracking import MlflowClient
 
 from flows.campaign import pretrain_campaign
+from pretrain.checkpoint_info import describe
 from pretrain.jobs import checkpoint_store
 from pretrain.registry import TAG_CHECKPOINT
 from pretrain.status import campaign_status
@@ -63,6 +64,12 @@ def test_campaign_with_data_and_checkpoints_on_s3_trains_from_a_fresh_node_cache
         {f.name: f.read_bytes() for f in prepared_data.iterdir()}
     meta = checkpoint_store(spec, "main").manifest(spec.stages[-1].steps).meta
     assert meta["data_dir"] == status["data"]["location"] and meta["data_fingerprint"] == prepared_data.name
+    # `pretrain eval` / `export` elsewhere: the data set the checkpoint records, its val split fetched into their cache
+    info = describe(status["stages"][-1]["good_checkpoint"]["path"], options={"endpoint_url": seaweed.endpoint},
+                    cache_dir=tmp_path / "elsewhere")
+    assert info.data_dir == tmp_path / "elsewhere" / prepared_data.name
+    assert sorted(f.name for f in info.data_dir.glob("*.bin")) == sorted(
+        s["file"] for s in info.data_manifest()["splits"]["val"])
 
 
 def test_worker_killed_with_s3_checkpoints_resumes(prefect_harness, prepared_data, tmp_path, seaweed, aws_env):

@@ -6,8 +6,9 @@ shards it is asked for into ``<cache_root>/<fingerprint>/``, each checked agains
 the manifest records and put in place atomically (temporary file, fsync, rename), so a killed
 fetch never leaves a file that looks whole. A data set's directory is immutable, so the cache is
 reused across restarts, attempts and stages; a cached file that no longer matches its digest is
-fetched again. The local ranks of a node take turns (a lock per data set): the first fetches and
-verifies, the others find the files verified in the same ``session`` and only check their sizes.
+fetched again, and while S3 cannot be reached a complete, verified cached copy is used as it is.
+The local ranks of a node take turns (a lock per data set): the first fetches and verifies, the
+others find the files verified in the same ``session`` and only compare their size and mtime.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from trainer.atomic import atomic_write_bytes, atomic_write_json, fsync_dir, sha
 from trainer.data import DataError, load_manifest, read_manifest
 from trainer.data_manifest import MANIFEST
 from trainer.resilience.diskfull import describe, is_disk_full
-from trainer.storage import NotFound, Storage, check_key, open_storage
+from trainer.storage import NotFound, Storage, StorageError, check_key, open_storage
 
 VERIFIED = ".verified.json"  # {"session", "manifest": sha256, "files": {name: [size, mtime_ns]}}
 LOCK_POLL_S = 0.2
@@ -55,7 +56,13 @@ def local_data_dir(location: str | Path, cache_root: str | Path, s3_options: dic
             _check_fingerprint(read_manifest(local), fingerprint, str(local))
         return local
     location = os.fspath(location).rstrip("/")
-    storage, raw, manifest = fetch_manifest(location, s3_options)
+    try:
+        storage, raw, manifest = fetch_manifest(location, s3_options)
+    except StorageError:  # S3 away: a complete cached copy of the data set asked for still trains
+        cached = _complete_copy(Path(cache_root), fingerprint, splits)
+        if cached is None:
+            raise
+        return cached
     if fingerprint:
         _check_fingerprint(manifest, fingerprint, location)
     digest = hashlib.sha256(raw).hexdigest()
@@ -93,6 +100,23 @@ def fetch_manifest(location: str, s3_options: dict | None = None) -> tuple[Stora
         raise DataError(f"no data set at {location} (no {MANIFEST}): prepare it first (`pretrain run` or "
                         "`pretrain data prepare` does), or fix data.uri") from None
     return storage, raw, load_manifest(raw, f"{location}/{MANIFEST}")
+
+
+def _complete_copy(cache_root: Path, fingerprint: str | None, splits: Iterable[str] | None) -> Path | None:
+    """The cached data set ``fingerprint`` if every file of ``splits`` is there and matches its
+    digest (None otherwise, or when the caller did not say which data set it wants)."""
+    if not fingerprint:
+        return None
+    target = cache_root / check_key(fingerprint)
+    try:
+        manifest = read_manifest(target)
+        with _locked(target, lambda: None):
+            ok = manifest.get("fingerprint") == fingerprint and all(
+                (target / name).is_file() and (sha256 is None or sha256_file(target / name) == sha256)
+                for name, sha256 in _files(manifest, splits))
+    except (DataError, OSError, ValueError):
+        return None
+    return target if ok else None
 
 
 def _check_fingerprint(manifest: dict, fingerprint: str, where: str) -> None:
