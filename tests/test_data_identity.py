@@ -17,6 +17,7 @@ from pretrain.jobs import build_job, checkpoint_store
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignRecord, DataRecord, new_stage
+from pretrain.spec import parse_spec
 from trainer.data import TokenWindows, read_manifest
 
 SRC = {"uri": "/c/a.jsonl", "format": "jsonl", "group": "all", "identity": "10:1", "size": 10, "documents": 3}
@@ -116,3 +117,12 @@ def test_resuming_a_campaign_whose_corpus_changed_is_refused_naming_what_changed
     assert "restore the old sources" in message and f"init_from: {checkpoint}" in message
     after = json.loads(CampaignLayout(spec.workdir_path).ledger.read_text())
     assert after["data"] == before["data"] and after["stages"] == before["stages"]  # nothing recorded on the new data
+
+    # the second way on: a new campaign on the new data starting from this one's weights
+    body = spec.model_dump(mode="json", exclude={"workdir"})
+    body["stages"][0]["init_from"] = checkpoint
+    follow_up = parse_spec({**body, "name": "t2", "workdir": str(tmp_path / "wd2")})
+    status = pretrain_campaign(spec=follow_up)
+    assert status["status"] == "completed" and status["data"]["fingerprint"] != before["data"]["fingerprint"]
+    first = status["stages"][0]["resumes"][0]
+    assert (first["source"], first["checkpoint"]) == ("init_from", checkpoint)
