@@ -25,9 +25,11 @@ def spec(sources, **kw) -> DataSpec:
 def read_all(data: DataSpec, unit_bytes: int | None = None, s3_options: dict | None = None) -> list[Doc | Skip]:
     """Every document and skip of the corpus, in source order, through units of ``unit_bytes``."""
     out = []
+    if unit_bytes:  # below the spec's minimum, to cut small test files into many units
+        data = data.model_copy(update={"unit_bytes": unit_bytes})
     for files in expand_sources(data, s3_options).values():
         for source in files:
-            for unit in plan_units(source, unit_bytes or data.unit_bytes, s3_options):
+            for unit in plan_units(source, data.unit_bytes, s3_options):
                 out.extend(read_unit(unit, data, s3_options))
     return out
 
@@ -267,3 +269,132 @@ def test_a_file_changed_or_removed_after_listing_is_an_error_naming_it(tmp_path)
     os.unlink(path)
     with pytest.raises(CorpusError, match=f"{path} .*no longer exists: restore it"):
         list(read_unit(unit, data))
+
+
+# ---- compression and Parquet ----
+
+def compress(path: Path, kind: str) -> Path:
+    import gzip
+
+    import zstandard
+
+    out = path.with_name(path.name + "." + kind)
+    raw = path.read_bytes()
+    out.write_bytes(gzip.compress(raw) if kind == "gz" else zstandard.ZstdCompressor().compress(raw))
+    return out
+
+
+def write_parquet(path: Path, values, row_group_size: int = 3, column: str = "text", **extra) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({column: values, **extra}), path, row_group_size=row_group_size)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["gz", "zst"])
+def test_compressed_files_read_like_the_plain_ones(tmp_path, kind):
+    records = [f"document {i} " + "é" * (i % 5) for i in range(40)]
+    plain = write_jsonl(tmp_path / "c.jsonl", records)
+    packed = compress(plain, kind)
+    units = plan_units(expand_sources(spec([str(packed)]))["all"][0], 64)
+    assert len(units) == 1  # a compressed file cannot be entered in the middle
+    assert texts(read_all(spec([str(packed)]), 64)) == records
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"line {i}\n" for i in range(500)))
+    for unit_bytes in (4096, 100, 10**6):  # cut every unit_bytes as the plain file's units are
+        assert texts(read_all(spec([str(compress(text, kind))]), unit_bytes)) == texts(read_all(spec([str(text)]), unit_bytes))
+
+
+@pytest.mark.parametrize("kind", ["gz", "zst"])
+def test_a_damaged_compressed_file_is_an_error_naming_it(tmp_path, kind):
+    packed = compress(write_jsonl(tmp_path / "c.jsonl", [f"doc {i}" for i in range(2000)]), kind)
+    packed.write_bytes(packed.read_bytes()[: packed.stat().st_size // 2])  # truncated
+    with pytest.raises(CorpusError, match=f"{packed} .*is a damaged {kind} file .*replace or fix the file"):
+        read_all(spec([str(packed)]))
+    packed.write_bytes(b"not compressed at all\n" * 10)
+    with pytest.raises(CorpusError, match=f"{packed} .*damaged {kind} file"):
+        read_all(spec([str(packed)]))
+
+
+def test_parquet_rows_are_documents_planned_by_row_groups(tmp_path):
+    values = [f"row {i} " + "x" * i for i in range(20)]
+    path = write_parquet(tmp_path / "a.parquet", values, row_group_size=3, id=list(range(20)))
+    source = expand_sources(spec([str(path)]))["all"][0]
+    assert source.format == "parquet"
+    assert [(u.start, u.stop) for u in plan_units(source, 1)] == [(i, i + 1) for i in range(7)]
+    assert len(plan_units(source, 10**9)) == 1
+    for unit_bytes in (1, 100, 10**9):
+        assert texts(read_all(spec([str(path)]), unit_bytes)) == values
+
+
+def test_parquet_nulls_empties_and_binary_columns(tmp_path):
+    path = write_parquet(tmp_path / "a.parquet", ["a", None, "", "b"], column="body")
+    with pytest.raises(CorpusError, match="row group 0 row 1: column 'body' is null"):
+        read_all(spec([{"path": str(path), "text_field": "body"}]))
+    items = read_all(spec([{"path": str(path), "text_field": "body"}], on_bad_record="skip"))
+    assert texts(items) == ["a", "b"]
+    assert skips(items) == [("bad_record", f"{path} row group 0 row 1"), ("empty", f"{path} row group 0 row 2")]
+    raw = write_parquet(tmp_path / "b.parquet", [b"caf\xc3\xa9", b"caf\xe9" + b" ok" * 50, b"\x00\x01\x02"])
+    items = read_all(spec([str(raw)]))
+    assert texts(items) == ["café", "caf\ufffd" + " ok" * 50]
+    assert skips(items) == [("binary", f"{raw} row group 0 row 2")]
+
+
+def test_parquet_without_the_text_column_or_damaged_is_an_error_naming_it(tmp_path):
+    path = write_parquet(tmp_path / "a.parquet", ["x"], column="content")
+    with pytest.raises(CorpusError, match=r"a.parquet \(from data.sources\[0\]\) has no column 'text' "
+                                          r"\(its columns: 'content'\); set text_field"):
+        read_all(spec([str(path)]))
+    numbers = write_parquet(tmp_path / "n.parquet", [1, 2], column="text")
+    with pytest.raises(CorpusError, match="column 'text' holds int64, not text"):
+        read_all(spec([str(numbers)]))
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(CorpusError, match=f"{bad} .*is not a readable Parquet file"):
+        read_all(spec([str(bad)]))
+    with pytest.raises(CorpusError, match="compressed Parquet"):
+        expand_sources(spec([str(compress(path, "gz"))]))
+
+
+def test_a_zstd_file_of_several_frames_reads_whole(tmp_path):
+    import zstandard
+
+    path = tmp_path / "multi.jsonl.zst"
+    parts = [write_jsonl(tmp_path / f"p{i}.jsonl", [f"part {i} doc {j}" for j in range(5)]).read_bytes() for i in range(3)]
+    path.write_bytes(b"".join(zstandard.ZstdCompressor().compress(p) for p in parts))
+    assert texts(read_all(spec([str(path)]))) == [f"part {i} doc {j}" for i in range(3) for j in range(5)]
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path):
+    lines = tmp_path / "a.jsonl"
+    lines.write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "second"}\r\n')
+    text = tmp_path / "b.txt"
+    text.write_bytes(b"\xef\xbb\xbfhello\n")
+    assert texts(read_all(spec([str(lines), str(text)]))) == ["first", "second", "hello\n"]
+
+
+def test_a_line_longer_than_several_units_is_read_once_and_whole(tmp_path):
+    records = ["short", "y" * (3 << 20), "after"]  # the long line spans units it does not start in
+    path = write_jsonl(tmp_path / "long.jsonl", records)
+    for unit_bytes in (1 << 20, 10**7):
+        assert texts(read_all(spec([str(path)]), unit_bytes)) == records
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux /proc")
+def test_an_unreadable_file_is_an_error_naming_it_and_its_entry():
+    data = spec(["{stdlib}/json/__init__.py", "/proc/self/mem"])  # listed as a file; reading it fails (EIO)
+    with pytest.raises(CorpusError, match=r"^/proc/self/mem \(from data.sources\[1\]\) is unreadable \(OSError: .*\); "
+                                          "replace or fix the file, or remove it from data.sources"):
+        read_all(data)
+
+
+def test_a_unit_key_changes_when_what_the_unit_yields_can_change(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"line {i}\n" for i in range(500)))
+    packed = expand_sources(spec([str(compress(text, "gz"))]))["all"][0]
+    # one unit either way, but cut into documents every unit_bytes: its key follows
+    assert plan_units(packed, 4096)[0].key != plan_units(packed, 8192)[0].key
+    plain = expand_sources(spec([str(text)]))["all"][0]
+    assert plan_units(plain, 4096)[0].key == plan_units(plain, 4096)[0].key
+    assert plan_units(plain, 4096)[0].key != plan_units(plain, 2048)[0].key

@@ -23,7 +23,7 @@ from pretrain.spec_data import DataSpec
 from trainer.atomic import sha256_file
 from trainer.data import TokenWindows, read_manifest
 from trainer.data_manifest import MANIFEST
-from trainer.storage import open_storage
+from trainer.storage import LocalStorage, StorageError, open_storage
 
 seaweed = s3_servers.seaweed
 
@@ -90,10 +90,16 @@ def test_the_data_set_is_byte_identical_for_any_number_of_workers(tmp_path):
     corpus = jsonl_corpus(tmp_path / "corpus")
     sets = []
     for workers in (1, 2):
+        seen = []
         m = prepare(spec([str(tmp_path / "corpus/*.jsonl")], workers=workers), tmp_path / f"data{workers}",
-                    work=tmp_path / f"work{workers}", **QUIET)
-        assert sum(s["units"] for s in m["sources"]) > 2 * len(corpus)  # several units per file
+                    work=tmp_path / f"work{workers}", progress=seen.append, **QUIET)
+        units = sum(s["units"] for s in m["sources"])
+        assert units > 2 * len(corpus)  # several units per file
         sets.append(data_set_bytes(m["location"]))
+        tokenize = [p for p in seen if p.phase == "tokenize"]
+        assert [p.units_done for p in tokenize] == list(range(1, units + 1))  # one report per finished unit
+        assert [p.phase for p in seen if p.phase != "tokenize"] == ["scan", "tokenizer", "assemble", "done"]
+        assert seen[-1].fraction == 1.0 and seen[-1].tokens == tokenize[-1].tokens > 0
     assert sets[0] == sets[1]
 
 
@@ -136,7 +142,7 @@ def test_a_run_killed_mid_preparation_resumes_at_unfinished_units_with_an_identi
 
     logged: list[str] = []
     resumed = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
-    assert any(f"finished earlier are reused" in line and f"of {total} work unit" in line for line in logged), logged
+    assert any("finished earlier are reused" in line and f"of {total} work unit" in line for line in logged), logged
     clean = prepare(data, tmp_path / "clean", work=tmp_path / "clean-work", **QUIET)
     assert resumed["fingerprint"] == clean["fingerprint"]
     assert data_set_bytes(resumed["location"]) == data_set_bytes(clean["location"])  # manifest and shards
@@ -159,6 +165,7 @@ def test_with_a_given_tokenizer_a_changed_file_re_tokenizes_only_its_units(tmp_p
     assert after["fingerprint"] != before["fingerprint"] and read_manifest(before["location"])  # old set intact
     assert after["documents"]["train"] + after["documents"]["val"] == sum(before["documents"].values()) + 5
     assert changed_units and after["tokenizer_sha256"] == before["tokenizer_sha256"]
+    assert len(list((tmp_path / "work" / "units").iterdir())) == total  # the changed file's old units are gone
 
 
 def test_a_trained_tokenizer_says_a_changed_corpus_re_tokenizes_everything(tmp_path):
@@ -268,6 +275,19 @@ def test_an_s3_root_gets_the_same_data_set_uploaded_manifest_last_and_reuses_it(
     assert again["reused"] is True and again["fingerprint"] == m["fingerprint"]
 
 
+@pytest.mark.parametrize("root, secret, message", [
+    ("s3://no-such-bucket/sets", SECRET_KEY, r"cannot read data sets under s3://no-such-bucket/sets/.*create bucket"),
+    (f"s3://{BUCKET}/sets", "wrong-secret", rf"cannot read data sets under s3://{BUCKET}/sets/.*check the access key"),
+], ids=["missing bucket", "bad credentials"])
+def test_an_s3_root_that_cannot_be_used_is_a_clear_error(seaweed, tmp_path, root, secret, message):
+    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY, "secret_key": secret,
+               "max_attempts": 1}
+    write_jsonl(tmp_path / "c.jsonl", docs(10))
+    with pytest.raises(DataPrepError, match=message) as raised:
+        prepare(spec([str(tmp_path / "c.jsonl")]), root, work=tmp_path / "w", s3_options=options, **QUIET)
+    assert "wrong-secret" not in str(raised.value)
+
+
 def test_data_prep_that_fills_the_disk_leaves_no_data_set_and_a_retry_after_freeing_space_works(tmp_path):
     from tmpfs import resize_tmpfs, small_tmpfs
 
@@ -280,3 +300,145 @@ def test_data_prep_that_fills_the_disk_leaves_no_data_set_and_a_retry_after_free
         resize_tmpfs(fs, "4m")  # the operator frees space
         m = prepare(data, fs / "data", work=tmp_path / "work", **QUIET)
         assert m["reused"] is False and read_manifest(m["location"])["fingerprint"] == m["fingerprint"]
+
+
+def test_every_source_format_yields_the_same_documents(tmp_path):
+    """The same documents as JSONL, JSONL.gz, JSONL.zst and Parquet: every copy after the first is
+    an exact duplicate, so each format read every document, and read it identically."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    texts = docs(40)
+    plain = write_jsonl(tmp_path / "a.jsonl", texts)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    pq.write_table(pa.table({"body": texts}), tmp_path / "d.parquet", row_group_size=7)
+    m = prepare(spec([str(plain), str(tmp_path / "b.jsonl.gz"), str(tmp_path / "c.jsonl.zst"),
+                      {"path": str(tmp_path / "d.parquet"), "text_field": "body"}], workers=2),
+                tmp_path / "data", work=tmp_path / "w", **QUIET)
+    assert [(s["format"], s["documents"], s["skipped"]["duplicate"]) for s in m["sources"]] == [
+        ("jsonl", 40, 0), ("jsonl", 0, 40), ("jsonl", 0, 40), ("parquet", 0, 40)]
+
+
+def test_a_damaged_unit_result_is_tokenized_again_never_trusted(tmp_path):
+    jsonl_corpus(tmp_path / "corpus", files=1, per_file=80)
+    data = spec([str(tmp_path / "corpus/*.jsonl")])
+    prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
+    units = sorted(p for p in (tmp_path / "work" / "units").iterdir())
+    tokens = units[0] / "tokens.bin"
+    tokens.write_bytes(tokens.read_bytes()[:-2])  # a torn write on a file system without atomic rename
+    logged: list[str] = []
+    other = data.model_copy(update={"shard_tokens": 1000})  # a new data set from the same units
+    m = prepare(other, tmp_path / "data", work=tmp_path / "work", log=logged.append)
+    assert any(line.startswith(f"tokenizing 1 of {len(units)} work unit") for line in logged), logged
+    clean = prepare(other, tmp_path / "clean", work=tmp_path / "clean-work", **QUIET)
+    assert data_set_bytes(m["location"]) == data_set_bytes(clean["location"])
+
+
+@pytest.mark.parametrize("make, eos, message", [
+    (lambda p: p / "missing.json", "<|endoftext|>", r"tokenizer.path '.*missing.json' cannot be read .*fix the path"),
+    (lambda p: (p / "t.json").write_text("{not a tokenizer") and p / "t.json", "<|endoftext|>",
+     r"is not a Hugging Face tokenizer.json"),
+    (lambda p: wide_tokenizer(p / "t.json", 1000), "</s>", r"has no token '</s>' to separate documents: set tokenizer.eos_token"),
+], ids=["missing", "not a tokenizer", "no separator"])
+def test_a_given_tokenizer_that_cannot_serve_is_a_clear_error(tmp_path, make, eos, message):
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs(10))
+    data = spec([str(corpus)], tokenizer={"path": str(make(tmp_path)), "eos_token": eos})
+    with pytest.raises(DataPrepError, match=message):
+        prepare(data, tmp_path / "data", work=tmp_path / "w", **QUIET)
+
+
+def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
+    jsonl_corpus(tmp_path / "corpus", files=1, per_file=40)
+    data = spec([str(tmp_path / "corpus/*.jsonl")])
+    first = prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
+    cached = tmp_path / "work" / "tokenizers" / f"{first['fingerprint']}.json"
+    cached.write_bytes(cached.read_bytes()[:100])  # torn
+    manifest = Path(first["location"]) / MANIFEST
+    before = manifest.read_bytes()
+    manifest.unlink()  # the data set is prepared again, from the cache
+    logged: list[str] = []
+    again = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
+    assert any(f"{cached} is damaged; training the tokenizer again" in line for line in logged), logged
+    assert again["reused"] is False and manifest.read_bytes() == before
+
+
+def test_a_failing_progress_display_never_stops_preparation(tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", docs(30))
+    calls: list[str] = []
+
+    def broken(p):
+        calls.append(p.phase)
+        raise ConnectionError("the Prefect server went away")
+
+    logged: list[str] = []
+    m = prepare(spec([str(tmp_path / "c.jsonl")]), tmp_path / "data", work=tmp_path / "w", log=logged.append,
+                progress=broken)
+    assert read_manifest(m["location"])["fingerprint"] == m["fingerprint"] and calls == ["scan"]
+    assert [line for line in logged if "progress reporting failed" in line] == [
+        "progress reporting failed (ConnectionError: the Prefect server went away); data preparation goes on without it"]
+
+
+@pytest.mark.parametrize("batches", [
+    [[5, 3, 5, 1], [3, 7, 7], [], [1, 2, 3, 4, 5, 6, 7, 8]],
+    [[2**64 - 1, 0, 2**64 - 1], [0]],
+    [list(range(i, i + 50)) for i in range(0, 1000, 30)],  # overlapping runs: many merges
+    [list(np.random.default_rng(3).integers(0, 400, size=97)) for _ in range(40)],
+], ids=["small", "extremes", "overlapping", "random"])
+def test_the_dedup_hash_set_agrees_with_a_python_set(batches):
+    from pretrain.dataset.dedup import HashSet
+
+    hs, reference = HashSet(), set()
+    for batch in batches:
+        expected = []
+        for h in batch:
+            expected.append(int(h) not in reference)
+            reference.add(int(h))
+        assert hs.first_seen(np.asarray(batch, dtype=np.uint64)).tolist() == expected
+        assert len(hs) == len(reference)
+    sizes = [len(b) for b in hs.blocks]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+class RecordingStorage(LocalStorage):
+    """A real local storage that records what is put, and can refuse one key (an S3 failure)."""
+
+    def __init__(self, root, refuse: str | None = None):
+        super().__init__(root)
+        self.put, self.refuse = [], refuse
+
+    def put_file(self, key, path):
+        if key == self.refuse:
+            raise StorageError(f"S3 upload of {key} failed (503: slow down); check the S3 server and retry")
+        super().put_file(key, path)
+        self.put.append(key)
+
+
+@pytest.mark.parametrize("refuse", [None, "shard_00007.bin"])
+def test_staged_files_upload_as_written_and_the_manifest_only_after_all_of_them(tmp_path, refuse):
+    from pretrain.dataset.upload import Uploader
+
+    target = RecordingStorage(tmp_path / "remote", refuse=refuse)
+    staged = tmp_path / "staging"
+    staged.mkdir()
+    uploader = Uploader(target, "s3://bucket/sets/fp")
+    names = [f"shard_{i:05d}.bin" for i in range(40)]
+    try:
+        for name in names:
+            (staged / name).write_bytes(name.encode() * 1000)
+            uploader(staged / name)
+        (staged / MANIFEST).write_text("{}")
+        uploader.finish(staged / MANIFEST)
+    except DataPrepError as err:
+        assert refuse and f"uploading the data set to s3://bucket/sets/fp failed: S3 upload of {refuse}" in str(err)
+        assert MANIFEST not in target.put  # a data set without all its shards is never committed
+        return
+    finally:
+        uploader.close()
+    assert not refuse
+    assert sorted(target.put[:-1]) == names and target.put[-1] == MANIFEST
+    assert list(staged.iterdir()) == []  # each local copy went once stored
+    assert all((tmp_path / "remote" / n).read_bytes() == n.encode() * 1000 for n in names)

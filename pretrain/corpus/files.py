@@ -4,6 +4,7 @@ expanded into :class:`SourceFile` records, with its format, compression and vers
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import sysconfig
@@ -12,7 +13,7 @@ from urllib.parse import urlparse
 
 from pretrain.corpus.globs import glob_regex, has_glob, literal_prefix
 from pretrain.spec_data import DataSpec, SourceSpec
-from trainer.storage import StorageError, open_storage
+from trainer.storage import Storage, StorageError, open_storage
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
@@ -49,6 +50,17 @@ class SourceFile:
     def describe(self) -> str:
         """How messages name it: the file, and the spec entry it came from."""
         return f"{self.uri} (from {self.entry})" if self.entry else self.uri
+
+
+@functools.lru_cache(maxsize=16)
+def _storage(bucket: str, options: tuple) -> Storage:
+    return open_storage(f"s3://{bucket}", **dict(options))
+
+
+def bucket_storage(bucket: str, s3_options: dict | None) -> Storage:
+    """The storage of one bucket, kept per process: a worker reads many units, and making a
+    boto3 client costs more than a ranged GET."""
+    return _storage(bucket, tuple(sorted((s3_options or {}).items())))
 
 
 def resolve_format(name: str, declared: str = "auto") -> tuple[str, str]:
@@ -96,16 +108,17 @@ def _s3_matches(url: str, s3_options: dict | None) -> list[tuple[str, int, str]]
     prefix, or those matching a glob (listed under the glob's literal prefix)."""
     parsed = urlparse(url)
     bucket, key = parsed.netloc, parsed.path.lstrip("/")
-    storage = open_storage(f"s3://{bucket}", **(s3_options or {}))
+    storage = bucket_storage(bucket, s3_options)
     if has_glob(key):
         regex = glob_regex(key)
         objects = [o for o in storage.list_objects(literal_prefix(key)) if regex.match(o.key)]
     else:
         listed = storage.list_objects(key)
         exact = [o for o in listed if o.key == key]
-        under = key.rstrip("/") + "/"
-        objects = exact or [o for o in listed if o.key.startswith(under) and not o.key.endswith("/")]
-    return [(f"s3://{bucket}/{o.key}", o.size, o.etag) for o in objects]
+        under = key.rstrip("/") + "/" if key.strip("/") else ""
+        objects = exact or [o for o in listed if o.key.startswith(under)]
+    return [(f"s3://{bucket}/{o.key}", o.size, o.etag) for o in objects
+            if not o.key.endswith("/")]  # "directory" marker objects hold no text
 
 
 def _matches(spec: SourceSpec, entry: str, s3_options: dict | None) -> list[tuple[str, int, str]]:

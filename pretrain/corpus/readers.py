@@ -18,12 +18,13 @@ from pretrain.spec_data import DataSpec
 __all__ = ["Doc", "SKIP_REASONS", "Skip", "read_unit", "reader_settings"]
 
 HEAD_BYTES = 8192  # a file whose head looks binary is skipped whole
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark at the start of a file is not text
 
 
 def reader_settings(data: DataSpec) -> dict:
     """The settings that change what :func:`read_unit` yields for the same unit: a cache of
     unit results must key on them too (with :attr:`WorkUnit.key` and the tokenizer)."""
-    return {k: getattr(data, k) for k in ("unit_bytes", "decode_errors", "binary_threshold", "on_bad_record")}
+    return {k: getattr(data, k) for k in ("decode_errors", "binary_threshold", "on_bad_record")}
 
 
 def read_unit(unit: WorkUnit, data: DataSpec, s3_options: dict | None = None) -> Iterator[Doc | Skip]:
@@ -38,15 +39,25 @@ def read_unit(unit: WorkUnit, data: DataSpec, s3_options: dict | None = None) ->
         if unit.start == 0:  # counted once per file, by its first unit
             yield Skip("binary", src.uri)
         return
-    with open_source(src, s3_options) as f:
+    with open_source(src, s3_options, stop=unit.stop) as f:
         pos = 0
         if unit.start > 0:  # skip the line that began in the previous unit (if any)
             f.seek(unit.start - 1)
-            pos = unit.start - 1 + len(f.readline())
+            pos = unit.start - 1 + _skip_line(f)
         if src.format == "jsonl":
             yield from _jsonl(f, pos, unit, data, s3_options)
         else:
             yield from _text(f, pos, unit, data)
+
+
+def _skip_line(f: BinaryIO, block: int = 1 << 20) -> int:
+    """Read past the next newline without holding the line (it may be long); returns bytes read."""
+    n = 0
+    while part := f.readline(block):
+        n += len(part)
+        if part.endswith(b"\n"):
+            break
+    return n
 
 
 def _text(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec) -> Iterator[Doc | Skip]:
@@ -55,7 +66,7 @@ def _text(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec) -> Iterator[Doc
     src = unit.source
     whole = unit.start == 0 and unit.stop >= src.size and not src.compression
     while True:
-        end = (pos // data.unit_bytes + 1) * data.unit_bytes if src.compression else unit.stop
+        end = (pos // unit.chunk_bytes + 1) * unit.chunk_bytes if unit.chunk_bytes else unit.stop
         chunk = f.read(end - pos) if pos < end else b""
         if not chunk:
             if pos == 0:
@@ -64,9 +75,9 @@ def _text(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec) -> Iterator[Doc
         if not chunk.endswith(b"\n"):
             chunk += f.readline()  # the last line belongs to this unit: its first byte is in it
         where = src.uri if whole else f"{src.uri} bytes {pos}-{pos + len(chunk)}"
-        pos += len(chunk)
+        pos, chunk = pos + len(chunk), chunk.removeprefix(BOM) if pos == 0 else chunk
         yield document(decode(chunk, data, where), where)
-        if not src.compression:
+        if not unit.chunk_bytes:
             return
 
 
@@ -97,6 +108,8 @@ def _jsonl(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec, s3_options: di
         if not raw:
             return
         offset, pos, lines = pos, pos + len(raw), lines + 1
+        if offset == 0:
+            raw = raw.removeprefix(BOM)
         if not raw.strip():
             continue
         try:

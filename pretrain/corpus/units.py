@@ -23,6 +23,7 @@ class WorkUnit:
     source: SourceFile
     start: int
     stop: int
+    chunk_bytes: int = 0  # a compressed text file: one document per this many (decompressed) bytes
 
     @property
     def key(self) -> str:
@@ -31,7 +32,8 @@ class WorkUnit:
         unit's output also keys it by :func:`pretrain.corpus.readers.reader_settings` and the
         tokenizer."""
         s = self.source
-        text = json.dumps([s.uri, s.identity, s.format, s.compression, s.text_field, self.start, self.stop])
+        text = json.dumps([s.uri, s.identity, s.format, s.compression, s.text_field, self.start, self.stop,
+                           self.chunk_bytes])
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -65,4 +67,5 @@ def plan_units(source: SourceFile, unit_bytes: int, s3_options: dict | None = No
         ranges = [(0, source.size)]
     else:
         ranges = byte_ranges(source.size, unit_bytes)
-    return [WorkUnit(source, start, stop) for start, stop in ranges]
+    chunk = unit_bytes if source.compression and source.format == "text" else 0
+    return [WorkUnit(source, start, stop, chunk) for start, stop in ranges]

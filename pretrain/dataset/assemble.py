@@ -2,16 +2,19 @@
 (first wins), each document to train or val by its hash, train documents repeated by their
 source's weight, packed with a separator after each document into fixed-size shards per
 (split, group). Only the unit results are read, so the output cannot depend on how many
-workers made them; memory is one shard buffer per split plus the set of document hashes."""
+workers made them; memory is one shard buffer per split plus the set of document hashes
+(8 bytes per distinct document, :mod:`pretrain.dataset.dedup`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from trainer.atomic import atomic_write_bytes
+from pretrain.dataset.dedup import HashSet
 from pretrain.dataset.unitcache import UnitResult, load_docs, load_tokens
 
 TWO64 = 1 << 64
@@ -41,8 +44,9 @@ class ShardWriter:
     """Packs token runs into ``<stem>_NNNNN.bin`` files of ``shard_tokens`` tokens (the last one
     shorter), each written atomically as soon as it is full."""
 
-    def __init__(self, out: Path, stem: str, group: str, dtype: str, shard_tokens: int, written: list[Path]):
-        self.out, self.stem, self.group, self.written = out, stem, group, written
+    def __init__(self, out: Path, stem: str, group: str, dtype: str, shard_tokens: int, written: list[Path],
+                 on_shard: Callable[[Path], None] | None = None):
+        self.out, self.stem, self.group, self.written, self.on_shard = out, stem, group, written, on_shard
         self.buf = np.empty(shard_tokens, dtype=dtype)
         self.fill = 0
         self.shards: list[dict] = []
@@ -64,6 +68,8 @@ class ShardWriter:
             digest = atomic_write_bytes(path, self.buf[:self.fill].tobytes())
             self.shards.append({"file": name, "tokens": int(self.fill), "sha256": digest, "group": self.group})
             self.fill = 0
+            if self.on_shard:
+                self.on_shard(path)
 
 
 def split_rule(units: list[AssembledUnit], val_fraction: float) -> tuple[int, int | None, int | None]:
@@ -84,17 +90,19 @@ def repeats(hashes: np.ndarray, weight: float) -> np.ndarray:
 
 
 def assemble(units: list[AssembledUnit], groups: list[str], *, out: Path, dtype: str, eot_id: int,
-             val_fraction: float, shard_tokens: int, n_sources: int, written: list[Path]):
-    """Write every shard into ``out``; returns (splits, documents per split, per-source stats)."""
+             val_fraction: float, shard_tokens: int, n_sources: int, written: list[Path],
+             on_shard: Callable[[Path], None] | None = None):
+    """Write every shard into ``out`` (``on_shard(path)`` after each); returns (splits, documents
+    per split, per-source stats)."""
     threshold, forced_val, forced_train = split_rule(units, val_fraction)
-    seen: set[int] = set()
+    seen = HashSet()
     stats = [SourceStats() for _ in range(n_sources)]
     splits: dict[str, list[dict]] = {"train": [], "val": []}
     documents = {"train": 0, "val": 0}
     eot = np.asarray([eot_id], dtype=dtype)
     for group in groups:
         writers = {split: ShardWriter(out, split if group == "all" else f"{split}_{group}", group, dtype,
-                                      shard_tokens, written) for split in splits}
+                                      shard_tokens, written, on_shard) for split in splits}
         for u in (u for u in units if u.group == group):
             st = stats[u.source_index]
             st.units += 1
@@ -103,14 +111,13 @@ def assemble(units: list[AssembledUnit], groups: list[str], *, out: Path, dtype:
             if not u.result.documents:
                 continue
             docs, tokens = load_docs(u.path), load_tokens(u.path, dtype)
-            reps = repeats(docs["hash"], u.weight)
+            reps, first = repeats(docs["hash"], u.weight), seen.first_seen(docs["hash"])
             start = 0
-            for (end, h), rep in zip(docs.tolist(), reps.tolist()):
+            for (end, h), rep, new in zip(docs.tolist(), reps.tolist(), first.tolist()):
                 doc, start = tokens[start:end], end
-                if h in seen:
+                if not new:
                     st.skipped["duplicate"] = st.skipped.get("duplicate", 0) + 1
                     continue
-                seen.add(h)
                 val = (h < threshold or h == forced_val) and h != forced_train
                 split, copies = ("val", 1) if val else ("train", rep)
                 if not copies:  # a weight below 1 left it out of this data set

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from pretrain.corpus.files import expand_sources
+from pretrain.corpus.readers import reader_settings
 from pretrain.corpus.units import plan_units
 from pretrain.dataset.assemble import AssembledUnit, assemble
 from pretrain.dataset.errors import DataPrepError, removed_if_disk_full
@@ -18,7 +19,8 @@ from pretrain.dataset.pool import UnitJob, run_units
 from pretrain.dataset.progress import PrepProgress, ProgressCallback
 from pretrain.dataset.sample import trained_tokenizer
 from pretrain.dataset.tokenizer import LoadedTokenizer, load_tokenizer
-from pretrain.dataset.unitcache import UnitResult, clear_stale_temporaries, read_unit_result, unit_dir_name
+from pretrain.dataset.upload import Uploader
+from pretrain.dataset.unitcache import UnitResult, clear_stale_temporaries, prune, read_unit_result, unit_dir_name
 from pretrain.spec_data import DataSpec
 from trainer.atomic import atomic_write_bytes
 from trainer.data_manifest import MANIFEST, SKIP_REASONS, TOKENIZER_FILE, DamagedManifest, encode_manifest, parse_manifest
@@ -45,6 +47,22 @@ def _existing(target, location: str, log) -> dict | None:
         return None
 
 
+def _guarded(progress: ProgressCallback | None, log) -> ProgressCallback:
+    """``progress``, but a display that fails (a console, a Prefect server going away) is logged
+    once and then left out: it never stops data preparation."""
+    state = {"failed": progress is None}
+
+    def report(p: PrepProgress) -> None:
+        if state["failed"]:
+            return
+        try:
+            progress(p)
+        except Exception as err:  # whatever the display raises
+            state["failed"] = True
+            log(f"progress reporting failed ({type(err).__name__}: {err}); data preparation goes on without it")
+    return report
+
+
 def _unit_bytes(unit, n_units: int) -> int:
     """Source bytes one unit stands for (progress): its byte range, or a Parquet file's share."""
     return unit.source.size // n_units if unit.source.format == "parquet" else unit.stop - unit.start
@@ -54,7 +72,7 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
             progress: ProgressCallback | None = None) -> dict:
     """Build (or reuse) the data set for ``data`` under ``root``; returns its manifest plus
     ``reused`` and ``location`` (the data set's directory or s3 URL)."""
-    report = progress or (lambda p: None)
+    report = _guarded(progress, log)
     report(PrepProgress("scan"))
     s3 = s3_options or {}
     sources = expand_sources(data, s3_options)
@@ -85,11 +103,17 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
                             "data.sources at text, JSONL or Parquet files with text in them")
     report(PrepProgress("assemble", len(units), len(units), *_totals(units, results)))
     out = Path(location) if not _is_s3(location) else work / "staging" / fp
-    manifest = _write_data_set(data, sources, flat, units, results, tok, fp, settings, out, location)
-    if _is_s3(location):
-        report(PrepProgress("upload", len(units), len(units), *_totals(units, results)))
-        _upload(out, target, manifest, location)
-    _log_summary(log, manifest, location, flat)
+    uploader = Uploader(target, location) if _is_s3(location) else None
+    try:
+        manifest = _write_data_set(data, sources, flat, units, results, tok, fp, settings, out, uploader)
+        if uploader:
+            report(PrepProgress("upload", len(units), len(units), *_totals(units, results)))
+            uploader.finish(out / MANIFEST)
+    finally:
+        if uploader:
+            uploader.close()
+    _log_summary(log, manifest, location, flat, [e for _, r in results for e in r.skip_examples][:3])
+    _prune(work, {p.name for p, _ in results}, f"{fp}.json")
     report(PrepProgress("done", len(units), len(units), *_totals(units, results)))
     return {**manifest, "reused": False, "location": location}
 
@@ -104,12 +128,16 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
     """Every unit's result, in unit order: finished ones reused, the rest tokenized on the pool."""
     cache = work / "units"
     clear_stale_temporaries(cache)
-    read_settings = {"decode_errors": data.decode_errors, "binary_threshold": data.binary_threshold,
-                     "on_bad_record": data.on_bad_record}
+    read_settings = reader_settings(data)
     itemsize = 2 if tok.dtype == "uint16" else 4
     paths = [cache / unit_dir_name(u.key, tok.sha256, read_settings) for _, u, _ in units]
     results: list[UnitResult | None] = [read_unit_result(p, itemsize) for p in paths]
     todo = [i for i, r in enumerate(results) if r is None]
+    for i in todo:  # a damaged result in the way of the unit's new one (a rename never replaces a directory)
+        if paths[i].is_dir():
+            shutil.rmtree(paths[i])
+        else:
+            paths[i].unlink(missing_ok=True)
     workers = data.workers or os.cpu_count() or 1
     done = {"units": 0, "bytes": 0, "tokens": 0, "docs": 0}
     total_bytes = sum(b for *_, b in units)
@@ -149,8 +177,9 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
 
 
 def _write_data_set(data, sources, flat, units, results, tok: LoadedTokenizer, fp: str, settings: dict,
-                    out: Path, location: str) -> dict:
-    """Tokenizer, shards and (last) the manifest into ``out``; returns the manifest."""
+                    out: Path, uploader: Uploader | None) -> dict:
+    """Tokenizer, shards and (last) the manifest into ``out`` (each but the manifest handed to
+    ``uploader`` once written, for an S3 data set); returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # a damaged one: uncommit before touching shards
     itemsize = 2 if tok.dtype == "uint16" else 4
@@ -160,9 +189,11 @@ def _write_data_set(data, sources, flat, units, results, tok: LoadedTokenizer, f
     with removed_if_disk_full(out, need) as written:
         written.append(out / TOKENIZER_FILE)
         atomic_write_bytes(out / TOKENIZER_FILE, tok.json.encode())
+        if uploader:
+            uploader(out / TOKENIZER_FILE)
         splits, documents, stats = assemble(assembled, list(sources), out=out, dtype=tok.dtype, eot_id=tok.eot_id,
                                             val_fraction=data.val_fraction, shard_tokens=data.shard_tokens,
-                                            n_sources=len(flat), written=written)
+                                            n_sources=len(flat), written=written, on_shard=uploader)
         if not (documents["train"] and documents["val"]):
             raise DataPrepError(f"data.sources gave {sum(documents.values())} distinct document(s); need at least 2 "
                                 "(one for training, one for validation): add data")
@@ -183,21 +214,18 @@ def _tok_settings(data: DataSpec, tok: LoadedTokenizer) -> dict:
              "eos_token": t.eos_token})
 
 
-def _upload(staged: Path, target, manifest: dict, location: str) -> None:
-    """Shards and tokenizer first, the manifest last; then the local staging copy goes."""
-    files = [TOKENIZER_FILE] + [s["file"] for shards in manifest["splits"].values() for s in shards]
-    try:
-        for name in files:
-            target.put_file(name, staged / name)
-        target.put_file(MANIFEST, staged / MANIFEST)
-    except StorageError as err:
-        raise DataPrepError(f"uploading the data set to {location} failed: {err}") from None
-    shutil.rmtree(staged, ignore_errors=True)
+def _prune(work: Path, units: set[str], tokenizer: str) -> None:
+    """Keep only what the next incremental run can use: this data set's unit results and tokenizer."""
+    prune(work / "units", units)
+    shutil.rmtree(work / "staging", ignore_errors=True)  # an S3 data set's copy left by a failed upload
+    for p in (work / "tokenizers").glob("*.json"):
+        if p.name != tokenizer:
+            p.unlink(missing_ok=True)
 
 
-def _log_summary(log, manifest: dict, location: str, flat) -> None:
+def _log_summary(log, manifest: dict, location: str, flat, examples: list[str]) -> None:
     skipped = ", ".join(f"{n} {r}" for r, n in manifest["skipped"].items() if n)
     log(f"prepared {manifest['tokens']['train']} train / {manifest['tokens']['val']} val tokens "
         f"({manifest['documents']['train']} / {manifest['documents']['val']} documents, vocab "
         f"{manifest['vocab_size']}, {manifest['dtype']}) from {len(flat)} file(s) in {location}"
-        + (f"; skipped: {skipped}" if skipped else ""))
+        + (f"; skipped: {skipped}" if skipped else "") + (f" (e.g. {'; '.join(examples)})" if examples else ""))

@@ -43,7 +43,7 @@ def trained_tokenizer(data: DataSpec, units: list, cache: Path, s3_options: dict
         except (OSError, UnicodeDecodeError, DataPrepError):
             log(f"{cache} is damaged; training the tokenizer again")
     texts = sample_texts(data, units, s3_options)
-    log(f"training a {data.tokenizer.vocab_size}-token BPE tokenizer on a {sum(map(len, texts)) / 2**20:.1f} MiB "
+    log(f"training a {data.tokenizer.vocab_size}-token BPE tokenizer on a {sum(map(len, texts)) / 1024:,.0f} KiB "
         f"sample of {len(units)} work unit(s)")
     tok = train_tokenizer(texts, data.tokenizer)
     atomic_write_bytes(cache, tok.json.encode())

@@ -112,3 +112,14 @@ def clear_stale_temporaries(units: Path) -> None:
             pid = p.name.partition(".tmp-")[2].partition("-")[0]
             if p.name.startswith(".") and pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def prune(units: Path, keep: set[str]) -> int:
+    """Remove the finished unit results not named in ``keep`` (those of earlier corpora or
+    tokenizers: their data sets are complete and never need them again); returns how many."""
+    gone = 0
+    for p in units.iterdir() if units.is_dir() else ():
+        if not p.name.startswith(".") and p.name not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+            gone += 1
+    return gone
