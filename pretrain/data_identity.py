@@ -71,7 +71,8 @@ def refuse_changed_data(record: CampaignRecord, prepared: dict, old_manifest: di
     stages = trained_stages(record)
     if old is None or not old.fingerprint or old.fingerprint == prepared.get("fingerprint") or not stages:
         return
-    changes = "\n".join(f"  - {line}" for line in what_changed(old_manifest, prepared))
+    lines = what_changed(old_manifest, prepared)
+    changes = "\n".join(f"  - {line}" for line in lines)
     start = newest_good_checkpoint(record)
     init = f"`init_from: {start}`" if start else "`init_from:` set to one of its checkpoints"
     raise DataChanged(
@@ -81,4 +82,6 @@ def refuse_changed_data(record: CampaignRecord, prepared: dict, old_manifest: di
         "Resuming would continue those checkpoints on other data, so the campaign stops here (its ledger is "
         "unchanged). Either restore the old sources (so preparation gives data set "
         f"{old.fingerprint} again) and run the campaign again; or train on the new data in a new campaign (another "
-        f"name or workdir) whose first stage starts from this one's weights with {init}.")
+        f"name or workdir) whose first stage starts from this one's weights with {init}" + (
+            " (the tokenizer changed too: give the old one as data.tokenizer.path, or the weights meet other "
+            "token ids)." if any(line.startswith("tokenizer:") for line in lines) else "."))

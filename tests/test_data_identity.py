@@ -70,7 +70,9 @@ def test_resuming_on_another_data_set_is_refused_only_when_stages_trained_on_the
     message = str(err.value)
     assert "stage(s) 'main' have checkpoints made on data set aaaa (/d/aaaa)" in message
     assert "now gives bbbb (/d/bbbb)" in message and "sources removed: /c/b.jsonl" in message
-    assert "restore the old sources" in message and "init_from" in message
+    assert "restore the old sources" in message and "init_from" in message and "tokenizer.path" not in message
+    with pytest.raises(DataChanged, match=r"(?s)tokenizer: 512 tokens.*give the old one as data\.tokenizer\.path"):
+        refuse_changed_data(_record(recorded, attempts), {**new, "tokenizer_sha256": "t2"}, OLD)
 
 
 def test_a_campaign_of_the_release_before_keeps_its_flat_data_set(prefect_harness, tmp_path, prepared_data):
