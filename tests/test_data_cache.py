@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -149,3 +152,21 @@ def test_while_s3_is_away_a_complete_cached_copy_still_trains(tmp_path, seaweed_
     (local / "train_00000.bin").write_bytes(b"\x00" * 600)  # nor a cached copy that is no longer intact
     with pytest.raises(StorageError):
         local_data_dir(url, cache, options, splits=["train"], fingerprint="fp0123456789abcd")
+
+
+def test_the_ranks_of_a_node_fetching_at_once_share_one_verified_copy(tmp_path, on_s3, s3_options):
+    """Two processes (the local ranks of one node) start on an empty cache together: the lock
+    lets one fetch while the other waits, then both read the same complete copy."""
+    url, src = on_s3
+    code = ("import json, sys; from trainer.data_cache import local_data_dir; "
+            "print(local_data_dir(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), session='job-1'))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    ranks = [subprocess.Popen([sys.executable, "-c", code, url, str(tmp_path / "cache"), json.dumps(s3_options)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], [err for _, err in outs]
+    local = Path(outs[0][0].strip())
+    assert {out.strip() for out, _ in outs} == {str(local)}
+    assert {f.name: f.read_bytes() for f in local.iterdir() if not f.name.startswith(".")} == \
+        {f.name: f.read_bytes() for f in src.iterdir()}
+    assert not list(local.glob(".*.part-*"))
