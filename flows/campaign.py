@@ -94,7 +94,7 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
             init_from = done.good_checkpoint.path
             continue
         stop_point(f"before stage {stage.name}")
-        final = train_stage(spec, i, init_from)
+        final = train_stage(spec, i, stage.init_from or init_from)
         stop_point(f"after training stage {stage.name}, before its validation")
         validate_checkpoint(spec, stage.name, final["path"])
         evaluate(spec, stage.name, final["path"], final["step"])

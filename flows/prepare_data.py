@@ -28,9 +28,10 @@ def prepare_data(spec: CampaignSpec | None = None, spec_path: str | None = None,
     spec = resolve_campaign(spec, spec_path, workdir)
     logger = get_run_logger()
     with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()):  # the campaign's own, when it calls this
-        summary = prepare_dataset(spec, fan_out(PrepArtifact.for_campaign(spec.name, logger.warning), progress))
+        record = prepare_dataset(spec, fan_out(PrepArtifact.for_campaign(spec.name, logger.warning), progress))
         ledger = Ledger.open(spec)
-        ledger.set_data(summary)
+        ledger.set_data(record)
+    summary = record.to_json()
     if run_id := ledger.record.mlflow.parent_run_id:
         state = log_data_set_input(spec, run_id, summary, return_state=True)
         if state.is_failed():

@@ -9,9 +9,11 @@ or a spec for checkpoints written before manifests described themselves).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pretrain.campaign_data import validation_data
 from pretrain.jobs import client_options, model_config
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
@@ -19,6 +21,7 @@ from trainer.checkpoint.records import DamagedRecord, Manifest
 from trainer.checkpoint.store import MANIFEST, CheckpointStore
 from trainer.config import ModelConfig
 from trainer.data import DataError, read_manifest
+from trainer.data_cache import local_data_dir
 
 
 class CheckpointInfoError(ValueError):
@@ -53,21 +56,39 @@ class CheckpointInfo:
 
 def spec_overrides(spec: CampaignSpec, data_dir: str | Path | None = None) -> dict:
     """``describe`` arguments taken from a campaign spec (model, data dir, storage options);
-    ``data_dir`` replaces the spec's ``<workdir>/data`` (the vocabulary size is read from it)."""
-    data_dir = Path(data_dir) if data_dir else CampaignLayout(spec.workdir_path).data_dir
+    ``data_dir`` replaces the data set the campaign's ledger records (the vocabulary size is read from it)."""
     try:
-        vocab = read_manifest(data_dir)["vocab_size"]
-    except DataError:
-        raise CheckpointInfoError(f"{data_dir} holds no prepared data set (no manifest.json): pass --data-dir with "
-                                  "the campaign's prepared data") from None
-    return {"model": model_config(spec, vocab), "data_dir": data_dir, "options": client_options(spec)}
+        if data_dir:
+            data_dir = Path(data_dir)
+            vocab = read_manifest(data_dir)["vocab_size"]
+        else:
+            data_dir, vocab = validation_data(spec)
+    except DataError as err:
+        raise CheckpointInfoError(f"{data_dir or 'the campaign'} holds no prepared data set ({err}): pass --data-dir "
+                                  "with the campaign's prepared data") from None
+    return {"model": model_config(spec, vocab), "data_dir": data_dir, "options": client_options(spec),
+            "cache_dir": CampaignLayout(spec.workdir_path).data_cache}
+
+
+def default_cache_dir() -> Path:
+    """Where ``pretrain eval`` / ``export`` outside a campaign keep data sets fetched from S3."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "prefect-pretrain" / "data"
+
+
+def _data_options(meta: dict, options: dict | None) -> dict:
+    """S3 options for the checkpoint's data set: its recorded endpoint/region, the caller's credentials."""
+    secrets = {k: v for k, v in (options or {}).items() if k not in ("endpoint_url", "region")}
+    return {**(meta.get("data_options") or {}), **secrets}
 
 
 def describe(location: str | Path, *, options: dict | None = None, model: ModelConfig | None = None,
-             data_dir: str | Path | None = None, seq_len: int | None = None) -> CheckpointInfo:
+             data_dir: str | Path | None = None, seq_len: int | None = None,
+             cache_dir: str | Path | None = None) -> CheckpointInfo:
     """Everything needed to evaluate or export the checkpoint at ``location``: its manifest's
-    record, overridden by the arguments given. Raises :class:`CheckpointRejected` for a
-    checkpoint that was never committed, :class:`CheckpointInfoError` when a value is missing."""
+    record, overridden by the arguments given. The data set it records may be on S3: its
+    tokenizer and validation split are then fetched into ``cache_dir`` (default: the user's cache,
+    :func:`default_cache_dir`). Raises :class:`CheckpointRejected` for a checkpoint that was never
+    committed, :class:`CheckpointInfoError` when a value is missing."""
     location = str(location).rstrip("/")
     try:
         store, step = CheckpointStore.of_step(location, options)
@@ -92,12 +113,14 @@ def describe(location: str | Path, *, options: dict | None = None, model: ModelC
     if not data_dir:
         raise CheckpointInfoError(f"checkpoint {location} does not record its data directory ({old}): pass --data-dir "
                                   "with the campaign's prepared data (<workdir>/data, with tokenizer.json and the val split)")
-    data_dir = Path(data_dir)
+    recorded = data_dir == manifest.meta.get("data_dir")
     try:
+        data_dir = local_data_dir(str(data_dir), cache_dir or default_cache_dir(), _data_options(manifest.meta, options),
+                                  splits=("val",), fingerprint=manifest.meta.get("data_fingerprint") if recorded else None)
         vocab = read_manifest(data_dir)["vocab_size"]
-    except DataError:
-        raise CheckpointInfoError(f"{data_dir} holds no prepared data set (no manifest.json): pass --data-dir with the "
-                                  "data set the checkpoint was trained on (the campaign's <workdir>/data)") from None
+    except DataError as err:
+        raise CheckpointInfoError(f"{data_dir} holds no prepared data set ({err}): pass --data-dir with the data set "
+                                  "the checkpoint was trained on") from None
     if vocab != model.vocab_size:
         raise CheckpointInfoError(f"the data set in {data_dir} has a vocabulary of {vocab} tokens, the checkpoint's "
                                   f"model {model.vocab_size}: pass --data-dir with the data set it was trained on")

@@ -176,7 +176,7 @@ def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_l
         given = spec_overrides(load_spec(spec), data_dir) if spec else {"data_dir": data_dir}
         options = s3_options(s3_endpoint_url, s3_region) or given.get("options")
         return describe(checkpoint, options=options, model=given.get("model"), data_dir=given["data_dir"],
-                        seq_len=seq_len)
+                        seq_len=seq_len, cache_dir=given.get("cache_dir"))
 
 
 @app.command("eval")

@@ -52,6 +52,7 @@ def prepare(
     except SpecError as e:
         raise fail(str(e))
     from deployments.local_prepare import prepare_data_here
+    from pretrain.data_identity import DataChanged
     from pretrain.ledger import CampaignMismatch, LedgerError
     from pretrain.lock import CampaignBusy
 
@@ -62,8 +63,9 @@ def prepare(
         display.close()
         err.print("interrupted: finished work units are kept; run the same command to resume", highlight=False)
         raise typer.Exit(130)
-    except (ValueError, CampaignBusy, CampaignMismatch, LedgerError) as e:  # bad sources (DataPrepError,
-        # CorpusError), the workdir busy, of another campaign or its ledger damaged
+    except (ValueError, CampaignBusy, CampaignMismatch, LedgerError, DataChanged) as e:  # bad sources
+        # (DataPrepError, CorpusError), the workdir busy, of another campaign, its ledger damaged, or
+        # the corpus changed under the campaign's checkpoints
         display.close()
         raise fail(str(e))
     except Exception as e:  # noqa: BLE001 - one line, not a traceback

@@ -14,14 +14,14 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
+from pathlib import Path
 
+from pretrain.campaign_data import validation_data
 from pretrain.jobs import checkpoint_store, model_config, storage_options
-from pretrain.layout import CampaignLayout
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from trainer.checkpoint.records import DamagedRecord
 from trainer.checkpoint.store import MANIFEST, CheckpointStore, step_name
-from trainer.data import read_manifest
 
 def gate_timeout_s(total_bytes: int, requests: int, settings: PretrainSettings) -> float:
     """How long a gate process may take for ``requests`` checkpoints of ``total_bytes`` in all."""
@@ -29,12 +29,15 @@ def gate_timeout_s(total_bytes: int, requests: int, settings: PretrainSettings) 
                settings.gate_per_request_s * requests + 2 * total_bytes / settings.gate_min_bytes_per_s)
 
 
-def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: bool) -> dict:
-    data_dir = str(CampaignLayout(spec.workdir_path).data_dir)
-    seq_len, v = spec.stages[stage_index].seq_len, spec.validation
+def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: bool,
+                 data: tuple[Path, int] | None = None) -> dict:
+    """The gate's request for one checkpoint; ``data``: the local directory of the campaign's data
+    set (its validation split) and its vocabulary size (None: looked up, see :func:`validation_data`)."""
+    data_dir, vocab = data or validation_data(spec)
+    data_dir, seq_len, v = str(data_dir), spec.stages[stage_index].seq_len, spec.validation
     return {
         "location": location, "options": storage_options(spec),
-        "model": asdict(model_config(spec, read_manifest(data_dir)["vocab_size"])),
+        "model": asdict(model_config(spec, vocab)),
         "probe": {"data_dir": data_dir, "seq_len": seq_len, "windows": v.probe_windows, "tolerance": v.probe_tolerance},
         "evaluate": {"data_dir": data_dir, "seq_len": seq_len, "batches": v.eval_batches} if evaluate else None,
     }
@@ -88,7 +91,8 @@ def judge(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: set[
     if timeout_s is None:
         timeout_s = gate_timeout_s(_bytes_to_verify(store, steps), len(steps), settings or PretrainSettings.from_env())
     t0 = time.monotonic()
-    outs = run_gate([gate_request(spec, stage_index, loc, step in evaluate) for step, loc in zip(steps, locations)],
+    data = validation_data(spec)  # once per pass
+    outs = run_gate([gate_request(spec, stage_index, loc, step in evaluate, data) for step, loc in zip(steps, locations)],
                     timeout_s, env=spec.credentials.child_env() if spec.credentials else None)
     gate_s = round((time.monotonic() - t0) / max(1, len(steps)), 2)
     records, pointer = [], store.read_pointer()

@@ -10,7 +10,7 @@ from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes
 from trainer.checkpoint.store import CheckpointStore
 from trainer.config import JobConfig, ModelConfig, OptimConfig, drill_from_dict
-from trainer.data import read_manifest
+from trainer.data_cache import fetch_manifest
 
 
 def model_config(spec: CampaignSpec, vocab_size: int) -> ModelConfig:
@@ -39,6 +39,17 @@ def client_options(spec: CampaignSpec) -> dict:
     return {**storage_options(spec), **spec.credentials.s3_options()}
 
 
+def data_options(spec: CampaignSpec) -> dict:
+    """Storage options for S3 sources and data sets (the data section's endpoint, else the checkpoints')."""
+    d, c = spec.data, spec.checkpoint
+    return s3_options(d.s3_endpoint_url or c.s3_endpoint_url, d.s3_region or c.s3_region)
+
+
+def data_client_options(spec: CampaignSpec) -> dict:
+    """``data_options`` plus the blocks' credentials: for S3 clients in this process only."""
+    return {**data_options(spec), **spec.credentials.s3_options()}
+
+
 def checkpoint_store(spec: CampaignSpec, stage: str) -> CheckpointStore:
     return CheckpointStore.open(checkpoint_location(spec, stage), client_options(spec))
 
@@ -49,13 +60,19 @@ def threads_per_worker(spec: CampaignSpec) -> int:
 
 
 def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None) -> JobConfig:
-    """The job of the stage's ``attempt``-th launch (the vocabulary from its prepared data set)."""
-    vocab = read_manifest(CampaignLayout(spec.workdir_path).data_dir)["vocab_size"]
-    return job_config(spec, stage_index, attempt, init_from, vocab)
+    """The job of the stage's ``attempt``-th launch, on the data set the ledger records (its
+    vocabulary from that data set's summary, or its manifest for a summary that lacks it)."""
+    from pretrain.campaign_data import campaign_data  # it reads the ledger, which imports this module
+
+    data = campaign_data(spec)
+    vocab = data.vocab_size or fetch_manifest(data.location, data_client_options(spec))[2]["vocab_size"]
+    return job_config(spec, stage_index, attempt, init_from, vocab, data.location, data.fingerprint or "")
 
 
-def job_config(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None, vocab_size: int) -> JobConfig:
-    """Every field of the job from the spec: the one place the trainer's settings come from."""
+def job_config(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None, vocab_size: int,
+               data_location: str | None = None, data_fingerprint: str = "") -> JobConfig:
+    """Every field of the job from the spec: the one place the trainer's settings come from.
+    ``data_location``: the data set's directory or s3:// URL (None: ``<workdir>/data``)."""
     layout = CampaignLayout(spec.workdir_path)
     stage = spec.stages[stage_index]
     c, ft = spec.cluster, spec.fault_tolerance
@@ -64,7 +81,8 @@ def job_config(spec: CampaignSpec, stage_index: int, attempt: int, init_from: st
                         grad_accum=stage.grad_accum, seq_len=stage.seq_len,
                         global_batch=stage.micro_batch * stage.grad_accum * c.workers_per_node * c.nodes_max)
     return JobConfig(
-        stage=stage.name, stage_index=stage_index, seed=spec.seed, data_dir=str(layout.data_dir),
+        stage=stage.name, stage_index=stage_index, seed=spec.seed, data_dir=data_location or str(layout.data_dir),
+        data_fingerprint=data_fingerprint, data_cache_dir=str(layout.data_cache), data_options=data_options(spec),
         ckpt_dir=checkpoint_location(spec, stage.name), job_dir=str(layout.job_dir(stage.name, attempt)),
         storage_options=storage_options(spec),
         model=model_config(spec, vocab_size), optim=optim, init_from=init_from, init_optimizer=stage.carry_optimizer,

@@ -19,6 +19,16 @@ class CampaignLayout:
         return self.root / "data"
 
     @property
+    def data_work(self) -> Path:
+        """Data preparation's staging area and finished-unit cache (never a data set itself)."""
+        return self.data_dir / ".work"
+
+    @property
+    def data_cache(self) -> Path:
+        """The node-local copies of data sets kept on S3 (``trainer.data_cache``)."""
+        return self.root / "cache" / "data"
+
+    @property
     def mlflow_artifacts(self) -> Path:
         return self.root / "mlartifacts"
 

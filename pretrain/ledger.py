@@ -19,8 +19,8 @@ from pydantic import ValidationError
 
 from pretrain.jobs import checkpoint_location, storage_options
 from pretrain.layout import CampaignLayout
-from pretrain.ledger_schema import (LEDGER_VERSION, CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord, Failure,
-                                    MlflowRecord, Resize, Resume, Rewind, StageRecord, StageStatus, Verdict,
+from pretrain.ledger_schema import (LEDGER_VERSION, CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord,
+                                    DataRecord, Failure, MlflowRecord, Resize, Resume, Rewind, StageRecord, StageStatus, Verdict,
                                     describe_problem, new_stage)
 from pretrain.redact import redact, redact_tree
 from pretrain.spec import CampaignSpec
@@ -228,8 +228,8 @@ class Ledger:
     def set_parent_run(self, run_id: str) -> None:
         self.mutate(lambda r: setattr(r.mlflow, "parent_run_id", run_id))
 
-    def set_data(self, summary: dict) -> None:
-        self.mutate(lambda r: setattr(r, "data", summary))
+    def set_data(self, data: DataRecord) -> None:
+        self.mutate(lambda r: setattr(r, "data", data))
 
     def set_cluster(self, cluster: ClusterRecord) -> None:
         self.mutate(lambda r: setattr(r, "cluster", cluster))

@@ -46,25 +46,51 @@ class StageStatus(StrEnum):
 OPEN_STAGES = (StageStatus.RUNNING, StageStatus.TRAINED)  # what a run was working on when it ended
 
 
-class Entry(BaseModel):
-    """One entry of a stage's history: written with the keys it was given (and ``time``, when it
-    was recorded), unknown keys kept as they are."""
+class GivenKeys(BaseModel):
+    """A record written with the keys it was given (unknown keys kept as they are): what an older
+    release wrote reads and writes back unchanged, keys it lacks taking their defaults."""
 
     model_config = ConfigDict(extra="allow")
+
+    def given_keys(self) -> set[str]:
+        return self.model_fields_set | set(self.model_extra or ())
+
+    @model_serializer(mode="wrap")
+    def _given_keys_only(self, handler) -> dict[str, Any]:
+        given = self.given_keys()
+        return {k: v for k, v in handler(self).items() if k in given}
+
+
+class Entry(GivenKeys):
+    """One entry of a stage's history: written with the keys it was given (and ``time``, when it
+    was recorded), unknown keys kept as they are."""
 
     time: float | None = None
 
     @model_serializer(mode="wrap")
     def _given_keys_only(self, handler) -> dict[str, Any]:
-        given = self.model_fields_set | set(self.model_extra or ())
+        given = self.given_keys()
         out = {k: v for k, v in handler(self).items() if k in given and k != "time"}
-        return out if "time" not in given else {**out, "time": self.time}  # last, as the release before wrote it
+        return out if "time" not in self.model_fields_set else {**out, "time": self.time}  # last, as the release before wrote it
 
     def stamped(self) -> "Entry":
         """This entry with ``time`` set to now if it has none."""
         if self.time is None:
             self.time = time.time()
         return self
+
+
+class DataRecord(GivenKeys):
+    """The campaign's data set: which one (``fingerprint``) and where (``location``), with the rest
+    of its summary (counts, vocabulary, tokenizer) as preparation reported it. Checkpoints made
+    in the campaign were trained on this data set; resuming them on another one is refused."""
+
+    fingerprint: str | None = None
+    location: str | None = None  # its directory or s3:// URL; None: the release before's flat <workdir>/data
+    vocab_size: int | None = None
+
+    def to_json(self) -> dict:
+        return self.model_dump(mode="json")
 
 
 class Failure(Entry):
@@ -198,7 +224,7 @@ class CampaignRecord(BaseModel):
     created: float | None = None
     status: CampaignStatus
     invocations: StrictInt  # runs of the campaign flow
-    data: dict | None = None  # the data set's summary
+    data: DataRecord | None = None  # the data set the campaign trains on
     cluster: ClusterRecord | None = None
     mlflow: MlflowRecord
     storage_options: dict = Field(default_factory=dict)  # redacted

@@ -94,6 +94,15 @@ class StageSpec(Section):
         default_factory=dict, description="Data group → weight (any positive scale): the stage draws its samples from "
         "the groups in these proportions, exactly and resumably. Empty: the whole training split in one order.")
     carry_optimizer: bool = Field(True, description="Start from the previous stage's optimizer state (AdamW moments); false resets it. The model weights always carry over.")
+    init_from: str | None = Field(
+        None, description="Start this stage from this checkpoint (…/step_XXXXXXXX, a local directory or s3:// URL; "
+        "another campaign's, e.g. to continue on a changed data set) instead of the previous stage's final one "
+        "(the first stage: from scratch). Only until the stage has checkpoints of its own.")
+
+    @field_validator("init_from")
+    @classmethod
+    def _no_credentials(cls, url: str | None) -> str | None:
+        return no_credentials_in_url(url, S3_CREDENTIALS_GO)
 
     @model_validator(mode="after")
     def _lr_order(self) -> "StageSpec":

@@ -44,7 +44,7 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None) -> 
     return redact_tree({
         "campaign": r.campaign, "campaign_id": r.campaign_id, "workdir": str(layout.root),
         "status": r.status.value, "spec_hash": r.spec_hash, "invocations": r.invocations,
-        "data": r.data, "stages": stages, "registered_model": r.registered_model,
+        "data": r.data.to_json() if r.data else None, "stages": stages, "registered_model": r.registered_model,
         "mlflow": {**r.mlflow.model_dump(mode="json"), "ui_command": f"mlflow ui --backend-store-uri {uri}"
                    if uri.startswith("sqlite:") else f"open {uri}"},
     })

@@ -5,22 +5,21 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from pretrain.campaign_data import validation_data
 from pretrain.checkpoint_info import CheckpointInfo, CheckpointRejected, describe
 from pretrain.evaluation import measure, require_valid
 from pretrain.jobs import client_options, model_config
-from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import log_to_run
 from tasks.tracking import MLFLOW_RETRIES
-from trainer.data import read_manifest
 from trainer.evaluate import evaluate
 
 
 @task(name="evaluate-stage-checkpoint", cache_policy=NO_CACHE)
 def evaluate_stage_checkpoint(spec: CampaignSpec, path: str, seq_len: int) -> dict:
     """Validation loss, perplexity and accuracy of a stage's checkpoint (``validation.eval_batches`` batches)."""
-    data_dir = CampaignLayout(spec.workdir_path).data_dir
-    metrics = evaluate(path, model_config(spec, read_manifest(data_dir)["vocab_size"]), data_dir, seq_len,
+    data_dir, vocab = validation_data(spec)
+    metrics = evaluate(path, model_config(spec, vocab), data_dir, seq_len,
                        max_batches=spec.validation.eval_batches, options=client_options(spec))
     get_run_logger().info("evaluation of %s: %s", path, {k: round(v, 4) for k, v in metrics.items()})
     return metrics

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from prefect.events import emit_event
 
-from pretrain.layout import CampaignLayout
+from pretrain.campaign_data import campaign_data
+from pretrain.ledger import LedgerError
 from pretrain.spec import CampaignSpec
+from trainer.data import DataError
 
 CHECKPOINT_GOOD = "pretrain.checkpoint.good"
 CHECKPOINT_BAD = "pretrain.checkpoint.bad"
@@ -44,6 +46,14 @@ def emit_campaign_event(spec: CampaignSpec, event: str, payload: dict, stage: st
                related=[_stage(spec, stage)] if stage else None)
 
 
+def _data_location(spec: CampaignSpec) -> str | None:
+    """Where the campaign's data set is (None when it has none recorded: an event never fails for it)."""
+    try:
+        return campaign_data(spec).location
+    except (DataError, LedgerError):
+        return None
+
+
 def checkpoint_verdict(spec: CampaignSpec, stage: str, path: str, record: dict) -> None:
     """``pretrain.checkpoint.good`` or ``.bad`` for a validated checkpoint (``record``: the verdict)."""
     good = record.get("verdict") == "good"
@@ -51,7 +61,7 @@ def checkpoint_verdict(spec: CampaignSpec, stage: str, path: str, record: dict) 
     emit_campaign_event(spec, CHECKPOINT_GOOD if good else CHECKPOINT_BAD, {
         "stage": stage, "step": record.get("step"), "checkpoint": path, "verdict": record.get("verdict"),
         "final": final, "problems": record.get("problems", []),
-        "data_dir": str(CampaignLayout(spec.workdir_path).data_dir),
+        "data_dir": _data_location(spec),
     }, stage, labels={FINAL_LABEL: str(final).lower()})
 
 

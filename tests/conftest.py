@@ -12,7 +12,8 @@ import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from pretrain.dataprep import prepare  # noqa: E402
+from pretrain.campaign_data import data_record  # noqa: E402
+from pretrain.dataset.prepare import prepare  # noqa: E402
 from pretrain.layout import CampaignLayout  # noqa: E402
 from pretrain.spec import CampaignSpec, parse_spec  # noqa: E402
 from prefect_server import on_prefect_server, prefect_server  # noqa: E402,F401 - a real server, on request
@@ -35,16 +36,21 @@ def prefect_harness():
 
 @pytest.fixture(scope="session")
 def prepared_data(tmp_path_factory) -> Path:
-    """One data set for the session; campaigns copy it (its fingerprint matches their spec).
-    Beside it, an empty MLflow tracking store (``../mlflow.db``) that :func:`seed_data` copies:
-    MLflow creates a new sqlite store's tables by running its migrations (3–6 s here), which
-    every campaign would otherwise pay; campaigns started without ``seed_data`` still do."""
-    out = tmp_path_factory.mktemp("prepared") / "data"
-    prepare(CampaignSpec(data=DATA).data, out, log=lambda *_: None)
+    """One data set for the session (its directory ``<root>/<fingerprint>``); campaigns copy it
+    (its fingerprint matches their spec). Beside the root, an empty MLflow tracking store that
+    :func:`seed_data` copies: MLflow creates a new sqlite store's tables by running its
+    migrations (3–6 s here), which every campaign would otherwise pay; campaigns started
+    without ``seed_data`` still do."""
+    root = tmp_path_factory.mktemp("prepared") / "data"
+    location = Path(prepare(CampaignSpec(data=DATA).data, root, work=root / ".work", log=lambda *_: None)["location"])
     from mlflow.tracking import MlflowClient
 
-    MlflowClient(f"sqlite:///{out.parent / TRACKING_STORE}").search_experiments()  # creates and migrates it
-    return out
+    MlflowClient(f"sqlite:///{_tracking_template(location)}").search_experiments()  # creates and migrates it
+    return location
+
+
+def _tracking_template(prepared: Path) -> Path:
+    return prepared.parents[1] / TRACKING_STORE
 
 
 def small_spec(workdir: Path, **overrides) -> CampaignSpec:
@@ -65,11 +71,26 @@ def small_spec(workdir: Path, **overrides) -> CampaignSpec:
 
 
 def seed_data(spec: CampaignSpec, prepared: Path) -> None:
-    """The session's data set, and its empty tracking store where the campaign keeps its own."""
-    shutil.copytree(prepared, CampaignLayout(spec.workdir_path).data_dir, dirs_exist_ok=True)
+    """The campaign's data set as its data preparation leaves it: in ``<workdir>/data/<fingerprint>``,
+    recorded in the ledger (preparation then finds it up to date); and the session's empty tracking
+    store where the campaign keeps its own."""
+    from pretrain.ledger import Ledger
+    from trainer.data import read_manifest
+
     store = spec.workdir_path / TRACKING_STORE
     if spec.tracking.uri is None and not store.exists():
-        shutil.copyfile(prepared.parent / TRACKING_STORE, store)
+        store.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_tracking_template(prepared), store)
+    copy = CampaignLayout(spec.workdir_path).data_dir / prepared.name
+    shutil.copytree(prepared, copy, dirs_exist_ok=True)
+    Ledger.open(spec).set_data(data_record({**read_manifest(copy), "location": str(copy)}))
+
+
+def campaign_data_dir(spec: CampaignSpec) -> Path:
+    """The local directory of the data set the campaign's ledger records."""
+    from pretrain.campaign_data import campaign_data
+
+    return Path(campaign_data(spec).location)
 
 
 def wait_for(condition, timeout: float, what: str, interval: float = 0.05):

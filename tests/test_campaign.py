@@ -9,7 +9,7 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import assert_no_duplicate_metric_steps, seed_data, small_spec, worker_processes
+from conftest import assert_no_duplicate_metric_steps, campaign_data_dir, seed_data, small_spec, worker_processes
 from flows.campaign import pretrain_campaign
 from pretrain.ledger import CampaignMismatch
 from pretrain.registry import TAG_CHECKPOINT
@@ -86,7 +86,7 @@ def test_final_good_checkpoint_is_registered_and_checkpoints_describe_themselves
     store, step = ckpt.CheckpointStore.of_step(final)
     manifest = store.manifest(step).meta
     assert manifest["persisted_by"] == "saver" and manifest["stage"] == "main" and manifest["seq_len"] == 64
-    assert manifest["model"]["d_model"] == 32 and manifest["data_dir"] == str(spec.workdir_path / "data")
+    assert manifest["model"]["d_model"] == 32 and manifest["data_dir"] == str(campaign_data_dir(spec))
     client = MlflowClient(spec.tracking_uri, spec.tracking_uri)
     version = client.get_model_version_by_alias(spec.name, "latest-good")
     assert version.run_id == status["mlflow"]["parent_run_id"] and version.tags[TAG_CHECKPOINT] == final

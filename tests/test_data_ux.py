@@ -299,16 +299,6 @@ def test_cli_prepare_refuses_wrong_input_in_one_line_exit_2(prefect_harness, tmp
     assert "Traceback" not in result.stderr + result.stdout
 
 
-def _campaign_prepares_in_units() -> bool:
-    """Whether the prepare-data task runs pretrain.dataset.prepare (work units under data/.work)."""
-    import inspect
-
-    import tasks.data
-    return "from pretrain.dataset.prepare import" in inspect.getsource(tasks.data)
-
-
-@pytest.mark.skipif(not _campaign_prepares_in_units(),
-                    reason="needs the prepare-data task on pretrain.dataset.prepare (branch identity wires it)")
 def test_ctrl_c_stops_cli_prepare_in_one_line_exit_130_and_the_same_command_resumes(prefect_harness, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -10,16 +10,13 @@ from pathlib import Path
 import pytest
 
 from agents import agent_job, run_agent, snapshot
-from conftest import DATA, small_spec
-from pretrain.dataprep import DataPrepError, prepare
+from conftest import small_spec
 from pretrain.incidents import NON_RETRYABLE, cause_of
 from pretrain.ledger import Ledger, LedgerDiskFull
-from pretrain.spec import CampaignSpec
-from tmpfs import resize_tmpfs, small_tmpfs
-from trainer.atomic import atomic_write_bytes, sha256_file
+from tmpfs import small_tmpfs
+from trainer.atomic import atomic_write_bytes
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.saver import CheckpointDiskFull, Saver
-from trainer.data import MANIFEST, read_manifest
 from trainer.reporting import EVENTS, METRICS, read_all
 
 
@@ -68,21 +65,6 @@ def test_a_full_checkpoint_disk_stops_the_job_with_the_message_while_training_we
         assert max(m["step"] for m in read_all(Path(job.job_dir) / METRICS)) > 2  # trained on past the failed persist
         assert ckpt.CheckpointStore.open(job.ckpt_dir).read_pointer() is None
         assert [f for f in files_under(fs) if ".tmp-" in f or f.endswith(".pt")] == []
-
-
-def test_data_prep_that_fills_the_disk_leaves_no_trusted_data_set_and_a_retry_after_freeing_space_works(tmp_path):
-    data = CampaignSpec(data=DATA).data
-    with small_tmpfs(tmp_path / "fs", "32k") as fs:
-        out = fs / "data"
-        with pytest.raises(DataPrepError, match=rf"no space left on {fs} \(tmpfs.*Free space there"):
-            prepare(data, out, log=lambda *_: None)
-        assert not (out / MANIFEST).exists()
-        assert [f for f in files_under(fs) if ".tmp-" in f] == []
-        resize_tmpfs(fs, "4m")  # the operator frees space
-        manifest = prepare(data, out, log=lambda *_: None)
-        assert manifest["reused"] is False and read_manifest(out)["fingerprint"] == manifest["fingerprint"]
-        for shard in manifest["splits"]["train"] + manifest["splits"]["val"]:
-            assert sha256_file(out / shard["file"]) == shard["sha256"]
 
 
 def test_a_ledger_write_that_fills_the_disk_keeps_the_ledger_and_says_what_to_free(tmp_path):

@@ -13,7 +13,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from s3_servers import BUCKET
 
-from conftest import copy_checkpoint, flip_byte, pretrain_cli, save_checkpoint, seed_data, small_spec
+from conftest import campaign_data_dir, copy_checkpoint, flip_byte, pretrain_cli, save_checkpoint, seed_data, small_spec
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from pretrain.checkpoint_info import CheckpointInfoError, CheckpointRejected, describe
 from pretrain.jobs import model_config
@@ -50,7 +50,7 @@ def test_eval_prints_the_metrics_of_a_good_checkpoint(trained_checkpoint, tmp_pa
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert client.get_run(run_id).data.metrics["val_loss"] == pytest.approx(out["val_loss"])
-    data_dir = spec.workdir_path / "data"
+    data_dir = campaign_data_dir(spec)
     expected = evaluate(ref.location, model_config(spec, 512), data_dir, spec.stages[0].seq_len,
                         max_batches=spec.validation.eval_batches)
     assert out["checkpoint"] == ref.location and out["step"] == ref.step == 2

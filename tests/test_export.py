@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
-from conftest import copy_checkpoint, flip_byte, pretrain_cli
+from conftest import campaign_data_dir, copy_checkpoint, flip_byte, pretrain_cli
 from pretrain.checkpoint_info import CheckpointRejected, describe
 from pretrain.dataset.tokenizer import EOT
 from pretrain.export import PROVENANCE, WEIGHTS, export_checkpoint
@@ -45,7 +45,7 @@ def test_export_round_trip_matches_our_model(trained_checkpoint, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     ours = our_model(ref.location)
     assert isinstance(hf, GPT2LMHeadModel)
-    data_dir = spec.workdir_path / "data"
+    data_dir = campaign_data_dir(spec)
     x = torch.stack([TokenWindows(data_dir, "val", 63)[i] for i in range(3)])  # full position table
     with torch.no_grad():
         assert (hf(x).logits - ours(x)).abs().max().item() < 1e-5

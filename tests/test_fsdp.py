@@ -14,12 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import assert_no_duplicate_metric_steps, wait_for
+from conftest import assert_no_duplicate_metric_steps, campaign_data_dir, wait_for
 from fsdp_ranks import job
 from test_chaos import chaos_spec
 from flows.campaign import pretrain_campaign
 from pretrain.jobs import checkpoint_store, model_config
-from pretrain.layout import CampaignLayout
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import state
 from trainer.checkpoint.flash import SnapshotStore
@@ -218,7 +217,7 @@ def test_fsdp_worker_killed_after_a_snapshot_resumes_from_memory_bit_exact(prefe
     store = checkpoint_store(drilled, "main")
     final = store.ref(store.read_pointer()).location
     assert store.manifest(8).meta["parallelism"] == "fsdp"
-    data_dir = CampaignLayout(drilled.workdir_path).data_dir
+    data_dir = campaign_data_dir(drilled)
     model_cfg = model_config(drilled, read_manifest(data_dir)["vocab_size"])
     assert validate(final, model_cfg).ok
     batches = drilled.validation.eval_batches

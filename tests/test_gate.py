@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import assert_no_duplicate_metric_steps, flip_byte, save_checkpoint, seed_data, small_spec
+from conftest import assert_no_duplicate_metric_steps, campaign_data_dir, flip_byte, save_checkpoint, seed_data, small_spec
 from pretrain.gate import gate_request, gate_timeout_s, judge, run_gate
 from pretrain.jobs import checkpoint_store, model_config
 from pretrain.ledger import Ledger
@@ -33,7 +33,7 @@ def _spec(tmp_path, prepared_data):
 def write_checkpoint(spec, step: int, *, nan: bool = False, reported_loss: float | None = None) -> None:
     """A real checkpoint of the spec's model after one AdamW step, committed atomically. The
     training loss recorded with it is the model's own held-out loss unless ``reported_loss``."""
-    data_dir = spec.workdir_path / "data"
+    data_dir = campaign_data_dir(spec)
     torch.manual_seed(step)
     model = GPT(model_config(spec, read_manifest(data_dir)["vocab_size"]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

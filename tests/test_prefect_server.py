@@ -25,7 +25,7 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.states import Cancelled, Cancelling
 from prefect_kubernetes.worker import KubernetesWorker
 
-from conftest import DATA, assert_no_duplicate_metric_steps, campaign_events, campaign_processes, seed_data, wait_for
+from conftest import DATA, assert_no_duplicate_metric_steps, campaign_data_dir, campaign_events, campaign_processes, seed_data, wait_for
 from pretrain.ledger import Ledger
 from pretrain.layout import CampaignLayout
 from pretrain.lock import CampaignBusy
@@ -161,7 +161,7 @@ def test_worker_runs_a_campaign_with_artifacts_events_and_trigger(worker, prepar
                     name=DeploymentFilterName(any_=["evaluate-checkpoint"])))
             return [r for r in runs if r.parameters.get("checkpoint", "").startswith(str(spec.workdir_path))]
         [triggered] = wait_for(evaluation_runs, 60, "the trigger to start the evaluation deployment")
-        assert triggered.parameters == {"checkpoint": good, "data_dir": str(spec.workdir_path / "data")}
+        assert triggered.parameters == {"checkpoint": good, "data_dir": str(campaign_data_dir(spec))}
         assert final_state(triggered.id, 300).is_completed()
         assert len(evaluation_runs()) == 1  # only the final checkpoint (its event came after step 4's, if any)
     parent_run = MlflowClient(spec.tracking_uri).get_run(parent)
@@ -260,4 +260,4 @@ def test_deploy_from_git_runs_the_cloned_code(worker, prepared_data, tmp_path):
         run = start("prepare-data/prepare-data", spec_path=str(path))
         state = final_state(run.id, 300)
     assert state.is_completed(), state.message
-    assert Ledger.read(CampaignLayout(spec.workdir_path)).record.data["vocab_size"] > 0
+    assert Ledger.read(CampaignLayout(spec.workdir_path)).record.data.vocab_size > 0

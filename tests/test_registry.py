@@ -10,7 +10,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from tokenizers import Tokenizer
 
-from conftest import assert_no_duplicate_metric_steps
+from conftest import assert_no_duplicate_metric_steps, campaign_data_dir
 from pretrain.checkpoint_info import describe
 from pretrain.registry import TAG_CHECKPOINT, register_checkpoint
 from pretrain.tracking import Tracker
@@ -38,12 +38,12 @@ def test_registered_model_loads_by_alias_and_predicts_like_our_model(trained_che
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # how a user points MLflow at the server
     parts = mlflow.transformers.load_model(reg.uri, return_type="components")
     ours = our_model(ref.location)
-    x = torch.stack([TokenWindows(spec.workdir_path / "data", "val", 32)[i] for i in range(2)])
+    x = torch.stack([TokenWindows(campaign_data_dir(spec), "val", 32)[i] for i in range(2)])
     with torch.no_grad():
         assert (parts["model"](x).logits - ours(x)).abs().max().item() < 1e-5
 
     prompt = "def dumps(obj"
-    tok = Tokenizer.from_file(str(spec.workdir_path / "data" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(campaign_data_dir(spec) / "tokenizer.json"))
     expected = tok.decode(greedy(ours, torch.tensor([tok.encode(prompt).ids]), 5)[0].tolist())
     predicted = mlflow.pyfunc.load_model(reg.uri).predict([prompt], params={"max_new_tokens": 5})
     assert predicted == [expected]

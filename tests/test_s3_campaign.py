@@ -10,13 +10,15 @@ import uuid
 import s3_servers
 from s3_servers import BUCKET, SECRET_KEY
 
-from conftest import assert_no_duplicate_metric_steps, run_campaign_while, seed_data, small_spec, wait_for, worker_processes
+from conftest import DATA, assert_no_duplicate_metric_steps, run_campaign_while, seed_data, small_spec, wait_for, worker_processes
 from mlflow.tracking import MlflowClient
 
 from flows.campaign import pretrain_campaign
+from pretrain.checkpoint_info import describe
 from pretrain.jobs import checkpoint_store
 from pretrain.registry import TAG_CHECKPOINT
 from pretrain.status import campaign_status
+from trainer.storage import open_storage
 
 seaweed = s3_servers.seaweed
 aws_env = s3_servers.aws_env
@@ -30,8 +32,15 @@ def s3_spec(tmp_path, prepared_data, endpoint, **overrides):
     return spec
 
 
-def test_campaign_with_checkpoints_on_s3(prefect_harness, prepared_data, tmp_path, seaweed, aws_env):
-    spec = s3_spec(tmp_path, prepared_data, seaweed.endpoint, tracking={"register_model": True})
+def test_campaign_with_data_and_checkpoints_on_s3_trains_from_a_fresh_node_cache(prefect_harness, prepared_data, tmp_path,
+                                                                                  seaweed, aws_env):
+    data_uri = f"s3://{BUCKET}/datasets/{uuid.uuid4().hex[:8]}"
+    spec = small_spec(tmp_path, data={**DATA, "uri": data_uri}, tracking={"register_model": True},
+                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2, "s3_endpoint_url": seaweed.endpoint,
+                                  "uri": f"s3://{BUCKET}/campaigns/{uuid.uuid4().hex[:8]}"})
+    data_set = open_storage(f"{data_uri}/{prepared_data.name}", endpoint_url=seaweed.endpoint)
+    for f in sorted(prepared_data.iterdir(), key=lambda f: f.name == "manifest.json"):  # manifest last
+        data_set.put_file(f.name, f)
     status = pretrain_campaign(spec=spec)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     assert status["status"] == "completed"
@@ -47,6 +56,20 @@ def test_campaign_with_checkpoints_on_s3(prefect_harness, prepared_data, tmp_pat
     assert main_start[0]["checkpoint"].startswith("s3://")  # stage hand-off read from S3
     written = [spec.workdir_path / "ledger.json", *spec.workdir_path.glob("jobs/*/*/job.json")]
     assert all(SECRET_KEY not in p.read_text() for p in written)  # credentials stay in the environment
+    # the data set stayed on S3 (preparation found it up to date); the workers read it from the node cache
+    assert status["data"]["location"] == f"{data_uri}/{prepared_data.name}"
+    assert not (spec.workdir_path / "data" / prepared_data.name).exists()
+    cache = spec.workdir_path / "cache" / "data" / prepared_data.name
+    assert {f.name: f.read_bytes() for f in cache.iterdir() if not f.name.startswith(".")} == \
+        {f.name: f.read_bytes() for f in prepared_data.iterdir()}
+    meta = checkpoint_store(spec, "main").manifest(spec.stages[-1].steps).meta
+    assert meta["data_dir"] == status["data"]["location"] and meta["data_fingerprint"] == prepared_data.name
+    # `pretrain eval` / `export` elsewhere: the data set the checkpoint records, its val split fetched into their cache
+    info = describe(status["stages"][-1]["good_checkpoint"]["path"], options={"endpoint_url": seaweed.endpoint},
+                    cache_dir=tmp_path / "elsewhere")
+    assert info.data_dir == tmp_path / "elsewhere" / prepared_data.name
+    assert sorted(f.name for f in info.data_dir.glob("*.bin")) == sorted(
+        s["file"] for s in info.data_manifest()["splits"]["val"])
 
 
 def test_worker_killed_with_s3_checkpoints_resumes(prefect_harness, prepared_data, tmp_path, seaweed, aws_env):
@@ -95,10 +118,10 @@ def test_block_credentials_reach_the_training_processes_and_nothing_else(prefect
     token = "tok-" + uuid.uuid4().hex
     MlflowTracking(token=token).save(names["tracking"])
     wd = tmp_path / "wd"
-    seed_data(small_spec(wd), prepared_data)
     body = small_spec(wd).model_dump(mode="json", exclude={"workdir"})
     spec = parse_spec({**body, "blocks": {"storage": f"s3-campaign-storage/{names['storage']}",
                                           "tracking": f"mlflow-tracking/{names['tracking']}"}})
+    seed_data(resolve_campaign(spec, None, str(wd)), prepared_data)
     before = dict(os.environ)
 
     status = pretrain_campaign(spec=spec, workdir=str(wd))

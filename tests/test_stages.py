@@ -9,7 +9,6 @@ import pytest
 
 from conftest import assert_no_duplicate_metric_steps, small_spec
 from flows.campaign import pretrain_campaign
-from pretrain.dataprep import prepare
 from pretrain.jobs import checkpoint_store
 
 DATA = {"sources": {"json": ["{stdlib}/json/*.py"], "email": ["{stdlib}/email/*.py"]}, "max_bytes": 60_000,
@@ -33,7 +32,6 @@ def optimizer_steps(spec, stage: str) -> float:
 def three_stages(prefect_harness, tmp_path_factory):
     spec = small_spec(tmp_path_factory.mktemp("stages"), data=DATA, stages=STAGES,
                       checkpoint={"interval": 4, "memory_interval": 2, "keep": 2})
-    prepare(spec.data, spec.workdir_path / "data", log=lambda *_: None)
     return spec, pretrain_campaign(spec=spec)
 
 

@@ -103,7 +103,10 @@ class JobConfig:
     stage: str  # stage name
     stage_index: int  # position of the stage in the campaign (seeds its data order)
     seed: int  # campaign seed
-    data_dir: str  # directory with manifest.json and token shards
+    data_dir: str  # the data set: a directory with manifest.json and token shards, or its s3:// URL
+    data_fingerprint: str  # the data set the job trains on ("" : not recorded); checkpoints record it
+    data_cache_dir: str  # node-local directory a data set on S3 is fetched into (trainer.data_cache)
+    data_options: dict  # S3 options for data_dir (endpoint_url, region); never secrets
     ckpt_dir: str  # this stage's checkpoint directory
     job_dir: str  # this launch's directory: metrics.jsonl, events.jsonl, logs
     model: ModelConfig
@@ -147,9 +150,19 @@ class JobConfig:
     def checkpoint_meta(self) -> dict:
         """What every checkpoint's manifest records so it can be evaluated and exported with no
         spec (``pretrain eval`` / ``pretrain export``): the model, the data set it was trained
-        on (its tokenizer and validation split) and the stage's sequence length."""
+        on (where: its tokenizer and validation split; which: its fingerprint) and the stage's
+        sequence length."""
         return {"stage": self.stage, "model": asdict(self.model), "data_dir": self.data_dir,
+                "data_fingerprint": self.data_fingerprint, "data_options": self.data_options,
                 "seq_len": self.optim.seq_len}
+
+    def local_data(self, splits: tuple[str, ...] = ("train",), on_progress=None) -> Path:
+        """The local directory of this job's data set (its ``splits`` fetched into the node cache
+        when it is on S3; the ranks of one launch verify the cache once)."""
+        from trainer.data_cache import local_data_dir
+
+        return local_data_dir(self.data_dir, self.data_cache_dir, self.data_options, splits=splits,
+                              fingerprint=self.data_fingerprint or None, session=self.job_dir, on_progress=on_progress)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

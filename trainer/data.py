@@ -32,11 +32,18 @@ def read_manifest(data_dir: str | Path) -> dict:
     saying what to do."""
     path = Path(data_dir) / MANIFEST
     try:
-        return parse_manifest(path.read_bytes())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise DataError(f"no data manifest at {path}: run data preparation first (`pretrain run` does)") from None
+    return load_manifest(raw, str(path))
+
+
+def load_manifest(raw: bytes, where: str) -> dict:
+    """The manifest in ``raw``, read from ``where`` (a path or URL); a damaged one is a :class:`DataError`."""
+    try:
+        return parse_manifest(raw)
     except DamagedManifest as e:
-        raise DataError(f"{path} is damaged ({e}): run data preparation again (`pretrain run` redoes it)") from None
+        raise DataError(f"{where} is damaged ({e}): run data preparation again (`pretrain run` redoes it)") from None
 
 
 class TokenWindows:

@@ -168,7 +168,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
                   "checkpoint": restored.checkpoint})
 
     net = DDP(model) if info.world_size > 1 and not state.is_sharded(cfg) else model
-    windows = TokenWindows(cfg.data_dir, "train", o.seq_len)
+    windows = TokenWindows(cfg.local_data(on_progress=lambda: beat("startup", step)), "train", o.seq_len)
     sampler = make_sampler(windows, cfg.mixture, cfg.seed, cfg.stage_index)
     global_batch = info.world_size * o.micro_batch * accum
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext())
