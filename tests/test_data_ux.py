@@ -264,12 +264,18 @@ def write_spec(tmp_path: Path, data: dict) -> str:
     return str(spec_file)
 
 
-def test_cli_prepare_shows_progress_lines_off_a_terminal_and_ends_with_the_stats(prefect_harness, tmp_path):
+def jsonl_corpus(tmp_path: Path, *, files: int, records: int, field: str, repeat: int) -> Path:
+    """``files`` JSONL files of ``records`` distinct small Python-like documents in ``field``."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    for k in range(2):
+    for k in range(files):
         (corpus / f"part{k}.jsonl").write_text("".join(
-            json.dumps({"content": f"def f{k}_{i}(x):\n    return x * {i} + json.dumps(x)\n" * 4}) + "\n" for i in range(30)))
+            json.dumps({field: f"def f{k}_{i}(x):\n    return x * {i} + {k}\n" * repeat}) + "\n" for i in range(records)))
+    return corpus
+
+
+def test_cli_prepare_shows_progress_lines_off_a_terminal_and_ends_with_the_stats(prefect_harness, tmp_path):
+    corpus = jsonl_corpus(tmp_path, files=2, records=30, field="content", repeat=4)
     data = {"sources": [{"path": str(corpus / "*.jsonl"), "text_field": "content"}], "tokenizer": {"vocab_size": 300},
             "val_fraction": 0.1, "unit_bytes": 4096, "workers": 1}
     result = data_cli("prepare", write_spec(tmp_path, data), "--interval", "0")
@@ -300,11 +306,7 @@ def test_cli_prepare_refuses_wrong_input_in_one_line_exit_2(prefect_harness, tmp
 
 
 def test_ctrl_c_stops_cli_prepare_in_one_line_exit_130_and_the_same_command_resumes(prefect_harness, tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for k in range(4):
-        (corpus / f"part{k}.jsonl").write_text("".join(
-            json.dumps({"text": f"def f{k}_{i}(x):\n    return x * {i} + {k}\n" * 40}) + "\n" for i in range(200)))
+    corpus = jsonl_corpus(tmp_path, files=4, records=200, field="text", repeat=40)
     spec_file = write_spec(tmp_path, {"sources": [str(corpus / "*.jsonl")], "tokenizer": {"vocab_size": 300},
                                       "unit_bytes": 4096, "workers": 1})
     from prefect.settings import PREFECT_API_URL
