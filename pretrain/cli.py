@@ -19,9 +19,11 @@ err = Console(stderr=True, soft_wrap=True)  # paths in messages stay whole (copy
 
 
 def _add_sub_apps() -> None:
+    from pretrain.cli_cluster import cluster_app
     from pretrain.cli_data import data_app
 
     app.add_typer(data_app, name="data")
+    app.add_typer(cluster_app, name="cluster")
 
 
 _add_sub_apps()
