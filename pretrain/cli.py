@@ -38,8 +38,12 @@ def run(
     from pretrain.spec import SpecError
     from pretrain.specfile import load_spec
 
+    from pretrain.cluster import not_runnable
+
     try:
         campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
+        if why := not_runnable(campaign.cluster):
+            raise SpecError(why)
     except SpecError as e:
         err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         raise typer.Exit(2)
