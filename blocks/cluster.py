@@ -10,19 +10,23 @@ from pydantic import Field, model_validator
 from prefect.blocks.core import Block
 from prefect_kubernetes.credentials import KubernetesCredentials
 
+from pretrain.spec_kube import KubernetesSpec, SecretKeyRef, Toleration
 from pretrain.spec_sections import ClusterSpec
 
 _SPEC_FIELDS = ClusterSpec.model_fields
-
-
-class ClusterNotSupported(ValueError):
-    """The cluster block describes a cluster this version cannot run jobs on yet."""
 
 
 def _mirror(name: str, title: str, **constraints: int):
     """A block field with the default and description of ``ClusterSpec.<name>`` (one source of truth)."""
     src = _SPEC_FIELDS[name]
     return Field(default=src.default, title=title, description=src.description, **constraints)
+
+
+def _kube(name: str, title: str):
+    """A block field with the default and description of ``KubernetesSpec.<name>`` (checked by it)."""
+    src = KubernetesSpec.model_fields[name]
+    default = {"default_factory": src.default_factory} if src.default_factory else {"default": src.default}
+    return Field(title=title, description=src.description, **default)
 
 
 class _ElasticJob(Block, ABC):
@@ -84,8 +88,9 @@ class LocalProcessCluster(_ElasticJob):
 
 class KubernetesCluster(_ElasticJob):
     """A Kubernetes cluster for training jobs: one pod per node, ``workers_per_node`` workers in
-    each. This version stores the configuration only; running jobs on it comes in a later
-    release, and a campaign that refers to it fails with a clear error before anything starts.
+    each; the pod settings are the spec's ``cluster.kubernetes`` section. This version renders the
+    manifests (``pretrain cluster render``); a campaign that refers to it is refused with a clear
+    error before anything starts until the backend exists.
 
     Example:
         Inspect the stored cluster configuration:
@@ -102,29 +107,38 @@ class KubernetesCluster(_ElasticJob):
     _description = "Kubernetes settings for elastic pre-training jobs: namespace, image, pod resources, nodes and workers."
     _documentation_url = "https://docs.prefect.io/integrations/prefect-kubernetes"
 
-    namespace: str = Field(default="default", min_length=1, title="Namespace",
-                           description="Namespace the training pods run in.")
-    image: str = Field(default=..., min_length=1, title="Image",
-                       description="Container image with this project installed (torch, trainer package).")
-    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = Field(
-        default="IfNotPresent", title="Image pull policy", description="Kubernetes image pull policy of the training pods.")
-    service_account_name: Optional[str] = Field(
-        default=None, title="Service account", description="Service account of the training pods; empty uses the namespace default.")
-    cpu_per_node: str = Field(default="4", title="CPU per node",
-                              description="CPU request and limit of each node's pod, in Kubernetes quantity syntax (e.g. '4', '3500m').")
-    memory_per_node: str = Field(default="16Gi", title="Memory per node",
-                                 description="Memory request and limit of each node's pod (e.g. '16Gi').")
-    gpus_per_node: int = Field(default=0, ge=0, title="GPUs per node",
-                               description="nvidia.com/gpu resources of each node's pod; 0 trains on CPU.")
-    shm_size: str = Field(default="8Gi", title="Shared memory size",
-                          description="Size of the memory-backed /dev/shm volume that holds flash checkpoint snapshots.")
-    node_selector: dict[str, str] = Field(default_factory=dict, title="Node selector",
-                                          description="Node labels the training pods must run on.")
+    namespace: str = _kube("namespace", "Namespace")
+    image: str = _kube("image", "Image")
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = _kube("image_pull_policy", "Image pull policy")
+    image_pull_secrets: list[str] = _kube("image_pull_secrets", "Image pull secrets")
+    service_account_name: Optional[str] = _kube("service_account_name", "Service account")
+    cpu_per_node: str = _kube("cpu_per_node", "CPU per node")
+    memory_per_node: str = _kube("memory_per_node", "Memory per node")
+    gpus_per_node: int = _kube("gpus_per_node", "GPUs per node")
+    shm_size: str = _kube("shm_size", "Shared memory size")
+    node_selector: dict[str, str] = _kube("node_selector", "Node selector")
+    tolerations: list[Toleration] = _kube("tolerations", "Tolerations")
+    priority_class_name: Optional[str] = _kube("priority_class_name", "Priority class")
+    env: dict[str, str] = _kube("env", "Environment")
+    secret_env: dict[str, SecretKeyRef] = _kube("secret_env", "Environment from Secrets")
+    workdir_claim: Optional[str] = _kube("workdir_claim", "Workdir volume claim")
+    labels: dict[str, str] = _kube("labels", "Labels")
+    annotations: dict[str, str] = _kube("annotations", "Annotations")
+    ttl_seconds_after_finished: Optional[int] = _kube("ttl_seconds_after_finished", "Finished job TTL (s)")
+    rdzv_port: int = _kube("rdzv_port", "Rendezvous port")
     credentials: Optional[KubernetesCredentials] = Field(
         default=None, title="Credentials",
         description="prefect-kubernetes credentials (a kube config); empty uses the in-cluster or local default config.")
 
+    @model_validator(mode="after")
+    def _valid_pods(self):
+        self._kube_spec()  # the pod rules (names, quantities, no secrets in env) live in KubernetesSpec only
+        return self
+
+    def _kube_spec(self) -> KubernetesSpec:
+        return KubernetesSpec(**{name: getattr(self, name) for name in KubernetesSpec.model_fields})
+
     def to_spec(self) -> ClusterSpec:
-        raise ClusterNotSupported(
-            f"cluster block {self._block_document_name or '(unsaved)'!r} is a Kubernetes cluster, which this version "
-            "stores but cannot run training jobs on yet: refer to a local-process-cluster block instead")
+        """The campaign spec's ``cluster`` section (``kind: kubernetes``); a campaign on it is
+        refused before anything starts until the backend exists (``pretrain cluster render`` works)."""
+        return ClusterSpec(kind="kubernetes", kubernetes=self._kube_spec(), **self._job_settings())

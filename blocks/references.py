@@ -10,6 +10,7 @@ from prefect.blocks.core import Block
 from blocks.cluster import KubernetesCluster, LocalProcessCluster
 from blocks.storage import LocalCampaignStorage, S3CampaignStorage
 from blocks.tracking import MlflowTracking
+from pretrain.cluster import not_runnable
 from pretrain.credentials import Credentials
 from pretrain.spec import CampaignSpec, SpecError, parse_spec
 from pretrain.specfile import resolve_spec
@@ -80,4 +81,7 @@ def resolve_campaign(spec: CampaignSpec | None = None, spec_path: str | None = N
     child processes get them through their environment, S3 and MLflow clients as arguments;
     this process's environment is left alone, so no other campaign (under ``deployments.serve``)
     ever sees them."""
-    return apply_blocks(resolve_spec(spec, spec_path)).with_workdir(workdir)
+    resolved = apply_blocks(resolve_spec(spec, spec_path)).with_workdir(workdir)
+    if why := not_runnable(resolved.cluster):
+        raise SpecError(why)
+    return resolved

@@ -19,9 +19,11 @@ err = Console(stderr=True, soft_wrap=True)  # paths in messages stay whole (copy
 
 
 def _add_sub_apps() -> None:
+    from pretrain.cli_cluster import cluster_app
     from pretrain.cli_data import data_app
 
     app.add_typer(data_app, name="data")
+    app.add_typer(cluster_app, name="cluster")
 
 
 _add_sub_apps()
@@ -36,8 +38,12 @@ def run(
     from pretrain.spec import SpecError
     from pretrain.specfile import load_spec
 
+    from pretrain.cluster import not_runnable
+
     try:
         campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
+        if why := not_runnable(campaign.cluster):
+            raise SpecError(why)
     except SpecError as e:
         err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         raise typer.Exit(2)

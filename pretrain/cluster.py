@@ -177,7 +177,16 @@ def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1, env: Mapping[st
     process's); ``settings``: None reads this process's environment."""
     if spec.kind == "local":
         return LocalCluster(spec, threads_per_worker, env=env, settings=settings or PretrainSettings.from_env())
-    raise ClusterError(f"cluster.kind {spec.kind!r} is not supported yet")
+    raise ClusterError(not_runnable(spec) or f"cluster.kind {spec.kind!r} is not supported yet")
+
+
+def not_runnable(spec: ClusterSpec) -> str | None:
+    """Why a campaign cannot run on this cluster (None: it can); checked before anything starts."""
+    if spec.kind == "kubernetes":
+        return ("cluster.kind 'kubernetes': this version cannot run training jobs on Kubernetes yet (the backend is "
+                "not available); review the manifests it will create with `pretrain cluster render SPEC`, and run "
+                "the campaign on a 'local' cluster meanwhile")
+    return None
 
 
 def recheck_nodes(cluster: Cluster, workdir: Path, nodes: list[int], baseline: list[dict],

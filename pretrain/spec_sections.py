@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from pretrain.redact import url_credentials
+from pretrain.spec_base import Section
+from pretrain.spec_kube import KubernetesSpec
 
 MAX_STEPS = 99_999_999  # step directories are named with 8 digits (step_00000040)
 S3_CREDENTIALS_GO = ("S3 credentials come from the AWS environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
@@ -27,20 +29,6 @@ def no_credentials_in_url(url: str | None, where: str) -> str | None:
     return url
 
 
-class Section(BaseModel):
-    """Base of every spec section: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_numbers(cls, value, info: ValidationInfo):
-        """YAML's ``true`` is not a number: a bool for an int or float field is refused, not read as 1."""
-        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in (int, float):
-            raise ValueError(f"expected a number, got {str(value).lower()} (a number is not a boolean)")
-        return value
-
-
 class ModelSpec(Section):
     n_layer: int = Field(4, ge=1, description="Transformer blocks.")
     n_head: int = Field(4, ge=1, description="Attention heads per block.")
@@ -56,7 +44,9 @@ class ModelSpec(Section):
 
 
 class ClusterSpec(Section):
-    kind: Literal["local"] = Field("local", description="Where workers run: 'local' processes (Kubernetes comes later).")
+    kind: Literal["local", "kubernetes"] = Field(
+        "local", description="Where workers run: 'local' processes, or 'kubernetes' (one pod per node, settings in "
+        "`kubernetes`; `pretrain cluster render` shows the manifests — campaigns cannot run there yet).")
     workers_per_node: int = Field(2, ge=1, description="Training processes per node (one per accelerator; on CPU one per core is sensible).")
     nodes_min: int = Field(1, ge=1, description="Fewest nodes the job may run with (elastic lower bound).")
     nodes_max: int = Field(1, ge=1, description="Most nodes the job starts with (elastic upper bound).")
@@ -71,11 +61,21 @@ class ClusterSpec(Section):
         "them); 'fsdp' shards them across the workers with FSDP2 (per block + root), and every worker checkpoints its "
         "own shard. Checkpoints of either kind can start or resume a stage of the other (docs/fault-tolerance.md).")
     threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 divides the machine's cores among workers.")
+    kubernetes: KubernetesSpec | None = Field(
+        None, description="Pods of a 'kubernetes' cluster: namespace, image, resources, scheduling, secrets by reference.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "ClusterSpec":
         if self.nodes_min > self.nodes_max:
             raise ValueError(f"nodes_min ({self.nodes_min}) must not exceed nodes_max ({self.nodes_max})")
+        return self
+
+    @model_validator(mode="after")
+    def _kind_settings(self) -> "ClusterSpec":
+        if self.kind == "kubernetes" and self.kubernetes is None:
+            raise ValueError("kind 'kubernetes' needs a `kubernetes` section (at least `image`)")
+        if self.kind != "kubernetes" and self.kubernetes is not None:
+            raise ValueError(f"the `kubernetes` section only applies to kind 'kubernetes' (kind is {self.kind!r})")
         return self
 
 

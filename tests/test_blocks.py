@@ -19,6 +19,7 @@ from prefect_aws.client_parameters import AwsClientParameters
 import blocks
 from blocks import KubernetesCluster, LocalCampaignStorage, LocalProcessCluster, MlflowTracking, S3CampaignStorage
 from blocks.references import apply_blocks, resolve_campaign
+from pretrain.spec_kube import KubernetesSpec, SecretKeyRef
 from pretrain.jobs import checkpoint_store
 from pretrain.spec import SpecError, parse_spec
 from pretrain.spec_sections import ClusterSpec, TrackingSpec
@@ -148,14 +149,18 @@ def test_cluster_rejects_what_the_spec_rejects():
             cls(workers_per_node=0, **extra)
 
 
-def test_kubernetes_cluster_is_configuration_only(on_prefect_server):
+def test_kubernetes_cluster_block_is_the_spec_section_and_is_refused(on_prefect_server):
     name = _name("k8s")
     KubernetesCluster(image="ghcr.io/o/p:1", namespace="train", nodes_max=4, gpus_per_node=8,
-                      node_selector={"gpu": "h100"}).save(name)
+                      node_selector={"gpu": "h100"}, secret_env={"HF_TOKEN": {"secret": "hf", "key": "token"}}).save(name)
     loaded = KubernetesCluster.load(name)
     assert (loaded.namespace, loaded.nodes_max, loaded.gpus_per_node, loaded.node_selector) == ("train", 4, 8, {"gpu": "h100"})
-    with pytest.raises(SpecError, match=f"blocks.cluster: cluster block '{name}' is a Kubernetes cluster"):
-        apply_blocks(parse_spec({"blocks": {"cluster": f"kubernetes-training-cluster/{name}"}}))
+    spec = apply_blocks(parse_spec({"blocks": {"cluster": f"kubernetes-training-cluster/{name}"}}))
+    assert spec.cluster.kind == "kubernetes" and spec.cluster.kubernetes == KubernetesSpec(
+        image="ghcr.io/o/p:1", namespace="train", gpus_per_node=8, node_selector={"gpu": "h100"},
+        secret_env={"HF_TOKEN": SecretKeyRef(secret="hf", key="token")})
+    with pytest.raises(SpecError, match="cluster.kind .kubernetes.: this version cannot run training jobs on Kubernetes yet"):
+        resolve_campaign(parse_spec({"blocks": {"cluster": f"kubernetes-training-cluster/{name}"}}))
 
 
 def test_tracking_round_trip_keeps_the_token_secret(on_prefect_server):

@@ -1,0 +1,1 @@
+"""Kubernetes: what the backend creates for a stage (pure manifests; no API calls here)."""
