@@ -227,3 +227,24 @@ def test_the_keeper_gives_the_lease_up_when_storage_stays_away_past_its_expiry(m
         wait_for(lambda: lost, 30, "the keeper to give up")
     assert "could not renew the lease" in str(lost[0]) and "must stop" in str(lost[0])
     assert not lease.valid()
+
+
+@pytest.mark.parametrize("server", ["seaweed", "moto"])
+def test_a_write_that_landed_but_whose_answer_was_lost_is_still_the_holders(request, server):
+    """S3 clients retry a PUT whose answer did not arrive; the retry of a conditional PUT that had
+    landed gets 412. The lease reads the record back and knows its own write by its token."""
+    store = s3_storage(request.getfixturevalue(server).endpoint)
+    retried: list[str] = []
+
+    def lose_first_answer(attempts, response, **_):  # after a PUT that succeeded: retry it once
+        if attempts == 1 and response is not None and response[0].status_code == 200:
+            retried.append(response[0].status_code)
+            return 0  # botocore: retry after 0 s
+        return None
+
+    store.client.meta.events.register("needs-retry.s3.PutObject", lose_first_answer)
+    lease = acquire(store, "A")  # If-None-Match: *, then its retry: 412
+    lease.renew()  # If-Match, then its retry: 412 (the ETag moved on to our own write)
+    assert len(retried) == 2 and lease.valid() and current_generation(store, KEY) == 1
+    with pytest.raises(LeaseHeld, match="held by A"):
+        acquire(store, "B")
