@@ -33,7 +33,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from trainer.storage import NotFound, PreconditionFailed, Storage, StorageError
@@ -162,9 +162,7 @@ class Lease:
             if self.record.released:
                 raise LeaseLost(f"the lease {self.where} was released by this holder; acquire it again")
             now, started = self.clock(), time.monotonic()
-            new = LeaseRecord(holder=self.record.holder, generation=self.generation, token=uuid.uuid4().hex,
-                              expires_at=now + self.record.ttl_s, ttl_s=self.record.ttl_s,
-                              acquired_at=self.record.acquired_at)
+            new = replace(self.record, token=uuid.uuid4().hex, expires_at=now + self.record.ttl_s)
             self.etag = self._replace(new)
             self.record, self.deadline = new, started + new.ttl_s
 
@@ -173,9 +171,7 @@ class Lease:
         with self._lock:
             if self.record.released:
                 return True
-            gone = LeaseRecord(holder=self.record.holder, generation=self.generation, token=uuid.uuid4().hex,
-                               expires_at=self.clock(), ttl_s=self.record.ttl_s, released=True,
-                               acquired_at=self.record.acquired_at)
+            gone = replace(self.record, token=uuid.uuid4().hex, expires_at=self.clock(), released=True)
             try:
                 self.etag = self._replace(gone)
             except LeaseLost:
@@ -185,6 +181,13 @@ class Lease:
             self.record = gone
             return True
 
+    def check(self) -> None:
+        """:class:`LeaseLost` unless the stored lease is still this holder's generation: call it
+        right before a write that only the holder may make (it reads the storage, one GET)."""
+        now, _ = _read(self.storage, self.key, self.where)
+        if now is None or now.generation != self.generation or now.released:
+            raise self._lost(now, "must not write campaign state any more")
+
     def _replace(self, new: LeaseRecord) -> str:
         """Write ``new`` if the record is still the version this holder wrote last."""
         try:
@@ -193,9 +196,13 @@ class Lease:
             now, etag = _read(self.storage, self.key, self.where)
             if now is not None and now.token == new.token:  # a retried write of ours had landed
                 return etag
-            who = f"now held by {now.describe()}" if now else "its record was deleted"
-            raise LeaseLost(f"lost the lease {self.where} (generation {self.generation}): {who}. This holder "
-                            "must stop: another run took over after the lease expired") from None
+            raise self._lost(now, "must stop: another run took over after the lease expired") from None
+
+    def _lost(self, now: LeaseRecord | None, consequence: str) -> LeaseLost:
+        """The error for a holder whose lease is now ``now`` (a newer generation, released, gone)."""
+        who = (f"it is now {'released by' if now.released else 'held by'} {now.describe()}" if now
+               else "its record was deleted")
+        return LeaseLost(f"lost the lease {self.where} (generation {self.generation}): {who}. This holder {consequence}")
 
     def keep(self, on_lost: Callable[[LeaseLost], None], interval_s: float | None = None) -> LeaseKeeper:
         """A started background thread that renews every ``interval_s`` (default ``ttl_s / 3``)

@@ -15,7 +15,7 @@ from conftest import wait_for
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
 from pretrain.lease import Lease, LeaseDamaged, LeaseHeld, LeaseLost, current_generation
-from trainer.storage import LocalStorage, PreconditionFailed
+from trainer.storage import LocalStorage, PreconditionFailed, StorageError
 from trainer.storage.s3 import S3Storage
 
 seaweed, moto, moto_factory = s3_servers.seaweed, s3_servers.moto, s3_servers.moto_factory
@@ -102,6 +102,9 @@ def test_expiry_lets_another_take_over_and_the_old_holder_learns_it_lost(store):
     assert current_generation(store, KEY) == 2
     with pytest.raises(LeaseLost, match=r"lost the lease .*generation 1.*held by B \(generation 2"):
         old.renew()
+    with pytest.raises(LeaseLost, match=r"lost the lease .*generation 1.*held by B \(generation 2.*must not write"):
+        old.check()  # what a commit of the old holder runs first
+    new.check()
     assert old.release() is False  # releasing a lost lease must not free the new holder's
     with pytest.raises(LeaseHeld, match="held by B"):
         acquire(store, "C", Clock(old.record.expires_at + MARGIN + 1))
@@ -227,6 +230,8 @@ def test_the_keeper_gives_the_lease_up_when_storage_stays_away_past_its_expiry(m
         wait_for(lambda: lost, 30, "the keeper to give up")
     assert "could not renew the lease" in str(lost[0]) and "must stop" in str(lost[0])
     assert not lease.valid()
+    with pytest.raises(StorageError, match=f"check that the S3 endpoint {server.endpoint} is up"):
+        Lease.acquire(store, KEY, "B", ttl_s=1.0)  # nobody can take a lease it cannot read
 
 
 @pytest.mark.parametrize("server", ["seaweed", "moto"])
