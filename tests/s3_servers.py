@@ -245,3 +245,11 @@ def aws_env(monkeypatch):
     """The test servers' credentials in the standard AWS environment (inherited by subprocesses)."""
     for k, v in {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(k, v)
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory):
+    """One moto_server for the session, bucket ``BUCKET`` created; tests use unique prefixes."""
+    server = MotoServer(tmp_path_factory.mktemp("moto")).start()
+    yield server
+    server.stop()

@@ -30,6 +30,11 @@ class NotFound(StorageError):
     """The key does not exist."""
 
 
+class PreconditionFailed(StorageError):
+    """A conditional write lost a race: ``put_if_absent`` found the key already there, or
+    ``put_if_match`` found it changed (or gone) since the caller read it. Nothing was written."""
+
+
 def check_key(key: str, *, prefix: bool = False) -> str:
     """``key`` if it is a safe relative key; a prefix may also be "" or end in "/"."""
     body = key[:-1] if prefix and isinstance(key, str) and key.endswith("/") else key
@@ -57,8 +62,9 @@ def _mkdirs(directory: Path) -> None:
         fsync_dir(d.parent)
 
 
-def _write_local_atomic(dst: str | Path, write) -> None:
-    """Call ``write(tmp)`` to fill a temporary next to ``dst``, then fsync, rename, fsync dir."""
+def _write_local_atomic(dst: str | Path, write, publish=os.replace) -> None:
+    """Call ``write(tmp)`` to fill a temporary next to ``dst``, then fsync, ``publish(tmp, dst)``
+    (a rename; ``os.link`` to fail if ``dst`` exists), fsync dir."""
     dst = Path(dst).absolute()
     _mkdirs(dst.parent)
     tmp = dst.with_name(f".{dst.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -66,7 +72,7 @@ def _write_local_atomic(dst: str | Path, write) -> None:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, dst)
+        publish(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(dst.parent)
@@ -87,6 +93,20 @@ class Storage(ABC):
         """Store what ``write(f)`` writes sequentially to ``f``; nothing if it raises."""
     @abstractmethod
     def get_bytes(self, key: str) -> bytes: ...
+
+    # Conditional writes (compare-and-swap on one key): what a lease or a ledger shared by
+    # several writers needs, so that a lost race is an error and never a silent overwrite.
+    # An ETag is an opaque version token: equal tokens mean equal contents.
+    @abstractmethod
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and its ETag (NotFound if missing)."""
+    @abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> str:
+        """Create ``key`` only if it does not exist; its new ETag. PreconditionFailed if it does."""
+    @abstractmethod
+    def put_if_match(self, key: str, data: bytes, etag: str) -> str:
+        """Replace ``key`` only if its ETag is still ``etag``; the new ETag. PreconditionFailed
+        if it changed or is gone."""
     @abstractmethod
     def iter_bytes(self, key: str, chunk: int = 4 * MiB) -> Iterator[bytes]:
         """The object's bytes in blocks of at most ``chunk`` (never all of it in memory at once)."""

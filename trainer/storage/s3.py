@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from trainer.storage.base import MiB, NotFound, Storage, StorageError, _dir_prefix, _write_local_atomic, check_key
+from trainer.storage.base import (MiB, NotFound, PreconditionFailed, Storage, StorageError, _dir_prefix,
+                                  _write_local_atomic, check_key)
 from trainer.storage.streaming import pipe_to
 
 _AUTH_CODES = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403",
@@ -24,6 +25,11 @@ class ObjectInfo:
     key: str
     size: int
     etag: str
+
+
+# A conditional request that lost: 412, or 409 when AWS sees two conditional writes of one key
+# in flight at once (the other one may still win).
+_CONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 
 
 class S3Storage(Storage):
@@ -111,8 +117,9 @@ class S3Storage(Storage):
             hint = "check the access key, secret key and the bucket's permissions"
         elif code == "NoSuchBucket":
             hint = f"create bucket {self.bucket!r} or fix the storage URL"
-        elif code in ("PreconditionFailed", "412"):
-            hint = "the object changed since it was listed (its ETag differs); run again"
+        elif code in _CONDITION_CODES:
+            return PreconditionFailed(f"S3 {op} of {where} failed ({detail}): the object changed since it was "
+                                      "listed or read (its ETag differs), or already exists; run again")
         elif isinstance(exc, (ConnectionError, HTTPClientError)):
             hint = (f"gave up after {self.max_attempts} attempts; check that the S3 endpoint "
                     f"{self.endpoint_url or '(AWS)'} is up and reachable, then retry")
@@ -151,6 +158,28 @@ class S3Storage(Storage):
         k = self._key(key)
         resp = self._call("download", key, self.client.get_object, Bucket=self.bucket, Key=k)
         return self._call("download", key, resp["Body"].read)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        k = self._key(key)
+        resp = self._call("download", key, self.client.get_object, Bucket=self.bucket, Key=k)
+        return self._call("download", key, resp["Body"].read), resp["ETag"].strip('"')
+
+    def put_if_absent(self, key: str, data: bytes) -> str:
+        """One PUT with ``If-None-Match: *`` (S3 rejects it with 412 if the key exists)."""
+        return self._put_conditional(key, data, IfNoneMatch="*")
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> str:
+        """One PUT with ``If-Match: "etag"``; a key that is gone counts as changed."""
+        try:
+            return self._put_conditional(key, data, IfMatch=f'"{etag}"')
+        except NotFound:
+            raise PreconditionFailed(f"{self.url}/{key} is gone (expected version {etag})") from None
+
+    def _put_conditional(self, key: str, data: bytes, **condition: str) -> str:
+        k = self._key(key)
+        resp = self._call("conditional upload", key, self.client.put_object, Bucket=self.bucket, Key=k,
+                          Body=data, **condition)
+        return resp["ETag"].strip('"')
 
     def iter_bytes(self, key: str, chunk: int = 4 * MiB) -> Iterator[bytes]:
         """Stream the object's body (one GET) in blocks of ``chunk``."""
