@@ -1,7 +1,7 @@
 """A test double of the Kubernetes API server on 127.0.0.1 that the unmodified official client
 talks to over HTTP (kubeconfig ``server: http://127.0.0.1:PORT``, token auth).
 
-It serves only what a training backend needs: create/get/list/watch/delete/patch/replace of
+It serves only what a training backend needs: create/get/list/watch/delete/deletecollection/patch/replace of
 batch/v1 Jobs, v1 Pods and Services, coordination.k8s.io/v1 Leases, pod logs, pod eviction,
 namespaces (read) and SelfSubjectAccessReviews (answered from an allow-list). Behind it: the
 object store (``kube_store``), a Job controller and a pod runner that starts each pod's command
@@ -193,6 +193,10 @@ def _handler(api: KubeAPI):
                     return self._json(201, store.create(plural, ns, body or {}))
                 if method == "GET" and query.get("watch") in ("true", "1"):
                     return self._watch(plural, ns, query)
+                if method == "DELETE" and ns:  # deletecollection, by label/field selector
+                    for obj in store.list(plural, ns, query.get("labelSelector"), query.get("fieldSelector"))[0]:
+                        store.delete(plural, ns, obj["metadata"]["name"], query.get("propagationPolicy"))
+                    return self._json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
                 if method == "GET":
                     items, rv = store.list(plural, ns, query.get("labelSelector"), query.get("fieldSelector"))
                     return self._json(200, {"kind": RESOURCES[plural].kind + "List", "apiVersion": RESOURCES[plural].api_version,

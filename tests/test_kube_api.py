@@ -46,7 +46,7 @@ def job(name: str, command: list[str], nodes: int = 2, image: str = "pretrain:te
     return client.V1Job(
         metadata=client.V1ObjectMeta(name=name, labels={"app": "pretrain", "run": name}),
         spec=client.V1JobSpec(
-            completion_mode="Indexed", completions=nodes, parallelism=nodes, backoff_limit=0, **spec,
+            completion_mode="Indexed", completions=nodes, parallelism=nodes, **{"backoff_limit": 0, **spec},
             template=client.V1PodTemplateSpec(
                 metadata=client.V1ObjectMeta(labels={"app": "pretrain", "run": name}),
                 spec=client.V1PodSpec(restart_policy="Never", subdomain="train", containers=[
@@ -154,6 +154,36 @@ def test_a_job_deleted_without_a_policy_orphans_its_pods_as_the_real_api_does(ku
     assert not pod.metadata.owner_references
     assert core.delete_namespaced_pod(pod.metadata.name, NS).metadata.deletion_timestamp is not None
     wait_for(lambda: not pods_of(core, "orphans"), 30, "the pod gone")
+
+
+def test_a_deleted_pod_is_replaced_for_its_index_and_an_oom_kill_then_exhausts_the_backoff_limit(kube_api, api):
+    core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
+    batch.create_namespaced_job(NS, job("replace", SLEEP, backoff_limit=1))
+    wait_for(lambda: [p.status.phase for p in pods_of(core, "replace")] == ["Running"] * 2, 30, "two running pods")
+    since = core.list_namespaced_pod(NS).metadata.resource_version
+    index = "batch.kubernetes.io/job-completion-index"
+    lost = core.list_namespaced_pod(NS, label_selector=f"{index}=1").items[0].metadata.name
+    core.delete_namespaced_pod(lost, NS, grace_period_seconds=0)  # a node lost, say
+    (new,) = wait_for(lambda: [p for p in core.list_namespaced_pod(NS, label_selector=f"{index}=1").items
+                               if p.metadata.name != lost and p.status.phase == "Running"], 30, "a new pod for index 1")
+    assert (batch.read_namespaced_job("replace", NS).status.failed, new.spec.hostname) == (1, "replace-1")
+    events = [(e["type"], e["object"].metadata.name) for e in Watch().stream(
+        core.list_namespaced_pod, NS, label_selector="run=replace", resource_version=since, timeout_seconds=1)]
+    assert events.count(("DELETED", lost)) == 1 and events.count(("ADDED", new.metadata.name)) == 1
+    *listed, bookmark = list(Watch().stream(  # no version: the current pods first; a BOOKMARK at the end
+        core.list_namespaced_pod, NS, label_selector="run=replace", timeout_seconds=1, allow_watch_bookmarks=True))
+    names = [e["object"].metadata.name for e in listed]
+    assert {e["type"] for e in listed} == {"ADDED"} and lost not in names and new.metadata.name in names
+    assert bookmark["type"] == "BOOKMARK" and isinstance(bookmark["object"]["metadata"]["resourceVersion"], str)
+
+    first = core.list_namespaced_pod(NS, label_selector=f"{index}=0").items[0].metadata.name
+    kube_api.runner.oom_kill(NS, first)
+    assert wait_for(lambda: job_condition(batch, "replace"), 30, "the job to fail") == "Failed"
+    terminated = core.read_namespaced_pod(first, NS).status.container_statuses[0].state.terminated
+    assert (terminated.reason, terminated.exit_code) == ("OOMKilled", 137)
+    conditions = {c.type: c.reason for c in batch.read_namespaced_job("replace", NS).status.conditions}
+    assert conditions["Failed"] == "BackoffLimitExceeded"
+    wait_for(lambda: all(p.status.phase == "Failed" for p in pods_of(core, "replace")), 30, "the other pod stopped")
 
 
 def test_an_unpullable_image_shows_its_waiting_reason(kube_api, api):
