@@ -85,7 +85,7 @@ class KubeAPI:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, name="kube-api", daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="kube-api", daemon=True)
         self._thread.start()
 
     def kubeconfig(self, namespace: str = "default") -> Path:

@@ -7,7 +7,8 @@ replaced until ``backoffLimit``/``backoffLimitPerIndex``; ``podFailurePolicy`` r
 (FailJob/FailIndex/Ignore/Count on exit codes and pod conditions) decide what a failure means;
 the Job's status (active/ready/succeeded/failed, completedIndexes, conditions Complete/Failed)
 follows its pods. A pod deleted before it finished counts as failed, as with the real
-controller's pod-tracking finalizers.
+controller's pod-tracking finalizers, unless the controller deleted it itself (``parallelism``
+patched down: the highest indexes go; ``suspend``; the Job finished).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class JobController:
     def __init__(self, store: Store):
         self.store = store
         self.outcomes: dict[str, dict[str, dict]] = {}  # job uid -> pod uid -> the pod as it ended
+        self.discarded: set[str] = set()  # pods this controller deleted (scale-down, job ended): no failure
         self._wake = threading.Event()
         self._closed = False
         store.listeners.append(self._on_event)
@@ -90,7 +92,7 @@ class JobController:
             ended = self.outcomes.setdefault(job, {})
             uid = e.obj["metadata"]["uid"]
             phase = (e.obj.get("status") or {}).get("phase")
-            if uid not in ended and (phase in TERMINAL or e.type == "DELETED"):
+            if uid not in ended and uid not in self.discarded and (phase in TERMINAL or e.type == "DELETED"):
                 pod = copy.deepcopy(e.obj)
                 if phase not in TERMINAL:  # deleted before it finished: a failure
                     pod.setdefault("status", {})["phase"] = "Failed"
@@ -169,10 +171,12 @@ class JobController:
                 todo = [None] * max(0, left)
             for index in todo[:max(0, parallelism - len(live))]:
                 live.append(self.store.create("pods", ns, self._pod(job, index)))
-        if finished or verdict or complete or spec.get("suspend"):
-            for pod in live:
-                self.store.delete("pods", ns, pod["metadata"]["name"], "Background")
-            live = []
+        stop = live if finished or verdict or complete or spec.get("suspend") else \
+            sorted(live, key=lambda p: pod_index(p) or 0)[parallelism:]  # scaled down: the highest indexes go
+        for pod in stop:
+            self.discarded.add(pod["metadata"]["uid"])
+            self.store.delete("pods", ns, pod["metadata"]["name"], "Background")
+        live = [p for p in live if p not in stop]
 
         stamp = now()
         if not finished and verdict:

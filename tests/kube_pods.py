@@ -3,7 +3,10 @@
 - The command is the manifest's ``command`` + ``args`` (``$(VAR)`` expanded from the container's
   env, as the kubelet does); ``python``/``python3`` map to this machine's Python (the image's
   Python). Images are not pulled; an image in :attr:`PodRunner.unpullable` fails like a missing
-  one (waiting ``ErrImagePull`` then ``ImagePullBackOff``). Only the first container runs, once
+  one (waiting ``ErrImagePull`` then ``ImagePullBackOff``); a pod asking for a resource in
+  :attr:`PodRunner.unschedulable` stays Pending (PodScheduled False, reason Unschedulable);
+  affinity, tolerations and node selectors are not evaluated (one node, ``spec.nodeName``
+  :attr:`PodRunner.node_name`). Only the first container runs, once
   (restartPolicy is the Job controller's business; pods are never restarted in place).
 - Env: a minimal base (PATH, HOME, LANG, PYTHONPATH — what the image would provide; never this
   process's whole environment), ``HOSTNAME``, then the manifest's env: values, ``fieldRef``
@@ -51,13 +54,16 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 
 class PodRunner:
-    """Runs pods as local processes; scripted faults: :attr:`unpullable`, :meth:`evict`, :meth:`oom_kill`."""
+    """Runs pods as local processes; scripted faults: :attr:`unpullable`, :attr:`unschedulable`,
+    :attr:`secrets` (missing ones), :meth:`evict`, :meth:`oom_kill`; deleting a pod kills it."""
 
     def __init__(self, store: Store, workdir: Path, max_grace_s: float = 5.0):
         self.store = store
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.unpullable: set[str] = set()
+        self.unschedulable: set[str] = set()  # resources no node has (e.g. "nvidia.com/gpu")
+        self.node_name = "kube-double-node"  # every scheduled pod's spec.nodeName
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}  # (namespace, name) -> data
         self.executables = {"python": sys.executable, "python3": sys.executable}
         self.max_grace_s = max_grace_s
@@ -142,6 +148,13 @@ class PodRunner:
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         container = spec["containers"][0]
         try:
+            wanted = {r for part in ("requests", "limits") for r in ((container.get("resources") or {}).get(part) or {})}
+            short = sorted(wanted & self.unschedulable)
+            if short:
+                self._set(pod, lambda s: s.update(conditions=_with_condition(
+                    s, "PodScheduled", "False", "Unschedulable", f"0/1 nodes are available: 1 Insufficient {short[0]}.")))
+                return
+            self.store.update("pods", ns, name, lambda p: p["spec"].__setitem__("nodeName", self.node_name))
             if container["image"] in self.unpullable:
                 image = container["image"]
                 self._waiting(pod, "ErrImagePull", f'failed to pull and unpack image "{image}": not found')

@@ -12,6 +12,9 @@ from kubernetes.watch import Watch
 
 from conftest import wait_for
 from kube_api import KubeAPI, kube_api  # noqa: F401 - the fixture
+from kube_jobs import policy_action, ranges
+from kube_pods import expand
+from kube_store import label_matcher
 from s3_servers import free_ports
 
 NS = "default"
@@ -186,19 +189,65 @@ def test_a_deleted_pod_is_replaced_for_its_index_and_an_oom_kill_then_exhausts_t
     wait_for(lambda: all(p.status.phase == "Failed" for p in pods_of(core, "replace")), 30, "the other pod stopped")
 
 
-def test_an_unpullable_image_shows_its_waiting_reason(kube_api, api):
-    core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
-    kube_api.runner.unpullable.add("registry.example/missing:1")
-    batch.create_namespaced_job(NS, job("pull", SLEEP, nodes=1, image="registry.example/missing:1"))
+def bare_pod(name: str, command: list[str], image: str = "pretrain:test", **container) -> client.V1Pod:
+    return client.V1Pod(metadata=client.V1ObjectMeta(name=name), spec=client.V1PodSpec(restart_policy="Never", containers=[
+        client.V1Container(name="c", image=image, command=command, **container)]))
 
-    def waiting():
-        pods = pods_of(core, "pull")
-        statuses = pods and pods[0].status.container_statuses
-        return statuses and statuses[0].state.waiting and statuses[0].state.waiting.reason == "ImagePullBackOff" and pods[0]
-    pod = wait_for(waiting, 30, "ImagePullBackOff")
-    assert pod.status.phase == "Pending"
-    assert "registry.example/missing:1" in pod.status.container_statuses[0].state.waiting.message
-    assert kube_api.runner.pids == []
+
+SECRET_ENV = [client.V1EnvVar(name="TOKEN", value_from=client.V1EnvVarSource(
+    secret_key_ref=client.V1SecretKeySelector(name="mlflow", key="token")))]
+GPU = client.V1ResourceRequirements(limits={"nvidia.com/gpu": "1"})
+
+
+@pytest.mark.parametrize("fault, container, waiting, scheduled", [
+    ("unpullable", {"image": "registry.example/missing:1"}, ("ImagePullBackOff", "registry.example/missing:1"), "True"),
+    ("no secret", {"env": SECRET_ENV}, ("CreateContainerConfigError", "Secret default/mlflow"), "True"),
+    ("no gpu", {"resources": GPU}, None, "False"),
+], ids=["unpullable", "no secret", "no gpu"])
+def test_a_scripted_fault_leaves_the_pod_pending_with_its_reason(kube_api, api, fault, container, waiting, scheduled):
+    core = client.CoreV1Api(api)
+    kube_api.runner.unpullable.add("registry.example/missing:1")
+    kube_api.runner.unschedulable.add("nvidia.com/gpu")
+    core.create_namespaced_pod(NS, bare_pod("p", SLEEP, **container))
+
+    def settled():
+        status = core.read_namespaced_pod("p", NS).status
+        statuses = status.container_statuses or []
+        if waiting and statuses and statuses[0].state.waiting and statuses[0].state.waiting.reason == waiting[0]:
+            return status
+        if not waiting and any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in status.conditions or []):
+            return status
+    status = wait_for(settled, 30, fault)
+    assert status.phase == "Pending" and kube_api.runner.pids == []
+    assert {c.type: c.status for c in status.conditions}["PodScheduled"] == scheduled
+    if waiting:
+        assert waiting[1] in status.container_statuses[0].state.waiting.message
+    else:
+        assert "Insufficient nvidia.com/gpu" in next(c.message for c in status.conditions if c.type == "PodScheduled")
+
+
+def test_the_process_gets_secrets_fields_and_expanded_args_and_its_logs_are_served(kube_api, api):
+    core = client.CoreV1Api(api)
+    kube_api.runner.secrets[(NS, "mlflow")] = {"token": "s3cr3t"}
+    env = [*SECRET_ENV, client.V1EnvVar(name="ME", value_from=client.V1EnvVarSource(
+        field_ref=client.V1ObjectFieldSelector(field_path="metadata.name"))), client.V1EnvVar(name="GREETING", value="hi $(ME)")]
+    script = "import os, sys; print('first'); print(os.environ['TOKEN'], os.environ['GREETING'], sys.argv[1], os.environ['HOSTNAME'])"
+    core.create_namespaced_pod(NS, bare_pod("talker", ["python", "-c", script, "$(ME)-$$(ME)"], env=env))
+    wait_for(lambda: core.read_namespaced_pod("talker", NS).status.phase == "Succeeded", 30, "the pod to finish")
+    assert core.read_namespaced_pod_log("talker", NS, tail_lines=1) == "s3cr3t hi talker talker-$(ME) talker\n"
+    assert core.read_namespaced_pod_log("talker", NS).startswith("first\n")
+    assert core.read_namespaced_pod("talker", NS).spec.node_name == kube_api.runner.node_name
+
+
+def test_parallelism_patched_down_stops_the_highest_index_without_counting_a_failure(kube_api, api):
+    core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
+    batch.create_namespaced_job(NS, job("elastic", SLEEP, nodes=3))
+    wait_for(lambda: [p.status.phase for p in pods_of(core, "elastic")] == ["Running"] * 3, 30, "three running pods")
+    batch.patch_namespaced_job("elastic", NS, {"spec": {"parallelism": 2}})
+    wait_for(lambda: len(pods_of(core, "elastic")) == 2, 30, "one pod stopped")
+    assert sorted(p.spec.hostname for p in pods_of(core, "elastic")) == ["elastic-0", "elastic-1"]
+    status = batch.read_namespaced_job("elastic", NS).status
+    assert (status.active, status.failed, status.conditions) == (2, 0, [])
 
 
 def test_pod_failure_policy_ignores_an_eviction_and_fails_the_job_on_a_config_exit_code(kube_api, api):
@@ -243,3 +292,43 @@ def test_no_pod_process_outlives_the_double_and_a_wrong_token_is_refused(tmp_pat
             core.read_namespaced_pod("lone", NS)
         assert denied.value.status == 401
     assert pids and not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("selector, labels, expected", [
+    ("app=pretrain,run=r1", {"app": "pretrain", "run": "r1"}, True),
+    ("app==pretrain", {"app": "other"}, False),
+    ("stage!=main", {}, True),
+    ("stage in (warmup, main),app", {"stage": "main", "app": "x"}, True),
+    ("stage notin (main)", {"stage": "main"}, False),
+    ("!attempt", {"attempt": "1"}, False),
+    ("", {"any": "thing"}, True),
+])
+def test_label_selectors(selector, labels, expected):
+    assert label_matcher(selector)(labels) is expected
+
+
+@pytest.mark.parametrize("text, env, expected", [
+    ("$(A)-$(B)", {"A": "1"}, "1-$(B)"),
+    ("$$(A) $$", {"A": "1"}, "$(A) $"),
+])
+def test_kubelet_variable_expansion(text, env, expected):
+    assert expand(text, env) == expected
+
+
+@pytest.mark.parametrize("indexes, expected", [(set(), ""), ({0}, "0"), ({0, 1, 2, 5, 7, 8}, "0-2,5,7-8")])
+def test_index_ranges(indexes, expected):
+    assert ranges(indexes) == expected
+
+
+@pytest.mark.parametrize("exit_code, conditions, expected", [
+    (3, [], "FailJob"),
+    (137, [], "Count"),
+    (143, [{"type": "DisruptionTarget", "status": "True"}], "Ignore"),
+    (0, [{"type": "DisruptionTarget", "status": "False"}], "Count"),
+])
+def test_pod_failure_policy_rules(exit_code, conditions, expected):
+    rules = [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [3]}},
+             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    pod = {"status": {"conditions": conditions, "containerStatuses": [
+        {"name": "node", "state": {"terminated": {"exitCode": exit_code}}}]}}
+    assert policy_action(rules, pod)[0] == expected
