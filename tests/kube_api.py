@@ -202,8 +202,7 @@ def _handler(api: KubeAPI):
                     return self._json(200, {"kind": RESOURCES[plural].kind + "List", "apiVersion": RESOURCES[plural].api_version,
                                             "metadata": {"resourceVersion": rv}, "items": items})
             elif sub == "log" and plural == "pods" and method == "GET":
-                store.get(plural, ns, name)
-                return self._text(200, api.runner.logs(ns, name, query.get("tailLines")))
+                return self._text(200, api.runner.logs(store.get(plural, ns, name), query))
             elif sub == "eviction" and plural == "pods" and method == "POST":
                 api.runner.evict(ns, name)
                 return self._json(201, {**(body or {}), "kind": "Eviction", "apiVersion": "policy/v1"})

@@ -98,10 +98,21 @@ class PodRunner:
         if proc is not None:
             _kill(proc, signal.SIGKILL)
 
-    def logs(self, ns: str, name: str, tail: str | None = None) -> str:
+    def logs(self, pod: dict, query: dict[str, str]) -> str:
+        """The process output (``tailLines`` honoured; ``follow`` answers what is there now).
+        A container that never started is 400, as the kubelet answers."""
+        ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        waiting = not statuses or statuses[0]["state"].get("waiting") is not None
+        if waiting or query.get("previous") == "true":
+            why = "previous terminated container not found" if not waiting else "is waiting to start: " + (
+                statuses[0]["state"]["waiting"]["reason"] if statuses else "ContainerCreating")
+            raise KubeError(400, "BadRequest", f'container "{pod["spec"]["containers"][0]["name"]}" in pod "{name}" {why}')
         path = self.workdir / ns / f"{name}.log"
         text = path.read_text(errors="replace") if path.exists() else ""
-        return "".join(text.splitlines(keepends=True)[-int(tail):]) if tail else text
+        tail = query.get("tailLines")
+        lines = text.splitlines(keepends=True)
+        return "".join(lines[max(0, len(lines) - int(tail)):]) if tail else text
 
     def address(self, ns: str, subdomain: str, hostname: str) -> str:
         with self._lock:

@@ -219,6 +219,9 @@ def test_a_scripted_fault_leaves_the_pod_pending_with_its_reason(kube_api, api, 
             return status
     status = wait_for(settled, 30, fault)
     assert status.phase == "Pending" and kube_api.runner.pids == []
+    with pytest.raises(ApiException) as no_logs:
+        core.read_namespaced_pod_log("p", NS)
+    assert no_logs.value.status == 400
     assert {c.type: c.status for c in status.conditions}["PodScheduled"] == scheduled
     if waiting:
         assert waiting[1] in status.container_statuses[0].state.waiting.message
