@@ -8,7 +8,8 @@ replaced until ``backoffLimit``/``backoffLimitPerIndex``; ``podFailurePolicy`` r
 the Job's status (active/ready/succeeded/failed, completedIndexes, conditions Complete/Failed)
 follows its pods. A pod deleted before it finished counts as failed, as with the real
 controller's pod-tracking finalizers, unless the controller deleted it itself (``parallelism``
-patched down: the highest indexes go; ``suspend``; the Job finished).
+patched down: the highest indexes go; ``suspend``; the Job finished). A finished Job with
+``ttlSecondsAfterFinished`` is deleted (background propagation) when it has passed.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from __future__ import annotations
 import copy
 import threading
 from collections import Counter
+from datetime import datetime, timedelta, timezone
 
 from kube_objects import KubeError
 from kube_store import Event, Store, now, owner_uids
 
 INDEX = "batch.kubernetes.io/job-completion-index"
 TERMINAL = ("Succeeded", "Failed")
+TTL_TICK_S = 0.2  # how often finished Jobs with a TTL are looked at
 
 
 def job_owner(pod: dict) -> str | None:
@@ -83,6 +86,7 @@ class JobController:
         self.discarded: set[str] = set()  # pods this controller deleted (scale-down, job ended): no failure
         self._wake = threading.Event()
         self._closed = False
+        self._ttl_pending = False  # a finished Job waits for its ttlSecondsAfterFinished: poll
         store.listeners.append(self._on_event)
         self._thread = threading.Thread(target=self._loop, name="kube-job-controller", daemon=True)
         self._thread.start()
@@ -104,11 +108,12 @@ class JobController:
 
     def _loop(self) -> None:
         while True:
-            self._wake.wait()
+            self._wake.wait(TTL_TICK_S if self._ttl_pending else None)
             self._wake.clear()
             if self._closed:
                 return
             with self.store.cond:
+                self._ttl_pending = False
                 for job in list(self.store.find("jobs", None)):
                     try:
                         self._reconcile(copy.deepcopy(job))
@@ -128,6 +133,9 @@ class JobController:
         status = job.get("status") or {}
         conditions = list(status.get("conditions") or [])
         finished = any(c["type"] in ("Complete", "Failed") and c["status"] == "True" for c in conditions)
+        if finished and self._expired(spec.get("ttlSecondsAfterFinished"), conditions):
+            self.store.delete("jobs", ns, name, "Background")  # the TTL-after-finished controller
+            return
         pods = [p for p in self.store.find("pods", ns) if uid in owner_uids(p)]
         live = [p for p in pods if p["status"].get("phase") not in TERMINAL and not p["metadata"].get("deletionTimestamp")]
         indexed = spec.get("completionMode") == "Indexed"
@@ -193,6 +201,16 @@ class JobController:
             new["completionTime"] = status.get("completionTime") or stamp
         if status != new:
             self.store.update("jobs", ns, name, lambda j: j.__setitem__("status", new))
+
+    def _expired(self, ttl: int | None, conditions: list[dict]) -> bool:
+        if ttl is None:
+            return False
+        ended = max(datetime.strptime(c["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+                    for c in conditions if c["type"] in ("Complete", "Failed"))
+        if datetime.now(timezone.utc) >= ended + timedelta(seconds=ttl):
+            return True
+        self._ttl_pending = True
+        return False
 
     @staticmethod
     def _condition(type_: str, reason: str, message: str, stamp: str) -> dict:

@@ -139,12 +139,26 @@ def test_a_stale_replace_is_a_conflict_and_errors_are_status_bodies(kube_api, ap
 
 def test_foreground_delete_of_a_job_leaves_no_object_and_no_process(kube_api, api):
     core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
-    batch.create_namespaced_job(NS, job("sleepy", SLEEP))
+    created = batch.create_namespaced_job(NS, job("sleepy", SLEEP))
+    owner = client.V1OwnerReference(api_version="batch/v1", kind="Job", name="sleepy", uid=created.metadata.uid)
+    service = headless_service()
+    service.metadata.owner_references = [owner]
+    core.create_namespaced_service(NS, service)
     wait_for(lambda: [p.status.phase for p in pods_of(core, "sleepy")] == ["Running"] * 2, 30, "two running pods")
     pids = list(kube_api.runner.pids)
-    batch.delete_namespaced_job("sleepy", NS, propagation_policy="Foreground")
-    wait_for(lambda: not batch.list_namespaced_job(NS).items and not pods_of(core, "sleepy"), 30, "job and pods gone")
+    deleting = batch.delete_namespaced_job("sleepy", NS, propagation_policy="Foreground")
+    assert deleting["metadata"]["finalizers"] == ["foregroundDeletion"]  # it stays until its pods are gone
+    wait_for(lambda: not batch.list_namespaced_job(NS).items, 30, "the job gone")
+    assert not pods_of(core, "sleepy") and not core.list_namespaced_service(NS).items
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_finished_job_goes_after_its_ttl_with_its_pods(kube_api, api):
+    core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
+    batch.create_namespaced_job(NS, job("brief", ["python", "-c", "pass"], nodes=1, ttl_seconds_after_finished=0))
+    wait_for(lambda: not batch.list_namespaced_job(NS).items, 30, "the finished job gone")
+    wait_for(lambda: not pods_of(core, "brief"), 30, "its pod gone")
+    assert kube_api.runner.pids  # it did run
 
 
 def test_a_job_deleted_without_a_policy_orphans_its_pods_as_the_real_api_does(kube_api, api):
