@@ -54,11 +54,10 @@ def json_patch(target: dict, ops: list[dict]) -> dict:
         for p in parents:
             node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
         key = int(last) if isinstance(node, list) and last != "-" else last
-        if op["op"] in ("add", "replace"):
-            if isinstance(node, list):
-                node.append(op["value"]) if key == "-" else node.insert(key, op["value"]) if op["op"] == "add" else node.__setitem__(key, op["value"])
-            else:
-                node[key] = op["value"]
+        if op["op"] == "add" and isinstance(node, list):
+            node.insert(len(node) if key == "-" else key, op["value"])
+        elif op["op"] in ("add", "replace"):
+            node[key] = op["value"]
         elif op["op"] == "remove":
             del node[key]
         elif op["op"] == "test" and node.get(key) != op["value"]:

@@ -11,12 +11,14 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch import Watch
 
 from conftest import wait_for
-from kube_api import KubeAPI, kube_api  # noqa: F401 - the fixture
+import kube_api as double
 from kube_jobs import policy_action, ranges
 from kube_pods import expand
 from kube_store import label_matcher
 from s3_servers import free_ports
 
+kube_api = double.kube_api  # the fixture
+KubeAPI = double.KubeAPI
 NS = "default"
 SLEEP = ["python", "-c", "import time; time.sleep(600)"]
 # pod 0 echoes one line on its own DNS name; pod 1 connects to it by that name and prints the answer
@@ -269,13 +271,15 @@ def test_parallelism_patched_down_stops_the_highest_index_without_counting_a_fai
 
 def test_pod_failure_policy_ignores_an_eviction_and_fails_the_job_on_a_config_exit_code(kube_api, api):
     core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
-    policy = client.V1PodFailurePolicy(rules=[
-        client.V1PodFailurePolicyRule(action="FailJob", on_exit_codes=client.V1PodFailurePolicyOnExitCodesRequirement(operator="In", values=[3])),
-        client.V1PodFailurePolicyRule(action="Ignore", on_pod_conditions=[client.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")])])
+    exit_3 = client.V1PodFailurePolicyOnExitCodesRequirement(operator="In", values=[3])
+    disrupted = client.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")
+    policy = client.V1PodFailurePolicy(rules=[client.V1PodFailurePolicyRule(action="FailJob", on_exit_codes=exit_3),
+                                              client.V1PodFailurePolicyRule(action="Ignore", on_pod_conditions=[disrupted])])
     script = "import os, sys, time\nwhile not os.path.exists('fail'): time.sleep(0.05)\nsys.exit(3)"
     batch.create_namespaced_job(NS, job("policy", ["python", "-c", script], nodes=1, pod_failure_policy=policy))
     (first,) = wait_for(lambda: [p for p in pods_of(core, "policy") if p.status.phase == "Running"], 30, "a running pod")
-    core.create_namespaced_pod_eviction(first.metadata.name, NS, client.V1Eviction(metadata=client.V1ObjectMeta(name=first.metadata.name)))
+    eviction = client.V1Eviction(metadata=client.V1ObjectMeta(name=first.metadata.name))
+    core.create_namespaced_pod_eviction(first.metadata.name, NS, eviction)
     (second,) = wait_for(lambda: [p for p in pods_of(core, "policy") if p.metadata.name != first.metadata.name
                                   and p.status.phase == "Running"], 30, "a replacement pod")
     assert batch.read_namespaced_job("policy", NS).status.failed == 0  # the eviction did not count
@@ -287,8 +291,8 @@ def test_pod_failure_policy_ignores_an_eviction_and_fails_the_job_on_a_config_ex
 
 
 def test_self_subject_access_review_answers_from_the_allow_list(tmp_path):
-    with KubeAPI(tmp_path, allow={("create", "batch", "jobs"), ("get", "", "pods/log")}) as double:
-        auth = client.AuthorizationV1Api(double.client())
+    with KubeAPI(tmp_path, allow={("create", "batch", "jobs"), ("get", "", "pods/log")}) as fake:
+        auth = client.AuthorizationV1Api(fake.client())
 
         def can(verb, group, resource, sub=None):
             review = client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(
@@ -298,13 +302,13 @@ def test_self_subject_access_review_answers_from_the_allow_list(tmp_path):
 
 
 def test_no_pod_process_outlives_the_double_and_a_wrong_token_is_refused(tmp_path):
-    with KubeAPI(tmp_path) as double:
-        core = client.CoreV1Api(double.client())
+    with KubeAPI(tmp_path) as fake:
+        core = client.CoreV1Api(fake.client())
         core.create_namespaced_pod(NS, client.V1Pod(metadata=client.V1ObjectMeta(name="lone"), spec=client.V1PodSpec(
             containers=[client.V1Container(name="c", image="x:1", command=SLEEP)])))
         wait_for(lambda: core.read_namespaced_pod("lone", NS).status.phase == "Running", 30, "the pod running")
-        pids = list(double.runner.pids)
-        double.token = "rotated"
+        pids = list(fake.runner.pids)
+        fake.token = "rotated"
         with pytest.raises(ApiException) as denied:
             core.read_namespaced_pod("lone", NS)
         assert denied.value.status == 401
