@@ -217,7 +217,7 @@ def _handler(api: KubeAPI):
                     return self._json(200, store.delete(plural, ns, name, policy, None if grace is None else int(grace)))
                 if method == "PUT":
                     expect = (body.get("metadata") or {}).get("resourceVersion")
-                    return self._json(200, store.update(plural, ns, name, lambda o: (o.clear(), o.update(body)), expect))
+                    return self._json(200, store.update(plural, ns, name, lambda o: (o.clear(), o.update(body)), expect, client=True))
                 if method == "PATCH":
                     kind = self.headers.get("Content-Type", "")
                     if isinstance(body, list) or kind.startswith("application/json-patch"):
@@ -225,7 +225,7 @@ def _handler(api: KubeAPI):
                     else:
                         change = lambda o: (lambda merged: (o.clear(), o.update(merged)))(merge_patch(o, body))  # noqa: E731
                     expect = (body.get("metadata") or {}).get("resourceVersion") if isinstance(body, dict) else None
-                    return self._json(200, store.update(plural, ns, name, change, expect))
+                    return self._json(200, store.update(plural, ns, name, change, expect, client=True))
             raise KubeError(405, "MethodNotAllowed", f"{method} is not supported on {path} by this double")
 
         def _watch(self, plural, ns, query):

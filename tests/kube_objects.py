@@ -139,3 +139,31 @@ def complete(plural: str, obj: dict) -> None:
             port.setdefault("protocol", "TCP")
             port.setdefault("targetPort", port["port"])
         obj.setdefault("status", {"loadBalancer": {}})
+
+
+# what a client may not change after creation (the real API answers 422 "field is immutable")
+_IMMUTABLE = {
+    "jobs": ("template", "selector", "completionMode", "podFailurePolicy", "backoffLimitPerIndex"),
+    "services": ("clusterIP", "clusterIPs"),
+}
+_POD_MUTABLE = ("activeDeadlineSeconds", "tolerations", "terminationGracePeriodSeconds")
+
+
+def check_immutable(plural: str, old: dict, new: dict) -> None:
+    """422 when a client's update changes an immutable field (controllers may, e.g. nodeName)."""
+    before, after = old.get("spec") or {}, new.get("spec") or {}
+    if plural == "pods":
+        changed = sorted(k for k in set(before) | set(after) if k not in _POD_MUTABLE and before.get(k) != after.get(k)
+                         and not (k == "containers" and _images_only(before[k], after.get(k) or [])))
+        if changed:
+            raise invalid(plural, old["metadata"]["name"], [(f"spec.{changed[0]}", "Forbidden: pod updates may not change "
+                                                             "fields other than image, activeDeadlineSeconds, tolerations")])
+        return
+    for field in _IMMUTABLE.get(plural, ()):
+        if before.get(field) != after.get(field):
+            raise invalid(plural, old["metadata"]["name"], [(f"spec.{field}", "Invalid value: field is immutable")])
+
+
+def _images_only(before: list[dict], after: list[dict]) -> bool:
+    strip = lambda cs: [{k: v for k, v in c.items() if k != "image"} for c in cs]  # noqa: E731
+    return strip(before) == strip(after)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Iterator
 
-from kube_objects import DEFAULT_PROPAGATION, KINDS, PLURALS, KubeError, complete, validate
+from kube_objects import DEFAULT_PROPAGATION, KINDS, PLURALS, KubeError, check_immutable, complete, validate
 
 
 @dataclass(frozen=True)
@@ -156,9 +156,10 @@ class Store:
             return copy.deepcopy(self.find(plural, ns, labels, fields)), str(self.rv)
 
     def update(self, plural: str, ns: str, name: str, change: Callable[[dict], None],
-               expect_rv: str | None = None) -> dict:
+               expect_rv: str | None = None, client: bool = False) -> dict:
         """Apply ``change`` to a copy of the object and write it when it changed (one event).
-        ``expect_rv``: optimistic concurrency as for PUT/patch with a resourceVersion (409)."""
+        ``expect_rv``: optimistic concurrency as for PUT/patch with a resourceVersion (409);
+        ``client``: a request's update, held to the immutable fields (422)."""
         with self.cond:
             old = self._get(plural, ns, name)
             if expect_rv and expect_rv != old["metadata"]["resourceVersion"]:
@@ -175,6 +176,8 @@ class Store:
             if new.get("spec") != old.get("spec"):
                 meta["generation"] = old["metadata"].get("generation", 1) + 1
             validate(plural, new)
+            if client:
+                check_immutable(plural, old, new)
             self.objects[(plural, ns, name)] = new
             result = self._record(plural, "MODIFIED", new, copy.deepcopy(old))
             if meta.get("deletionTimestamp") and not meta.get("finalizers") and plural not in self.deleters:

@@ -130,7 +130,11 @@ def test_a_stale_replace_is_a_conflict_and_errors_are_status_bodies(kube_api, ap
         (lambda: coord.read_namespaced_lease("nope", NS), 404, "NotFound"),
         (lambda: batch.create_namespaced_job(NS, job("Bad_Name", SLEEP)), 422, "Invalid"),
         (lambda: client.CoreV1Api(api).read_namespace("missing"), 404, "NotFound"),
+        (lambda: batch.patch_namespaced_job("j", NS, {"spec": {"template": {"spec": {"subdomain": "x"}}}}), 422, "Invalid"),
+        (lambda: client.CoreV1Api(api).patch_namespaced_pod("lone", NS, {"spec": {"hostname": "x"}}), 422, "Invalid"),
     ]
+    batch.create_namespaced_job(NS, job("j", SLEEP, nodes=1, suspend=True))
+    client.CoreV1Api(api).create_namespaced_pod(NS, bare_pod("lone", SLEEP))
     for call, code, reason in cases:
         with pytest.raises(ApiException) as err:
             call()
