@@ -18,7 +18,9 @@
   whose ``<svc>`` is a Service of the namespace (or the pod's subdomain) are rewritten to that
   address in the command, args and env values before the process starts; nothing else resolves
   them (a process that looks such a name up itself fails). Processes that bind 0.0.0.0 share
-  this machine's ports with every other pod: bind the pod's own address.
+  this machine's ports with every other pod: bind the pod's own address. torch's TCPStore
+  server listens on all addresses (seen: two Jobs on one rendezvous port → EADDRINUSE in one
+  and the other's clients talking to the wrong store), so give each launch its own port.
 - Phase and containerStatuses follow the process (Running; Succeeded/Failed with exitCode,
   reason Completed/Error/OOMKilled); deleting a pod kills its process group (SIGTERM, SIGKILL
   after the grace period, capped at :attr:`PodRunner.max_grace_s`); logs are the process output.
