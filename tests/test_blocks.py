@@ -129,8 +129,9 @@ def test_blocks_refuse_credentials_in_urls_and_frozen_roles(make, field, where):
 
 
 def test_cluster_blocks_mirror_cluster_spec():
-    assert set(LocalProcessCluster.model_fields) == set(ClusterSpec.model_fields) - {"kind"}
-    assert set(ClusterSpec.model_fields) - {"kind"} <= set(KubernetesCluster.model_fields)
+    shared = set(ClusterSpec.model_fields) - {"kind", "kubernetes"}  # kind: the block's type; kubernetes: its own fields
+    assert set(LocalProcessCluster.model_fields) == shared
+    assert set(KubernetesCluster.model_fields) >= shared | set(KubernetesSpec.model_fields)
     assert LocalProcessCluster().to_spec() == ClusterSpec()
 
 
