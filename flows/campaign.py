@@ -108,6 +108,6 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     ledger.set_status(CampaignStatus.COMPLETED)
     finish_run(spec, parent_run_id, "FINISHED")
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options())
-    publish_reports(spec)
+    publish_reports(spec, status)
     campaign_completed(spec, status)
     return status

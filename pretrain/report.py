@@ -63,10 +63,11 @@ def _table(rows: list[dict], columns: list[str] | tuple[str, ...]) -> list[str]:
             *("| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows), ""]
 
 
-def campaign_report(workdir: str | Path, s3_credentials: dict | None = None) -> str:
+def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, status: dict | None = None) -> str:
     """Markdown: where the campaign stands, its stages and attempts, every checkpoint with its
-    verdict and eval loss, the node check, failures and the time lost per cause (redacted)."""
-    status = campaign_status(workdir, s3_credentials)
+    verdict and eval loss, the node check, failures and the time lost per cause (redacted).
+    ``status``: the campaign's status, when the caller has just computed it."""
+    status = status or campaign_status(workdir, s3_credentials)
     ledger = Ledger.read(CampaignLayout(Path(status["workdir"])))
     end = ledger.record.end if ledger else None
     lines = [f"# Campaign `{status['campaign']}` — {status['status']}", "",

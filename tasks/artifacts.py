@@ -28,13 +28,15 @@ def artifact_key(kind: str, campaign: str) -> str:
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", f"{kind}-{campaign}".lower())).strip("-")
 
 
-def publish_reports(spec: CampaignSpec) -> None:
-    """The checkpoint table and the campaign report, as they stand now."""
+def publish_reports(spec: CampaignSpec, status: dict | None = None) -> None:
+    """The checkpoint table and the campaign report, as they stand now (``status``: the
+    campaign's status, when the caller has just computed it)."""
     credentials = spec.credentials.s3_options()  # for reading the checkpoints; the reports are redacted
     rows = checkpoint_rows(spec.workdir_path, credentials)
     create_table_artifact(key=artifact_key("checkpoints", spec.name), table=rows or [{"stage": None, "step": None}],
                           description=f"Checkpoints of campaign {spec.name}: verdict, good pointer, eval loss")
-    create_markdown_artifact(key=artifact_key("campaign-report", spec.name), markdown=campaign_report(spec.workdir_path, credentials),
+    create_markdown_artifact(key=artifact_key("campaign-report", spec.name),
+                             markdown=campaign_report(spec.workdir_path, credentials, status),
                              description=f"Campaign {spec.name}: stages, attempts, checkpoints, node check, time lost")
 
 

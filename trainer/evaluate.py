@@ -176,14 +176,32 @@ def evaluate_model(model: GPT, data_dir: str | Path, seq_len: int, *, max_batche
 NOT_THE_CHECKPOINTS = (StorageError, DataError, OSError, MemoryError)
 
 
-def judge(request: dict) -> dict:
-    """Judge one gate request (``trainer.gate``): the verdict and, when good and asked, the metrics
-    (raises what validation raises; :func:`judge_one` never does)."""
-    model_cfg = ModelConfig(**request["model"])
-    probe = Probe(**request["probe"]) if request.get("probe") else None
-    verdict, model = validate_and_load(request["location"], model_cfg, request.get("options"), probe)
+@dataclass(frozen=True)
+class GateRequest:
+    """One request of the gate's request file (``trainer.gate``), parsed once."""
+
+    location: str
+    model: ModelConfig
+    options: dict | None
+    probe: Probe | None
+    evaluate: dict | None  # {"data_dir", "seq_len", "batches"}: the metrics of a good checkpoint
+
+    @classmethod
+    def parse(cls, request: dict) -> "GateRequest":
+        """Raises (KeyError, TypeError, ValueError) on a request this release cannot read."""
+        ev = request.get("evaluate")
+        if ev:
+            ev = {"data_dir": ev["data_dir"], "seq_len": int(ev["seq_len"]), "batches": int(ev["batches"])}
+        return cls(str(request["location"]), ModelConfig(**request["model"]), request.get("options"),
+                   Probe(**request["probe"]) if request.get("probe") else None, ev or None)
+
+
+def judge(request: GateRequest) -> dict:
+    """Judge one gate request: the verdict and, when good and asked, the metrics (raises what
+    validation raises; :func:`judge_one` never does)."""
+    verdict, model = validate_and_load(request.location, request.model, request.options, request.probe)
     out = {"verdict": verdict.to_dict(), "metrics": {}}
-    ev = request.get("evaluate")
+    ev = request.evaluate
     if verdict.ok and ev:  # the model validate loaded: the checkpoint is read once
         out["metrics"] = evaluate_model(model, ev["data_dir"], ev["seq_len"], max_batches=ev["batches"])
     return out
@@ -198,16 +216,12 @@ def judge_one(request: dict) -> dict:
     file, anything else its validation raises) is a bad verdict; a failure of the surroundings
     (storage, the probe's data, a malformed request) leaves it unjudged, for the next pass."""
     try:
-        where = request["location"]
-        ModelConfig(**request["model"])
-        if request.get("probe"):
-            Probe(**request["probe"])
-        if request.get("evaluate"):
-            int(request["evaluate"]["batches"])
+        parsed = GateRequest.parse(request)
     except Exception as err:  # noqa: BLE001 - the orchestrator's request, not the checkpoint
         return {"unjudged": f"malformed gate request ({type(err).__name__}: {err})"}
+    where = parsed.location
     try:
-        return judge(request)
+        return judge(parsed)
     except DamagedRecord as err:
         return _bad(str(err))
     except NotFound as err:
