@@ -70,9 +70,17 @@ def logged_at(client: MlflowClient, run_id: str, keys, step: int) -> dict[str, M
 def log_once(client: MlflowClient, run_id: str, values: dict[str, float], step: int) -> None:
     """Log the ``values`` the run does not hold at ``step`` yet: a run never holds two values of
     one metric at one step, however often this runs (a retried task, a resumed campaign)."""
-    held = logged_at(client, run_id, values, step)
-    if new := {k: v for k, v in values.items() if k not in held}:
-        client.log_batch(run_id, metrics=metrics_at(new, step))
+    log_once_at_steps(client, run_id, {step: values})
+
+
+def log_once_at_steps(client: MlflowClient, run_id: str, values_by_step: dict[int, dict[str, float]]) -> None:
+    """:func:`log_once` for values at several steps: each metric's history is read once."""
+    keys = {k for values in values_by_step.values() for k in values}
+    held = {(m.key, m.step) for key in sorted(keys) for m in client.get_metric_history(run_id, key)}
+    new = [m for step, values in sorted(values_by_step.items())
+           for m in metrics_at({k: v for k, v in values.items() if (k, step) not in held}, step)]
+    for i in range(0, len(new), _BATCH):
+        client.log_batch(run_id, metrics=new[i : i + _BATCH])
 
 
 @dataclass
@@ -129,6 +137,10 @@ class Tracker:
     def log_values(self, run_id: str, values: dict[str, float], step: int) -> None:
         """Log ``values`` at ``step``, except those the run already holds there."""
         log_once(self.client, run_id, values, step)
+
+    def log_values_at_steps(self, run_id: str, values_by_step: dict[int, dict[str, float]]) -> None:
+        """:meth:`log_values` for several steps at once (each metric's history read once)."""
+        log_once_at_steps(self.client, run_id, values_by_step)
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in redact_mapping(tags).items()])

@@ -69,9 +69,8 @@ def verdicts_to_mlflow(spec: CampaignSpec, run_id: str, records: list[dict]) -> 
             tags[f"verdict.{record['step']:08d}.problems"] = "; ".join(record["problems"])[:4000]
     if tags:
         tracker.set_tags(run_id, tags)
-    for record in records:
-        if record.get("metrics"):
-            tracker.log_values(run_id, record["metrics"], record["step"])
+    if by_step := {record["step"]: record["metrics"] for record in records if record.get("metrics")}:
+        tracker.log_values_at_steps(run_id, by_step)
 
 
 @task(name="sync-verdicts-to-mlflow", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
