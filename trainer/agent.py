@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -85,11 +86,18 @@ class SaverProcess:
         except FileNotFoundError:
             return False
 
-    def last_error(self, code: int) -> str:
+    def last_error(self, code: int) -> tuple[str, str | None]:
+        """The saver's last error and its class (None when it died without writing one: killed,
+        or an exit code; or its error file is damaged, then the file's text is the error)."""
         try:
-            return (self.ns / ERROR_FILE).read_text(errors="replace").strip()
+            raw = (self.ns / ERROR_FILE).read_bytes()
         except FileNotFoundError:
-            return f"exit {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
+            return (f"exit {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"), None
+        try:
+            record = json.loads(raw)
+            return str(record["error"]), str(record["error_type"])
+        except (ValueError, TypeError, KeyError):
+            return raw.decode(errors="replace").strip() or f"exit {code}", None
 
     def _watch(self) -> None:
         while not self.closing.is_set():
@@ -99,11 +107,11 @@ class SaverProcess:
             if self._persisted_since_start():  # it did its work before dying: not a failure in a row
                 self.backoff.succeeded()
             delay, failures = self.backoff.failed(), self.backoff.failures
-            error = self.last_error(code)
+            error, error_type = self.last_error(code)
             if failures >= self.max_failures:
                 self.failed = f"checkpoint saver failed {failures} times in a row; last error: {error}"
                 if self.on_give_up is not None:
-                    self.on_give_up(self.failed, error_class(error))
+                    self.on_give_up(self.failed, error_type)
                 return
             print(f"checkpoint saver failed ({error}); restarting it in {delay:.1f} s "
                   f"(failure {failures} of {self.max_failures} in a row)", file=sys.stderr, flush=True)
@@ -120,13 +128,6 @@ class SaverProcess:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def error_class(error: str) -> str | None:
-    """The class of a saver's error, as ``trainer.saver`` writes it to its error file
-    (``"<class>: <message>"``); None when it died without writing one (killed, or exit code)."""
-    name = error.partition(":")[0]
-    return name if name.isidentifier() else None
 
 
 def fail_job(job: JobConfig, node: int, message: str, saver_error_type: str | None = None) -> None:

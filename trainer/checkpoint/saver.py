@@ -35,7 +35,7 @@ import time
 import traceback
 from pathlib import Path
 
-from trainer.atomic import atomic_write_bytes
+from trainer.atomic import atomic_write_bytes, atomic_write_json
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import fence
 from trainer.checkpoint.shm import Slot, slot_paths
@@ -48,7 +48,7 @@ from trainer.resilience.diskfull import describe, is_disk_full
 
 POLL_S = 0.05
 FINAL_COMMIT_WAIT_S = 5.0  # on the way out, how long the committer waits for other nodes' shards
-ERROR_FILE = "saver.error"  # in the snapshot directory: the last saver's error ("<class>: <message>"), for the node agent
+ERROR_FILE = "saver.error"  # in the snapshot directory: the last saver's error, for the node agent ({"error_type", "error"})
 PROGRESS_FILE = "saver.progress"  # in the snapshot directory: touched after each persisted step
 
 
@@ -246,7 +246,7 @@ def serve(ns: Path, nproc: int, job_path: Path) -> int:
                                 f"this job ({job.job_dir}) no longer commits checkpoints there")
     except Exception as err:  # noqa: BLE001 - reported to the node agent, which restarts or fails the job
         message = f"{type(err).__name__}: {err}"
-        atomic_write_bytes(ns / ERROR_FILE, message.encode())
+        atomic_write_json(ns / ERROR_FILE, {"error_type": type(err).__name__, "error": message})
         saver._emit({"event": EventKind.SAVER_ERROR, "error": message, "traceback": traceback.format_exc()[-2000:]})
         print(f"checkpoint saver failed: {message}", file=sys.stderr, flush=True)
         return 1
