@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
+
+from pretrain.cli_errors import err, fail, refused
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Fault-tolerant LLM pre-training campaigns orchestrated by Prefect.")
-err = Console(stderr=True, soft_wrap=True)  # paths in messages stay whole (copy-paste)
 
 
 def _add_sub_apps() -> None:
@@ -40,13 +40,10 @@ def run(
 
     from pretrain.cluster import not_runnable
 
-    try:
+    with refused(SpecError):
         campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
         if why := not_runnable(campaign.cluster):
             raise SpecError(why)
-    except SpecError as e:
-        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-        raise typer.Exit(2)
     _exit_if_ledger_damaged(campaign.workdir_path)
     from deployments.local_run import run_campaign_here
     from pretrain.interrupt import CampaignInterrupted, StoppedAtOnce
@@ -57,8 +54,7 @@ def run(
         # the flow reads the status with the blocks' credentials, which stay in the flow
         final = run_campaign_here(campaign, notice=lambda msg: err.print(msg, highlight=False))
     except (CampaignMismatch, LedgerError) as e:
-        err.print(f"error: {e}", highlight=False)
-        raise typer.Exit(2)
+        raise fail(str(e)) from None
     except CampaignInterrupted as e:
         err.print(f"[yellow]interrupted:[/yellow] {e}", highlight=False)
         _render_where_it_stands(campaign.workdir_path)
@@ -103,11 +99,8 @@ def status(
     from pretrain.ledger import LedgerError
     from pretrain.status import NoCampaign, campaign_status, render
 
-    try:
+    with refused(NoCampaign, LedgerError):
         st = campaign_status(workdir)
-    except (NoCampaign, LedgerError) as e:
-        err.print(f"error: {e}", highlight=False)
-        raise typer.Exit(2)
     if as_json:
         sys.stdout.write(json.dumps(st, indent=2) + "\n")
     else:
@@ -119,11 +112,8 @@ def _exit_if_ledger_damaged(workdir: Path) -> None:
     from pretrain.layout import CampaignLayout
     from pretrain.ledger import Ledger, LedgerError
 
-    try:
+    with refused(LedgerError):  # damaged, or written by a newer release
         Ledger.read(CampaignLayout(workdir))
-    except LedgerError as e:  # damaged, or written by a newer release
-        err.print(f"error: {e}", highlight=False)
-        raise typer.Exit(2)
 
 
 @app.command("recover-ledger")
@@ -134,14 +124,11 @@ def recover_ledger(
     from pretrain.ledger import LedgerError, recover_ledger as recover
     from pretrain.lock import CampaignBusy, campaign_lock
 
-    try:
+    with refused(LedgerError, CampaignBusy):
         if not workdir.is_dir():
             raise LedgerError(f"{workdir} is not a directory: give the campaign's workdir")
         with campaign_lock(workdir, workdir.name):  # never under a running campaign
             aside = recover(workdir)
-    except (LedgerError, CampaignBusy) as e:
-        err.print(f"error: {e}", highlight=False)
-        raise typer.Exit(2)
     sys.stdout.write(f"restored {workdir / 'ledger.json'} from its previous generation; the damaged file is kept as {aside}\n")
 
 
@@ -168,8 +155,7 @@ def _checkpoint_errors():
             err.print(f"  - {problem}", highlight=False)
         raise typer.Exit(1)
     except (SpecError, CheckpointInfoError, StorageError, FileExistsError) as e:
-        err.print(f"error: {e}", highlight=False)
-        raise typer.Exit(2)
+        raise fail(str(e)) from None
 
 
 def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_len=None):
@@ -203,8 +189,7 @@ def eval_checkpoint(
     from pretrain.evaluation import evaluate_checkpoint
 
     if tracking_uri and not run_id:
-        err.print("error: --tracking-uri needs --run-id (the run to log the metrics to)", highlight=False)
-        raise typer.Exit(2)
+        raise fail("--tracking-uri needs --run-id (the run to log the metrics to)")
     info = _describe(checkpoint, data_dir, spec, s3_endpoint_url, s3_region, seq_len)
     if run_id:  # a wrong run fails before the evaluation, not after
         from mlflow.exceptions import MlflowException
@@ -213,14 +198,14 @@ def eval_checkpoint(
         try:
             MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
         except MlflowException as e:
-            err.print(f"error: cannot log to MLflow run {run_id}: {e.message}", highlight=False)
-            raise typer.Exit(2)
+            raise fail(f"cannot log to MLflow run {run_id}: {e.message}") from None
     with _checkpoint_errors():
         sizes = {k: v for k, v in (("batch_size", batch_size), ("max_batches", max_batches)) if v is not None}
         metrics = evaluate_checkpoint(info, **sizes, tracking_uri=tracking_uri, run_id=run_id)
     if as_json:
         sys.stdout.write(json.dumps({"checkpoint": info.location, "step": info.step, **metrics}, indent=2) + "\n")
         return
+    from rich.console import Console
     from rich.table import Table
 
     sys.stdout.write(f"{info.location} (step {info.step}): valid\n")

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from pretrain.cli_data import fail
+from pretrain.cli_errors import fail
 
 cluster_app = typer.Typer(add_completion=False, no_args_is_help=True,
                           help="Review a campaign's cluster: the Kubernetes manifests of a stage.")

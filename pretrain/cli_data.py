@@ -9,12 +9,12 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from pretrain.cli_errors import err, fail
 from pretrain.console_progress import ProgressDisplay, progress_display
 from pretrain.dataset.progress import PrepProgress
 
 data_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="Prepare a campaign's data set, or inspect a prepared one.")
-err = Console(stderr=True, soft_wrap=True)
 
 
 def show_on(display: ProgressDisplay):
@@ -30,11 +30,6 @@ def show_on(display: ProgressDisplay):
 def out() -> Console:
     """Stdout: a terminal's width, or wide enough that piped tables keep whole paths."""
     return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240)
-
-
-def fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"error: {message}", highlight=False)
-    return typer.Exit(code)
 
 
 @data_app.command("prepare")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ _state: _WorkerState | None = None  # one per worker process, set by _init_worke
 
 def _init_worker(tokenizer_json: str, dtype: str, data_json: str, s3_options: dict | None) -> None:
     global _state
+    # Ctrl-C reaches the whole process group: the parent stops the pool (the units in flight
+    # finish and stay recorded); a worker interrupted mid-unit would only print a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["RAYON_NUM_THREADS"] = "1"  # this worker process only: one worker = one core
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer

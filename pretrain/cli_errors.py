@@ -1,0 +1,27 @@
+"""How every ``pretrain`` command reports an error a user can act on: one line on stderr and an
+exit code (2: wrong input or state to fix; 1: the work itself failed), never a traceback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import typer
+from rich.console import Console
+
+err = Console(stderr=True, soft_wrap=True)  # paths in messages stay whole (copy-paste)
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``error: message`` and return the exit to raise."""
+    err.print(f"error: {message}", highlight=False)
+    return typer.Exit(code)
+
+
+@contextmanager
+def refused(*errors: type[BaseException], code: int = 2) -> Iterator[None]:
+    """Any of ``errors`` raised inside ends the command: ``error: <it>``, exit ``code``."""
+    try:
+        yield
+    except errors as e:
+        raise fail(str(e), code) from None
