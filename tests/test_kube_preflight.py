@@ -13,7 +13,8 @@ from kubernetes_validate import validate
 
 import kube_api as double
 from pretrain.kube.manifests import NEWEST_K8S, OLDEST_K8S
-from pretrain.kube.preflight import PreflightError, preflight
+from conftest import small_spec
+from pretrain.kube.preflight import PreflightError, manifests_markdown, preflight
 from pretrain.kube.rbac import REQUIRED, render
 from s3_servers import free_ports
 
@@ -90,3 +91,48 @@ def test_the_deployed_rbac_passes_preflight(tmp_path):
              for v in rule["verbs"]]
     with double.KubeAPI(tmp_path, namespaces=("pretrain",), allow=allow) as api:
         assert preflight(_client(api), "pretrain").problems == []
+
+
+# ---- provision-cluster: review artifact, then preflight, before anything starts --------------
+def kube_spec(workdir: Path, **kube):
+    return small_spec(workdir, cluster={"kind": "kubernetes", "workers_per_node": 2, "nodes_min": 1, "nodes_max": 2,
+                                        "kubernetes": {"image": "pretrain:test", "namespace": "train", **kube}})
+
+
+def test_every_stage_is_rendered_for_review(tmp_path):
+    spec = kube_spec(tmp_path)
+    markdown = manifests_markdown(spec)
+    for stage in spec.stages:
+        assert f"## Stage {stage.name}" in markdown
+    docs = [d for block in markdown.split("```yaml\n")[1:] for d in yaml.safe_load_all(block.split("```")[0])]
+    assert [d["kind"] for d in docs] == ["Service", "Job"] * len(spec.stages)
+
+
+def test_a_stage_that_cannot_fit_its_pod_fails_before_anything_starts(tmp_path):
+    with pytest.raises(PreflightError, match="stage 'warmup': /dev/shm needs .* memory_per_node"):
+        manifests_markdown(kube_spec(tmp_path, memory_per_node="100Mi"))
+
+
+def test_provision_refuses_a_cluster_without_the_rbac(prefect_harness, tmp_path, monkeypatch):
+    """The flow publishes the manifests, then stops at the preflight with the RBAC to apply:
+    no object is created, no node check runs, the ledger records no cluster."""
+    pytest.importorskip("pretrain.kube.client", reason="the backend's API client (k8s-backend) is not merged")
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.provision_cluster import provision_cluster
+    from pretrain.ledger import Ledger
+    from tasks.artifacts import artifact_key
+
+    spec = kube_spec(tmp_path / "wd")
+    allow = [t for t in EVERY_VERB if t[1] != "batch"]  # no Jobs at all
+    with double.KubeAPI(tmp_path / "kube", namespaces=("train",), allow=allow) as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig()))
+        with pytest.raises(PreflightError, match="may not create/get/list/watch/delete/patch batch/jobs"):
+            provision_cluster(spec)
+        assert not [key for key in api.store.objects if key[0] in ("jobs", "pods", "services")]
+    assert Ledger.open(spec).record.cluster is None
+    with get_client(sync_client=True) as client:
+        [artifact] = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[artifact_key("kubernetes-manifests", spec.name)])), limit=1)
+    assert "## Stage warmup" in artifact.data and "kind: Job" in artifact.data

@@ -115,3 +115,21 @@ def preflight(api, namespace: str) -> Preflight:
         missing = ", ".join(f"{'/'.join(a.verbs)} {a.name}" for a in result.denied)
         result.problems.append(f"the credentials in use may not {missing}; {_rbac_hint(namespace, result.denied)}")
     return result
+
+
+def manifests_markdown(spec, vocab_size: int | None = None) -> str:
+    """The manifests of every stage's first launch (as ``pretrain cluster render`` prints them), as
+    markdown for review; PreflightError when a stage cannot be rendered (e.g. /dev/shm exceeds the
+    pod's memory): a configuration error, found before anything starts."""
+    from pretrain.kube.manifests import stage_launch
+
+    parts = [f"# Kubernetes manifests of campaign {spec.name}\n\nSecrets appear by reference only. "
+             "Later attempts differ in names and the attempt label; `pretrain cluster render SPEC --stage NAME "
+             "--attempt N` prints any of them.\n"]
+    for stage in spec.stages:
+        try:
+            docs = stage_launch(spec, stage.name, 1, vocab_size).manifests()
+        except ValueError as e:
+            raise PreflightError(f"stage {stage.name!r}: {e}") from None
+        parts.append(f"## Stage {stage.name}\n\n```yaml\n{yaml.safe_dump_all(docs, sort_keys=False)}```\n")
+    return "\n".join(parts)
