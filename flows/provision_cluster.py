@@ -1,4 +1,5 @@
-"""Flow: make sure the cluster can run the campaign (node health check on every node)."""
+"""Flow: make sure the cluster can run the campaign (on Kubernetes: API, namespace and RBAC first;
+then the node health check on every node)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,19 @@ from flows.locking import holds_campaign_lock
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import ClusterRecord
 from pretrain.spec import CampaignSpec
-from tasks.cluster import check_nodes
+from tasks.cluster import check_kubernetes, check_nodes
 from tasks.tracking import tracker_for
 
 
 @flow(name="provision-cluster")
 @holds_campaign_lock
 def provision_cluster(spec: CampaignSpec) -> dict:
+    ledger = Ledger.open(spec)
+    if spec.cluster.kind == "kubernetes":
+        check_kubernetes(spec, ledger.record.data.vocab_size if ledger.record.data else None)
     check = check_nodes(spec)
     info = ClusterRecord(kind=spec.cluster.kind, nodes=spec.cluster.nodes_max - len(check["excluded"]),
                          workers_per_node=spec.cluster.workers_per_node, excluded=check["excluded"], health=check["rows"])
-    ledger = Ledger.open(spec)
     ledger.set_cluster(info)
     run_id = ledger.record.mlflow.parent_run_id
     if run_id:

@@ -6,6 +6,7 @@
 - ``data-preparation-<campaign>`` progress (0-100 %) of data preparation (``tasks.data_progress``)
 - ``mlflow-run-<campaign>``       link to the campaign's MLflow parent run
 - ``node-check-<campaign>``       table: the node health check (made by ``tasks.cluster``)
+- ``kubernetes-manifests-<campaign>`` markdown: every stage's manifests (made by ``tasks.cluster``)
 """
 
 from __future__ import annotations

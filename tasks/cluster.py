@@ -1,9 +1,9 @@
-"""Cluster tasks: node health checks."""
+"""Cluster tasks: Kubernetes preflight (before anything starts there) and node health checks."""
 
 from __future__ import annotations
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from pretrain.cluster import ClusterError, judge_nodes, make_cluster
@@ -16,6 +16,27 @@ def chaos_delays(spec: CampaignSpec) -> dict[int, float]:
     """Ranks slowed down from the start by ``slow_worker`` drills (their node check is slowed
     too; a drill from a later step slows the node check after a restart instead)."""
     return {d.rank: d.delay_s for d in spec.chaos if d.kind == "slow_worker" and d.step <= 1}
+
+
+@task(name="check-kubernetes", cache_policy=NO_CACHE)
+def check_kubernetes(spec: CampaignSpec, vocab_size: int | None = None) -> dict:
+    """Before any training on a Kubernetes cluster: publish the stages' manifests as an artifact
+    for review, then check the API, the namespace and the RBAC of the credentials in use
+    (PreflightError listing everything to fix)."""
+    from pretrain.kube.client import api_client
+    from pretrain.kube.preflight import manifests_markdown, preflight
+
+    logger = get_run_logger()
+    create_markdown_artifact(key=artifact_key("kubernetes-manifests", spec.name),
+                             markdown=manifests_markdown(spec, vocab_size),
+                             description=f"Kubernetes manifests of the stages of campaign {spec.name}")
+    result = preflight(api_client(), spec.cluster.kubernetes.namespace)
+    for note in result.notes:
+        logger.warning(note)
+    result.raise_if_failed()
+    logger.info("Kubernetes preflight passed: %s, namespace %s, every verb the backend uses is allowed",
+                result.server, result.namespace)
+    return {"server": result.server, "namespace": result.namespace}
 
 
 def _why(row: dict) -> str:

@@ -82,6 +82,15 @@ def test_kubernetes_example_clones_the_repository():
     assert {"image", "namespace", "env"} <= set(k8s["work_pool"]["job_variables"])
 
 
+def test_kubernetes_flow_runs_as_the_deployed_service_account():
+    """The flow-run pod (the orchestrator) runs as the ServiceAccount of deploy/kubernetes/rbac.yaml,
+    in its namespace: the account whose Role preflight checks."""
+    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/rbac.yaml").read_text()))
+    account = next(d["metadata"] for d in docs if d["kind"] == "ServiceAccount")
+    variables = DEPLOYMENTS["kubernetes"]["work_pool"]["job_variables"]
+    assert (variables["service_account_name"], variables["namespace"]) == (account["name"], account["namespace"])
+
+
 def test_serve_matches_the_project_file():
     campaign = DEPLOYMENTS["pretrain-campaign"]
     dep = build_deployment()
