@@ -22,6 +22,19 @@ TRACKING_STORE = "mlflow.db"  # the default tracking store, in the workdir (Camp
 DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"vocab_size": 512}, "val_fraction": 0.2}
 
 
+# The longest test files first (measured: each runs one or more whole campaigns): the suite runs
+# on two processes that take whole files (`-n 2 --dist loadfile`), and a long file started last
+# would run alone at the end. Order within a file is kept.
+LONGEST_FIRST = ("test_resume.py", "test_s3_campaign.py", "test_interrupt.py", "test_chaos.py", "test_elastic.py",
+                 "test_gate.py", "test_prefect_server.py", "test_data_identity.py", "test_fsdp.py", "test_data_ux.py",
+                 "test_release_before.py", "test_stages.py", "test_campaign.py", "test_tracking.py", "test_ledger.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
