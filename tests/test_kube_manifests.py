@@ -177,9 +177,15 @@ def test_spec_rejects(cluster, match):
         parse_spec({"cluster": cluster})
 
 
-def test_local_spec_hash_unchanged_and_kubernetes_not_runnable():
+def test_local_spec_hash_unchanged_and_kubernetes_not_runnable_without_an_api(monkeypatch, tmp_path):
     assert parse_spec({}).spec_hash() == parse_spec({"cluster": {"kind": "local"}}).spec_hash()
-    with pytest.raises(ClusterError, match="cannot run training jobs on Kubernetes yet.*pretrain cluster render"):
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    with pytest.raises(ClusterError, match="no Kubernetes API is configured: set KUBECONFIG.*pretrain cluster render"):
+        make_cluster(k8s_spec().cluster)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    with pytest.raises(ClusterError, match="missing does not exist"):
         make_cluster(k8s_spec().cluster)
 
 

@@ -1,0 +1,131 @@
+"""The Kubernetes backend (``KubernetesCluster``/``KubeJobHandle``) end to end through the API
+test double: the unmodified official client, the double's Job controller, and pods that run the
+REAL node agent (``python -m trainer.launch``) as local processes on their own 127.x addresses."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from kubernetes import client
+
+from conftest import seed_data, small_spec, wait_for
+import kube_api as double
+from pretrain.cluster import free_port
+from pretrain.incidents import NON_RETRYABLE, cause_of
+from pretrain.jobs import build_job, write_job
+from pretrain.kube.cluster import KubernetesCluster
+from pretrain.layout import CampaignLayout
+from trainer.checkpoint.store import CheckpointStore
+from trainer.reporting import EVENTS, read_all
+
+kube_api = double.kube_api  # the fixture
+NS = "default"
+IMAGE = "pretrain:test"
+# the manifests run `sh -c "exec python -m trainer.launch …"`: the image's `python` is this machine's
+IMAGE_PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def kube_spec(workdir, steps: int = 6, **kube):
+    """One stage on 2 nodes × 1 worker (nodes_min 1), checkpoints every 2 steps; its own rendezvous port."""
+    return small_spec(workdir, cluster={"kind": "kubernetes", "workers_per_node": 1, "nodes_min": 1, "nodes_max": 2,
+                                        "max_restarts": 0, "threads_per_worker": 1,
+                                        "kubernetes": {"image": IMAGE, "cpu_per_node": "1", "memory_per_node": "4Gi",
+                                                       "rdzv_port": free_port(), "env": {"PATH": IMAGE_PATH},
+                                                       **kube}},
+                      stages=[{"name": "s", "steps": steps, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
+                      checkpoint={"interval": 2, "memory_interval": 0, "keep": 4})
+
+
+def launch(api: double.KubeAPI, spec, prepared_data, attempt: int = 1):
+    seed_data(spec, prepared_data)
+    job = build_job(spec, 0, attempt, None)
+    path = write_job(job)
+    cluster = KubernetesCluster(spec, api.client(), unschedulable_after_s=5.0)
+    return cluster, job, path
+
+
+def objects(api: double.KubeAPI) -> dict[str, list[str]]:
+    return {p: [o["metadata"]["name"] for o in api.store.find(p, NS)] for p in ("jobs", "pods", "services")}
+
+
+def live_pids(api: double.KubeAPI) -> list[int]:
+    return [pid for pid in api.runner.pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_two_node_job_trains_to_completion_and_stop_leaves_nothing(kube_api, prepared_data, tmp_path):
+    spec = kube_spec(tmp_path / "w")
+    cluster, job, path = launch(kube_api, spec, prepared_data)
+    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    try:
+        assert objects(kube_api)["jobs"] == [handle.name] and objects(kube_api)["services"] == [handle.name]
+        code = handle.wait(timeout=240)
+        assert code == 0, [p.read_text()[-3000:] for p in handle.logs if p.exists()]
+        assert handle.lost_nodes() == {}
+        assert CheckpointStore.open(job.ckpt_dir).committed_steps()[0] == 6  # the final checkpoint is committed (newest first)
+        service = kube_api.store.get("services", NS, handle.name)
+        assert service["metadata"]["ownerReferences"][0]["kind"] == "Job"  # it goes with the Job
+    finally:
+        handle.stop(grace_s=2)
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
+    assert live_pids(kube_api) == []
+
+
+def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(kube_api, prepared_data, tmp_path):
+    spec = kube_spec(tmp_path / "w", steps=400)
+    cluster, job, path = launch(kube_api, spec, prepared_data)
+    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    try:
+        wait_for(lambda: any(e["event"] == "checkpoint" for e in read_all(handle.job_dir / EVENTS)), 180,
+                 "the first checkpoint of the 2-node job")
+        victim = next(p for p in kube_api.store.find("pods", NS) if p["metadata"]["name"].startswith(f"{handle.name}-1-"))
+        client.CoreV1Api(kube_api.client()).delete_namespaced_pod(victim["metadata"]["name"], NS)
+        lost = wait_for(handle.lost_nodes, 60, "node 1 reported lost")
+        assert list(lost) == [1]
+        assert handle.poll() is None  # node 0 alone is ≥ nodes_min: the job goes on
+    finally:
+        handle.stop(grace_s=2)
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
+    assert live_pids(kube_api) == []
+
+
+def test_an_unpullable_image_fails_fast_as_a_configuration_error(kube_api, prepared_data, tmp_path):
+    spec = kube_spec(tmp_path / "w", image="registry.example/pretrain:missing")
+    kube_api.runner.unpullable.add("registry.example/pretrain:missing")
+    cluster, job, path = launch(kube_api, spec, prepared_data)
+    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    try:
+        code = handle.wait(timeout=60)
+        assert code not in (None, 0)
+        events = read_all(handle.job_dir / EVENTS)
+        cause = cause_of(events, code)
+        assert cause == "kube_config" and cause in NON_RETRYABLE  # the campaign stops: relaunching cannot help
+        error = next(e["error"] for e in events if e["event"] == "error")
+        assert "registry.example/pretrain:missing" in error and "cluster.kubernetes.image" in error
+        assert any("cluster.kubernetes.image" in tail for tail in handle.failure_logs().values())
+    finally:
+        handle.stop(grace_s=1)
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
+
+
+def test_starting_a_launch_again_adopts_the_live_job(kube_api, prepared_data, tmp_path):
+    spec = kube_spec(tmp_path / "w", steps=400)
+    cluster, job, path = launch(kube_api, spec, prepared_data)
+    first = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    try:
+        wait_for(lambda: len(kube_api.store.find("pods", NS)) == 2, 30, "the first launch's 2 pods")
+        uid = kube_api.store.get("jobs", NS, first.name)["metadata"]["uid"]
+        again = KubernetesCluster(spec, kube_api.client()).start(job, path, CampaignLayout(spec.workdir_path))  # a re-run
+        assert again.adopted and again.name == first.name
+        assert kube_api.store.get("jobs", NS, first.name)["metadata"]["uid"] == uid
+        assert objects(kube_api)["jobs"] == [first.name] and len(objects(kube_api)["pods"]) == 2
+        assert again.poll() is None
+    finally:
+        first.stop(grace_s=1)
+    assert again.poll() is not None  # the adopted handle sees the job gone
+    again.stop(grace_s=1)  # idempotent
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
+    assert live_pids(kube_api) == []
