@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import psutil
-import pytest
 from kubernetes import client
 
 from conftest import seed_data, small_spec, wait_for
@@ -29,10 +28,10 @@ IMAGE = "pretrain:test"
 IMAGE_PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def kube_spec(workdir, steps: int = 6, **kube):
+def kube_spec(workdir, steps: int = 6, max_restarts: int = 0, **kube):
     """One stage on 2 nodes × 1 worker (nodes_min 1), checkpoints every 2 steps; its own rendezvous port."""
     return small_spec(workdir, cluster={"kind": "kubernetes", "workers_per_node": 1, "nodes_min": 1, "nodes_max": 2,
-                                        "max_restarts": 0, "threads_per_worker": 1,
+                                        "max_restarts": max_restarts, "threads_per_worker": 1,
                                         "kubernetes": {"image": IMAGE, "cpu_per_node": "1", "memory_per_node": "4Gi",
                                                        "rdzv_port": free_port(), "env": {"PATH": IMAGE_PATH},
                                                        **kube}},
@@ -44,7 +43,7 @@ def launch(api: double.KubeAPI, spec, prepared_data, attempt: int = 1):
     seed_data(spec, prepared_data)
     job = build_job(spec, 0, attempt, None)
     path = write_job(job)
-    cluster = KubernetesCluster(spec, api.client(), unschedulable_after_s=5.0)
+    cluster = KubernetesCluster(spec, api.client(), unschedulable_after_s=2.0)
     return cluster, job, path
 
 
@@ -75,17 +74,22 @@ def test_a_two_node_job_trains_to_completion_and_stop_leaves_nothing(kube_api, p
 
 
 def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(kube_api, prepared_data, tmp_path):
-    spec = kube_spec(tmp_path / "w", steps=400)
+    spec = kube_spec(tmp_path / "w", steps=400, max_restarts=2)  # the survivor's agent restarts its workers once
     cluster, job, path = launch(kube_api, spec, prepared_data)
     handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+
+    def checkpoints() -> list[int]:
+        return [e["step"] for e in read_all(handle.job_dir / EVENTS) if e["event"] == "checkpoint"]
     try:
-        wait_for(lambda: any(e["event"] == "checkpoint" for e in read_all(handle.job_dir / EVENTS)), 180,
-                 "the first checkpoint of the 2-node job")
+        wait_for(checkpoints, 180, "the first checkpoint of the 2-node job")
+        kube_api.store.compact()  # the watch's resource version is gone: the handle must list afresh (410)
         victim = next(p for p in kube_api.store.find("pods", NS) if p["metadata"]["name"].startswith(f"{handle.name}-1-"))
         client.CoreV1Api(kube_api.client()).delete_namespaced_pod(victim["metadata"]["name"], NS)
         lost = wait_for(handle.lost_nodes, 60, "node 1 reported lost")
-        assert list(lost) == [1]
-        assert handle.poll() is None  # node 0 alone is ≥ nodes_min: the job goes on
+        assert list(lost) == [1], handle.verdicts()
+        before = max(checkpoints())
+        wait_for(lambda: max(checkpoints()) > before + 2, 120, "a checkpoint of node 0 training on alone")
+        assert handle.poll() is None and list(handle.lost_nodes()) == [1]  # node 0 alone is ≥ nodes_min: it goes on
     finally:
         handle.stop(grace_s=2)
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
@@ -106,6 +110,21 @@ def test_an_unpullable_image_fails_fast_as_a_configuration_error(kube_api, prepa
         error = next(e["error"] for e in events if e["event"] == "error")
         assert "registry.example/pretrain:missing" in error and "cluster.kubernetes.image" in error
         assert any("cluster.kubernetes.image" in tail for tail in handle.failure_logs().values())
+    finally:
+        handle.stop(grace_s=1)
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
+
+
+def test_a_pod_no_node_can_take_fails_after_the_timeout_as_a_configuration_error(kube_api, prepared_data, tmp_path):
+    spec = kube_spec(tmp_path / "w", gpus_per_node=1)
+    kube_api.runner.unschedulable.add("nvidia.com/gpu")
+    cluster, job, path = launch(kube_api, spec, prepared_data)
+    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    try:
+        code = handle.wait(timeout=60)
+        events = read_all(handle.job_dir / EVENTS)
+        assert cause_of(events, code) == "kube_config"
+        assert "Insufficient nvidia.com/gpu" in events[-1]["error"] and "gpus_per_node" in events[-1]["error"]
     finally:
         handle.stop(grace_s=1)
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}

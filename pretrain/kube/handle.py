@@ -101,20 +101,26 @@ class KubeJobHandle(JobHandle):
                 self._closed.wait(1.0)
 
     # -- the job's state
-    def verdicts(self) -> dict[int, PodVerdict]:
-        """The newest pod of each node index, judged now."""
+    def _judged(self) -> list[PodVerdict]:
+        """Every pod of the launch seen so far, oldest first, judged now."""
         now = time.time()
         with self._lock:
             pods = sorted(self._pods.values(), key=lambda t: t[0])
-        out: dict[int, PodVerdict] = {}
-        for _, pod, deleted in pods:
-            v = pod_verdict(pod, now, self.unschedulable_after_s, deleted)
-            if v.index is not None:
-                out[v.index] = v
-        return out
+        return [v for _, pod, deleted in pods
+                if (v := pod_verdict(pod, now, self.unschedulable_after_s, deleted)).index is not None]
+
+    def verdicts(self) -> dict[int, PodVerdict]:
+        """The newest pod of each node index, judged now."""
+        return {v.index: v for v in self._judged()}
 
     def lost_nodes(self) -> dict[int, int]:
-        return {i: v.exit_code for i, v in self.verdicts().items() if v.state == "failed"}
+        """Nodes with a pod that failed (index → its exit code), even if the Job replaced the pod
+        since (a disruption is not counted against the Job: its pod is replaced and rejoins)."""
+        lost: dict[int, int] = {}
+        for v in self._judged():
+            if v.state == "failed":
+                lost.setdefault(v.index, v.exit_code)
+        return lost
 
     def poll(self) -> int | None:
         verdicts = self.verdicts()
