@@ -130,6 +130,20 @@ def test_a_pod_no_node_can_take_fails_after_the_timeout_as_a_configuration_error
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
 
 
+def test_a_failed_worker_s_log_tail_is_kept_for_the_flow_and_in_the_job_directory(kube_api, prepared_data, tmp_path):
+    spec = kube_spec(tmp_path / "w")
+    cluster, job, _ = launch(kube_api, spec, prepared_data)
+    handle = cluster.start(job, tmp_path / "no-such-job.json", CampaignLayout(spec.workdir_path))  # the agent fails
+    try:
+        code = handle.wait(timeout=120)
+        assert code not in (None, 0) and cause_of(read_all(handle.job_dir / EVENTS), code).startswith("worker_failure")
+        tails = handle.failure_logs()
+        assert set(tails) == {0, 1} and all("no-such-job.json" in t for t in tails.values()), tails
+        assert "no-such-job.json" in handle.logs[0].read_text()
+    finally:
+        handle.stop(grace_s=1)
+
+
 def test_starting_a_launch_again_adopts_the_live_job(kube_api, prepared_data, tmp_path):
     spec = kube_spec(tmp_path / "w", steps=400)
     cluster, job, path = launch(kube_api, spec, prepared_data)
@@ -148,3 +162,20 @@ def test_starting_a_launch_again_adopts_the_live_job(kube_api, prepared_data, tm
     again.stop(grace_s=1)  # idempotent
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
     assert live_pids(kube_api) == []
+
+
+def test_a_campaign_on_kubernetes_trains_its_stage_and_leaves_no_object(prefect_harness, kube_api, prepared_data,
+                                                                        tmp_path, monkeypatch):
+    from flows.campaign import pretrain_campaign
+
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))  # the flow's API client comes from its environment
+    spec = kube_spec(tmp_path / "w", steps=4)
+    seed_data(spec, prepared_data)
+    status = pretrain_campaign(spec=spec)
+    assert status["status"] == "completed", status
+    stage = status["stages"][0]
+    assert stage["status"] == "completed" and stage["good_checkpoint"]["step"] == 4 and stage["failures"] == []
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}  # torn down after success
+    assert live_pids(kube_api) == []
+    logs = sorted((spec.workdir_path / "jobs").rglob("node*.log"))  # the pods' logs, copied before they went
+    assert [p.name for p in logs] == ["node0.log", "node1.log"]

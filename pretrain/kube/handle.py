@@ -125,8 +125,9 @@ class KubeJobHandle(JobHandle):
     def poll(self) -> int | None:
         verdicts = self.verdicts()
         failed = [v for v in verdicts.values() if v.state == "failed"]
-        for v in failed:
-            self._keep_log(v)
+        for v in verdicts.values():
+            if v.state in ("failed", "succeeded"):
+                self._keep_log(v, failed=v.state == "failed")
         if self._stopped:
             return 0 if any(v.state == "succeeded" for v in verdicts.values()) else (
                 failed[0].exit_code if failed else STOPPED_EXIT)
@@ -192,8 +193,8 @@ class KubeJobHandle(JobHandle):
         from kubernetes import client
 
         core, batch = client.CoreV1Api(self.api), client.BatchV1Api(self.api)
-        for v in self.verdicts().values():  # the logs of pods still running, before they go
-            if v.state == "running":
+        for v in self.verdicts().values():  # the logs of pods still there, before they go
+            if v.state in ("running", "succeeded"):
                 self._keep_log(v, failed=False)
         self._stopped = True
         grace = max(0, int(grace_s))
