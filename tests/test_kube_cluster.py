@@ -4,11 +4,13 @@ REAL node agent (``python -m trainer.launch``) as local processes on their own 1
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
 import psutil
+import pytest
 from kubernetes import client
 
 from conftest import seed_data, small_spec, wait_for
@@ -16,6 +18,8 @@ import kube_api as double
 from pretrain.cluster import free_port
 from pretrain.incidents import NON_RETRYABLE, cause_of
 from pretrain.jobs import build_job, write_job
+from pretrain.cluster import ClusterError
+from pretrain.kube.client import KubeUnavailable, api_client
 from pretrain.kube.cluster import KubernetesCluster
 from pretrain.layout import CampaignLayout
 from trainer.checkpoint.store import CheckpointStore
@@ -179,3 +183,32 @@ def test_a_campaign_on_kubernetes_trains_its_stage_and_leaves_no_object(prefect_
     assert live_pids(kube_api) == []
     logs = sorted((spec.workdir_path / "jobs").rglob("node*.log"))  # the pods' logs, copied before they went
     assert [p.name for p in logs] == ["node0.log", "node1.log"]
+
+
+def test_the_api_client_comes_from_a_kubeconfig_or_a_prefect_cluster_config_block(kube_api, tmp_path):
+    from prefect_kubernetes.credentials import KubernetesClusterConfig
+
+    config = kube_api.kubeconfig()
+    for api in (api_client(env={"KUBECONFIG": str(config)}), api_client(kubeconfig=config),
+                api_client(cluster_config=KubernetesClusterConfig(config=json.loads(config.read_text()), context_name="double"))):
+        with api:
+            assert client.CoreV1Api(api).read_namespace(NS).metadata.name == NS
+    with pytest.raises(KubeUnavailable, match="set KUBECONFIG"):
+        api_client(env={"HOME": str(tmp_path)})
+    with pytest.raises(KubeUnavailable, match="gone.yaml does not exist"):
+        api_client(env={"KUBECONFIG": str(tmp_path / "gone.yaml")})
+
+
+def test_excluded_nodes_start_fewer_pods_and_too_few_is_refused(kube_api, prepared_data, tmp_path):
+    spec = kube_spec(tmp_path / "w", steps=400)
+    cluster, job, path = launch(kube_api, spec, prepared_data)
+    with pytest.raises(ClusterError, match="only 0 healthy node.*nodes_min is 1"):
+        cluster.start(job, path, CampaignLayout(spec.workdir_path), exclude={0, 1})
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
+    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path), exclude={1})
+    try:
+        wait_for(lambda: handle.verdicts().get(0) and handle.verdicts()[0].state == "running", 30, "the one pod running")
+        assert kube_api.store.get("jobs", NS, handle.name)["spec"]["completions"] == 1
+        assert len(objects(kube_api)["pods"]) == 1
+    finally:
+        handle.stop(grace_s=1)
