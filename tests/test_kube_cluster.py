@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import psutil
@@ -212,3 +213,14 @@ def test_excluded_nodes_start_fewer_pods_and_too_few_is_refused(kube_api, prepar
         assert len(objects(kube_api)["pods"]) == 1
     finally:
         handle.stop(grace_s=1)
+
+
+def test_stop_with_the_api_gone_says_how_to_finish_the_teardown(prepared_data, tmp_path):
+    spec = kube_spec(tmp_path / "w", image="registry.example/never:pulled")
+    with double.KubeAPI(tmp_path / "kube") as api:
+        api.runner.unpullable.add("registry.example/never:pulled")  # no process: only the API's objects matter here
+        cluster, job, path = launch(api, spec, prepared_data)
+        handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    with pytest.raises(ClusterError, match=f"could not tear down Job default/{handle.name}.*kubectl -n default delete job"):
+        handle.stop(grace_s=0)
+    assert not [t for t in threading.enumerate() if t.name == f"kube-watch-{handle.name}"]  # no watcher outlives it

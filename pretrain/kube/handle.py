@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from pretrain.cluster import JobHandle
+from pretrain.cluster import ClusterError, JobHandle
 from pretrain.kube.pods import PodVerdict, pod_verdict
 from trainer.events import EventKind
 from trainer.reporting import EVENTS, JsonLines
@@ -189,7 +189,26 @@ class KubeJobHandle(JobHandle):
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Foreground-delete the Job (its pods go with it, each with ``grace_s`` to save) and the
-        Service; returns when no pod of the launch is left (idempotent)."""
+        Service; returns when no pod of the launch is left (idempotent). ClusterError when the API
+        cannot be reached or the pods do not go: it names the command that finishes the job."""
+        from kubernetes import client
+        from urllib3.exceptions import HTTPError
+
+        cleanup = (f"kubectl -n {self.namespace} delete job {self.name} --cascade=foreground; "
+                   f"kubectl -n {self.namespace} delete pods,services -l {self.selector}")
+        try:
+            self._teardown(max(0, int(grace_s)))
+        except (client.ApiException, HTTPError, OSError) as e:
+            raise ClusterError(f"could not tear down Job {self.namespace}/{self.name} ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200]}): its TTL removes it later, or run: {cleanup}") from e
+        except TimeoutError as e:
+            raise ClusterError(f"{e}: run {cleanup} --force") from e
+        finally:
+            self._closed.set()  # the watcher ends whatever happened
+            if self._thread.is_alive() and self._thread is not threading.current_thread():
+                self._thread.join(WATCH_S + 5)
+
+    def _teardown(self, grace: int) -> None:
         from kubernetes import client
 
         core, batch = client.CoreV1Api(self.api), client.BatchV1Api(self.api)
@@ -197,7 +216,6 @@ class KubeJobHandle(JobHandle):
             if v.state in ("running", "succeeded"):
                 self._keep_log(v, failed=False)
         self._stopped = True
-        grace = max(0, int(grace_s))
         pods = [p.metadata.name for p in core.list_namespaced_pod(self.namespace, label_selector=self.selector).items]
         calls = [lambda: batch.delete_namespaced_job(self.name, self.namespace, propagation_policy="Foreground",
                                                      grace_period_seconds=grace)]
@@ -212,12 +230,8 @@ class KubeJobHandle(JobHandle):
         deadline = time.monotonic() + grace + 30
         while core.list_namespaced_pod(self.namespace, label_selector=self.selector).items or self._job_exists(batch):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"pods of Job {self.namespace}/{self.name} still exist {grace + 30}s after it was "
-                                   f"deleted: kubectl -n {self.namespace} delete pods -l {self.selector} --force")
+                raise TimeoutError(f"pods of Job {self.namespace}/{self.name} still exist {grace + 30}s after it was deleted")
             self._closed.wait(0.2)  # the kubelet ends the containers: poll with a deadline
-        self._closed.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(WATCH_S + 5)
 
     def _job_exists(self, batch) -> bool:
         from kubernetes import client
