@@ -53,6 +53,8 @@ class JobHandle(ABC):
         """Nodes that dropped out while the job went on (index → exit code)."""
         return {}
 
+    notices: tuple[str, ...] = ()  # what start() did besides starting, for the flow run's logs (e.g. adopted a live job)
+
     def failure_logs(self) -> dict[int, str]:
         """The ends of failed nodes' logs (index → text) for the flow run's logs; locally the
         node logs are files in the job directory already."""

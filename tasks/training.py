@@ -115,6 +115,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     env = spec.credentials.child_env() if spec.credentials else None  # the blocks' credentials, for this job only
     handle = make_cluster(spec.cluster, job.threads_per_worker, env, settings, campaign=spec).start(
         job, job_path, layout, set(exclude))
+    for notice in handle.notices:
+        logger.warning("stage %s attempt %d: %s", job.stage, attempt, notice)
     logger.info("stage %s attempt %d: %d node(s) × %d workers, job dir %s", job.stage, attempt,
                 spec.cluster.nodes_max - len(exclude), spec.cluster.workers_per_node, job.job_dir)
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,

@@ -157,7 +157,7 @@ def test_starting_a_launch_again_adopts_the_live_job(kube_api, prepared_data, tm
         wait_for(lambda: len(kube_api.store.find("pods", NS)) == 2, 30, "the first launch's 2 pods")
         uid = kube_api.store.get("jobs", NS, first.name)["metadata"]["uid"]
         again = KubernetesCluster(spec, kube_api.client()).start(job, path, CampaignLayout(spec.workdir_path))  # a re-run
-        assert again.adopted and again.name == first.name
+        assert again.adopted and again.name == first.name and "adopted the live Job" in again.notices[0]
         assert kube_api.store.get("jobs", NS, first.name)["metadata"]["uid"] == uid
         assert objects(kube_api)["jobs"] == [first.name] and len(objects(kube_api)["pods"]) == 2
         assert again.poll() is None
@@ -184,6 +184,26 @@ def test_a_campaign_on_kubernetes_trains_its_stage_and_leaves_no_object(prefect_
     assert live_pids(kube_api) == []
     logs = sorted((spec.workdir_path / "jobs").rglob("node*.log"))  # the pods' logs, copied before they went
     assert [p.name for p in logs] == ["node0.log", "node1.log"]
+
+
+def test_a_new_launch_of_the_stage_retires_a_live_job_of_an_earlier_launch(kube_api, prepared_data, tmp_path):
+    """A flow process died; its re-run launches the stage's next attempt: the orphaned Job of the
+    earlier attempt must not train beside it (the campaign's lock says its orchestrator is gone)."""
+    spec = kube_spec(tmp_path / "w", steps=400)
+    cluster, job, path = launch(kube_api, spec, prepared_data, attempt=1)
+    orphan = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    wait_for(lambda: len(kube_api.store.find("pods", NS)) == 2, 30, "the orphaned launch's 2 pods")
+    job2 = build_job(spec, 0, 2, None)
+    handle = KubernetesCluster(spec, kube_api.client()).start(job2, write_job(job2), CampaignLayout(spec.workdir_path))
+    try:
+        assert handle.name != orphan.name and objects(kube_api)["jobs"] == [handle.name]
+        assert objects(kube_api)["services"] == [handle.name]
+        assert all(p.startswith(handle.name) for p in objects(kube_api)["pods"])
+        assert f"deleted Job default/{orphan.name}" in handle.notices[0]
+    finally:
+        handle.stop(grace_s=1)
+        orphan.stop(grace_s=1)
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
 
 
 def test_the_api_client_comes_from_a_kubeconfig_or_a_prefect_cluster_config_block(kube_api, tmp_path):

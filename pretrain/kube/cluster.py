@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pretrain.cluster import Cluster, ClusterError, JobHandle
 from pretrain.kube.handle import KubeJobHandle
-from pretrain.kube.manifests import Launch, launch_labels
+from pretrain.kube.manifests import LABEL, Launch, launch_labels
 from pretrain.layout import CampaignLayout
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
@@ -67,7 +67,7 @@ class KubernetesCluster(Cluster):
             raise ClusterError(str(e)) from e
         core, batch = client.CoreV1Api(self.api), client.BatchV1Api(self.api)
         ns, name, labels = launch.kube.namespace, launch.name, launch_labels(self.spec.name, job.stage, job.attempt)
-        adopted = False
+        retired = self._retire_stale(batch, ns, labels, job.attempt)
         try:
             core.create_namespaced_service(ns, service)
         except client.ApiException as e:
@@ -86,8 +86,28 @@ class KubernetesCluster(Cluster):
             raise ClusterError(_api_error(e, f"patch Service {ns}/{name}")) from e
         handle = KubeJobHandle(self.api, ns, name, selector(labels), nodes, c.nodes_min, Path(job.job_dir),
                                self.unschedulable_after_s, adopted=adopted)
+        handle.notices = tuple([f"adopted the live Job {ns}/{name} of this launch"] * adopted + [
+            f"deleted Job {ns}/{r} of an earlier launch of this stage (its orchestrator is gone; this launch "
+            "resumes from the newest good checkpoint)" for r in retired])
         handle.begin()
         return handle
+
+    def _retire_stale(self, batch, ns: str, labels: dict[str, str], attempt: int) -> list[str]:
+        """Delete live Jobs of this campaign's stage from other launches: the campaign's single-run
+        lock means their orchestrator died, and two launches of one stage must never train at once."""
+        from kubernetes import client
+
+        stage = {k: v for k, v in labels.items() if k != f"{LABEL}/attempt"}
+        try:
+            jobs = batch.list_namespaced_job(ns, label_selector=selector(stage)).items
+        except client.ApiException as e:
+            raise ClusterError(_api_error(e, f"list Jobs in {ns}")) from e
+        stale = [j for j in jobs if (j.metadata.labels or {}).get(f"{LABEL}/attempt") != str(attempt)]
+        for j in stale:
+            old = {**stage, f"{LABEL}/attempt": (j.metadata.labels or {}).get(f"{LABEL}/attempt", "")}
+            KubeJobHandle(self.api, ns, j.metadata.name, selector(old), 0, 1, Path(self.spec.workdir_path),
+                          self.unschedulable_after_s).stop(grace_s=self.settings.stop_grace_s)
+        return [j.metadata.name for j in stale]
 
     def _create_job(self, batch, ns: str, name: str, manifest: dict, labels: dict[str, str]):
         """None when created; the live Job when one of this launch exists (adopted). A Job of this
