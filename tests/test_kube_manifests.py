@@ -204,13 +204,14 @@ def test_cli_render_prints_valid_yaml(tmp_path):
     assert_valid(docs)
 
 
-def test_cli_errors_are_one_line(tmp_path):
+def test_cli_errors_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBECONFIG", "/nonexistent/kubeconfig")  # `run` refuses a kubernetes campaign it cannot reach
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(k8s_spec(memory_per_node="100Mi").model_dump(mode="json", exclude_defaults=True)))
     for args, match in ((["cluster", "render", "builtin:tiny"], "cluster.kind is 'local'"),
                         (["cluster", "render", str(path), "--stage", "nope"], "no stage 'nope'"),
                         (["cluster", "render", str(path)], "/dev/shm needs"),
-                        (["run", str(path)], "cannot run training jobs on Kubernetes yet")):
+                        (["run", str(path)], "kubeconfig /nonexistent/kubeconfig does not exist: point KUBECONFIG")):
         done = CliRunner().invoke(app, args)  # in-process: the subprocess path is covered by the render test
         assert done.exit_code == 2, done.output
         assert match in " ".join(done.output.split()) and "Traceback" not in done.output
