@@ -22,6 +22,7 @@ from pretrain.jobs import build_job, write_job
 from pretrain.cluster import ClusterError
 from pretrain.kube.client import KubeUnavailable, api_client
 from pretrain.kube.cluster import KubernetesCluster
+from pretrain.kube.handle import KubeJobHandle
 from pretrain.layout import CampaignLayout
 from trainer.checkpoint.store import CheckpointStore
 from trainer.reporting import EVENTS, read_all
@@ -147,6 +148,19 @@ def test_a_failed_worker_s_log_tail_is_kept_for_the_flow_and_in_the_job_director
         assert "no-such-job.json" in handle.logs[0].read_text()
     finally:
         handle.stop(grace_s=1)
+
+
+def test_a_job_that_makes_no_pod_in_time_is_a_configuration_error(kube_api, tmp_path):
+    """E.g. a ResourceQuota refuses the pods: the Job exists, its pods never do."""
+    handle = KubeJobHandle(kube_api.client(), NS, "pt-quota", "pretrain.io/campaign=none", 2, 1, tmp_path / "job", 1.0)
+    handle.begin()
+    try:
+        code = handle.wait(timeout=30)
+        events = read_all(tmp_path / "job" / EVENTS)
+        assert code not in (None, 0) and cause_of(events, code) == "kube_config"
+        assert "made no pod for node(s) [0, 1]" in events[-1]["error"] and "ResourceQuota" in events[-1]["error"]
+    finally:
+        handle.stop(grace_s=0)
 
 
 def test_starting_a_launch_again_adopts_the_live_job(kube_api, prepared_data, tmp_path):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from pretrain.cluster import ClusterError, JobHandle
-from pretrain.kube.pods import PodVerdict, pod_verdict
+from pretrain.kube.pods import CONFIG_EXIT, PodVerdict, pod_verdict
 from trainer.events import EventKind
 from trainer.reporting import EVENTS, JsonLines
 
@@ -40,6 +40,7 @@ class KubeJobHandle(JobHandle):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._stopped = False
+        self._began = time.monotonic()
         self._reported = False
         self._tails: dict[int, str] = {}  # failed nodes' log tails
         self._saved: set[int] = set()  # nodes whose pod log is in the job directory
@@ -47,6 +48,7 @@ class KubeJobHandle(JobHandle):
 
     # -- the watcher
     def begin(self) -> None:
+        self._began = time.monotonic()
         self._sync()
         self._thread.start()
 
@@ -131,13 +133,25 @@ class KubeJobHandle(JobHandle):
         if self._stopped:
             return 0 if any(v.state == "succeeded" for v in verdicts.values()) else (
                 failed[0].exit_code if failed else STOPPED_EXIT)
-        fatal = next((v for v in failed if v.fatal), None)
+        fatal = next((v for v in failed if v.fatal), None) or self._missing(verdicts)
         if fatal is not None:
             return self._failed(fatal)
         if any(v.state in ("pending", "running") for v in verdicts.values()) or len(verdicts) < self.nodes:
             alive = self.nodes - len(failed)
             return None if alive >= self.nodes_min else self._failed(failed[0])
         return 0 if any(v.state == "succeeded" for v in verdicts.values()) else self._failed(failed[0])
+
+    def _missing(self, verdicts: dict[int, PodVerdict]) -> PodVerdict | None:
+        """A configuration error when the Job has not made a pod for every node in time (a
+        ResourceQuota, LimitRange or admission webhook refusing them)."""
+        missing = sorted(set(range(self.nodes)) - set(verdicts))
+        waited = time.monotonic() - self._began
+        if not missing or waited < self.unschedulable_after_s:
+            return None
+        return PodVerdict(self.name, missing[0], "failed", "kube_config", CONFIG_EXIT,
+                          f"Job {self.namespace}/{self.name} made no pod for node(s) {missing} in {waited:.0f}s: a "
+                          "ResourceQuota, LimitRange or admission policy refuses them — see `kubectl -n "
+                          f"{self.namespace} describe job {self.name}` and fix the quota or cluster.kubernetes resources")
 
     def _failed(self, v: PodVerdict) -> int:
         """Record (once) why the job failed: an error event the incident classification reads."""
