@@ -1,5 +1,5 @@
 """Where a stage's job runs. ``Cluster.start(job) → JobHandle``; local processes implement it
-now, Kubernetes implements the same interface later.
+here, Kubernetes Jobs in ``pretrain.kube.cluster`` (the same interface, the same elastic semantics).
 
 Locally a *node* is one elastic agent (``python -m trainer.launch``) with its workers, in its
 own process group, so a node can be stopped (or lost) as a unit.
