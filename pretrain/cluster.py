@@ -1,5 +1,5 @@
 """Where a stage's job runs. ``Cluster.start(job) → JobHandle``; local processes implement it
-now, Kubernetes implements the same interface later.
+here, Kubernetes Jobs in ``pretrain.kube.cluster`` (the same interface, the same elastic semantics).
 
 Locally a *node* is one elastic agent (``python -m trainer.launch``) with its workers, in its
 own process group, so a node can be stopped (or lost) as a unit.
@@ -51,6 +51,13 @@ class JobHandle(ABC):
 
     def lost_nodes(self) -> dict[int, int]:
         """Nodes that dropped out while the job went on (index → exit code)."""
+        return {}
+
+    notices: tuple[str, ...] = ()  # what start() did besides starting, for the flow run's logs (e.g. adopted a live job)
+
+    def failure_logs(self) -> dict[int, str]:
+        """The ends of failed nodes' logs (index → text) for the flow run's logs; locally the
+        node logs are files in the job directory already."""
         return {}
 
 
@@ -172,20 +179,37 @@ class LocalCluster(Cluster):
 
 
 def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1, env: Mapping[str, str] | None = None,
-                 settings: PretrainSettings | None = None) -> Cluster:
+                 settings: PretrainSettings | None = None, campaign=None) -> Cluster:
     """The cluster of ``spec``; ``env`` is the environment its training processes get (None: this
-    process's); ``settings``: None reads this process's environment."""
+    process's); ``settings``: None reads this process's environment. ``campaign``: the whole
+    CampaignSpec, which a Kubernetes cluster needs (names, tracking, workdir). A Kubernetes
+    cluster's API client comes from this process's environment (KUBECONFIG or in-cluster)."""
+    settings = settings or PretrainSettings.from_env()
     if spec.kind == "local":
-        return LocalCluster(spec, threads_per_worker, env=env, settings=settings or PretrainSettings.from_env())
-    raise ClusterError(not_runnable(spec) or f"cluster.kind {spec.kind!r} is not supported yet")
-
-
-def not_runnable(spec: ClusterSpec) -> str | None:
-    """Why a campaign cannot run on this cluster (None: it can); checked before anything starts."""
+        return LocalCluster(spec, threads_per_worker, env=env, settings=settings)
     if spec.kind == "kubernetes":
-        return ("cluster.kind 'kubernetes': this version cannot run training jobs on Kubernetes yet (the backend is "
-                "not available); review the manifests it will create with `pretrain cluster render SPEC`, and run "
-                "the campaign on a 'local' cluster meanwhile")
+        if why := not_runnable(spec):
+            raise ClusterError(why)
+        if campaign is None:
+            raise ClusterError("a Kubernetes cluster is made from the campaign's whole spec (make_cluster(campaign=…))")
+        from pretrain.kube.client import api_client
+        from pretrain.kube.cluster import KubernetesCluster
+
+        return KubernetesCluster(campaign, api_client(), settings)
+    raise ClusterError(f"cluster.kind {spec.kind!r} is not supported yet")
+
+
+def not_runnable(spec: ClusterSpec, env: Mapping[str, str] | None = None) -> str | None:
+    """Why a campaign cannot run on this cluster (None: it can); checked before anything starts.
+    A Kubernetes cluster needs an API configured in ``env`` (default: this process's)."""
+    if spec.kind == "kubernetes":
+        from pretrain.kube.client import KubeUnavailable, api_client
+
+        try:
+            api_client(env=env).close()
+        except KubeUnavailable as e:
+            return (f"cluster.kind 'kubernetes': {e}. Meanwhile `pretrain cluster render SPEC` shows the manifests "
+                    "the campaign would create")
     return None
 
 

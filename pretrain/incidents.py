@@ -13,11 +13,13 @@ import statistics
 from trainer.events import EventKind
 
 FAULT_EVENTS = (EventKind.HANG, EventKind.ANOMALY, EventKind.CHAOS, EventKind.ERROR, EventKind.NODE_LOST)
-NON_RETRYABLE = {"too_many_rollbacks", "shm_too_small", "disk_full"}  # relaunching cannot help: a human must act
+NON_RETRYABLE = {"too_many_rollbacks", "shm_too_small", "disk_full", "kube_config"}  # relaunching cannot help: a human must act
 # the cause of an error event, by the class of the error (or of what led to it), first match wins
 ERROR_CAUSES = (("TooManyRollbacks", "too_many_rollbacks"), ("ShmTooSmall", "shm_too_small"),
                 ("OutOfMemoryError", "oom"), ("DataError", "data"), ("NodeExcluded", "node_check"),
-                ("CheckpointDiskFull", "disk_full"), ("SaverFailed", "saver_failure"))
+                ("CheckpointDiskFull", "disk_full"), ("SaverFailed", "saver_failure"),
+                # written by the Kubernetes backend (pretrain.kube.handle) for the pod failure that ended a job
+                ("KubeConfigError", "kube_config"), ("PodLost", "node_lost"))
 
 
 def error_types(event: dict) -> set[str]:

@@ -46,7 +46,8 @@ class ModelSpec(Section):
 class ClusterSpec(Section):
     kind: Literal["local", "kubernetes"] = Field(
         "local", description="Where workers run: 'local' processes, or 'kubernetes' (one pod per node, settings in "
-        "`kubernetes`; `pretrain cluster render` shows the manifests — campaigns cannot run there yet).")
+        "`kubernetes`; `pretrain cluster render` shows the manifests; the flow reaches the API through KUBECONFIG or "
+        "its pod's service account).")
     workers_per_node: int = Field(2, ge=1, description="Training processes per node (one per accelerator; on CPU one per core is sensible).")
     nodes_min: int = Field(1, ge=1, description="Fewest nodes the job may run with (elastic lower bound).")
     nodes_max: int = Field(1, ge=1, description="Most nodes the job starts with (elastic upper bound).")

@@ -49,7 +49,7 @@ def check_nodes(spec: CampaignSpec) -> dict:
     """Health-check every worker slot; exclude nodes that fail or are slower than the threshold
     × the median. Fails if fewer than ``cluster.nodes_min`` nodes remain."""
     logger = get_run_logger()
-    rows = make_cluster(spec.cluster, threads_per_worker(spec)).health_check(spec.workdir_path, chaos_delays(spec))
+    rows = make_cluster(spec.cluster, threads_per_worker(spec), campaign=spec).health_check(spec.workdir_path, chaos_delays(spec))
     rows, excluded = judge_nodes(rows, spec.fault_tolerance.node_check_threshold)
     for r in rows:
         logger.info("node %s worker %s: matmul %.3fs (%s× median), allreduce %s MB/s%s", r["node"], r["local_rank"],

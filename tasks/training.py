@@ -46,8 +46,8 @@ def try_scale_up(spec: CampaignSpec, stage: str, due: list[int], rejoin: RejoinW
     """Re-check lost nodes; the ones that pass make the job scale back up (returned). The ones
     that fail are checked again after another ``rejoin_after_s``."""
     baseline = Ledger.open(spec).record.node_health()
-    fit, rows = recheck_nodes(make_cluster(spec.cluster, threads_per_worker(spec), settings=settings), spec.workdir_path,
-                              due, baseline, spec.fault_tolerance.node_check_threshold)
+    fit, rows = recheck_nodes(make_cluster(spec.cluster, threads_per_worker(spec), settings=settings, campaign=spec),
+                              spec.workdir_path, due, baseline, spec.fault_tolerance.node_check_threshold)
     for node in due:
         rejoin.lost(node)  # restart its clock: re-checked later if it did not pass now
     events.write({"event": EventKind.NODE_RECHECK, "nodes": due, "fit": fit, "rows": rows, "source": "orchestrator"})
@@ -113,7 +113,10 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     job = build_job(spec, stage_index, attempt, init_from)
     job_path = write_job(job)
     env = spec.credentials.child_env() if spec.credentials else None  # the blocks' credentials, for this job only
-    handle = make_cluster(spec.cluster, job.threads_per_worker, env, settings).start(job, job_path, layout, set(exclude))
+    handle = make_cluster(spec.cluster, job.threads_per_worker, env, settings, campaign=spec).start(
+        job, job_path, layout, set(exclude))
+    for notice in handle.notices:
+        logger.warning("stage %s attempt %d: %s", job.stage, attempt, notice)
     logger.info("stage %s attempt %d: %d node(s) × %d workers, job dir %s", job.stage, attempt,
                 spec.cluster.nodes_max - len(exclude), spec.cluster.workers_per_node, job.job_dir)
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
@@ -155,6 +158,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left
         if forget_job is not None:
             forget_job()
+    for node, tail in (handle.failure_logs().items() if code else ()):
+        logger.error("stage %s: node %d failed; the end of its log:\n%s", job.stage, node, redact(tail))
     result = summarize(Path(job.job_dir), attempt, code, started, Path(handle.logs[0]))
     if interrupted:
         saved = result.last_checkpoint_step

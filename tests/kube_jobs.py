@@ -170,14 +170,19 @@ class JobController:
         if verdict is None and indexed and failed_indexes and len(succeeded | failed_indexes) >= completions:
             verdict = ("FailedIndexes", f"Job has failed indexes {ranges(failed_indexes)}")
 
+        # with a podFailurePolicy the only replacement policy is Failed: a terminating pod is replaced
+        # only once it has failed (and then counts against the backoff limits)
+        terminating = [p for p in pods if p["metadata"].get("deletionTimestamp") and p["status"].get("phase") not in TERMINAL
+                       and (rules or spec.get("podReplacementPolicy") == "Failed")]
         if not finished and verdict is None and not complete and not spec.get("suspend"):
-            busy = {pod_index(p) for p in live}
+            busy = {pod_index(p) for p in live + terminating}
             if indexed:
                 todo = [i for i in range(completions) if i not in succeeded | failed_indexes | busy]
             else:
-                left = (completions - done_pods - len(live)) if completions is not None else parallelism - len(live)
+                running = len(live) + len(terminating)
+                left = (completions - done_pods - running) if completions is not None else parallelism - running
                 todo = [None] * max(0, left)
-            for index in todo[:max(0, parallelism - len(live))]:
+            for index in todo[:max(0, parallelism - len(live) - len(terminating))]:
                 live.append(self.store.create("pods", ns, self._pod(job, index)))
         stop = live if finished or verdict or complete or spec.get("suspend") else \
             sorted(live, key=lambda p: pod_index(p) or 0)[parallelism:]  # scaled down: the highest indexes go

@@ -150,7 +150,7 @@ def test_cluster_rejects_what_the_spec_rejects():
             cls(workers_per_node=0, **extra)
 
 
-def test_kubernetes_cluster_block_is_the_spec_section_and_is_refused(on_prefect_server):
+def test_kubernetes_cluster_block_is_the_spec_section_and_is_refused_without_an_api(on_prefect_server, monkeypatch):
     name = _name("k8s")
     KubernetesCluster(image="ghcr.io/o/p:1", namespace="train", nodes_max=4, gpus_per_node=8,
                       node_selector={"gpu": "h100"}, secret_env={"HF_TOKEN": {"secret": "hf", "key": "token"}}).save(name)
@@ -160,7 +160,8 @@ def test_kubernetes_cluster_block_is_the_spec_section_and_is_refused(on_prefect_
     assert spec.cluster.kind == "kubernetes" and spec.cluster.kubernetes == KubernetesSpec(
         image="ghcr.io/o/p:1", namespace="train", gpus_per_node=8, node_selector={"gpu": "h100"},
         secret_env={"HF_TOKEN": SecretKeyRef(secret="hf", key="token")})
-    with pytest.raises(SpecError, match="cluster.kind .kubernetes.: this version cannot run training jobs on Kubernetes yet"):
+    monkeypatch.setenv("KUBECONFIG", "/nonexistent/kubeconfig")  # refused before anything starts: no API configured
+    with pytest.raises(SpecError, match="cluster.kind .kubernetes.: kubeconfig /nonexistent/kubeconfig does not exist"):
         resolve_campaign(parse_spec({"blocks": {"cluster": f"kubernetes-training-cluster/{name}"}}))
 
 

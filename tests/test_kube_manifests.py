@@ -177,9 +177,15 @@ def test_spec_rejects(cluster, match):
         parse_spec({"cluster": cluster})
 
 
-def test_local_spec_hash_unchanged_and_kubernetes_not_runnable():
+def test_local_spec_hash_unchanged_and_kubernetes_not_runnable_without_an_api(monkeypatch, tmp_path):
     assert parse_spec({}).spec_hash() == parse_spec({"cluster": {"kind": "local"}}).spec_hash()
-    with pytest.raises(ClusterError, match="cannot run training jobs on Kubernetes yet.*pretrain cluster render"):
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    with pytest.raises(ClusterError, match="no Kubernetes API is configured: set KUBECONFIG.*pretrain cluster render"):
+        make_cluster(k8s_spec().cluster)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    with pytest.raises(ClusterError, match="missing does not exist"):
         make_cluster(k8s_spec().cluster)
 
 
@@ -198,13 +204,14 @@ def test_cli_render_prints_valid_yaml(tmp_path):
     assert_valid(docs)
 
 
-def test_cli_errors_are_one_line(tmp_path):
+def test_cli_errors_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBECONFIG", "/nonexistent/kubeconfig")  # `run` refuses a kubernetes campaign it cannot reach
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(k8s_spec(memory_per_node="100Mi").model_dump(mode="json", exclude_defaults=True)))
     for args, match in ((["cluster", "render", "builtin:tiny"], "cluster.kind is 'local'"),
                         (["cluster", "render", str(path), "--stage", "nope"], "no stage 'nope'"),
                         (["cluster", "render", str(path)], "/dev/shm needs"),
-                        (["run", str(path)], "cannot run training jobs on Kubernetes yet")):
+                        (["run", str(path)], "kubeconfig /nonexistent/kubeconfig does not exist: point KUBECONFIG")):
         done = CliRunner().invoke(app, args)  # in-process: the subprocess path is covered by the render test
         assert done.exit_code == 2, done.output
         assert match in " ".join(done.output.split()) and "Traceback" not in done.output
