@@ -48,6 +48,14 @@ class Toleration(Section):
         None, ge=0, description="With effect NoExecute: how long the pod stays bound after the taint appears.")
 
 
+def _env_names(env: dict) -> list[str]:
+    """The names of ``env``; a ValueError for one that is not an environment variable name."""
+    for name in env:
+        if not re.fullmatch(ENV_NAME, name):
+            raise ValueError(f"{name!r} is not an environment variable name")
+    return list(env)
+
+
 class KubernetesSpec(Section):
     namespace: str = Field("default", pattern=DNS_LABEL, description="Namespace the training pods run in.")
     image: str = Field(..., min_length=1, description="Container image with this project installed (torch, trainer package).")
@@ -104,9 +112,7 @@ class KubernetesSpec(Section):
     @field_validator("env")
     @classmethod
     def _no_secret_values(cls, env: dict[str, str]) -> dict[str, str]:
-        for name in env:
-            if not re.fullmatch(ENV_NAME, name):
-                raise ValueError(f"{name!r} is not an environment variable name")
+        for name in _env_names(env):
             if _SECRET_WORDS.search(name):
                 raise ValueError(f"{name} looks like a credential: put it in a Kubernetes Secret and refer to it in "
                                  f"secret_env ({{{name}: {{secret: NAME, key: KEY}}}}); spec values are recorded in "
@@ -116,7 +122,5 @@ class KubernetesSpec(Section):
     @field_validator("secret_env")
     @classmethod
     def _env_names(cls, env: dict[str, SecretKeyRef]) -> dict[str, SecretKeyRef]:
-        for name in env:
-            if not re.fullmatch(ENV_NAME, name):
-                raise ValueError(f"{name!r} is not an environment variable name")
+        _env_names(env)
         return env
