@@ -1,8 +1,8 @@
 """Tokenizing work units on ``data.workers`` processes, each unit's result recorded in the unit
 cache (``unitcache``) as it finishes, so a killed run resumes at the unfinished units.
 
-Workers are started with "spawn" (the caller may be a threaded Prefect process: never fork it);
-each one is one core: the tokenizers library's own thread pool is limited to one thread there.
+Workers are forked from multiprocessing's fork server (single-threaded, its imports done once;
+the caller may be a threaded Prefect process, which is never forked); each one is one core: the tokenizers library's own thread pool is limited to one thread there.
 """
 
 from __future__ import annotations
@@ -114,7 +114,10 @@ def run_units(jobs: list[UnitJob], *, workers: int, tokenizer_json: str, dtype: 
     completion order). The first failure stops the rest (finished units stay recorded)."""
     if not jobs:
         return
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # the fork server imports the worker's modules once; each worker is forked from it (single-
+    # threaded, never from this possibly threaded process), so no worker imports them again
+    ctx.set_forkserver_preload(["pretrain.dataset.pool"])
     n = max(1, min(workers, len(jobs)))
     pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
                                initargs=(tokenizer_json, dtype, data.model_dump_json(), s3_options))
