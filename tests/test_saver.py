@@ -46,7 +46,7 @@ def test_a_saver_of_a_superseded_job_writes_nothing(tmp_path):
     assert old.persist(8) is False
     assert location.read_pointer() == 4 and location.all_steps() == [4]  # nothing of step 8 written
     refused = [e for e in read_all(tmp_path / "events.jsonl") if e["event"] == "commit_refused"]
-    assert refused and "attempt_001" in refused[0]["reason"] and old.stop.is_set()
+    assert refused and "attempt_001" in refused[0]["reason"] and old.stopping
 
 
 def test_a_superseded_committer_writes_no_manifest_even_with_every_shard_in_place(tmp_path):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -70,7 +69,11 @@ class Saver:
         self.superseded = False  # a newer job claimed the checkpoint location: write nothing more
         self.drills, self.job_dir = list(drills), job_dir  # chaos drills acted on by the saver
         self.meta = meta or {}  # recorded in every manifest (JobConfig.checkpoint_meta)
-        self.stop = threading.Event()
+        # set by SIGTERM's handler: a plain flag, never a lock. The handler runs on the main
+        # thread between two bytecodes — inside Event.wait() that thread may hold the Event's
+        # lock, and an Event.set() from the handler then waits for it forever (seen: a saver
+        # that did not end on SIGTERM)
+        self.stopping = False
         self._dead_seen: set[int] = set()
         self.pending: dict[int, int] = {}  # committer only: persisted step -> world size, not yet committed
 
@@ -115,7 +118,7 @@ class Saver:
         if owner is not None:
             self.superseded = True
             self.pending.clear()
-            self.stop.set()
+            self.stopping = True
             self._emit({"event": EventKind.COMMIT_REFUSED, "step": step,
                         "reason": f"{self.store.location} is claimed by a newer job ({owner}); this saver's job "
                                   f"({self.fence_owner}) was superseded, so it writes nothing"})
@@ -209,7 +212,7 @@ class Saver:
     def run(self) -> None:
         committed = self.store.read_pointer() or -1
         parent = os.getppid()
-        while not self.stop.is_set() and os.getppid() == parent:
+        while not self.stopping and os.getppid() == parent:
             step = self.candidate(breakpoint=False)
             if (step is None or step <= committed) and self.newly_dead_workers():
                 step = self.candidate(breakpoint=True)
@@ -219,7 +222,7 @@ class Saver:
                 committed = step
             if self.pending:
                 self.commit_ready()
-            self.stop.wait(POLL_S)
+            time.sleep(POLL_S)  # the poll interval (no Event.wait: see `stopping`)
         if self.superseded:
             return
         step = self.candidate(breakpoint=True)  # final breakpoint save on the way out
@@ -237,7 +240,7 @@ def serve(ns: Path, nproc: int, job_path: Path) -> int:
     job = JobConfig.load(job_path)
     saver = Saver(ns, nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
                   drills=job.chaos, job_dir=job.job_dir, meta=job.checkpoint_meta(), fence_owner=job.job_dir)
-    signal.signal(signal.SIGTERM, lambda *_: saver.stop.set())  # finish, save at breakpoint, exit
+    signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "stopping", True))  # finish, save at breakpoint, exit
     saver._emit({"event": EventKind.SAVER_START})
     try:
         saver.run()
