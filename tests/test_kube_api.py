@@ -20,7 +20,7 @@ from s3_servers import free_ports
 kube_api = double.kube_api  # the fixture
 KubeAPI = double.KubeAPI
 NS = "default"
-SLEEP = ["python", "-c", "import time; time.sleep(600)"]
+SLEEP = ["python", "-c", "import signal; signal.pause()"]  # a pod that runs until it is deleted
 # pod 0 echoes one line on its own DNS name; pod 1 connects to it by that name and prints the answer
 ECHO = """
 import socket, sys, time
