@@ -51,6 +51,10 @@ class PretrainSettings(BaseSettings):
     health_check_timeout_s: float = Field(
         180.0, gt=0, description="A node health-check process (matmul timing, allreduce) that takes longer fails "
         "the check.")
+    progress_interval_s: float = Field(
+        30.0, gt=0, description="While a stage trains, a progress line (step / total, loss, tokens/s, ETA, restarts, "
+        "newest checkpoint) goes to the flow run's log, and to the console when it is not a terminal, every this "
+        "many seconds.")
     node_lock_wait_s: float = Field(
         30.0, gt=0, description="A node agent waits this long for its predecessor on the node (a dying agent of "
         "the previous launch) to let go of the node's lock.")

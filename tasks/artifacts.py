@@ -2,7 +2,7 @@
 
 - ``campaign-report-<campaign>``  markdown: stages, attempts, checkpoints, node check, time lost per cause
 - ``checkpoints-<campaign>``      table: every stored checkpoint with its verdict and eval loss
-- ``training-progress-<campaign>`` progress (0-100 %) over all stages, updated while a job trains
+- ``training-progress-<campaign>`` progress (0-100 %) over all stages, updated while a job trains (``tasks.training_progress``)
 - ``data-preparation-<campaign>`` progress (0-100 %) of data preparation (``tasks.data_progress``)
 - ``mlflow-run-<campaign>``       link to the campaign's MLflow parent run
 - ``node-check-<campaign>``       table: the node health check (made by ``tasks.cluster``)
@@ -12,12 +12,8 @@
 from __future__ import annotations
 
 import re
-import time
-from uuid import UUID
 
-from prefect import get_run_logger
-from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
-                               create_table_artifact, update_progress_artifact)
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from pretrain.redact import redact
 from pretrain.report import campaign_report, checkpoint_rows
@@ -54,37 +50,3 @@ def link_mlflow_run(spec: CampaignSpec, experiment_id: str, run_id: str) -> None
     url, how = map(redact, mlflow_run_url(spec.tracking_uri, experiment_id, run_id))
     create_link_artifact(key=artifact_key("mlflow-run", spec.name), link=url, link_text=f"MLflow run of {spec.name}",
                          description=f"Campaign {spec.name}'s MLflow parent run {run_id} ({how})")
-
-
-class TrainingProgress:
-    """The campaign's progress artifact: steps trained over all stages, in percent. Updated at most
-    every ``min_interval_s`` and only when the step moved."""
-
-    def __init__(self, spec: CampaignSpec, stage_index: int, min_interval_s: float = 2.0):
-        self.total = sum(s.steps for s in spec.stages)
-        self.offset = spec.step_offset(stage_index)
-        self.stage = spec.stages[stage_index].name
-        self.min_interval_s = min_interval_s
-        self.last_step, self.last_time = -1, 0.0
-        self.id: UUID | None = None
-        try:
-            self.id = create_progress_artifact(progress=self._percent(0), key=artifact_key("training-progress", spec.name),
-                                               description=self._describe(0))
-        except Exception as err:  # noqa: BLE001 - progress display must never stop training
-            get_run_logger().warning("cannot create the progress artifact: %s", err)
-
-    def _percent(self, stage_step: int) -> float:
-        return round(100.0 * (self.offset + max(stage_step, 0)) / self.total, 1)
-
-    def _describe(self, stage_step: int) -> str:
-        return f"stage {self.stage}: step {max(stage_step, 0)}; campaign {self.offset + max(stage_step, 0)}/{self.total} steps"
-
-    def update(self, stage_step: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.id is None or stage_step <= self.last_step or (not force and now - self.last_time < self.min_interval_s):
-            return
-        try:
-            update_progress_artifact(self.id, self._percent(stage_step), description=self._describe(stage_step))
-            self.last_step, self.last_time = stage_step, now
-        except Exception as err:  # noqa: BLE001
-            get_run_logger().warning("cannot update the progress artifact: %s", err)

@@ -19,7 +19,7 @@ from pretrain.redact import redact
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import MetricsForwarder, forwarder_backoff
-from tasks.artifacts import TrainingProgress
+from tasks.training_progress import StageProgress
 from tasks.tracking import tracker_for
 from trainer.events import EventKind
 from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
@@ -122,7 +122,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
                                  step_offset, events_path=Path(job.job_dir) / EVENTS, log=logger.warning,
                                  backoff=forwarder_backoff(settings))
-    progress = TrainingProgress(spec, stage_index)
+    progress = StageProgress(spec, stage_index, attempt, logger, settings)
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
     scaled_up: list[int] = []
@@ -146,14 +146,14 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                     logger.warning("stage %s: node %d lost (exit %s); training continues on the others", job.stage, node, exit_code)
                     events.write({"event": EventKind.NODE_LOST, "node": node, "exit_code": exit_code, "source": "orchestrator"})
             forwarder.pump()
-            progress.update(forwarder.last_step)
+            progress.update()
             if code is None and (due := rejoin.due()):
                 scaled_up = try_scale_up(spec, job.stage, due, rejoin, events, logger, settings)
                 if scaled_up:
                     handle.stop(grace_s=settings.scale_up_grace_s)  # the savers persist the newest snapshot on the way out
                     code = handle.poll()
         forwarder.drain(timeout_s=settings.mlflow_drain_s)
-        progress.update(forwarder.last_step, force=True)
+        progress.update(final=True)
     finally:
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left
         if forget_job is not None:
