@@ -45,6 +45,7 @@ def run(
         if why := not_runnable(campaign.cluster):
             raise SpecError(why)
     _exit_if_ledger_damaged(campaign.workdir_path)
+    from deployments.live_progress import training_display
     from deployments.local_run import run_campaign_here
     from pretrain.interrupt import CampaignInterrupted, StoppedAtOnce
     from pretrain.ledger import CampaignMismatch, LedgerError
@@ -52,7 +53,8 @@ def run(
 
     try:
         # the flow reads the status with the blocks' credentials, which stay in the flow
-        final = run_campaign_here(campaign, notice=lambda msg: err.print(msg, highlight=False))
+        with training_display(campaign.workdir_path):  # while a stage trains: step, loss, tokens/s, ETA…
+            final = run_campaign_here(campaign, notice=lambda msg: err.print(msg, highlight=False))
     except (CampaignMismatch, LedgerError) as e:
         raise fail(str(e)) from None
     except CampaignInterrupted as e:
@@ -94,11 +96,20 @@ def _this_command() -> str:
 def status(
     workdir: Path = typer.Option(..., "--workdir", "-w", help="The campaign's workdir."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    watch: bool = typer.Option(False, "--watch", help="Follow a running campaign's training (step, loss, tokens/s, "
+                               "ETA, restarts, newest checkpoint) until it stops running, then show the table."),
+    interval: float = typer.Option(5.0, "--interval", min=0.1, help="With --watch: seconds between looks (and "
+                                   "between lines when not on a terminal)."),
 ) -> None:
     """Show a campaign's stages, checkpoints, attempts, restarts and MLflow runs."""
     from pretrain.ledger import LedgerError
     from pretrain.status import NoCampaign, campaign_status, render
 
+    if watch:
+        from pretrain.cli_watch import watch_campaign
+
+        with refused(NoCampaign, LedgerError):
+            watch_campaign(workdir, interval)
     with refused(NoCampaign, LedgerError):
         st = campaign_status(workdir)
     if as_json:

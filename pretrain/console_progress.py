@@ -138,6 +138,7 @@ class BarProgress:
         self.rates, self.snap = Rates(), _Snapshot()
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), TaskProgressColumn(),
                                  TextColumn("{task.fields[line]}"), console=Console(file=stream or sys.stderr))
+        self.console = self.progress.console  # print through it while the bar shows, above the bar
         self.task = self.progress.add_task(title, total=None, line="")
         self.started = False
 

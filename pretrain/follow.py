@@ -1,0 +1,110 @@
+"""Follow a campaign from its workdir alone (ledger, lock file, the running job's files): what
+``pretrain run`` draws while it trains and what ``pretrain status --watch`` shows from another
+terminal. Reads only; never takes the campaign's lock."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pretrain.console_progress import ProgressDisplay
+from pretrain.layout import CampaignLayout
+from pretrain.ledger import Ledger
+from pretrain.ledger_schema import CampaignRecord, CampaignStatus, StageStatus
+from pretrain.lock import read_holder
+from pretrain.train_progress import TrainingSnapshot, TrainingWatch, job_watch
+
+TITLE = "training"
+
+
+def holder_alive(holder: dict) -> bool:
+    """Whether the process the lock file names may still run: False only when it is on this host
+    and gone (a campaign killed without a chance to record its end leaves "running" behind)."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def running(record: CampaignRecord, workdir: Path) -> bool:
+    """The ledger says running and its runner is not known to be gone."""
+    return record.status == CampaignStatus.RUNNING and holder_alive(read_holder(workdir))
+
+
+@dataclass
+class CampaignFollower:
+    """Where the campaign in ``workdir`` trains now: the stage whose job runs, and its numbers."""
+
+    workdir: Path
+    watch: TrainingWatch | None = None
+    record: CampaignRecord | None = None
+
+    def look(self) -> TrainingSnapshot | None:
+        """The running stage's snapshot; None while no stage trains (data, node check, evaluation).
+        Raises ``LedgerError`` for a damaged ledger."""
+        layout = CampaignLayout(self.workdir)
+        ledger = Ledger.read(layout)
+        self.record = ledger.record if ledger else None
+        if self.record is None:
+            return None
+        stage = next((name for name, s in self.record.stages.items()
+                      if s.status == StageStatus.RUNNING and s.attempts > 0), None)
+        if stage is None:
+            return None
+        s = self.record.stages[stage]
+        if self.watch is None or (self.watch.stage, self.watch.attempt) != (stage, s.attempts - 1):
+            self.watch = job_watch(self.workdir, stage, s.attempts - 1, s.steps, lambda: self._stage(stage))
+        return self.watch.poll()
+
+    def _stage(self, name: str):
+        return self.record.stages.get(name) if self.record else None
+
+    def running(self) -> bool:
+        return self.record is not None and running(self.record, self.workdir)
+
+
+def show(display: ProgressDisplay, snap: TrainingSnapshot) -> None:
+    stage = f"stage {snap.stage}" + (f" (attempt {snap.attempt + 1})" if snap.attempt else "")
+    display.update(snap.done, snap.total, stage, **snap.fields())
+
+
+@dataclass
+class FollowThread:
+    """``pretrain run``'s display: a thread that looks at the workdir every ``every_s`` while the
+    flow runs in this process, and draws the running stage's snapshots."""
+
+    workdir: Path
+    display: ProgressDisplay
+    every_s: float = 1.0
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> "FollowThread":
+        self.thread = threading.Thread(target=self._run, name="training-progress", daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        follower = CampaignFollower(self.workdir)
+        while not self.stop.wait(self.every_s):
+            try:
+                snap = follower.look()
+            except Exception:  # noqa: BLE001 - a ledger mid-replace or damaged: the run itself reports it
+                continue
+            if snap is not None and snap.step >= 0:
+                show(self.display, snap)
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+        self.display.close()
