@@ -14,8 +14,11 @@ logged again. Needs ``transformers`` (the ``hf`` extra).
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +54,32 @@ class Registered:
 def _existing(client: MlflowClient, name: str, run_id: str, checkpoint: str):
     versions = client.search_model_versions(f"name = '{name}'")
     return next((v for v in versions if v.run_id == run_id and v.tags.get(TAG_CHECKPOINT) == checkpoint), None)
+
+
+# loggers that report, at WARNING, what a campaign's user can do nothing about while a model is
+# saved: a model card and license "from the hub" (ours is not from the hub), requirements guessed
+QUIET_LOGGERS = ("mlflow.transformers", "mlflow.models", "mlflow.utils.requirements_utils", "transformers")
+
+
+@contextmanager
+def quiet_model_saving() -> Iterator[None]:
+    """For the duration of the block: transformers' weight-loading progress bars off, and the
+    ``QUIET_LOGGERS`` at ERROR; both put back as they were (errors still show)."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    hf_logging.disable_progress_bar()
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def save_mlflow_model(hf_dir: Path, path: Path, max_seq_len: int) -> None:
@@ -94,7 +123,8 @@ def register_checkpoint(info: CheckpointInfo, *, tracking_uri: str, run_id: str,
     model_tags = {TAG_CHECKPOINT: info.location, TAG_STEP: str(info.step), **(tags or {})}
     with tempfile.TemporaryDirectory(prefix="pretrain-register-") as tmp:
         hf_dir = export_model(info, Path(tmp) / "hf")
-        save_mlflow_model(hf_dir, Path(tmp) / "mlflow-model", info.model.max_seq_len)
+        with quiet_model_saving():
+            save_mlflow_model(hf_dir, Path(tmp) / "mlflow-model", info.model.max_seq_len)
         logged = client.create_logged_model(run.info.experiment_id, name="model", source_run_id=run_id,
                                             tags=model_tags, params=flatten(asdict(info.model), "model."),
                                             model_type="transformers")

@@ -130,6 +130,8 @@ def assert_recorded_interrupted(spec, cause: str):
 
 def test_ctrl_c_stops_the_campaign_and_the_same_command_resumes_it(prepared_data, tmp_path):
     spec, cli = start_training(tmp_path, prepared_data, "first")
+    # piped, `pretrain run` says how training goes: a progress line once the stage trains
+    wait_for(lambda: "training: stage main" in cli.output(), 60, "a training progress line")
     tree = cli.tree()
     at_signal = ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
     os.killpg(cli.proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: the whole foreground group

@@ -165,3 +165,19 @@ def test_status_watch_on_a_terminal_draws_a_bar_and_ctrl_c_ends_it_quietly(ledge
     assert "training: stage main" in text and "loss 3" in text and "ETA 0:01:20" in text
     assert "stopped watching; the campaign goes on" in text and "Traceback" not in text
 
+
+
+def test_model_saving_is_quiet_about_what_a_user_cannot_act_on_and_puts_logging_back(capsys):
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from pretrain.registry import QUIET_LOGGERS, quiet_model_saving
+
+    before = [logging.getLogger(n).level for n in QUIET_LOGGERS]
+    with quiet_model_saving():
+        logging.getLogger("mlflow.transformers").warning("Unable to find license information for this model")
+        assert not hf_logging.is_progress_bar_enabled()
+        logging.getLogger("mlflow.transformers").error("a real error still shows")
+    assert "license" not in capsys.readouterr().err
+    assert [logging.getLogger(n).level for n in QUIET_LOGGERS] == before and hf_logging.is_progress_bar_enabled()
