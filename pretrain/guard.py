@@ -86,6 +86,16 @@ def job_lease(spec: CampaignSpec) -> dict:
     return {"location": where, "key": LEASE_KEY, "generation": generation}
 
 
+def check_holds(spec: CampaignSpec) -> None:
+    """:class:`LeaseLost` unless this run still holds the campaign's lease (one read of it): call
+    it right before a write only the holder may make (e.g. the ``good`` pointer). Nothing to
+    check for a campaign whose state is in its workdir, or outside the run's context."""
+    mine = held(spec)
+    if mine is not None:
+        mine.check()
+        mine.lease.check()
+
+
 @contextmanager
 def campaign_guard(spec: CampaignSpec, flow_run: str | None = None,
                    settings: PretrainSettings | None = None) -> Iterator[None]:

@@ -21,13 +21,13 @@ from agents import snapshot
 from conftest import small_spec, wait_for
 from s3_servers import BUCKET
 
-from pretrain.guard import LEASE_KEY, campaign_guard, held, job_lease, state_storage
-from pretrain.lease import Lease
+from pretrain.guard import LEASE_KEY, campaign_guard, check_holds, held, job_lease, state_storage
+from pretrain.lease import Lease, LeaseLost
 from pretrain.ledger import Ledger
 from pretrain.lock import CampaignBusy
 from pretrain.settings import PretrainSettings
 from trainer.checkpoint import store as ckpt
-from trainer.checkpoint.fence import LeaseFence
+from trainer.checkpoint.fence import LeaseFence, LeaseRecord
 from trainer.checkpoint.saver import Saver
 from trainer.reporting import JsonLines, read_all
 
@@ -126,6 +126,25 @@ def test_a_second_orchestrator_is_refused_by_the_lease_and_takes_over_once_the_h
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+def test_a_run_whose_lease_was_taken_over_writes_no_more_campaign_state(tmp_path, moto, aws_env):
+    """Another run took the lease (here: a newer generation written over it, as a takeover after
+    an expiry this run did not notice leaves it): the check before a `good` pointer and the
+    ledger's next write both refuse, naming the new holder."""
+    spec = s3_state_spec(tmp_path, moto.endpoint)
+    with campaign_guard(spec, "run-A", settings=PretrainSettings(lease_ttl_s=3, lease_margin_s=0)):
+        ledger = Ledger.open(spec)
+        ledger.begin_run("run-A")
+        check_holds(spec)  # still ours
+        state_storage(spec).put_bytes(LEASE_KEY, LeaseRecord(holder="run B on host-b", generation=2, token="b",
+                                                             expires_at=4e9, ttl_s=60).to_bytes())
+        with pytest.raises(LeaseLost, match="held by run B on host-b"):
+            check_holds(spec)
+        wait_for(lambda: held(spec).lost, timeout=30, what="the keeper to find the lease lost")
+        with pytest.raises(LeaseLost, match="held by run B on host-b"):
+            ledger.set_status(ledger.record.status)
+    assert Ledger.open(spec).record.invocations == 1
 
 
 def test_a_job_whose_lease_was_taken_over_cannot_commit(tmp_path, moto, aws_env):
