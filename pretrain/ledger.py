@@ -50,7 +50,7 @@ class LedgerNewer(LedgerError):
     """``ledger.json`` was written by a newer release, in a version of the file this one does not know."""
 
 
-def _parse(path: Path, data: bytes) -> CampaignRecord:
+def _parse(path: Path | str, data: bytes) -> CampaignRecord:
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, ValueError) as err:
@@ -172,8 +172,11 @@ class Ledger:
     def of_spec(cls, spec: CampaignSpec) -> "Ledger | None":
         """The campaign's ledger where its state lives (the workdir, or ``checkpoint.state_uri``);
         None if it has none yet."""
+        return cls._load(spec, _remote(spec))
+
+    @classmethod
+    def _load(cls, spec: CampaignSpec, remote: RemoteLedger | None) -> "Ledger | None":
         layout = CampaignLayout(spec.workdir_path)
-        remote = _remote(spec)
         if remote is None:
             return cls.read(layout)
         record = remote.load()
@@ -182,10 +185,9 @@ class Ledger:
     @classmethod
     def open(cls, spec: CampaignSpec) -> "Ledger":
         """The campaign's ledger, created on first use; refuses a workdir of another spec."""
-        layout = CampaignLayout(spec.workdir_path)
-        ledger = cls.of_spec(spec)
+        layout, remote = CampaignLayout(spec.workdir_path), _remote(spec)
+        ledger = cls._load(spec, remote)
         if ledger is None:
-            remote = _remote(spec)
             ledger = cls(layout, CampaignRecord(
                 campaign=spec.name, campaign_id=uuid.uuid4().hex, spec_hash=spec.spec_hash(), created=time.time(),
                 status=CampaignStatus.NEW, invocations=0,
@@ -194,10 +196,12 @@ class Ledger:
                 stages={s.name: new_stage(s.steps, redact(checkpoint_location(spec, s.name))) for s in spec.stages},
             ), remote)
         elif ledger.record.spec_hash != spec.spec_hash():
+            where, fresh = ((ledger.remote.where, "an unused `checkpoint.state_uri`") if ledger.remote else
+                            (layout.root, "--workdir pointing to an empty directory"))
             raise CampaignMismatch(
-                f"{ledger.remote.where if ledger.remote else layout.root} holds campaign {ledger.record.campaign!r} with spec hash {ledger.record.spec_hash}, "
+                f"{where} holds campaign {ledger.record.campaign!r} with spec hash {ledger.record.spec_hash}, "
                 f"but this spec hashes to {spec.spec_hash()}: resume it with its original spec, "
-                f"or start a new campaign with --workdir pointing to an empty directory")
+                f"or start a new campaign with {fresh}")
         return ledger
 
     def save(self) -> None:

@@ -194,3 +194,19 @@ def test_a_local_campaign_keeps_its_ledger_and_flock_in_the_workdir(tmp_path):
                                env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
         assert other.returncode != 0 and "is already running" in other.stderr
     assert (spec.workdir_path / "ledger.json").exists() and (spec.workdir_path / "campaign.lock").exists()
+
+
+@pytest.mark.parametrize("checkpoint, problem", [
+    ({"state_uri": "s3://b/state", "s3_endpoint_url": "http://127.0.0.1:9000"}, None),  # local checkpoints, state on S3
+    ({"state_uri": "/shared/volume/state"}, None),
+    ({"s3_endpoint_url": "http://127.0.0.1:9000"}, "only apply when uri or state_uri is an s3:// URL"),
+    ({"state_uri": "s3://KEY:SECRET@b/state"}, "credentials"),
+])
+def test_state_uri_in_the_spec(tmp_path, checkpoint, problem):
+    from pretrain.spec import SpecError
+
+    if problem is None:
+        assert small_spec(tmp_path, checkpoint=checkpoint).checkpoint.state_uri == checkpoint["state_uri"]
+    else:
+        with pytest.raises(SpecError, match=problem):
+            small_spec(tmp_path, checkpoint=checkpoint)
