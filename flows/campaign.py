@@ -25,7 +25,7 @@ from pretrain.credentials import mlflow_auth
 from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignStatus, StageStatus
-from pretrain.lock import campaign_lock
+from pretrain.guard import campaign_guard
 from pretrain.outcome import record_interrupt
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
@@ -46,7 +46,7 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
     spec = resolve_campaign(spec, spec_path, workdir)
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
     stop = current_stop()  # set under `pretrain run`: Ctrl-C / SIGTERM stop the campaign
-    with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()), mlflow_auth(spec.credentials):
+    with campaign_guard(spec, flow_run.get_id()), mlflow_auth(spec.credentials):
         if stop is None:
             return run_campaign(spec)
         stop.flow_run = flow_run.get_id()

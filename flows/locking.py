@@ -1,6 +1,7 @@
-"""The campaign's workdir lock around a flow that writes campaign state (ledger, checkpoints,
-verdicts): run on its own it is refused while the campaign runs; called by the campaign flow as a
-subflow it shares the campaign's lock (``pretrain.lock`` is reentrant within a flow run)."""
+"""The campaign's guard (its workdir lock, or its lease when its state is on shared storage:
+``pretrain.guard``) around a flow that writes campaign state (ledger, checkpoints, verdicts): run
+on its own it is refused while the campaign runs; called by the campaign flow as a subflow it
+shares the campaign's guard (reentrant within a flow run)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import functools
 
 from prefect.runtime import flow_run
 
-from pretrain.lock import campaign_lock
+from pretrain.guard import campaign_guard
 from pretrain.spec import CampaignSpec
 
 
@@ -17,7 +18,7 @@ def holds_campaign_lock(fn):
 
     @functools.wraps(fn)
     def locked(spec: CampaignSpec, *args, **kwargs):
-        with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()):
+        with campaign_guard(spec, flow_run.get_id()):
             return fn(spec, *args, **kwargs)
 
     return locked

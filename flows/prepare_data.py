@@ -8,7 +8,7 @@ from prefect.runtime import flow_run
 from blocks.references import resolve_campaign
 from pretrain.dataset.progress import ProgressCallback
 from pretrain.ledger import Ledger
-from pretrain.lock import campaign_lock
+from pretrain.guard import campaign_guard
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import describe_error
 from tasks.data import prepare_dataset
@@ -27,7 +27,7 @@ def prepare_data(spec: CampaignSpec | None = None, spec_path: str | None = None,
     it has one yet, as a dataset input; MLflow being away never fails this flow."""
     spec = resolve_campaign(spec, spec_path, workdir)
     logger = get_run_logger()
-    with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()):  # the campaign's own, when it calls this
+    with campaign_guard(spec, flow_run.get_id()):  # the campaign's own, when it calls this
         record = prepare_dataset(spec, fan_out(PrepArtifact.for_campaign(spec.name, logger.warning), progress))
         ledger = Ledger.open(spec)
         ledger.set_data(record)

@@ -52,7 +52,7 @@ def kept_flat_data(spec: CampaignSpec, record: CampaignRecord) -> DataRecord | N
 
 def campaign_data(spec: CampaignSpec) -> DataRecord:
     """The data set the campaign trains on: the ledger's record, or the release before's flat one."""
-    ledger = Ledger.read(CampaignLayout(spec.workdir_path))
+    ledger = Ledger.of_spec(spec)
     record = ledger.record.data if ledger is not None else None
     if record is not None and record.location:
         return record

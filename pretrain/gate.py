@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pretrain.campaign_data import validation_data
+from pretrain.guard import check_holds
 from pretrain.jobs import checkpoint_store, model_config, storage_options
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
@@ -106,6 +107,7 @@ def judge(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: set[
         v = out["verdict"]
         record = {"step": step, "path": location, "verdict": "good" if v["ok"] else "bad", "problems": v["problems"],
                   "probe": v.get("metrics", {}), "metrics": out["metrics"], "gate_s": gate_s, "time": time.time()}
+        check_holds(spec)  # a run that lost the campaign's lease must not move `good`
         store.set_verdict(step, record)
         records.append(record)
     return records

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pretrain.guard import job_lease
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes
@@ -90,7 +91,7 @@ def job_config(spec: CampaignSpec, stage_index: int, attempt: int, init_from: st
         memory_interval=spec.checkpoint.memory_interval, shm_dir=spec.checkpoint.shm_dir,
         shm_fallback=spec.checkpoint.shm_fallback,
         log_every=spec.tracking.log_every, backend=spec.cluster.backend, parallelism=spec.cluster.parallelism,
-        threads_per_worker=threads_per_worker(spec),
+        threads_per_worker=threads_per_worker(spec), lease=job_lease(spec),
         hang_timeouts={"startup": ft.startup_timeout_s, "step": ft.step_timeout_s, "checkpoint": ft.checkpoint_timeout_s},
         spike={"window": ft.spike_window, "zscore": ft.spike_zscore, "min_steps": ft.spike_min_steps},
         max_rollbacks=ft.max_rollbacks, attempt=attempt, saver_max_failures=ft.saver_max_failures,

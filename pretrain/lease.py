@@ -27,18 +27,18 @@ No Prefect here: the orchestrator and the pods can both use it.
 
 from __future__ import annotations
 
-import json
-import socket
 import os
+import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from trainer.checkpoint.fence import LEASE_FORMAT, LeaseRecord, LeaseRecordDamaged
 from trainer.storage import NotFound, PreconditionFailed, Storage, StorageError
 
-FORMAT = "pretrain-lease/1"
+FORMAT = LEASE_FORMAT
 
 
 class LeaseError(RuntimeError):
@@ -62,43 +62,12 @@ def default_holder() -> str:
     return f"{socket.gethostname()} pid {os.getpid()}"
 
 
-@dataclass(frozen=True)
-class LeaseRecord:
-    """One version of the lease object, as stored (JSON)."""
-
-    holder: str  # who holds it, for people: "host pid 123, flow run ..."
-    generation: int  # fencing token: +1 at every change of holder
-    token: str  # unique per write: tells a holder that a write it retried was its own
-    expires_at: float  # holder's wall clock, seconds since the epoch
-    ttl_s: float
-    released: bool = False
-    acquired_at: float = 0.0
-
-    def to_bytes(self) -> bytes:
-        body = {"format": FORMAT, **self.__dict__}
-        return (json.dumps(body, sort_keys=True) + "\n").encode()
-
-    @classmethod
-    def parse(cls, data: bytes, where: str) -> LeaseRecord:
-        try:
-            body = json.loads(data.decode())
-            if not isinstance(body, dict) or body.get("format") != FORMAT:
-                raise ValueError(f"not a {FORMAT} record")
-            record = cls(holder=str(body["holder"]), generation=body["generation"], token=str(body["token"]),
-                         expires_at=float(body["expires_at"]), ttl_s=float(body["ttl_s"]),
-                         released=bool(body.get("released", False)), acquired_at=float(body.get("acquired_at", 0)))
-            if not isinstance(record.generation, int) or isinstance(record.generation, bool) or record.generation < 1:
-                raise ValueError(f"generation {record.generation!r} is not a positive integer")
-            return record
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            raise LeaseDamaged(
-                f"the lease {where} is damaged ({exc}); nobody can hold it until it is fixed. Make sure no run of "
-                f"this campaign is still running (the lease keeps two from running at once), then delete {where} "
-                "and run again") from None
-
-    def describe(self) -> str:
-        until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.expires_at))
-        return f"{self.holder} (generation {self.generation}, expires {until} unless renewed)"
+def _parse(data: bytes, where: str) -> LeaseRecord:
+    """The record's schema lives in the trainer (its jobs read it to fence their commits)."""
+    try:
+        return LeaseRecord.parse(data, where)
+    except LeaseRecordDamaged as exc:
+        raise LeaseDamaged(str(exc)) from None
 
 
 @dataclass
@@ -141,7 +110,7 @@ class Lease:
         except NotFound:
             current, etag = None, None
         else:
-            current = LeaseRecord.parse(data, where)
+            current = _parse(data, where)
             if not current.released and now <= current.expires_at + margin_s:
                 raise LeaseHeld(_held_message(where, current))
         mine = LeaseRecord(holder=holder, generation=current.generation + 1 if current else 1,
@@ -215,7 +184,7 @@ def _read(storage: Storage, key: str, where: str) -> tuple[LeaseRecord | None, s
         data, etag = storage.get_versioned(key)
     except NotFound:
         return None, None
-    return LeaseRecord.parse(data, where), etag
+    return _parse(data, where), etag
 
 
 def _held_message(where: str, record: LeaseRecord) -> str:

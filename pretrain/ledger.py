@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from pretrain.jobs import checkpoint_location, storage_options
 from pretrain.layout import CampaignLayout
+from pretrain.ledger_remote import RemoteLedger
 from pretrain.ledger_schema import (LEDGER_VERSION, CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord,
                                     DataRecord, Failure, MlflowRecord, Resize, Resume, Rewind, StageRecord, StageStatus, Verdict,
                                     describe_problem, new_stage)
@@ -49,7 +50,7 @@ class LedgerNewer(LedgerError):
     """``ledger.json`` was written by a newer release, in a version of the file this one does not know."""
 
 
-def _parse(path: Path, data: bytes) -> CampaignRecord:
+def _parse(path: Path | str, data: bytes) -> CampaignRecord:
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, ValueError) as err:
@@ -129,6 +130,28 @@ def recover_ledger(workdir: str | Path) -> Path:
     return aside
 
 
+def _parse_remote(where: str, data: bytes) -> CampaignRecord:
+    """The ledger object's record; LedgerDamaged naming it and what to do."""
+    try:
+        return _parse(where, data)  # (it names ``where`` in its messages only)
+    except LedgerDamaged as err:
+        raise LedgerDamaged(
+            f"{err}. Nothing but this campaign's runs should write it: make sure none is running, then delete it "
+            "and run the campaign again with its spec (training resumes from its checkpoints; the ledger's history "
+            "starts anew)") from None
+
+
+def _remote(spec: CampaignSpec) -> RemoteLedger | None:
+    """The ledger object of a campaign whose state is on shared storage (None: in the workdir);
+    its writes are refused once this run's lease is lost."""
+    if not spec.checkpoint.state_uri:
+        return None
+    from pretrain.guard import held, state_storage  # (the guard imports jobs, which this module imports)
+
+    mine = held(spec)
+    return RemoteLedger(state_storage(spec), parse=_parse_remote, guard=mine.check if mine else None)
+
+
 @dataclass
 class Ledger:
     """The campaign's ledger file and its last read content (``record``). Every change re-reads
@@ -137,6 +160,7 @@ class Ledger:
 
     layout: CampaignLayout
     record: CampaignRecord
+    remote: RemoteLedger | None = None  # the ledger object on shared storage (None: the workdir's file)
 
     @classmethod
     def read(cls, layout: CampaignLayout) -> "Ledger | None":
@@ -145,10 +169,24 @@ class Ledger:
         return None if record is None else cls(layout, record)
 
     @classmethod
+    def of_spec(cls, spec: CampaignSpec) -> "Ledger | None":
+        """The campaign's ledger where its state lives (the workdir, or ``checkpoint.state_uri``);
+        None if it has none yet."""
+        return cls._load(spec, _remote(spec))
+
+    @classmethod
+    def _load(cls, spec: CampaignSpec, remote: RemoteLedger | None) -> "Ledger | None":
+        layout = CampaignLayout(spec.workdir_path)
+        if remote is None:
+            return cls.read(layout)
+        record = remote.load()
+        return None if record is None else cls(layout, record, remote)
+
+    @classmethod
     def open(cls, spec: CampaignSpec) -> "Ledger":
         """The campaign's ledger, created on first use; refuses a workdir of another spec."""
-        layout = CampaignLayout(spec.workdir_path)
-        ledger = cls.read(layout)
+        layout, remote = CampaignLayout(spec.workdir_path), _remote(spec)
+        ledger = cls._load(spec, remote)
         if ledger is None:
             ledger = cls(layout, CampaignRecord(
                 campaign=spec.name, campaign_id=uuid.uuid4().hex, spec_hash=spec.spec_hash(), created=time.time(),
@@ -156,16 +194,27 @@ class Ledger:
                 mlflow=MlflowRecord(tracking_uri=redact(spec.tracking_uri), experiment=spec.tracking.experiment),
                 storage_options=redact_tree(storage_options(spec)),
                 stages={s.name: new_stage(s.steps, redact(checkpoint_location(spec, s.name))) for s in spec.stages},
-            ))
+            ), remote)
         elif ledger.record.spec_hash != spec.spec_hash():
+            where, fresh = ((ledger.remote.where, "an unused `checkpoint.state_uri`") if ledger.remote else
+                            (layout.root, "--workdir pointing to an empty directory"))
             raise CampaignMismatch(
-                f"{layout.root} holds campaign {ledger.record.campaign!r} with spec hash {ledger.record.spec_hash}, "
+                f"{where} holds campaign {ledger.record.campaign!r} with spec hash {ledger.record.spec_hash}, "
                 f"but this spec hashes to {spec.spec_hash()}: resume it with its original spec, "
-                f"or start a new campaign with --workdir pointing to an empty directory")
+                f"or start a new campaign with {fresh}")
         return ledger
 
     def save(self) -> None:
-        """Write the ledger atomically, first keeping the current (intact) one as ``ledger.json.prev``."""
+        """Write the ledger atomically, first keeping the current (intact) one as ``ledger.json.prev``
+        (on shared storage: replace the stored record with this one, conditionally)."""
+        if self.remote is not None:
+            mine = self.record
+
+            def overwrite(r: CampaignRecord) -> None:
+                for name in type(mine).model_fields:
+                    setattr(r, name, getattr(mine.model_copy(deep=True), name))
+            self.record = self.remote.update(overwrite, mine)
+            return
         path = self.layout.ledger
         try:
             current = path.read_bytes()
@@ -191,7 +240,7 @@ class Ledger:
                 "`checkpoint.keep`; old jobs/ logs), then run the same command again.")) from None
 
     def reload(self) -> CampaignRecord:
-        fresh = _read(self.layout.ledger)
+        fresh = self.remote.load() if self.remote is not None else _read(self.layout.ledger)
         if fresh is not None:
             self.record = fresh
         return self.record
@@ -199,6 +248,9 @@ class Ledger:
     def mutate(self, change: Callable[[CampaignRecord], object]) -> CampaignRecord:
         """Re-read the file, apply ``change(record)``, write it back (the bytes read, which were
         just validated, become ``.prev``)."""
+        if self.remote is not None:  # conditional writes: a lost race re-reads and re-applies ``change``
+            self.record = self.remote.update(change, self.record)
+            return self.record
         read = _read_with_bytes(self.layout.ledger)
         current = None
         if read is not None:

@@ -58,6 +58,12 @@ class PretrainSettings(BaseSettings):
     node_lock_wait_s: float = Field(
         30.0, gt=0, description="A node agent waits this long for its predecessor on the node (a dying agent of "
         "the previous launch) to let go of the node's lock.")
+    lease_ttl_s: float = Field(
+        60.0, gt=0, description="A campaign whose state is on shared storage (`checkpoint.state_uri`) is held by a "
+        "lease its run renews every third of this; a run that died loses it this long (plus the margin) after.")
+    lease_margin_s: float = Field(
+        10.0, ge=0, description="… plus this, for clock skew between machines: another run takes the lease over "
+        "only this long after it expired.")
 
     @classmethod
     def from_env(cls) -> "PretrainSettings":

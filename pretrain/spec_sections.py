@@ -127,16 +127,20 @@ class CheckpointSpec(Section):
         "role), never from the spec.")
     s3_endpoint_url: str | None = Field(None, description="Endpoint of an S3-compatible server (MinIO, SeaweedFS, …); empty → AWS.")
     s3_region: str | None = Field(None, description="S3 region; empty → the AWS environment's default.")
+    state_uri: str | None = Field(
+        None, description="Where the campaign's state (ledger, lease) lives: empty → the workdir, and a file lock keeps "
+        "two runs apart on this machine; or shared storage ('s3://bucket/prefix', same endpoint and credentials as "
+        "the checkpoints, or a shared directory), where a lease keeps two runs apart wherever they run.")
 
-    @field_validator("uri", "s3_endpoint_url")
+    @field_validator("uri", "s3_endpoint_url", "state_uri")
     @classmethod
     def _no_credentials(cls, url: str | None) -> str | None:
         return no_credentials_in_url(url, S3_CREDENTIALS_GO)
 
     @model_validator(mode="after")
     def _s3_only_options(self) -> "CheckpointSpec":
-        if (self.s3_endpoint_url or self.s3_region) and not (self.uri or "").startswith("s3://"):
-            raise ValueError("s3_endpoint_url / s3_region only apply when uri is an s3:// URL")
+        if (self.s3_endpoint_url or self.s3_region) and not any((u or "").startswith("s3://") for u in (self.uri, self.state_uri)):
+            raise ValueError("s3_endpoint_url / s3_region only apply when uri or state_uri is an s3:// URL")
         return self
 
     @model_validator(mode="after")

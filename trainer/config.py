@@ -134,6 +134,7 @@ class JobConfig:
     backend: str  # auto | gloo | nccl
     parallelism: str  # ddp (replicated model, rank 0 checkpoints it) | fsdp (FSDP2: every rank its shard)
     threads_per_worker: int  # torch intra-op threads; 0 = leave as launched
+    lease: dict  # the campaign lease the job runs under: {"location", "key", "generation"} (trainer.checkpoint.fence.LeaseFence); {}: none (local state, the flock)
 
     def checkpoints(self):
         """This stage's checkpoint store (local directory or S3 prefix)."""

@@ -20,6 +20,7 @@ class EventKind(StrEnum):
     SAVER_START = "saver_start"
     SAVER_ERROR = "saver_error"
     COMMIT_REFUSED = "commit_refused"
+    COMMIT_DEFERRED = "commit_deferred"  # the campaign lease could not be read: the commit waits for the next poll
     PERSIST_SKIPPED = "persist_skipped"
     PERSISTED = "persisted"
     BREAKPOINT_SAVE = "breakpoint_save"

@@ -42,6 +42,7 @@ from trainer.config import Drill, JobConfig
 from trainer.events import EventKind
 from trainer.process import pid_alive
 from trainer.reporting import EVENTS, JsonLines
+from trainer.storage import StorageError
 from trainer.resilience.chaos import corrupt_committed
 from trainer.resilience.diskfull import describe, is_disk_full
 
@@ -63,9 +64,11 @@ class CheckpointDiskFull(RuntimeError):
 class Saver:
     def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None,
                  drills: list[Drill] = (), job_dir: str | None = None, meta: dict | None = None,
-                 fence_owner: str | None = None):
+                 fence_owner: str | None = None, lease: fence.LeaseFence | None = None):
         self.ns, self.nproc, self.store, self.keep, self.events = ns, nproc, store, keep, events
         self.fence_owner = fence_owner  # the job this saver commits for (None: no fencing)
+        self.lease = lease  # the campaign lease generation its job runs under (None: no lease)
+        self._deferred: str | None = None  # why the last commit waited for the lease (one event per reason)
         self.superseded = False  # a newer job claimed the checkpoint location: write nothing more
         self.drills, self.job_dir = list(drills), job_dir  # chaos drills acted on by the saver
         self.meta = meta or {}  # recorded in every manifest (JobConfig.checkpoint_meta)
@@ -113,16 +116,26 @@ class Saver:
         return dead
 
     def fenced(self, step: int) -> bool:
-        """Has a newer job claimed the checkpoint location? (Then this saver refuses to write.)"""
+        """Has a newer job claimed the checkpoint location, or another run of the campaign taken
+        its lease? (Then this saver refuses to write, for good.) A lease that cannot be read now
+        holds this write back (True) without giving up: the next poll tries again."""
         owner = fence.superseded(self.store, self.fence_owner)
-        if owner is not None:
+        reason = (f"{self.store.location} is claimed by a newer job ({owner}); this saver's job "
+                  f"({self.fence_owner}) was superseded, so it writes nothing") if owner is not None else None
+        if reason is None and self.lease is not None:
+            try:
+                reason = self.lease.fenced()
+            except (StorageError, fence.LeaseRecordDamaged) as err:
+                if str(err) != self._deferred:
+                    self._deferred = str(err)
+                    self._emit({"event": EventKind.COMMIT_DEFERRED, "step": step, "reason": str(err)})
+                return True
+        if reason is not None:
             self.superseded = True
             self.pending.clear()
             self.stopping = True
-            self._emit({"event": EventKind.COMMIT_REFUSED, "step": step,
-                        "reason": f"{self.store.location} is claimed by a newer job ({owner}); this saver's job "
-                                  f"({self.fence_owner}) was superseded, so it writes nothing"})
-        return owner is not None
+            self._emit({"event": EventKind.COMMIT_REFUSED, "step": step, "reason": reason})
+        return reason is not None
 
     def persist(self, step: int) -> bool:
         """Write this node's shards of ``step`` (and commit it, on the committer); a failure
@@ -239,14 +252,16 @@ def serve(ns: Path, nproc: int, job_path: Path) -> int:
     A failure is written to ``ns/saver.error`` for the node agent."""
     job = JobConfig.load(job_path)
     saver = Saver(ns, nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
-                  drills=job.chaos, job_dir=job.job_dir, meta=job.checkpoint_meta(), fence_owner=job.job_dir)
+                  drills=job.chaos, job_dir=job.job_dir, meta=job.checkpoint_meta(), fence_owner=job.job_dir,
+                  lease=fence.LeaseFence.of_job(job.lease, job.storage_options))
     signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "stopping", True))  # finish, save at breakpoint, exit
     saver._emit({"event": EventKind.SAVER_START})
     try:
         saver.run()
         if saver.superseded:
-            raise SupersededJob(f"a newer job claimed {saver.store.location} (see its {fence.FENCE} record): "
-                                f"this job ({job.job_dir}) no longer commits checkpoints there")
+            raise SupersededJob(f"a newer job claimed {saver.store.location} (see its {fence.FENCE} record) or another "
+                                f"run took the campaign's lease over: this job ({job.job_dir}) no longer commits "
+                                "checkpoints there (its commit_refused event says which)")
     except Exception as err:  # noqa: BLE001 - reported to the node agent, which restarts or fails the job
         message = f"{type(err).__name__}: {err}"
         atomic_write_json(ns / ERROR_FILE, {"error_type": type(err).__name__, "error": message})
