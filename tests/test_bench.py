@@ -1,0 +1,85 @@
+"""`python -m bench`: finds the benchmark scripts, runs them, and writes docs/benchmarks.md
+section by section (a run of one benchmark keeps the others' sections)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench/ is not an installed package
+
+from bench import document, registry  # noqa: E402
+from bench.results import Check  # noqa: E402
+
+
+def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("BENCH_RESULT", None)
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_every_bench_script_is_found_with_its_quick_arguments_without_importing_it(tmp_path):
+    found, broken = registry.discover()
+    names = {b.name for b in found}
+    assert {"flash_checkpoint", "s3_persist", "data_prep", "recovery", "trainer_overhead", "gpu"} <= names
+    assert broken == []
+    by_name = {b.name: b for b in found}
+    assert by_name["trainer_overhead"].args(quick=True) != by_name["trainer_overhead"].args(quick=False)
+    # a benchmark written later without a BENCH literal (as chaos_goodput may be) still runs, shortened
+    (tmp_path / "later.py").write_text('"""A later benchmark: faults every minute."""\nimport nonexistent_module\n'
+                                       'p.add_argument("--minutes", type=float, default=10)\n')
+    (tmp_path / "broken.py").write_text("def (:\n")
+    later, broken = registry.discover(tmp_path)
+    assert [(b.name, b.title, b.args(True), b.args(False)) for b in later] == [
+        ("later", "A later benchmark: faults every minute", ["--minutes", "1"], [])]
+    assert broken == ["broken.py"]
+
+
+@pytest.mark.parametrize("check, verdict", [
+    (Check("ratio", 0.98, 0.97, ">="), "met"),
+    (Check("ratio", 0.90, 0.97, ">=", "slow kernels"), "missed: slow kernels"),
+    (Check("wall ratio", 1.05, 1.10, "<="), "met"),
+    (Check("wall ratio", 2.0, 1.10, "<="), "missed: no reason recorded"),
+])
+def test_a_check_says_met_or_missed_with_why(check, verdict):
+    assert check.line().endswith(verdict)
+
+
+def test_a_kept_section_survives_and_a_damaged_document_is_written_anew(tmp_path):
+    s = document.Section(name="a", title="A", command="python bench/a.py", machine="m", mode="quick", wall_s=1,
+                         output="x 1\n", checks=[Check("r", 1.0, 0.9)])
+    out = tmp_path / "b.md"
+    document.write(out, [s], command="python -m bench", machine="m")
+    kept = document.parse(out.read_text())
+    assert list(kept) == ["a"] and kept["a"].checks == s.checks and kept["a"].render() == s.render()
+    assert document.parse("# Benchmarks\n<!-- bench:a {not json} -->\nx\n<!-- /bench:a -->\n") == {}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU benchmark would run for real")
+def test_python_m_bench_quick_writes_a_well_formed_section_and_keeps_the_others(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    out.write_text(document.Section(name="data_prep", title="Data preparation (earlier run)", command="c", machine="m",
+                                    mode="full", wall_s=9, output="kept table\n").render())
+    done = run_bench("--quick", "--only", "gpu", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    sections = document.parse(text)
+    assert set(sections) == {"data_prep", "gpu"}  # the other benchmarks were not run and had no section
+    assert "kept table" in sections["data_prep"].text
+    gpu = sections["gpu"]
+    assert gpu.status == "skipped: no CUDA device" and gpu.mode == "quick"
+    assert "## GPU" in gpu.text and "`python bench/gpu.py --steps 6" in gpu.text
+    assert "**Quick mode**" in text and "| GPU" in text and "cores" in text and "torch" in text
+
+
+def test_an_unknown_benchmark_name_is_refused_with_the_known_ones(tmp_path):
+    done = run_bench("--only", "nope", "--out", str(tmp_path / "b.md"))
+    assert done.returncode == 2 and "no benchmark named nope" in done.stderr and "trainer_overhead" in done.stderr
+    assert not (tmp_path / "b.md").exists()
