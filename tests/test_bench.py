@@ -83,3 +83,41 @@ def test_an_unknown_benchmark_name_is_refused_with_the_known_ones(tmp_path):
     done = run_bench("--only", "nope", "--out", str(tmp_path / "b.md"))
     assert done.returncode == 2 and "no benchmark named nope" in done.stderr and "trainer_overhead" in done.stderr
     assert not (tmp_path / "b.md").exists()
+
+
+def test_the_campaign_breakdown_adds_up_to_its_wall_time_and_names_where_it_went():
+    from bench.orchestration import breakdown
+
+    p = "12:00:00.000 | INFO    | "
+    lines = [
+        (20.0, p + "Flow run 'a' - Beginning flow run 'a' for flow 'pretrain-campaign'"),
+        (21.0, p + "Flow run 'a' - campaign demo"),
+        (30.0, p + "Task run 'open-campaign-run-a09' - Finished in state Completed()"),
+        (31.0, p + "Flow run 'b' - Beginning subflow run 'b' for flow 'prepare-data'"),
+        (34.0, p + "Flow run 'b' - Finished in state Completed()"),
+        (35.0, p + "Flow run 'c' - Beginning subflow run 'c' for flow 'train-stage'"),
+        (36.0, p + "Flow run 'c' - stage main: launching attempt 0 from scratch"),
+        (36.5, p + "Task run 'run-training-job-8c9' - stage main attempt 0: 1 node(s) × 2 workers"),
+        (60.0, p + "Task run 'run-training-job-8c9' - Finished in state Completed()"),
+        (64.0, p + "Task run 'judge-checkpoints-3f0' - stage main: checkpoint 5 is good"),
+        (65.0, p + "Task run 'judge-checkpoints-3f0' - Finished in state Completed()"),
+        (66.0, p + "Flow run 'c' - Finished in state Completed()"),
+        (66.5, p + "Task run 'finish-run-7f8' - Finished in state Completed()"),
+        (80.0, "Loading weights: 100%"),  # a library's line: not where a task started
+        (85.0, p + "Task run 'register-final-model-51d' - Finished in state Completed()"),
+        (86.0, p + "Flow run 'a' - Finished in state Completed()"),
+        (86.5, "campaign demo — completed"),
+    ]
+    parts = dict(breakdown(lines, wall=87.0))
+    assert parts == {
+        "start: CLI, Prefect API server, flow run created": 20.0,
+        "train-stage: training jobs (node agents, workers)": 24.0,  # from the launch line before its first
+        "train-stage: validation gate": 5.0,  # from the job's end to the gate's
+        "train-stage: the rest (MLflow stage runs, resume point, …)": 2.0,
+        "campaign task register-final-model": 18.5,  # from Prefect's line before it, not the library's
+        "campaign task open-campaign-run": 9.0,
+        "subflow prepare-data": 3.0,
+        "after the flow: status table, API server stop": 1.0,
+        "the rest: Prefect between tasks and subflows, short tasks": 4.5,
+    }
+    assert sum(parts.values()) == pytest.approx(87.0)
