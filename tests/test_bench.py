@@ -34,11 +34,12 @@ def test_every_bench_script_is_found_with_its_quick_arguments_without_importing_
     assert by_name["trainer_overhead"].args(quick=True) != by_name["trainer_overhead"].args(quick=False)
     # a benchmark written later without a BENCH literal (as chaos_goodput may be) still runs, shortened
     (tmp_path / "later.py").write_text('"""A later benchmark: faults every minute."""\nimport nonexistent_module\n'
-                                       'p.add_argument("--minutes", type=float, default=10)\n')
+                                       'p.add_argument("--minutes", type=float, default=10)\n'
+                                       'p.add_argument("--fault-every", type=float, default=120)\n')
     (tmp_path / "broken.py").write_text("def (:\n")
     later, broken = registry.discover(tmp_path)
     assert [(b.name, b.title, b.args(True), b.args(False)) for b in later] == [
-        ("later", "A later benchmark: faults every minute", ["--minutes", "1"], [])]
+        ("later", "A later benchmark: faults every minute", ["--minutes", "1", "--fault-every", "20"], [])]
     assert broken == ["broken.py"]
 
 
