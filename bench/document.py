@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.results import Check
+from trainer.atomic import atomic_write_bytes
 
 _SECTION = re.compile(r"<!-- bench:(?P<name>[A-Za-z0-9_]+) (?P<meta>\{.*?\}) -->\n(?P<body>.*?)<!-- /bench:(?P=name) -->\n",
                       re.S)
@@ -99,7 +100,4 @@ def write(path: Path, sections: list[Section | Kept], *, command: str, machine: 
                  "Rerun `python -m bench` on an idle machine for numbers worth quoting.", ""]
     head += ["Ratios are measured side by side in one run (the machine's speed cancels); absolute times on a "
              "shared machine vary ±50 % between runs.", "", "## Summary", "", *summary(sections), ""]
-    text = "\n".join(head) + "\n" + "\n".join(s.render() for s in sections)
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    atomic_write_bytes(path, ("\n".join(head) + "\n" + "\n".join(s.render() for s in sections)).encode())

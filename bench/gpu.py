@@ -213,8 +213,15 @@ def main() -> None:
     rank, local, world = init_dist(device)
     import torch.distributed as dist
 
+    compile_failed = None
     try:
-        rate, model, opt, loss = train_throughput(a, device, local)
+        try:
+            rate, model, opt, loss = train_throughput(a, device, local)
+        except Exception as err:  # noqa: BLE001 - torch.compile's failures are many (no compiler, triton …)
+            if not a.compile:
+                raise
+            compile_failed, a.compile = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", False
+            rate, model, opt, loss = train_throughput(a, device, local)
         ckpt = checkpoint_times(a, device, model, opt)
     finally:
         dist.destroy_process_group()
@@ -230,6 +237,8 @@ def main() -> None:
     print(f"GPT {model.num_params() / 1e6:.0f}M params ({a.layers} layers, d_model {a.d_model}, vocab {a.vocab}); "
           f"micro-batch {a.micro_batch} × {a.seq_len}; bf16 autocast, "
           f"{'flash SDPA' if device.type == 'cuda' else 'default SDPA'}, {'torch.compile' if a.compile else 'eager'}")
+    if compile_failed:
+        print(f"torch.compile failed ({compile_failed}): measured eager")
     print(f"{'training, per GPU':44s} {rate:>12,.0f} tokens/s   ({a.steps} steps after {a.warmup} warm-up; loss {loss:.2f})")
     print(f"{'MFU':44s} {f'{mfu * 100:11.1f} %' if mfu is not None else '     unknown'}   "
           f"(peak {peak or '?'} TFLOP/s bf16)")

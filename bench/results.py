@@ -41,9 +41,9 @@ def report(checks: list[Check] | None = None, skipped: str | None = None, **fact
     record = {"checks": [asdict(c) | {"met": c.met} for c in checks or []], "skipped": skipped, "facts": facts}
     target = os.environ.get(RESULT_ENV)
     if target:
-        tmp = Path(target).with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(target)
+        from trainer.atomic import atomic_write_json
+
+        atomic_write_json(target, record)
         return
     if skipped:
         print(f"skipped: {skipped}")

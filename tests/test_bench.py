@@ -122,3 +122,19 @@ def test_the_campaign_breakdown_adds_up_to_its_wall_time_and_names_where_it_went
         "the rest: Prefect between tasks and subflows, short tasks": 4.5,
     }
     assert sum(parts.values()) == pytest.approx(87.0)
+
+
+@pytest.mark.parametrize("body, timeout_s, status", [
+    ("import sys\nprint('half a table')\nsys.exit('disk full while writing')\n", 60,
+     "failed: exit status 1 (disk full while writing)"),
+    ("import signal\nprint('half a table', flush=True)\nsignal.pause()\n", 1, "failed: did not finish within 1 s"),
+])
+def test_a_failing_or_hanging_benchmark_is_recorded_as_failed_with_its_output(tmp_path, body, timeout_s, status):
+    from bench.__main__ import run_one
+
+    script = tmp_path / "broken_bench.py"
+    script.write_text(body)
+    b = registry.Benchmark(name="broken_bench", title="Broken", path=script, timeout_s=timeout_s)
+    section = run_one(b, quick=True, facts_line="m", log=lambda _: None)
+    assert section.status == status and section.checks == []
+    assert "half a table" in section.output and f"**{status}**" in section.render()
