@@ -32,7 +32,10 @@ def run_one(b: registry.Benchmark, quick: bool, facts_line: str, log) -> documen
     with tempfile.TemporaryDirectory(prefix=f"bench-{b.name}-") as tmp:
         result = Path(tmp) / "result.json"
         env = {**os.environ, RESULT_ENV: str(result), "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               # campaigns' Prefect API server: a loaded machine can take longer than Prefect's 20 s to start it
+               "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": os.environ.get(
+                   "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")}
         cmd = [sys.executable, str(b.path), *b.args(quick)]
         log(f"running {b.name}: {b.command(quick)}")
         t0 = time.perf_counter()
@@ -46,7 +49,7 @@ def run_one(b: registry.Benchmark, quick: bool, facts_line: str, log) -> documen
     if code is None:
         status = f"failed: did not finish within {b.timeout_s} s"
     elif code != 0:
-        tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no error output"
+        tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-3:])[-300:] or "no error output"
         status = f"failed: exit status {code} ({tail})"
     elif rec.get("skipped"):
         status = f"skipped: {rec['skipped']}"

@@ -76,14 +76,19 @@ def parse(text: str) -> dict[str, Kept]:
     return kept
 
 
+def _cell(text: str) -> str:
+    """``text`` safe inside a markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 def summary(sections: list[Section | Kept]) -> list[str]:
     rows = ["| benchmark | figure | measured | target | verdict |", "|---|---|---|---|---|"]
     for s in sections:
         if s.status != "ok" or not s.checks:
-            rows.append(f"| {s.title} | — | — | — | {s.status if s.status != 'ok' else 'no target'} |")
+            rows.append(f"| {_cell(s.title)} | — | — | — | {_cell(s.status if s.status != 'ok' else 'no target')} |")
         for c in s.checks:
             verdict = "met" if c.met else f"**missed**: {c.why or 'no reason recorded'}"
-            rows.append(f"| {s.title} | {c.what} | {c.value:.3g} | {c.op} {c.target:g} | {verdict} |")
+            rows.append(f"| {_cell(s.title)} | {_cell(c.what)} | {c.value:.3g} | {c.op} {c.target:g} | {_cell(verdict)} |")
     return rows
 
 

@@ -138,3 +138,12 @@ def test_a_failing_or_hanging_benchmark_is_recorded_as_failed_with_its_output(tm
     section = run_one(b, quick=True, facts_line="m", log=lambda _: None)
     assert section.status == status and section.checks == []
     assert "half a table" in section.output and f"**{status}**" in section.render()
+
+
+def test_the_summary_is_one_table_row_per_check_even_when_a_reason_holds_a_pipe():
+    failed = document.Section(name="f", title="F", command="c", machine="m", mode="quick", wall_s=1, output="",
+                              status="failed: exit status 1 (a | b)")
+    ok = document.Section(name="o", title="O", command="c", machine="m", mode="quick", wall_s=1, output="",
+                          checks=[Check("x", 2.0, 1.1, "<=", "start | stop")])
+    rows = document.summary([failed, ok])[2:]
+    assert len(rows) == 2 and all(r.replace("\\|", "").count("|") == 6 for r in rows)
