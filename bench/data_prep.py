@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's code, run alone or by python -m bench
+BENCH = {"title": "Data preparation", "order": 50,
+         "quick": ["--mib", "1", "--vocab", "1024", "--repeats", "1"], "full": ["--repeats", "3"], "timeout_s": 1800}
 
 
 def make_corpus(out: Path, mib: int, copies: int = 1) -> list[Path]:
@@ -171,6 +174,17 @@ def main() -> None:
         print(f"peak RSS {name}: preparing process {r['self_mib']:.0f} MiB, largest worker {r['worker_mib']:.0f} MiB")
     grow = max(big["self_mib"], big["worker_mib"]) / max(many["self_mib"], many["worker_mib"]) - 1
     print(f"peak RSS growth for a 4× corpus: {grow * 100:+.1f} % (target < 20 %)")
+    from bench.results import Check, report
+
+    report([Check("pipeline 1 worker / raw encode_batch", round(rate["one"] / rate["raw"], 3), 0.8, ">=",
+                  "reading, JSON parsing, hashing and writing the units cost more than offsets save"),
+            Check(f"pipeline {all_workers} workers / 1 worker", round(rate["many"] / rate["one"], 3), 1.7, ">=",
+                  f"load average {load0:.1f} → {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: the workers "
+                  "shared the cores with other processes (tokens/CPU-s stayed level)" if load0 >= 1.5 else
+                  "the serial part of the run (scan, planning, assembly: the lines above)"),
+            Check("peak RSS growth for a 4× corpus, %", round(grow * 100, 1), 20, "<=",
+                  "something the preparing process holds grows with the corpus")],
+           corpus_mib=args.mib, tokens=raw["tokens"])
 
 
 if __name__ == "__main__":

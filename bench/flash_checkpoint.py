@@ -5,6 +5,10 @@
 Prints, for one rank's model + AdamW state:
 - blocking time of a checkpoint: direct (torch.save + fsync + rename, what training waits for
   without snapshots) vs flash (copy into pre-touched shared memory), and the ratio;
+- torch DCP ``async_save`` of the same model + optimizer state in the same run (what a
+  torchtitan user would pick instead): its blocking time (staging to CPU memory, until
+  ``async_save`` returns) and its time to durable (until the future resolves: files written and
+  fsynced by ``FileSystemWriter``), beside flash's blocking + background persist;
 - the first copy into never-touched shared memory (why slots are touched at start-up);
 - restore: torch.load(weights_only) + load_state_dict vs from shared memory;
 - the saver's background persist of the snapshot (what flash moves off the training path).
@@ -16,11 +20,16 @@ import argparse
 import dataclasses
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, run alone or by python -m bench
+from bench.results import Check, report  # noqa: E402
 
 from pretrain.jobs import job_config
 from pretrain.spec import parse_spec
@@ -31,6 +40,9 @@ from trainer.dist import DistInfo
 from trainer.evaluate import iter_tensors
 from trainer.loop import build_model, snapshot_capacity
 
+BENCH = {"title": "Flash checkpoints vs direct saves and torch DCP async_save", "order": 10,
+         "quick": ["--layers", "1", "--d-model", "128", "--vocab", "2048", "--repeats", "1"], "full": [],
+         "timeout_s": 1800}
 CPU0 = DistInfo(0, 0, 1, 0, torch.device("cpu"), "gloo")
 
 
@@ -41,6 +53,26 @@ def timed(fn, repeats: int) -> float:
         fn()
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
+
+
+def dcp_async(model, opt, where: Path, repeats: int) -> tuple[float, float]:
+    """Median seconds until ``async_save`` returns (training blocked) and until its future
+    resolves (durable), for the model + optimizer state dicts, one process (no_dist)."""
+    import torch.distributed.checkpoint as dcp
+
+    blocked, durable = [], []
+    for r in range(repeats):
+        target = where / f"step_{r}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+            t0 = time.perf_counter()
+            future = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                                    checkpoint_id=str(target), no_dist=True)
+            blocked.append(time.perf_counter() - t0)
+            future.result()
+            durable.append(time.perf_counter() - t0)
+        shutil.rmtree(target, ignore_errors=True)
+    return statistics.median(blocked), statistics.median(durable)
 
 
 def main() -> None:
@@ -70,6 +102,7 @@ def main() -> None:
               f"{torch.get_num_threads()} threads")
 
         direct = timed(lambda: state.save(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt), a.repeats)
+        dcp_blocked, dcp_durable = dcp_async(model, opt, work / "dcp", a.repeats)
         src, dst = torch.empty(nbytes, dtype=torch.uint8).fill_(1), torch.empty(nbytes, dtype=torch.uint8).fill_(0)
         memcpy = timed(lambda: dst.copy_(src), a.repeats)  # the floor: one copy of the same bytes, pre-touched
         src = dst = None  # free 2 GiB before the rest
@@ -114,10 +147,18 @@ def main() -> None:
         print(f"{'blocking save: flash (copy to shared memory)':46s} {flash:7.3f} s   → {direct / flash:5.1f}× less blocking")
         print(f"{'  raw memcpy of the same bytes (the floor)':46s} {memcpy:7.3f} s   (flash = {flash / memcpy:4.2f}× memcpy)")
         print(f"{'  first copy into untouched shared memory':46s} {first_cold:7.3f} s   ({first_cold / flash:4.1f}× a steady copy)")
+        print(f"{'blocking save: torch DCP async_save (staging)':46s} {dcp_blocked:7.3f} s   "
+              f"(flash = {flash / dcp_blocked:4.2f}× DCP async)")
+        print(f"{'to durable: direct':46s} {direct:7.3f} s")
+        print(f"{'to durable: DCP async_save (future resolved)':46s} {dcp_durable:7.3f} s")
+        print(f"{'to durable: flash (blocking + saver persist)':46s} {flash + persist:7.3f} s")
         print(f"{'restore: torch.load + load_state_dict':46s} {disk_restore:7.3f} s")
         print(f"{'restore: shared memory (incl. digest check)':46s} {mem_restore:7.3f} s   → {disk_restore / mem_restore:5.1f}× faster")
         print(f"{'  of which xxh3 digest check':46s} {verify:7.3f} s")
         print(f"{'saver persist (background, fsynced)':46s} {persist:7.3f} s")
+        report([Check("flash blocking / DCP async_save blocking", round(flash / dcp_blocked, 3), 1.0, "<=",
+                      "flash copies the whole state into shared memory, DCP stages into private memory it may reuse")],
+               state_gib=round(nbytes / 2**30, 3))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

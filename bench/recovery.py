@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # slow to start on a loaded machine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, run alone or by python -m bench
+BENCH = {"title": "Recovery per fault kind", "order": 60, "quick": ["--d-model", "32", "--layers", "1"], "full": [],
+         "timeout_s": 1800}
 
 from flows.campaign import pretrain_campaign  # noqa: E402
 from pretrain.spec import parse_spec  # noqa: E402

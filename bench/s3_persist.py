@@ -21,11 +21,15 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, run alone or by python -m bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedServer  # noqa: E402  (creates BUCKET)
 
 from trainer.checkpoint.store import CheckpointStore, _HashingWriter  # noqa: E402
 from trainer.storage.s3 import S3Storage  # noqa: E402
+
+BENCH = {"title": "Persisting a shard to S3: staged vs streamed", "order": 20,
+         "quick": ["--mib", "16", "--repeats", "1"], "full": ["--mib", "512", "--repeats", "3"], "timeout_s": 1800}
 
 
 def staged(store: CheckpointStore, key: str, obj: dict) -> None:
