@@ -156,13 +156,13 @@ def assert_nothing_left(api, spec) -> None:
     assert not client.CoreV1Api(api).list_namespaced_service(NAMESPACE, label_selector=sel).items
 
 
-def test_an_unpullable_image_fails_fast_as_a_configuration_error(api, tmp_path):
+def test_an_unpullable_image_fails_fast_as_a_configuration_error(api, tmp_path, prepared_data):
     """No shared workdir needed: the pods never start."""
     from pretrain.incidents import NON_RETRYABLE, cause_of
     from trainer.reporting import EVENTS, read_all
 
     spec = training_spec(tmp_path, image="registry.invalid/prefect-pretrain:does-not-exist")
-    _, job, handle = start_job(api, spec)
+    _, job, handle = start_job(api, spec, prepared_data)
     try:
         code = handle.wait(timeout=300)
         cause = cause_of(read_all(Path(job.job_dir) / EVENTS), code)
