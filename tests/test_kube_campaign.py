@@ -72,28 +72,44 @@ def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(p
     assert live_pids(kube_api) == []
 
 
-def test_sigterm_to_the_flow_process_of_a_kubernetes_campaign_leaves_no_object_and_no_process(
+def test_a_killed_flow_process_s_job_is_retired_by_the_re_run_and_sigterm_leaves_no_object_and_no_process(
         kube_api, prepared_data, tmp_path, monkeypatch):
-    """What Prefect's cancellation does to a flow-run process (SIGTERM): the job is stopped with a
-    save at breakpoint and its Job, pods and Service are deleted before the process exits."""
+    """The flow-run process dies (SIGKILL: its Job trains on, orphaned); the re-run launches the
+    stage's next attempt, deletes the orphan first (two launches never train at once) and resumes
+    from the newest checkpoint. Then SIGTERM — what Prefect's cancellation does to a flow-run
+    process — stops it: the Job, its pods and its Service are deleted before the process exits."""
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))  # the CLI's environment (Cli copies os.environ)
-    spec = kube_spec(tmp_path / "w", steps=2000)
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # a loaded machine starts it slowly
+    spec = kube_spec(tmp_path / "w", steps=20000)  # never reached: the orphan must not finish before the re-run
     seed_data(spec, prepared_data)
-    cli = Cli(tmp_path, spec, "run")
+    first = Cli(tmp_path, spec, "first")
     try:
-        wait_for(lambda: first_checkpoint(spec) or cli.proc.poll() is not None, 240, "the first checkpoint")
-        assert cli.proc.poll() is None, cli.output()[-3000:]
-        assert objects(kube_api)["jobs"] and len(live_pids(kube_api)) == 2
-        tree = cli.tree()
-        os.kill(cli.proc.pid, signal.SIGTERM)
-        code = cli.wait(180)
+        wait_for(lambda: first_checkpoint(spec) or first.proc.poll() is not None, 240, "the first checkpoint")
+        assert first.proc.poll() is None, first.output()[-3000:]
     finally:
-        cli.kill()
-    output = cli.output()
+        first.kill()  # SIGKILL to its whole process group: the pods are not in it (they run "in the cluster")
+    [orphan] = objects(kube_api)["jobs"]
+    assert len(live_pids(kube_api)) == 2  # the orphaned Job trains on
+
+    second = Cli(tmp_path, spec, "second")
+    try:
+        wait_for(lambda: orphan not in objects(kube_api)["jobs"] and objects(kube_api)["jobs"]
+                 or second.proc.poll() is not None, 240, "the re-run's own Job")
+        assert second.proc.poll() is None, second.output()[-3000:]
+        resumed_from = first_checkpoint(spec)
+        wait_for(lambda: (first_checkpoint(spec) or 0) > resumed_from or second.proc.poll() is not None, 240,
+                 "a checkpoint of the re-run's Job")
+        tree = second.tree()
+        os.kill(second.proc.pid, signal.SIGTERM)
+        code = second.wait(180)
+    finally:
+        second.kill()
+    output = second.output()
     assert code == 143 and "Traceback" not in output, output[-3000:]
+    assert f"deleted Job default/{orphan} of an earlier launch" in output
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
     assert live_pids(kube_api) == []
     assert_all_exit(tree)
-    events = read_all(spec.workdir_path / "jobs" / "s" / "attempt_000" / "events.jsonl")
-    saved = max(e["step"] for e in events if e["event"] == "checkpoint")
-    assert saved == first_checkpoint(spec) and saved < 2000  # the newest checkpoint is committed and the pointer names it
+    events = read_all(spec.workdir_path / "jobs" / "s" / "attempt_001" / "events.jsonl")
+    start = next(e for e in events if e["event"] == "start")
+    assert start["source"] == "checkpoint" and 0 < start["step"] <= resumed_from, start  # the orphan's newest

@@ -4,6 +4,8 @@ the Kubernetes nodes of excluded indices kept out of the next launch (required n
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import kube_api as double
@@ -78,8 +80,6 @@ def test_the_node_check_manifests_are_valid_and_shaped_like_the_training_pods():
 def test_a_launch_avoiding_hosts_validates_on_the_oldest_and_newest_kubernetes():
     spec = k8s_spec()
     base = stage_launch(spec, spec.stages[0].name)
-    from dataclasses import replace
-
     assert_valid(replace(base, avoid_hosts=("gpu-7", "gpu-3")).manifests())
     assert "affinity" not in base.job_manifest()["spec"]["template"]["spec"]
 

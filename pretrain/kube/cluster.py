@@ -51,6 +51,8 @@ class KubernetesCluster(Cluster):
         from kubernetes import client
 
         picked = list(range(self.spec.cluster.nodes_max)) if nodes is None else list(nodes)
+        if not picked:
+            return []
         launch = check_launch(self.spec, picked, delays)
         try:
             service, manifest = launch.manifests()
