@@ -97,3 +97,31 @@ def test_the_remembered_hosts_of_excluded_nodes(tmp_path, content, hosts, notice
         path.write_text(content)
     found, notices = HostMemory(path).avoid({1})
     assert found == hosts and any(notice in n for n in notices), notices
+
+
+def test_each_slot_s_row_says_why_it_has_no_result(tmp_path):
+    """Rows from the check's files and pods: a damaged result file, a failed pod with its log,
+    a configuration error, a pod still running at the timeout, a pod never created."""
+    from pretrain.kube.nodecheck import result_rows
+    from pretrain.kube.pods import PodVerdict
+
+    spec = kube_spec(tmp_path / "w")
+    check = check_launch(spec, [0, 1, 2, 3, 4], None, check_id="t")  # one worker slot per node
+    out = tmp_path / "w" / "node-checks" / "t"
+    out.mkdir(parents=True)
+    (out / "node0-0.json").write_text('{"matmul_s": 0.01, "rank": 0}')
+    (out / "node1-0.json").write_text('{"matmul_s": 0.0')  # torn
+    verdicts = {0: PodVerdict("p0", 0, "succeeded", host="n-a"), 1: PodVerdict("p1", 1, "succeeded", host="n-b"),
+                2: PodVerdict("p2", 2, "failed", "worker_failure", 1, "pod p2 exited with code 1", host="n-c"),
+                3: PodVerdict("p3", 3, "failed", "kube_config", 78, "pod p3: ErrImagePull: … check cluster.kubernetes.image"),
+                4: PodVerdict("p4", 4, "running", host="n-d")}
+    rows = result_rows(check, verdicts, {2: "Traceback …\nRuntimeError: gloo timed out\n"}, 42.0)
+    assert [(r["node"], r["ok"], r["host"]) for r in rows] == [
+        (0, True, "n-a"), (1, False, "n-b"), (2, False, "n-c"), (3, False, None), (4, False, "n-d")]
+    errors = {r["node"]: r.get("error", "") for r in rows}
+    assert rows[0]["matmul_s"] == 0.01
+    assert f"{out}/node1-0.json is unreadable (JSONDecodeError)" in errors[1]
+    assert errors[2].startswith("pod p2 exited with code 1; log: ") and "gloo timed out" in errors[2]
+    assert errors[3].endswith("check cluster.kubernetes.image")  # what to fix, without a log that has nothing
+    assert errors[4] == "no result in 42s (pod p4 is running)"
+    assert "never created in 0s" in result_rows(check_launch(spec, [7], None, check_id="t"), {}, {}, 0.0)[0]["error"]
