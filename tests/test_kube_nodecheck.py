@@ -125,3 +125,5 @@ def test_each_slot_s_row_says_why_it_has_no_result(tmp_path):
     assert errors[3].endswith("check cluster.kubernetes.image")  # what to fix, without a log that has nothing
     assert errors[4] == "no result in 42s (pod p4 is running)"
     assert "never created in 0s" in result_rows(check_launch(spec, [7], None, check_id="t"), {}, {}, 0.0)[0]["error"]
+    unshared = result_rows(check_launch(spec, [7], None, check_id="t"), {0: PodVerdict("p7", 0, "succeeded")}, {}, 1.0)
+    assert "workdir must be the same volume" in unshared[0]["error"] and "workdir_claim" in unshared[0]["error"]

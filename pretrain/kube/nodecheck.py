@@ -139,19 +139,22 @@ def result_rows(launch: NodeCheckLaunch, verdicts: dict[int, PodVerdict], logs: 
             try:
                 row.update(json.loads(path.read_text()), ok=True)
             except FileNotFoundError:
-                row["error"] = _why_missing(v, logs.get(k), waited_s)
+                row["error"] = _why_missing(v, logs.get(k), waited_s, path)
             except (OSError, ValueError, TypeError) as e:
                 row["error"] = f"its result {path} is unreadable ({type(e).__name__}): the check wrote a damaged file"
             rows.append(row)
     return rows
 
 
-def _why_missing(v: PodVerdict | None, log: str | None, waited_s: float) -> str:
+def _why_missing(v: PodVerdict | None, log: str | None, waited_s: float, path: Path) -> str:
     if v is None:
         return f"its pod was never created in {waited_s:.0f}s (a quota or admission policy refuses it?)"
     if v.state == "failed":
         tail = (log or "").strip()[-1500:]
         return v.message + (f"; log: {tail}" if tail and not v.fatal else "")
+    if v.state == "succeeded":
+        return (f"pod {v.name} ended well but its result {path} is not here: the campaign workdir must be the "
+                "same volume in the pods and here (cluster.kubernetes.workdir_claim, mounted at the workdir's path)")
     return f"no result in {waited_s:.0f}s (pod {v.name} is {v.state})"
 
 
