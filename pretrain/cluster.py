@@ -66,7 +66,8 @@ class Cluster(ABC):
     def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
                      nodes: list[int] | None = None) -> list[dict]:
         """One row per worker slot of ``nodes`` (default: all): node, measurements and ``ok``
-        (``delays``: chaos slowdowns by rank)."""
+        (``delays``: chaos slowdowns by rank); on Kubernetes also ``host``, the Kubernetes node the
+        check ran on, which ``start(exclude=…)`` keeps the excluded nodes' pods away from."""
 
     @abstractmethod
     def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> JobHandle:

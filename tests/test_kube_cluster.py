@@ -260,19 +260,19 @@ def test_stop_with_the_api_gone_says_how_to_finish_the_teardown(prepared_data, t
     assert not [t for t in threading.enumerate() if t.name == f"kube-watch-{handle.name}"]  # no watcher outlives it
 
 
-def test_a_campaign_whose_image_cannot_be_pulled_stops_at_once_without_a_relaunch(prefect_harness, kube_api, prepared_data,
-                                                                                  tmp_path, monkeypatch):
+def test_a_campaign_whose_image_cannot_be_pulled_stops_at_the_node_check_before_any_training(
+        prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch):
+    """The node check runs in pods of the training pods' shape: an unpullable image stops the
+    campaign while provisioning, with what to fix, and no training job is ever launched."""
     from flows.campaign import pretrain_campaign
+    from pretrain.ledger import Ledger
 
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))
     kube_api.runner.unpullable.add("registry.example/pretrain:typo")
     spec = kube_spec(tmp_path / "w", steps=4, image="registry.example/pretrain:typo")
     seed_data(spec, prepared_data)
-    from flows.train_stage import StageFailed
-    from pretrain.ledger import Ledger
-
-    with pytest.raises(StageFailed, match=r"after 1 attempt\(s\); last failure: kube_config .*ImagePullBackOff.*"
-                                          r"check cluster.kubernetes.image"):
+    with pytest.raises(ClusterError, match=r"node health check: 0 healthy node\(s\).*ImagePullBackOff.*"
+                                           r"check cluster.kubernetes.image"):
         pretrain_campaign(spec=spec)
-    assert Ledger.open(spec).stage("s").attempts == 1  # resume.max_attempts is 2: no relaunch
+    assert Ledger.open(spec).stage("s").attempts == 0
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}

@@ -17,6 +17,7 @@ from pathlib import Path
 from pretrain.cluster import Cluster, ClusterError, JobHandle
 from pretrain.kube.handle import KubeJobHandle
 from pretrain.kube.manifests import LABEL, Launch, launch_labels
+from pretrain.kube.nodecheck import HOSTS, HostMemory, check_launch, checks_dir, result_rows, wait_settled
 from pretrain.layout import CampaignLayout
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
@@ -44,11 +45,40 @@ class KubernetesCluster(Cluster):
 
     def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
                      nodes: list[int] | None = None) -> list[dict]:
-        """Not measured on Kubernetes yet: every node passes (the pods' own start-up is the check)."""
-        wpn = self.spec.cluster.workers_per_node
-        picked = range(self.spec.cluster.nodes_max) if nodes is None else nodes
-        return [{"node": n, "local_rank": i, "ok": True, "matmul_s": 0.0, "skipped": "node check not run on kubernetes"}
-                for n in picked for i in range(wpn)]
+        """The node check as an Indexed Job of pods shaped like training's (``pretrain.kube.nodecheck``):
+        one row per worker slot, with ``host``, the Kubernetes node its pod ran on. ``workdir`` is the
+        campaign's (the pods write their rows there). Torn down before it returns."""
+        from kubernetes import client
+
+        picked = list(range(self.spec.cluster.nodes_max)) if nodes is None else list(nodes)
+        if not picked:
+            return []
+        launch = check_launch(self.spec, picked, delays)
+        try:
+            service, manifest = launch.manifests()
+        except ValueError as e:
+            raise ClusterError(str(e)) from e
+        Path(launch.out_dir).mkdir(parents=True, exist_ok=True)  # on the shared workdir: the pods write here
+        core, batch = client.CoreV1Api(self.api), client.BatchV1Api(self.api)
+        ns, name = launch.kube.namespace, launch.name
+        handle = KubeJobHandle(self.api, ns, name, selector(launch.selector()), len(picked), len(picked),
+                               Path(launch.out_dir), self.unschedulable_after_s)
+        try:
+            core.create_namespaced_service(ns, service)
+            self._own_service(core, ns, name, batch.create_namespaced_job(ns, manifest).metadata.uid)
+        except client.ApiException as e:
+            handle.stop(grace_s=0)  # whatever was created goes
+            raise ClusterError(_api_error(e, f"create the node check {ns}/{name}")) from e
+        handle.begin()
+        try:
+            verdicts, waited = wait_settled(handle, len(picked), self.settings.health_check_timeout_s
+                                            + self.unschedulable_after_s)
+            logs = {k: handle.read_log(v.name) or "" for k, v in verdicts.items() if v.state == "failed" and not v.fatal}
+            rows = result_rows(launch, verdicts, logs, waited)
+        finally:
+            handle.stop(grace_s=self.settings.stop_grace_s)
+        HostMemory(checks_dir(self.spec.workdir_path) / HOSTS).update({r["node"]: r["host"] for r in rows if r["host"]})
+        return rows
 
     def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> JobHandle:
         """Create the launch's Service and Indexed Job — or adopt them if they exist (a re-run flow
@@ -60,7 +90,8 @@ class KubernetesCluster(Cluster):
         if nodes < c.nodes_min:
             raise ClusterError(f"only {nodes} healthy node(s) (excluded: {sorted(exclude)}), cluster.nodes_min is "
                                f"{c.nodes_min}: repair or replace the nodes, or lower nodes_min")
-        launch = Launch(self.spec, job, str(job_path), nodes)
+        hosts, avoid_notices = HostMemory(checks_dir(layout.root) / HOSTS).avoid(set(exclude)) if exclude else ((), [])
+        launch = Launch(self.spec, job, str(job_path), nodes, avoid_hosts=hosts)
         try:
             service, manifest = launch.manifests()
         except ValueError as e:
@@ -78,19 +109,25 @@ class KubernetesCluster(Cluster):
         adopted = live is not None
         if live is None:
             live = batch.read_namespaced_job(name, ns)
-        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": live.metadata.uid,
-                 "blockOwnerDeletion": True}
-        try:  # the Service goes with the Job (its own TTL is the Job's)
-            core.patch_namespaced_service(name, ns, {"metadata": {"ownerReferences": [owner]}})
-        except client.ApiException as e:
-            raise ClusterError(_api_error(e, f"patch Service {ns}/{name}")) from e
+        self._own_service(core, ns, name, live.metadata.uid)
         handle = KubeJobHandle(self.api, ns, name, selector(labels), nodes, c.nodes_min, Path(job.job_dir),
                                self.unschedulable_after_s, adopted=adopted)
         handle.notices = tuple([f"adopted the live Job {ns}/{name} of this launch"] * adopted + [
             f"deleted Job {ns}/{r} of an earlier launch of this stage (its orchestrator is gone; this launch "
-            "resumes from the newest good checkpoint)" for r in retired])
+            "resumes from the newest good checkpoint)" for r in retired] + avoid_notices)
         handle.begin()
         return handle
+
+    @staticmethod
+    def _own_service(core, ns: str, name: str, job_uid: str) -> None:
+        """The Service goes with the Job of its name (its own TTL is the Job's)."""
+        from kubernetes import client
+
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job_uid, "blockOwnerDeletion": True}
+        try:
+            core.patch_namespaced_service(name, ns, {"metadata": {"ownerReferences": [owner]}})
+        except client.ApiException as e:
+            raise ClusterError(_api_error(e, f"patch Service {ns}/{name}")) from e
 
     def _retire_stale(self, batch, ns: str, labels: dict[str, str], attempt: int) -> list[str]:
         """Delete live Jobs of this campaign's stage from other launches: the campaign's single-run

@@ -175,7 +175,7 @@ class KubeJobHandle(JobHandle):
         container never started, what went wrong) is kept for the flow run's logs."""
         if v.index is None or v.index in self._saved or v.index >= self.nodes:
             return
-        text = self._read_log(v.name)
+        text = self.read_log(v.name)
         if failed:
             self._tails[v.index] = "".join(text.splitlines(keepends=True)[-50:]) if text else v.message
         if text is None:
@@ -185,7 +185,8 @@ class KubeJobHandle(JobHandle):
         with open(self.logs[v.index], "a", encoding="utf-8") as f:
             f.write(text)
 
-    def _read_log(self, pod: str) -> str | None:
+    def read_log(self, pod: str) -> str | None:
+        """The end of ``pod``'s log; None when it has none (never started, or gone)."""
         from kubernetes import client
 
         try:

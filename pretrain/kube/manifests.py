@@ -93,6 +93,7 @@ class Launch:
     job: JobConfig
     job_location: str  # where the pods read the job's JobConfig JSON (a path on the workdir volume)
     nodes: int  # pods started (≤ cluster.nodes_max)
+    avoid_hosts: tuple[str, ...] = ()  # Kubernetes nodes that failed the node check: the pods must not run there
 
     @property
     def kube(self) -> KubernetesSpec:
@@ -102,8 +103,17 @@ class Launch:
     def name(self) -> str:
         return object_name(self.spec.name, self.job.stage, self.job.attempt)
 
+    @property
+    def port(self) -> int:
+        """The port pod 0 listens on for the others (the c10d rendezvous)."""
+        return self.kube.rdzv_port
+
+    def selector(self) -> dict[str, str]:
+        """The labels that select this launch's pods (and only them)."""
+        return launch_labels(self.spec.name, self.job.stage, self.job.attempt)
+
     def labels(self) -> dict[str, str]:
-        return {**self.kube.labels, **launch_labels(self.spec.name, self.job.stage, self.job.attempt)}
+        return {**self.kube.labels, **self.selector()}
 
     def annotations(self) -> dict[str, str]:
         return {**self.kube.annotations, f"{LABEL}/campaign": self.spec.name, f"{LABEL}/stage": self.job.stage,
@@ -114,7 +124,11 @@ class Launch:
                 "annotations": self.annotations()}
 
     def endpoint(self) -> str:
-        return f"{self.name}-0.{self.name}.{self.kube.namespace}.svc:{self.kube.rdzv_port}"
+        return f"{self.host0()}:{self.port}"
+
+    def host0(self) -> str:
+        """The DNS name of pod 0 (index 0 of the Indexed Job, through the headless Service)."""
+        return f"{self.name}-0.{self.name}.{self.kube.namespace}.svc"
 
     def threads(self) -> int:
         """torch threads per worker: the spec's, or the pod's CPUs divided among its workers."""
@@ -158,8 +172,8 @@ class Launch:
     def service(self) -> dict:
         return {"apiVersion": "v1", "kind": "Service", "metadata": self.metadata(self.name),
                 "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                         "selector": launch_labels(self.spec.name, self.job.stage, self.job.attempt),
-                         "ports": [{"name": "rdzv", "port": self.kube.rdzv_port, "targetPort": self.kube.rdzv_port,
+                         "selector": self.selector(),
+                         "ports": [{"name": "rdzv", "port": self.port, "targetPort": self.port,
                                     "protocol": "TCP"}]}}
 
     def pod_failure_policy(self) -> dict:
@@ -178,13 +192,15 @@ class Launch:
                "containers": [{"name": CONTAINER, "image": k.image, "imagePullPolicy": k.image_pull_policy,
                                "command": self.command(), "env": self.env(), "resources": self.resources(),
                                "volumeMounts": mounts,
-                               "ports": [{"name": "rdzv", "containerPort": k.rdzv_port, "protocol": "TCP"}]}]}
+                               "ports": [{"name": "rdzv", "containerPort": self.port, "protocol": "TCP"}]}]}
         optional = {"serviceAccountName": k.service_account_name, "priorityClassName": k.priority_class_name,
                     "nodeSelector": dict(k.node_selector) or None,
                     "imagePullSecrets": [{"name": s} for s in k.image_pull_secrets] or None,
                     "tolerations": [{_camel(f): v for f, v in t.model_dump(exclude_none=True).items()}
                                     for t in k.tolerations] or None}
         pod.update({key: v for key, v in optional.items() if v is not None})
+        if self.avoid_hosts:
+            pod["affinity"] = avoid_hosts_affinity(self.avoid_hosts)
         spec = {"completionMode": "Indexed", "completions": self.nodes, "parallelism": self.nodes,
                 "backoffLimitPerIndex": 0, "podFailurePolicy": self.pod_failure_policy(),
                 "template": {"metadata": {"labels": self.labels(), "annotations": self.annotations()}, "spec": pod}}
@@ -195,6 +211,14 @@ class Launch:
     def manifests(self) -> list[dict]:
         """Service first (its DNS name must exist before pod 0 is looked up), then the Job."""
         return [self.service(), self.job_manifest()]
+
+
+def avoid_hosts_affinity(hosts: tuple[str, ...]) -> dict:
+    """A required node affinity that keeps pods off the Kubernetes nodes named ``hosts``. By the
+    node's name (``matchFields`` ``metadata.name``, what a pod's ``spec.nodeName`` records), not its
+    ``kubernetes.io/hostname`` label, which differs from the name on some providers."""
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": sorted(set(hosts))}]}]}}}
 
 
 def stage_launch(spec: CampaignSpec, stage: str, attempt: int = 1, vocab_size: int | None = None) -> Launch:

@@ -39,6 +39,7 @@ class PodVerdict:
     cause: str | None = None  # for "failed": oom / node_lost / worker_failure / kube_config
     exit_code: int | None = None  # for "failed": the container's, or LOST_EXIT / CONFIG_EXIT
     message: str = ""  # what happened, and for kube_config what to fix
+    host: str | None = None  # the Kubernetes node the pod was scheduled to (spec.nodeName)
 
     @property
     def fatal(self) -> bool:
@@ -63,7 +64,8 @@ def pod_verdict(pod: dict, now: float, unschedulable_after_s: float, deleted: bo
     name = meta.get("name", "?")
     raw_index = (meta.get("annotations") or {}).get(INDEX) or (meta.get("labels") or {}).get(INDEX)
     index = int(raw_index) if raw_index is not None and str(raw_index).isdigit() else None
-    verdict = lambda state, cause=None, code=None, message="": PodVerdict(name, index, state, cause, code, message)  # noqa: E731
+    host = (pod.get("spec") or {}).get("nodeName") or None
+    verdict = lambda state, cause=None, code=None, message="": PodVerdict(name, index, state, cause, code, message, host)  # noqa: E731
     states = [s.get("state") or {} for s in status.get("containerStatuses") or []]
     terminated = next((s["terminated"] for s in states if s.get("terminated")), None)
     waiting = next((s["waiting"] for s in states if s.get("waiting")), None)
