@@ -107,3 +107,15 @@ def test_tokens_seen_count_over_the_whole_campaign(store, tmp_path):
     assert seen(stage) == {1: 512, 2: 1024}
     assert seen(parent) == {4: 1024, 5: 1536, 6: 2048}
     assert [m.value for m in client.get_metric_history(stage, "checkpoint_block_s")] == [0.25]
+
+
+def test_every_key_a_campaign_logs_is_documented():
+    """docs/tracking.md is the reference for dashboards and comparisons: every metric and tag key
+    the code logs is in it."""
+    from pretrain import tracking
+    from pretrain.compare import COUNTERS
+
+    doc = (Path(__file__).parents[1] / "docs" / "tracking.md").read_text()
+    tags = [v for k, v in vars(tracking).items() if k.startswith("TAG_")]
+    keys = [*tracking.STAGE_METRICS, *tracking.CAMPAIGN_METRICS, *COUNTERS, *tags, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND]
+    assert [k for k in keys if f"`{k}`" not in doc and f"`{k} " not in doc] == []
