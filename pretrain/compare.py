@@ -23,7 +23,7 @@ from pretrain.ledger import Ledger, LedgerError
 from pretrain.ledger_schema import CampaignRecord
 from pretrain.redact import redact
 from pretrain.tracking import TAG_CAMPAIGN, TAG_CAMPAIGN_ID, TAG_ROLE, TAG_STAGE, TAG_WORKDIR, describe_error
-from pretrain.tracking_store import recorded_store
+from pretrain.tracking_store import recorded_store, sqlite_path
 
 EVAL_LOSS = "val_loss"
 ROLLBACK_CAUSES = ("nonfinite_loss", "loss_spike")  # loss anomalies: rolled back to a good checkpoint and skipped
@@ -81,16 +81,17 @@ def resolve(label: str, tracking_uri: str) -> Target:
     """A workdir, a campaign run id or a campaign name → its store and run (``tracking_uri``: the
     store to look in for ids and names)."""
     path = Path(label).expanduser()
-    if path.is_dir():
+    if path.is_dir() and CampaignLayout(path).ledger.exists():
         return _from_workdir(label, path, tracking_uri)
-    client = MlflowClient(tracking_uri)
+    client = _client(tracking_uri)
     if RUN_ID.match(label):
         return Target(label, tracking_uri, label)
     flt = f"tags.`{TAG_CAMPAIGN}` = '{label}' AND tags.`{TAG_ROLE}` = 'campaign'"
     experiments = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(experiments, filter_string=flt, max_results=20) if experiments else []
     if not runs:
-        raise CompareError(f"{label!r} is no workdir here and no campaign of that name is in {redact(tracking_uri)}: "
+        where = f"{label} holds no campaign (no ledger.json)" if path.is_dir() else f"{label!r} is no workdir here"
+        raise CompareError(f"{where} and no campaign of that name is in {redact(tracking_uri)}: "
                            "give its workdir, its MLflow run id, or the store with --tracking-uri")
     if len({r.data.tags.get(TAG_CAMPAIGN_ID) for r in runs}) > 1:
         ids = ", ".join(r.info.run_id for r in runs)
@@ -99,12 +100,21 @@ def resolve(label: str, tracking_uri: str) -> Target:
     return Target(label, tracking_uri, runs[0].info.run_id)
 
 
+def _client(tracking_uri: str) -> MlflowClient:
+    """A client of the store; a sqlite store that does not exist is an error (MLflow would create it)."""
+    db = sqlite_path(tracking_uri)
+    if db is not None and not db.is_file():
+        raise CompareError(f"there is no MLflow store at {db}: run this where the campaigns were run, or give "
+                           "their store with --tracking-uri (or MLFLOW_TRACKING_URI), or their workdirs")
+    return MlflowClient(tracking_uri)
+
+
 def _from_workdir(label: str, path: Path, tracking_uri: str) -> Target:
     try:
         ledger = Ledger.read(CampaignLayout(path.resolve()))
     except LedgerError as err:
         raise CompareError(f"{label}: {err}") from None
-    if ledger is None:
+    if ledger is None:  # gone since resolve() looked
         raise CompareError(f"{label} holds no campaign (no ledger.json): give a campaign's workdir, run id or name")
     run_id = ledger.record.mlflow.parent_run_id
     if run_id is None:
@@ -125,7 +135,7 @@ def _at(history: list, step: int) -> float | None:
 def summarize(target: Target) -> CampaignSummary:
     """Read the campaign's numbers from its MLflow runs (``MlflowException`` / ``OSError`` if the
     store cannot be read: :func:`compare` says so)."""
-    client = MlflowClient(target.tracking_uri)
+    client = _client(target.tracking_uri)
     run = client.get_run(target.run_id)
     tags, metrics = run.data.tags, run.data.metrics
     if tags.get(TAG_ROLE) != "campaign":

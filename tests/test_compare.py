@@ -19,6 +19,7 @@ from pretrain.cli import app
 from pretrain.compare import CompareError, compare
 from pretrain.compare_view import differing_params, markdown
 from pretrain.ledger import Ledger
+from pretrain.tracking import Tracker
 from pretrain.layout import CampaignLayout
 from trainer.reporting import read_all
 
@@ -116,7 +117,7 @@ def test_cli_prints_the_table_json_and_a_png(pair, tmp_path):
     rows = json.loads(as_json.stdout)
     assert [r["campaign"] for r in rows] == list(LRS) and rows[0]["tokens_seen"] == TOKENS
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    missing = runner.invoke(app, ["compare", str(tmp_path)])  # a directory without a campaign
+    missing = runner.invoke(app, ["compare", str(tmp_path), "--tracking-uri", f"sqlite:///{pair[0]}/mlflow.db"])
     assert missing.exit_code == 2 and "holds no campaign" in missing.output and "Traceback" not in missing.output
 
 
@@ -128,3 +129,21 @@ def test_compare_campaigns_flow_publishes_the_table(pair):
     assert [r["campaign"] for r in rows] == list(LRS)
     artifact = Artifact.get(ARTIFACT_KEY)
     assert "param main.lr" in artifact.data and "tokens seen" in artifact.data
+
+
+def test_what_cannot_be_compared_says_why_and_what_to_do(prepared_data, tmp_path):
+    store = tmp_path / "mlflow.db"
+    with pytest.raises(CompareError, match="no MLflow store at .*give their store with --tracking-uri"):
+        compare(["lr-high"], f"sqlite:///{store}")
+    assert not store.exists()  # not created by looking
+    shutil.copyfile(_tracking_template(prepared_data), store)
+    tracker = Tracker(f"sqlite:///{store}", "pretrain", tmp_path / "mlartifacts")
+    for campaign_id in ("one", "two"):  # two campaigns of one name (different workdirs)
+        parent = tracker.campaign_run(campaign_id, "twin", "h", {})
+    stage = tracker.stage_run("two", parent, "twin", "main", {})
+    with pytest.raises(CompareError, match="several campaigns are named 'twin'.*give the run id or the workdir"):
+        compare(["twin"], f"sqlite:///{store}")
+    with pytest.raises(CompareError, match="not a campaign's run.*give the campaign run's id"):
+        compare([stage], f"sqlite:///{store}")
+    with pytest.raises(CompareError, match="cannot read it from MLflow"):
+        compare(["0" * 32], f"sqlite:///{store}")
