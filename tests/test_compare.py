@@ -15,6 +15,7 @@ from conftest import _tracking_template, seed_data, small_spec
 from flows.campaign import pretrain_campaign
 from flows.compare import ARTIFACT_KEY, compare_campaigns
 from mlflow_server import MlflowServer
+from s3_servers import free_ports
 from pretrain.cli import app
 from pretrain.compare import CompareError, compare
 from pretrain.compare_view import differing_params, markdown
@@ -129,6 +130,13 @@ def test_compare_campaigns_flow_publishes_the_table(pair):
     assert [r["campaign"] for r in rows] == list(LRS)
     artifact = Artifact.get(ARTIFACT_KEY)
     assert "param main.lr" in artifact.data and "tokens seen" in artifact.data
+
+
+def test_an_mlflow_server_that_is_away_is_one_line_saying_so(monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    away = f"http://127.0.0.1:{free_ports(1)[0]}"
+    with pytest.raises(CompareError, match=f"lr-high: .*MLflow at {away}.*--tracking-uri"):
+        compare(["lr-high"], away)
 
 
 def test_what_cannot_be_compared_says_why_and_what_to_do(prepared_data, tmp_path):
