@@ -22,7 +22,7 @@ from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger, LedgerError
 from pretrain.ledger_schema import CampaignRecord
 from pretrain.redact import redact
-from pretrain.tracking import TAG_CAMPAIGN, TAG_CAMPAIGN_ID, TAG_ROLE, TAG_STAGE, TAG_WORKDIR, describe_error
+from pretrain.tracking import TAG_CAMPAIGN, TAG_CAMPAIGN_ID, TAG_ROLE, TAG_STAGE, TAG_WORKDIR, describe_error, transient
 from pretrain.tracking_store import recorded_store, sqlite_path
 
 EVAL_LOSS = "val_loss"
@@ -193,10 +193,10 @@ def compare(labels: list[str], tracking_uri: str) -> list[CampaignSummary]:
             target = resolve(label, tracking_uri)
             uri = target.tracking_uri
             out.append(summarize(target))
-        except MlflowException as err:
-            raise CompareError(f"{label}: cannot read it from MLflow at {redact(uri)} ({describe_error(err)}); "
+        except (MlflowException, OSError) as err:
+            if transient(err):  # unreachable, timing out, failing on its side
+                raise CompareError(f"{label}: MLflow at {redact(uri)} cannot be reached ({describe_error(err, 160)}); "
+                                   "start it, or give the right --tracking-uri") from None
+            raise CompareError(f"{label}: cannot read it from MLflow at {redact(uri)} ({describe_error(err, 160)}); "
                                "check the run id and the store (--tracking-uri)") from None
-        except OSError as err:
-            raise CompareError(f"{label}: MLflow at {redact(uri)} cannot be reached ({describe_error(err)}); "
-                               "start it or give the right --tracking-uri") from None
     return out
