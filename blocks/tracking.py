@@ -33,8 +33,8 @@ class MlflowTracking(Block):
     tracking_uri: str | None = Field(
         default=None,
         title="Tracking URI",
-        description="MLflow tracking URI (e.g. 'http://mlflow:5000'); empty means each campaign's own "
-        "'sqlite:///<workdir>/mlflow.db'.",
+        description="MLflow tracking URI (e.g. 'http://mlflow:5000'); empty means MLFLOW_TRACKING_URI, else "
+        "'mlflow.db' in the directory the campaign is first run from (shared by the campaigns run there).",
     )
     experiment: str = Field(
         default=TrackingSpec.model_fields["experiment"].default,

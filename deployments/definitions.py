@@ -40,6 +40,12 @@ def evaluate_checkpoint() -> Definition:
                       ["pretrain", "evaluation"])
 
 
+def compare_campaigns() -> Definition:
+    return Definition("compare-campaigns", "flows/compare.py:compare_campaigns",
+                      "Compare campaigns from MLflow (eval loss, tokens, goodput, faults, differing parameters) "
+                      "as a markdown artifact.", ["pretrain", "tracking"])
+
+
 def evaluate_on_good_checkpoint() -> DeploymentEventTrigger:
     """Run the evaluation deployment for each stage's final checkpoint once it passed
     validation, in any campaign."""

@@ -37,8 +37,8 @@ def to_deployment(d: definitions.Definition, source, **kwargs) -> RunnerDeployme
 
 def build_deployments(source, spec_path: str = "builtin:tiny", cron: str | None = None, timezone: str = "UTC",
                       job_variables: dict | None = None) -> list[RunnerDeployment]:
-    """Campaign (optionally on a cron schedule), data preparation and checkpoint evaluation (run
-    by the ``pretrain.checkpoint.good`` trigger)."""
+    """Campaign (optionally on a cron schedule), data preparation, checkpoint evaluation (run
+    by the ``pretrain.checkpoint.good`` trigger) and the comparison of campaigns."""
     extra = {"job_variables": job_variables} if job_variables else {}
     return [
         to_deployment(definitions.campaign(spec_path), source,
@@ -46,6 +46,7 @@ def build_deployments(source, spec_path: str = "builtin:tiny", cron: str | None 
         to_deployment(definitions.prepare_data(spec_path), source, **extra),
         to_deployment(definitions.evaluate_checkpoint(), source, triggers=[definitions.evaluate_on_good_checkpoint()],
                       **extra),
+        to_deployment(definitions.compare_campaigns(), source, **extra),
     ]
 
 

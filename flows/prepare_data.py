@@ -33,6 +33,7 @@ def prepare_data(spec: CampaignSpec | None = None, spec_path: str | None = None,
         ledger.set_data(record)
     summary = record.to_json()
     if run_id := ledger.record.mlflow.parent_run_id:
+        spec = spec.with_tracking_uri(ledger.record.mlflow.tracking_uri)  # the campaign's store, from any directory
         state = log_data_set_input(spec, run_id, summary, return_state=True)
         if state.is_failed():
             logger.warning("the data set is not logged to MLflow run %s (%s); the campaign goes on, and the next "

@@ -20,10 +20,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 def _add_sub_apps() -> None:
     from pretrain.cli_cluster import cluster_app
+    from pretrain.cli_compare import compare
     from pretrain.cli_data import data_app
 
     app.add_typer(data_app, name="data")
     app.add_typer(cluster_app, name="cluster")
+    app.command("compare")(compare)
 
 
 _add_sub_apps()

@@ -19,6 +19,7 @@ from pretrain.credentials import Credentials
 from pretrain.spec_data import DataSpec
 from pretrain.spec_sections import (BlockRefs, ChaosDrill, CheckpointSpec, ClusterSpec, FaultToleranceSpec,
                                     ModelSpec, ResumeSpec, Section, SkipWindow, StageSpec, TrackingSpec, ValidationSpec)
+from pretrain.tracking_store import default_tracking_uri, recorded_store
 
 
 class SpecError(ValueError):
@@ -55,6 +56,7 @@ class CampaignSpec(Section):
     blocks: BlockRefs = Field(default_factory=BlockRefs, description="Saved Prefect blocks to take storage, cluster or tracking settings from, by name.")
 
     _credentials: Credentials = PrivateAttr(default_factory=Credentials)  # from blocks; never dumped or hashed
+    _tracking_uri: str | None = PrivateAttr(None)  # the store the ledger records (with_tracking_uri); never dumped or hashed
 
     @field_validator("name")
     @classmethod
@@ -134,7 +136,9 @@ class CampaignSpec(Section):
 
     @property
     def tracking_uri(self) -> str:
-        return self.tracking.uri or f"sqlite:///{self.workdir_path / 'mlflow.db'}"
+        """``tracking.uri``; else the store the campaign's ledger records (:meth:`with_tracking_uri`);
+        else the default for a new campaign (:func:`pretrain.tracking_store.default_tracking_uri`)."""
+        return self.tracking.uri or self._tracking_uri or default_tracking_uri(self.workdir_path)
 
     @property
     def registered_model_name(self) -> str:
@@ -167,6 +171,16 @@ class CampaignSpec(Section):
     def with_credentials(self, credentials: Credentials) -> "CampaignSpec":
         copy = self.model_copy()
         copy._credentials = credentials
+        return copy
+
+    def with_tracking_uri(self, recorded: str | None) -> "CampaignSpec":
+        """This spec using the tracking store its ledger recorded at creation (``recorded``), unless
+        ``tracking.uri`` names one: a campaign finds its runs again from any directory."""
+        uri = recorded_store(recorded)
+        if self.tracking.uri or uri is None:
+            return self
+        copy = self.model_copy()
+        copy._tracking_uri = uri
         return copy
 
     def with_workdir(self, workdir: str | Path | None) -> "CampaignSpec":

@@ -152,7 +152,7 @@ class CheckpointSpec(Section):
 
 
 class TrackingSpec(Section):
-    uri: str | None = Field(None, description="MLflow tracking URI; default 'sqlite:///<workdir>/mlflow.db'.")
+    uri: str | None = Field(None, description="MLflow tracking URI; default: MLFLOW_TRACKING_URI, else 'sqlite:///<cwd>/mlflow.db' (one store shared by the campaigns run from a directory; a workdir with its own mlflow.db keeps it). Recorded in the ledger: a resumed campaign uses the store it started with.")
     experiment: str = Field("pretrain", min_length=1, description="MLflow experiment name.")
     log_every: int = Field(1, gt=0, description="Log training metrics every this many steps.")
     register_model: bool = Field(

@@ -22,6 +22,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from pretrain.redact import redact, redact_mapping, redact_value
 from pretrain.settings import PretrainSettings
+from pretrain.tracking_store import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
 from trainer.backoff import Backoff
 from trainer.events import EventKind
 from trainer.reporting import read_new_lines
@@ -31,7 +32,12 @@ TAG_CAMPAIGN = "pretrain.campaign"
 TAG_ROLE = "pretrain.role"
 TAG_STAGE = "pretrain.stage"
 TAG_SPEC_HASH = "pretrain.spec_hash"
-METRIC_KEYS = ("loss", "lr", "grad_norm", "step_time", "tokens_per_s")
+TAG_WORKDIR = "pretrain.workdir"
+# Stable metric keys (docs/tracking.md): the stage run's metric → the job's metrics.jsonl field.
+STAGE_METRICS = {"loss": "loss", "lr": "lr", "grad_norm": "grad_norm", "step_time": "step_time",
+                 "tokens_per_s": "tokens_per_s", "tokens_seen": "tokens", "checkpoint_block_s": "ckpt_block_s"}
+CAMPAIGN_METRICS = ("loss", "lr", "tokens_seen")  # also on the campaign run, at campaign steps
+METRIC_KEYS = tuple(STAGE_METRICS)
 _BATCH = 900  # log_batch accepts at most 1000 metrics
 
 
@@ -95,9 +101,15 @@ class Tracker:
 
     @cached_property
     def experiment_id(self) -> str:
+        """The experiment's id, created on first use; tagged as a model-training experiment (MLflow
+        3's UI then opens it in its training view) — also an existing one that lacks the tag."""
         exp = self.client.get_experiment_by_name(self.experiment)
-        return exp.experiment_id if exp else self.client.create_experiment(
-            self.experiment, artifact_location=Path(self.artifact_dir).resolve().as_uri())
+        if exp is None:
+            return self.client.create_experiment(self.experiment, artifact_location=Path(self.artifact_dir).resolve().as_uri(),
+                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+            self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        return exp.experiment_id
 
     def _find(self, tags: dict[str, str]) -> str | None:
         flt = " AND ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
@@ -117,9 +129,9 @@ class Tracker:
             self.client.update_run(run_id, status="RUNNING")
         return run_id
 
-    def campaign_run(self, campaign_id: str, name: str, spec_hash: str, params: dict) -> str:
+    def campaign_run(self, campaign_id: str, name: str, spec_hash: str, params: dict, workdir: Path | None = None) -> str:
         return self._ensure({TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "campaign"}, name, flatten(params),
-                            {TAG_CAMPAIGN: name, TAG_SPEC_HASH: spec_hash})
+                            {TAG_CAMPAIGN: name, TAG_SPEC_HASH: spec_hash, **({TAG_WORKDIR: str(workdir)} if workdir else {})})
 
     def stage_run(self, campaign_id: str, parent_run_id: str, campaign: str, stage: str, params: dict) -> str:
         return self._ensure({TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "stage", TAG_STAGE: stage},
@@ -199,6 +211,7 @@ class MetricsForwarder:
     pending: list[dict] = field(default_factory=list)  # records not yet in both runs
     pending_tags: dict[str, str] = field(default_factory=dict)  # not yet on the stage run
     _logged: dict[str, int] | None = field(default=None, repr=False)  # run id → its highest step; None: not asked
+    tokens_offset: int | None = None  # tokens seen before this stage (None: read from the campaign run once MLflow answers)
 
     def pump(self, final: bool = False) -> int:
         """Read what the job wrote since the last call and forward it (``final``: the job has
@@ -263,22 +276,30 @@ class MetricsForwarder:
         if self._logged is None:  # asked once MLflow answers, not when the job starts
             self._logged = {run: self.tracker.max_step(run) for run in (self.stage_run_id, self.parent_run_id)}
             self.last_step = max(self.last_step, self._logged[self.stage_run_id])
-        sent = self._send_to(self.stage_run_id, 0, METRIC_KEYS)
-        self._send_to(self.parent_run_id, self.step_offset, ("loss", "lr"))
+        if self.tokens_offset is None:  # the tokens of the stages before this one: the campaign run's count at its start
+            held = [m for m in self.tracker.client.get_metric_history(self.parent_run_id, "tokens_seen")
+                    if m.step <= self.step_offset]
+            self.tokens_offset = int(max(held, key=lambda m: m.step).value) if held and self.step_offset else 0
+        sent = self._send_to(self.stage_run_id, 0, METRIC_KEYS, 0)
+        self._send_to(self.parent_run_id, self.step_offset, CAMPAIGN_METRICS, self.tokens_offset)
         self.pending = []
         if self.pending_tags:
             self.tracker.set_tags(self.stage_run_id, self.pending_tags)
             self.pending_tags = {}
         return sent
 
-    def _send_to(self, run_id: str, offset: int, keys: tuple[str, ...]) -> int:
+    def _send_to(self, run_id: str, offset: int, keys: tuple[str, ...], tokens_offset: int) -> int:
         """Log the pending steps ``run_id`` lacks (at step + ``offset``), oldest first, in batches;
-        the run's high-water mark moves with each batch, so a retry resends only what failed."""
+        the run's high-water mark moves with each batch, so a retry resends only what failed.
+        ``tokens_seen`` counts from ``tokens_offset``."""
         high, steps = self._logged[run_id], []
         for r in self.pending:
             if offset + r["step"] > high:  # a step re-run after an in-job restart keeps its first values
                 high = offset + r["step"]
-                steps.append((high, [Metric(k, float(r[k]), int(r["time"] * 1000), high) for k in keys if k in r]))
+                values = {k: r[STAGE_METRICS[k]] for k in keys if STAGE_METRICS[k] in r}
+                if "tokens_seen" in values:
+                    values["tokens_seen"] += tokens_offset
+                steps.append((high, [Metric(k, float(v), int(r["time"] * 1000), high) for k, v in values.items()]))
         per_batch = _BATCH // len(keys)
         for i in range(0, len(steps), per_batch):
             batch = steps[i : i + per_batch]
@@ -293,5 +314,5 @@ def _is_int(x) -> bool:
 
 def _is_step_record(r: dict) -> bool:
     """A metrics line the forwarder can use: an integer step, a time, numbers for the metrics."""
-    numbers = [r.get("time")] + [r[k] for k in METRIC_KEYS if k in r]
+    numbers = [r.get("time")] + [r[k] for k in STAGE_METRICS.values() if k in r]
     return _is_int(r.get("step")) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers)

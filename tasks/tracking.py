@@ -5,11 +5,13 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from pretrain.compare import ledger_counters
 from pretrain.data_input import log_data_set
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import Tracker, transient
+from pretrain.tracking_store import artifact_root
 
 
 def _mlflow_may_recover(task, task_run, state) -> bool:
@@ -25,14 +27,18 @@ MLFLOW_RETRIES = {"retries": 4, "retry_delay_seconds": [2, 10, 30, 60], "retry_c
 
 
 def tracker_for(spec: CampaignSpec) -> Tracker:
-    return Tracker(spec.tracking_uri, spec.tracking.experiment, CampaignLayout(spec.workdir_path).mlflow_artifacts)
+    """The campaign's tracker; a new experiment keeps artifacts beside a shared sqlite store, in
+    the workdir otherwise (:func:`pretrain.tracking_store.artifact_root`)."""
+    uri = spec.tracking_uri
+    return Tracker(uri, spec.tracking.experiment, artifact_root(uri, CampaignLayout(spec.workdir_path).mlflow_artifacts))
 
 
 @task(name="open-campaign-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
 def open_campaign_run(spec: CampaignSpec, ledger: Ledger) -> str:
     params = spec.model_dump(mode="json", exclude={"stages"})
     params["stages"] = ",".join(f"{s.name}:{s.steps}" for s in spec.stages)
-    run_id = tracker_for(spec).campaign_run(ledger.record.campaign_id, spec.name, spec.spec_hash(), params)
+    run_id = tracker_for(spec).campaign_run(ledger.record.campaign_id, spec.name, spec.spec_hash(), params,
+                                            workdir=spec.workdir_path)
     ledger.set_parent_run(run_id)
     return run_id
 
@@ -48,7 +54,14 @@ def open_stage_run(spec: CampaignSpec, ledger: Ledger, stage_index: int) -> str:
 
 @task(name="finish-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
 def finish_run(spec: CampaignSpec, run_id: str, status: str) -> None:
-    tracker_for(spec).finish(run_id, status)
+    """End the run; the campaign's own run first gets the ledger's restarts and rollbacks as
+    metrics at the campaign's last step (``pretrain compare`` reads them)."""
+    tracker = tracker_for(spec)
+    ledger = Ledger.read(CampaignLayout(spec.workdir_path))
+    if ledger is not None and run_id == ledger.record.mlflow.parent_run_id:
+        tracker.log_values(run_id, {k: float(v) for k, v in ledger_counters(ledger.record).items()},
+                           spec.step_offset(len(spec.stages)))
+    tracker.finish(run_id, status)
 
 
 @task(name="log-evaluation-to-runs", cache_policy=NO_CACHE, **MLFLOW_RETRIES)

@@ -18,7 +18,7 @@ from pretrain.layout import CampaignLayout  # noqa: E402
 from pretrain.spec import CampaignSpec, parse_spec  # noqa: E402
 from prefect_server import on_prefect_server, prefect_server  # noqa: E402,F401 - a real server, on request
 
-TRACKING_STORE = "mlflow.db"  # the default tracking store, in the workdir (CampaignSpec.tracking_uri)
+TRACKING_STORE = "mlflow.db"  # a campaign's store in its workdir (seed_data) or a test's (own_tracking_store)
 DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"vocab_size": 512}, "val_fraction": 0.2}
 
 
@@ -33,6 +33,14 @@ LONGEST_FIRST = ("test_resume.py", "test_s3_campaign.py", "test_interrupt.py", "
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def own_tracking_store(tmp_path, monkeypatch):
+    """Each test's campaigns share a tracking store of their own (``MLFLOW_TRACKING_URI``, which a
+    campaign without ``tracking.uri`` and without a store in its workdir uses), never one in the
+    directory pytest runs in; child processes inherit it."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / TRACKING_STORE}")
 
 
 @pytest.fixture(scope="session")
@@ -83,15 +91,15 @@ def small_spec(workdir: Path, **overrides) -> CampaignSpec:
     return parse_spec(body)
 
 
-def seed_data(spec: CampaignSpec, prepared: Path) -> None:
+def seed_data(spec: CampaignSpec, prepared: Path, own_store: bool = True) -> None:
     """The campaign's data set as its data preparation leaves it: in ``<workdir>/data/<fingerprint>``,
-    recorded in the ledger (preparation then finds it up to date); and the session's empty tracking
-    store where the campaign keeps its own."""
+    recorded in the ledger (preparation then finds it up to date); and (``own_store``) the
+    session's empty tracking store where the campaign keeps its own."""
     from pretrain.ledger import Ledger
     from trainer.data import read_manifest
 
     store = spec.workdir_path / TRACKING_STORE
-    if spec.tracking.uri is None and not store.exists():
+    if own_store and spec.tracking.uri is None and not store.exists():
         store.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(_tracking_template(prepared), store)
     copy = CampaignLayout(spec.workdir_path).data_dir / prepared.name

@@ -19,7 +19,7 @@ from deployments.serve import build_deployment, parse_args
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = yaml.safe_load((ROOT / "prefect.yaml").read_text())
 DEPLOYMENTS = {d["name"]: d for d in PROJECT["deployments"]}
-LOCAL = ["pretrain-campaign", "prepare-data", "evaluate-checkpoint"]
+LOCAL = ["pretrain-campaign", "prepare-data", "evaluate-checkpoint", "compare-campaigns"]
 
 
 def load_entrypoint(entrypoint: str) -> Flow:

@@ -215,6 +215,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         if metrics is not None and (step % cfg.log_every == 0 or step == o.steps):
             record = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm), "step_time": dt,
                       "tokens_per_s": global_batch * o.seq_len / dt, "consumed": consumed,
+                      "tokens": consumed * o.seq_len,  # tokens seen in this stage (MLflow: tokens_seen)
                       "world_size": info.world_size, "grad_accum": accum}
             metrics.write(record if blocked is None else {**record, "ckpt_block_s": blocked})
     if snapshots is not None:

@@ -1,0 +1,46 @@
+"""``pretrain compare A B …``: campaigns side by side, read from MLflow."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pretrain.cli_errors import refused
+
+
+def compare(
+    campaigns: list[str] = typer.Argument(..., help="Campaigns to compare: workdirs, MLflow campaign run ids or campaign names."),
+    tracking_uri: Optional[str] = typer.Option(
+        None, "--tracking-uri", help="The MLflow store to find run ids and names in (default: MLFLOW_TRACKING_URI, else "
+        "./mlflow.db). A workdir's campaign is read from the store its ledger records."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object per campaign) instead of a table."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Also write a PNG of eval loss against tokens seen for all of them."),
+) -> None:
+    """Compare campaigns: tokens seen, final and best eval loss, goodput, wall time, restarts,
+    rollbacks, checkpoint stall, and the parameters that differ."""
+    from pretrain.compare import CompareError, compare as gather
+    from pretrain.compare_view import plot_eval_loss, table
+    from pretrain.tracking_store import shared_tracking_uri
+
+    uri = tracking_uri or shared_tracking_uri()
+    with refused(CompareError):
+        summaries = gather(campaigns, uri)
+    if png is not None:
+        with refused(RuntimeError, OSError):
+            plot_eval_loss(summaries, png)
+    if as_json:
+        sys.stdout.write(json.dumps([s.to_json() for s in summaries], indent=2) + "\n")
+        return
+    header, rows = table(summaries)
+    shown = Table(*header, title="campaigns compared")
+    for row in rows:
+        shown.add_row(*row)
+    Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(shown)
+    if png is not None:
+        sys.stdout.write(f"eval loss vs tokens: {png}\n")
