@@ -29,7 +29,7 @@ from pretrain.lock import campaign_lock
 from pretrain.outcome import record_interrupt
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
-from tasks.artifacts import link_mlflow_run, publish_reports
+from tasks.artifacts import link_mlflow_run, publish_goodput, publish_reports
 from tasks.checkpoints import sync_verdicts
 from tasks.events import campaign_completed
 from tasks.hooks import CAMPAIGN_HOOKS
@@ -116,7 +116,7 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     register_final_model(spec)  # after every stage is completed: a failure here is the campaign's alone
     ledger.set_status(CampaignStatus.COMPLETED)
     finish_run(spec, parent_run_id, "FINISHED")
-    status = campaign_status(spec.workdir_path, spec.credentials.s3_options())
-    publish_reports(spec, status)
+    status = campaign_status(spec.workdir_path, spec.credentials.s3_options(), live=True)
+    publish_reports(spec, status, publish_goodput(spec, status, parent_run_id))
     campaign_completed(spec, status)
     return status

@@ -24,6 +24,9 @@ def _add_sub_apps() -> None:
 
     app.add_typer(data_app, name="data")
     app.add_typer(cluster_app, name="cluster")
+    from pretrain.cli_report import report
+
+    app.command("report")(report)
 
 
 _add_sub_apps()

@@ -172,12 +172,12 @@ def fault_intervals(jobs: list[JobStreams], failures: list[dict], job_spans: dic
     return out
 
 
-def span_end(span: Span, record: CampaignRecord, now: float) -> float:
-    """A span's end; an open one ends now while the campaign runs, else at the last time the
-    ledger knows of (the process recording it died)."""
+def span_end(span: Span, record: CampaignRecord, now: float, live: bool = False) -> float:
+    """A span's end; an open one ends now while the campaign runs (``live``: the caller is the
+    run itself), else at the last time the ledger knows of (the process recording it died)."""
     if span.end is not None:
         return span.end
-    if record.status in (CampaignStatus.RUNNING, CampaignStatus.NEW):
+    if live or record.status in (CampaignStatus.RUNNING, CampaignStatus.NEW):
         return now
     known = [s.end for s in record.spans if s.end is not None] + [s.start for s in record.spans]
     known += [record.end.time] if record.end is not None and record.end.time else []
@@ -209,10 +209,11 @@ def _of(windows: list[tuple[float, float]], intervals: list[Interval], missing: 
     return Goodput(sum(parts.values()), parts, missing)
 
 
-def goodput_report(record: CampaignRecord, layout: CampaignLayout, now: float | None = None) -> dict:
-    """``{"campaign": <split>, "stages": {name: <split>}}``, each split as :meth:`Goodput.to_json`."""
+def goodput_report(record: CampaignRecord, layout: CampaignLayout, now: float | None = None, live: bool = False) -> dict:
+    """``{"campaign": <split>, "stages": {name: <split>}}``, each split as :meth:`Goodput.to_json`.
+    ``live``: called by the campaign's run itself (its open spans end now)."""
     now = time.time() if now is None else now
-    spans = [(s, span_end(s, record, now)) for s in record.spans if isinstance(s.start, (int, float))]
+    spans = [(s, span_end(s, record, now, live)) for s in record.spans if isinstance(s.start, (int, float))]
     ledger_intervals = [(cat, s.start, end) for s, end in spans for kind, cat in (
         (SpanKind.NODE_CHECK, "node_checks"), (SpanKind.DATA_PREPARATION, "data_preparation"),
         (SpanKind.VALIDATION_EVAL, "validation_eval")) if s.kind == kind]

@@ -18,15 +18,16 @@ class NoCampaign(FileNotFoundError):
     pass
 
 
-def campaign_status(workdir: str | Path, s3_credentials: dict | None = None) -> dict:
+def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, live: bool = False) -> dict:
     """Where the campaign in ``workdir`` stands (anything credential-shaped redacted).
-    ``s3_credentials``: S3 client arguments for reading its checkpoints (a flow's block credentials)."""
+    ``s3_credentials``: S3 client arguments for reading its checkpoints (a flow's block credentials);
+    ``live``: the caller is the campaign's run (its goodput counts until now)."""
     layout = CampaignLayout(Path(workdir).expanduser().resolve())
     ledger = Ledger.read(layout)
     if ledger is None:
         raise NoCampaign(f"no campaign in {layout.root} (no {layout.ledger.name}); start one with `pretrain run --workdir {workdir}`")
     r = ledger.record
-    goodput = goodput_report(r, layout)
+    goodput = goodput_report(r, layout, live=live)
     stages = []
     for name, s in r.stages.items():
         store = CheckpointStore.open(s.checkpoints, {**r.storage_options, **(s3_credentials or {})})
