@@ -44,6 +44,7 @@ DESCRIPTIONS = {
 }
 
 Interval = tuple[str, float, float]  # (category, start, end)
+NOTICES = (EventKind.HANG, EventKind.ANOMALY, EventKind.ERROR, EventKind.NODE_LOST)  # a fault noticed (a drill is not)
 
 
 def split(windows: list[tuple[float, float]], intervals: list[Interval]) -> dict[str, float]:
@@ -151,11 +152,14 @@ def fault_intervals(jobs: list[JobStreams], failures: list[dict], job_spans: dic
     out: list[Interval] = []
     for job in jobs:
         for inc in incidents(job.events, job.metrics, job.attempt):
-            detected, recovery = inc["detected_at"], inc["recovery_s"]
+            first, recovery = inc["detected_at"], inc["recovery_s"]  # the first fault event (a drill: the fault itself)
             if recovery is None:
                 continue  # a saver restart: training did not stop
-            last = job.last_step_before(detected)
-            out += [("detection", last if last is not None else detected, detected), ("recovery", detected, detected + recovery)]
+            resumed = first + recovery
+            noticed = min((e["time"] for e in job.events if first <= e["time"] <= resumed
+                           and e.get("event") in NOTICES), default=first)  # a hang: step_timeout_s later
+            last = job.last_step_before(first)
+            out += [("detection", last if last is not None else first, noticed), ("recovery", noticed, resumed)]
     for f in failures:
         detected = f.get("detected_at")
         if f.get("in_job") or not isinstance(detected, (int, float)):
@@ -232,6 +236,10 @@ def goodput_report(record: CampaignRecord, layout: CampaignLayout, now: float | 
         stages[name] = _of(windows, intervals + ledger_intervals, missing).to_json()
         all_intervals += intervals
     runs = [(s.start, end) for s, end in spans if s.kind == SpanKind.RUN]
-    campaign = _of(runs, all_intervals, no_spans or ([] if runs else ["no run of the campaign was measured"]))
+    missing = no_spans or ([] if runs else ["no run of the campaign was measured"])
+    if runs and record.invocations > len(runs):
+        missing.append(f"{record.invocations - len(runs)} earlier run(s) of the campaign were not measured (a release "
+                       "before goodput was recorded): the wall time counts the measured runs only")
+    campaign = _of(runs, all_intervals, missing)
     return {"campaign": campaign.to_json(), "stages": stages}
 

@@ -50,26 +50,30 @@ def loss_curves(record: CampaignRecord, layout: CampaignLayout) -> list[StageCur
     curves, offset = [], 0.0
     for name, stage in record.stages.items():
         curve = StageCurve(name, offset)
-        per_step: dict[int, float] = {}  # tokens per step, by the job that logged it
+        tokens_at: dict[int, float] = {}  # step → tokens consumed by then (the job that logged it last)
+        marks: list[tuple[list, int]] = []
         for job in read_jobs(layout, name):
             seq = _seq_len(layout.job_dir(name, job.attempt)) or 1
             for m in job.metrics:
                 consumed = m.get("consumed")
-                tokens = consumed * seq if isinstance(consumed, (int, float)) else m["step"]
+                tokens_at[m["step"]] = consumed * seq if isinstance(consumed, (int, float)) else m["step"]
                 if isinstance(m.get("loss"), (int, float)):
-                    curve.train[m["step"]] = (offset + tokens, float(m["loss"]))
-                    per_step[m["step"]] = tokens / max(m["step"], 1)
+                    curve.train[m["step"]] = (offset + tokens_at[m["step"]], float(m["loss"]))
             for e in job.events:
                 if e.get("event") == EventKind.START and e.get("rank") == 0 and e.get("source") in ("memory", "checkpoint"):
-                    curve.restarts.append(e["step"])
+                    marks.append((curve.restarts, e["step"]))
                 elif e.get("event") == EventKind.ANOMALY and isinstance(e.get("step"), int):
-                    curve.rollbacks.append(e["step"])
-        rate = sorted(per_step.values())[len(per_step) // 2] if per_step else 1.0  # tokens per step (median)
-        curve.restarts = [offset + s * rate for s in curve.restarts]
-        curve.rollbacks = [offset + s * rate for s in curve.rollbacks]
+                    marks.append((curve.rollbacks, e["step"]))
+        rates = sorted(t / s for s, t in tokens_at.items() if s > 0)
+        rate = rates[len(rates) // 2] if rates else 1.0  # tokens per step (median), for steps not logged
+
+        def at(step: int) -> float:
+            return offset + tokens_at.get(step, step * rate)
+        for where, step in marks:
+            where.append(at(step))
         if stage.eval and isinstance(stage.eval.get("val_loss"), (int, float)) and isinstance(stage.eval.get("step"), int):
-            curve.evals.append((offset + stage.eval["step"] * rate, float(stage.eval["val_loss"])))
-        curve.end_tokens = offset + stage.steps * rate
+            curve.evals.append((at(stage.eval["step"]), float(stage.eval["val_loss"])))
+        curve.end_tokens = max(at(stage.steps), max((t for t, _ in curve.train.values()), default=offset))
         offset = curve.end_tokens
         curves.append(curve)
     return curves
@@ -106,7 +110,7 @@ def plot_loss(curves: list[StageCurve], path: Path, title: str) -> Path:
 def plot_goodput(goodput: dict, path: Path, title: str) -> Path:
     """One horizontal stacked bar per stage and the campaign: seconds by category."""
     rows = [(name, g) for name, g in [*goodput["stages"].items(), ("campaign", goodput["campaign"])] if g.get("known")]
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.6 * max(len(rows), 1)), dpi=100)
+    fig, ax = plt.subplots(figsize=(9, 2.2 + 0.5 * max(len(rows), 1)), dpi=100)
     try:
         for i, (name, g) in enumerate(rows):
             left = 0.0
@@ -119,7 +123,7 @@ def plot_goodput(goodput: dict, path: Path, title: str) -> Path:
         ax.set_xlabel("seconds of wall time")
         ax.set_title(title if rows else f"{title}: unknown (no timing recorded)")
         if rows:
-            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, fontsize=7)
+            ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, frameon=False)
         fig.tight_layout()
         fig.savefig(path, format="png", bbox_inches="tight")
     finally:

@@ -75,6 +75,9 @@ def render(status: dict, console: Console | None = None) -> None:
         for problem in s.get("problems", []):
             console.print(f"stage {s['name']}: {problem}", highlight=False, markup=False)
     console.print(goodput_table(status))
+    if (status.get("goodput") or {}).get("known"):
+        for note in status["goodput"]["missing"]:
+            console.print(f"goodput: {note}", highlight=False, markup=False)
     console.print(f"MLflow: parent run {status['mlflow']['parent_run_id']} in experiment "
                   f"'{status['mlflow']['experiment']}' — {status['mlflow']['ui_command']}")
     if reg := status.get("registered_model"):

@@ -128,3 +128,12 @@ def test_a_ledger_of_the_release_before_reports_goodput_unknown(tmp_path):
     text = goodput_table({"stages": [{"name": n, "goodput": g} for n, g in report["stages"].items()],
                           "goodput": report["campaign"]})
     assert text.startswith("goodput: unknown — the ledger has no timed spans")
+
+
+def test_runs_of_a_release_before_are_reported_as_not_measured(tmp_path):
+    record = _ledger(tmp_path, [{"kind": "run", "start": 0.0, "end": 10.0}])
+    record.invocations = 3  # two runs before this release, one measured
+    campaign = goodput_report(record, CampaignLayout(tmp_path))["campaign"]
+    assert campaign["known"] and campaign["wall_s"] == 10.0
+    assert campaign["missing"] == ["2 earlier run(s) of the campaign were not measured (a release before goodput was "
+                                   "recorded): the wall time counts the measured runs only"]
