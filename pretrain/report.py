@@ -106,7 +106,10 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, sta
     if not rows:
         why = (status.get("goodput") or {}).get("missing") or ["no timing recorded yet"]
         lines[-2:] = [f"_unknown: {why[0]}_", ""]
-    lines += [f"![{title}]({url})" for title, url in (images or {}).items()] + ([""] if images else [])
+    if images:
+        lines += [f"![{title}]({url})" for title, url in images.items()]
+        lines += ["", f"_The pictures are also artifacts of the MLflow parent run (`report/`); "
+                      f"`pretrain report --workdir {status['workdir']}` redraws them with an HTML page._", ""]
     lines += ["## Checkpoints", ""]
     lines += _table(checkpoint_rows(status["workdir"], s3_credentials), ("stage", "step", "verdict", "good_pointer", "eval_loss", "problems"))
     lines += ["## Node check", ""]

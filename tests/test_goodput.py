@@ -61,12 +61,13 @@ def _step(t: float, step: int, dt: float = 1.0, block: float | None = None) -> d
 
 def test_a_stage_with_an_in_job_restart_and_a_relaunch_is_split_exactly(tmp_path):
     """Timeline (seconds): run 0-40, data 0-2, node check 2-3, stage 3-40, job 0 4-20, job 1 24-36,
-    validation 37-39. Job 0 steps 1-4 (1 s each, step 2 blocks 0.5 s), a hang noticed at 12,
+    validation 37-39. Job 0 steps 1-4 (1 s each, step 2 blocks 0.5 s), a hang drilled at 10, noticed at 12,
     workers back from step 2 at 13, step 3 again at 15, then the job dies at 20 (noticed at 20).
     Job 1 restarts from step 3 at 26, steps 4-6 until 29, the final flush until 30."""
     job0 = tmp_path / "jobs" / "main" / "attempt_000"
     _lines(job0 / "events.jsonl", [
         {"time": 5.0, "event": "start", "rank": 0, "step": 0, "source": "scratch"},
+        {"time": 10.0, "event": "chaos", "kind": "hang_worker"},  # the drill: noticed only by the hang event
         {"time": 12.0, "event": "hang", "ranks": [0]},
         {"time": 13.0, "event": "start", "rank": 0, "step": 2, "source": "memory"}])
     _lines(job0 / "metrics.jsonl", [_step(6.0, 1), _step(7.5, 2, block=0.5), _step(8.5, 3), _step(9.5, 4),
