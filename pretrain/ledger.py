@@ -11,7 +11,7 @@ import json
 import os
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -242,7 +242,8 @@ class Ledger:
     @contextmanager
     def timed(self, kind: SpanKind, stage: str | None = None, attempt: int | None = None) -> Iterator[None]:
         """Record a span of wall time (``spans``): its start now, its end when the block exits,
-        however it exits. The goodput split reads these."""
+        however it exits (when the block failed, a ledger that cannot be written leaves the span
+        open and the block's error goes on). The goodput split reads these."""
         span = Span(kind=kind, start=time.time(), **({"stage": stage} if stage else {}),
                     **({"attempt": attempt} if attempt is not None else {}))
         index = len(self.mutate(lambda r: r.spans.append(span)).spans) - 1
@@ -252,8 +253,11 @@ class Ledger:
                 r.spans[index].end = time.time()
         try:
             yield
-        finally:
-            self.mutate(close)
+        except BaseException:
+            with suppress(Exception):  # the block's error is the one to report; the span stays open
+                self.mutate(close)
+            raise
+        self.mutate(close)
 
     # a stage
 

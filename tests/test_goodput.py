@@ -138,3 +138,17 @@ def test_runs_of_a_release_before_are_reported_as_not_measured(tmp_path):
     assert campaign["known"] and campaign["wall_s"] == 10.0
     assert campaign["missing"] == ["2 earlier run(s) of the campaign were not measured (a release before goodput was "
                                    "recorded): the wall time counts the measured runs only"]
+
+
+def test_timed_spans_are_written_to_the_ledger_and_closed_when_the_block_fails(tmp_path):
+    ledger = Ledger(CampaignLayout(tmp_path), _ledger(tmp_path, []))
+    ledger.save()
+    with ledger.timed("run"):
+        with pytest.raises(RuntimeError):
+            with ledger.timed("job", "main", 0):
+                raise RuntimeError("the job broke")
+    run, job = Ledger.read(CampaignLayout(tmp_path)).record.spans  # as written to ledger.json
+    assert (run.kind, job.kind, job.stage, job.attempt) == ("run", "job", "main", 0)
+    assert run.start <= job.start <= job.end <= run.end
+    on_disk = json.loads((tmp_path / "ledger.json").read_text())["spans"]
+    assert set(on_disk[0]) == {"kind", "start", "end"}  # no keys it was not given
