@@ -24,12 +24,12 @@ from flows.validate_checkpoint import validate_checkpoint
 from pretrain.credentials import mlflow_auth
 from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop
 from pretrain.ledger import Ledger
-from pretrain.ledger_schema import CampaignStatus, StageStatus
+from pretrain.ledger_schema import CampaignStatus, SpanKind, StageStatus
 from pretrain.guard import campaign_guard
 from pretrain.outcome import record_interrupt
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
-from tasks.artifacts import link_mlflow_run, publish_reports
+from tasks.artifacts import link_mlflow_run, publish_goodput, publish_reports
 from tasks.checkpoints import sync_verdicts
 from tasks.events import campaign_completed
 from tasks.hooks import CAMPAIGN_HOOKS
@@ -73,6 +73,11 @@ def record_interrupted(spec: CampaignSpec, stop: StopRequest, error: Exception) 
 
 
 def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
+    with Ledger.open(spec).timed(SpanKind.RUN):  # the run's wall time, for the goodput split
+        return _run_campaign(spec, stop)
+
+
+def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     def stop_point(where: str) -> None:
         if stop is not None:
             stop.raise_if_requested(where)
@@ -84,9 +89,11 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     logger.info("campaign %s in %s (spec %s)", spec.name, spec.workdir_path, spec.spec_hash())
     parent_run_id = open_campaign_run(spec, ledger)
     link_mlflow_run(spec, tracker_for(spec).experiment_id, parent_run_id)
-    prepare_data(spec)
+    with ledger.timed(SpanKind.DATA_PREPARATION):
+        prepare_data(spec)
     stop_point("after preparing the data")
-    provision_cluster(spec)
+    with ledger.timed(SpanKind.NODE_CHECK):
+        provision_cluster(spec)
     init_from = None
     for i, stage in enumerate(spec.stages):
         done = ledger.reload().stages[stage.name]
@@ -95,20 +102,22 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
             init_from = done.good_checkpoint.path
             continue
         stop_point(f"before stage {stage.name}")
-        final = train_stage(spec, i, stage.init_from or init_from)
-        stop_point(f"after training stage {stage.name}, before its validation")
-        validate_checkpoint(spec, stage.name, final["path"])
-        evaluate(spec, stage.name, final["path"], final["step"])
-        sync_verdicts(spec, stage.name)  # what an MLflow outage kept from the stage run
-        finish_run(spec, ledger.reload().stages[stage.name].mlflow_run_id, "FINISHED")
-        ledger.set_stage_status(stage.name, StageStatus.COMPLETED)
+        with ledger.timed(SpanKind.STAGE, stage.name):
+            final = train_stage(spec, i, stage.init_from or init_from)
+            stop_point(f"after training stage {stage.name}, before its validation")
+            with ledger.timed(SpanKind.VALIDATION_EVAL, stage.name):
+                validate_checkpoint(spec, stage.name, final["path"])
+                evaluate(spec, stage.name, final["path"], final["step"])
+            sync_verdicts(spec, stage.name)  # what an MLflow outage kept from the stage run
+            finish_run(spec, ledger.reload().stages[stage.name].mlflow_run_id, "FINISHED")
+            ledger.set_stage_status(stage.name, StageStatus.COMPLETED)
         publish_reports(spec)
         init_from = final["path"]
     stop_point("before registering the final model")
     register_final_model(spec)  # after every stage is completed: a failure here is the campaign's alone
     ledger.set_status(CampaignStatus.COMPLETED)
     finish_run(spec, parent_run_id, "FINISHED")
-    status = campaign_status(spec.workdir_path, spec.credentials.s3_options())
-    publish_reports(spec, status)
+    status = campaign_status(spec.workdir_path, spec.credentials.s3_options(), live=True)
+    publish_reports(spec, status, publish_goodput(spec, status, parent_run_id))
     campaign_completed(spec, status)
     return status

@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
 from pretrain.ledger import Ledger
-from pretrain.ledger_schema import CheckpointRef, Failure, Resume, StageStatus
+from pretrain.ledger_schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
 from pretrain.policy import Action, Budget, after_job, before_launch, stage_end
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
@@ -91,11 +91,14 @@ def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str |
     logger, stage = get_run_logger(), spec.stages[stage_index].name
     settings = PretrainSettings.from_env()  # once per launch, for the job, its polling and the gate
     exclude = ledger.reload().excluded_nodes()
-    job = run_training_job.submit(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id,
-                                  spec.step_offset(stage_index), exclude, settings)
-    while not _finished(job, settings.gate_poll_s):
-        judge_pending(spec, stage_index, settings)  # the gate overlaps training
-    result = job.result()
+    with ledger.timed(SpanKind.JOB, stage, attempt):
+        job = run_training_job.submit(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id,
+                                      spec.step_offset(stage_index), exclude, settings)
+        while not _finished(job, settings.gate_poll_s):
+            judge_pending(spec, stage_index, settings)  # the gate overlaps training
+        result = job.result()
+    if attempt:  # a relaunch after a failed job: its recovery lasted until this job stepped
+        ledger.record_relaunch_recovery(stage, attempt - 1, result.first_step_at)
     for r in result.resumes:
         ledger.record_resume(stage, Resume(attempt=attempt, **r))
     job_restarts(spec, stage, attempt, result.resumes)

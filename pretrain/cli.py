@@ -22,10 +22,12 @@ def _add_sub_apps() -> None:
     from pretrain.cli_cluster import cluster_app
     from pretrain.cli_compare import compare
     from pretrain.cli_data import data_app
+    from pretrain.cli_report import report
 
     app.add_typer(data_app, name="data")
     app.add_typer(cluster_app, name="cluster")
     app.command("compare")(compare)
+    app.command("report")(report)
 
 
 _add_sub_apps()

@@ -11,9 +11,10 @@ import json
 import os
 import time
 import uuid
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from pydantic import ValidationError
 
@@ -21,7 +22,8 @@ from pretrain.jobs import checkpoint_location, storage_options
 from pretrain.layout import CampaignLayout
 from pretrain.ledger_remote import RemoteLedger
 from pretrain.ledger_schema import (LEDGER_VERSION, CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord,
-                                    DataRecord, Failure, MlflowRecord, Resize, Resume, Rewind, StageRecord, StageStatus, Verdict,
+                                    DataRecord, Failure, MlflowRecord, Resize, Resume, Rewind, Span, SpanKind, StageRecord,
+                                    StageStatus, Verdict,
                                     describe_problem, new_stage)
 from pretrain.redact import redact, redact_tree
 from pretrain.spec import CampaignSpec
@@ -289,6 +291,26 @@ class Ledger:
     def set_registered_model(self, registered: dict) -> None:
         self.mutate(lambda r: setattr(r, "registered_model", registered))
 
+    @contextmanager
+    def timed(self, kind: SpanKind, stage: str | None = None, attempt: int | None = None) -> Iterator[None]:
+        """Record a span of wall time (``spans``): its start now, its end when the block exits,
+        however it exits (when the block failed, a ledger that cannot be written leaves the span
+        open and the block's error goes on). The goodput split reads these."""
+        span = Span(kind=kind, start=time.time(), **({"stage": stage} if stage else {}),
+                    **({"attempt": attempt} if attempt is not None else {}))
+        index = len(self.mutate(lambda r: r.spans.append(span)).spans) - 1
+
+        def close(r: CampaignRecord) -> None:
+            if index < len(r.spans) and r.spans[index].start == span.start:
+                r.spans[index].end = time.time()
+        try:
+            yield
+        except BaseException:
+            with suppress(Exception):  # the block's error is the one to report; the span stays open
+                self.mutate(close)
+            raise
+        self.mutate(close)
+
     # a stage
 
     def set_stage_status(self, stage: str, status: StageStatus, final_checkpoint: CheckpointRef | None = None) -> StageRecord:
@@ -313,6 +335,18 @@ class Ledger:
 
     def record_failure(self, stage: str, failure: Failure) -> None:
         self._change_stage(stage, lambda s: s.failures.append(failure.stamped()))
+
+    def record_relaunch_recovery(self, stage: str, attempt: int, resumed_at: float | None) -> None:
+        """The relaunch after job ``attempt``'s failure is done: training stepped again at
+        ``resumed_at``. That failure's ``recovery_s`` (its job's end until then: the relaunch,
+        rendezvous and restore) joins its ``time_lost_s``."""
+        def change(s: StageRecord) -> None:
+            for f in s.failures:
+                if (f.attempt == attempt and not f.in_job and f.detected_at is not None and f.recovery_s is None
+                        and resumed_at is not None):
+                    f.recovery_s = round(max(0.0, resumed_at - f.detected_at), 2)
+                    f.time_lost_s = round(f.time_lost_s + f.recovery_s, 2)
+        self._change_stage(stage, change)
 
     def record_resume(self, stage: str, resume: Resume) -> None:
         self._change_stage(stage, lambda s: s.resumes.append(resume.stamped()))

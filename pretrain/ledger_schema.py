@@ -148,6 +148,28 @@ class Verdict(Entry):
     metrics: dict = Field(default_factory=dict)
 
 
+class SpanKind(StrEnum):
+    """What a timed span of the campaign (``spans`` of the ledger) was: the wall-time facts the
+    goodput split (``pretrain.goodput``) reads besides the jobs' own streams."""
+
+    RUN = "run"  # one run of the campaign flow, start to end
+    DATA_PREPARATION = "data_preparation"
+    NODE_CHECK = "node_check"  # provisioning the cluster: its checks and the node health check
+    STAGE = "stage"  # a stage: training, validation, evaluation
+    JOB = "job"  # one launch of a stage's job, from its start to its end (``attempt``)
+    VALIDATION_EVAL = "validation_eval"  # the final checkpoint's validation and evaluation
+
+
+class Span(GivenKeys):
+    """A timed span: ``end`` None while it runs, or if the process recording it died."""
+
+    kind: SpanKind | str  # a kind this release does not know is kept and ignored
+    start: float
+    end: float | None = None
+    stage: str | None = None
+    attempt: int | None = None
+
+
 class CheckpointRef(BaseModel):
     """A checkpoint by step and location."""
 
@@ -232,6 +254,7 @@ class CampaignRecord(BaseModel):
     flow_run: str | None = None  # the Prefect flow run working on it (last one)
     registered_model: dict | None = None
     end: RunEnd | None = None
+    spans: list[Span] = Field(default_factory=list)  # timed spans (runs, stages, jobs, ...); none before this release
 
     def interrupted(self, flow_run: str) -> bool:
         """The ledger records ``flow_run`` as interrupted by the operator."""

@@ -56,6 +56,7 @@ class JobEnd(Protocol):
     errors: list[str]
     log: str
     scaled_up: list[int]
+    ended: float | None  # when the orchestrator saw it end
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ def after_job(job: JobEnd, attempt: int, budget: Budget) -> Decision:
                         resize=Resize(attempt=attempt, nodes_back=job.scaled_up, duration_s=round(job.duration_s, 2)))
     retryable = job.cause not in NON_RETRYABLE
     failure = Failure(attempt=attempt, in_job=False, cause=job.cause, action="relaunch the job" if retryable else "stop",
-                      exit_code=job.exit_code, time_lost_s=round(job.time_lost_s, 2), errors=job.errors, log=job.log)
+                      exit_code=job.exit_code, time_lost_s=round(job.time_lost_s, 2), errors=job.errors, log=job.log,
+                      **({"detected_at": job.ended} if job.ended is not None else {}))
     if not retryable:
         return Decision(Action.GIVE_UP, f"{job.cause}: relaunching cannot help, a human must act", budget, failure)
     return Decision(Action.RELAUNCH, f"{job.cause}: relaunch from the newest good checkpoint", budget, failure)

@@ -3,9 +3,11 @@ Prefect artifacts show, and the markdown campaign report. No Prefect here."""
 
 from __future__ import annotations
 
+import html
 from collections import defaultdict
 from pathlib import Path
 
+from pretrain.goodput import ALL, DESCRIPTIONS
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.redact import redact, redact_tree
@@ -63,10 +65,25 @@ def _table(rows: list[dict], columns: list[str] | tuple[str, ...]) -> list[str]:
             *("| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows), ""]
 
 
-def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, status: dict | None = None) -> str:
-    """Markdown: where the campaign stands, its stages and attempts, every checkpoint with its
-    verdict and eval loss, the node check, failures and the time lost per cause (redacted).
-    ``status``: the campaign's status, when the caller has just computed it."""
+def goodput_rows(status: dict) -> list[dict]:
+    """One row per category of the goodput split: seconds per stage and for the campaign."""
+    splits = [(s["name"], s.get("goodput") or {}) for s in status["stages"]] + [("campaign", status.get("goodput") or {})]
+    splits = [(name, g) for name, g in splits if g.get("known")]
+    if not splits:
+        return []
+    rows = [{"category": "goodput", **{n: f"{100 * g['goodput']:.1f} %" if g["goodput"] is not None else None
+                                       for n, g in splits}},
+            {"category": "wall (s)", **{n: round(g["wall_s"], 2) for n, g in splits}}]
+    return rows + [{"category": c, **{n: round(g["parts_s"].get(c, 0.0), 2) for n, g in splits}, "what": DESCRIPTIONS[c]}
+                   for c in ALL]
+
+
+def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, status: dict | None = None,
+                    images: dict[str, str] | None = None) -> str:
+    """Markdown: where the campaign stands, its stages and attempts, where the wall time went
+    (goodput), every checkpoint with its verdict and eval loss, the node check, failures and the
+    time lost per cause (redacted). ``status``: the campaign's status, when the caller has just
+    computed it; ``images``: pictures to embed (title → URL)."""
     status = status or campaign_status(workdir, s3_credentials)
     ledger = Ledger.read(CampaignLayout(Path(status["workdir"])))
     end = ledger.record.end if ledger else None
@@ -83,6 +100,16 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, sta
                    "good checkpoint": s["good_checkpoint"]["step"] if s["good_checkpoint"] else None,
                    "eval loss": round(s["eval"]["val_loss"], 4) if s["eval"] else None} for s in status["stages"]]
     lines += _table(stage_rows, list(stage_rows[0]) if stage_rows else ["stage"])
+    lines += ["## Goodput: where the wall time went", ""]
+    rows = goodput_rows(status)
+    lines += _table(rows, ["category", *(k for k in rows[0] if k not in ("category", "what")), "what"] if rows else ["category"])
+    if not rows:
+        why = (status.get("goodput") or {}).get("missing") or ["no timing recorded yet"]
+        lines[-2:] = [f"_unknown: {why[0]}_", ""]
+    if images:
+        lines += [f"![{title}]({url})" for title, url in images.items()]
+        lines += ["", f"_The pictures are also artifacts of the MLflow parent run (`report/`); "
+                      f"`pretrain report --workdir {status['workdir']}` redraws them with an HTML page._", ""]
     lines += ["## Checkpoints", ""]
     lines += _table(checkpoint_rows(status["workdir"], s3_credentials), ("stage", "step", "verdict", "good_pointer", "eval_loss", "problems"))
     lines += ["## Node check", ""]
@@ -94,3 +121,23 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, sta
     lines += ["## Failures", ""]
     lines += _table(failures, ("stage", "attempt", "cause", "action", "time_lost_s", "recovery_s"))
     return redact("\n".join(lines))
+
+
+def write_report_files(workdir: str | Path, out: str | Path, s3_credentials: dict | None = None) -> dict[str, Path]:
+    """The campaign's pictures and an HTML page showing them with the report, into ``out``
+    (created). Returns ``{"loss", "goodput", "html"}`` → path."""
+    from pretrain.plots import write_plots  # matplotlib: only when pictures are asked for
+
+    status = campaign_status(workdir, s3_credentials)
+    layout = CampaignLayout(Path(status["workdir"]))
+    out = Path(out)
+    loss, goodput = write_plots(Ledger.read(layout).record, layout, {"campaign": status["goodput"], "stages": {
+        s["name"]: s["goodput"] for s in status["stages"]}}, out)
+    markdown = campaign_report(workdir, s3_credentials, status)
+    page = out / "report.html"
+    page.write_text(
+        "<!doctype html>\n<html><head><meta charset='utf-8'><title>campaign "
+        f"{html.escape(status['campaign'])}</title></head><body>\n"
+        f"<img src='{loss.name}' alt='loss vs tokens'><br>\n<img src='{goodput.name}' alt='goodput'>\n"
+        f"<pre>{html.escape(markdown)}</pre>\n</body></html>\n")
+    return {"loss": loss, "goodput": goodput, "html": page}

@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from pretrain.goodput import ALL, goodput_report
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.redact import redact_tree
@@ -17,14 +18,16 @@ class NoCampaign(FileNotFoundError):
     pass
 
 
-def campaign_status(workdir: str | Path, s3_credentials: dict | None = None) -> dict:
+def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, live: bool = False) -> dict:
     """Where the campaign in ``workdir`` stands (anything credential-shaped redacted).
-    ``s3_credentials``: S3 client arguments for reading its checkpoints (a flow's block credentials)."""
+    ``s3_credentials``: S3 client arguments for reading its checkpoints (a flow's block credentials);
+    ``live``: the caller is the campaign's run (its goodput counts until now)."""
     layout = CampaignLayout(Path(workdir).expanduser().resolve())
     ledger = Ledger.read(layout)
     if ledger is None:
         raise NoCampaign(f"no campaign in {layout.root} (no {layout.ledger.name}); start one with `pretrain run --workdir {workdir}`")
     r = ledger.record
+    goodput = goodput_report(r, layout, live=live)
     stages = []
     for name, s in r.stages.items():
         store = CheckpointStore.open(s.checkpoints, {**r.storage_options, **(s3_credentials or {})})
@@ -39,12 +42,13 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None) -> 
             "attempts": s.attempts, "restarts": s.restarts, "resizes": entries["resizes"],
             "rewinds": entries["rewinds"], "problems": store.record_problems(),
             "failures": entries["failures"], "resumes": entries["resumes"], "mlflow_run_id": s.mlflow_run_id, "eval": s.eval,
+            "goodput": goodput["stages"][name],
         })
     uri = r.mlflow.tracking_uri
     return redact_tree({
         "campaign": r.campaign, "campaign_id": r.campaign_id, "workdir": str(layout.root),
         "status": r.status.value, "spec_hash": r.spec_hash, "invocations": r.invocations,
-        "data": r.data.to_json() if r.data else None, "stages": stages, "registered_model": r.registered_model,
+        "data": r.data.to_json() if r.data else None, "stages": stages, "goodput": goodput["campaign"], "registered_model": r.registered_model,
         "mlflow": {**r.mlflow.model_dump(mode="json"), "ui_command": f"mlflow ui --backend-store-uri {uri}"
                    if uri.startswith("sqlite:") else f"open {uri}"},
     })
@@ -70,7 +74,34 @@ def render(status: dict, console: Console | None = None) -> None:
     for s in status["stages"]:
         for problem in s.get("problems", []):
             console.print(f"stage {s['name']}: {problem}", highlight=False, markup=False)
+    console.print(goodput_table(status))
+    if (status.get("goodput") or {}).get("known"):
+        for note in status["goodput"]["missing"]:
+            console.print(f"goodput: {note}", highlight=False, markup=False)
     console.print(f"MLflow: parent run {status['mlflow']['parent_run_id']} in experiment "
                   f"'{status['mlflow']['experiment']}' — {status['mlflow']['ui_command']}")
     if reg := status.get("registered_model"):
         console.print(f"Model: {reg['uri']} (version {reg['version']}, from {reg['checkpoint']})")
+
+
+def _share(part: float, split: dict) -> str:
+    return f"{part:.1f}s ({100 * part / split['wall_s']:.0f}%)" if split["wall_s"] else f"{part:.1f}s"
+
+
+def goodput_table(status: dict) -> Table | str:
+    """Where the wall time went (``pretrain.goodput``): one row per category, one column per
+    stage and the campaign."""
+    splits = [(s["name"], s.get("goodput")) for s in status["stages"]] + [("campaign", status.get("goodput"))]
+    known = [(name, g) for name, g in splits if g and g.get("known")]
+    if not known:
+        why = next((g["missing"][0] for _, g in splits if g and g.get("missing")), "no timing recorded yet")
+        return f"goodput: unknown — {why}"
+    table = Table(title="goodput: where the wall time went")
+    table.add_column("")
+    for name, _ in known:
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_row("goodput", *(f"{100 * g['goodput']:.1f}%" if g["goodput"] is not None else "-" for _, g in known))
+    table.add_row("wall", *(f"{g['wall_s']:.1f}s" for _, g in known))
+    for c in ALL:
+        table.add_row(c.replace("_", " "), *(_share(g["parts_s"].get(c, 0.0), g) for _, g in known))
+    return table

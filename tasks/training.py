@@ -71,6 +71,8 @@ class JobResult:
     errors: list[str] = field(default_factory=list)  # what the workers reported before exiting
     log: str = ""  # the node agent's log file
     scaled_up: list[int] = field(default_factory=list)  # lost nodes that passed a re-check: the job was stopped to take them back
+    ended: float | None = None  # when the orchestrator saw the job end (epoch seconds)
+    first_step_at: float | None = None  # when its first step was logged (None: it never stepped)
 
     @property
     def ok(self) -> bool:
@@ -94,7 +96,8 @@ def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: 
     return JobResult(attempt=attempt, exit_code=exit_code, cause=cause, incidents=incidents(events, metrics, attempt),
                      duration_s=ended - started, time_lost_s=0.0 if exit_code == 0 else ended - last_safe,
                      last_checkpoint_step=ckpts[-1]["step"] if ckpts else None, resumes=resumes,
-                     errors=sorted({e["error"] for e in events if e["event"] == EventKind.ERROR}), log=str(log))
+                     errors=sorted({e["error"] for e in events if e["event"] == EventKind.ERROR}), log=str(log),
+                     ended=ended, first_step_at=min((m["time"] for m in metrics if "time" in m), default=None))
 
 
 @task(name="run-training-job", cache_policy=NO_CACHE)

@@ -121,6 +121,9 @@ def test_status_cli_json_matches(finished):
     assert [(s["name"], s["steps_done"], s["mlflow_run_id"]) for s in shown["stages"]] == \
         [(s["name"], s["steps_done"], s["mlflow_run_id"]) for s in status["stages"]]
     assert shown["mlflow"]["ui_command"] == f"mlflow ui --backend-store-uri {spec.tracking_uri}"
+    for split in [shown["goodput"], *(s["goodput"] for s in shown["stages"])]:  # fault-free stages: goodput > 0
+        assert split["known"] and 0 < split["goodput"] < 1 and split["parts_s"]["productive"] > 0
     table = subprocess.run([sys.executable, "-m", "pretrain.cli", "status", "--workdir", str(spec.workdir_path)],
                            capture_output=True, text=True, timeout=120)
     assert "completed" in table.stdout and "mlflow ui" in table.stdout
+    assert "goodput: where the wall time went" in table.stdout and "checkpoint blocking" in table.stdout

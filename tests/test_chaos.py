@@ -4,14 +4,21 @@ recovery is exact — the parameters match a fault-free run bit for bit."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import matplotlib.image
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from conftest import assert_no_duplicate_metric_steps, seed_data, small_spec
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
+from pretrain.goodput import ALL
 from pretrain.jobs import checkpoint_store, job_config
+from pretrain.layout import CampaignLayout
+from pretrain.ledger import Ledger
 from pretrain.status import campaign_status
 from trainer.config import JobConfig
 from trainer.reporting import read_all
@@ -67,6 +74,54 @@ def test_failures_are_classified_with_recovery_times(drilled):
             assert f["time_lost_s"] >= f["recovery_s"]
 
 
+def test_goodput_parts_add_up_to_the_wall_time_of_a_drilled_campaign(drilled):
+    spec, status = drilled
+    for split in (status["goodput"], status["stages"][0]["goodput"]):
+        assert split["known"] and abs(sum(split["parts_s"].values()) - split["wall_s"]) <= 0.01 * split["wall_s"]
+        assert all(v >= 0 for v in split["parts_s"].values()) and 0 < split["goodput"] < 1
+    parts = status["stages"][0]["goodput"]["parts_s"]
+    assert parts["detection"] > 0 and parts["recovery"] > 0 and parts["validation_eval"] > 0
+    spans = Ledger.read(CampaignLayout(spec.workdir_path)).record.spans
+    [run] = [s for s in spans if s.kind == "run"]
+    [job] = [s for s in spans if s.kind == "job"]
+    assert run.start < job.start < job.end <= run.end  # the wall time measured covers the training
+
+
+def _valid_png(path) -> tuple[int, int]:
+    """The image's (height, width): matplotlib decodes it, so it is a whole, valid PNG."""
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n", path
+    return matplotlib.image.imread(path).shape[:2]
+
+
+def test_goodput_and_pictures_are_logged_to_the_mlflow_parent_run(drilled, tmp_path):
+    spec, status = drilled
+    client = MlflowClient(spec.tracking_uri)
+    run_id = status["mlflow"]["parent_run_id"]
+    metrics = client.get_run(run_id).data.metrics
+    assert 0 < metrics["goodput"] < 1 and metrics["goodput_recovery_s"] > 0
+    assert {f"goodput_{c}_s" for c in ALL} <= set(metrics)
+    assert sorted(a.path for a in client.list_artifacts(run_id, "report")) == ["report/goodput.png", "report/loss_vs_tokens.png"]
+    for name in ("goodput.png", "loss_vs_tokens.png"):
+        h, w = _valid_png(client.download_artifacts(run_id, f"report/{name}", str(tmp_path)))
+        assert h > 100 and w > 400
+    logged = json.loads(open(client.download_artifacts(run_id, "goodput.json", str(tmp_path))).read())
+    assert logged["campaign"]["parts_s"].keys() == set(ALL)
+
+
+def test_report_command_writes_the_pictures_and_a_page(drilled, tmp_path):
+    spec, _ = drilled
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "report", "--workdir", str(spec.workdir_path),
+                           "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("loss_vs_tokens.png", "goodput.png"):
+        _valid_png(tmp_path / "r" / name)
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert "src='loss_vs_tokens.png'" in page and "src='goodput.png'" in page and "recomputation" in page
+    missing = subprocess.run([sys.executable, "-m", "pretrain.cli", "report", "--workdir", str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no campaign in" in missing.stderr and "Traceback" not in missing.stderr
+
+
 def test_hang_is_detected_by_the_heartbeat_monitor(drilled):
     spec, _ = drilled
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
@@ -92,7 +147,8 @@ def test_recovery_is_bitwise_exact(drilled, prepared_data, tmp_path):
     [skip] = read_all_skips(spec)
     clean = chaos_spec(tmp_path, prepared_data,
                        skip_samples=[{"stage": "main", "start": skip["start"], "end": skip["end"]}])
-    assert pretrain_campaign(spec=clean)["stages"][0]["failures"] == []
+    clean_stage = pretrain_campaign(spec=clean)["stages"][0]
+    assert clean_stage["failures"] == [] and clean_stage["goodput"]["goodput"] > 0  # a fault-free stage's goodput
     assert_no_duplicate_metric_steps(clean.tracking_uri)
     a, b = final_model(spec), final_model(clean)
     assert a.keys() == b.keys()

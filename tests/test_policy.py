@@ -22,6 +22,7 @@ class Job:
     errors: list[str] = field(default_factory=list)
     log: str = "/w/jobs/main/attempt_000/node0.log"
     scaled_up: list[int] = field(default_factory=list)
+    ended: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import small_spec, wait_for
-from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
-from pretrain.ledger_schema import CampaignStatus, StageStatus, Verdict
+from pretrain.ledger_schema import StageStatus, Verdict
 from pretrain.train_progress import TrainingWatch
 
 

@@ -1,0 +1,25 @@
+"""``pretrain report``: a campaign's pictures (loss vs tokens, goodput) and an HTML page, on demand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pretrain.cli_errors import refused
+
+
+def report(
+    workdir: Path = typer.Option(..., "--workdir", "-w", help="The campaign's workdir."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the files (default: <workdir>/report)."),
+) -> None:
+    """Write the campaign's loss and goodput pictures (PNG) and an HTML page with its report."""
+    from pretrain.ledger import LedgerError
+    from pretrain.report import write_report_files
+    from pretrain.status import NoCampaign
+
+    with refused(NoCampaign, LedgerError, OSError):
+        files = write_report_files(workdir, out or Path(workdir) / "report")
+    for what, path in files.items():
+        typer.echo(f"{what}: {path}")
