@@ -2,6 +2,10 @@
 
 prepare_data → provision_cluster → for each stage: train_stage → validate_checkpoint → evaluate.
 
+Time-boxed (``run_for`` / ``until``, ``pretrain.budget``): near the budget's end the running job
+is stopped with a save at breakpoint, the gate judges it, and the run ends Completed with the
+campaign *paused*; the next run continues it.
+
 Idempotent: everything it needs to continue is in the workdir (data manifest, checkpoints,
 ledger), so running it again after any crash — of a worker, of the job, of this process —
 skips what is done and resumes the current stage from its newest good checkpoint. At the end,
@@ -21,12 +25,13 @@ from flows.prepare_data import prepare_data
 from flows.provision_cluster import provision_cluster
 from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
+from pretrain.budget import PauseRequest, current_pause, deadline, pausing
 from pretrain.credentials import mlflow_auth
 from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignStatus, StageStatus
 from pretrain.lock import campaign_lock
-from pretrain.outcome import record_interrupt
+from pretrain.outcome import record_interrupt, record_pause
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_reports
@@ -39,11 +44,19 @@ from tasks.tracking import finish_run, open_campaign_run, tracker_for
 
 @flow(name="pretrain-campaign", **CAMPAIGN_HOOKS)
 def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = None,
-                      workdir: str | None = None) -> dict:
+                      workdir: str | None = None, run_for: str | None = None, until: str | None = None) -> dict:
     """Run (or resume) a campaign. Give ``spec`` inline or ``spec_path`` (a YAML file or
-    ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state. One run per
+    ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state. ``run_for``
+    (``2h``, ``90m``) / ``until`` (``06:00``, an ISO time): the run's time budget; when it is
+    near, the campaign pauses at a validated checkpoint and the run ends Completed. One run per
     campaign at a time: a second run of the same campaign fails at once (``CampaignBusy``)."""
-    spec = resolve_campaign(spec, spec_path, workdir)
+    pause = current_pause() or PauseRequest()  # set by `pretrain run` (or a test); else this run's own
+    pause.deadline = deadline(run_for, until) or pause.deadline  # a bad budget fails here, before anything
+    with pausing(pause):
+        return _campaign(resolve_campaign(spec, spec_path, workdir))
+
+
+def _campaign(spec: CampaignSpec) -> dict:
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
     stop = current_stop()  # set under `pretrain run`: Ctrl-C / SIGTERM stop the campaign
     with campaign_lock(spec.workdir_path, spec.name, flow_run.get_id()), mlflow_auth(spec.credentials):
@@ -83,6 +96,7 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     logger.info("campaign %s in %s (spec %s)", spec.name, spec.workdir_path, spec.spec_hash())
     parent_run_id = open_campaign_run(spec, ledger)
     link_mlflow_run(spec, tracker_for(spec).experiment_id, parent_run_id)
+    pause = current_pause()
     prepare_data(spec)
     stop_point("after preparing the data")
     provision_cluster(spec)
@@ -94,7 +108,11 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
             init_from = done.good_checkpoint.path
             continue
         stop_point(f"before stage {stage.name}")
+        if pause is not None and (why := pause.due()):
+            return paused(spec, stage.name, max(done.newest_good_step(), 0), why)
         final = train_stage(spec, i, stage.init_from or init_from)
+        if final.get("paused"):
+            return paused(spec, stage.name, final["step"], final["paused"])
         stop_point(f"after training stage {stage.name}, before its validation")
         validate_checkpoint(spec, stage.name, final["path"])
         evaluate(spec, stage.name, final["path"], final["step"])
@@ -110,4 +128,13 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options())
     publish_reports(spec, status)
     campaign_completed(spec, status)
+    return status
+
+
+def paused(spec: CampaignSpec, stage: str, step: int, reason: str) -> dict:
+    """End this run with the campaign paused (ledger, MLflow runs scheduled); its status."""
+    record = record_pause(spec.workdir_path, flow_run.get_id(), stage, step, reason)
+    get_run_logger().info("campaign %s %s; run it again to continue", spec.name, record.end.cause)
+    status = campaign_status(spec.workdir_path, spec.credentials.s3_options())
+    publish_reports(spec, status)
     return status
