@@ -86,9 +86,14 @@ def record_interrupted(spec: CampaignSpec, stop: StopRequest, error: Exception) 
 
 
 def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
+    pause = current_pause()
+
     def stop_point(where: str) -> None:
-        if stop is not None:
+        if stop is not None and pause is None:  # with a pause request, a signal pauses (below)
             stop.raise_if_requested(where)
+
+    def pause_due() -> str | None:  # a spent budget, or a signal to `pretrain run`
+        return pause.due() if pause is not None else None
 
     logger = get_run_logger()
     ledger = Ledger.open(spec)
@@ -96,9 +101,10 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     logger.info("campaign %s in %s (spec %s)", spec.name, spec.workdir_path, spec.spec_hash())
     parent_run_id = open_campaign_run(spec, ledger)
     link_mlflow_run(spec, tracker_for(spec).experiment_id, parent_run_id)
-    pause = current_pause()
     prepare_data(spec)
     stop_point("after preparing the data")
+    if why := pause_due():
+        return paused(spec, *_next_stage(spec, ledger), why)
     provision_cluster(spec)
     init_from = None
     for i, stage in enumerate(spec.stages):
@@ -108,12 +114,14 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
             init_from = done.good_checkpoint.path
             continue
         stop_point(f"before stage {stage.name}")
-        if pause is not None and (why := pause.due()):
+        if why := pause_due():
             return paused(spec, stage.name, max(done.newest_good_step(), 0), why)
         final = train_stage(spec, i, stage.init_from or init_from)
         if final.get("paused"):
             return paused(spec, stage.name, final["step"], final["paused"])
         stop_point(f"after training stage {stage.name}, before its validation")
+        if why := pause_due():  # trained: the next run validates and evaluates it
+            return paused(spec, stage.name, final["step"], why)
         validate_checkpoint(spec, stage.name, final["path"])
         evaluate(spec, stage.name, final["path"], final["step"])
         sync_verdicts(spec, stage.name)  # what an MLflow outage kept from the stage run
@@ -129,6 +137,13 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     publish_reports(spec, status)
     campaign_completed(spec, status)
     return status
+
+
+def _next_stage(spec: CampaignSpec, ledger: Ledger) -> tuple[str, int]:
+    """The first stage not completed, and its newest good step (0: none)."""
+    stages = ledger.reload().stages
+    name = next((s.name for s in spec.stages if stages[s.name].status != StageStatus.COMPLETED), spec.stages[-1].name)
+    return name, max(stages[name].newest_good_step(), 0)
 
 
 def paused(spec: CampaignSpec, stage: str, step: int, reason: str) -> dict:

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import contextvars
 import re
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -121,12 +120,13 @@ class PauseRequest:
 
     deadline: float | None = None  # epoch seconds; None: no time budget
     margin_s: float = UNMEASURED_MARGIN_S
-    asked: str | None = None  # why a pause was asked for outside the budget
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    asked: str | None = None  # why a pause was asked for outside the budget (the first reason stands)
 
     def ask(self, reason: str) -> None:
-        with self._lock:
-            self.asked = self.asked or reason
+        """Pause now. Safe in a signal handler: a plain assignment, no lock (the handler may run
+        while its own thread is inside any lock)."""
+        if self.asked is None:
+            self.asked = reason
 
     def due(self, now: float | None = None) -> str | None:
         """Why the campaign must pause now (None: it may go on)."""

@@ -50,7 +50,7 @@ def run(
             raise SpecError(why)
     _exit_if_ledger_damaged(campaign.workdir_path)
     from deployments.local_run import run_campaign_here
-    from pretrain.interrupt import CampaignInterrupted, StoppedAtOnce
+    from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce
     from pretrain.ledger import CampaignMismatch, LedgerError
     from pretrain.status import render
 
@@ -61,7 +61,7 @@ def run(
     except (CampaignMismatch, LedgerError) as e:
         raise fail(str(e)) from None
     except CampaignInterrupted as e:
-        err.print(f"[yellow]interrupted:[/yellow] {e}", highlight=False)
+        err.print(f"[yellow]{'paused' if isinstance(e, CampaignPaused) else 'interrupted'}:[/yellow] {e}", highlight=False)
         _render_where_it_stands(campaign.workdir_path)
         err.print(f"Run the same command to resume: {_this_command()}", highlight=False)
         if isinstance(e, StoppedAtOnce):  # the flow thread may still be unwinding: do not wait for it

@@ -43,14 +43,14 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
     ledger = Ledger.read(layout)
     if ledger is None:
         return None
-    if ledger.record.interrupted(flow_run):
-        return ledger.record  # the flow's failure hook after an interruption: nothing to write
+    if _stands(ledger.record, flow_run):
+        return ledger.record  # the flow's failure hook after an interruption (or a pause): nothing to write
     outcome = CampaignStatus(outcome)
     open_stages: list[str] = []
     ours = []
 
     def change(r: CampaignRecord) -> None:
-        if r.flow_run != flow_run or r.interrupted(flow_run):
+        if r.flow_run != flow_run or _stands(r, flow_run):
             return
         ours.append(True)
         open_stages.extend(n for n, s in r.stages.items() if s.status in ENDED_STAGES)
@@ -62,9 +62,17 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
 
     record = ledger.mutate(change)
     if not ours:
-        return record if record.interrupted(flow_run) else None
+        return record if _stands(record, flow_run) else None
     _end_runs(layout, record, open_stages, outcome, cause, MLFLOW_STATUS[outcome])
     return record
+
+
+def _stands(record: CampaignRecord, flow_run: str) -> bool:
+    """``flow_run`` ended the campaign on purpose — interrupted, or paused at a validated
+    checkpoint (a second signal arriving after the pause was recorded must not undo it)."""
+    return record.interrupted(flow_run) or (
+        record.flow_run == flow_run and record.end is not None and record.end.flow_run == flow_run
+        and record.end.state == CampaignStatus.PAUSED)
 
 
 def _end_runs(layout: CampaignLayout, record: CampaignRecord, stages: list[str], state: str, cause: str,
@@ -90,6 +98,8 @@ def record_pause(workdir: str | Path, flow_run: str, stage: str, step: int, reas
 
     def change(r: CampaignRecord) -> None:
         r.status = CampaignStatus.PAUSED
+        if r.stages[stage].status in OPEN_STAGES:  # trained but not validated yet: the next run does it
+            r.stages[stage].status = StageStatus.PAUSED
         r.end = RunEnd(state=CampaignStatus.PAUSED.value, cause=cause, time=time.time(), flow_run=flow_run,
                        stage=stage, step=step)
 

@@ -110,8 +110,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     logger = get_run_logger()
     settings = settings or PretrainSettings.from_env()
     layout = CampaignLayout(spec.workdir_path)
-    stop = current_stop()
-    if stop is not None:
+    stop, pause = current_stop(), current_pause()
+    if stop is not None and pause is None:  # with a pause request, train-stage does not launch once it is due
         stop.raise_if_requested(f"before stage {spec.stages[stage_index].name} attempt {attempt} started")
     job = build_job(spec, stage_index, attempt, init_from)
     job_path = write_job(job)
@@ -129,14 +129,15 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
     scaled_up: list[int] = []
-    interrupted, pause, paused = False, current_pause(), None
+    interrupted, paused = False, None
     # a second signal kills the job from the main thread, without waiting for this one
     forget_job = stop.kill_at_once(lambda: handle.stop(grace_s=0)) if stop is not None else None
     try:
         code, lost, events = None, {}, JsonLines(Path(job.job_dir) / EVENTS)
         while code is None:
             code = handle.wait(timeout=settings.job_poll_s)
-            if stop is not None and stop.requested.is_set() and code != 0:  # not a failure: the operator's stop
+            # not a failure: the operator's stop (under `pretrain run` a signal asks for the pause below instead)
+            if stop is not None and stop.requested.is_set() and pause is None and code != 0:
                 if code is None:
                     logger.warning("stage %s: %s received; stopping the job (its savers save at breakpoint, up to %.0fs)",
                                    job.stage, stop.name, settings.stop_grace_s)

@@ -128,7 +128,22 @@ def assert_recorded_interrupted(spec, cause: str):
     return status
 
 
-def test_ctrl_c_stops_the_campaign_and_the_same_command_resumes_it(prepared_data, tmp_path):
+def assert_recorded_paused(spec, cause: str):
+    """Paused cleanly: the final save committed and judged good, no failure, the MLflow runs
+    scheduled (the next run goes on with them)."""
+    status = campaign_status(spec.workdir_path)
+    [stage] = status["stages"]
+    assert (status["status"], stage["status"], stage["failures"]) == ("paused", "paused", [])
+    end = json.loads((spec.workdir_path / "ledger.json").read_text())["end"]
+    assert end["state"] == "paused" and f"{cause} received" in end["cause"]
+    assert end["step"] == stage["good_checkpoint"]["step"] == stage["latest_checkpoint"]["step"]
+    client = MlflowClient(spec.tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name(spec.tracking.experiment).experiment_id])
+    assert {(r.info.status, r.data.tags["pretrain.end_state"]) for r in runs} == {("SCHEDULED", "paused")}
+    return status
+
+
+def test_ctrl_c_pauses_the_campaign_and_the_same_command_resumes_it(prepared_data, tmp_path):
     spec, cli = start_training(tmp_path, prepared_data, "first")
     tree = cli.tree()
     at_signal = ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
@@ -137,9 +152,10 @@ def test_ctrl_c_stops_the_campaign_and_the_same_command_resumes_it(prepared_data
     output = cli.output()
     assert code == 130, output[-3000:]
     assert "Traceback" not in output, output[-5000:]
-    assert "interrupted" in output and "Run the same command to resume" in output
+    assert "paused: campaign paused at main step" in " ".join(output.split())
+    assert "Run the same command to resume" in output
     assert f"pretrain run {tmp_path / 'spec.yaml'} --workdir {spec.workdir_path}" in output
-    status = assert_recorded_interrupted(spec, "SIGINT")
+    status = assert_recorded_paused(spec, "SIGINT")
     assert at_signal <= status["stages"][0]["latest_checkpoint"]["step"] < STEPS
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
     saved = max(e["step"] for e in events if e["event"] == "checkpoint")
