@@ -97,6 +97,8 @@ def record_pause(workdir: str | Path, flow_run: str, stage: str, step: int, reas
     cause = f"paused at {stage} step {step}: {reason}"
 
     def change(r: CampaignRecord) -> None:
+        if r.interrupted(flow_run):  # stopped at once meanwhile (grace period, second signal): that stands
+            return
         r.status = CampaignStatus.PAUSED
         if r.stages[stage].status in OPEN_STAGES:  # trained but not validated yet: the next run does it
             r.stages[stage].status = StageStatus.PAUSED
@@ -104,7 +106,8 @@ def record_pause(workdir: str | Path, flow_run: str, stage: str, step: int, reas
                        stage=stage, step=step)
 
     record = ledger.mutate(change)
-    _end_runs(layout, record, [stage], CampaignStatus.PAUSED.value, cause, MLFLOW_PAUSED)
+    if record.status == CampaignStatus.PAUSED:
+        _end_runs(layout, record, [stage], CampaignStatus.PAUSED.value, cause, MLFLOW_PAUSED)
     return record
 
 
