@@ -15,6 +15,7 @@ the final good checkpoint is exported and registered in the MLflow model registr
 from __future__ import annotations
 
 import contextvars
+import time
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -51,7 +52,8 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
     near, the campaign pauses at a validated checkpoint and the run ends Completed. One run per
     campaign at a time: a second run of the same campaign fails at once (``CampaignBusy``)."""
     pause = current_pause() or PauseRequest()  # set by `pretrain run` (or a test); else this run's own
-    pause.deadline = deadline(run_for, until) or pause.deadline  # a bad budget fails here, before anything
+    if end := deadline(run_for, until):  # a bad budget fails here, before anything
+        pause.deadline, pause.started = end, time.time()
     with pausing(pause):
         return _campaign(resolve_campaign(spec, spec_path, workdir))
 

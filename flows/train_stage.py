@@ -55,7 +55,7 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         decision = before_launch(stage.steps, _step(point), budget)
         if decision.action is Action.LAUNCH and pause is not None:
             pause.margin_s = margin_s(*measured_times(spec.workdir_path / "jobs" / stage.name,
-                                                      ledger.reload().stages[stage.name].verdicts))
+                                                      ledger.reload().stages[stage.name].verdicts), pause.budget_s)
             if paused := pause.due():
                 break
         if decision.action is not Action.LAUNCH:

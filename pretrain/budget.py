@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -87,12 +87,13 @@ def deadline(run_for: str | None, until: str | None, now: datetime | None = None
     return min(ends) if ends else None
 
 
-def margin_s(persist_s: list[float], gate_s: list[float]) -> float:
+def margin_s(persist_s: list[float], gate_s: list[float], budget_s: float | None = None) -> float:
     """Seconds before the deadline at which the job is stopped: the slowest persist and the
     slowest validation this campaign measured, doubled, plus the stop itself; with nothing
-    measured yet, :data:`UNMEASURED_MARGIN_S`."""
+    measured yet, :data:`UNMEASURED_MARGIN_S` — at most half the run's budget ``budget_s``, so
+    that a short first run still trains (and measures) instead of pausing at once, every time."""
     if not persist_s and not gate_s:
-        return UNMEASURED_MARGIN_S
+        return UNMEASURED_MARGIN_S if budget_s is None else min(UNMEASURED_MARGIN_S, budget_s / 2)
     return SAFETY * (max(persist_s, default=0.0) + max(gate_s, default=0.0)) + STOP_OVERHEAD_S
 
 
@@ -120,7 +121,13 @@ class PauseRequest:
 
     deadline: float | None = None  # epoch seconds; None: no time budget
     margin_s: float = UNMEASURED_MARGIN_S
+    started: float = field(default_factory=time.time)  # when the budget started counting
     asked: str | None = None  # why a pause was asked for outside the budget (the first reason stands)
+
+    @property
+    def budget_s(self) -> float | None:
+        """The run's whole budget in seconds (None: none)."""
+        return None if self.deadline is None else self.deadline - self.started
 
     def ask(self, reason: str) -> None:
         """Pause now. Safe in a signal handler: a plain assignment, no lock (the handler may run

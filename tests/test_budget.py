@@ -64,14 +64,21 @@ def test_deadline(run_for, until, after_s):
     assert (None if end is None else end - NOW.timestamp()) == after_s
 
 
-@pytest.mark.parametrize("persist, gate, margin", [
-    ([], [], UNMEASURED_MARGIN_S),  # nothing measured yet: the documented floor
-    ([1.0, 3.0, 2.0], [], 2 * 3.0 + STOP_OVERHEAD_S),  # the slowest persist, doubled
-    ([], [10.0], 2 * 10.0 + STOP_OVERHEAD_S),
-    ([2.0], [4.0, 6.0], 2 * (2.0 + 6.0) + STOP_OVERHEAD_S),
+@pytest.mark.parametrize("persist, gate, budget, margin", [
+    ([], [], None, UNMEASURED_MARGIN_S),  # nothing measured yet: the documented floor
+    ([], [], 7200, UNMEASURED_MARGIN_S),
+    ([], [], 240, 120),  # ... at most half a short budget: a first short run still trains (and measures)
+    ([1.0, 3.0, 2.0], [], None, 2 * 3.0 + STOP_OVERHEAD_S),  # the slowest persist, doubled
+    ([], [10.0], 60, 2 * 10.0 + STOP_OVERHEAD_S),  # measured: the budget does not shrink it
+    ([2.0], [4.0, 6.0], None, 2 * (2.0 + 6.0) + STOP_OVERHEAD_S),
 ])
-def test_margin_is_the_campaigns_measured_persist_and_validation_times(persist, gate, margin):
-    assert margin_s(persist, gate) == margin
+def test_margin_is_the_campaigns_measured_persist_and_validation_times(persist, gate, budget, margin):
+    assert margin_s(persist, gate, budget) == margin
+
+
+def test_the_budget_counts_from_when_it_was_given():
+    assert PauseRequest(deadline=NOW.timestamp() + 600, started=NOW.timestamp()).budget_s == 600
+    assert PauseRequest().budget_s is None
 
 
 def test_measured_times_come_from_the_jobs_events_and_the_verdicts(tmp_path):
