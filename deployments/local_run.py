@@ -2,9 +2,11 @@
 
 The flow runs in a thread; the main thread only waits and owns the signals (Prefect installs its
 own SIGTERM handler only when a flow runs in the main thread). The first signal asks the
-campaign to stop (``pretrain.interrupt``): the training task stops its job with a save at
-breakpoint and the flow records the campaign as interrupted. A second signal kills the job at
-once, records the interruption from here, and returns without waiting for the flow thread.
+campaign to pause (``pretrain.budget``), as a spent time budget does: the training task stops
+its job with a save at breakpoint, the gate judges it, and the flow records the campaign
+paused. A second signal — or the spec's ``resume.grace_period_s`` running out first — kills the
+job at once, records the campaign interrupted from here, and returns without waiting for the
+flow thread.
 The Prefect API server the flow talks to is this process's own (``deployments.api_server``),
 out of the terminal's reach, and stopped last.
 """
@@ -14,11 +16,13 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from deployments.api_server import api_server_for_this_run
-from pretrain.interrupt import CampaignInterrupted, StoppedAtOnce, StopRequest, stop_on_signals
+from pretrain.budget import PauseRequest, current_pause, pausing
+from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce, StopRequest, stop_on_signals
 from pretrain.spec import CampaignSpec
 
 WAIT_S = 0.2  # how often the main thread looks at the stop request while the flow runs
@@ -63,10 +67,10 @@ def _set_formatters(handlers: list[logging.Handler], formatters: list[logging.Fo
         h.setFormatter(f)
 
 
-def _stop_at_once(stop: StopRequest, notice: Callable[[str], None]) -> StoppedAtOnce:
+def _stop_at_once(stop: StopRequest, notice: Callable[[str], None], why: str = "by a second signal") -> StoppedAtOnce:
     """Kill the running job and record the campaign as interrupted (unless the flow already has)."""
     stop.kill_now()
-    cause = f"campaign interrupted by {stop.name}, then stopped at once by a second signal"
+    cause = f"campaign interrupted by {stop.name}, then stopped at once {why}"
     if stop.recorder is not None:  # None: the campaign never started
         stop.recorder(cause, notice)
     return StoppedAtOnce(cause, stop.signum)
@@ -74,14 +78,19 @@ def _stop_at_once(stop: StopRequest, notice: Callable[[str], None]) -> StoppedAt
 
 def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict:
     """Run (or resume) the campaign in this process and return its status. Raises
-    ``CampaignInterrupted`` (``StoppedAtOnce`` after a second signal) when a signal stopped it,
-    whatever the flow raised on the way out; other errors as the flow raised them."""
+    ``CampaignPaused`` when a signal paused it cleanly, ``CampaignInterrupted`` (``StoppedAtOnce``
+    after a second signal or the grace period) when it stopped otherwise, whatever the flow raised
+    on the way out; other errors as the flow raised them."""
     from flows.campaign import pretrain_campaign
+    from pretrain.outcome import pause_cause
 
-    with stop_on_signals() as stop, api_server_for_this_run(), _quiet_interrupt_tracebacks(stop):
+    pause = current_pause() or PauseRequest()  # `pretrain run --for` sets one with its deadline
+    grace_s = spec.resume.grace_period_s
+    with stop_on_signals() as stop, pausing(pause), api_server_for_this_run(), _quiet_interrupt_tracebacks(stop):
         stop.raise_if_requested("before the campaign started")
+        stop.on_first = lambda name: pause.ask(f"{name} received")
         outcome: dict = {}
-        context = contextvars.copy_context()  # the stop request and the API server's settings
+        context = contextvars.copy_context()  # the stop and pause requests, the API server's settings
 
         def target() -> None:
             try:
@@ -91,19 +100,26 @@ def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict
 
         flow = threading.Thread(target=target, name="campaign-flow", daemon=True)
         flow.start()
-        told = False
+        asked_at = None
         while flow.is_alive():
             flow.join(WAIT_S)
             if stop.urgent.is_set():
                 notice(f"{stop.name} again: stopping at once")
                 raise _stop_at_once(stop, notice)
-            if stop.requested.is_set() and not told:
-                told = True
-                notice(f"{stop.name} received: stopping the campaign; the running job saves a checkpoint first "
-                       "(Ctrl-C or the same signal again stops at once)")
+            if stop.requested.is_set() and asked_at is None:
+                asked_at = time.monotonic()
+                notice(f"{stop.name} received: pausing the campaign; the running job is stopping with a final "
+                       f"checkpoint, which is validated (up to {grace_s:.0f}s: resume.grace_period_s; Ctrl-C or the "
+                       "same signal again stops at once)")
+            if asked_at is not None and time.monotonic() - asked_at > grace_s:
+                notice(f"the campaign did not pause within resume.grace_period_s ({grace_s:.0f}s): stopping at once")
+                raise _stop_at_once(stop, notice, f"when resume.grace_period_s ({grace_s:.0f}s) ran out")
         error = outcome.get("error")
         if error is None:
-            return outcome["status"]
+            status = outcome["status"]
+            if stop.requested.is_set() and status.get("status") == "paused":
+                raise CampaignPaused(f"campaign {pause_cause(spec.workdir_path)}", stop.signum)
+            return status
         if stop.requested.is_set():  # whatever broke on the way out, the cause is the stop
             if isinstance(error, CampaignInterrupted):
                 error.signum = stop.signum

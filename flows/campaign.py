@@ -2,6 +2,10 @@
 
 prepare_data → provision_cluster → for each stage: train_stage → validate_checkpoint → evaluate.
 
+Time-boxed (``run_for`` / ``until``, ``pretrain.budget``): near the budget's end the running job
+is stopped with a save at breakpoint, the gate judges it, and the run ends Completed with the
+campaign *paused*; the next run continues it.
+
 Idempotent: everything it needs to continue is in the workdir (data manifest, checkpoints,
 ledger), so running it again after any crash — of a worker, of the job, of this process —
 skips what is done and resumes the current stage from its newest good checkpoint. At the end,
@@ -11,6 +15,7 @@ the final good checkpoint is exported and registered in the MLflow model registr
 from __future__ import annotations
 
 import contextvars
+import time
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -21,12 +26,13 @@ from flows.prepare_data import prepare_data
 from flows.provision_cluster import provision_cluster
 from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
+from pretrain.budget import PauseRequest, current_pause, deadline, pausing
 from pretrain.credentials import mlflow_auth
 from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignStatus, SpanKind, StageStatus
 from pretrain.guard import campaign_guard
-from pretrain.outcome import record_interrupt
+from pretrain.outcome import record_interrupt, record_pause
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_goodput, publish_reports
@@ -39,11 +45,20 @@ from tasks.tracking import finish_run, open_campaign_run, tracker_for
 
 @flow(name="pretrain-campaign", **CAMPAIGN_HOOKS)
 def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = None,
-                      workdir: str | None = None) -> dict:
+                      workdir: str | None = None, run_for: str | None = None, until: str | None = None) -> dict:
     """Run (or resume) a campaign. Give ``spec`` inline or ``spec_path`` (a YAML file or
-    ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state. One run per
+    ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state. ``run_for``
+    (``2h``, ``90m``) / ``until`` (``06:00``, an ISO time): the run's time budget; when it is
+    near, the campaign pauses at a validated checkpoint and the run ends Completed. One run per
     campaign at a time: a second run of the same campaign fails at once (``CampaignBusy``)."""
-    spec = resolve_campaign(spec, spec_path, workdir)
+    pause = current_pause() or PauseRequest()  # set by `pretrain run` (or a test); else this run's own
+    if end := deadline(run_for, until):  # a bad budget fails here, before anything
+        pause.deadline, pause.started = end, time.time()
+    with pausing(pause):
+        return _campaign(resolve_campaign(spec, spec_path, workdir))
+
+
+def _campaign(spec: CampaignSpec) -> dict:
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
     stop = current_stop()  # set under `pretrain run`: Ctrl-C / SIGTERM stop the campaign
     with campaign_guard(spec, flow_run.get_id()), mlflow_auth(spec.credentials):
@@ -78,9 +93,14 @@ def run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
 
 
 def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
+    pause = current_pause()
+
     def stop_point(where: str) -> None:
-        if stop is not None:
+        if stop is not None and pause is None:  # with a pause request, a signal pauses (below)
             stop.raise_if_requested(where)
+
+    def pause_due() -> str | None:  # a spent budget, or a signal to `pretrain run`
+        return pause.due() if pause is not None else None
 
     logger = get_run_logger()
     ledger = Ledger.open(spec)
@@ -92,6 +112,8 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     with ledger.timed(SpanKind.DATA_PREPARATION):
         prepare_data(spec)
     stop_point("after preparing the data")
+    if why := pause_due():
+        return paused(spec, *_next_stage(spec, ledger), why)
     with ledger.timed(SpanKind.NODE_CHECK):
         provision_cluster(spec)
     init_from = None
@@ -102,9 +124,15 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
             init_from = done.good_checkpoint.path
             continue
         stop_point(f"before stage {stage.name}")
+        if why := pause_due():
+            return paused(spec, stage.name, max(done.newest_good_step(), 0), why)
         with ledger.timed(SpanKind.STAGE, stage.name):
             final = train_stage(spec, i, stage.init_from or init_from)
+            if final.get("paused"):
+                return paused(spec, stage.name, final["step"], final["paused"])
             stop_point(f"after training stage {stage.name}, before its validation")
+            if why := pause_due():  # trained: the next run validates and evaluates it
+                return paused(spec, stage.name, final["step"], why)
             with ledger.timed(SpanKind.VALIDATION_EVAL, stage.name):
                 validate_checkpoint(spec, stage.name, final["path"])
                 evaluate(spec, stage.name, final["path"], final["step"])
@@ -120,4 +148,20 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options(), live=True)
     publish_reports(spec, status, publish_goodput(spec, status, parent_run_id))
     campaign_completed(spec, status)
+    return status
+
+
+def _next_stage(spec: CampaignSpec, ledger: Ledger) -> tuple[str, int]:
+    """The first stage not completed, and its newest good step (0: none)."""
+    stages = ledger.reload().stages
+    name = next((s.name for s in spec.stages if stages[s.name].status != StageStatus.COMPLETED), spec.stages[-1].name)
+    return name, max(stages[name].newest_good_step(), 0)
+
+
+def paused(spec: CampaignSpec, stage: str, step: int, reason: str) -> dict:
+    """End this run with the campaign paused (ledger, MLflow runs scheduled); its status."""
+    record = record_pause(spec.workdir_path, flow_run.get_id(), stage, step, reason)
+    get_run_logger().info("campaign %s %s; run it again to continue", spec.name, record.end.cause)
+    status = campaign_status(spec.workdir_path, spec.credentials.s3_options())
+    publish_reports(spec, status)
     return status

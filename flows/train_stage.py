@@ -12,6 +12,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
+from pretrain.budget import current_pause, margin_s, measured_times
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
 from pretrain.policy import Action, Budget, after_job, before_launch, stage_end
@@ -39,17 +40,24 @@ def _step(point: dict | None) -> int | None:
 @flow(name="train-stage")
 @holds_campaign_lock
 def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = None) -> dict:
-    """Returns the stage's final checkpoint ``{"step", "path"}``."""
+    """Returns the stage's final checkpoint ``{"step", "path"}``; or, when the run's time budget
+    is spent (``pretrain.budget``), its newest good checkpoint with ``paused`` (why), the stage
+    recorded *paused* (None: nothing good yet)."""
     logger = get_run_logger()
     stage = spec.stages[stage_index]
     ledger = Ledger.open(spec)
     stage_run_id = open_stage_run(spec, ledger, stage_index)
     parent_run_id = ledger.record.mlflow.parent_run_id
     ledger.set_stage_status(stage.name, StageStatus.RUNNING)
-    last, budget = None, Budget.of(spec.resume.max_attempts)
+    last, budget, pause, paused = None, Budget.of(spec.resume.max_attempts), current_pause(), None
     while True:
         point = find_resume_point(spec, stage_index)
         decision = before_launch(stage.steps, _step(point), budget)
+        if decision.action is Action.LAUNCH and pause is not None:
+            pause.margin_s = margin_s(*measured_times(spec.workdir_path / "jobs" / stage.name,
+                                                      ledger.reload().stages[stage.name].verdicts), pause.budget_s)
+            if paused := pause.due():
+                break
         if decision.action is not Action.LAUNCH:
             if decision.action is Action.GIVE_UP:
                 logger.warning("stage %s: not launched again: %s", stage.name, decision.reason)
@@ -63,6 +71,9 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         last = run_job(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, ledger)
         decision = after_job(last, attempt, budget)
         budget = decision.budget
+        if decision.action is Action.PAUSE:
+            paused, point = last.paused, find_resume_point(spec, stage_index)  # the gate judged the final save
+            break
         if decision.resize is not None:  # a planned relaunch, not a failure
             logger.info("stage %s: %s; relaunching on all nodes from the newest checkpoint", stage.name, decision.reason)
             ledger.record_resize(stage.name, decision.resize)
@@ -74,6 +85,10 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
         if decision.action is Action.GIVE_UP:
             point = find_resume_point(spec, stage_index)
             break
+    if paused:
+        logger.info("stage %s: paused at step %s (%s)", stage.name, _step(point) or 0, paused)
+        ledger.set_stage_status(stage.name, StageStatus.PAUSED)
+        return {"step": _step(point) or 0, "path": point["path"] if point else None, "paused": paused}
     end = stage_end(stage.name, stage.steps, _step(point), ledger.reload().stages[stage.name].attempts, last,
                     spec.workdir_path / "jobs" / stage.name)
     if not end.trained:

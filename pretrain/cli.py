@@ -37,32 +37,36 @@ _add_sub_apps()
 def run(
     spec: Optional[str] = typer.Argument(None, help="Campaign spec YAML (default: the built-in tiny demo)."),
     workdir: Optional[Path] = typer.Option(None, "--workdir", "-w", help="Where the campaign keeps its state (overrides the spec)."),
+    run_for: Optional[str] = typer.Option(None, "--for", help="Time budget (2h, 90m, 1h30m): then pause at a validated checkpoint; the same command continues."),
+    until: Optional[str] = typer.Option(None, "--until", help="Pause by this time (06:00, or an ISO date and time); with --for, the earlier wins."),
 ) -> None:
     """Run a campaign, or resume it: the same command after any crash continues where it stopped."""
+    from pretrain.budget import BudgetError, PauseRequest, deadline, pausing
     from pretrain.spec import SpecError
     from pretrain.specfile import load_spec
 
     from pretrain.cluster import not_runnable
 
-    with refused(SpecError):
+    with refused(SpecError, BudgetError):
+        pause = PauseRequest(deadline=deadline(run_for, until))  # counted from now
         campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
         if why := not_runnable(campaign.cluster):
             raise SpecError(why)
     _exit_if_ledger_damaged(campaign.workdir_path)
     from deployments.live_progress import training_display
     from deployments.local_run import run_campaign_here
-    from pretrain.interrupt import CampaignInterrupted, StoppedAtOnce
+    from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce
     from pretrain.ledger import CampaignMismatch, LedgerError
     from pretrain.status import render
 
     try:
         # the flow reads the status with the blocks' credentials, which stay in the flow
-        with training_display(campaign.workdir_path):  # while a stage trains: step, loss, tokens/s, ETA…
+        with training_display(campaign.workdir_path), pausing(pause):  # a live display; a signal pauses
             final = run_campaign_here(campaign, notice=lambda msg: err.print(msg, highlight=False))
     except (CampaignMismatch, LedgerError) as e:
         raise fail(str(e)) from None
     except CampaignInterrupted as e:
-        err.print(f"[yellow]interrupted:[/yellow] {e}", highlight=False)
+        err.print(f"[yellow]{'paused' if isinstance(e, CampaignPaused) else 'interrupted'}:[/yellow] {e}", highlight=False)
         _render_where_it_stands(campaign.workdir_path)
         err.print(f"Run the same command to resume: {_this_command()}", highlight=False)
         if isinstance(e, StoppedAtOnce):  # the flow thread may still be unwinding: do not wait for it
@@ -75,6 +79,11 @@ def run(
         _render_where_it_stands(campaign.workdir_path)
         raise typer.Exit(1)
     render(final)
+    if final["status"] == "paused":
+        from pretrain.outcome import pause_cause
+
+        err.print(f"[yellow]campaign {pause_cause(campaign.workdir_path)}[/yellow]", highlight=False)
+        err.print(f"Run the same command to continue: {_this_command()}", highlight=False)
 
 
 def _render_where_it_stands(workdir: Path) -> None:

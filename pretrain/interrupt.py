@@ -1,9 +1,11 @@
 """An operator's stop: Ctrl-C or SIGTERM to ``pretrain run``.
 
-The first signal asks the campaign to stop: the running job is stopped with its savers' save
-at breakpoint (bounded by a grace period), the campaign is recorded as *interrupted*, and the
-same command resumes it. A second signal stops at once: the job's processes are killed (a
-checkpoint in the making is never committed, so nothing is torn).
+The first signal asks the campaign to pause (``pretrain.budget``, as a spent time budget does):
+the running job is stopped with its savers' save at breakpoint, the gate judges it, the
+campaign is recorded as *paused*, and the same command continues it. A second signal, or the
+spec's ``resume.grace_period_s`` running out first, stops at once: the job's processes are
+killed (a checkpoint in the making is never committed, so nothing is torn) and the campaign is
+recorded *interrupted*.
 
 The request travels in a context variable, not a module global: the CLI sets it in the
 context the campaign flow runs in, and Prefect copies that context into its task threads, so
@@ -33,6 +35,11 @@ class CampaignInterrupted(RuntimeError):
         return 128 + (self.signum or signal.SIGINT)
 
 
+class CampaignPaused(CampaignInterrupted):
+    """The signal paused the campaign cleanly (final checkpoint saved and validated, the ledger
+    says *paused*); running the same command again continues it."""
+
+
 class StoppedAtOnce(CampaignInterrupted):
     """A second signal: the job was killed at once; the flow may still be unwinding (exit now)."""
 
@@ -47,6 +54,9 @@ class StopRequest:
     # how to record the interruption from another thread (a stop at once): set by the campaign
     # flow, run in the flow's context (its MLflow credentials); called with (cause, warn)
     recorder: Callable[[str, Callable[[str], None]], None] | None = None
+    # called (in the signal handler, so it must not lock) with the first signal's name: `pretrain
+    # run` asks the campaign to pause with it
+    on_first: Callable[[str], None] | None = None
     requested: threading.Event = field(default_factory=threading.Event)
     urgent: threading.Event = field(default_factory=threading.Event)  # a second signal: stop now
     _kills: dict[object, Callable[[], None]] = field(default_factory=dict)
@@ -61,8 +71,11 @@ class StopRequest:
         """Called by the signal handler (main thread): the first asks, the second insists."""
         with self._lock:
             self.count += 1
-            if self.signum is None:
+            first = self.signum is None
+            if first:
                 self.signum = signum
+        if first and self.on_first is not None:
+            self.on_first(self.name)
         self.requested.set()
         if self.count > 1:
             self.urgent.set()

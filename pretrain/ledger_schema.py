@@ -28,6 +28,7 @@ class CampaignStatus(StrEnum):
     CRASHED = "crashed"  # the infrastructure lost the run
     CANCELLED = "cancelled"  # cancelled in Prefect
     INTERRUPTED = "interrupted"  # Ctrl-C / SIGTERM to `pretrain run`
+    PAUSED = "paused"  # a time-boxed run ended at a validated checkpoint; the next run continues (``end``: where)
 
 
 class StageStatus(StrEnum):
@@ -41,6 +42,7 @@ class StageStatus(StrEnum):
     CRASHED = "crashed"
     CANCELLED = "cancelled"
     INTERRUPTED = "interrupted"
+    PAUSED = "paused"  # a time-boxed run paused it at a validated checkpoint
 
 
 OPEN_STAGES = (StageStatus.RUNNING, StageStatus.TRAINED)  # what a run was working on when it ended
@@ -232,6 +234,8 @@ class RunEnd(BaseModel):
     cause: str = ""
     time: float | None = None
     flow_run: str | None = None
+    # a pause also records ``stage`` (where it paused; absent: between stages) and ``step`` (the
+    # stage's newest good checkpoint), as extra keys: the other ends' records stay as they were
 
 
 class CampaignRecord(BaseModel):

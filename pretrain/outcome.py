@@ -1,4 +1,4 @@
-"""Record how a campaign run ended — failed, crashed, cancelled or interrupted — in its ledger and
+"""Record how a campaign run ended — failed, crashed, cancelled, interrupted or paused — in its ledger and
 MLflow runs, with the cause. Called by the campaign flow's state hooks, possibly in another
 process than the one that ran the campaign (Prefect runs cancellation hooks in the worker after
 the flow-run process is gone), so it needs nothing but the workdir; and by ``pretrain run``
@@ -21,6 +21,9 @@ from pretrain.tracking import Tracker
 # is a failure of the run like any other
 MLFLOW_STATUS = {CampaignStatus.FAILED: "FAILED", CampaignStatus.CRASHED: "FAILED", CampaignStatus.CANCELLED: "KILLED",
                  CampaignStatus.INTERRUPTED: "KILLED"}
+# a paused campaign's runs are *scheduled*: MLflow's status for a run that goes on later (the next
+# run of the campaign sets them RUNNING again and logs on at the next step)
+MLFLOW_PAUSED = "SCHEDULED"
 TAG_END_STATE = "pretrain.end_state"
 TAG_END_CAUSE = "pretrain.end_cause"
 # stages a run was working on when it ended; a failed one was set by train-stage before it
@@ -40,14 +43,14 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
     ledger = Ledger.read(layout)
     if ledger is None:
         return None
-    if ledger.record.interrupted(flow_run):
-        return ledger.record  # the flow's failure hook after an interruption: nothing to write
+    if _stands(ledger.record, flow_run):
+        return ledger.record  # the flow's failure hook after an interruption (or a pause): nothing to write
     outcome = CampaignStatus(outcome)
     open_stages: list[str] = []
     ours = []
 
     def change(r: CampaignRecord) -> None:
-        if r.flow_run != flow_run or r.interrupted(flow_run):
+        if r.flow_run != flow_run or _stands(r, flow_run):
             return
         ours.append(True)
         open_stages.extend(n for n, s in r.stages.items() if s.status in ENDED_STAGES)
@@ -59,14 +62,52 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
 
     record = ledger.mutate(change)
     if not ours:
-        return record if record.interrupted(flow_run) else None
-    run_ids = [record.stages[n].mlflow_run_id for n in open_stages] + [record.mlflow.parent_run_id]
+        return record if _stands(record, flow_run) else None
+    _end_runs(layout, record, open_stages, outcome, cause, MLFLOW_STATUS[outcome])
+    return record
+
+
+def _stands(record: CampaignRecord, flow_run: str) -> bool:
+    """``flow_run`` ended the campaign on purpose — interrupted, or paused at a validated
+    checkpoint (a second signal arriving after the pause was recorded must not undo it)."""
+    return record.interrupted(flow_run) or (
+        record.flow_run == flow_run and record.end is not None and record.end.flow_run == flow_run
+        and record.end.state == CampaignStatus.PAUSED)
+
+
+def _end_runs(layout: CampaignLayout, record: CampaignRecord, stages: list[str], state: str, cause: str,
+              mlflow_status: str) -> None:
+    """End the MLflow runs of ``stages`` and the campaign's with ``mlflow_status``, tagged with
+    how and why."""
+    run_ids = [record.stages[n].mlflow_run_id for n in stages] + [record.mlflow.parent_run_id]
     run_ids = [r for r in run_ids if r]
     if run_ids:
         tracker = Tracker(record.mlflow.tracking_uri, record.mlflow.experiment, layout.mlflow_artifacts)
         for run_id in run_ids:
-            tracker.set_tags(run_id, {TAG_END_STATE: outcome, TAG_END_CAUSE: cause[:5000]})
-            tracker.finish(run_id, MLFLOW_STATUS[outcome])
+            tracker.set_tags(run_id, {TAG_END_STATE: state, TAG_END_CAUSE: cause[:5000]})
+            tracker.finish(run_id, mlflow_status)
+
+
+def record_pause(workdir: str | Path, flow_run: str, stage: str, step: int, reason: str) -> CampaignRecord:
+    """Record the campaign *paused at ``stage`` step ``step``* (its newest good checkpoint; 0:
+    none yet) by run ``flow_run``, because ``reason``; its MLflow runs are left *scheduled* (the
+    next run sets them running again and goes on)."""
+    layout = CampaignLayout(Path(workdir))
+    ledger = Ledger.read(layout)
+    cause = f"paused at {stage} step {step}: {reason}"
+
+    def change(r: CampaignRecord) -> None:
+        if r.interrupted(flow_run):  # stopped at once meanwhile (grace period, second signal): that stands
+            return
+        r.status = CampaignStatus.PAUSED
+        if r.stages[stage].status in OPEN_STAGES:  # trained but not validated yet: the next run does it
+            r.stages[stage].status = StageStatus.PAUSED
+        r.end = RunEnd(state=CampaignStatus.PAUSED.value, cause=cause, time=time.time(), flow_run=flow_run,
+                       stage=stage, step=step)
+
+    record = ledger.mutate(change)
+    if record.status == CampaignStatus.PAUSED:
+        _end_runs(layout, record, [stage], CampaignStatus.PAUSED.value, cause, MLFLOW_PAUSED)
     return record
 
 
@@ -84,3 +125,10 @@ def record_interrupt(workdir: str | Path, stop: StopRequest, cause: str, warn) -
             warn(f"could not record the interruption in {workdir}: {e}")
 
     stop.record_once(record)
+
+
+def pause_cause(workdir: str | Path) -> str:
+    """Where and why the campaign in ``workdir`` paused (``paused at main step 40: ...``)."""
+    ledger = Ledger.read(CampaignLayout(Path(workdir)))
+    end = ledger.record.end if ledger is not None else None
+    return end.cause if end is not None and end.state == CampaignStatus.PAUSED else "paused"

@@ -22,6 +22,8 @@ from typing import Protocol
 from pretrain.incidents import NON_RETRYABLE
 from pretrain.ledger_schema import Failure, Resize
 
+PAUSED = "paused"  # the cause of a job the orchestrator stopped to pause the campaign (``JobResult.cause``)
+
 
 class Action(StrEnum):
     DONE = "done"  # the stage's last step is committed and good
@@ -30,6 +32,7 @@ class Action(StrEnum):
     RELAUNCH = "relaunch"  # the job failed; relaunch it from the newest good checkpoint, budget permitting
     SCALE_UP = "scale_up"  # lost nodes are back: relaunch on all nodes, not counted as an attempt
     GIVE_UP = "give_up"  # relaunching cannot help (or no launch is left): the stage fails
+    PAUSE = "pause"  # the run's time budget is spent (or a pause was asked for): stop at the newest good checkpoint
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ def after_job(job: JobEnd, attempt: int, budget: Budget) -> Decision:
     """What follows the end of launch ``attempt`` of the stage's job."""
     if job.ok:
         return Decision(Action.CHECK, "the job ended cleanly", budget)
+    if job.cause == PAUSED:  # stopped on purpose, with a save at breakpoint: no failure, no attempt used up
+        return Decision(Action.PAUSE, "the job was stopped to pause the campaign", budget)
     if job.cause == "scale_up" and budget.scale_ups_left > 0:
         return Decision(Action.SCALE_UP, f"node(s) {job.scaled_up} are back",
                         Budget(budget.launches_left + 1, budget.scale_ups_left - 1),

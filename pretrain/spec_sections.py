@@ -188,6 +188,10 @@ class ValidationSpec(Section):
 
 class ResumeSpec(Section):
     max_attempts: int = Field(3, ge=1, description="Job launches per stage (first run + automatic resumes) before the stage fails.")
+    grace_period_s: float = Field(
+        300, gt=0, description="Ctrl-C or SIGTERM to `pretrain run` pauses the campaign (the job's final checkpoint "
+        "saved and validated) within this many seconds; past them everything is stopped at once, the campaign is "
+        "recorded interrupted and the next run resumes from the last good checkpoint.")
 
 
 class FaultToleranceSpec(Section):

@@ -9,12 +9,14 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from pretrain.budget import current_pause
 from pretrain.cluster import make_cluster, recheck_nodes
 from pretrain.interrupt import CampaignInterrupted, current_stop
 from pretrain.jobs import build_job, threads_per_worker, write_job
 from pretrain.ledger import Ledger
 from pretrain.incidents import cause_of, incidents
 from pretrain.layout import CampaignLayout
+from pretrain.policy import PAUSED
 from pretrain.redact import redact
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
@@ -73,6 +75,7 @@ class JobResult:
     scaled_up: list[int] = field(default_factory=list)  # lost nodes that passed a re-check: the job was stopped to take them back
     ended: float | None = None  # when the orchestrator saw the job end (epoch seconds)
     first_step_at: float | None = None  # when its first step was logged (None: it never stepped)
+    paused: str | None = None  # why the job was stopped to pause the campaign (its cause is then "paused")
 
     @property
     def ok(self) -> bool:
@@ -110,8 +113,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     logger = get_run_logger()
     settings = settings or PretrainSettings.from_env()
     layout = CampaignLayout(spec.workdir_path)
-    stop = current_stop()
-    if stop is not None:
+    stop, pause = current_stop(), current_pause()
+    if stop is not None and pause is None:  # with a pause request, train-stage does not launch once it is due
         stop.raise_if_requested(f"before stage {spec.stages[stage_index].name} attempt {attempt} started")
     job = build_job(spec, stage_index, attempt, init_from)
     job_path = write_job(job)
@@ -129,19 +132,25 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
     scaled_up: list[int] = []
-    interrupted = False
+    interrupted, paused = False, None
     # a second signal kills the job from the main thread, without waiting for this one
     forget_job = stop.kill_at_once(lambda: handle.stop(grace_s=0)) if stop is not None else None
     try:
         code, lost, events = None, {}, JsonLines(Path(job.job_dir) / EVENTS)
         while code is None:
             code = handle.wait(timeout=settings.job_poll_s)
-            if stop is not None and stop.requested.is_set() and code != 0:  # not a failure: the operator's stop
+            # not a failure: the operator's stop (under `pretrain run` a signal asks for the pause below instead)
+            if stop is not None and stop.requested.is_set() and pause is None and code != 0:
                 if code is None:
                     logger.warning("stage %s: %s received; stopping the job (its savers save at breakpoint, up to %.0fs)",
                                    job.stage, stop.name, settings.stop_grace_s)
                     handle.stop(grace_s=settings.stop_grace_s)
                 interrupted, code = True, handle.poll()
+            if code is None and pause is not None and (paused := pause.due()):
+                logger.info("stage %s: pausing the campaign: %s; stopping the job (its savers save at breakpoint, "
+                            "up to %.0fs)", job.stage, paused, settings.stop_grace_s)
+                handle.stop(grace_s=settings.stop_grace_s)
+                code = handle.poll()
             for node, exit_code in (handle.lost_nodes().items() if code is None else ()):
                 if node not in lost:  # a node died while the others go on
                     lost[node] = exit_code
@@ -171,6 +180,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                                   stop.signum)
     if scaled_up:
         result.cause, result.scaled_up = "scale_up", scaled_up
+    if paused and code != 0:
+        result.cause, result.paused, result.time_lost_s = PAUSED, paused, 0.0
     for r in result.resumes:
         if r["source"] == "checkpoint":
             logger.info("stage %s: workers resumed from step %d (%s)", job.stage, r["step"], redact(str(r["checkpoint"])))

@@ -31,7 +31,7 @@ def load_entrypoint(entrypoint: str) -> Flow:
 
 def test_project_file_shape():
     assert PROJECT["name"] == "prefect-pretrain"
-    assert set(DEPLOYMENTS) == {*LOCAL, "kubernetes"}
+    assert set(DEPLOYMENTS) == {*LOCAL, "kubernetes", "advance-campaign"}
     [step] = PROJECT["pull"]
     assert step == {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}
 
@@ -54,6 +54,20 @@ def test_campaign_deployment_runs_one_at_a_time_and_schedule_starts_paused():
     assert campaign["concurrency_limit"] == 1
     assert campaign["parameters"] == {"spec_path": "builtin:tiny"}
     assert campaign["schedules"] and all(s["active"] is False for s in campaign["schedules"])
+
+
+def test_nightly_deployment_advances_the_campaign_one_time_boxed_run_at_a_time():
+    """A night's run pauses within its budget; a run still going when the next is due keeps the
+    campaign, the newcomer is cancelled (not queued behind it)."""
+    from pretrain.budget import parse_duration
+
+    nightly = DEPLOYMENTS["advance-campaign"]
+    assert nightly["entrypoint"] == DEPLOYMENTS["pretrain-campaign"]["entrypoint"]
+    assert nightly["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
+    assert nightly["work_pool"] == DEPLOYMENTS["pretrain-campaign"]["work_pool"]
+    assert parse_duration(nightly["parameters"]["run_for"]) < 24 * 3600  # over before the next night starts
+    [night] = nightly["schedules"]
+    assert night["cron"] == "0 1 * * *" and night["active"] is False
 
 
 def test_prepare_data_prepares_the_campaigns_spec():

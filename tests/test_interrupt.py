@@ -100,9 +100,10 @@ class Cli:
         self.proc.wait()
 
 
-def start_training(tmp_path: Path, prepared_data, name: str):
+def start_training(tmp_path: Path, prepared_data, name: str, **overrides):
     spec = small_spec(tmp_path / "wd", model=SLOW_MODEL, checkpoint={"interval": 10, "memory_interval": 5, "keep": 5},
-                      stages=[{"name": "main", "steps": STEPS, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}])
+                      stages=[{"name": "main", "steps": STEPS, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}],
+                      **overrides)
     seed_data(spec, prepared_data)
     cli = Cli(tmp_path, spec, name)
     try:
@@ -128,7 +129,22 @@ def assert_recorded_interrupted(spec, cause: str):
     return status
 
 
-def test_ctrl_c_stops_the_campaign_and_the_same_command_resumes_it(prepared_data, tmp_path):
+def assert_recorded_paused(spec, cause: str):
+    """Paused cleanly: the final save committed and judged good, no failure, the MLflow runs
+    scheduled (the next run goes on with them)."""
+    status = campaign_status(spec.workdir_path)
+    [stage] = status["stages"]
+    assert (status["status"], stage["status"], stage["failures"]) == ("paused", "paused", [])
+    end = json.loads((spec.workdir_path / "ledger.json").read_text())["end"]
+    assert end["state"] == "paused" and f"{cause} received" in end["cause"]
+    assert end["step"] == stage["good_checkpoint"]["step"] == stage["latest_checkpoint"]["step"]
+    client = MlflowClient(spec.tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name(spec.tracking.experiment).experiment_id])
+    assert {(r.info.status, r.data.tags["pretrain.end_state"]) for r in runs} == {("SCHEDULED", "paused")}
+    return status
+
+
+def test_ctrl_c_pauses_the_campaign_and_the_same_command_resumes_it(prepared_data, tmp_path):
     spec, cli = start_training(tmp_path, prepared_data, "first")
     # piped, `pretrain run` says how training goes: a progress line once the stage trains
     wait_for(lambda: "training: stage main" in cli.output(), 60, "a training progress line")
@@ -139,9 +155,10 @@ def test_ctrl_c_stops_the_campaign_and_the_same_command_resumes_it(prepared_data
     output = cli.output()
     assert code == 130, output[-3000:]
     assert "Traceback" not in output, output[-5000:]
-    assert "interrupted" in output and "Run the same command to resume" in output
+    assert "paused: campaign paused at main step" in " ".join(output.split())
+    assert "Run the same command to resume" in output
     assert f"pretrain run {tmp_path / 'spec.yaml'} --workdir {spec.workdir_path}" in output
-    status = assert_recorded_interrupted(spec, "SIGINT")
+    status = assert_recorded_paused(spec, "SIGINT")
     assert at_signal <= status["stages"][0]["latest_checkpoint"]["step"] < STEPS
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
     saved = max(e["step"] for e in events if e["event"] == "checkpoint")
@@ -171,6 +188,25 @@ def test_sigterm_stops_the_campaign_and_a_second_signal_stops_it_at_once(prepare
     assert "Run the same command to resume" in output
     assert_recorded_interrupted(spec, "SIGTERM")
     assert_mlflow_steps_unique(spec)
+    assert_all_exit(tree)
+    store = ckpt_dir(spec)
+    for step in ckpt.CheckpointStore.open(store).committed_steps():  # nothing torn: every committed checkpoint verifies
+        assert ckpt.CheckpointStore.open(store).verify(step) == []
+
+
+def test_sigterm_stops_everything_at_once_when_the_pause_outlasts_the_grace_period(prepared_data, tmp_path):
+    """A pause that cannot be done within ``resume.grace_period_s`` (1 s here: stopping the job and
+    validating its final save take longer) is cut short: the job killed, the campaign recorded
+    interrupted saying so, nothing torn; the next run resumes from the last good checkpoint."""
+    spec, cli = start_training(tmp_path, prepared_data, "first", resume={"max_attempts": 2, "grace_period_s": 1})
+    tree = cli.tree()
+    os.kill(cli.proc.pid, signal.SIGTERM)
+    code = cli.wait(60)
+    output = cli.output()
+    assert code == 143, output[-3000:]
+    assert "Traceback" not in output, output[-5000:]
+    assert "did not pause within resume.grace_period_s (1s)" in " ".join(output.split())
+    assert_recorded_interrupted(spec, "stopped at once when resume.grace_period_s (1s) ran out")
     assert_all_exit(tree)
     store = ckpt_dir(spec)
     for step in ckpt.CheckpointStore.open(store).committed_steps():  # nothing torn: every committed checkpoint verifies

@@ -106,9 +106,12 @@ def test_prefect_deploy_all_creates_every_deployment(deployed):
         evaluation = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
         prepare = client.read_deployment_by_name("prepare-data/prepare-data")
         k8s = client.read_deployment_by_name("pretrain-campaign/kubernetes")
+        nightly = client.read_deployment_by_name("pretrain-campaign/advance-campaign")
         automations = client.read_resource_related_automations(f"prefect.deployment.{evaluation.id}")
     assert campaign.global_concurrency_limit.limit == 1 and k8s.global_concurrency_limit.limit == 1
     assert [(s.schedule.cron, s.active) for s in campaign.schedules] == [("0 2 * * *", False)]
+    assert nightly.global_concurrency_limit.limit == 1 and nightly.concurrency_options.collision_strategy == "CANCEL_NEW"
+    assert nightly.parameters["run_for"] and [(s.schedule.cron, s.active) for s in nightly.schedules] == [("0 1 * * *", False)]
     for dep in (campaign, prepare, evaluation):
         assert dep.work_pool_name == "local-process"
         assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
