@@ -64,7 +64,8 @@ class ApiServer:
                 return self.url
             self.stop()
         raise ApiServerError(f"the local Prefect API server did not start within {timeout_s:.0f}s; "
-                             "start one (`prefect server start`) and set PREFECT_API_URL to use it")
+                             "on a busy machine give it longer (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120), or start "
+                             "one (`prefect server start`) and set PREFECT_API_URL to use it")
 
     def _healthy(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # CLI campaigns start their own API server: give a loaded 2-core machine time
 
 from pretrain.campaign_data import data_record  # noqa: E402
 from pretrain.dataset.prepare import prepare  # noqa: E402
