@@ -16,11 +16,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # a loaded machine starts it slowly
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, run alone or by python -m bench
+BENCH = {"title": "Goodput under chaos", "order": 70, "quick": ["--minutes", "1", "--fault-every", "20"], "full": [],
+         "timeout_s": 2400}
+
+from bench.results import Check, report  # noqa: E402
 
 from flows.campaign import pretrain_campaign  # noqa: E402
 from pretrain.goodput import ALL  # noqa: E402
@@ -57,7 +63,7 @@ def calibrate(root: Path, model: dict) -> float:
     return statistics.median(times)
 
 
-def print_goodput(status: dict) -> None:
+def print_goodput(status: dict) -> dict:
     g = status["goodput"]
     print(f"\ncampaign wall {g['wall_s']:.1f}s, goodput {100 * (g['goodput'] or 0):.1f} %")
     for c in ALL:
@@ -68,6 +74,7 @@ def print_goodput(status: dict) -> None:
     print(f"\n{'fault':16s} {'action':42s} {'recovery_s':>10s} {'time lost s':>11s}")
     for f in status["stages"][0]["failures"]:
         print(f"{f['cause']:16s} {f['action'][:42]:42s} {str(f.get('recovery_s')):>10s} {f['time_lost_s']:>11.2f}")
+    return stage
 
 
 def main() -> None:
@@ -86,7 +93,14 @@ def main() -> None:
     every = max(5, int(a.fault_every / step_s))
     chaos = drills(steps, every)
     print(f"step ≈ {step_s:.3f}s: {steps} steps, a fault every {every} steps ({len(chaos)} faults); workdir {root}")
-    print_goodput(pretrain_campaign(spec=spec(root / "campaign", model, steps, chaos)))
+    stage = print_goodput(pretrain_campaign(spec=spec(root / "campaign", model, steps, chaos)))
+    parts = stage.get("parts_s") or {}
+    top = max((c for c in ALL if c != "productive"), key=lambda c: parts.get(c, 0.0))
+    report([Check("stage goodput with a fault every %.0f s" % a.fault_every, round(stage["goodput"] or 0.0, 3), 0.95,
+                  ">=", f"the largest loss is {top} ({parts.get(top, 0.0):.0f} s): every in-job restart starts new "
+                  f"worker processes (torch import, rendezvous) — seconds per fault against a {step_s:.2f} s step "
+                  "(issue 16: survivors keep their state)")],
+           step_s=round(step_s, 3), steps=steps, faults=len(chaos))
 
 
 if __name__ == "__main__":
