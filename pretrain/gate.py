@@ -9,7 +9,8 @@ past it, moved to ``quarantine/`` so that step can be committed again.
 from __future__ import annotations
 
 import json
-import subprocess
+import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -44,26 +45,73 @@ def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: 
 
 
 def run_gate(requests: list[dict], timeout_s: float, env: dict[str, str] | None = None) -> list[dict]:
-    """Run ``python -m trainer.gate`` on the requests; one result each: ``{"verdict", "metrics"}``,
-    or ``{"unjudged": why}`` when it could not be judged now (that request's validation could not
-    run, or the whole gate process timed out or crashed): no verdict, the next pass retries. ``env``:
-    the process's environment (credentials travel there, never in the request file)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="pretrain-gate-") as f:
-        json.dump(requests, f)
-        f.flush()
-        try:
-            proc = subprocess.run([sys.executable, "-m", "trainer.gate", f.name], capture_output=True, text=True,
-                                  timeout=timeout_s, env=env)
-        except subprocess.TimeoutExpired:
+    """Run the gate (``trainer.gate``) on the requests in a process of its own; one result each:
+    ``{"verdict", "metrics"}``, or ``{"unjudged": why}`` when it could not be judged now (that
+    request's validation could not run, or the whole gate process timed out or crashed): no
+    verdict, the next pass retries. ``env``: the process's environment (default: this process's
+    now; credentials travel there, never in the request file)."""
+    with tempfile.TemporaryDirectory(prefix="pretrain-gate-") as tmp:
+        files = {name: os.path.join(tmp, name) for name in ("requests.json", "stdout", "stderr")}
+        with open(files["requests.json"], "w") as f:
+            json.dump(requests, f)
+        code = _gate_process(files, timeout_s, dict(os.environ if env is None else env))
+        if code is None:
             return [{"unjudged": f"the gate process timed out after {timeout_s:.0f}s; retried on its next pass"}] * len(requests)
+        with open(files["stdout"], errors="replace") as out, open(files["stderr"], errors="replace") as err:
+            stdout, stderr = out.read(), err.read()
     try:
-        outs = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+        outs = json.loads(stdout.strip().splitlines()[-1]) if code == 0 else None
     except (ValueError, IndexError):
         outs = None
     if not isinstance(outs, list) or len(outs) != len(requests):
-        why = f"the gate process failed (exit {proc.returncode}): {proc.stderr.strip()[-1000:] or 'no error output'}"
+        why = f"the gate process failed (exit {code}): {stderr.strip()[-1000:] or 'no error output'}"
         return [{"unjudged": f"{why}; retried on its next pass"}] * len(requests)
     return outs
+
+
+def _gate_process(files: dict[str, str], timeout_s: float, env: dict[str, str]) -> int | None:
+    """The gate's exit code (negative: the signal that ended it), None when it ran out of time
+    (then it is killed). The process is forked from multiprocessing's fork server, which imports
+    the gate's modules (torch) once for this process's lifetime: a fresh interpreter per gate
+    pass paid ~1.8 CPU-s of imports, several times per stage. The fork server is single-threaded
+    (never a fork of this threaded process) and ends with this process; whichever of the gate and
+    the data preparation pool (``pretrain.dataset.pool``) starts it first chooses its preloads,
+    the other's modules are imported in each child."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["trainer.gate", *_main_module()])
+    proc = ctx.Process(target=_gate_main, args=(files, env), name="pretrain-gate", daemon=True)
+    proc.start()
+    try:
+        proc.join(timeout_s)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            return None
+        return proc.exitcode
+    finally:
+        proc.close()
+
+
+def _main_module() -> list[str]:
+    """This process's ``python -m`` module (``pretrain.cli``, ``prefect.engine``), which every
+    forked child runs again as ``__mp_main__`` (multiprocessing does): preloaded, its imports are
+    done once too. None for ``pytest`` and scripts (``*.__main__`` is never run again)."""
+    name = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
+    return [name] if name and not name.endswith("__main__") else []
+
+
+def _gate_main(files: dict[str, str], env: dict[str, str]) -> None:
+    """In the gate process: the environment it was given, stdout/stderr to files, then
+    ``trainer.gate``'s main."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        target = os.open(files[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    from trainer.gate import main
+
+    sys.exit(main([files["requests.json"]]))
 
 
 def _bytes_to_verify(store: CheckpointStore, steps: list[int]) -> int:
