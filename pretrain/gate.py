@@ -23,6 +23,7 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from trainer.checkpoint.records import DamagedRecord
 from trainer.checkpoint.store import MANIFEST, CheckpointStore, step_name
+from trainer.gate import forked_main
 
 def gate_timeout_s(total_bytes: int, requests: int, settings: PretrainSettings) -> float:
     """How long a gate process may take for ``requests`` checkpoints of ``total_bytes`` in all."""
@@ -79,7 +80,8 @@ def _gate_process(files: dict[str, str], timeout_s: float, env: dict[str, str]) 
     the other's modules are imported in each child."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["trainer.gate", *_main_module()])
-    proc = ctx.Process(target=_gate_main, args=(files, env), name="pretrain-gate", daemon=True)
+    proc = ctx.Process(target=forked_main, args=(files["requests.json"], files["stdout"], files["stderr"], env),
+                       name="pretrain-gate", daemon=True)
     proc.start()
     try:
         proc.join(timeout_s)
@@ -98,20 +100,6 @@ def _main_module() -> list[str]:
     done once too. None for ``pytest`` and scripts (``*.__main__`` is never run again)."""
     name = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
     return [name] if name and not name.endswith("__main__") else []
-
-
-def _gate_main(files: dict[str, str], env: dict[str, str]) -> None:
-    """In the gate process: the environment it was given, stdout/stderr to files, then
-    ``trainer.gate``'s main."""
-    os.environ.clear()
-    os.environ.update(env)
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        target = os.open(files[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(target, fd)
-        os.close(target)
-    from trainer.gate import main
-
-    sys.exit(main([files["requests.json"]]))
 
 
 def _bytes_to_verify(store: CheckpointStore, steps: list[int]) -> int:

@@ -42,8 +42,9 @@ def prefect_harness():
 
     # No flow-run heartbeats in-process: their thread sleeps in 1 s ticks, so every (sub)flow
     # run's exit waited up to 1 s for it (≈ 9 per campaign). Nothing here tests them; the
-    # worker tests on a real server run flows in their own processes with the defaults.
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), prefect_test_harness(server_startup_timeout=60):
+    # worker tests on a real server run flows in their own processes with the defaults. The
+    # server's start-up (its database migrations) took over 60 s with the machine loaded ×8.
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), prefect_test_harness(server_startup_timeout=180):
         yield
 
 
@@ -133,10 +134,6 @@ def campaign_processes(workdir: Path, module: str) -> list[psutil.Process]:
 
 def worker_processes(workdir: Path) -> list[psutil.Process]:
     return campaign_processes(workdir, "trainer.worker")
-
-
-def saver_processes(workdir: Path) -> list[psutil.Process]:
-    return campaign_processes(workdir, "trainer.saver")
 
 
 def run_campaign_while(spec, act):
