@@ -58,8 +58,7 @@ def run_gate(requests: list[dict], timeout_s: float, env: dict[str, str] | None 
         code = _gate_process(files, timeout_s, dict(os.environ if env is None else env))
         if code is None:
             return [{"unjudged": f"the gate process timed out after {timeout_s:.0f}s; retried on its next pass"}] * len(requests)
-        with open(files["stdout"], errors="replace") as out, open(files["stderr"], errors="replace") as err:
-            stdout, stderr = out.read(), err.read()
+        stdout, stderr = _read(files["stdout"]), _read(files["stderr"])
     try:
         outs = json.loads(stdout.strip().splitlines()[-1]) if code == 0 else None
     except (ValueError, IndexError):
@@ -79,7 +78,7 @@ def _gate_process(files: dict[str, str], timeout_s: float, env: dict[str, str]) 
     the data preparation pool (``pretrain.dataset.pool``) starts it first chooses its preloads,
     the other's modules are imported in each child."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["trainer.gate", *_main_module()])
+    ctx.set_forkserver_preload(["trainer.gate", *_main_package()])
     proc = ctx.Process(target=forked_main, args=(files["requests.json"], files["stdout"], files["stderr"], env),
                        name="pretrain-gate", daemon=True)
     proc.start()
@@ -94,12 +93,23 @@ def _gate_process(files: dict[str, str], timeout_s: float, env: dict[str, str]) 
         proc.close()
 
 
-def _main_module() -> list[str]:
-    """This process's ``python -m`` module (``pretrain.cli``, ``prefect.engine``), which every
-    forked child runs again as ``__mp_main__`` (multiprocessing does): preloaded, its imports are
-    done once too. None for ``pytest`` and scripts (``*.__main__`` is never run again)."""
+def _main_package() -> list[str]:
+    """The package of this process's ``python -m`` module (``pretrain`` of ``pretrain.cli``,
+    ``prefect`` of ``prefect.engine``): multiprocessing runs that module again in every forked
+    child (as ``__mp_main__``), so its package's imports are best done once. Not the module
+    itself: runpy warns (on the user's terminal) when it finds it imported already. None for
+    ``pytest`` and scripts (a ``__main__`` module is never run again)."""
     name = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
-    return [name] if name and not name.endswith("__main__") else []
+    return [name.split(".")[0]] if name and "." in name and not name.endswith("__main__") else []
+
+
+def _read(path: str) -> str:
+    """A file the gate process wrote; empty if it never got to open it (it died before)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def _bytes_to_verify(store: CheckpointStore, steps: list[int]) -> int:

@@ -11,6 +11,9 @@ import psutil
 import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# the `pretrain run` processes of the CLI tests start their own Prefect API server: its 20 s
+# default start-up timeout ran out with the machine loaded ×8 (the campaign then fails at once)
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 from pretrain.campaign_data import data_record  # noqa: E402
 from pretrain.dataset.prepare import prepare  # noqa: E402
