@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,14 +72,27 @@ def run_gate(requests: list[dict], timeout_s: float, env: dict[str, str] | None 
 
 def _gate_process(files: dict[str, str], timeout_s: float, env: dict[str, str]) -> int | None:
     """The gate's exit code (negative: the signal that ended it), None when it ran out of time
-    (then it is killed). The process is forked from multiprocessing's fork server, which imports
-    the gate's modules (torch) once for this process's lifetime: a fresh interpreter per gate
-    pass paid ~1.8 CPU-s of imports, several times per stage. The fork server is single-threaded
-    (never a fork of this threaded process) and ends with this process; whichever of the gate and
-    the data preparation pool (``pretrain.dataset.pool``) starts it first chooses its preloads,
-    the other's modules are imported in each child."""
+    (then it is killed). ``python -m trainer.gate`` in a fresh interpreter, unless this process's
+    main module is never run again in a forked child (pytest, ``python -c``, ``python -m pkg``):
+    then the gate is forked from multiprocessing's fork server, which imports the gate's modules
+    (torch) once for this process's lifetime — a fresh interpreter paid ~1.8 CPU-s of imports per
+    gate pass, several passes per stage. Multiprocessing runs any other main module (a script,
+    ``python -m pretrain.cli``) again in each child, which a script without a ``__main__`` guard
+    does not survive. The fork server is single-threaded (never a fork of this threaded process)
+    and ends with this process."""
+    if not _main_rerun_in_children():
+        return _forked_gate(files, timeout_s, env)
+    with open(files["stdout"], "wb") as out, open(files["stderr"], "wb") as err:
+        try:
+            return subprocess.run([sys.executable, "-m", "trainer.gate", files["requests.json"]], stdout=out, stderr=err,
+                                  env=env, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def _forked_gate(files: dict[str, str], timeout_s: float, env: dict[str, str]) -> int | None:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["trainer.gate", *_main_package()])
+    ctx.set_forkserver_preload(["trainer.gate"])  # unless the data preparation pool started it first
     proc = ctx.Process(target=forked_main, args=(files["requests.json"], files["stdout"], files["stderr"], env),
                        name="pretrain-gate", daemon=True)
     proc.start()
@@ -93,14 +107,14 @@ def _gate_process(files: dict[str, str], timeout_s: float, env: dict[str, str]) 
         proc.close()
 
 
-def _main_package() -> list[str]:
-    """The package of this process's ``python -m`` module (``pretrain`` of ``pretrain.cli``,
-    ``prefect`` of ``prefect.engine``): multiprocessing runs that module again in every forked
-    child (as ``__mp_main__``), so its package's imports are best done once. Not the module
-    itself: runpy warns (on the user's terminal) when it finds it imported already. None for
-    ``pytest`` and scripts (a ``__main__`` module is never run again)."""
-    name = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
-    return [name.split(".")[0]] if name and "." in name and not name.endswith("__main__") else []
+def _main_rerun_in_children() -> bool:
+    """Whether multiprocessing would run this process's main module again in a forked child: a
+    script, or a ``python -m`` module other than a package's ``__main__``."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return not name.endswith("__main__")
+    return getattr(main, "__file__", None) is not None
 
 
 def _read(path: str) -> str:
