@@ -9,6 +9,8 @@ past it, moved to ``quarantine/`` so that step can be committed again.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,7 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from trainer.checkpoint.records import DamagedRecord
 from trainer.checkpoint.store import MANIFEST, CheckpointStore, step_name
+from trainer.gate import forked_main
 
 def gate_timeout_s(total_bytes: int, requests: int, settings: PretrainSettings) -> float:
     """How long a gate process may take for ``requests`` checkpoints of ``total_bytes`` in all."""
@@ -45,26 +48,83 @@ def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: 
 
 
 def run_gate(requests: list[dict], timeout_s: float, env: dict[str, str] | None = None) -> list[dict]:
-    """Run ``python -m trainer.gate`` on the requests; one result each: ``{"verdict", "metrics"}``,
-    or ``{"unjudged": why}`` when it could not be judged now (that request's validation could not
-    run, or the whole gate process timed out or crashed): no verdict, the next pass retries. ``env``:
-    the process's environment (credentials travel there, never in the request file)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="pretrain-gate-") as f:
-        json.dump(requests, f)
-        f.flush()
-        try:
-            proc = subprocess.run([sys.executable, "-m", "trainer.gate", f.name], capture_output=True, text=True,
-                                  timeout=timeout_s, env=env)
-        except subprocess.TimeoutExpired:
+    """Run the gate (``trainer.gate``) on the requests in a process of its own; one result each:
+    ``{"verdict", "metrics"}``, or ``{"unjudged": why}`` when it could not be judged now (that
+    request's validation could not run, or the whole gate process timed out or crashed): no
+    verdict, the next pass retries. ``env``: the process's environment (default: this process's
+    now; credentials travel there, never in the request file)."""
+    with tempfile.TemporaryDirectory(prefix="pretrain-gate-") as tmp:
+        files = {name: os.path.join(tmp, name) for name in ("requests.json", "stdout", "stderr")}
+        with open(files["requests.json"], "w") as f:
+            json.dump(requests, f)
+        code = _gate_process(files, timeout_s, dict(os.environ if env is None else env))
+        if code is None:
             return [{"unjudged": f"the gate process timed out after {timeout_s:.0f}s; retried on its next pass"}] * len(requests)
+        stdout, stderr = _read(files["stdout"]), _read(files["stderr"])
     try:
-        outs = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+        outs = json.loads(stdout.strip().splitlines()[-1]) if code == 0 else None
     except (ValueError, IndexError):
         outs = None
     if not isinstance(outs, list) or len(outs) != len(requests):
-        why = f"the gate process failed (exit {proc.returncode}): {proc.stderr.strip()[-1000:] or 'no error output'}"
+        why = f"the gate process failed (exit {code}): {stderr.strip()[-1000:] or 'no error output'}"
         return [{"unjudged": f"{why}; retried on its next pass"}] * len(requests)
     return outs
+
+
+def _gate_process(files: dict[str, str], timeout_s: float, env: dict[str, str]) -> int | None:
+    """The gate's exit code (negative: the signal that ended it), None when it ran out of time
+    (then it is killed). ``python -m trainer.gate`` in a fresh interpreter, unless this process's
+    main module is never run again in a forked child (pytest, ``python -c``, ``python -m pkg``):
+    then the gate is forked from multiprocessing's fork server, which imports the gate's modules
+    (torch) once for this process's lifetime — a fresh interpreter paid ~1.8 CPU-s of imports per
+    gate pass, several passes per stage. Multiprocessing runs any other main module (a script,
+    ``python -m pretrain.cli``) again in each child, which a script without a ``__main__`` guard
+    does not survive. The fork server is single-threaded (never a fork of this threaded process)
+    and ends with this process."""
+    if not _main_rerun_in_children():
+        return _forked_gate(files, timeout_s, env)
+    with open(files["stdout"], "wb") as out, open(files["stderr"], "wb") as err:
+        try:
+            return subprocess.run([sys.executable, "-m", "trainer.gate", files["requests.json"]], stdout=out, stderr=err,
+                                  env=env, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def _forked_gate(files: dict[str, str], timeout_s: float, env: dict[str, str]) -> int | None:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["trainer.gate"])  # unless the data preparation pool started it first
+    proc = ctx.Process(target=forked_main, args=(files["requests.json"], files["stdout"], files["stderr"], env),
+                       name="pretrain-gate", daemon=True)
+    proc.start()
+    try:
+        proc.join(timeout_s)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            return None
+        return proc.exitcode
+    finally:
+        proc.close()
+
+
+def _main_rerun_in_children() -> bool:
+    """Whether multiprocessing would run this process's main module again in a forked child: a
+    script, or a ``python -m`` module other than a package's ``__main__``."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return not name.endswith("__main__")
+    return getattr(main, "__file__", None) is not None
+
+
+def _read(path: str) -> str:
+    """A file the gate process wrote; empty if it never got to open it (it died before)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def _bytes_to_verify(store: CheckpointStore, steps: list[int]) -> int:

@@ -18,20 +18,23 @@ from trainer.checkpoint.flash import SnapshotStore
 from trainer.config import JobConfig
 
 
-def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int = 4, **checkpoint) -> JobConfig:
-    """A one-stage, one-node, one-worker job of ``steps`` steps (checkpoint settings overridable)."""
+def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int = 4, sections: dict | None = None,
+              **checkpoint) -> JobConfig:
+    """A one-stage, one-node, one-worker job of ``steps`` steps (checkpoint settings overridable;
+    ``sections``: other spec sections, e.g. ``chaos``)."""
     spec = small_spec(workdir, cluster={"workers_per_node": 1, "max_restarts": 0},
                       stages=[{"name": "s", "steps": steps, "seq_len": 32, "micro_batch": 2}],
-                      checkpoint={"interval": 2, "memory_interval": 1, "keep": 2, **checkpoint})
+                      checkpoint={"interval": 2, "memory_interval": 1, "keep": 2, **checkpoint}, **(sections or {}))
     seed_data(spec, prepared_data)
     return build_job(spec, 0, attempt, None)
 
 
-def start_agent(job: JobConfig, **popen) -> subprocess.Popen:
+def start_agent(job: JobConfig, max_restarts: int = 0, **popen) -> subprocess.Popen:
+    """The job's node agent (``max_restarts``: in-job restarts of its worker)."""
     job_path = write_job(job)
     log = open(Path(job.job_dir) / "node0.log", "ab")
     cmd = [sys.executable, "-m", "trainer.launch", str(job_path), "--nproc", "1", "--rdzv-endpoint",
-           f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--rdzv-host"]
+           f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--rdzv-host", "--max-restarts", str(max_restarts)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)
 
 
@@ -39,9 +42,9 @@ def node_log(job: JobConfig) -> str:
     return (Path(job.job_dir) / "node0.log").read_text(errors="replace")
 
 
-def run_agent(job: JobConfig, timeout: float = 180) -> int:
+def run_agent(job: JobConfig, timeout: float = 180, max_restarts: int = 0) -> int:
     """Run the job's agent to its end; returns its exit code. Nothing it started outlives this."""
-    agent = start_agent(job, start_new_session=True)
+    agent = start_agent(job, max_restarts, start_new_session=True)
     try:
         return agent.wait(timeout)
     finally:

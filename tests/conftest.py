@@ -11,7 +11,9 @@ import psutil
 import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # CLI campaigns start their own API server: give a loaded 2-core machine time
+# the `pretrain run` processes of the CLI tests start their own Prefect API server: its 20 s
+# default start-up timeout ran out with the machine loaded ×8 (the campaign then fails at once)
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 from pretrain.campaign_data import data_record  # noqa: E402
 from pretrain.dataset.prepare import prepare  # noqa: E402
@@ -51,8 +53,9 @@ def prefect_harness():
 
     # No flow-run heartbeats in-process: their thread sleeps in 1 s ticks, so every (sub)flow
     # run's exit waited up to 1 s for it (≈ 9 per campaign). Nothing here tests them; the
-    # worker tests on a real server run flows in their own processes with the defaults.
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), prefect_test_harness(server_startup_timeout=60):
+    # worker tests on a real server run flows in their own processes with the defaults. The
+    # server's start-up (its database migrations) took over 60 s with the machine loaded ×8.
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), prefect_test_harness(server_startup_timeout=180):
         yield
 
 
@@ -142,10 +145,6 @@ def campaign_processes(workdir: Path, module: str) -> list[psutil.Process]:
 
 def worker_processes(workdir: Path) -> list[psutil.Process]:
     return campaign_processes(workdir, "trainer.worker")
-
-
-def saver_processes(workdir: Path) -> list[psutil.Process]:
-    return campaign_processes(workdir, "trainer.saver")
 
 
 def run_campaign_while(spec, act):

@@ -3,7 +3,10 @@ resumed from; the previous good checkpoint is."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -226,6 +229,22 @@ def test_a_gate_timeout_is_unjudged_and_retried(prepared_data, tmp_path):
     assert record["verdict"] == "unjudged" and "timed out" in record["problems"][0]
     assert store.verdict(4) is None and store.unjudged() == [4]
     assert [r["verdict"] for r in judge(spec, 0, store.unjudged())] == ["good"]
+
+
+def test_the_gate_runs_from_a_script_without_a_main_guard(tmp_path):
+    """A campaign started from a script with no ``if __name__ == "__main__"``: the gate runs in a
+    fresh interpreter (a process forked by multiprocessing would run the script again), judges,
+    and the script's top level runs once. (Under pytest the gate is forked: every other test here.)"""
+    spec = small_spec(tmp_path)
+    request = {"location": str(tmp_path / "ckpt" / step_name(4)), "options": {}, "probe": None, "evaluate": None,
+               "model": dataclasses.asdict(model_config(spec, 512))}
+    script = tmp_path / "campaign.py"
+    script.write_text("import json, sys\nfrom pretrain.gate import run_gate\nprint('top level', flush=True)\n"
+                      "print(json.dumps(run_gate(json.loads(sys.argv[1]), 600)))\n")
+    ran = subprocess.run([sys.executable, str(script), json.dumps([request])], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and ran.stdout.count("top level") == 1, ran.stderr[-3000:]
+    [out] = json.loads(ran.stdout.splitlines()[-1])
+    assert out["verdict"]["ok"] is False and "no manifest.json" in out["verdict"]["problems"][0]
 
 
 @pytest.mark.parametrize("total_bytes, requests, expected", [

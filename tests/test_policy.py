@@ -94,12 +94,16 @@ def test_a_scale_up_records_the_nodes_back():
 
 
 LOGS = Path("/w/jobs/main")
+# what the worker raises (the job-level test: tests/test_anomaly.py)
+ROLLBACKS = "TooManyRollbacks: 1 loss anomalies in stage main (max_rollbacks=0): ... raise fault_tolerance.max_rollbacks"
 # (newest good step, last job) → trained, the message's "last failure"
 STAGE_END = {
     "last step good": (10, Job(), True, None),
     "failed job, errors reported": (4, failed("data", errors=["DataError: x", "DataError: y"]), False,
                                     "last failure: data (DataError: x; DataError: y)."),
     "failed job, no errors": (4, failed("hang"), False, "last failure: hang."),
+    "too many rollbacks: says which setting": (4, failed("too_many_rollbacks", errors=[ROLLBACKS]), False,
+                                               f"last failure: too_many_rollbacks ({ROLLBACKS})."),
     "job ended cleanly, pointer short": (4, Job(), False, "last failure: the job ended cleanly without committing"),
     "never launched": (None, None, False, "last failure: unknown."),
 }
