@@ -20,30 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.data_manifest import MANIFEST, DamagedManifest, parse_manifest
-
-
-class DataError(RuntimeError):
-    """The prepared data set is missing or unusable; the message names the file."""
-
-
-def read_manifest(data_dir: str | Path) -> dict:
-    """The data set's manifest (version 1 or 2); a missing or damaged one is a :class:`DataError`
-    saying what to do."""
-    path = Path(data_dir) / MANIFEST
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"no data manifest at {path}: run data preparation first (`pretrain run` does)") from None
-    return load_manifest(raw, str(path))
-
-
-def load_manifest(raw: bytes, where: str) -> dict:
-    """The manifest in ``raw``, read from ``where`` (a path or URL); a damaged one is a :class:`DataError`."""
-    try:
-        return parse_manifest(raw)
-    except DamagedManifest as e:
-        raise DataError(f"{where} is damaged ({e}): run data preparation again (`pretrain run` redoes it)") from None
+from trainer.data_manifest import DataError, read_manifest
 
 
 class TokenWindows:

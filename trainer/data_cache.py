@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from trainer.atomic import atomic_write_bytes, atomic_write_json, fsync_dir, sha256_file
-from trainer.data import DataError, load_manifest, read_manifest
-from trainer.data_manifest import MANIFEST
+from trainer.data_manifest import MANIFEST, DataError, load_manifest, read_manifest
 from trainer.resilience.diskfull import describe, is_disk_full
 from trainer.storage import NotFound, Storage, StorageError, check_key, open_storage
 

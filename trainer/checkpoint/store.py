@@ -27,12 +27,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer.checkpoint import records
 from trainer.checkpoint.records import DamagedRecord, Manifest
 from trainer.storage import NotFound, Storage, open_storage
+
+if TYPE_CHECKING:  # torch is imported where shards are written or read: `pretrain status` lists checkpoints without it
+    import torch
 
 POINTER = "latest"
 GOOD = "good"
@@ -164,6 +166,8 @@ class CheckpointStore:
         """Durably write one shard, streaming ``torch.save`` through a sha256 straight into
         storage (no in-memory copy of the state, no temporary file for S3). Returns its
         manifest entry."""
+        import torch
+
         with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
             written: list[_HashingWriter] = []
 
@@ -315,6 +319,8 @@ class CheckpointStore:
 
     def load_shard(self, step: int, name: str, map_location: str | torch.device = "cpu") -> dict:
         """Load one shard with ``weights_only=True`` (tensors and plain containers only)."""
+        import torch
+
         key = f"{step_name(step)}/{name}"
         local = self.storage.local_path(key)
         if local is not None:
