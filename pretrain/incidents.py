@@ -42,6 +42,9 @@ def cause_of(events: list[dict], exit_code: int | None = None) -> str:
     for e in events:
         if e["event"] == EventKind.HANG:
             return "hang"
+    for e in events:  # a hang drill whose hang the process group's timeout ended before the detector saw it
+        if e["event"] == EventKind.CHAOS and e["kind"] == "hang_worker":
+            return "hang"
     for e in events:
         if e["event"] == EventKind.NODE_LOST:
             return "node_lost"
@@ -53,6 +56,13 @@ def cause_of(events: list[dict], exit_code: int | None = None) -> str:
     return "worker_failure" if exit_code is None else f"worker_failure:exit_{exit_code}"
 
 
+def detected_at(window: list[dict], default: float) -> float:
+    """When the fault was found: its first record, except the injection of a hang (a
+    ``hang_worker`` drill fires when the worker stops, not when the hang is detected)."""
+    found = [e["time"] for e in window if not (e["event"] == EventKind.CHAOS and e.get("kind") == "hang_worker")]
+    return min(found or [e["time"] for e in window] or [default])
+
+
 def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dict]:
     """One record per in-job restart (and per saver restart) seen in a job's streams."""
     events = sorted(events, key=lambda e: e["time"])
@@ -61,7 +71,7 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
     out = []
     for prev, cur in zip(starts, starts[1:]):
         window = [e for e in events if prev["time"] < e["time"] <= cur["time"] and e["event"] in FAULT_EVENTS]
-        detected = min((e["time"] for e in window), default=cur["time"])
+        detected = detected_at(window, default=cur["time"])
         reached = max((m["step"] for m in metrics if prev["time"] <= m["time"] <= detected), default=cur["step"])
         resumed = next((m["time"] for m in metrics if m["time"] > cur["time"]), None)
         recovery = (resumed - detected) if resumed else None

@@ -92,6 +92,7 @@ def job_config(spec: CampaignSpec, stage_index: int, attempt: int, init_from: st
         log_every=spec.tracking.log_every, backend=spec.cluster.backend, parallelism=spec.cluster.parallelism,
         threads_per_worker=threads_per_worker(spec),
         hang_timeouts={"startup": ft.startup_timeout_s, "step": ft.step_timeout_s, "checkpoint": ft.checkpoint_timeout_s},
+        hang_adaptive={"factor": ft.hang_timeout_factor, "floor_s": ft.hang_timeout_floor_s, "warmup": ft.hang_warmup_steps},
         spike={"window": ft.spike_window, "zscore": ft.spike_zscore, "min_steps": ft.spike_min_steps},
         max_rollbacks=ft.max_rollbacks, attempt=attempt, saver_max_failures=ft.saver_max_failures,
         saver_backoff_s=ft.saver_backoff_s,

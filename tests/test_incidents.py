@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pretrain.incidents import cause_of
+from pretrain.incidents import cause_of, detected_at
 from trainer.data import DataError
 from trainer.events import EventKind, error_event
 
@@ -31,6 +31,9 @@ CASES = {
     "release before: disk full": ([error("SaverFailed: ... last error: CheckpointDiskFull: no space")], "disk_full"),
     "release before: oom": ([error("OutOfMemoryError: CUDA out of memory")], "oom"),
     "no error: a hang": ([{"event": "hang", "time": 1.0}], "hang"),
+    "a hang drill the process group's timeout ended": (
+        [{"event": "chaos", "kind": "hang_worker", "time": 1.0}, error("DistBackendError: timed out", "DistBackendError")],
+        "hang"),
 }
 
 
@@ -52,3 +55,21 @@ def test_a_workers_error_event_carries_its_class_and_causes():
     assert event["error"] == "RuntimeError: start-up failed"
     assert (event["error_type"], event["cause_types"]) == ("RuntimeError", ["DataError"])
     assert cause_of([{**event, "time": 1.0}], 1) == "data"
+
+
+DETECTED = {  # a restart's fault records → when the fault was found
+    "a hang: when the detector found it, not when the drill stopped the worker": (
+        [{"event": "chaos", "kind": "hang_worker", "time": 1.0}, {"event": "hang", "time": 6.0}], 6.0),
+    "a hang ended by the process group's timeout: the timeout's error": (
+        [{"event": "chaos", "kind": "hang_worker", "time": 1.0}, error("DistBackendError: timed out", "DistBackendError")
+         | {"time": 301.0}], 301.0),
+    "only the drill's record: its time": ([{"event": "chaos", "kind": "hang_worker", "time": 1.0}], 1.0),
+    "a killed worker: the kill": ([{"event": "chaos", "kind": "kill_worker", "time": 1.0}, error("x") | {"time": 1.5}], 1.0),
+    "nothing recorded: the restart": ([], 9.0),
+}
+
+
+@pytest.mark.parametrize("case", list(DETECTED))
+def test_detected_at(case):
+    window, expected = DETECTED[case]
+    assert detected_at(window, default=9.0) == expected

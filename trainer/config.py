@@ -119,6 +119,7 @@ class JobConfig:
     shm_fallback: bool  # too little shared memory: persist directly instead of failing
     storage_options: dict  # S3 options for ckpt_dir (endpoint_url, region); never secrets
     hang_timeouts: dict  # phase → seconds without a heartbeat before a worker counts as hung
+    hang_adaptive: dict  # factor, floor_s, warmup: the step timeout adapted to observed steps (heartbeat.AdaptiveTimeout)
     spike: dict  # window, zscore, min_steps of the loss-spike detector (zscore 0: off)
     max_rollbacks: int  # loss anomalies tolerated in the stage before it fails
     skip: list  # [start, end) sample windows never trained on
