@@ -64,20 +64,26 @@ def detected_at(window: list[dict], default: float) -> float:
 
 
 def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dict]:
-    """One record per in-job restart (and per saver restart) seen in a job's streams."""
+    """One record per in-job recovery (a restart of the workers, or an in-process rollback:
+    ``recovery_path``) and per saver restart seen in a job's streams."""
     events = sorted(events, key=lambda e: e["time"])
     step_time = statistics.median([m["step_time"] for m in metrics]) if metrics else 0.0
-    starts = [e for e in events if e["event"] == EventKind.START and e.get("rank") == 0]
+    # where training went on after a fault: a restart of the workers, or an in-process rollback
+    points = [e for e in events if (e["event"] == EventKind.START and e.get("rank") == 0) or e["event"] == EventKind.ROLLBACK]
     out = []
-    for prev, cur in zip(starts, starts[1:]):
+    for prev, cur in zip(points, points[1:]):
         window = [e for e in events if prev["time"] < e["time"] <= cur["time"] and e["event"] in FAULT_EVENTS]
         detected = detected_at(window, default=cur["time"])
         reached = max((m["step"] for m in metrics if prev["time"] <= m["time"] <= detected), default=cur["step"])
         resumed = next((m["time"] for m in metrics if m["time"] > cur["time"]), None)
         recovery = (resumed - detected) if resumed else None
         redone = max(0, reached - cur["step"])
-        out.append({"attempt": attempt, "in_job": True, "cause": cause_of(window), "action": f"restart workers from {cur['source']} step {cur['step']}",
-                    "detected_at": detected, "recovery_s": None if recovery is None else round(recovery, 2),
+        in_process = cur["event"] == EventKind.ROLLBACK
+        action = (f"roll back in process to {cur['source']} step {cur['step']}" if in_process
+                  else f"restart workers from {cur['source']} step {cur['step']}")
+        out.append({"attempt": attempt, "in_job": True, "cause": cause_of(window), "action": action,
+                    "recovery_path": "in_process" if in_process else "restart", "detected_at": detected,
+                    "recovery_s": None if recovery is None else round(recovery, 2),
                     "steps_redone": redone, "time_lost_s": round((recovery or 0.0) + redone * step_time, 2)})
     saver_starts: dict[int, int] = {}
     for e in (e for e in events if e["event"] == EventKind.SAVER_START):

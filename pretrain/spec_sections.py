@@ -197,6 +197,7 @@ class FaultToleranceSpec(Section):
     spike_window: int = Field(50, ge=2, description="Steps in the trailing window of the spike detector.")
     spike_min_steps: int = Field(20, ge=2, description="Steps the detector observes before it judges spikes.")
     max_rollbacks: int = Field(3, ge=0, description="Loss anomalies (NaN/Inf or spike) per stage that are rolled back and skipped before the stage fails.")
+    rollback_in_process: bool = Field(True, description="Roll a loss anomaly back inside the running workers (each restores the newest snapshot all ranks hold, in well under a second); false: restart the job's workers, which restore it on start-up (seconds).")
     node_check_threshold: float = Field(2.0, gt=1, description="A node whose health check is slower than this multiple of the median is excluded.")
     saver_max_failures: int = Field(5, ge=1, description="A node's checkpoint saver that fails this many times in a row (restarted with a backoff doubling from `saver_backoff_s` up to 60 s; training goes on on its memory snapshots meanwhile) fails the job with the saver's error.")
     saver_backoff_s: float = Field(1.0, gt=0, description="First wait before a failed checkpoint saver is restarted; doubles with each failure in a row (up to 60 s).")

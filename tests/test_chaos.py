@@ -62,9 +62,24 @@ def test_failures_are_classified_with_recovery_times(drilled):
     causes = [f["cause"] for f in failures]
     assert {"worker_killed", "saver_failure", "hang", "nonfinite_loss"} <= set(causes)
     for f in failures:
+        if f["cause"] in ("worker_killed", "hang"):  # processes lost: the workers restart
+            assert f["action"].startswith("restart workers from memory") and f["recovery_path"] == "restart"
+        if f["cause"] == "nonfinite_loss":  # no process lost: the running workers roll back
+            assert f["action"].startswith("roll back in process to memory") and f["recovery_path"] == "in_process"
         if f["cause"] in ("worker_killed", "hang", "nonfinite_loss"):
-            assert f["action"].startswith("restart workers from memory") and f["recovery_s"] > 0
-            assert f["time_lost_s"] >= f["recovery_s"]
+            assert f["recovery_s"] > 0 and f["time_lost_s"] >= f["recovery_s"]
+
+
+def test_nan_rollback_keeps_every_worker_process(drilled):
+    """Both ranks roll the NaN step back in the processes that saw it: neither is restarted."""
+    spec, _ = drilled
+    events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
+    [rollback] = [e for e in events if e["event"] == "rollback"]
+    assert rollback["path"] == "in_process" and rollback["anomaly_step"] == 21
+    for rank in (0, 1):
+        last_start = [e for e in events if e["event"] == "start" and e["rank"] == rank][-1]
+        [done] = [e for e in events if e["event"] == "done" and e["rank"] == rank]
+        assert last_start["time"] < rollback["time"] and done["pid"] == last_start["pid"]
 
 
 def test_hang_is_detected_by_the_heartbeat_monitor(drilled):
@@ -114,12 +129,14 @@ def test_too_many_rollbacks_stop_the_stage_without_relaunching(prefect_harness, 
 
 
 def test_loss_spike_is_rolled_back_and_skipped(prefect_harness, prepared_data, tmp_path):
+    """With ``rollback_in_process`` off, the workers are restarted and roll back on start-up."""
     spec = chaos_spec(tmp_path, prepared_data, chaos=[{"kind": "loss_spike", "step": 25, "factor": 20}],
-                      fault_tolerance={"spike_min_steps": 10, "spike_window": 20, "spike_zscore": 8})
+                      fault_tolerance={"spike_min_steps": 10, "spike_window": 20, "spike_zscore": 8,
+                                       "rollback_in_process": False})
     status = pretrain_campaign(spec=spec)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 30
-    assert [f["cause"] for f in stage["failures"]] == ["loss_spike"]
+    assert [(f["cause"], f["recovery_path"]) for f in stage["failures"]] == [("loss_spike", "restart")]
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     [skip] = read_all_skips(spec)
     assert skip["kind"] == "spike" and skip["step"] == 25
