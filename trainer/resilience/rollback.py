@@ -9,7 +9,8 @@ existing process group), else the newest committed checkpoint — and the loop c
 there. The result is the state a restarted worker would load, so recovery stays bitwise exact;
 what is saved is the restart: new processes, ``import torch``, rendezvous, a new process group.
 When only a cold start could help (no snapshot and no checkpoint: the model would have to be
-built from scratch), the anomaly is raised and the elastic agent restarts the workers as before.
+built from scratch), and under FSDP (not yet verified in process), the anomaly is raised and the
+elastic agent restarts the workers as before.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def roll_back(cfg: JobConfig, info: DistInfo, err: LossAnomaly, *, model, optimi
     t0 = time.perf_counter()
     broadcast_object(None)  # rank 0 has recorded the skip window
     windows = skip_windows(cfg)
+    if state.is_sharded(cfg):
+        raise err  # FSDP pieces restored into live sharded modules: not verified yet, so the restart path
     optimizer.zero_grad(set_to_none=True)  # the anomalous step's gradients
     restored = state.restore(cfg, info, model=model, optimizer=optimizer, snapshots=snapshots)
     if restored.source not in IN_PROCESS_SOURCES:
