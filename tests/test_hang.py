@@ -100,8 +100,7 @@ def test_a_hang_is_found_well_before_step_timeout_and_recorded_as_hang(prepared_
                       stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 2}],
                       checkpoint={"interval": 4, "memory_interval": 1, "keep": 2},
                       chaos=[{"kind": "hang_worker", "step": 6, "rank": 0}],
-                      fault_tolerance={"step_timeout_s": 120, "hang_timeout_factor": 2, "hang_timeout_floor_s": 2,
-                                       "hang_warmup_steps": 3})
+                      fault_tolerance={"step_timeout_s": 120, "hang_warmup_steps": 3})  # default factor and floor
     seed_data(spec, prepared_data)
     job = build_job(spec, 0, 0, None)
     assert run_agent(job, "--max-restarts", "1", timeout=300) == 0
