@@ -8,8 +8,9 @@ rollbacks still stop the stage), restores model, optimizer, RNG and data positio
 existing process group), else the newest committed checkpoint — and the loop continues from
 there. The result is the state a restarted worker would load, so recovery stays bitwise exact;
 what is saved is the restart: new processes, ``import torch``, rendezvous, a new process group.
-When only a cold start could help (no snapshot and no checkpoint: the model would have to be
-built from scratch), and under FSDP (not yet verified in process), the anomaly is raised and the
+Under FSDP every rank restores its own pieces from its own slot (tests/fsdp_ranks.py checks
+the restore into live FSDP modules bit for bit). When only a cold start could help (no snapshot
+and no checkpoint: the model would have to be built from scratch), the anomaly is raised and the
 elastic agent restarts the workers as before.
 """
 
@@ -44,8 +45,6 @@ def roll_back(cfg: JobConfig, info: DistInfo, err: LossAnomaly, *, model, optimi
     t0 = time.perf_counter()
     broadcast_object(None)  # rank 0 has recorded the skip window
     windows = skip_windows(cfg)
-    if state.is_sharded(cfg):
-        raise err  # FSDP pieces restored into live sharded modules: not verified yet, so the restart path
     optimizer.zero_grad(set_to_none=True)  # the anomalous step's gradients
     restored = state.restore(cfg, info, model=model, optimizer=optimizer, snapshots=snapshots)
     if restored.source not in IN_PROCESS_SOURCES:
