@@ -27,12 +27,12 @@ def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int =
     return build_job(spec, 0, attempt, None)
 
 
-def start_agent(job: JobConfig, *args: str, **popen) -> subprocess.Popen:
-    """The job's agent; ``args``: more of ``trainer.launch``'s options (e.g. ``--max-restarts``)."""
+def start_agent(job: JobConfig, max_restarts: int = 0, **popen) -> subprocess.Popen:
+    """The job's node agent (``max_restarts``: in-job restarts of its worker)."""
     job_path = write_job(job)
     log = open(Path(job.job_dir) / "node0.log", "ab")
     cmd = [sys.executable, "-m", "trainer.launch", str(job_path), "--nproc", "1", "--rdzv-endpoint",
-           f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--rdzv-host", *args]
+           f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--rdzv-host", "--max-restarts", str(max_restarts)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)
 
 
@@ -40,9 +40,9 @@ def node_log(job: JobConfig) -> str:
     return (Path(job.job_dir) / "node0.log").read_text(errors="replace")
 
 
-def run_agent(job: JobConfig, *args: str, timeout: float = 180) -> int:
+def run_agent(job: JobConfig, timeout: float = 180, max_restarts: int = 0) -> int:
     """Run the job's agent to its end; returns its exit code. Nothing it started outlives this."""
-    agent = start_agent(job, *args, start_new_session=True)
+    agent = start_agent(job, max_restarts, start_new_session=True)
     try:
         return agent.wait(timeout)
     finally:

@@ -62,24 +62,11 @@ def test_failures_are_classified_with_recovery_times(drilled):
     causes = [f["cause"] for f in failures]
     assert {"worker_killed", "saver_failure", "hang", "nonfinite_loss"} <= set(causes)
     for f in failures:
-        if f["cause"] in ("worker_killed", "hang"):  # processes lost: the workers restart
-            assert f["action"].startswith("restart workers from memory") and f["recovery_path"] == "restart"
-        if f["cause"] == "nonfinite_loss":  # no process lost: the running workers roll back
-            assert f["action"].startswith("roll back in process to memory") and f["recovery_path"] == "in_process"
         if f["cause"] in ("worker_killed", "hang", "nonfinite_loss"):
-            assert f["recovery_s"] > 0 and f["time_lost_s"] >= f["recovery_s"]
-
-
-def test_nan_rollback_keeps_every_worker_process(drilled):
-    """Both ranks roll the NaN step back in the processes that saw it: neither is restarted."""
-    spec, _ = drilled
-    events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
-    [rollback] = [e for e in events if e["event"] == "rollback"]
-    assert rollback["path"] == "in_process" and rollback["anomaly_step"] == 21
-    for rank in (0, 1):
-        last_start = [e for e in events if e["event"] == "start" and e["rank"] == rank][-1]
-        [done] = [e for e in events if e["event"] == "done" and e["rank"] == rank]
-        assert last_start["time"] < rollback["time"] and done["pid"] == last_start["pid"]
+            path = "in_process" if f["cause"] == "nonfinite_loss" else "restart"  # a NaN loses no process: rolled back in it
+            assert f["recovery_path"] == path and f["recovery_s"] > 0
+            assert f["action"].startswith({"in_process": "roll back in process to memory", "restart": "restart workers from memory"}[path])
+            assert f["time_lost_s"] >= f["recovery_s"]
 
 
 def test_hang_is_detected_by_the_heartbeat_monitor(drilled):
@@ -94,6 +81,18 @@ def test_nan_step_is_rolled_back_and_its_samples_skipped(drilled):
     [skip] = read_all_skips(spec)
     assert skip["kind"] == "nonfinite" and skip["step"] == 21
     assert skip["end"] - skip["start"] == 2 * 4  # one global batch: 2 workers × micro_batch 4
+
+
+def test_nan_rollback_keeps_every_worker_process(drilled):
+    """Both ranks roll the NaN step back in the processes that saw it: neither is restarted."""
+    spec, _ = drilled
+    events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
+    [rollback] = [e for e in events if e["event"] == "rollback"]
+    assert rollback["path"] == "in_process" and rollback["anomaly_step"] == 21
+    for rank in (0, 1):
+        last_start = [e for e in events if e["event"] == "start" and e["rank"] == rank][-1]
+        [done] = [e for e in events if e["event"] == "done" and e["rank"] == rank]
+        assert last_start["time"] < rollback["time"] and done["pid"] == last_start["pid"]
 
 
 def read_all_skips(spec):

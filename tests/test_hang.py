@@ -103,7 +103,7 @@ def test_a_hang_is_found_well_before_step_timeout_and_recorded_as_hang(prepared_
                       fault_tolerance={"step_timeout_s": 120, "hang_warmup_steps": 3})  # default factor and floor
     seed_data(spec, prepared_data)
     job = build_job(spec, 0, 0, None)
-    assert run_agent(job, "--max-restarts", "1", timeout=300) == 0
+    assert run_agent(job, timeout=300, max_restarts=1) == 0
     events, metrics = read_all(Path(job.job_dir) / EVENTS), read_all(Path(job.job_dir) / METRICS)
     [hang] = [e for e in events if e["event"] == "hang"]
     [drill] = [e for e in events if e["event"] == "chaos"]
