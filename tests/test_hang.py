@@ -18,7 +18,7 @@ from conftest import seed_data, small_spec
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
 from trainer.reporting import EVENTS, METRICS, read_all
-from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, Heartbeat, heartbeat_dir, p99
+from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, Heartbeat, collective_timeout_s, heartbeat_dir, p99
 
 RULE = AdaptiveTimeout(factor=5.0, floor_s=2.0, warmup=10)
 
@@ -42,6 +42,14 @@ def test_adapted_timeout(case):
                                               (list(range(1, 101)), 99), (list(range(1, 201)), 198)])
 def test_p99_is_the_nearest_rank(values, expected):
     assert p99(values) == expected
+
+
+@pytest.mark.parametrize("timeouts, expected", [({"startup": 600, "step": 300, "checkpoint": 600}, 660),
+                                               ({"startup": 60, "step": 900, "checkpoint": 60}, 960)])
+def test_the_process_group_outwaits_every_hang_timeout(timeouts, expected):
+    """A stalled collective must be found by the hang detector (a ``hang``), not end first by the
+    group's own timeout (an anonymous worker failure, as with step_timeout_s above 300 before)."""
+    assert collective_timeout_s(timeouts) == expected
 
 
 def test_heartbeat_reports_its_recent_step_durations(tmp_path):

@@ -56,6 +56,14 @@ class AdaptiveTimeout:
 
 
 FIXED = AdaptiveTimeout(0.0, 0.0, 0)
+COLLECTIVE_MARGIN_S = 60.0
+
+
+def collective_timeout_s(hang_timeouts: dict[str, float]) -> float:
+    """The process group's timeout: longer than every phase's hang timeout, so a stalled
+    collective is found (and recorded) as a hang by the detector, not ended first by the group's
+    own timeout as an anonymous worker failure."""
+    return max(hang_timeouts.values(), default=0.0) + COLLECTIVE_MARGIN_S
 
 
 class Heartbeat:
