@@ -17,7 +17,7 @@ from trainer.config import JobConfig, drill_from_dict
 from trainer.dist import DistInfo
 from trainer.loop import train
 from trainer.reporting import EVENTS, METRICS, read_all
-from trainer.resilience.anomaly import SpikeDetector, TooManyRollbacks
+from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips
 
 CPU0 = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torch.device("cpu"), backend="gloo")
 
@@ -69,6 +69,16 @@ def test_too_many_rollbacks_still_stop_the_stage(prepared_data, tmp_path):
                      chaos=[drill_from_dict({"kind": "nan_loss", "step": 5, "rank": 0})])
     with pytest.raises(TooManyRollbacks, match="max_rollbacks=0"):
         train(cfg, CPU0)
+
+
+def test_with_nothing_to_roll_back_to_the_worker_stops_for_a_restart(prepared_data, tmp_path):
+    """A NaN at step 2, before the first checkpoint (step 4): only fresh processes can start the
+    model over, so the anomaly ends the worker (the agent restarts it), its window recorded."""
+    cfg = direct_job(tmp_path, prepared_data, chaos=[drill_from_dict({"kind": "nan_loss", "step": 2, "rank": 0})])
+    with pytest.raises(LossAnomaly, match="step 2"):
+        train(cfg, CPU0)
+    assert [s["step"] for s in read_skips(cfg.job_dir)] == [2]
+    assert not [e for e in read_all(Path(cfg.job_dir) / EVENTS) if e["event"] == "rollback"]
 
 
 @pytest.mark.parametrize("kept, forget, left", [(5, 2, 3), (5, 0, 5), (2, 5, 0), (3, -1, 3)])
