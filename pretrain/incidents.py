@@ -1,8 +1,9 @@
 """Failure classification from a job's event and metric streams.
 
-Every failure gets a cause, the action taken, when it was detected, how long until training
-stepped again, and the time lost (recovery plus the steps redone) — the raw data for a
-goodput ledger.
+Every failure gets a cause, the action taken and how (``recovery_path``: ``in_process`` or
+``restart``), when it was detected and how long it went unnoticed (``detection_s``: a hang
+stalls training until the detector finds it), how long until training stepped again, and the
+time lost (detection, recovery and the steps redone) — the raw data for a goodput ledger.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ def detected_at(window: list[dict], default: float) -> float:
     return min(found or [e["time"] for e in window] or [default])
 
 
+def began_at(window: list[dict], detected: float) -> float:
+    """When the fault began: for a hang, the stalled worker's last heartbeat (the detector's
+    ``stalled_since``); else its first record."""
+    stalled = [e["stalled_since"] for e in window
+               if e["event"] == EventKind.HANG and isinstance(e.get("stalled_since"), (int, float))]
+    return min([e["time"] for e in window] + stalled + [detected])
+
+
 def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dict]:
     """One record per in-job recovery (a restart of the workers, or an in-process rollback:
     ``recovery_path``) and per saver restart seen in a job's streams."""
@@ -74,6 +83,7 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
     for prev, cur in zip(points, points[1:]):
         window = [e for e in events if prev["time"] < e["time"] <= cur["time"] and e["event"] in FAULT_EVENTS]
         detected = detected_at(window, default=cur["time"])
+        detection = detected - began_at(window, detected)  # a hang stalls training until it is found
         reached = max((m["step"] for m in metrics if prev["time"] <= m["time"] <= detected), default=cur["step"])
         resumed = next((m["time"] for m in metrics if m["time"] > cur["time"]), None)
         recovery = (resumed - detected) if resumed else None
@@ -83,8 +93,8 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
                   else f"restart workers from {cur['source']} step {cur['step']}")
         out.append({"attempt": attempt, "in_job": True, "cause": cause_of(window), "action": action,
                     "recovery_path": "in_process" if in_process else "restart", "detected_at": detected,
-                    "recovery_s": None if recovery is None else round(recovery, 2),
-                    "steps_redone": redone, "time_lost_s": round((recovery or 0.0) + redone * step_time, 2)})
+                    "detection_s": round(detection, 2), "recovery_s": None if recovery is None else round(recovery, 2),
+                    "steps_redone": redone, "time_lost_s": round(detection + (recovery or 0.0) + redone * step_time, 2)})
     saver_starts: dict[int, int] = {}
     for e in (e for e in events if e["event"] == EventKind.SAVER_START):
         saver_starts[e.get("agent", 0)] = saver_starts.get(e.get("agent", 0), 0) + 1
