@@ -1,11 +1,13 @@
 """Recovery time per fault kind, measured by chaos drills in one real campaign.
 
-    python bench/recovery.py [--workdir DIR] [--d-model 128 --layers 4]
+    python bench/recovery.py [--workdir DIR] [--d-model 128 --layers 4] [--only nan]
 
 Runs a one-stage campaign (2 local CPU workers, flash checkpoints) in which a worker is killed,
-the saver is killed, a worker hangs and the loss turns NaN, then a two-node campaign that
-loses a node; prints, per fault, the detection-to-first-step recovery time and the time lost
-(recovery + steps redone), as recorded in the campaign ledger.
+the saver is killed, a worker hangs and the loss turns NaN (rolled back in process), the same
+NaN drill with ``rollback_in_process`` off (the workers restart: the old path, side by side),
+then a two-node campaign that loses a node; prints, per fault, the recovery path, the
+detection-to-first-step recovery time and the time lost (recovery + steps redone), as recorded
+in the campaign ledger. ``--only nan``: the two NaN runs alone (a quick comparison).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from pretrain.spec import parse_spec  # noqa: E402
 DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"vocab_size": 512}}
 
 
-def spec(workdir: Path, model: dict, cluster: dict, chaos: list[dict], steps: int = 60):
+def spec(workdir: Path, model: dict, cluster: dict, chaos: list[dict], steps: int = 60, **fault_tolerance):
     return parse_spec({
         "name": "recovery", "workdir": str(workdir), "data": DATA, "model": model, "cluster": cluster, "chaos": chaos,
         "stages": [{"name": "main", "steps": steps, "seq_len": 64, "micro_batch": 4, "warmup_steps": 5}],
-        "checkpoint": {"interval": 10, "memory_interval": 2}, "fault_tolerance": {"step_timeout_s": 5},
+        "checkpoint": {"interval": 10, "memory_interval": 2}, "fault_tolerance": fault_tolerance,  # default hang timeouts: adapted to the steps
     })
 
 
@@ -41,21 +43,28 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--only", choices=["nan"], help="nan: only the NaN rollback, in process and by restart")
     a = p.parse_args()
     root = Path(a.workdir or tempfile.mkdtemp(prefix="pretrain-recovery-"))
     model = {"n_layer": a.layers, "n_head": 4, "d_model": a.d_model, "max_seq_len": 64}
+    one_node = {"workers_per_node": 2, "max_restarts": 6}
+    nan = [{"kind": "nan_loss", "step": 30}]
     runs = [
-        spec(root / "one-node", model, {"workers_per_node": 2, "max_restarts": 6},
+        spec(root / "nan-in-process", model, one_node, nan),
+        spec(root / "nan-restart", model, one_node, nan, rollback_in_process=False),
+    ] if a.only == "nan" else [
+        spec(root / "one-node", model, one_node,
              [{"kind": "kill_worker", "step": 12, "rank": 1}, {"kind": "kill_saver", "step": 20},
               {"kind": "hang_worker", "step": 28}, {"kind": "nan_loss", "step": 40}]),
+        spec(root / "nan-restart", model, one_node, nan, rollback_in_process=False),
         spec(root / "two-nodes", model, {"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3},
              [{"kind": "kill_node", "node": 1, "step": 20}]),
     ]
-    print(f"{'fault':16s} {'action':42s} {'recovery_s':>10s} {'steps redone':>12s} {'time lost s':>11s}")
+    print(f"{'fault':16s} {'path':10s} {'action':42s} {'recovery_s':>10s} {'steps redone':>12s} {'time lost s':>11s}")
     for s in runs:
         status = pretrain_campaign(spec=s)
         for f in status["stages"][0]["failures"]:
-            print(f"{f['cause']:16s} {f['action'][:42]:42s} {str(f.get('recovery_s')):>10s} "
+            print(f"{f['cause']:16s} {f.get('recovery_path', '-'):10s} {f['action'][:42]:42s} {str(f.get('recovery_s')):>10s} "
                   f"{f.get('steps_redone', 0):>12d} {f['time_lost_s']:>11.2f}")
 
 

@@ -1,8 +1,9 @@
 """Failure classification from a job's event and metric streams.
 
-Every failure gets a cause, the action taken, when it was detected, how long until training
-stepped again, and the time lost (recovery plus the steps redone) — the raw data for a
-goodput ledger.
+Every failure gets a cause, the action taken and how (``recovery_path``: ``in_process`` or
+``restart``), when it was detected and how long it went unnoticed (``detection_s``: a hang
+stalls training until the detector finds it), how long until training stepped again, and the
+time lost (detection, recovery and the steps redone) — the raw data for a goodput ledger.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def cause_of(events: list[dict], exit_code: int | None = None) -> str:
     for e in events:
         if e["event"] == EventKind.HANG:
             return "hang"
+    for e in events:  # a hang drill whose hang the process group's timeout ended before the detector saw it
+        if e["event"] == EventKind.CHAOS and e["kind"] == "hang_worker":
+            return "hang"
     for e in events:
         if e["event"] == EventKind.NODE_LOST:
             return "node_lost"
@@ -53,22 +57,44 @@ def cause_of(events: list[dict], exit_code: int | None = None) -> str:
     return "worker_failure" if exit_code is None else f"worker_failure:exit_{exit_code}"
 
 
+def detected_at(window: list[dict], default: float) -> float:
+    """When the fault was found: its first record, except the injection of a hang (a
+    ``hang_worker`` drill fires when the worker stops, not when the hang is detected)."""
+    found = [e["time"] for e in window if not (e["event"] == EventKind.CHAOS and e.get("kind") == "hang_worker")]
+    return min(found or [e["time"] for e in window] or [default])
+
+
+def began_at(window: list[dict], detected: float) -> float:
+    """When the fault began: for a hang, the stalled worker's last heartbeat (the detector's
+    ``stalled_since``); else its first record."""
+    stalled = [e["stalled_since"] for e in window
+               if e["event"] == EventKind.HANG and isinstance(e.get("stalled_since"), (int, float))]
+    return min([e["time"] for e in window] + stalled + [detected])
+
+
 def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dict]:
-    """One record per in-job restart (and per saver restart) seen in a job's streams."""
+    """One record per in-job recovery (a restart of the workers, or an in-process rollback:
+    ``recovery_path``) and per saver restart seen in a job's streams."""
     events = sorted(events, key=lambda e: e["time"])
     step_time = statistics.median([m["step_time"] for m in metrics]) if metrics else 0.0
-    starts = [e for e in events if e["event"] == EventKind.START and e.get("rank") == 0]
+    # where training went on after a fault: a restart of the workers, or an in-process rollback
+    points = [e for e in events if (e["event"] == EventKind.START and e.get("rank") == 0) or e["event"] == EventKind.ROLLBACK]
     out = []
-    for prev, cur in zip(starts, starts[1:]):
+    for prev, cur in zip(points, points[1:]):
         window = [e for e in events if prev["time"] < e["time"] <= cur["time"] and e["event"] in FAULT_EVENTS]
-        detected = min((e["time"] for e in window), default=cur["time"])
+        detected = detected_at(window, default=cur["time"])
+        detection = detected - began_at(window, detected)  # a hang stalls training until it is found
         reached = max((m["step"] for m in metrics if prev["time"] <= m["time"] <= detected), default=cur["step"])
         resumed = next((m["time"] for m in metrics if m["time"] > cur["time"]), None)
         recovery = (resumed - detected) if resumed else None
         redone = max(0, reached - cur["step"])
-        out.append({"attempt": attempt, "in_job": True, "cause": cause_of(window), "action": f"restart workers from {cur['source']} step {cur['step']}",
-                    "detected_at": detected, "recovery_s": None if recovery is None else round(recovery, 2),
-                    "steps_redone": redone, "time_lost_s": round((recovery or 0.0) + redone * step_time, 2)})
+        in_process = cur["event"] == EventKind.ROLLBACK
+        action = (f"roll back in process to {cur['source']} step {cur['step']}" if in_process
+                  else f"restart workers from {cur['source']} step {cur['step']}")
+        out.append({"attempt": attempt, "in_job": True, "cause": cause_of(window), "action": action,
+                    "recovery_path": "in_process" if in_process else "restart", "detected_at": detected,
+                    "detection_s": round(detection, 2), "recovery_s": None if recovery is None else round(recovery, 2),
+                    "steps_redone": redone, "time_lost_s": round(detection + (recovery or 0.0) + redone * step_time, 2)})
     saver_starts: dict[int, int] = {}
     for e in (e for e in events if e["event"] == EventKind.SAVER_START):
         saver_starts[e.get("agent", 0)] = saver_starts.get(e.get("agent", 0), 0) + 1

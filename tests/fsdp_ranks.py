@@ -2,8 +2,9 @@
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set): ``python tests/fsdp_ranks.py MODE DIR``.
 
 ``train`` (world 2): train 3 steps, checkpoint step 3 to storage (direct save), train a 4th
-step and snapshot it to shared memory; then restore fresh models from memory and from storage
-and check them against what was saved, bit for bit. Writes the full step-3 model for the test.
+step and snapshot it to shared memory; then restore fresh models from memory and from storage,
+and the live model (gone on to step 5) from memory as an in-process rollback does, and check
+them against what was saved, bit for bit. Writes the full step-3 model for the test.
 ``reshard`` (any world): restore the step-3 FSDP checkpoint, and start from the DDP copy of
 it (``DIR/ddp_ckpt``, written by the test), in FSDP models of this world size; write each
 rank's pieces and the restore sources.
@@ -108,6 +109,13 @@ def main(mode: str, root: Path) -> None:
         train_step(model, opt, info.rank, 5)
         same(pieces(m, o), pieces(model, opt))
         out["memory"] = [got.source, got.step, got.consumed]
+
+        # an in-process rollback: step 4's snapshot restored into the live model, which has gone on to step 5
+        got = state.restore(cfg, info, model=model, optimizer=opt, snapshots=snaps)
+        same(pieces(model, opt), at4)
+        train_step(model, opt, info.rank, 5)
+        same(pieces(model, opt), pieces(m, o))
+        out["live"] = [got.source, got.step, got.consumed]
 
         m, o = fresh(cfg, seed=8)
         got = state.restore(cfg, info, model=m, optimizer=o, snapshots=None)

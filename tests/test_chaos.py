@@ -81,7 +81,9 @@ def test_failures_are_classified_with_recovery_times(drilled):
     assert {"worker_killed", "saver_failure", "hang", "nonfinite_loss"} <= set(causes)
     for f in failures:
         if f["cause"] in ("worker_killed", "hang", "nonfinite_loss"):
-            assert f["action"].startswith("restart workers from memory") and f["recovery_s"] > 0
+            path = "in_process" if f["cause"] == "nonfinite_loss" else "restart"  # a NaN loses no process: rolled back in it
+            assert f["recovery_path"] == path and f["recovery_s"] > 0
+            assert f["action"].startswith({"in_process": "roll back in process to memory", "restart": "restart workers from memory"}[path])
             assert f["time_lost_s"] >= f["recovery_s"]
 
 
@@ -147,6 +149,18 @@ def test_nan_step_is_rolled_back_and_its_samples_skipped(drilled):
     assert skip["end"] - skip["start"] == 2 * 4  # one global batch: 2 workers × micro_batch 4
 
 
+def test_nan_rollback_keeps_every_worker_process(drilled):
+    """Both ranks roll the NaN step back in the processes that saw it: neither is restarted."""
+    spec, _ = drilled
+    events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
+    [rollback] = [e for e in events if e["event"] == "rollback"]
+    assert rollback["path"] == "in_process" and rollback["anomaly_step"] == 21
+    for rank in (0, 1):
+        last_start = [e for e in events if e["event"] == "start" and e["rank"] == rank][-1]
+        [done] = [e for e in events if e["event"] == "done" and e["rank"] == rank]
+        assert last_start["time"] < rollback["time"] and done["pid"] == last_start["pid"]
+
+
 def read_all_skips(spec):
     return json.loads((spec.workdir_path / "jobs" / "main" / "skips.json").read_text())
 
@@ -171,12 +185,14 @@ def test_recovery_is_bitwise_exact(drilled, prepared_data, tmp_path):
 
 
 def test_loss_spike_is_rolled_back_and_skipped(prefect_harness, prepared_data, tmp_path):
+    """With ``rollback_in_process`` off, the workers are restarted and roll back on start-up."""
     spec = chaos_spec(tmp_path, prepared_data, chaos=[{"kind": "loss_spike", "step": 25, "factor": 20}],
-                      fault_tolerance={"spike_min_steps": 10, "spike_window": 20, "spike_zscore": 8})
+                      fault_tolerance={"spike_min_steps": 10, "spike_window": 20, "spike_zscore": 8,
+                                       "rollback_in_process": False})
     status = pretrain_campaign(spec=spec)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 30
-    assert [f["cause"] for f in stage["failures"]] == ["loss_spike"]
+    assert [(f["cause"], f["recovery_path"]) for f in stage["failures"]] == [("loss_spike", "restart")]
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     [skip] = read_all_skips(spec)
     assert skip["kind"] == "spike" and skip["step"] == 25

@@ -133,6 +133,7 @@ def test_each_rank_restores_its_pieces_from_memory_and_from_storage(trained):
     root, results = trained
     for r in results:
         assert r["memory"] == ["memory", 4, 16] and r["storage"] == ["checkpoint", 3, 12]
+        assert r["live"] == ["memory", 4, 16]  # the in-process rollback's restore into live FSDP modules
     store = ckpt.CheckpointStore.open(root / "ckpt")
     manifest = store.manifest(3)
     assert manifest.meta["parallelism"] == "fsdp" and ckpt.MODEL_SHARD not in manifest.files

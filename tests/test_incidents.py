@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pretrain.incidents import cause_of
+from pretrain.incidents import cause_of, detected_at, incidents
 from trainer.data import DataError
 from trainer.events import EventKind, error_event
 
@@ -31,6 +31,9 @@ CASES = {
     "release before: disk full": ([error("SaverFailed: ... last error: CheckpointDiskFull: no space")], "disk_full"),
     "release before: oom": ([error("OutOfMemoryError: CUDA out of memory")], "oom"),
     "no error: a hang": ([{"event": "hang", "time": 1.0}], "hang"),
+    "a hang drill the process group's timeout ended": (
+        [{"event": "chaos", "kind": "hang_worker", "time": 1.0}, error("DistBackendError: timed out", "DistBackendError")],
+        "hang"),
 }
 
 
@@ -52,3 +55,34 @@ def test_a_workers_error_event_carries_its_class_and_causes():
     assert event["error"] == "RuntimeError: start-up failed"
     assert (event["error_type"], event["cause_types"]) == ("RuntimeError", ["DataError"])
     assert cause_of([{**event, "time": 1.0}], 1) == "data"
+
+
+DETECTED = {  # a restart's fault records → when the fault was found
+    "a hang: when the detector found it, not when the drill stopped the worker": (
+        [{"event": "chaos", "kind": "hang_worker", "time": 1.0}, {"event": "hang", "time": 6.0}], 6.0),
+    "a hang ended by the process group's timeout: the timeout's error": (
+        [{"event": "chaos", "kind": "hang_worker", "time": 1.0}, error("DistBackendError: timed out", "DistBackendError")
+         | {"time": 301.0}], 301.0),
+    "only the drill's record: its time": ([{"event": "chaos", "kind": "hang_worker", "time": 1.0}], 1.0),
+    "a killed worker: the kill": ([{"event": "chaos", "kind": "kill_worker", "time": 1.0}, error("x") | {"time": 1.5}], 1.0),
+    "nothing recorded: the restart": ([], 9.0),
+}
+
+
+@pytest.mark.parametrize("case", list(DETECTED))
+def test_detected_at(case):
+    window, expected = DETECTED[case]
+    assert detected_at(window, default=9.0) == expected
+
+
+def test_a_hang_incident_counts_the_stall_before_detection_as_lost():
+    """A worker stops at t=10 (last heartbeat), the detector finds it at t=15.5, the restarted
+    workers (from step 8) step again at t=19: found at 15.5, 5.5 s unnoticed, 3.5 s to recover."""
+    events = [{"event": "start", "rank": 0, "time": 0.0, "step": 0, "source": "scratch"},
+              {"event": "chaos", "kind": "hang_worker", "time": 10.01},
+              {"event": "hang", "time": 15.5, "stalled_since": 10.0, "ranks": [0]},
+              {"event": "start", "rank": 0, "time": 18.0, "step": 8, "source": "memory"}]
+    metrics = [{"step": s, "time": float(s), "step_time": 1.0} for s in range(1, 10)] + [{"step": 9, "time": 19.0, "step_time": 1.0}]
+    [incident] = incidents(events, metrics, 0)
+    assert (incident["cause"], incident["detected_at"], incident["detection_s"], incident["recovery_s"]) == ("hang", 15.5, 5.5, 3.5)
+    assert incident["steps_redone"] == 1 and incident["time_lost_s"] == 5.5 + 3.5 + 1 * 1.0

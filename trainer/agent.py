@@ -32,7 +32,7 @@ from trainer.events import EventKind
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.chaos import claim, reached_marker
-from trainer.resilience.heartbeat import HangDetector, worker_pids
+from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, worker_pids
 from trainer.resilience.nodecheck import NODE_ENV, exclusion_marker
 
 
@@ -144,7 +144,7 @@ def watch_workers(job: JobConfig, node: int, saver) -> HangDetector:
     """Hang detection for this node's workers, and the agent-side chaos drills."""
     events = JsonLines(Path(job.job_dir) / EVENTS)
     report = lambda record: events.write({"source": "agent", "node": node, **record})  # noqa: E731
-    detector = HangDetector(job.job_dir, job.hang_timeouts, report)
+    detector = HangDetector(job.job_dir, job.hang_timeouts, report, adaptive=AdaptiveTimeout(**job.hang_adaptive))
     for i, drill in enumerate(job.chaos):
         if isinstance(drill, NodeDrill) and drill.node == node:
             detector.observers.append(lambda step, i=i, d=drill: agent_drill(job, i, d, step, saver(), report))

@@ -119,8 +119,10 @@ class JobConfig:
     shm_fallback: bool  # too little shared memory: persist directly instead of failing
     storage_options: dict  # S3 options for ckpt_dir (endpoint_url, region); never secrets
     hang_timeouts: dict  # phase → seconds without a heartbeat before a worker counts as hung
+    hang_adaptive: dict  # factor, floor_s, warmup: the step timeout adapted to observed steps (heartbeat.AdaptiveTimeout)
     spike: dict  # window, zscore, min_steps of the loss-spike detector (zscore 0: off)
     max_rollbacks: int  # loss anomalies tolerated in the stage before it fails
+    rollback_in_process: bool  # roll anomalies back inside the running workers (else: restart them)
     skip: list  # [start, end) sample windows never trained on
     node_check_threshold: float  # after a restart, a node slower than this × the median node is excluded
     nodes_min: int  # fewest nodes the job may shrink to

@@ -14,6 +14,7 @@ class EventKind(StrEnum):
     SNAPSHOT_SKIPPED = "snapshot_skipped"  # the in-memory slot was busy
     SHM_FALLBACK = "shm_fallback"  # too little shared memory: direct checkpoints instead
     ANOMALY = "anomaly"  # a non-finite loss or a loss spike: kind, step, loss
+    ROLLBACK = "rollback"  # the workers rolled an anomaly back in process: path, anomaly_step, step, source, seconds
     HANG = "hang"  # ranks stopped beating
     ERROR = "error"  # a worker or node agent failed: error, error_type, cause_types
     CHAOS = "chaos"  # a fault drill fired: kind

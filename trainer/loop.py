@@ -20,10 +20,11 @@ from trainer.dist import DistInfo, all_reduce_mean, is_initialized
 from trainer.events import EventKind
 from trainer.model import GPT, lm_loss, lr_at, param_groups
 from trainer.reporting import EVENTS, METRICS, JsonLines
-from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips, record_skip, skip_past, skips_path
+from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, record_skip, skip_past
 from trainer.resilience.chaos import WorkerChaos
 from trainer.resilience.heartbeat import Heartbeat
 from trainer.resilience.nodecheck import check_after_restart, this_node
+from trainer.resilience.rollback import roll_back, skip_windows
 
 
 def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, step: int, consumed: int,
@@ -132,17 +133,6 @@ def recheck_nodes(cfg: JobConfig, info: DistInfo, chaos: WorkerChaos, events: Js
         raise NodeExcluded(f"node(s) {sorted(excluded)} failed the node check after a restart; re-forming the job without them")
 
 
-def skip_windows(cfg: JobConfig) -> list[tuple[int, int]]:
-    """The spec's skip windows plus those recorded by rollbacks in this stage; too many
-    rollbacks stop the stage for a human to look at."""
-    recorded = read_skips(cfg.job_dir)
-    if len(recorded) > cfg.max_rollbacks:
-        raise TooManyRollbacks(f"{len(recorded)} loss anomalies in stage {cfg.stage} (max_rollbacks={cfg.max_rollbacks}): "
-                               f"inspect the skipped samples in {skips_path(cfg.job_dir)}, lower the learning rate or "
-                               "raise fault_tolerance.max_rollbacks")
-    return [tuple(w) for w in cfg.skip] + [(s["start"], s["end"]) for s in recorded]
-
-
 def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: Heartbeat | None = None) -> int:
     """Train until the stage's last step; returns the final step. With ``shm_ns`` checkpoints
     are flash snapshots persisted by the node's saver; without, they are written directly."""
@@ -202,7 +192,13 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
                 record_skip(cfg.job_dir, err)
                 events.write({"event": EventKind.ANOMALY, "kind": anomaly, "step": step + 1, "loss": repr(mean_loss),
                               "skip": list(err.window)})
-            raise err
+            if not cfg.rollback_in_process:
+                raise err  # the elastic agent restarts the workers, which roll back on start-up
+            beat("startup", step)  # restoring, as a restarted worker would
+            restored, windows_to_skip = roll_back(cfg, info, err, model=model, optimizer=opt, snapshots=snapshots,
+                                                  spikes=spikes, write_event=events.write)
+            step, consumed = restored.step, restored.consumed
+            continue
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)

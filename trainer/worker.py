@@ -20,7 +20,7 @@ from trainer.events import error_event
 from trainer.loop import train
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
-from trainer.resilience.heartbeat import Heartbeat
+from trainer.resilience.heartbeat import Heartbeat, collective_timeout_s
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         heartbeat = Heartbeat(cfg.job_dir, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("RANK", "0")))
         heartbeat.beat("startup", 0)
-        info = init_distributed(cfg.backend)
+        info = init_distributed(cfg.backend, timeout_s=collective_timeout_s(cfg.hang_timeouts))
         train(cfg, info, shm_ns=args.shm, heartbeat=heartbeat)
     except BaseException as err:  # noqa: BLE001 - report every failure, then exit non-zero
         traceback.print_exc()

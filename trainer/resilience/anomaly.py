@@ -1,9 +1,10 @@
 """Loss anomalies (non-finite loss, spikes) and the sample windows skipped after a rollback.
 
 A spike is a loss whose robust z-score over a trailing window (median and MAD) exceeds a
-threshold. On an anomaly at step s the worker records the global batch of step s as a skip
-window in ``<stage jobs dir>/skips.json`` and stops; the restarted workers roll back to the
-newest snapshot (always before s: step s is never checkpointed) and step over that window.
+threshold. On an anomaly at step s rank 0 records the global batch of step s as a skip window
+in ``<stage jobs dir>/skips.json``; the workers roll back to the newest snapshot (always before
+s: step s is never checkpointed) in process (``trainer.resilience.rollback``), or, with
+``rollback_in_process`` off, stop and are restarted, and step over that window.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class SpikeDetector:
                 return "spike"
         self.losses.append(loss)
         return None
+
+    def forget(self, steps: int) -> None:
+        """Drop the newest ``steps`` losses: a rollback redoes those steps, which then count again."""
+        for _ in range(min(max(steps, 0), len(self.losses))):
+            self.losses.pop()
 
 
 def skips_path(job_dir: str | Path) -> Path:

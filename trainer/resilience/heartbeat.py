@@ -1,18 +1,25 @@
 """Worker heartbeats and the agent-side hang detector.
 
 Every worker replaces ``<job_dir>/heartbeat/agent<agent pid>-local<local rank>.json`` with its
-step and phase (``startup`` → ``step`` → ``checkpoint`` …) as it goes. The node agent checks its
-own workers: one whose heartbeat is older than its phase's timeout is hung; the agent kills
-it, so torch's elastic agent restarts the workers from the newest snapshot.
+step and phase (``startup`` → ``step`` → ``checkpoint`` …) as it goes, and what it has observed
+of its recent step durations (how many, their p99). The node agent checks its own workers: one
+whose heartbeat is older than its phase's timeout is hung; the agent kills it, so torch's
+elastic agent restarts the workers from the newest snapshot. The spec's timeouts are upper
+bounds: once a worker has observed enough steps, its step timeout is ``max(floor, k × p99)`` of
+its recent step durations (as nvidia-resiliency-ext derives its timeouts), so a hang in a job
+of 50 ms steps is found in seconds, not after ``step_timeout_s``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import math
 import signal
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.events import EventKind
@@ -23,19 +30,61 @@ def heartbeat_dir(job_dir: str | Path) -> Path:
     return Path(job_dir) / "heartbeat"
 
 
+ADAPTED_PHASES = ("step",)  # a checkpoint's duration is bimodal (memory copy / final commit to storage): fixed bound only
+RECENT = 100  # step durations a worker's p99 is taken over
+
+
+def p99(values) -> float:
+    """The 99th percentile (nearest rank) of a non-empty collection."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+@dataclass(frozen=True)
+class AdaptiveTimeout:
+    """How a phase's hang timeout follows the job's observed durations (spec: fault_tolerance)."""
+
+    factor: float  # timeout = factor × p99 of the recent durations; 0: the fixed timeouts only
+    floor_s: float  # never below this, so a burst of fast steps cannot make a normal hiccup a hang
+    warmup: int  # durations a worker must have observed before its timeout adapts
+
+    def limit(self, upper: float, observed: int, p99_s: float) -> float:
+        """The timeout for a phase whose spec bound is ``upper`` after ``observed`` durations of p99 ``p99_s``."""
+        if self.factor <= 0 or observed < self.warmup:
+            return upper
+        return min(upper, max(self.floor_s, self.factor * p99_s))
+
+
+FIXED = AdaptiveTimeout(0.0, 0.0, 0)
+COLLECTIVE_MARGIN_S = 60.0
+
+
+def collective_timeout_s(hang_timeouts: dict[str, float]) -> float:
+    """The process group's timeout: longer than every phase's hang timeout, so a stalled
+    collective is found (and recorded) as a hang by the detector, not ended first by the group's
+    own timeout as an anonymous worker failure."""
+    return max(hang_timeouts.values(), default=0.0) + COLLECTIVE_MARGIN_S
+
+
 class Heartbeat:
     def __init__(self, job_dir: str | Path, local_rank: int, rank: int):
         d = heartbeat_dir(job_dir)
         d.mkdir(parents=True, exist_ok=True)
         self.path = d / f"agent{os.getppid()}-local{local_rank}.json"
         self.rank = rank
+        self.durations: dict[str, deque[float]] = {p: deque(maxlen=RECENT) for p in ADAPTED_PHASES}
+        self.last: tuple[str, int, float] | None = None  # phase, step, monotonic time of the previous beat
 
     def beat(self, phase: str, step: int) -> None:
+        now = time.monotonic()
+        if self.last is not None and self.last[0] in self.durations and (phase, step) != self.last[:2]:
+            self.durations[self.last[0]].append(now - self.last[2])
+        self.last = (phase, step, now)
+        observed = {p: [len(d), p99(d)] for p, d in self.durations.items() if d}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"phase": phase, "step": step, "rank": self.rank, "pid": os.getpid(),
-                                   "time": time.time()}))
+                                   "time": time.time(), "observed": observed}))
         os.replace(tmp, self.path)  # readers never see half a record; no fsync needed
-
 
 
 
@@ -55,8 +104,10 @@ def worker_pids(job_dir: str | Path, agent_pid: int | None = None) -> list[int]:
 class HangDetector:
     """Runs in the node agent; ``on_event`` receives hang records (and may drive other drills)."""
 
-    def __init__(self, job_dir: str | Path, timeouts: dict[str, float], on_event, interval: float = 0.5):
+    def __init__(self, job_dir: str | Path, timeouts: dict[str, float], on_event, interval: float = 0.5,
+                 adaptive: AdaptiveTimeout = FIXED):
         self.dir, self.timeouts, self.on_event, self.interval = heartbeat_dir(job_dir), timeouts, on_event, interval
+        self.adaptive = adaptive
         self.prefix = f"agent{os.getpid()}-"
         self.stop = threading.Event()
         self.max_step = 0
@@ -74,13 +125,14 @@ class HangDetector:
             if not pid_alive(hb["pid"]):
                 continue  # an old worker's record; its replacement overwrites it
             self.max_step = max(self.max_step, hb["step"])
-            limit = self.timeouts.get(hb["phase"])
+            limit = self.limit(hb)
             if limit and now - hb["time"] > limit:
-                stalled.append(hb)
+                stalled.append({**hb, "timeout_s": limit})
         if stalled:
             first = min(stalled, key=lambda hb: hb["time"])
             self.on_event({"event": EventKind.HANG, "ranks": sorted(hb["rank"] for hb in stalled), "phase": first["phase"],
-                           "step": first["step"], "stalled_s": round(now - first["time"], 1)})
+                           "step": first["step"], "stalled_s": round(now - first["time"], 1),
+                           "timeout_s": round(first["timeout_s"], 2), "stalled_since": first["time"]})
             for hb in stalled:
                 try:
                     os.kill(hb["pid"], signal.SIGKILL)
@@ -88,6 +140,17 @@ class HangDetector:
                     pass
         for observe in self.observers:
             observe(self.max_step)
+
+    def limit(self, hb: dict) -> float | None:
+        """The hang timeout of a worker's current phase: the spec's bound, adapted to the
+        durations the worker reports (a record of the release before reports none)."""
+        upper = self.timeouts.get(hb["phase"])
+        if not upper:
+            return None
+        observed = hb.get("observed", {}).get(hb["phase"])
+        if not isinstance(observed, list) or len(observed) != 2:
+            return upper
+        return self.adaptive.limit(upper, int(observed[0]), float(observed[1]))
 
     def start(self) -> "HangDetector":
         def loop() -> None:

@@ -1,0 +1,122 @@
+"""Hangs found in seconds: the step timeout adapts to the job's observed step durations (the
+spec's ``step_timeout_s`` an upper bound), and a hang is recorded as ``hang`` at the time it
+was found."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agents import run_agent
+from conftest import seed_data, small_spec
+from pretrain.incidents import incidents
+from pretrain.jobs import build_job
+from trainer.reporting import EVENTS, METRICS, read_all
+from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, Heartbeat, collective_timeout_s, heartbeat_dir, p99
+
+RULE = AdaptiveTimeout(factor=5.0, floor_s=2.0, warmup=10)
+
+LIMITS = {  # name: (rule, upper bound, durations observed, their p99) → timeout
+    "warm-up: the spec's bound": (RULE, 300.0, 9, 0.05, 300.0),
+    "fast steps: the floor": (RULE, 300.0, 10, 0.05, 2.0),
+    "slow steps: k × p99": (RULE, 300.0, 50, 4.0, 20.0),
+    "never above the spec's bound": (RULE, 10.0, 50, 4.0, 10.0),
+    "a bound below the floor wins": (RULE, 1.0, 50, 0.05, 1.0),
+    "factor 0: fixed timeouts": (AdaptiveTimeout(0.0, 2.0, 10), 300.0, 50, 0.05, 300.0),
+}
+
+
+@pytest.mark.parametrize("case", list(LIMITS))
+def test_adapted_timeout(case):
+    rule, upper, observed, p99_s, expected = LIMITS[case]
+    assert rule.limit(upper, observed, p99_s) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("values, expected", [([1.0], 1.0), ([3.0, 1.0, 2.0], 3.0),
+                                              (list(range(1, 101)), 99), (list(range(1, 201)), 198)])
+def test_p99_is_the_nearest_rank(values, expected):
+    assert p99(values) == expected
+
+
+@pytest.mark.parametrize("timeouts, expected", [({"startup": 600, "step": 300, "checkpoint": 600}, 660),
+                                               ({"startup": 60, "step": 900, "checkpoint": 60}, 960)])
+def test_the_process_group_outwaits_every_hang_timeout(timeouts, expected):
+    """A stalled collective must be found by the hang detector (a ``hang``), not end first by the
+    group's own timeout (an anonymous worker failure, as with step_timeout_s above 300 before)."""
+    assert collective_timeout_s(timeouts) == expected
+
+
+def test_heartbeat_reports_its_recent_step_durations(tmp_path):
+    beat = Heartbeat(tmp_path, 0, 0)
+    beat.beat("startup", 0)
+    for step in range(3):
+        beat.beat("step", step)
+        beat.beat("checkpoint", step + 1)
+    beat.beat("step", 3)
+    record = json.loads(beat.path.read_text())
+    assert record["phase"] == "step" and record["step"] == 3
+    count, slowest = record["observed"]["step"]
+    assert count == 3 and slowest >= 0  # steps only; startup and checkpoint phases are not counted
+    assert set(record["observed"]) == {"step"}
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+WORKERS = {  # name: the heartbeat's age (s), what it reports → found hung (and killed)
+    "after warm-up, stalled past the floor": (3.0, {"observed": {"step": [20, 0.01]}}, True),
+    "during warm-up: the spec's bound": (3.0, {"observed": {"step": [5, 0.01]}}, False),
+    "a record of the release before (no durations)": (3.0, {}, False),
+    "a damaged durations entry": (3.0, {"observed": {"step": "x"}}, False),
+    "after warm-up, within the floor": (0.5, {"observed": {"step": [20, 0.01]}}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(WORKERS))
+def test_detector_judges_each_worker_by_its_own_durations(case, tmp_path, sleeper):
+    age, fields, hung = WORKERS[case]
+    d = heartbeat_dir(tmp_path)
+    d.mkdir()
+    (d / f"agent{os.getpid()}-local0.json").write_text(json.dumps(
+        {"phase": "step", "step": 30, "rank": 0, "pid": sleeper.pid, "time": time.time() - age, **fields}))
+    found = []
+    HangDetector(tmp_path, {"step": 300.0}, found.append, adaptive=RULE).scan()
+    assert bool(found) == hung
+    if hung:
+        assert found[0]["timeout_s"] == 2.0 and found[0]["ranks"] == [0]
+        assert sleeper.wait(30) == -9  # the hung worker is killed
+    else:
+        assert sleeper.poll() is None
+
+
+def test_a_hang_is_found_well_before_step_timeout_and_recorded_as_hang(prepared_data, tmp_path):
+    """A worker hangs at step 6 of a job whose ``step_timeout_s`` is 120: the agent finds it
+    after the adapted timeout (seconds), the job recovers and completes, and the incident says
+    ``hang``, detected when the detector found it (not when the worker stopped)."""
+    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "max_restarts": 1},
+                      stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 2}],
+                      checkpoint={"interval": 4, "memory_interval": 1, "keep": 2},
+                      chaos=[{"kind": "hang_worker", "step": 6, "rank": 0}],
+                      fault_tolerance={"step_timeout_s": 120, "hang_warmup_steps": 3})  # default factor and floor
+    seed_data(spec, prepared_data)
+    job = build_job(spec, 0, 0, None)
+    assert run_agent(job, timeout=300, max_restarts=1) == 0
+    events, metrics = read_all(Path(job.job_dir) / EVENTS), read_all(Path(job.job_dir) / METRICS)
+    [hang] = [e for e in events if e["event"] == "hang"]
+    [drill] = [e for e in events if e["event"] == "chaos"]
+    assert hang["timeout_s"] < 120 and hang["stalled_s"] < 60  # found in seconds, not after step_timeout_s
+    [incident] = incidents(events, metrics, 0)
+    assert incident["cause"] == "hang"
+    assert incident["detected_at"] == hang["time"] > drill["time"]
+    assert max(m["step"] for m in metrics) == 8
