@@ -89,8 +89,9 @@ class JobStreams:
                    valid(read_all(job_dir / METRICS), ("time", "step", "step_time")))
 
     def starts(self) -> list[dict]:
-        """Rank 0's (re)starts: each begins a run of steps from its ``step``."""
-        return [e for e in self.events if e.get("event") == EventKind.START and e.get("rank") == 0
+        """Rank 0's (re)starts and in-process rollbacks: each begins a run of steps from its ``step``
+        (a rollback's ``step`` is the one it restored)."""
+        return [e for e in self.events if e.get("event") in (EventKind.START, EventKind.ROLLBACK) and e.get("rank") == 0
                 and isinstance(e.get("step"), int)]
 
     def first_step_at(self) -> float | None:

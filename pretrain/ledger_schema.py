@@ -107,9 +107,11 @@ class Failure(Entry):
     exit_code: int | None = None  # a failed job's agent exit code
     errors: list[str] = Field(default_factory=list)  # what the workers reported
     log: str = ""  # the failed job's node agent log
-    detected_at: float | None = None  # in-job: when the fault showed
-    recovery_s: float | None = None  # in-job: until training stepped again
+    detected_at: float | None = None  # when the fault was noticed (a hang: when the detector found it; a failed job: its end)
+    recovery_s: float | None = None  # until training stepped again (a failed job: its relaunch until the first step)
     steps_redone: int = 0
+    recovery_path: str | None = None  # in-job: "in_process" (rolled back in the live workers) or "restart" (new workers)
+    detection_s: float | None = None  # a hang: how long it went unnoticed (last heartbeat → detection)
 
 
 class Resume(Entry):

@@ -152,3 +152,20 @@ def test_timed_spans_are_written_to_the_ledger_and_closed_when_the_block_fails(t
     assert run.start <= job.start <= job.end <= run.end
     on_disk = json.loads((tmp_path / "ledger.json").read_text())["spans"]
     assert set(on_disk[0]) == {"kind", "start", "end"}  # no keys it was not given
+
+
+@pytest.mark.parametrize("event, redone", [("rollback", {5, 6}), ("start", {5, 6}), ("checkpoint", set())])
+def test_steps_redone_after_an_in_process_rollback_are_recomputation(event, redone):
+    """An in-process rollback (no new worker process, so no start event) sends training back
+    like a restart: the steps after the restored one were computed twice."""
+    from pretrain.goodput import JobStreams, step_intervals
+    from trainer.events import EventKind
+
+    metrics = [{"time": float(s), "step": s, "step_time": 0.5} for s in range(1, 7)]
+    metrics += [{"time": 7.0 + s, "step": s, "step_time": 0.5} for s in (5, 6)]  # redone after the event
+    events = [{"event": EventKind.START, "rank": 0, "step": 0, "time": 0.0},
+              {"event": event, "rank": 0, "step": 4, "time": 6.5}]
+    out = step_intervals([JobStreams(0, events, metrics)])
+    recomputed = {m["step"] for m, (cat, b, e) in zip(
+        [m for m in metrics for _ in range(3)], out) if cat == "recomputation" and e > b and m["time"] < 6.5}
+    assert recomputed == redone
