@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import pty
+import re
 import signal
 import subprocess
 import sys
+import threading
 
 import psutil
 import pytest
@@ -127,20 +130,51 @@ def test_stage_fails_clearly_after_max_attempts(prefect_harness, prepared_data, 
     assert found["pretrain.stage.failed"]["payload"]["cause"] == "data"
 
 
+def _drain(fd: int, into: bytearray) -> None:
+    """Read a terminal's output as it comes (a full terminal would block the writer)."""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the other end closed
+            return
+        if not chunk:
+            return
+        into += chunk
+
+
+def plain(terminal_output: bytearray) -> str:
+    """What a terminal showed, without its colour and cursor codes."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal_output.decode(errors="replace"))
+
+
 def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path):
-    """The real CLI, killed with SIGKILL after the first checkpoint, then the same command again."""
+    """The real CLI on a terminal (it shows the live training bar), killed with SIGKILL after the
+    first checkpoint, then the same command again."""
     spec = slow_spec(tmp_path / "wd", prepared_data)
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     cmd = [sys.executable, "-m", "pretrain.cli", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    terminal, child = pty.openpty()  # the first run on a terminal: it draws the live training bar
+    first = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=child, stderr=child, env={**env, "COLUMNS": "200"})
+    os.close(child)
+    shown = bytearray()
+    drain = threading.Thread(target=_drain, args=(terminal, shown), daemon=True)
+    drain.start()
     try:
         wait_for(lambda: ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer(), 180, "the first checkpoint")
         started = psutil.Process(first.pid).children(recursive=True)  # agents, workers, savers, the Prefect API server
+        try:
+            wait_for(lambda: re.search(r"training: stage main .*━.* \d+/40, loss", plain(shown)), 60, "the live training bar")
+        except BaseException:
+            print("the terminal showed:", shown.decode(errors="replace")[-3000:])
+            raise
     finally:
         first.kill()
         first.wait()
+        drain.join(10)
+        os.close(terminal)
+    assert "Traceback" not in plain(shown)
     killed_at = ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
     assert 0 < killed_at < 40
     # nothing the killed CLI started outlives it: each process notices its parent is gone and stops
