@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import pty
 import re
 import signal
 import subprocess
 import sys
-import threading
 
 import psutil
 import pytest
@@ -20,6 +18,7 @@ from conftest import assert_no_duplicate_metric_steps, campaign_events, run_camp
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
 from pretrain.status import campaign_status
+from terminal import Terminal
 from trainer.checkpoint import store as ckpt
 from trainer.reporting import read_all
 
@@ -130,23 +129,6 @@ def test_stage_fails_clearly_after_max_attempts(prefect_harness, prepared_data, 
     assert found["pretrain.stage.failed"]["payload"]["cause"] == "data"
 
 
-def _drain(fd: int, into: bytearray) -> None:
-    """Read a terminal's output as it comes (a full terminal would block the writer)."""
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:  # the other end closed
-            return
-        if not chunk:
-            return
-        into += chunk
-
-
-def plain(terminal_output: bytearray) -> str:
-    """What a terminal showed, without its colour and cursor codes."""
-    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal_output.decode(errors="replace"))
-
-
 def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path):
     """The real CLI on a terminal (it shows the live training bar), killed with SIGKILL after the
     first checkpoint, then the same command again."""
@@ -155,26 +137,24 @@ def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path)
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     cmd = [sys.executable, "-m", "pretrain.cli", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    terminal, child = pty.openpty()  # the first run on a terminal: it draws the live training bar
-    first = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=child, stderr=child, env={**env, "COLUMNS": "200"})
-    os.close(child)
-    shown = bytearray()
-    drain = threading.Thread(target=_drain, args=(terminal, shown), daemon=True)
-    drain.start()
+    terminal = Terminal()  # the first run on a terminal: it draws the live training bar
+    first = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=terminal.child, stderr=terminal.child,
+                             env={**env, "COLUMNS": "200"})
+    terminal.opened()
     try:
         wait_for(lambda: ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer(), 180, "the first checkpoint")
         started = psutil.Process(first.pid).children(recursive=True)  # agents, workers, savers, the Prefect API server
         try:
-            wait_for(lambda: re.search(r"training: stage main .*━.* \d+/40, loss", plain(shown)), 60, "the live training bar")
+            wait_for(lambda: re.search(r"training: stage main .*━.* \d+/40, loss", terminal.text()), 60,
+                     "the live training bar")
         except BaseException:
-            print("the terminal showed:", shown.decode(errors="replace")[-3000:])
+            print("the terminal showed:", terminal.text()[-3000:])
             raise
     finally:
         first.kill()
         first.wait()
-        drain.join(10)
-        os.close(terminal)
-    assert "Traceback" not in plain(shown)
+        terminal.close()
+    assert "Traceback" not in terminal.text()
     killed_at = ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
     assert 0 < killed_at < 40
     # nothing the killed CLI started outlives it: each process notices its parent is gone and stops

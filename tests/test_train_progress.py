@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
-import select
 import signal
 import subprocess
 import sys
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import small_spec, wait_for
+from terminal import Terminal
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import StageStatus, Verdict
 from pretrain.train_progress import TrainingWatch
@@ -131,33 +130,20 @@ def test_status_watch_piped_prints_lines_and_ends_when_the_campaign_process_is_g
     assert "campaign t — running" in out.read_text()  # then the status table
 
 
-def read_pty(fd: int, seen: bytearray) -> str:
-    while select.select([fd], [], [], 0)[0]:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:  # the other end closed
-            break
-        if not chunk:
-            break
-        seen += chunk
-    return seen.decode(errors="replace")
-
-
 def test_status_watch_on_a_terminal_draws_a_bar_and_ctrl_c_ends_it_quietly(ledger):
     runner = holder()
     try:
         root = running_campaign(ledger, runner.pid)
-        main, child = pty.openpty()
-        proc = subprocess.Popen(watch_cmd(root), stdin=child, stdout=child, stderr=child, start_new_session=True,
-                                env={**os.environ, "COLUMNS": "200"})
-        os.close(child)
-        seen = bytearray()
-        wait_for(lambda: "20/100" in read_pty(main, seen) and "━" in read_pty(main, seen), 60, "the bar")
+        terminal = Terminal()
+        proc = subprocess.Popen(watch_cmd(root), stdin=terminal.child, stdout=terminal.child, stderr=terminal.child,
+                                start_new_session=True, env={**os.environ, "COLUMNS": "200"})
+        terminal.opened()
+        wait_for(lambda: "20/100" in terminal.text() and "━" in terminal.text(), 60, "the bar")
         ledger.set_stage_status("main", StageStatus.RUNNING)  # unchanged status: still running
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(60) == 0
-        text = read_pty(main, seen)
-        os.close(main)
+        terminal.close()
+        text = terminal.text()
     finally:
         runner.kill()
         runner.wait()
