@@ -151,7 +151,7 @@ def summarize(target: Target) -> CampaignSummary:
         params.update({f"{name}.{k.removeprefix('stage.')}": v for k, v in stage.data.params.items()})
     stall = [m.value for s in stages for m in client.get_metric_history(s.info.run_id, "checkpoint_block_s")]
     counters = ledger_counters(record) if record is not None else {}
-    goodput_parts = [v for k, v in metrics.items() if k.startswith("goodput_") and k.endswith("_s")]
+    goodput_wall = metrics.get("goodput_wall_s")  # the measured runs' wall time (idle time between runs excluded)
     end = run.info.end_time or int(time.time() * 1000)
     return CampaignSummary(
         label=target.label, campaign=tags.get(TAG_CAMPAIGN, run.info.run_name or ""), run_id=run.info.run_id,
@@ -160,7 +160,7 @@ def summarize(target: Target) -> CampaignSummary:
         final_eval_loss=evals[-1].value if evals else None,
         best_eval_loss=min(m.value for m in evals) if evals else None,
         goodput=metrics.get("goodput"),
-        wall_time_s=sum(goodput_parts) if goodput_parts else (end - run.info.start_time) / 1000,
+        wall_time_s=goodput_wall if goodput_wall is not None else (end - run.info.start_time) / 1000,
         restarts=_count(metrics, counters, "restarts"), rollbacks=_count(metrics, counters, "rollbacks"),
         checkpoint_stall_s=sum(stall), params=params,
         eval_curve=[(t, m.value) for m in evals if (t := _at(tokens, m.step)) is not None],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -20,6 +21,7 @@ from pretrain.cli import app
 from pretrain.compare import CompareError, compare
 from pretrain.compare_view import differing_params, markdown
 from pretrain.ledger import Ledger
+from pretrain.status import campaign_status
 from pretrain.tracking import Tracker
 from pretrain.layout import CampaignLayout
 from trainer.reporting import read_all
@@ -75,7 +77,10 @@ def test_compare_reads_the_right_numbers_from_the_shared_sqlite_store(pair):
     for summary, spec in zip(summaries, specs.values()):
         assert summary.campaign == spec.name
         assert {k: getattr(summary, k) for k in expected(spec)} == expected(spec)
-        assert summary.goodput is None and summary.wall_time_s > 0
+        logged = campaign_status(spec.workdir_path)["goodput"]  # logged to MLflow at the campaign's end
+        assert 0 < summary.goodput < 1 and summary.goodput == pytest.approx(logged["goodput"], abs=0.02)
+        # logged while the run's span was still open: the ledger's later reckoning ends it a little later
+        assert summary.wall_time_s == pytest.approx(logged["wall_s"], rel=0.2)
         assert summary.eval_curve == [(TOKENS, summary.final_eval_loss)]
     assert differing_params(summaries) == ["main.lr"]  # the only difference (names and workdirs aside)
     assert [s.params["main.lr"] for s in summaries] == [str(lr) for lr in LRS.values()]
@@ -86,7 +91,7 @@ def test_compare_through_a_real_mlflow_server_by_run_id_and_name(pair, tmp_path)
     here, specs = pair
     local = {s.campaign: s for s in compare([str(s.workdir_path) for s in specs.values()], "")}
     high_run = local["lr-high"].run_id
-    MlflowClient(f"sqlite:///{here}/mlflow.db").log_metric(high_run, "goodput", 0.75, step=STEPS)  # as `goodput` logs it
+    MlflowClient(f"sqlite:///{here}/mlflow.db").log_metric(high_run, "goodput", 0.75, step=1)  # a later value than the campaign's
     server = MlflowServer(here).start()  # serves the campaigns' store
     try:
         served = compare([high_run, "lr-low"], server.uri)
@@ -95,13 +100,14 @@ def test_compare_through_a_real_mlflow_server_by_run_id_and_name(pair, tmp_path)
     finally:
         server.stop()
     assert [s.campaign for s in served] == ["lr-high", "lr-low"]
-    assert served[0].goodput == 0.75 and served[1].goodput is None
+    assert served[0].goodput == 0.75 and served[1].goodput == local["lr-low"].goodput > 0
     for s in served:
         mine = local[s.campaign]
         keys = ("tokens_seen", "final_eval_loss", "best_eval_loss", "restarts", "rollbacks", "checkpoint_stall_s",
                 "params", "eval_curve", "status")
         assert {k: getattr(s, k) for k in keys} == {k: getattr(mine, k) for k in keys}
-    assert "| goodput | 75.0% | — |" in markdown(served)
+    assert f"| goodput | 75.0% | {served[1].goodput:.1%} |" in markdown(served)
+    assert "| goodput | 75.0% | — |" in markdown([served[0], replace(served[1], goodput=None)])  # not logged: "—"
 
 
 def test_cli_prints_the_table_json_and_a_png(pair, tmp_path):
