@@ -21,7 +21,7 @@ from pretrain.spec import CampaignSpec
 from tasks.checkpoints import find_resume_point, judge_pending
 from tasks.events import job_restarts, stage_failed, stage_relaunched
 from tasks.tracking import open_stage_run
-from tasks.training import JobResult, run_training_job
+from tasks.training import JobResult, adoptable_launch, run_training_job
 
 
 def _finished(future, poll_s: float) -> bool:
@@ -63,12 +63,18 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
                 logger.warning("stage %s: not launched again: %s", stage.name, decision.reason)
             break
         budget = decision.budget
-        attempt = ledger.start_attempt(stage.name)
-        logger.info("stage %s: launching attempt %d from %s", stage.name, attempt,
-                    f"checkpoint step {point['step']}" if point else (init_from or "scratch"))
-        if attempt:
-            stage_relaunched(spec, stage.name, attempt, _step(point))
-        last = run_job(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, ledger)
+        adopted = adoptable_launch(spec, stage_index, ledger.reload(), logger)
+        if adopted is not None:  # its flow process died while it trained: take it back, no new attempt
+            attempt = adopted[0]
+            logger.warning("stage %s: adopted the live Job %s of attempt %d (the flow process that launched it is "
+                           "gone; it trained on meanwhile)", stage.name, adopted[1], attempt)
+        else:
+            attempt = ledger.start_attempt(stage.name)
+            logger.info("stage %s: launching attempt %d from %s", stage.name, attempt,
+                        f"checkpoint step {point['step']}" if point else (init_from or "scratch"))
+            if attempt:
+                stage_relaunched(spec, stage.name, attempt, _step(point))
+        last = run_job(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, ledger, adopted is not None)
         decision = after_job(last, attempt, budget)
         budget = decision.budget
         if decision.action is Action.PAUSE:
@@ -100,15 +106,16 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
 
 
 def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None, stage_run_id: str,
-            parent_run_id: str, ledger: Ledger) -> JobResult:
+            parent_run_id: str, ledger: Ledger, adopt: bool = False) -> JobResult:
     """Run one launch of the stage's job (the gate judging alongside) and record its in-job
-    resumes, restarts and recovered failures."""
+    resumes, restarts and recovered failures. ``adopt``: take back the launch's live job (its
+    span, opened by the flow process that died, goes on)."""
     logger, stage = get_run_logger(), spec.stages[stage_index].name
     settings = PretrainSettings.from_env()  # once per launch, for the job, its polling and the gate
     exclude = ledger.reload().excluded_nodes()
-    with ledger.timed(SpanKind.JOB, stage, attempt):
+    with ledger.timed(SpanKind.JOB, stage, attempt, resume=adopt):
         job = run_training_job.submit(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id,
-                                      spec.step_offset(stage_index), exclude, settings)
+                                      spec.step_offset(stage_index), exclude, settings, adopt)
         while not _finished(job, settings.gate_poll_s):
             judge_pending(spec, stage_index, settings)  # the gate overlaps training
         result = job.result()

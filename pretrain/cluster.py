@@ -62,6 +62,16 @@ class JobHandle(ABC):
 
 
 class Cluster(ABC):
+    # Whether a launch outlives the orchestrator that started it, so that a re-run of a killed
+    # flow process can take its live job back (``live_job``; ``start`` then adopts it) instead of
+    # launching the stage's next attempt. Locally the agents die with the orchestrator: False.
+    adopts_live_jobs: bool = False
+
+    def live_job(self, stage: str, attempt: int) -> str | None:
+        """The name of a live (running, not finished, not being deleted) job of launch ``attempt``
+        of ``stage``, which ``start`` of that launch would adopt; None: nothing to adopt."""
+        return None
+
     @abstractmethod
     def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
                      nodes: list[int] | None = None) -> list[dict]:

@@ -292,13 +292,25 @@ class Ledger:
         self.mutate(lambda r: setattr(r, "registered_model", registered))
 
     @contextmanager
-    def timed(self, kind: SpanKind, stage: str | None = None, attempt: int | None = None) -> Iterator[None]:
+    def timed(self, kind: SpanKind, stage: str | None = None, attempt: int | None = None,
+              resume: bool = False) -> Iterator[None]:
         """Record a span of wall time (``spans``): its start now, its end when the block exits,
         however it exits (when the block failed, a ledger that cannot be written leaves the span
-        open and the block's error goes on). The goodput split reads these."""
+        open and the block's error goes on). The goodput split reads these. ``resume``: continue
+        the newest open span of this kind, stage and attempt if there is one (an adopted job:
+        its span runs from its launch by the flow process that died)."""
         span = Span(kind=kind, start=time.time(), **({"stage": stage} if stage else {}),
                     **({"attempt": attempt} if attempt is not None else {}))
-        index = len(self.mutate(lambda r: r.spans.append(span)).spans) - 1
+        found: list[tuple[int, Span]] = []
+
+        def begin(r: CampaignRecord) -> None:
+            found[:] = [(i, s) for i, s in enumerate(r.spans) if resume and s.end is None and s.kind == kind
+                        and s.stage == stage and s.attempt == attempt][-1:] or []
+            if not found:
+                r.spans.append(span)
+                found.append((len(r.spans) - 1, span))
+        self.mutate(begin)
+        index, span = found[0]
 
         def close(r: CampaignRecord) -> None:
             if index < len(r.spans) and r.spans[index].start == span.start:

@@ -6,6 +6,8 @@ The train-stage flow asks it three questions and applies the answers:
   launch left in its budget?
 - :func:`after_job` — with the job's result: relaunch from the newest good checkpoint, scale
   back up (a planned relaunch that costs no attempt), or give up; and what goes in the ledger.
+- :func:`adoptable_attempt` — before a launch: did an earlier flow process die while its job ran
+  on a cluster where jobs outlive it? Then that attempt's job is taken back, not launched anew.
 - :func:`stage_end` — once no launch follows: trained, or failed with the message for the user.
 
 The flow re-reads the newest good checkpoint before every launch (the validation gate may have
@@ -17,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from pretrain.incidents import NON_RETRYABLE
-from pretrain.ledger_schema import Failure, Resize
+from pretrain.ledger_schema import Failure, Resize, Span, SpanKind
 
 PAUSED = "paused"  # the cause of a job the orchestrator stopped to pause the campaign (``JobResult.cause``)
 
@@ -98,6 +100,23 @@ def after_job(job: JobEnd, attempt: int, budget: Budget) -> Decision:
     if not retryable:
         return Decision(Action.GIVE_UP, f"{job.cause}: relaunching cannot help, a human must act", budget, failure)
     return Decision(Action.RELAUNCH, f"{job.cause}: relaunch from the newest good checkpoint", budget, failure)
+
+
+def adoptable_attempt(stage: str, attempts: int, spans: Sequence[Span], failures: Sequence[Failure],
+                      adopts: bool) -> int | None:
+    """The attempt whose job may still be running without an orchestrator: the stage's last
+    launch (of ``attempts``), whose job span opened and never closed, with no failed job recorded
+    for it (the flow process that ran it died). None: launch the next attempt — also always on a
+    cluster whose jobs die with their orchestrator (``adopts`` False: nothing to take back)."""
+    if not adopts or attempts < 1:
+        return None
+    last = attempts - 1
+    jobs = [s for s in spans if s.kind == SpanKind.JOB and s.stage == stage and s.attempt == last]
+    if not jobs or any(s.end is not None for s in jobs):
+        return None  # never started, or the orchestrator saw it end
+    if any(f.attempt == last and not f.in_job for f in failures):
+        return None
+    return last
 
 
 @dataclass(frozen=True)

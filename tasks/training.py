@@ -12,17 +12,20 @@ from prefect.cache_policies import NO_CACHE
 from pretrain.budget import current_pause
 from pretrain.cluster import make_cluster, recheck_nodes
 from pretrain.interrupt import CampaignInterrupted, current_stop
+from pretrain.guard import job_lease
 from pretrain.jobs import build_job, threads_per_worker, write_job
 from pretrain.ledger import Ledger
+from pretrain.ledger_schema import CampaignRecord
 from pretrain.incidents import cause_of, incidents
 from pretrain.layout import CampaignLayout
-from pretrain.policy import PAUSED
+from pretrain.policy import PAUSED, adoptable_attempt
 from pretrain.redact import redact
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import MetricsForwarder, forwarder_backoff
 from tasks.training_progress import StageProgress
 from tasks.tracking import tracker_for
+from trainer.config import JobConfig
 from trainer.events import EventKind
 from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
 
@@ -58,6 +61,33 @@ def try_scale_up(spec: CampaignSpec, stage: str, due: list[int], rejoin: RejoinW
     else:
         logger.warning("stage %s: lost node(s) %s still fail the health check; training continues without them", stage, due)
     return fit
+
+
+def adoptable_launch(spec: CampaignSpec, stage_index: int, record: CampaignRecord, logger,
+                     settings: PretrainSettings | None = None) -> tuple[int, str] | None:
+    """``(attempt, live job)`` when the stage's last launch still runs without an orchestrator (its
+    flow process died) on a cluster whose jobs outlive it, and may still commit: the re-run takes
+    it back instead of launching the next attempt. None: launch the next attempt (which retires
+    any job of an earlier launch)."""
+    stage = spec.stages[stage_index].name
+    cluster = make_cluster(spec.cluster, threads_per_worker(spec), settings=settings, campaign=spec)
+    attempt = adoptable_attempt(stage, record.stages[stage].attempts, record.spans, record.stages[stage].failures,
+                                cluster.adopts_live_jobs)
+    if attempt is None:
+        return None
+    path = CampaignLayout(spec.workdir_path).job_dir(stage, attempt) / "job.json"
+    try:
+        launched = JobConfig.load(path)
+        live = cluster.live_job(stage, attempt)
+    except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged job.json, or the API refused: launch anew
+        logger.warning("stage %s: cannot take back attempt %d (%s); launching the next attempt", stage, attempt, e)
+        return None
+    if live and launched.lease != job_lease(spec):  # the lease changed holder: that job can commit nothing
+        logger.warning("stage %s: the live job %s of attempt %d runs under the campaign lease generation %s, which "
+                       "this run took over: it is fenced, so the next attempt replaces it", stage, live, attempt,
+                       launched.lease.get("generation"))
+        return None
+    return (attempt, live) if live else None
 
 
 @dataclass
@@ -106,18 +136,24 @@ def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: 
 @task(name="run-training-job", cache_policy=NO_CACHE)
 def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None,
                      stage_run_id: str, parent_run_id: str, step_offset: int, exclude: list[int] = (),
-                     settings: PretrainSettings | None = None) -> JobResult:
+                     settings: PretrainSettings | None = None, adopt: bool = False) -> JobResult:
     """Start the stage's job on the cluster and wait for it, streaming metrics to MLflow. An
     operator's stop (``pretrain.interrupt``) stops the job with a save at breakpoint and raises
-    ``CampaignInterrupted``. ``settings``: the waits and polls (None: this process's environment)."""
+    ``CampaignInterrupted``. ``settings``: the waits and polls (None: this process's environment).
+    ``adopt``: the launch's job still runs (``adoptable_launch``): its ``job.json``, which its pods
+    read (again at every in-job restart), is used as it is, never rewritten."""
     logger = get_run_logger()
     settings = settings or PretrainSettings.from_env()
     layout = CampaignLayout(spec.workdir_path)
     stop, pause = current_stop(), current_pause()
     if stop is not None and pause is None:  # with a pause request, train-stage does not launch once it is due
         stop.raise_if_requested(f"before stage {spec.stages[stage_index].name} attempt {attempt} started")
-    job = build_job(spec, stage_index, attempt, init_from)
-    job_path = write_job(job)
+    if adopt:
+        job_path = layout.job_dir(spec.stages[stage_index].name, attempt) / "job.json"
+        job = JobConfig.load(job_path)
+    else:
+        job = build_job(spec, stage_index, attempt, init_from)
+        job_path = write_job(job)
     env = spec.credentials.child_env() if spec.credentials else None  # the blocks' credentials, for this job only
     handle = make_cluster(spec.cluster, job.threads_per_worker, env, settings, campaign=spec).start(
         job, job_path, layout, set(exclude))
@@ -188,4 +224,4 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     return result
 
 
-__all__ = ["JobResult", "run_training_job"]
+__all__ = ["JobResult", "adoptable_launch", "run_training_job"]

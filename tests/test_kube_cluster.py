@@ -170,6 +170,7 @@ def test_starting_a_launch_again_adopts_the_live_job(kube_api, prepared_data, tm
     try:
         wait_for(lambda: len(kube_api.store.find("pods", NS)) == 2, 30, "the first launch's 2 pods")
         uid = kube_api.store.get("jobs", NS, first.name)["metadata"]["uid"]
+        assert cluster.live_job("s", 1) == f"{NS}/{first.name}" and cluster.live_job("s", 2) is None
         again = KubernetesCluster(spec, kube_api.client()).start(job, path, CampaignLayout(spec.workdir_path))  # a re-run
         assert again.adopted and again.name == first.name and "adopted the live Job" in again.notices[0]
         assert kube_api.store.get("jobs", NS, first.name)["metadata"]["uid"] == uid
@@ -177,7 +178,7 @@ def test_starting_a_launch_again_adopts_the_live_job(kube_api, prepared_data, tm
         assert again.poll() is None
     finally:
         first.stop(grace_s=1)
-    assert again.poll() is not None  # the adopted handle sees the job gone
+    assert again.poll() is not None and cluster.live_job("s", 1) is None  # the adopted handle sees the job gone
     again.stop(grace_s=1)  # idempotent
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
     assert live_pids(kube_api) == []

@@ -170,3 +170,20 @@ def test_a_ledger_of_a_newer_release_is_refused_saying_so(tmp_path):
                                           r"this release reads up to 2\): .*upgrade") as err:
         Ledger.open(spec)
     assert not isinstance(err.value, LedgerDamaged)  # nothing to recover: the file is sound
+
+
+def test_a_resumed_job_span_continues_the_open_span_of_its_dead_process(spec):
+    """An adopted job's span runs from its launch (the process that opened it died) to its end
+    in the re-run; without an open span of that attempt a new one is opened."""
+    from pretrain.ledger_schema import Span, SpanKind
+
+    ledger = Ledger.open(spec)
+    dead = Span(kind=SpanKind.JOB, start=1000.0, stage="warmup", attempt=0)  # what a SIGKILLed process leaves
+    ledger.mutate(lambda r: r.spans.append(dead))
+    with ledger.timed(SpanKind.JOB, "warmup", 0, resume=True):
+        pass
+    with ledger.timed(SpanKind.JOB, "warmup", 1, resume=True):
+        pass
+    [adopted, fresh] = Ledger.open(spec).record.spans
+    assert adopted.start == dead.start and adopted.end is not None and adopted.attempt == 0
+    assert fresh.attempt == 1 and fresh.start >= adopted.start and fresh.end is not None

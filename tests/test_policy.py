@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.policy import Action, Budget, after_job, before_launch, stage_end
+from pretrain.ledger_schema import Failure, Span, SpanKind
+from pretrain.policy import Action, Budget, adoptable_attempt, after_job, before_launch, stage_end
 
 
 @dataclass
@@ -127,3 +128,29 @@ def test_a_stage_is_launched_at_most_max_attempts_times_plus_its_scale_ups():
         launches += 1
         budget = after_job(next(jobs), launches, decision.budget).budget
     assert decision.action is Action.GIVE_UP and launches == 4
+
+
+def job_span(attempt: int, end: float | None = None, stage: str = "main") -> Span:
+    return Span(kind=SpanKind.JOB, start=100.0 + attempt, end=end, stage=stage, attempt=attempt)
+
+
+# (attempts launched, spans, failures, cluster adopts live jobs) → attempt to take back (None: launch the next)
+ADOPTABLE = {
+    "its flow process died while attempt 1 ran": (2, [job_span(0, 150.0), job_span(1)], [Failure(attempt=0, cause="hang")], True, 1),
+    "the first launch's flow process died": (1, [job_span(0)], [], True, 0),
+    "in-job failures of it do not end it": (1, [job_span(0)], [Failure(attempt=0, cause="hang", in_job=True)], True, 0),
+    "local cluster: its agents died too": (1, [job_span(0)], [], False, None),
+    "never launched": (0, [], [], True, None),
+    "its end was seen": (1, [job_span(0, 150.0)], [], True, None),
+    "its failure was recorded": (1, [job_span(0)], [Failure(attempt=0, cause="node_lost")], True, None),
+    "counted but never started (no span)": (2, [job_span(0, 150.0)], [], True, None),
+    "an open span of an earlier attempt only": (2, [job_span(0), job_span(1, 160.0)], [], True, None),
+    "an open span of another stage only": (1, [job_span(0, stage="other")], [], True, None),
+    "the span of a run, not of a job": (1, [Span(kind=SpanKind.RUN, start=1.0, stage="main", attempt=0)], [], True, None),
+}
+
+
+@pytest.mark.parametrize("case", list(ADOPTABLE))
+def test_adoptable_attempt(case):
+    attempts, spans, failures, adopts, expected = ADOPTABLE[case]
+    assert adoptable_attempt("main", attempts, spans, failures, adopts) == expected

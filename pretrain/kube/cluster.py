@@ -42,6 +42,21 @@ class KubernetesCluster(Cluster):
     api: object = field(repr=False)
     settings: PretrainSettings = field(default_factory=PretrainSettings.from_env)
     unschedulable_after_s: float = 120.0  # a pod no node can take for this long: a configuration error
+    adopts_live_jobs = True  # Jobs train on in the cluster when the flow process dies
+
+    def live_job(self, stage: str, attempt: int) -> str | None:
+        """The live Job of this launch (found by its labels: campaign, stage, attempt), if any."""
+        from kubernetes import client
+
+        ns = self.spec.cluster.kubernetes.namespace
+        try:
+            jobs = client.BatchV1Api(self.api).list_namespaced_job(
+                ns, label_selector=selector(launch_labels(self.spec.name, stage, attempt))).items
+        except client.ApiException as e:
+            raise ClusterError(_api_error(e, f"list Jobs in {ns}")) from e
+        return next((f"{ns}/{j.metadata.name}" for j in jobs if j.metadata.deletion_timestamp is None and not any(
+            c.type in ("Complete", "Failed") and c.status == "True" for c in (j.status and j.status.conditions) or ())),
+            None)
 
     def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
                      nodes: list[int] | None = None) -> list[dict]:
