@@ -4,16 +4,20 @@ own behaviour is tested at job level in test_kube_cluster.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 
+import psutil
 from kubernetes import client
 
 import kube_api as double
 from conftest import seed_data, wait_for
 from pretrain.kube.pods import INDEX
 from pretrain.layout import CampaignLayout
+from pretrain.ledger import Ledger
+from pretrain.spec import parse_spec
 from test_interrupt import Cli
 from test_kube_cluster import NS, kube_spec, live_pids, objects
 from test_resume import assert_all_exit
@@ -72,15 +76,23 @@ def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(p
     assert live_pids(kube_api) == []
 
 
-def test_a_killed_flow_process_s_job_is_retired_by_the_re_run_and_sigterm_leaves_no_object_and_no_process(
+def workers(api: double.KubeAPI) -> list[psutil.Process]:
+    """The training worker processes of the pods (not their agents, savers or the node check)."""
+    return [c for pid in live_pids(api) for c in psutil.Process(pid).children(recursive=True)
+            if "trainer.worker" in " ".join(c.cmdline())]
+
+
+def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_completes(
         kube_api, prepared_data, tmp_path, monkeypatch):
-    """The flow-run process dies (SIGKILL: its Job trains on, orphaned); the re-run launches the
-    stage's next attempt, deletes the orphan first (two launches never train at once) and resumes
-    from the newest checkpoint. Then SIGTERM — what Prefect's cancellation does to a flow-run
-    process — stops it: the Job, its pods and its Service are deleted before the process exits."""
+    """The flow-run process dies (SIGKILL: its Job trains on, orphaned); the re-run finds the Job of
+    the stage's last attempt alive and takes it back: the same Job object finishes the stage, no
+    attempt is counted, no second Job is created. The orphan's workers are frozen until the re-run
+    has adopted it, so it cannot finish first however slowly the re-run starts (the hang detector's
+    fixed timeout, not an adaptive one, so the frozen steps are no hang)."""
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))  # the CLI's environment (Cli copies os.environ)
     monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # a loaded machine starts it slowly
-    spec = kube_spec(tmp_path / "w", steps=20000)  # never reached: the orphan must not finish before the re-run
+    spec = kube_spec(tmp_path / "w", steps=40)
+    spec = parse_spec({**spec.model_dump(mode="json"), "fault_tolerance": {"hang_timeout_factor": 0}})
     seed_data(spec, prepared_data)
     first = Cli(tmp_path, spec, "first")
     try:
@@ -88,28 +100,53 @@ def test_a_killed_flow_process_s_job_is_retired_by_the_re_run_and_sigterm_leaves
         assert first.proc.poll() is None, first.output()[-3000:]
     finally:
         first.kill()  # SIGKILL to its whole process group: the pods are not in it (they run "in the cluster")
+    frozen = workers(kube_api)
+    for w in frozen:
+        w.suspend()
     [orphan] = objects(kube_api)["jobs"]
-    assert len(live_pids(kube_api)) == 2  # the orphaned Job trains on
-
+    uid = kube_api.store.get("jobs", NS, orphan)["metadata"]["uid"]
     second = Cli(tmp_path, spec, "second")
     try:
-        wait_for(lambda: orphan not in objects(kube_api)["jobs"] and objects(kube_api)["jobs"]
-                 or second.proc.poll() is not None, 240, "the re-run's own Job")
-        assert second.proc.poll() is None, second.output()[-3000:]
-        resumed_from = first_checkpoint(spec)
-        wait_for(lambda: (first_checkpoint(spec) or 0) > resumed_from or second.proc.poll() is not None, 240,
-                 "a checkpoint of the re-run's Job")
-        tree = second.tree()
-        os.kill(second.proc.pid, signal.SIGTERM)
-        code = second.wait(180)
+        wait_for(lambda: "adopted the live Job" in second.output() or second.proc.poll() is not None, 240,
+                 "the re-run adopting the Job")
+        assert objects(kube_api)["jobs"] == [orphan] and kube_api.store.get("jobs", NS, orphan)["metadata"]["uid"] == uid
+        for w in frozen:
+            w.resume()
+        code = second.wait(300)
     finally:
+        for w in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.resume()
         second.kill()
     output = second.output()
+    assert code == 0 and "Traceback" not in output, output[-3000:]
+    assert f"adopted the live Job default/{orphan} of attempt 0" in output
+    stage = Ledger.read(CampaignLayout(spec.workdir_path)).record.stages["s"]
+    assert stage.status == "completed" and stage.attempts == 1 and stage.failures == [], stage
+    assert not (spec.workdir_path / "jobs" / "s" / "attempt_001").exists()
+    assert max(m["step"] for m in read_all(spec.workdir_path / "jobs" / "s" / "attempt_000" / "metrics.jsonl")) == 40
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
+    assert live_pids(kube_api) == []
+
+
+def test_sigterm_to_the_flow_process_leaves_no_object_and_no_process(kube_api, prepared_data, tmp_path, monkeypatch):
+    """SIGTERM — what Prefect's cancellation does to a flow-run process — while its stage's Job
+    trains: the Job, its pods and its Service are deleted before the process exits."""
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    spec = kube_spec(tmp_path / "w", steps=20000)  # never reached
+    seed_data(spec, prepared_data)
+    run = Cli(tmp_path, spec, "run")
+    try:
+        wait_for(lambda: workers(kube_api) or run.proc.poll() is not None, 240, "the training workers")
+        assert run.proc.poll() is None, run.output()[-3000:]
+        tree = run.tree()
+        os.kill(run.proc.pid, signal.SIGTERM)
+        code = run.wait(180)
+    finally:
+        run.kill()
+    output = run.output()
     assert code == 143 and "Traceback" not in output, output[-3000:]
-    assert f"deleted Job default/{orphan} of an earlier launch" in output
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
     assert live_pids(kube_api) == []
     assert_all_exit(tree)
-    events = read_all(spec.workdir_path / "jobs" / "s" / "attempt_001" / "events.jsonl")
-    start = next(e for e in events if e["event"] == "start")
-    assert start["source"] == "checkpoint" and 0 < start["step"] <= resumed_from, start  # the orphan's newest
