@@ -78,8 +78,14 @@ def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(p
 
 def workers(api: double.KubeAPI) -> list[psutil.Process]:
     """The training worker processes of the pods (not their agents, savers or the node check)."""
-    return [c for pid in live_pids(api) for c in psutil.Process(pid).children(recursive=True)
-            if "trainer.worker" in " ".join(c.cmdline())]
+    found = []
+    for pid in live_pids(api):
+        with contextlib.suppress(psutil.Error):  # it ended meanwhile (e.g. a node check's pod)
+            for child in psutil.Process(pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
+                    if "trainer.worker" in " ".join(child.cmdline()):
+                        found.append(child)
+    return found
 
 
 def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_completes(
