@@ -97,18 +97,19 @@ def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_comp
     fixed timeout, not an adaptive one, so the frozen steps are no hang)."""
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))  # the CLI's environment (Cli copies os.environ)
     monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # a loaded machine starts it slowly
-    spec = kube_spec(tmp_path / "w", steps=40)
+    spec = kube_spec(tmp_path / "w", steps=120)  # seconds of steps: the orphan is frozen long before its end
     spec = parse_spec({**spec.model_dump(mode="json"), "fault_tolerance": {"hang_timeout_factor": 0}})
     seed_data(spec, prepared_data)
-    first = Cli(tmp_path, spec, "first")
+    first, frozen = Cli(tmp_path, spec, "first"), []
     try:
         wait_for(lambda: first_checkpoint(spec) or first.proc.poll() is not None, 240, "the first checkpoint")
         assert first.proc.poll() is None, first.output()[-3000:]
+        frozen = workers(kube_api)
+        for w in frozen:
+            w.suspend()
     finally:
         first.kill()  # SIGKILL to its whole process group: the pods are not in it (they run "in the cluster")
-    frozen = workers(kube_api)
-    for w in frozen:
-        w.suspend()
+    assert len(frozen) == 2, frozen  # 2 nodes × 1 worker
     [orphan] = objects(kube_api)["jobs"]
     uid = kube_api.store.get("jobs", NS, orphan)["metadata"]["uid"]
     second = Cli(tmp_path, spec, "second")
@@ -130,7 +131,7 @@ def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_comp
     stage = Ledger.read(CampaignLayout(spec.workdir_path)).record.stages["s"]
     assert stage.status == "completed" and stage.attempts == 1 and stage.failures == [], stage
     assert not (spec.workdir_path / "jobs" / "s" / "attempt_001").exists()
-    assert max(m["step"] for m in read_all(spec.workdir_path / "jobs" / "s" / "attempt_000" / "metrics.jsonl")) == 40
+    assert max(m["step"] for m in read_all(spec.workdir_path / "jobs" / "s" / "attempt_000" / "metrics.jsonl")) == 120
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
     assert live_pids(kube_api) == []
 
