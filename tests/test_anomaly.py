@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from agents import agent_job, node_log, run_agent
 from pretrain.incidents import cause_of
 from trainer.reporting import EVENTS, read_all
@@ -40,17 +42,22 @@ def test_skip_past_steps_over_every_window_it_lands_in():
     assert skip_past(50, windows) == 56
 
 
-def test_too_many_rollbacks_fail_the_job_saying_which_setting_to_raise(prepared_data, tmp_path):
-    """A NaN step with ``max_rollbacks: 0``: the step is rolled back once (an in-job restart),
-    then the restarted worker refuses to go on; the job fails with the cause the stage policy
+@pytest.mark.parametrize("in_process, errors", [
+    (True, ["TooManyRollbacks", "TooManyRollbacks"]),  # the live worker refuses to roll back, then its restart does
+    (False, ["LossAnomaly", "TooManyRollbacks"]),  # the NaN step ends the worker, the restarted one refuses
+])
+def test_too_many_rollbacks_fail_the_job_saying_which_setting_to_raise(prepared_data, tmp_path, in_process, errors):
+    """A NaN step with ``max_rollbacks: 0``: whether rolled back inside the live workers or by
+    restarting them, the worker refuses to go on; the job fails with the cause the stage policy
     stops on (``too_many_rollbacks`` → give up, no relaunch: tests/test_policy.py)."""
-    job = agent_job(tmp_path, prepared_data, steps=6, sections={"chaos": [{"kind": "nan_loss", "step": 3}],
-                                                                "fault_tolerance": {"max_rollbacks": 0}})
+    job = agent_job(tmp_path, prepared_data, steps=6, sections={
+        "chaos": [{"kind": "nan_loss", "step": 3}],
+        "fault_tolerance": {"max_rollbacks": 0, "rollback_in_process": in_process}})
     assert run_agent(job, max_restarts=1) == 1, node_log(job)
     events = read_all(Path(job.job_dir) / EVENTS)
     assert [e["kind"] for e in events if e["event"] == "anomaly"] == ["nonfinite"]
-    rolled_back, refused = [e for e in events if e["event"] == "error"]  # the NaN step, then the restarted worker
-    assert rolled_back["error_type"] == "LossAnomaly" and refused["error_type"] == "TooManyRollbacks"
+    assert [e["error_type"] for e in events if e["event"] == "error"] == errors
+    refused = [e for e in events if e["event"] == "error"][-1]
     assert "1 loss anomalies in stage s (max_rollbacks=0)" in refused["error"]
     assert "raise fault_tolerance.max_rollbacks" in refused["error"]
     assert cause_of(events, 1) == "too_many_rollbacks"

@@ -124,7 +124,7 @@ def test_provision_refuses_a_cluster_without_the_rbac(prefect_harness, tmp_path,
     from pretrain.ledger import Ledger
     from tasks.artifacts import artifact_key
 
-    spec = kube_spec(tmp_path / "wd")
+    spec = kube_spec(tmp_path / "wd").model_copy(update={"name": "refused-rbac"})  # its own artifact key in the shared harness
     allow = [t for t in EVERY_VERB if t[1] != "batch"]  # no Jobs at all
     with double.KubeAPI(tmp_path / "kube", namespaces=("train",), allow=allow) as api:
         monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig()))
