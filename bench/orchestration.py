@@ -127,6 +127,7 @@ def breakdown(lines: list[tuple[float, str]], wall: float) -> list[tuple[str, fl
     in_stage: dict[str, float] = {}
     own: dict[str, float] = {}
     start, flow_end, previous = wall, wall, 0.0
+    job_running, job_end = False, None  # a gate pass beside a running job costs the campaign no time
     for t, line in lines:
         if m := _BEGIN.search(line):
             if not began and start == wall:
@@ -140,8 +141,14 @@ def breakdown(lines: list[tuple[float, str]], wall: float) -> list[tuple[str, fl
                 flows[flow] = flows.get(flow, 0.0) + t - t0
         elif m := _TASK.search(line):
             task_start.setdefault(m["name"], previous)
+            if m["task"] == JOB_TASK:
+                job_running = not m["what"]
+                job_end = t if m["what"] else job_end
             if m["what"]:
-                seconds = t - task_start.pop(m["name"])
+                t0 = task_start.pop(m["name"])
+                if m["task"] == GATE_TASK:  # only what it adds after the job: passes beside training overlap it
+                    t0 = t if job_running else max(t0, job_end if job_end is not None else t0)
+                seconds = t - t0
                 subflows = [f for f, _ in began.values() if f != "pretrain-campaign"]
                 if m["task"] in (JOB_TASK, GATE_TASK) and "train-stage" in subflows:
                     in_stage[m["task"]] = in_stage.get(m["task"], 0.0) + seconds
@@ -154,7 +161,7 @@ def breakdown(lines: list[tuple[float, str]], wall: float) -> list[tuple[str, fl
         if flow == "train-stage":
             job, gate = in_stage.get(JOB_TASK, 0.0), in_stage.get(GATE_TASK, 0.0)
             parts += [("train-stage: training jobs (node agents, workers)", job),
-                      ("train-stage: validation gate", gate),
+                      ("train-stage: validation gate", gate),  # after the job: passes beside it are free
                       ("train-stage: the rest (MLflow stage runs, resume point, …)", seconds - job - gate)]
         else:
             parts.append((f"subflow {flow}", seconds))

@@ -99,6 +99,8 @@ def test_the_campaign_breakdown_adds_up_to_its_wall_time_and_names_where_it_went
         (35.0, p + "Flow run 'c' - Beginning subflow run 'c' for flow 'train-stage'"),
         (36.0, p + "Flow run 'c' - stage main: launching attempt 0 from scratch"),
         (36.5, p + "Task run 'run-training-job-8c9' - stage main attempt 0: 1 node(s) × 2 workers"),
+        (45.0, p + "Task run 'judge-checkpoints-1a2' - stage main: checkpoint 2 is good"),  # beside training:
+        (45.5, p + "Task run 'judge-checkpoints-1a2' - Finished in state Completed()"),  # no time of its own
         (60.0, p + "Task run 'run-training-job-8c9' - Finished in state Completed()"),
         (64.0, p + "Task run 'judge-checkpoints-3f0' - stage main: checkpoint 5 is good"),
         (65.0, p + "Task run 'judge-checkpoints-3f0' - Finished in state Completed()"),
