@@ -68,7 +68,7 @@ def test_heartbeat_reports_its_recent_step_durations(tmp_path):
 
 @pytest.fixture
 def sleeper():
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    proc = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     yield proc
     proc.kill()
     proc.wait()
