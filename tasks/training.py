@@ -200,6 +200,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                 if scaled_up:
                     handle.stop(grace_s=settings.scale_up_grace_s)  # the savers persist the newest snapshot on the way out
                     code = handle.poll()
+        if code and not (interrupted or paused) and stop is not None and stop.requested.is_set():
+            interrupted = True  # killed at once by the operator's second signal before a pause began: no job failure
         forwarder.drain(timeout_s=settings.mlflow_drain_s)
         progress.update(final=True)
     finally:
