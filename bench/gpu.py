@@ -61,15 +61,17 @@ def init_dist(device: torch.device) -> tuple[int, int, int]:
     """(rank, local_rank, world): from torchrun's environment, or a world of one."""
     import torch.distributed as dist
 
-    if "RANK" not in os.environ:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        torch.cuda.set_device(local)
+    if "RANK" in os.environ:  # torchrun's environment
+        dist.init_process_group(backend)
+    else:  # a world of one, its rendezvous given directly (this process's environment stays as it is)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local = int(os.environ["LOCAL_RANK"])
-    if device.type == "cuda":
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     return dist.get_rank(), local, dist.get_world_size()
 
 
