@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from pretrain.jobs import checkpoint_location, storage_options
 from pretrain.layout import CampaignLayout
 from pretrain.ledger_remote import RemoteLedger
+from pretrain.lock import updating
 from pretrain.ledger_schema import (LEDGER_VERSION, CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord,
                                     DataRecord, Failure, MlflowRecord, Resize, Resume, Rewind, Span, SpanKind, StageRecord,
                                     StageStatus, Verdict,
@@ -253,12 +254,13 @@ class Ledger:
         if self.remote is not None:  # conditional writes: a lost race re-reads and re-applies ``change``
             self.record = self.remote.update(change, self.record)
             return self.record
-        read = _read_with_bytes(self.layout.ledger)
-        current = None
-        if read is not None:
-            current, self.record = read
-        change(self.record)
-        self._write(current)
+        with updating(self.layout.ledger):
+            read = _read_with_bytes(self.layout.ledger)
+            current = None
+            if read is not None:
+                current, self.record = read
+            change(self.record)
+            self._write(current)
         return self.record
 
     def stage(self, name: str) -> StageRecord:

@@ -116,3 +116,35 @@ def campaign_lock(workdir: str | Path, campaign: str, flow_run: str | None = Non
             _HELD.set(held)
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextmanager
+def updating(path: Path, timeout_s: float = 60.0) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``<path>.lock`` for a read-modify-write of ``path``: two
+    writers (the flow thread and the CLI's stop at once in one process: a ``flock`` taken through
+    two opens excludes threads too; or two processes) never interleave, so neither update is lost.
+    A filesystem that cannot lock files proceeds unlocked (the campaign lock, which refuses such a
+    workdir, is what keeps two runs apart)."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield  # an unwritable directory: the write itself reports it
+        return
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CampaignBusy(f"{path} has been locked for an update for {timeout_s:.0f}s by another "
+                                       f"writer ({lock}); if no other run of this campaign is alive, remove {lock}") from None
+                time.sleep(0.01)  # poll: writers hold it for one small file write
+            except OSError:
+                break  # no locks on this filesystem
+        yield
+    finally:
+        os.close(fd)
+

@@ -72,6 +72,28 @@ def test_every_save_keeps_the_previous_generation(spec):
     assert json.loads(layout.ledger.read_text())["status"] == "completed"
 
 
+def test_two_threads_updating_the_ledger_lose_no_update(spec):
+    """The flow thread and `pretrain run`'s stop at once write the ledger of one process at the same
+    time: each read-modify-write holds the ledger's update lock, so every update lands."""
+    import threading
+
+    writers, each = 4, 25
+    ledgers = [Ledger.open(spec) for _ in range(writers)]  # each its own instance, as each thread has
+    start = threading.Barrier(writers)
+
+    def bump(ledger):
+        start.wait()
+        for _ in range(each):
+            ledger.mutate(lambda r: setattr(r, "invocations", r.invocations + 1))
+
+    threads = [threading.Thread(target=bump, args=(ledger,)) for ledger in ledgers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Ledger.open(spec).record.invocations == 1 + writers * each
+
+
 def test_status_and_run_refuse_a_damaged_ledger_and_recover_ledger_restores_it(spec, tmp_path):
     root = spec.workdir_path
     spec_file = tmp_path / "spec.yaml"
