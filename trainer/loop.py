@@ -163,6 +163,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     global_batch = info.world_size * o.micro_batch * accum
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext())
 
+    stalled = 0.0  # seconds checkpoints blocked training since the last metrics line
     while step < o.steps:
         beat("step", step)
         chaos.before_step(step + 1)
@@ -206,14 +207,23 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         consumed += global_batch
         dt = time.perf_counter() - t0
         beat("checkpoint", step)
-        blocked = checkpoint(cfg, info, snapshots, events, step=step, consumed=consumed, model=model, optimizer=opt,
-                             loss=mean_loss)
+        record = None
         if metrics is not None and (step % cfg.log_every == 0 or step == o.steps):
             record = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm), "step_time": dt,
                       "tokens_per_s": global_batch * o.seq_len / dt, "consumed": consumed,
                       "tokens": consumed * o.seq_len,  # tokens seen in this stage (MLflow: tokens_seen)
                       "world_size": info.world_size, "grad_accum": accum}
-            metrics.write(record if blocked is None else {**record, "ckpt_block_s": blocked})
+        last = step == o.steps
+        if record is not None and not last:
+            # written before this step's checkpoint: a worker stopped during or right after it resumes from this
+            # step and never trains it again, so a line written afterwards would be lost; ``ckpt_block_s`` is then
+            # the time checkpoints blocked training since the previous line
+            metrics.write(record if not stalled else {**record, "ckpt_block_s": stalled})
+            stalled = 0.0
+        stalled += checkpoint(cfg, info, snapshots, events, step=step, consumed=consumed, model=model, optimizer=opt,
+                              loss=mean_loss) or 0.0
+        if record is not None and last:  # the last line carries the final checkpoint's own blocking
+            metrics.write(record if not stalled else {**record, "ckpt_block_s": stalled})
     if snapshots is not None:
         beat("checkpoint", step)
         snapshots.flush()
