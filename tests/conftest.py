@@ -38,12 +38,26 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+@pytest.fixture(scope="session")
+def migrated_tracking_store(tmp_path_factory) -> Path:
+    """An empty MLflow sqlite store with its tables made: MLflow creates a new store's tables by
+    running its migrations (3–6 s here), which every test that tracks would otherwise pay."""
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path_factory.mktemp("tracking") / TRACKING_STORE
+    MlflowClient(f"sqlite:///{store}").search_experiments()  # creates and migrates it
+    return store
+
+
 @pytest.fixture(autouse=True)
-def own_tracking_store(tmp_path, monkeypatch):
+def own_tracking_store(tmp_path, monkeypatch, migrated_tracking_store):
     """Each test's campaigns share a tracking store of their own (``MLFLOW_TRACKING_URI``, which a
     campaign without ``tracking.uri`` and without a store in its workdir uses), never one in the
-    directory pytest runs in; child processes inherit it."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / TRACKING_STORE}")
+    directory pytest runs in; child processes inherit it. It starts as a copy of the session's
+    empty, migrated store."""
+    store = tmp_path / TRACKING_STORE
+    shutil.copyfile(migrated_tracking_store, store)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
 
 
 @pytest.fixture(scope="session")
@@ -60,17 +74,13 @@ def prefect_harness():
 
 
 @pytest.fixture(scope="session")
-def prepared_data(tmp_path_factory) -> Path:
+def prepared_data(tmp_path_factory, migrated_tracking_store) -> Path:
     """One data set for the session (its directory ``<root>/<fingerprint>``); campaigns copy it
-    (its fingerprint matches their spec). Beside the root, an empty MLflow tracking store that
-    :func:`seed_data` copies: MLflow creates a new sqlite store's tables by running its
-    migrations (3–6 s here), which every campaign would otherwise pay; campaigns started
-    without ``seed_data`` still do."""
+    (its fingerprint matches their spec). Beside the root, the empty migrated MLflow store that
+    :func:`seed_data` copies into a workdir."""
     root = tmp_path_factory.mktemp("prepared") / "data"
     location = Path(prepare(CampaignSpec(data=DATA).data, root, work=root / ".work", log=lambda *_: None)["location"])
-    from mlflow.tracking import MlflowClient
-
-    MlflowClient(f"sqlite:///{_tracking_template(location)}").search_experiments()  # creates and migrates it
+    shutil.copyfile(migrated_tracking_store, _tracking_template(location))
     return location
 
 

@@ -146,7 +146,8 @@ def test_an_mlflow_server_that_is_away_is_one_line_saying_so(monkeypatch):
 
 
 def test_what_cannot_be_compared_says_why_and_what_to_do(prepared_data, tmp_path):
-    store = tmp_path / "mlflow.db"
+    store = tmp_path / "elsewhere" / "mlflow.db"
+    store.parent.mkdir()
     with pytest.raises(CompareError, match="no MLflow store at .*give their store with --tracking-uri"):
         compare(["lr-high"], f"sqlite:///{store}")
     assert not store.exists()  # not created by looking
