@@ -6,6 +6,13 @@ Time-boxed (``run_for`` / ``until``, ``pretrain.budget``): near the budget's end
 is stopped with a save at breakpoint, the gate judges it, and the run ends Completed with the
 campaign *paused*; the next run continues it.
 
+Cancelled from Prefect (the UI, ``prefect flow-run cancel``), or its flow-run process sent SIGTERM
+(a pod eviction, a worker shutting down): the same pause, within the time the worker leaves
+before its SIGKILL (``pretrain.interrupt.pause_on_termination``); the ledger says *paused* with
+the cause, and a cancelled run still ends Cancelled in Prefect — what the user asked for — while
+the next run (scheduled or manual) continues the campaign; an evicted one ends Completed, as a
+spent time budget does.
+
 Idempotent: everything it needs to continue is in the workdir (data manifest, checkpoints,
 ledger), so running it again after any crash — of a worker, of the job, of this process —
 skips what is done and resumes the current stage from its newest good checkpoint. At the end,
@@ -18,6 +25,7 @@ import contextvars
 import time
 
 from prefect import flow, get_run_logger
+from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
 from blocks.references import resolve_campaign
@@ -28,11 +36,13 @@ from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
 from pretrain.budget import PauseRequest, current_pause, deadline, pausing
 from pretrain.credentials import mlflow_auth
-from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop
+from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop, pause_on_termination, pause_window_s, \
+    supervise
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignStatus, SpanKind, StageStatus
 from pretrain.guard import campaign_guard
 from pretrain.outcome import record_interrupt, record_pause
+from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_goodput, publish_reports
@@ -58,21 +68,52 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
         return _campaign(resolve_campaign(spec, spec_path, workdir))
 
 
+CANCELLED_FROM_PREFECT = "cancelled from Prefect"
+
+
 def _campaign(spec: CampaignSpec) -> dict:
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
     stop = current_stop()  # set under `pretrain run`: Ctrl-C / SIGTERM stop the campaign
     with campaign_guard(spec, flow_run.get_id()), mlflow_auth(spec.credentials):
-        if stop is None:
-            return run_campaign(spec)
-        stop.flow_run = flow_run.get_id()
-        here = contextvars.copy_context()
-        stop.recorder = lambda cause, warn: here.run(record_interrupt, spec.workdir_path, stop, cause, warn)
-        try:
-            return run_campaign(spec, stop)
-        except Exception as e:
-            if not stop.requested.is_set():
-                raise
-            raise record_interrupted(spec, stop, e) from None
+        if stop is not None:
+            return _run_stoppable(spec, stop)
+        # this flow runs in its process's main thread (a deployment's run, a pod): SIGTERM pauses
+        window_s = pause_window_s(spec.resume.grace_period_s, PretrainSettings.from_env().kill_grace_s)
+        pause = current_pause()
+        with pause_on_termination(lambda name: pause.ask(f"{name} received")) as stop:
+            if stop is None:
+                return run_campaign(spec)
+            # a cancelled run returns its status too: Prefect refuses the Completed of a run being
+            # cancelled, and its worker or runner ends it Cancelled once this process exits
+            return supervise(lambda: _run_stoppable(spec, stop), stop, window_s, get_run_logger().warning,
+                             "resume.grace_period_s or PRETRAIN_KILL_GRACE_S less 5s", "a second SIGTERM")
+
+
+def _run_stoppable(spec: CampaignSpec, stop: StopRequest) -> dict:
+    stop.flow_run = flow_run.get_id()
+    here = contextvars.copy_context()
+    stop.recorder = lambda cause, warn: here.run(record_interrupt, spec.workdir_path, stop, termination_cause(stop, cause), warn)
+    try:
+        return run_campaign(spec, stop)
+    except Exception as e:
+        if not stop.requested.is_set():
+            raise
+        raise record_interrupted(spec, stop, e) from None
+
+
+def termination_cause(stop: StopRequest, cause: str) -> str:
+    """``cause`` (``... by SIGTERM ...``), saying *cancelled from Prefect* when this flow run is
+    being cancelled: Prefect's worker or runner marks it Cancelling, then sends the SIGTERM. Any
+    other SIGTERM (a pod eviction, a worker shutting down, ``kill``) is named as it is."""
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run.get_id()).state
+    except Exception:  # noqa: BLE001 - the API away: the signal's name says enough
+        return cause
+    if state is None or not (state.is_cancelling() or state.is_cancelled()):
+        return cause
+    return cause.replace(f"{stop.name} received", f"{CANCELLED_FROM_PREFECT} ({stop.name} from its worker)", 1) \
+        .replace(f"by {stop.name}", f"by {stop.name} ({CANCELLED_FROM_PREFECT})", 1)
 
 
 def record_interrupted(spec: CampaignSpec, stop: StopRequest, error: Exception) -> CampaignInterrupted:
@@ -160,6 +201,9 @@ def _next_stage(spec: CampaignSpec, ledger: Ledger) -> tuple[str, int]:
 
 def paused(spec: CampaignSpec, stage: str, step: int, reason: str) -> dict:
     """End this run with the campaign paused (ledger, MLflow runs scheduled); its status."""
+    stop = current_stop()
+    if stop is not None and stop.signum is not None and reason == f"{stop.name} received":
+        reason = termination_cause(stop, reason)
     record = record_pause(spec.workdir_path, flow_run.get_id(), stage, step, reason)
     get_run_logger().info("campaign %s %s; run it again to continue", spec.name, record.end.cause)
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options())

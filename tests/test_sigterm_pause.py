@@ -1,0 +1,130 @@
+"""SIGTERM to a flow-run process (Prefect's cancellation, a pod eviction) pauses the campaign:
+real signals to this process, whose main thread plays the flow-run process's. The campaign
+itself, cancelled through a real worker, is in test_prefect_server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.runtime import flow_run
+from prefect.states import Cancelling, Running
+
+from conftest import wait_for
+from flows.campaign import termination_cause
+from pretrain.interrupt import StopRequest, current_stop, pause_on_termination, pause_window_s, supervise
+
+
+class HandedOn(BaseException):
+    """What the handler installed before (Prefect's raises TerminationSignal) did."""
+
+
+def previous_handler(signum, _frame):
+    raise HandedOn(signum)
+
+
+@pytest.fixture
+def prefect_like_handler():
+    """SIGTERM handled as in a flow-run process: Prefect's handler raises in the main thread."""
+    before = signal.signal(signal.SIGTERM, previous_handler)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+@pytest.fixture
+def campaign():
+    """What the campaign thread does, and a way to let it end."""
+    release = threading.Event()
+    yield release
+    release.set()
+
+
+@pytest.mark.parametrize("grace_period_s, kill_grace_s, window_s", [
+    (300, 30, 25),  # Prefect's worker and runner: SIGKILL 30 s after SIGTERM; 5 s kept to stop at once
+    (10, 30, 10),  # the spec's own grace period is shorter
+    (300, 600, 300),  # a pod with a long terminationGracePeriodSeconds
+    (300, 4, 1),  # a kill grace shorter than the stop at once: still a try
+])
+def test_the_pause_window_fits_before_the_infrastructures_sigkill(grace_period_s, kill_grace_s, window_s):
+    assert pause_window_s(grace_period_s, kill_grace_s) == window_s
+
+
+def test_sigterm_pauses_and_the_campaign_returns_its_status(prefect_like_handler, campaign):
+    asked, notices, killed = [], [], []
+    with pause_on_termination(asked.append) as stop:
+        assert current_stop() is stop
+
+        def body():
+            forget = stop.kill_at_once(lambda: killed.append("job"))
+            os.kill(os.getpid(), signal.SIGTERM)  # the worker's SIGTERM, handled in the main thread
+            wait_for(lambda: asked, 10, "the pause to be asked")
+            forget()
+            return {"status": "paused"}
+        assert supervise(body, stop, 60, notices.append) == {"status": "paused"}
+    assert asked == ["SIGTERM"] and killed == [] and notices[0].startswith("SIGTERM received: pausing the campaign")
+    assert signal.getsignal(signal.SIGTERM) is previous_handler and current_stop() is None
+
+
+def test_a_second_sigterm_stops_at_once_and_hands_the_signal_on(prefect_like_handler, campaign):
+    killed, recorded = [], []
+    with pytest.raises(HandedOn):
+        with pause_on_termination(lambda name: None) as stop:
+            stop.recorder = lambda cause, warn: recorded.append(cause)
+
+            def body():
+                stop.kill_at_once(lambda: killed.append("job"))
+                os.kill(os.getpid(), signal.SIGTERM)
+                wait_for(stop.requested.is_set, 10, "the first signal")
+                os.kill(os.getpid(), signal.SIGTERM)
+                campaign.wait(60)  # the job would go on: the stop at once does not wait for it
+            supervise(body, stop, 60, lambda _: None)
+    assert killed == ["job"] and recorded == ["campaign interrupted by SIGTERM, then stopped at once by a second signal"]
+    assert signal.getsignal(signal.SIGTERM) is previous_handler
+
+
+def test_a_pause_that_outlasts_its_window_stops_at_once(prefect_like_handler, campaign):
+    killed, recorded, notices = [], [], []
+    with pytest.raises(HandedOn):
+        with pause_on_termination(lambda name: None) as stop:
+            stop.recorder = lambda cause, warn: recorded.append(cause)
+
+            def body():
+                stop.kill_at_once(lambda: killed.append("job"))
+                os.kill(os.getpid(), signal.SIGTERM)
+                campaign.wait(60)  # a saver stuck on a full disk
+            supervise(body, stop, 1.0, notices.append, "the kill grace")
+    assert killed == ["job"] and recorded == ["campaign interrupted by SIGTERM, then stopped at once when the kill "
+                                              "grace (1s) ran out"]
+    assert notices[-1] == "the campaign did not pause within the kill grace (1s): stopping at once"
+
+
+def test_outside_the_main_thread_nothing_is_installed(prefect_like_handler):
+    seen = []
+
+    def run():
+        with pause_on_termination(lambda name: None) as stop:
+            seen.append(stop)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [None] and signal.getsignal(signal.SIGTERM) is previous_handler
+
+
+def test_the_cause_says_cancelled_from_prefect_only_when_the_run_is_being_cancelled(prefect_harness):
+    @flow
+    def probe() -> list[str]:
+        stop = StopRequest(signum=signal.SIGTERM)
+        causes = [termination_cause(stop, "SIGTERM received")]  # a pod eviction: the run is Running
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.get_id(), Cancelling(message="test"), force=True)
+        causes += [termination_cause(stop, "SIGTERM received"),
+                   termination_cause(stop, "campaign interrupted by SIGTERM, then stopped at once by a second signal")]
+        with get_client(sync_client=True) as client:  # let the run end
+            client.set_flow_run_state(flow_run.get_id(), Running(), force=True)
+        return causes
+    assert probe() == ["SIGTERM received", "cancelled from Prefect (SIGTERM from its worker)",
+                       "campaign interrupted by SIGTERM (cancelled from Prefect), then stopped at once by a second signal"]
