@@ -69,6 +69,7 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
 
 
 CANCELLED_FROM_PREFECT = "cancelled from Prefect"
+ORIGIN_TIMEOUT_S = 5.0  # the API's answer to "is this run being cancelled?", asked once at the signal
 
 
 def _campaign(spec: CampaignSpec) -> dict:
@@ -86,13 +87,14 @@ def _campaign(spec: CampaignSpec) -> dict:
             # a cancelled run returns its status too: Prefect refuses the Completed of a run being
             # cancelled, and its worker or runner ends it Cancelled once this process exits
             return supervise(lambda: _run_stoppable(spec, stop), stop, window_s, get_run_logger().warning,
-                             "resume.grace_period_s or PRETRAIN_KILL_GRACE_S less 5s", "a second SIGTERM")
+                             "resume.grace_period_s or PRETRAIN_KILL_GRACE_S less 5s", "a second SIGTERM",
+                             on_request=lambda: _note_origin(stop))
 
 
 def _run_stoppable(spec: CampaignSpec, stop: StopRequest) -> dict:
     stop.flow_run = flow_run.get_id()
     here = contextvars.copy_context()
-    stop.recorder = lambda cause, warn: here.run(record_interrupt, spec.workdir_path, stop, termination_cause(stop, cause), warn)
+    stop.recorder = lambda cause, warn: here.run(record_interrupt, spec.workdir_path, stop, stop.describe(cause), warn)
     try:
         return run_campaign(spec, stop)
     except Exception as e:
@@ -101,19 +103,21 @@ def _run_stoppable(spec: CampaignSpec, stop: StopRequest) -> dict:
         raise record_interrupted(spec, stop, e) from None
 
 
-def termination_cause(stop: StopRequest, cause: str) -> str:
-    """``cause`` (``... by SIGTERM ...``), saying *cancelled from Prefect* when this flow run is
-    being cancelled: Prefect's worker or runner marks it Cancelling, then sends the SIGTERM. Any
-    other SIGTERM (a pod eviction, a worker shutting down, ``kill``) is named as it is."""
+def being_cancelled() -> bool:
+    """Whether this flow run is being cancelled: Prefect's worker or runner marks it Cancelling,
+    then sends its SIGTERM. False for any other SIGTERM (a pod eviction, a worker shutting down,
+    ``kill``), and when the API does not answer within seconds (the signal's name says enough)."""
     try:
-        with get_client(sync_client=True) as client:
+        with get_client(sync_client=True, httpx_settings={"timeout": ORIGIN_TIMEOUT_S}) as client:
             state = client.read_flow_run(flow_run.get_id()).state
-    except Exception:  # noqa: BLE001 - the API away: the signal's name says enough
-        return cause
-    if state is None or not (state.is_cancelling() or state.is_cancelled()):
-        return cause
-    return cause.replace(f"{stop.name} received", f"{CANCELLED_FROM_PREFECT} ({stop.name} from its worker)", 1) \
-        .replace(f"by {stop.name}", f"by {stop.name} ({CANCELLED_FROM_PREFECT})", 1)
+    except Exception:  # noqa: BLE001 - a cause less precise, never a failure
+        return False
+    return state is not None and (state.is_cancelling() or state.is_cancelled())
+
+
+def _note_origin(stop: StopRequest) -> None:
+    if being_cancelled():
+        stop.origin = CANCELLED_FROM_PREFECT
 
 
 def record_interrupted(spec: CampaignSpec, stop: StopRequest, error: Exception) -> CampaignInterrupted:
@@ -203,7 +207,7 @@ def paused(spec: CampaignSpec, stage: str, step: int, reason: str) -> dict:
     """End this run with the campaign paused (ledger, MLflow runs scheduled); its status."""
     stop = current_stop()
     if stop is not None and stop.signum is not None and reason == f"{stop.name} received":
-        reason = termination_cause(stop, reason)
+        reason = stop.describe(reason)  # a signal's pause: "cancelled from Prefect (SIGTERM from its worker)"
     record = record_pause(spec.workdir_path, flow_run.get_id(), stage, step, reason)
     get_run_logger().info("campaign %s %s; run it again to continue", spec.name, record.end.cause)
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options())

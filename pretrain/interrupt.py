@@ -60,6 +60,7 @@ class StopRequest:
     signum: int | None = None  # the first signal received (None: no stop asked for)
     count: int = 0  # signals received
     flow_run: str | None = None  # the campaign run this process started (the ledger's ``flow_run``)
+    origin: str | None = None  # who sent the signal, when known (e.g. "cancelled from Prefect")
     # how to record the interruption from another thread (a stop at once): set by the campaign
     # flow, run in the flow's context (its MLflow credentials); called with (cause, warn)
     recorder: Callable[[str, Callable[[str], None]], None] | None = None
@@ -77,6 +78,14 @@ class StopRequest:
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else "no signal"
+
+    def describe(self, cause: str) -> str:
+        """``cause`` (``SIGTERM received``, ``... interrupted by SIGTERM, ...``) with the signal's
+        :attr:`origin`, when known."""
+        if not self.origin:
+            return cause
+        return cause.replace(f"{self.name} received", f"{self.origin} ({self.name} from its worker)", 1).replace(
+            f"by {self.name}", f"by {self.name} ({self.origin})", 1)
 
     def receive(self, signum: int) -> None:
         """Called by the signal handler (main thread): the first asks, the second insists."""
@@ -178,13 +187,16 @@ def stop_at_once(stop: StopRequest, notice: Callable[[str], None], why: str = "b
 
 
 def supervise(body: Callable[[], T], stop: StopRequest, grace_s: float, notice: Callable[[str], None],
-              window: str = "resume.grace_period_s", again: str = "Ctrl-C or the same signal again") -> T:
+              window: str = "resume.grace_period_s", again: str = "Ctrl-C or the same signal again",
+              on_request: Callable[[], None] | None = None) -> T:
     """Run ``body`` (the campaign) in a thread, in a copy of this context, while this thread — the
     main one, which gets the signals — watches ``stop``: at the first signal it says the campaign
-    is pausing; a second signal, or ``grace_s`` (named ``window``) passing first, stops at once
-    (:func:`stop_at_once`) and raises ``StoppedAtOnce`` without waiting for ``body``. Returns what
-    ``body`` returned, raises what it raised. In a thread of its own the campaign's flows also leave
-    the signal handlers alone: Prefect installs its SIGTERM handler only in the main thread."""
+    is pausing (and calls ``on_request``, e.g. to find the signal's origin); a second signal, or
+    ``grace_s`` (named ``window``) passing first, stops at once (:func:`stop_at_once`) and raises
+    ``StoppedAtOnce`` without waiting for ``body``. Returns what ``body`` returned, raises what it
+    raised. In a thread of its own the campaign's flows also leave the signal handlers alone:
+    Prefect installs its SIGTERM handler only in the main thread (each subflow installs it again
+    there, over any other)."""
     outcome: dict = {}
     context = contextvars.copy_context()
 
@@ -206,6 +218,8 @@ def supervise(body: Callable[[], T], stop: StopRequest, grace_s: float, notice: 
             asked_at = time.monotonic()
             notice(f"{stop.name} received: pausing the campaign; the running job is stopping with a final checkpoint, "
                    f"which is validated (up to {grace_s:.0f}s: {window}; {again} stops at once)")
+            if on_request is not None:
+                on_request()
         if asked_at is not None and time.monotonic() - asked_at > grace_s:
             notice(f"the campaign did not pause within {window} ({grace_s:.0f}s): stopping at once")
             raise stop_at_once(stop, notice, f"when {window} ({grace_s:.0f}s) ran out")

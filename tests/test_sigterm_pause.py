@@ -15,7 +15,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelling, Running
 
 from conftest import wait_for
-from flows.campaign import termination_cause
+from flows.campaign import being_cancelled
 from pretrain.interrupt import StopRequest, current_stop, pause_on_termination, pause_window_s, supervise
 
 
@@ -61,11 +61,13 @@ def test_sigterm_pauses_and_the_campaign_returns_its_status(prefect_like_handler
         def body():
             forget = stop.kill_at_once(lambda: killed.append("job"))
             os.kill(os.getpid(), signal.SIGTERM)  # the worker's SIGTERM, handled in the main thread
-            wait_for(lambda: asked, 10, "the pause to be asked")
+            wait_for(lambda: len(asked) == 2, 10, "the pause to be asked, and the signal's origin looked up")
             forget()
             return {"status": "paused"}
-        assert supervise(body, stop, 60, notices.append) == {"status": "paused"}
-    assert asked == ["SIGTERM"] and killed == [] and notices[0].startswith("SIGTERM received: pausing the campaign")
+        assert supervise(body, stop, 60, notices.append, on_request=lambda: asked.append("origin looked up")) == {
+            "status": "paused"}
+    assert asked == ["SIGTERM", "origin looked up"] and killed == []
+    assert notices[0].startswith("SIGTERM received: pausing the campaign")
     assert signal.getsignal(signal.SIGTERM) is previous_handler and current_stop() is None
 
 
@@ -114,17 +116,24 @@ def test_outside_the_main_thread_nothing_is_installed(prefect_like_handler):
     assert seen == [None] and signal.getsignal(signal.SIGTERM) is previous_handler
 
 
-def test_the_cause_says_cancelled_from_prefect_only_when_the_run_is_being_cancelled(prefect_harness):
+@pytest.mark.parametrize("origin, cause, described", [
+    (None, "SIGTERM received", "SIGTERM received"),  # a pod eviction, a worker shutting down
+    ("cancelled from Prefect", "SIGTERM received", "cancelled from Prefect (SIGTERM from its worker)"),
+    ("cancelled from Prefect", "campaign interrupted by SIGTERM, then stopped at once by a second signal",
+     "campaign interrupted by SIGTERM (cancelled from Prefect), then stopped at once by a second signal"),
+])
+def test_the_cause_names_where_the_signal_came_from(origin, cause, described):
+    assert StopRequest(signum=signal.SIGTERM, origin=origin).describe(cause) == described
+
+
+def test_a_run_is_being_cancelled_only_once_prefect_marks_it_cancelling(prefect_harness):
     @flow
-    def probe() -> list[str]:
-        stop = StopRequest(signum=signal.SIGTERM)
-        causes = [termination_cause(stop, "SIGTERM received")]  # a pod eviction: the run is Running
+    def probe() -> list[bool]:
+        seen = [being_cancelled()]  # running: a SIGTERM now is an eviction, not Prefect's cancel
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run.get_id(), Cancelling(message="test"), force=True)
-        causes += [termination_cause(stop, "SIGTERM received"),
-                   termination_cause(stop, "campaign interrupted by SIGTERM, then stopped at once by a second signal")]
-        with get_client(sync_client=True) as client:  # let the run end
-            client.set_flow_run_state(flow_run.get_id(), Running(), force=True)
-        return causes
-    assert probe() == ["SIGTERM received", "cancelled from Prefect (SIGTERM from its worker)",
-                       "campaign interrupted by SIGTERM (cancelled from Prefect), then stopped at once by a second signal"]
+            seen.append(being_cancelled())
+            client.set_flow_run_state(flow_run.get_id(), Running(), force=True)  # let the run end
+        return seen
+    assert probe() == [False, True]
+
