@@ -59,7 +59,8 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
     """Run (or resume) a campaign. Give ``spec`` inline or ``spec_path`` (a YAML file or
     ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state. ``run_for``
     (``2h``, ``90m``) / ``until`` (``06:00``, an ISO time): the run's time budget; when it is
-    near, the campaign pauses at a validated checkpoint and the run ends Completed. One run per
+    near, the campaign pauses at a validated checkpoint and the run ends Completed; so does a
+    SIGTERM to this process (a cancel from Prefect: the run then ends Cancelled). One run per
     campaign at a time: a second run of the same campaign fails at once (``CampaignBusy``)."""
     pause = current_pause() or PauseRequest()  # set by `pretrain run` (or a test); else this run's own
     if end := deadline(run_for, until):  # a bad budget fails here, before anything
