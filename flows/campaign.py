@@ -22,10 +22,13 @@ the final good checkpoint is exported and registered in the MLflow model registr
 from __future__ import annotations
 
 import contextvars
+import os
+import signal
 import time
 
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
+from prefect.logging.handlers import APILogWorker
 from prefect.runtime import flow_run
 
 from blocks.references import resolve_campaign
@@ -36,8 +39,8 @@ from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
 from pretrain.budget import PauseRequest, current_pause, deadline, pausing
 from pretrain.credentials import mlflow_auth
-from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop, pause_on_termination, pause_window_s, \
-    supervise
+from pretrain.interrupt import (CampaignInterrupted, StopRequest, StoppedAtOnce, current_stop, pause_on_termination,
+                                pause_window_s, supervise)
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignStatus, SpanKind, StageStatus
 from pretrain.guard import campaign_guard
@@ -87,9 +90,14 @@ def _campaign(spec: CampaignSpec) -> dict:
                 return run_campaign(spec)
             # a cancelled run returns its status too: Prefect refuses the Completed of a run being
             # cancelled, and its worker or runner ends it Cancelled once this process exits
-            return supervise(lambda: _run_stoppable(spec, stop), stop, window_s, get_run_logger().warning,
-                             "resume.grace_period_s or PRETRAIN_KILL_GRACE_S less 5s", "a second SIGTERM",
-                             on_request=lambda: _note_origin(stop))
+            try:
+                return supervise(lambda: _run_stoppable(spec, stop), stop, window_s, get_run_logger().warning,
+                                 "resume.grace_period_s or PRETRAIN_KILL_GRACE_S less 5s", "a second SIGTERM",
+                                 on_request=lambda: _note_origin(stop))
+            except StoppedAtOnce:
+                if stop.origin == CANCELLED_FROM_PREFECT:
+                    _leave_to_the_worker()
+                raise  # any other SIGTERM goes on to Prefect's handler: the run ends Crashed, as before
 
 
 def _run_stoppable(spec: CampaignSpec, stop: StopRequest) -> dict:
@@ -114,6 +122,15 @@ def being_cancelled() -> bool:
     except Exception:  # noqa: BLE001 - a cause less precise, never a failure
         return False
     return state is not None and (state.is_cancelling() or state.is_cancelled())
+
+
+def _leave_to_the_worker() -> None:
+    """End this process as SIGTERM's default action does, once the stop at once is recorded:
+    the worker that is cancelling the run then ends it Cancelled (handed to Prefect's handler, a
+    SIGTERM whose cancel the worker could not deliver ends the run Crashed first)."""
+    APILogWorker.drain_all(timeout=2)  # the run's last lines (the stop at once) reach its logs
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _note_origin(stop: StopRequest) -> None:
