@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from prefect import flow
@@ -17,6 +20,8 @@ from prefect.states import Cancelling, Running
 from conftest import wait_for
 from flows.campaign import being_cancelled
 from pretrain.interrupt import StopRequest, current_stop, pause_on_termination, pause_window_s, supervise
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class HandedOn(BaseException):
@@ -137,3 +142,22 @@ def test_a_run_is_being_cancelled_only_once_prefect_marks_it_cancelling(prefect_
         return seen
     assert probe() == [False, True]
 
+
+
+def test_with_the_default_handler_before_the_stop_at_once_ends_the_process_by_sigterm(tmp_path):
+    """A process with no handler of its own (SIGTERM at its default) ends as that default does
+    once the stop at once is recorded: the exit status says SIGTERM, as to its supervisor."""
+    script = f"""
+import os, signal, threading
+from pathlib import Path
+from pretrain.interrupt import pause_on_termination, supervise
+with pause_on_termination(lambda name: None) as stop:
+    stop.recorder = lambda cause, warn: Path({str(tmp_path / "cause")!r}).write_text(cause)
+    def body():
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(60)
+    supervise(body, stop, 0.5, lambda _: None, "the window")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert (tmp_path / "cause").read_text() == "campaign interrupted by SIGTERM, then stopped at once when the window (0s) ran out"
