@@ -207,7 +207,20 @@ def supervise(body: Callable[[], T], stop: StopRequest, grace_s: float, notice: 
             outcome["error"] = e
 
     thread = threading.Thread(target=target, name="campaign-flow", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+        _watch(thread, stop, grace_s, notice, window, again, on_request)
+    except KeyboardInterrupt:  # a SIGINT left at Python's default (a flow run started from a terminal)
+        stop.kill_now()  # the job ends with this process, not after it
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _watch(thread: threading.Thread, stop: StopRequest, grace_s: float, notice: Callable[[str], None], window: str,
+           again: str, on_request: Callable[[], None] | None) -> None:
+    """:func:`supervise`'s loop: until ``thread`` ends, or raises ``StoppedAtOnce``."""
     asked_at = None
     while thread.is_alive():
         thread.join(WAIT_S)
@@ -223,9 +236,6 @@ def supervise(body: Callable[[], T], stop: StopRequest, grace_s: float, notice: 
         if asked_at is not None and time.monotonic() - asked_at > grace_s:
             notice(f"the campaign did not pause within {window} ({grace_s:.0f}s): stopping at once")
             raise stop_at_once(stop, notice, f"when {window} ({grace_s:.0f}s) ran out")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 @contextmanager

@@ -161,3 +161,16 @@ with pause_on_termination(lambda name: None) as stop:
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, proc.stderr
     assert (tmp_path / "cause").read_text() == "campaign interrupted by SIGTERM, then stopped at once when the window (0s) ran out"
+
+
+def test_a_keyboard_interrupt_of_the_supervising_thread_kills_the_job(campaign):
+    killed = []
+    stop = StopRequest()
+
+    def body():
+        stop.kill_at_once(lambda: killed.append("job"))
+        os.kill(os.getpid(), signal.SIGINT)  # Python's default handler: KeyboardInterrupt in the main thread
+        campaign.wait(60)
+    with pytest.raises(KeyboardInterrupt):
+        supervise(body, stop, 60, lambda _: None)
+    assert killed == ["job"]
