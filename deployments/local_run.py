@@ -13,19 +13,14 @@ out of the terminal's reach, and stopped last.
 
 from __future__ import annotations
 
-import contextvars
 import logging
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from deployments.api_server import api_server_for_this_run
 from pretrain.budget import PauseRequest, current_pause, pausing
-from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce, StopRequest, stop_on_signals
+from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce, StopRequest, stop_on_signals, supervise
 from pretrain.spec import CampaignSpec
-
-WAIT_S = 0.2  # how often the main thread looks at the stop request while the flow runs
 
 
 class _NoInterruptTraceback(logging.Formatter):
@@ -67,15 +62,6 @@ def _set_formatters(handlers: list[logging.Handler], formatters: list[logging.Fo
         h.setFormatter(f)
 
 
-def _stop_at_once(stop: StopRequest, notice: Callable[[str], None], why: str = "by a second signal") -> StoppedAtOnce:
-    """Kill the running job and record the campaign as interrupted (unless the flow already has)."""
-    stop.kill_now()
-    cause = f"campaign interrupted by {stop.name}, then stopped at once {why}"
-    if stop.recorder is not None:  # None: the campaign never started
-        stop.recorder(cause, notice)
-    return StoppedAtOnce(cause, stop.signum)
-
-
 def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict:
     """Run (or resume) the campaign in this process and return its status. Raises
     ``CampaignPaused`` when a signal paused it cleanly, ``CampaignInterrupted`` (``StoppedAtOnce``
@@ -89,40 +75,17 @@ def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict
     with stop_on_signals() as stop, pausing(pause), api_server_for_this_run(), _quiet_interrupt_tracebacks(stop):
         stop.raise_if_requested("before the campaign started")
         stop.on_first = lambda name: pause.ask(f"{name} received")
-        outcome: dict = {}
-        context = contextvars.copy_context()  # the stop and pause requests, the API server's settings
-
-        def target() -> None:
-            try:
-                outcome["status"] = context.run(pretrain_campaign, spec=spec)
-            except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                outcome["error"] = e
-
-        flow = threading.Thread(target=target, name="campaign-flow", daemon=True)
-        flow.start()
-        asked_at = None
-        while flow.is_alive():
-            flow.join(WAIT_S)
-            if stop.urgent.is_set():
-                notice(f"{stop.name} again: stopping at once")
-                raise _stop_at_once(stop, notice)
-            if stop.requested.is_set() and asked_at is None:
-                asked_at = time.monotonic()
-                notice(f"{stop.name} received: pausing the campaign; the running job is stopping with a final "
-                       f"checkpoint, which is validated (up to {grace_s:.0f}s: resume.grace_period_s; Ctrl-C or the "
-                       "same signal again stops at once)")
-            if asked_at is not None and time.monotonic() - asked_at > grace_s:
-                notice(f"the campaign did not pause within resume.grace_period_s ({grace_s:.0f}s): stopping at once")
-                raise _stop_at_once(stop, notice, f"when resume.grace_period_s ({grace_s:.0f}s) ran out")
-        error = outcome.get("error")
-        if error is None:
-            status = outcome["status"]
-            if stop.requested.is_set() and status.get("status") == "paused":
-                raise CampaignPaused(f"campaign {pause_cause(spec.workdir_path)}", stop.signum)
-            return status
-        if stop.requested.is_set():  # whatever broke on the way out, the cause is the stop
+        try:
+            status = supervise(lambda: pretrain_campaign(spec=spec), stop, grace_s, notice)
+        except StoppedAtOnce:
+            raise
+        except BaseException as error:  # noqa: BLE001 - whatever broke on the way out, the cause is the stop
+            if not stop.requested.is_set():
+                raise
             if isinstance(error, CampaignInterrupted):
                 error.signum = stop.signum
-                raise error
+                raise
             raise CampaignInterrupted(f"campaign interrupted by {stop.name} ({error})", stop.signum) from error
-        raise error
+        if stop.requested.is_set() and status.get("status") == "paused":
+            raise CampaignPaused(f"campaign {pause_cause(spec.workdir_path)}", stop.signum)
+        return status

@@ -6,6 +6,13 @@ Time-boxed (``run_for`` / ``until``, ``pretrain.budget``): near the budget's end
 is stopped with a save at breakpoint, the gate judges it, and the run ends Completed with the
 campaign *paused*; the next run continues it.
 
+Cancelled from Prefect (the UI, ``prefect flow-run cancel``), or its flow-run process sent SIGTERM
+(a pod eviction, a worker shutting down): the same pause, within the time the worker leaves
+before its SIGKILL (``pretrain.interrupt.pause_on_termination``); the ledger says *paused* with
+the cause, and a cancelled run still ends Cancelled in Prefect — what the user asked for — while
+the next run (scheduled or manual) continues the campaign; an evicted one ends Completed, as a
+spent time budget does.
+
 Idempotent: everything it needs to continue is in the workdir (data manifest, checkpoints,
 ledger), so running it again after any crash — of a worker, of the job, of this process —
 skips what is done and resumes the current stage from its newest good checkpoint. At the end,
@@ -15,9 +22,13 @@ the final good checkpoint is exported and registered in the MLflow model registr
 from __future__ import annotations
 
 import contextvars
+import os
+import signal
 import time
 
 from prefect import flow, get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.logging.handlers import APILogWorker
 from prefect.runtime import flow_run
 
 from blocks.references import resolve_campaign
@@ -28,11 +39,13 @@ from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
 from pretrain.budget import PauseRequest, current_pause, deadline, pausing
 from pretrain.credentials import mlflow_auth
-from pretrain.interrupt import CampaignInterrupted, StopRequest, current_stop
+from pretrain.interrupt import (CampaignInterrupted, StopRequest, StoppedAtOnce, current_stop, pause_on_termination,
+                                pause_window_s, supervise)
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignStatus, SpanKind, StageStatus
 from pretrain.guard import campaign_guard
 from pretrain.outcome import record_interrupt, record_pause
+from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_goodput, publish_reports
@@ -49,7 +62,8 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
     """Run (or resume) a campaign. Give ``spec`` inline or ``spec_path`` (a YAML file or
     ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state. ``run_for``
     (``2h``, ``90m``) / ``until`` (``06:00``, an ISO time): the run's time budget; when it is
-    near, the campaign pauses at a validated checkpoint and the run ends Completed. One run per
+    near, the campaign pauses at a validated checkpoint and the run ends Completed; so does a
+    SIGTERM to this process (a cancel from Prefect: the run then ends Cancelled). One run per
     campaign at a time: a second run of the same campaign fails at once (``CampaignBusy``)."""
     pause = current_pause() or PauseRequest()  # set by `pretrain run` (or a test); else this run's own
     if end := deadline(run_for, until):  # a bad budget fails here, before anything
@@ -58,21 +72,70 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
         return _campaign(resolve_campaign(spec, spec_path, workdir))
 
 
+CANCELLED_FROM_PREFECT = "cancelled from Prefect"
+ORIGIN_TIMEOUT_S = 5.0  # the API's answer to "is this run being cancelled?", asked once at the signal
+
+
 def _campaign(spec: CampaignSpec) -> dict:
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
     stop = current_stop()  # set under `pretrain run`: Ctrl-C / SIGTERM stop the campaign
     with campaign_guard(spec, flow_run.get_id()), mlflow_auth(spec.credentials):
-        if stop is None:
-            return run_campaign(spec)
-        stop.flow_run = flow_run.get_id()
-        here = contextvars.copy_context()
-        stop.recorder = lambda cause, warn: here.run(record_interrupt, spec.workdir_path, stop, cause, warn)
-        try:
-            return run_campaign(spec, stop)
-        except Exception as e:
-            if not stop.requested.is_set():
-                raise
-            raise record_interrupted(spec, stop, e) from None
+        if stop is not None:
+            return _run_stoppable(spec, stop)
+        # this flow runs in its process's main thread (a deployment's run, a pod): SIGTERM pauses
+        window_s = pause_window_s(spec.resume.grace_period_s, PretrainSettings.from_env().kill_grace_s)
+        pause = current_pause()
+        with pause_on_termination(lambda name: pause.ask(f"{name} received")) as stop:
+            if stop is None:
+                return run_campaign(spec)
+            # a cancelled run returns its status too: Prefect refuses the Completed of a run being
+            # cancelled, and its worker or runner ends it Cancelled once this process exits
+            try:
+                return supervise(lambda: _run_stoppable(spec, stop), stop, window_s, get_run_logger().warning,
+                                 "resume.grace_period_s or PRETRAIN_KILL_GRACE_S less 5s", "a second SIGTERM",
+                                 on_request=lambda: _note_origin(stop))
+            except StoppedAtOnce:
+                if stop.origin == CANCELLED_FROM_PREFECT:
+                    _leave_to_the_worker()
+                raise  # any other SIGTERM goes on to Prefect's handler: the run ends Crashed, as before
+
+
+def _run_stoppable(spec: CampaignSpec, stop: StopRequest) -> dict:
+    stop.flow_run = flow_run.get_id()
+    here = contextvars.copy_context()
+    stop.recorder = lambda cause, warn: here.run(record_interrupt, spec.workdir_path, stop, stop.describe(cause), warn)
+    try:
+        return run_campaign(spec, stop)
+    except Exception as e:
+        if not stop.requested.is_set():
+            raise
+        raise record_interrupted(spec, stop, e) from None
+
+
+def being_cancelled() -> bool:
+    """Whether this flow run is being cancelled: Prefect's worker or runner marks it Cancelling,
+    then sends its SIGTERM. False for any other SIGTERM (a pod eviction, a worker shutting down,
+    ``kill``), and when the API does not answer within seconds (the signal's name says enough)."""
+    try:
+        with get_client(sync_client=True, httpx_settings={"timeout": ORIGIN_TIMEOUT_S}) as client:
+            state = client.read_flow_run(flow_run.get_id()).state
+    except Exception:  # noqa: BLE001 - a cause less precise, never a failure
+        return False
+    return state is not None and (state.is_cancelling() or state.is_cancelled())
+
+
+def _leave_to_the_worker() -> None:
+    """End this process as SIGTERM's default action does, once the stop at once is recorded:
+    the worker that is cancelling the run then ends it Cancelled (handed to Prefect's handler, a
+    SIGTERM whose cancel the worker could not deliver ends the run Crashed first)."""
+    APILogWorker.drain_all(timeout=2)  # the run's last lines (the stop at once) reach its logs
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _note_origin(stop: StopRequest) -> None:
+    if being_cancelled():
+        stop.origin = CANCELLED_FROM_PREFECT
 
 
 def record_interrupted(spec: CampaignSpec, stop: StopRequest, error: Exception) -> CampaignInterrupted:
@@ -160,6 +223,9 @@ def _next_stage(spec: CampaignSpec, ledger: Ledger) -> tuple[str, int]:
 
 def paused(spec: CampaignSpec, stage: str, step: int, reason: str) -> dict:
     """End this run with the campaign paused (ledger, MLflow runs scheduled); its status."""
+    stop = current_stop()
+    if stop is not None and stop.signum is not None and reason == f"{stop.name} received":
+        reason = stop.describe(reason)  # a signal's pause: "cancelled from Prefect (SIGTERM from its worker)"
     record = record_pause(spec.workdir_path, flow_run.get_id(), stage, step, reason)
     get_run_logger().info("campaign %s %s; run it again to continue", spec.name, record.end.cause)
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options())

@@ -38,6 +38,12 @@ class PretrainSettings(BaseSettings):
     stop_grace_s: float = Field(
         120.0, ge=0, description="An operator's stop (Ctrl-C, SIGTERM) waits this long for the savers' save at "
         "breakpoint before the job's processes are killed.")
+    kill_grace_s: float = Field(
+        30.0, gt=0, description="How long the infrastructure that runs a deployment's flow-run process waits between "
+        "its SIGTERM and its SIGKILL: Prefect 3's process worker and `serve` runner wait 30 s on a cancellation (fixed "
+        "in Prefect), Kubernetes the pod's terminationGracePeriodSeconds (30 s unless the job template raises it). A "
+        "SIGTERM there pauses the campaign within this less 5 s (and never longer than resume.grace_period_s); "
+        "past that everything stops at once.")
     scale_up_grace_s: float = Field(
         120.0, ge=0, description="A job stopped to scale back up waits this long for the savers' final persist.")
     mlflow_drain_s: float = Field(

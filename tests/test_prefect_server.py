@@ -216,22 +216,28 @@ def test_a_second_run_of_a_training_campaign_never_trains(training, worker):
     assert len(campaign_processes(spec.workdir_path, "trainer.worker")) == 1  # still the first run's only worker
 
 
-def test_cancelling_from_the_api_stops_training_and_persists_a_final_checkpoint(training, worker):
+def test_cancelling_from_the_api_pauses_the_campaign_at_a_validated_checkpoint(training, worker):
+    """The UI's cancel: the worker's SIGTERM pauses the campaign within the 30 s before its SIGKILL;
+    the run ends Cancelled, the ledger says paused (cancelled from Prefect), the next run goes on."""
     run, _, spec = training
     with worker.settings():
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(run.id, Cancelling(message="test: cancel from the UI"), force=True)
         assert final_state(run.id, 180).is_cancelled()
+        report = latest_artifact("campaign-report", spec.name).data
     wait_for(lambda: not trainer_processes(spec.workdir_path), 30, "every training process to exit")
     store = ckpt.CheckpointStore.open(spec.workdir_path / "checkpoints" / "main")
     [step] = store.committed_steps()  # periodic checkpoints are 1000 steps apart: this is the save at breakpoint
     assert step >= 6 and step % 2 == 0 and store.verify(step) == []
+    assert f"# Campaign `{spec.name}` — paused" in report
     record = Ledger.read(CampaignLayout(spec.workdir_path)).record
-    assert record.status == "cancelled" and record.stages["main"].status == "cancelled"
+    assert (record.status, record.stages["main"].status, record.end.step) == ("paused", "paused", step)
+    assert record.end.cause == f"paused at main step {step}: cancelled from Prefect (SIGTERM from its worker)"
+    assert record.stages["main"].newest_good_step() == step  # judged by the gate: the next run resumes there
     client = MlflowClient(spec.tracking_uri)
     for run_id in (record.mlflow.parent_run_id, record.stages["main"].mlflow_run_id):
         mlflow_run = client.get_run(run_id)
-        assert mlflow_run.info.status == "KILLED" and mlflow_run.data.tags[TAG_END_CAUSE]
+        assert mlflow_run.info.status == "SCHEDULED" and "cancelled from Prefect" in mlflow_run.data.tags[TAG_END_CAUSE]
     assert_no_duplicate_metric_steps(spec.tracking_uri)
 
 
