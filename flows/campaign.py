@@ -41,6 +41,7 @@ from tasks.events import campaign_completed
 from tasks.hooks import CAMPAIGN_HOOKS
 from tasks.registry import register_final_model
 from tasks.tracking import finish_run, open_campaign_run, tracker_for
+from trainer.zygote import zygote_running
 
 
 @flow(name="pretrain-campaign", **CAMPAIGN_HOOKS)
@@ -61,7 +62,10 @@ def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = 
 def _campaign(spec: CampaignSpec) -> dict:
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
     stop = current_stop()  # set under `pretrain run`: Ctrl-C / SIGTERM stop the campaign
-    with campaign_guard(spec, flow_run.get_id()), mlflow_auth(spec.credentials):
+    # the run's fork server (torch imported once: node checks, node agents, gate passes), started
+    # now so that its imports overlap the data preparation; the tasks find it in their context
+    with campaign_guard(spec, flow_run.get_id()), zygote_running(log=get_run_logger().warning), \
+            mlflow_auth(spec.credentials):
         if stop is None:
             return run_campaign(spec)
         stop.flow_run = flow_run.get_id()

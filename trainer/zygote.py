@@ -41,6 +41,7 @@ from pathlib import Path
 from trainer.zygote_server import HEADER
 
 PRELOAD = ("torch", "trainer.launch", "trainer.worker", "trainer.healthcheck", "trainer.gate")
+TITLE_ROOM = 4096  # bytes of the zygote's argv its children rewrite into their own command lines
 READY_TIMEOUT_S = 120.0  # a zygote still importing when asked: wait this long (a fresh interpreter pays the same imports)
 
 
@@ -197,7 +198,7 @@ class Zygote:
             with open(os.path.join(home, "zygote.log"), "wb") as err:
                 server = subprocess.Popen(
                     [python, "-m", "trainer.zygote", "--socket", path, "--owner", str(os.getpid()),
-                     "--preload", ",".join(preload)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                     "--preload", ",".join(preload), "--title-room", "." * TITLE_ROOM], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                     start_new_session=True, env=None if env is None else dict(env))
         except OSError as e:
             return cls(path, None, log, python, ready_timeout_s, why_not=f"it could not start ({e})")
@@ -249,7 +250,7 @@ class Zygote:
 
     def _fork(self, args: list[str], module: str, argv: Sequence[str], env: dict[str, str], cwd,
               streams: tuple[list[int], list[int]], new_session: bool) -> ZygoteProcess:
-        request = json.dumps({"module": module, "argv": list(map(str, argv)), "env": env,
+        request = json.dumps({"module": module, "argv": list(map(str, argv)), "env": env, "title": args,
                               "cwd": None if cwd is None else os.fspath(cwd), "new_session": new_session}).encode()
         fds, opened = streams
         try:

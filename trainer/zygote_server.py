@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
 import importlib
 import json
 import os
@@ -84,6 +85,25 @@ def signal_child(pid: int, child: Child, sig: int) -> None:
         pass
 
 
+def set_cmdline(args: list[str]) -> None:
+    """Show ``args`` as this process's command line (``ps``, psutil: a forked agent reads as
+    ``python -m trainer.launch ...``, not as the zygote), as far as the zygote's argv memory
+    reaches (its ``--title-room`` argument reserves it). Linux only; elsewhere a no-op."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return
+    data, room = b"", end - start
+    for arg in args:
+        encoded = arg.encode(errors="replace") + b"\0"
+        if len(data) + len(encoded) > room:
+            break
+        data += encoded
+    ctypes.memmove(start, data + b"\0" * (room - len(data)), room)
+
+
 def become(request: dict, fds: list[int], close: list[int]) -> None:
     """In the forked child: turn into ``python -m MODULE ARGV`` as asked, run it, exit with its
     status. Never returns (the server's loop is still on this stack)."""
@@ -112,6 +132,7 @@ def become(request: dict, fds: list[int], close: list[int]) -> None:
             for stream in (sys.stdout, sys.stderr):
                 stream.reconfigure(write_through=True)
         module = request["module"]
+        set_cmdline(request.get("title") or [sys.executable, "-m", module, *request["argv"]])
         sys.modules.pop(module, None)  # preloaded: run afresh as __main__, as `python -m` does
         sys.argv = [module, *request["argv"]]
         try:
@@ -257,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", required=True, help="unix socket path to serve on")
     p.add_argument("--owner", type=int, required=True, help="the zygote ends when this process (its parent) does")
     p.add_argument("--preload", default="", help="modules to import before serving, comma-separated")
+    p.add_argument("--title-room", default="", help="padding: room in argv for the children's command lines")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if os.getppid() != args.owner:
         return 0  # the owner died before we started
