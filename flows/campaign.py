@@ -54,6 +54,7 @@ from tasks.events import campaign_completed
 from tasks.hooks import CAMPAIGN_HOOKS
 from tasks.registry import register_final_model
 from tasks.tracking import finish_run, open_campaign_run, tracker_for
+from trainer.zygote import zygote_running
 
 
 @flow(name="pretrain-campaign", **CAMPAIGN_HOOKS)
@@ -79,7 +80,10 @@ ORIGIN_TIMEOUT_S = 5.0  # the API's answer to "is this run being cancelled?", as
 def _campaign(spec: CampaignSpec) -> dict:
     spec.workdir_path.mkdir(parents=True, exist_ok=True)
     stop = current_stop()  # set under `pretrain run`: Ctrl-C / SIGTERM stop the campaign
-    with campaign_guard(spec, flow_run.get_id()), mlflow_auth(spec.credentials):
+    # the run's fork server (torch imported once: node checks, node agents, gate passes), started
+    # now so that its imports overlap the data preparation; the tasks find it in their context
+    with campaign_guard(spec, flow_run.get_id()), zygote_running(log=get_run_logger().warning), \
+            mlflow_auth(spec.credentials):
         if stop is not None:
             return _run_stoppable(spec, stop)
         # this flow runs in its process's main thread (a deployment's run, a pod): SIGTERM pauses

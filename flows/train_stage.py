@@ -92,8 +92,9 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
             point = find_resume_point(spec, stage_index)
             break
     if paused:
+        # the stage is marked paused with the campaign's end, in one ledger write (record_pause): a stop at
+        # once between two writes would leave a paused stage in an interrupted campaign
         logger.info("stage %s: paused at step %s (%s)", stage.name, _step(point) or 0, paused)
-        ledger.set_stage_status(stage.name, StageStatus.PAUSED)
         return {"step": _step(point) or 0, "path": point["path"] if point else None, "paused": paused}
     end = stage_end(stage.name, stage.steps, _step(point), ledger.reload().stages[stage.name].attempts, last,
                     spec.workdir_path / "jobs" / stage.name)

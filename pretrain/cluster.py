@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec_sections import ClusterSpec
 from trainer.config import JobConfig
 from trainer.resilience.healthcheck import judge_nodes
+from trainer.zygote import Zygote, ZygoteProcess, current_zygote, spawn
 
 
 class ClusterError(RuntimeError):
@@ -90,7 +92,7 @@ class LocalJobHandle(JobHandle):
     meanwhile is *lost* (the others re-rendezvous without it); the job succeeds when a node
     finishes cleanly (the orchestrator then checks the final checkpoint is committed)."""
 
-    procs: list[subprocess.Popen]
+    procs: list[subprocess.Popen | ZygoteProcess]
     logs: list[Path] = field(default_factory=list)
     nodes_min: int = 1
 
@@ -141,29 +143,38 @@ class LocalCluster(Cluster):
     python: str = sys.executable
     env: Mapping[str, str] | None = field(default=None, repr=False)  # the job's environment (credentials); None: ours
     settings: PretrainSettings = field(default_factory=PretrainSettings.from_env)  # health-check timeout, lock wait
+    # forks the processes with torch imported (the campaign run's, ``trainer.zygote``); None: fresh interpreters
+    zygote: Zygote | None = field(default_factory=current_zygote, repr=False)
+
+    def _spawn(self, module: str, argv: list[str], **kwargs) -> subprocess.Popen | ZygoteProcess:
+        return spawn(module, argv, zygote=self.zygote, python=self.python, **kwargs)
 
     def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
                      nodes: list[int] | None = None) -> list[dict]:
         """Every worker slot of the nodes at once: matmul time and allreduce bandwidth among them."""
         wpn, port = self.spec.workers_per_node, free_port()
         slots = [n * wpn + i for n in (range(self.spec.nodes_max) if nodes is None else nodes) for i in range(wpn)]
-        procs = [subprocess.Popen([self.python, "-m", "trainer.healthcheck", "--workdir", str(workdir), "--rank", str(k),
-                                   "--world", str(len(slots)), "--master-port", str(port),
-                                   "--extra-delay", str((delays or {}).get(r, 0.0))],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k, r in enumerate(slots)]
-        rows = []
-        for r, proc in zip(slots, procs):
-            try:
-                out, err = proc.communicate(timeout=self.settings.health_check_timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            row = {"node": r // wpn, "local_rank": r % wpn, "ok": proc.returncode == 0}
-            if proc.returncode == 0:
-                row.update(json.loads(out.strip().splitlines()[-1]))
-            else:
-                row["error"] = (err or "no output").strip()[-2000:]
-            rows.append(row)
+        with tempfile.TemporaryDirectory(prefix="pretrain-nodecheck-") as tmp:
+            procs = []
+            for k, r in enumerate(slots):
+                with open(f"{tmp}/{k}.out", "wb") as out, open(f"{tmp}/{k}.err", "wb") as err:
+                    procs.append(self._spawn("trainer.healthcheck", [
+                        "--workdir", str(workdir), "--rank", str(k), "--world", str(len(slots)), "--master-port", str(port),
+                        "--extra-delay", str((delays or {}).get(r, 0.0))], stdout=out, stderr=err,
+                        stdin=subprocess.DEVNULL, env=dict(os.environ)))
+            rows = []
+            for k, (r, proc) in enumerate(zip(slots, procs)):
+                try:
+                    proc.wait(self.settings.health_check_timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                row = {"node": r // wpn, "local_rank": r % wpn, "ok": proc.returncode == 0}
+                if proc.returncode == 0:
+                    row.update(json.loads(Path(f"{tmp}/{k}.out").read_text().strip().splitlines()[-1]))
+                else:
+                    row["error"] = (Path(f"{tmp}/{k}.err").read_text(errors="replace") or "no output").strip()[-2000:]
+                rows.append(row)
         return rows
 
     def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> LocalJobHandle:
@@ -176,15 +187,15 @@ class LocalCluster(Cluster):
         procs, logs = [], []
         for node in nodes:
             log = Path(job.job_dir) / f"node{node}.log"
-            cmd = ([self.python, "-m", "trainer.launch", str(job_path), "--nproc", str(self.spec.workers_per_node),
+            argv = ([str(job_path), "--nproc", str(self.spec.workers_per_node),
                     "--nnodes-min", str(self.spec.nodes_min), "--nnodes-max", str(len(nodes)),
                     "--rdzv-endpoint", endpoint, "--run-id", run_id, "--max-restarts", str(self.spec.max_restarts),
                     "--lock", str(layout.stage_lock(job.stage, node)), "--threads", str(self.threads_per_worker),
                     "--node", str(node), "--lock-wait", str(self.settings.node_lock_wait_s)]
                     + (["--rdzv-host"] if node == nodes[0] else []))
             with open(log, "ab") as out:
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                              start_new_session=True, env=None if self.env is None else dict(self.env)))
+                procs.append(self._spawn("trainer.launch", argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         new_session=True, env=dict(os.environ if self.env is None else self.env)))
             logs.append(log)
         return LocalJobHandle(procs, logs, self.spec.nodes_min)
 

@@ -9,10 +9,8 @@ past it, moved to ``quarantine/`` so that step can be committed again.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -25,7 +23,8 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from trainer.checkpoint.records import DamagedRecord
 from trainer.checkpoint.store import MANIFEST, CheckpointStore, step_name
-from trainer.gate import forked_main
+from trainer.zygote import current_zygote, spawn
+
 
 def gate_timeout_s(total_bytes: int, requests: int, settings: PretrainSettings) -> float:
     """How long a gate process may take for ``requests`` checkpoints of ``total_bytes`` in all."""
@@ -73,49 +72,18 @@ def run_gate(requests: list[dict], timeout_s: float, env: dict[str, str] | None 
 
 def _gate_process(files: dict[str, str], timeout_s: float, env: dict[str, str]) -> int | None:
     """The gate's exit code (negative: the signal that ended it), None when it ran out of time
-    (then it is killed). ``python -m trainer.gate`` in a fresh interpreter, unless this process's
-    main module is never run again in a forked child (pytest, ``python -c``, ``python -m pkg``):
-    then the gate is forked from multiprocessing's fork server, which imports the gate's modules
-    (torch) once for this process's lifetime — a fresh interpreter paid ~1.8 CPU-s of imports per
-    gate pass, several passes per stage. Multiprocessing runs any other main module (a script,
-    ``python -m pretrain.cli``) again in each child, which a script without a ``__main__`` guard
-    does not survive. The fork server is single-threaded (never a fork of this threaded process)
-    and ends with this process."""
-    if not _main_rerun_in_children():
-        return _forked_gate(files, timeout_s, env)
+    (then it is killed). ``python -m trainer.gate``, forked from the campaign run's zygote when
+    there is one (``trainer.zygote``: torch imported once per run, whatever this process's main
+    module), else a fresh interpreter (~1.8 CPU-s of imports per gate pass, several passes per stage)."""
     with open(files["stdout"], "wb") as out, open(files["stderr"], "wb") as err:
-        try:
-            return subprocess.run([sys.executable, "-m", "trainer.gate", files["requests.json"]], stdout=out, stderr=err,
-                                  env=env, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            return None
-
-
-def _forked_gate(files: dict[str, str], timeout_s: float, env: dict[str, str]) -> int | None:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["trainer.gate"])  # unless the data preparation pool started it first
-    proc = ctx.Process(target=forked_main, args=(files["requests.json"], files["stdout"], files["stderr"], env),
-                       name="pretrain-gate", daemon=True)
-    proc.start()
+        proc = spawn("trainer.gate", [files["requests.json"]], zygote=current_zygote(), env=env, stdout=out, stderr=err,
+                     stdin=subprocess.DEVNULL)
     try:
-        proc.join(timeout_s)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
-            return None
-        return proc.exitcode
-    finally:
-        proc.close()
-
-
-def _main_rerun_in_children() -> bool:
-    """Whether multiprocessing would run this process's main module again in a forked child: a
-    script, or a ``python -m`` module other than a package's ``__main__``."""
-    main = sys.modules.get("__main__")
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    if name is not None:
-        return not name.endswith("__main__")
-    return getattr(main, "__file__", None) is not None
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
 
 
 def _read(path: str) -> str:

@@ -19,7 +19,6 @@ every pending checkpoint, so torch is imported once. A request::
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -38,18 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # overlaps training: take one core, not all of them
     print(json.dumps([judge_one(request) for request in json.loads(Path(args[0]).read_text())]))
     return 0
-
-
-def forked_main(requests: str, stdout: str, stderr: str, env: dict[str, str]) -> None:
-    """:func:`main` in a process forked from a fork server (``pretrain.gate.run_gate``): with
-    the environment it was given (as ``env=`` gives a fresh process), stdout and stderr to files."""
-    os.environ.clear()
-    os.environ.update(env)
-    for fd, path in ((1, stdout), (2, stderr)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.exit(main([requests]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,189 @@
+"""The zygote (trainer.zygote): processes forked with torch imported behave as fresh interpreters
+started by ``subprocess.Popen``, die with their owner, and a broken zygote falls back to Popen."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import wait_for
+from pretrain.cluster import LocalCluster
+from pretrain.spec_sections import ClusterSpec
+from trainer.zygote import Zygote, ZygoteProcess
+
+REPO = str(Path(__file__).resolve().parents[1])
+
+PROBE = """
+import json, os, signal, sys, time
+mode = sys.argv[1]
+if mode == "report":
+    print(json.dumps({"name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ),
+                      "stdin": sys.stdin.read(), "own_session": os.getsid(0) == os.getpid()}))
+    print("to stderr", file=sys.stderr)
+elif mode == "exit":
+    sys.exit(int(sys.argv[2]))
+elif mode == "message":
+    sys.exit("giving up: no data")
+elif mode == "raise":
+    raise RuntimeError("boom")
+elif mode == "suicide":
+    os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+elif mode == "sleep":
+    signal.pause()
+elif mode == "agent":  # as a node agent: an orphan watchdog, and a worker that watches it in turn
+    import subprocess
+    from trainer.process import exit_when_orphaned
+    exit_when_orphaned()
+    worker = subprocess.Popen([sys.executable, "-c", "import signal; from trainer.process import exit_when_orphaned; "
+                               "exit_when_orphaned(); signal.pause()"])
+    print(worker.pid, flush=True)
+    signal.pause()
+"""
+
+
+@pytest.fixture(scope="module")
+def probe_env(tmp_path_factory) -> dict[str, str]:
+    """An environment whose PYTHONPATH holds the probe module (not on the zygote's own path)."""
+    d = tmp_path_factory.mktemp("probe")
+    (d / "zprobe.py").write_text(PROBE)
+    return {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join([str(d), REPO]), "ZYGOTE_TEST": "yes"}
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    with Zygote.start(env={**os.environ, "PYTHONPATH": REPO}) as z:  # the real preload: torch and the entry points
+        yield z
+
+
+def run(zygote: Zygote | None, env, tmp_path: Path, *argv: str, **kwargs):
+    """The probe run to its end, forked or (zygote None) a fresh interpreter: (code, stdout, stderr)."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as o, open(err, "wb") as e:
+        if zygote is None:
+            proc = subprocess.Popen([sys.executable, "-m", "zprobe", *argv], stdout=o, stderr=e, env=env,
+                                    stdin=subprocess.DEVNULL, **kwargs)
+        else:
+            proc = zygote.spawn("zprobe", argv, stdout=o, stderr=e, env=env, stdin=subprocess.DEVNULL, **kwargs)
+    return proc.wait(60), out.read_text(), err.read_text()
+
+
+def test_a_forked_module_runs_as_main_with_exactly_the_env_argv_cwd_and_fds_asked_for(zygote, probe_env, tmp_path):
+    stdin = tmp_path / "in"
+    stdin.write_text("fed on stdin")
+    out, err = tmp_path / "o", tmp_path / "e"
+    with open(stdin, "rb") as i, open(out, "wb") as o, open(err, "wb") as e:
+        proc = zygote.spawn("zprobe", ["report", "an arg"], env=probe_env, cwd=tmp_path, stdin=i, stdout=o, stderr=e,
+                            new_session=True)
+    assert isinstance(proc, ZygoteProcess) and proc.wait(60) == 0 and proc.returncode == 0
+    seen = json.loads(out.read_text())
+    assert seen["name"] == "__main__" and seen["argv"][1:] == ["report", "an arg"]
+    assert seen["argv"][0].endswith("zprobe.py")
+    assert seen["cwd"] == str(tmp_path) and seen["env"] == probe_env
+    assert seen["stdin"] == "fed on stdin" and seen["own_session"]
+    assert err.read_text() == "to stderr\n"
+
+
+@pytest.mark.parametrize("argv", [("exit", "0"), ("exit", "3"), ("message",), ("raise",), ("suicide", "SIGKILL"),
+                                  ("suicide", "SIGTERM"), ("suicide", "SIGINT")])
+def test_exit_codes_and_signal_deaths_are_reported_as_popen_reports_them(zygote, probe_env, tmp_path, argv):
+    forked, fresh = run(zygote, probe_env, tmp_path, *argv), run(None, probe_env, tmp_path, *argv)
+    assert forked[0] == fresh[0]
+    assert forked[2].strip().splitlines()[-1:] == fresh[2].strip().splitlines()[-1:]  # the same last error line
+
+
+def test_a_running_child_is_waited_signalled_and_listed_as_popen_would_show_it(zygote, probe_env):
+    proc = zygote.spawn("zprobe", ["sleep"], env=probe_env, stdout=subprocess.DEVNULL)
+    assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.2)
+    assert psutil.Process(proc.pid).cmdline()[:4] == [sys.executable, "-m", "zprobe", "sleep"]
+    proc.terminate()
+    assert proc.wait(30) == -signal.SIGTERM and proc.poll() == -signal.SIGTERM
+
+
+def gone(pids: list[int]) -> bool:
+    def running(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    return not any(running(pid) for pid in pids)
+
+
+def test_the_owner_killed_leaves_no_forked_process(probe_env, tmp_path):
+    owner = tmp_path / "owner.py"
+    owner.write_text(textwrap.dedent("""
+        import json, os, sys, signal
+        from trainer.zygote import Zygote
+        env = json.loads(sys.argv[1])
+        z = Zygote.start(preload=["trainer.process"], env=env)
+        r, w = os.pipe()
+        agent = z.spawn("zprobe", ["agent"], env=env, stdout=w, new_session=True)  # a worker under it
+        plain = z.spawn("zprobe", ["sleep"], env=env)  # no watchdog of its own
+        os.close(w)
+        worker = int(os.fdopen(r).readline())
+        print(json.dumps([z._server.pid, agent.pid, worker, plain.pid]), flush=True)
+        signal.pause()
+    """))
+    proc = subprocess.Popen([sys.executable, str(owner), json.dumps(probe_env)], stdout=subprocess.PIPE, text=True,
+                            env=probe_env)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) == 4 and not gone(pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: gone(pids), 30, "the zygote and every process forked from it to end with their owner")
+
+
+def test_a_client_gone_stops_the_children_it_asked_for(zygote, probe_env, tmp_path):
+    client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import signal
+        from trainer.zygote import Zygote
+        child = Zygote.connect({zygote.path!r}).spawn("zprobe", ["sleep"], env={probe_env!r})
+        print(child.pid, flush=True)
+        signal.pause()
+    """)], stdout=subprocess.PIPE, text=True, env=probe_env)
+    try:
+        child = int(client.stdout.readline())
+        assert not gone([child])
+    finally:
+        client.kill()
+        client.wait()
+    wait_for(lambda: gone([child]), 30, "the child of a client that died to be stopped")
+
+
+def test_a_killed_zygote_falls_back_to_popen_saying_so_once(probe_env, tmp_path):
+    said = []
+    z = Zygote.start(preload=["trainer.process"], env=probe_env, log=said.append)
+    try:
+        assert isinstance(z.spawn("zprobe", ["exit", "0"], env=probe_env), ZygoteProcess)
+        z._server.kill()
+        z._server.wait()
+        for code in (4, 5):
+            assert run(z, probe_env, tmp_path, "exit", str(code)) == (code, "", "")
+        assert len(said) == 1 and "fresh interpreter" in said[0]
+    finally:
+        z.close()
+
+
+def test_a_zygote_that_cannot_be_reached_falls_back_to_popen(probe_env, tmp_path):
+    said = []
+    z = Zygote.connect(str(tmp_path / "no-such-socket"), log=said.append)
+    assert run(z, probe_env, tmp_path, "report")[0] == 0 and len(said) == 1 and not z.usable
+
+
+def test_the_node_check_runs_forked_from_the_zygote(zygote, tmp_path):
+    """Two check processes forked with torch imported measure matmul and allreduce between them."""
+    cluster = LocalCluster(ClusterSpec(nodes_min=1, nodes_max=2, workers_per_node=1), zygote=zygote)
+    rows = cluster.health_check(tmp_path)
+    assert [r["ok"] for r in rows] == [True, True], rows
+    assert all(r["matmul_s"] > 0 and r["allreduce_MBps"] > 0 for r in rows)
