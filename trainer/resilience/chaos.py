@@ -55,11 +55,13 @@ def reached_marker(job_dir: str | Path, index: int) -> Path:
 
 
 class WorkerChaos:
-    def __init__(self, drills: list[Drill], job_dir: str | Path, rank: int, report, node: int = 0):
+    def __init__(self, drills: list[Drill], job_dir: str | Path, rank: int, report, node: int = 0, before_kill=None):
+        """``before_kill``: called before a ``kill_worker`` drill fires (waits for the node's warm spare)."""
         self.drills: list[tuple[int, WorkerDrill]] = [(i, d) for i, d in enumerate(drills) if isinstance(d, WorkerDrill)]
         self.agent_drills: list[tuple[int, NodeDrill]] = [(i, d) for i, d in enumerate(drills)
                                                           if isinstance(d, NodeDrill) and d.node == node]
         self.job_dir, self.rank, self.report = job_dir, rank, report
+        self.before_kill = before_kill
         self._slowed: set[int] = set()
 
     def wait_for_agent_drills(self, step: int) -> None:
@@ -85,6 +87,8 @@ class WorkerChaos:
                     self._slowed.add(i)
                 time.sleep(d.delay_s)  # a straggler, on purpose
             elif d.kind in ("kill_worker", "hang_worker") and self._due(d, step) and claim(self.job_dir, i):
+                if d.kind == "kill_worker" and self.before_kill is not None:
+                    self.before_kill()
                 self.report({"event": EventKind.CHAOS, "kind": d.kind, "rank": self.rank, "step": step})
                 if d.kind == "kill_worker":
                     os.kill(os.getpid(), signal.SIGKILL)
