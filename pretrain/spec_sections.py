@@ -212,7 +212,7 @@ class FaultToleranceSpec(Section):
     rollback_in_process: bool = Field(True, description="Roll a loss anomaly back inside the running workers (each restores the newest snapshot all ranks hold, in well under a second); false: restart the job's workers, which restore it on start-up (seconds).")
     node_check_threshold: float = Field(2.0, gt=1, description="A node whose health check is slower than this multiple of the median is excluded.")
     saver_max_failures: int = Field(5, ge=1, description="A node's checkpoint saver that fails this many times in a row (restarted with a backoff doubling from `saver_backoff_s` up to 60 s; training goes on on its memory snapshots meanwhile) fails the job with the saver's error.")
-    fast_recovery_timeout_s: float = Field(30.0, gt=0, description="A lost worker of a one-node job whose replacement and survivors are not all restored in a new process group within this many seconds: every worker is restarted instead (the full restart).")
+    fast_recovery_timeout_s: float = Field(30.0, ge=0, description="When a worker of a one-node DDP job dies, the others are kept and a spare takes its rank (docs/recovery.md); if they are not all restored in a new process group within this many seconds, every worker is restarted instead (the full restart). 0: always the full restart.")
     saver_backoff_s: float = Field(1.0, gt=0, description="First wait before a failed checkpoint saver is restarted; doubles with each failure in a row (up to 60 s).")
 
 

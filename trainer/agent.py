@@ -31,6 +31,7 @@ from trainer.backoff import Backoff
 from trainer.checkpoint import fence, shmdirs
 from trainer.checkpoint.saver import ERROR_FILE, PROGRESS_FILE
 from trainer.config import JobConfig, NodeDrill
+from trainer.dist import pick_backend
 from trainer.events import EventKind
 from trainer.node_agent import AgentSettings, run_local
 from trainer.process import exit_when_orphaned
@@ -235,10 +236,14 @@ def run_node(args: argparse.Namespace) -> int:
 
 def local_settings(job: JobConfig, args: argparse.Namespace) -> AgentSettings:
     """Our own agent's settings for a job of one node: survivors of a lost worker are kept under
-    DDP with more than one worker (an FSDP model is sharded over the broken group)."""
+    DDP with more than one worker over gloo (an FSDP model is sharded over the broken group; an
+    NCCL collective with a dead peer does not fail, it waits for the group's timeout), unless
+    ``fast_recovery_timeout_s`` is 0."""
     return AgentSettings(nproc=args.nproc, max_restarts=args.max_restarts, threads=args.threads, node=args.node,
                          port=int(args.rdzv_endpoint.rsplit(":", 1)[1]), spares=job.spares_per_node,
-                         fast=args.nproc > 1 and job.parallelism == "ddp", fast_timeout_s=job.fast_recovery_timeout_s)
+                         fast=args.nproc > 1 and job.parallelism == "ddp" and pick_backend(job.backend) == "gloo"
+                         and job.fast_recovery_timeout_s > 0,
+                         fast_timeout_s=job.fast_recovery_timeout_s)
 
 
 def run_elastic(args: argparse.Namespace, worker_args: list[str]) -> int:

@@ -56,7 +56,8 @@ def reached_marker(job_dir: str | Path, index: int) -> Path:
 
 class WorkerChaos:
     def __init__(self, drills: list[Drill], job_dir: str | Path, rank: int, report, node: int = 0, before_kill=None):
-        """``before_kill``: called before a ``kill_worker`` drill fires (waits for the node's warm spare)."""
+        """``before_kill``: called by every rank at a ``kill_worker`` drill's step before it fires
+        (waits for the node's warm spare)."""
         self.drills: list[tuple[int, WorkerDrill]] = [(i, d) for i, d in enumerate(drills) if isinstance(d, WorkerDrill)]
         self.agent_drills: list[tuple[int, NodeDrill]] = [(i, d) for i, d in enumerate(drills)
                                                           if isinstance(d, NodeDrill) and d.node == node]
@@ -86,9 +87,11 @@ class WorkerChaos:
                     claim(self.job_dir, i)
                     self._slowed.add(i)
                 time.sleep(d.delay_s)  # a straggler, on purpose
-            elif d.kind in ("kill_worker", "hang_worker") and self._due(d, step) and claim(self.job_dir, i):
-                if d.kind == "kill_worker" and self.before_kill is not None:
-                    self.before_kill()
+            elif d.kind in ("kill_worker", "hang_worker"):
+                if d.kind == "kill_worker" and d.step == step and self.before_kill is not None and not claimed(self.job_dir, i):
+                    self.before_kill()  # every rank, so none waits in a collective meanwhile
+                if not (self._due(d, step) and claim(self.job_dir, i)):
+                    continue
                 self.report({"event": EventKind.CHAOS, "kind": d.kind, "rank": self.rank, "step": step})
                 if d.kind == "kill_worker":
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -96,11 +96,16 @@ class Peers:
             return None
         return json.loads(self.store.get(key))
 
-    def wait_for_spare(self, timeout_s: float = 120.0) -> None:
+    def wait_for_spare(self, beat, timeout_s: float = 120.0) -> None:
         """Until the node has a warm spare (a ``kill_worker`` drill rehearses the recovery the
-        spec configures, not the start-up race of the first spare); gives up after ``timeout_s``."""
+        spec configures, not the start-up race of the first spare); ``beat()`` keeps this worker's
+        heartbeat fresh meanwhile. Gives up after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
+        next_beat = 0.0
         while spares_available(self.store) < 1 and time.monotonic() < deadline:
+            if time.monotonic() >= next_beat:
+                beat()
+                next_beat = time.monotonic() + 0.5
             time.sleep(0.02)  # polls the store's counters
 
     def rejoin(self) -> Identity:
