@@ -17,6 +17,7 @@ from pretrain.incidents import incidents
 from pretrain.jobs import build_job
 from trainer.config import JobConfig
 from trainer.reporting import EVENTS, METRICS, read_all
+from trainer.resilience.peers import may_be_peer_loss
 
 STEPS = 14
 
@@ -67,6 +68,10 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_runn
     assert [(e["rank"], e["epoch"]) for e in replacements] == [(1, 1), (0, 2)]
     assert second["pid"] == replacements[0]["pid"]  # the first replacement kept its process through the second fault
     assert len({starts[0]["pid"], starts[1]["pid"], *(e["pid"] for e in replacements)}) == 4
+    # each recovery took a spare that was warm before its fault; a new one was warm before the next fault
+    warm = {e["pid"]: e["time"] for e in by_kind(events, "spare_ready")}
+    kills = by_kind(events, "chaos")
+    assert [warm[e["pid"]] < kill["time"] for e, kill in zip(replacements, kills)] == [True, True]
     rollbacks = by_kind(events, "rollback")
     assert [(r["path"], r["lost_ranks"]) for r in rollbacks] == [("spare", [1]), ("spare", [0])]
     assert all(r["source"] == "memory" for r in rollbacks)
@@ -92,3 +97,15 @@ def test_a_fast_recovery_that_cannot_finish_in_time_falls_back_to_a_full_restart
     assert (incident["cause"], incident["recovery_path"]) == ("worker_killed", "restart")
     model = final_model(job)
     assert all(torch.equal(model[k], clean_model[k]) for k in model)
+
+
+@pytest.mark.parametrize("err, candidate", [
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12202: Connection reset"), True),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms"), True),
+    (torch.distributed.DistStoreError("wait timeout"), True),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),  # the worker's own error
+    (ValueError("gloo"), False),
+    (MemoryError(), False),
+])
+def test_only_a_broken_collective_makes_a_worker_wait_for_a_new_epoch(err, candidate):
+    assert may_be_peer_loss(err) is candidate

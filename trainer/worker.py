@@ -18,7 +18,7 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.dist import FAST_RECOVERY_ENV, Identity, connect_store, init_distributed, pick_backend, shutdown_and_exit
-from trainer.events import error_event
+from trainer.events import EventKind, error_event
 from trainer.loop import build_model, seed_everything, train
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         warm = None
         if args.spare is not None:
             warm = warm_up(cfg)
+            JsonLines(Path(cfg.job_dir) / EVENTS).write({"event": EventKind.SPARE_READY, "spare": args.spare})
             me = wait_for_rank(store, args.spare)
             warm = placed(warm, cfg, me)
         heartbeat = Heartbeat(cfg.job_dir, me.local_rank, me.rank)
