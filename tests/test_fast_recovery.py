@@ -85,6 +85,24 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_runn
     assert model.keys() == clean_model.keys() and all(torch.equal(model[k], clean_model[k]) for k in model)
 
 
+def test_a_hung_worker_is_killed_alone_and_replaced_while_the_other_keeps_running(prepared_data, tmp_path, clean_model):
+    """Rank 1 hangs at step 5 (3 s step timeout): rank 0, waiting for it in the step's
+    collective, is not taken for hung; only rank 1 is killed, a spare takes its rank."""
+    job = two_worker_job(tmp_path, prepared_data, [{"kind": "hang_worker", "rank": 1, "step": 5}])
+    job = dataclasses.replace(job, hang_timeouts={**job.hang_timeouts, "step": 3.0})
+    assert run_agent(job, max_restarts=3, nproc=2) == 0, node_log(job)
+    events = read_all(Path(job.job_dir) / EVENTS)
+    [hang] = by_kind(events, "hang")
+    assert (hang["ranks"], hang["kept"]) == ([1], [0])
+    [start0] = [e for e in by_kind(events, "start") if e["rank"] == 0]
+    [rejoined] = by_kind(events, "rejoined")
+    assert (rejoined["rank"], rejoined["pid"]) == (0, start0["pid"])
+    [incident] = incidents(events, read_all(Path(job.job_dir) / METRICS), 0)
+    assert (incident["cause"], incident["recovery_path"]) == ("hang", "spare")
+    model = final_model(job)
+    assert all(torch.equal(model[k], clean_model[k]) for k in model)
+
+
 def test_a_fast_recovery_that_cannot_finish_in_time_falls_back_to_a_full_restart(prepared_data, tmp_path,
                                                                                  clean_model):
     job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 5}],

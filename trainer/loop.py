@@ -158,7 +158,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
     beat = heartbeat.beat if heartbeat is not None else (lambda phase, step: None)
     chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write, node=this_node(),
-                        before_kill=(lambda: peers.wait_for_spare(lambda: beat("step", step)))
+                        before_loss=(lambda: peers.wait_for_spare(lambda: beat("step", step)))
                         if peers is not None and cfg.spares_per_node else None)
     spikes = spike_detector(cfg)
     windows_to_skip = skip_windows(cfg)
@@ -186,6 +186,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         try:
             beat("step", step)
             chaos.before_step(step + 1)
+            beat("step", step, collective=True)  # waiting from here on is waiting for the peers
             t0 = time.perf_counter()
             consumed = skip_past(consumed, windows_to_skip)
             lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=o.warmup_steps, total=o.steps)
@@ -235,11 +236,11 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
                           "world_size": info.world_size, "grad_accum": accum}
                 metrics.write(record if blocked is None else {**record, "ckpt_block_s": blocked})
         except RuntimeError as err:
+            beat("startup", step)  # not stalled: hearing from the agent whether a peer was lost
             if peers is None or (lost := peers.announced(err)) is None:
                 raise
         else:
             continue
-        beat("startup", step)  # a peer was lost: rejoin the survivors and its replacement
         net = loss = None  # the broken group's DDP reducer goes with its wrapper
         info, restored = rejoin(cfg, info, peers, model=model, optimizer=opt, snapshots=snapshots)
         step, consumed, spikes, windows_to_skip = restored.step, restored.consumed, spike_detector(cfg), skip_windows(cfg)
