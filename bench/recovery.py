@@ -72,6 +72,7 @@ def main() -> None:
     ]
     print(f"{'fault':16s} {'path':10s} {'action':42s} {'recovery_s':>10s} {'steps redone':>12s} {'time lost s':>11s}")
     kills: dict[str, float] = {}  # recovery path → recovery_s of the worker kill
+    hangs: list[float] = []  # detection_s + recovery_s of each hang
     for s in runs:
         status = pretrain_campaign(spec=s)
         for f in status["stages"][0]["failures"]:
@@ -79,9 +80,13 @@ def main() -> None:
                   f"{f.get('steps_redone', 0):>12d} {f['time_lost_s']:>11.2f}")
             if f["cause"] == "worker_killed" and f.get("recovery_s") is not None:
                 kills[f["recovery_path"]] = f["recovery_s"]
+            if f["cause"] == "hang" and f.get("recovery_s") is not None:
+                hangs.append(f.get("detection_s", 0.0) + f["recovery_s"])
     print(f"reference: {DLROVER}")
     if a.only != "nan":
-        report(kill_checks(kills))
+        report(kill_checks(kills) + [Check("hang → found and first step after recovery, s (default settings)", h, 10.0, "<=",
+                                           "the default adapted step timeout (floor 5 s) is most of it")
+                                     for h in hangs])
 
 
 def kill_checks(kills: dict[str, float]) -> list[Check]:
