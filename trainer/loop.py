@@ -156,7 +156,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     job_dir = Path(cfg.job_dir)
     events = JsonLines(job_dir / EVENTS)
     metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
-    beat = heartbeat.beat if heartbeat is not None else (lambda phase, step: None)
+    beat = heartbeat.beat if heartbeat is not None else (lambda phase, step, collective=False: None)
     chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write, node=this_node(),
                         before_loss=(lambda: peers.wait_for_spare(lambda: beat("step", step)))
                         if peers is not None and cfg.spares_per_node else None)
