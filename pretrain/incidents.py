@@ -58,10 +58,20 @@ def cause_of(events: list[dict], exit_code: int | None = None) -> str:
     return "worker_failure" if exit_code is None else f"worker_failure:exit_{exit_code}"
 
 
+# drills that do not stop training (a saver is restarted beside it; a checkpoint is damaged in
+# storage; a straggler): never the moment a recovery's fault was found
+NOT_STOPPING = ("kill_saver", "corrupt_checkpoint", "slow_worker")
+
+
+def stopping(window: list[dict]) -> list[dict]:
+    return [e for e in window if not (e["event"] == EventKind.CHAOS and e.get("kind") in NOT_STOPPING)]
+
+
 def detected_at(window: list[dict], default: float) -> float:
     """When the fault was found: its first record, except the injection of a hang (a
-    ``hang_worker`` drill fires when the worker stops, not when the hang is detected)."""
-    found = [e["time"] for e in window if not (e["event"] == EventKind.CHAOS and e.get("kind") == "hang_worker")]
+    ``hang_worker`` drill fires when the worker stops, not when the hang is detected) and drills
+    that do not stop training."""
+    found = [e["time"] for e in stopping(window) if not (e["event"] == EventKind.CHAOS and e.get("kind") == "hang_worker")]
     return min(found or [e["time"] for e in window] or [default])
 
 
@@ -70,7 +80,7 @@ def began_at(window: list[dict], detected: float) -> float:
     ``stalled_since``); else its first record."""
     stalled = [e["stalled_since"] for e in window
                if e["event"] == EventKind.HANG and isinstance(e.get("stalled_since"), (int, float))]
-    return min([e["time"] for e in window] + stalled + [detected])
+    return min([e["time"] for e in stopping(window)] + stalled + [detected])
 
 
 def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dict]:

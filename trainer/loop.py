@@ -158,7 +158,8 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
     beat = heartbeat.beat if heartbeat is not None else (lambda phase, step, collective=False: None)
     chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write, node=this_node(),
-                        before_loss=(lambda: peers.wait_for_spare(lambda: beat("step", step)))
+                        # waiting for a spare is not a step: its time must not stretch the adapted step timeout
+                        before_loss=(lambda: peers.wait_for_spare(lambda: beat("startup", step)))
                         if peers is not None and cfg.spares_per_node else None)
     spikes = spike_detector(cfg)
     windows_to_skip = skip_windows(cfg)
