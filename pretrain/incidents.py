@@ -1,7 +1,8 @@
 """Failure classification from a job's event and metric streams.
 
-Every failure gets a cause, the action taken and how (``recovery_path``: ``in_process`` or
-``restart``), when it was detected and how long it went unnoticed (``detection_s``: a hang
+Every failure gets a cause, the action taken and how (``recovery_path``: ``in_process``: an
+anomaly rolled back in the live workers; ``spare`` / ``replacement``: a lost worker replaced by a
+warm spare / a cold start while the others were kept; ``restart``: every worker restarted), when it was detected and how long it went unnoticed (``detection_s``: a hang
 stalls training until the detector finds it), how long until training stepped again, and the
 time lost (detection, recovery and the steps redone) — the raw data for a goodput ledger.
 """
@@ -57,10 +58,20 @@ def cause_of(events: list[dict], exit_code: int | None = None) -> str:
     return "worker_failure" if exit_code is None else f"worker_failure:exit_{exit_code}"
 
 
+# drills that do not stop training (a saver is restarted beside it; a checkpoint is damaged in
+# storage; a straggler): never the moment a recovery's fault was found
+NOT_STOPPING = ("kill_saver", "corrupt_checkpoint", "slow_worker")
+
+
+def stopping(window: list[dict]) -> list[dict]:
+    return [e for e in window if not (e["event"] == EventKind.CHAOS and e.get("kind") in NOT_STOPPING)]
+
+
 def detected_at(window: list[dict], default: float) -> float:
     """When the fault was found: its first record, except the injection of a hang (a
-    ``hang_worker`` drill fires when the worker stops, not when the hang is detected)."""
-    found = [e["time"] for e in window if not (e["event"] == EventKind.CHAOS and e.get("kind") == "hang_worker")]
+    ``hang_worker`` drill fires when the worker stops, not when the hang is detected) and drills
+    that do not stop training."""
+    found = [e["time"] for e in stopping(window) if not (e["event"] == EventKind.CHAOS and e.get("kind") == "hang_worker")]
     return min(found or [e["time"] for e in window] or [default])
 
 
@@ -69,7 +80,7 @@ def began_at(window: list[dict], detected: float) -> float:
     ``stalled_since``); else its first record."""
     stalled = [e["stalled_since"] for e in window
                if e["event"] == EventKind.HANG and isinstance(e.get("stalled_since"), (int, float))]
-    return min([e["time"] for e in window] + stalled + [detected])
+    return min([e["time"] for e in stopping(window)] + stalled + [detected])
 
 
 def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dict]:
@@ -78,7 +89,9 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
     events = sorted(events, key=lambda e: e["time"])
     step_time = statistics.median([m["step_time"] for m in metrics]) if metrics else 0.0
     # where training went on after a fault: a restart of the workers, or an in-process rollback
-    points = [e for e in events if (e["event"] == EventKind.START and e.get("rank") == 0) or e["event"] == EventKind.ROLLBACK]
+    # (a replacement joining kept workers starts in a later epoch: rank 0's rollback event marks that recovery)
+    points = [e for e in events if (e["event"] == EventKind.START and e.get("rank") == 0 and not e.get("epoch"))
+              or e["event"] == EventKind.ROLLBACK]
     out = []
     for prev, cur in zip(points, points[1:]):
         window = [e for e in events if prev["time"] < e["time"] <= cur["time"] and e["event"] in FAULT_EVENTS]
@@ -88,11 +101,12 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
         resumed = next((m["time"] for m in metrics if m["time"] > cur["time"]), None)
         recovery = (resumed - detected) if resumed else None
         redone = max(0, reached - cur["step"])
-        in_process = cur["event"] == EventKind.ROLLBACK
-        action = (f"roll back in process to {cur['source']} step {cur['step']}" if in_process
-                  else f"restart workers from {cur['source']} step {cur['step']}")
+        path = cur.get("path", "in_process") if cur["event"] == EventKind.ROLLBACK else "restart"
+        action = {"in_process": f"roll back in process to {cur['source']} step {cur['step']}",
+                  "restart": f"restart workers from {cur['source']} step {cur['step']}"}.get(
+            path, f"replace rank(s) {cur.get('lost_ranks')} ({path}), others kept, from {cur['source']} step {cur['step']}")
         out.append({"attempt": attempt, "in_job": True, "cause": cause_of(window), "action": action,
-                    "recovery_path": "in_process" if in_process else "restart", "detected_at": detected,
+                    "recovery_path": path, "detected_at": detected,
                     "detection_s": round(detection, 2), "recovery_s": None if recovery is None else round(recovery, 2),
                     "steps_redone": redone, "time_lost_s": round(detection + (recovery or 0.0) + redone * step_time, 2)})
     saver_starts: dict[int, int] = {}

@@ -29,11 +29,11 @@ def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int =
     return build_job(spec, 0, attempt, None)
 
 
-def start_agent(job: JobConfig, max_restarts: int = 0, **popen) -> subprocess.Popen:
-    """The job's node agent (``max_restarts``: in-job restarts of its worker)."""
+def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, **popen) -> subprocess.Popen:
+    """The job's node agent (``max_restarts``: in-job restarts of its ``nproc`` workers)."""
     job_path = write_job(job)
     log = open(Path(job.job_dir) / "node0.log", "ab")
-    cmd = [sys.executable, "-m", "trainer.launch", str(job_path), "--nproc", "1", "--rdzv-endpoint",
+    cmd = [sys.executable, "-m", "trainer.launch", str(job_path), "--nproc", str(nproc), "--rdzv-endpoint",
            f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--rdzv-host", "--max-restarts", str(max_restarts)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)
 
@@ -42,9 +42,9 @@ def node_log(job: JobConfig) -> str:
     return (Path(job.job_dir) / "node0.log").read_text(errors="replace")
 
 
-def run_agent(job: JobConfig, timeout: float = 180, max_restarts: int = 0) -> int:
+def run_agent(job: JobConfig, timeout: float = 180, max_restarts: int = 0, nproc: int = 1) -> int:
     """Run the job's agent to its end; returns its exit code. Nothing it started outlives this."""
-    agent = start_agent(job, max_restarts, start_new_session=True)
+    agent = start_agent(job, max_restarts, nproc, start_new_session=True)
     try:
         return agent.wait(timeout)
     finally:

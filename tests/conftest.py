@@ -154,7 +154,8 @@ def campaign_processes(workdir: Path, module: str) -> list[psutil.Process]:
 
 
 def worker_processes(workdir: Path) -> list[psutil.Process]:
-    return campaign_processes(workdir, "trainer.worker")
+    """The campaign's training workers (not the node agents' warm spares, which hold no rank)."""
+    return [p for p in campaign_processes(workdir, "trainer.worker") if "--spare" not in p.info["cmdline"]]
 
 
 def run_campaign_while(spec, act):

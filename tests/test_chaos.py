@@ -79,11 +79,14 @@ def test_failures_are_classified_with_recovery_times(drilled):
     failures = status["stages"][0]["failures"]
     causes = [f["cause"] for f in failures]
     assert {"worker_killed", "saver_failure", "hang", "nonfinite_loss"} <= set(causes)
+    paths = {"nonfinite_loss": "in_process",  # a NaN loses no process: rolled back in it
+             "worker_killed": "spare",  # the other worker is kept, a warm spare takes the lost rank
+             "hang": "spare"}  # the hung worker alone is killed; the one waiting for it in a collective is kept
     for f in failures:
-        if f["cause"] in ("worker_killed", "hang", "nonfinite_loss"):
-            path = "in_process" if f["cause"] == "nonfinite_loss" else "restart"  # a NaN loses no process: rolled back in it
+        if path := paths.get(f["cause"]):
             assert f["recovery_path"] == path and f["recovery_s"] > 0
-            assert f["action"].startswith({"in_process": "roll back in process to memory", "restart": "restart workers from memory"}[path])
+            assert f["action"].startswith({"in_process": "roll back in process to memory", "restart": "restart workers from memory",
+                                           "spare": "replace rank(s) ["}[path])
             assert f["time_lost_s"] >= f["recovery_s"]
 
 
@@ -153,7 +156,7 @@ def test_nan_rollback_keeps_every_worker_process(drilled):
     """Both ranks roll the NaN step back in the processes that saw it: neither is restarted."""
     spec, _ = drilled
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
-    [rollback] = [e for e in events if e["event"] == "rollback"]
+    [rollback] = [e for e in events if e["event"] == "rollback" and e["path"] == "in_process"]
     assert rollback["path"] == "in_process" and rollback["anomaly_step"] == 21
     for rank in (0, 1):
         last_start = [e for e in events if e["event"] == "start" and e["rank"] == rank][-1]

@@ -120,3 +120,36 @@ def test_a_hang_is_found_well_before_step_timeout_and_recorded_as_hang(prepared_
     assert incident["cause"] == "hang"
     assert incident["detected_at"] == hang["time"] > drill["time"]
     assert max(m["step"] for m in metrics) == 8
+
+
+@pytest.fixture
+def sleepers():
+    procs = [subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"]) for _ in range(2)]
+    yield procs
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+WHO_HANGS = {  # name: per rank (heartbeat age s, waiting in a collective) → ranks killed, ranks kept
+    "one hung, the other waits for it in a collective": ([(10.0, False), (10.0, True)], [0], [1]),
+    "one hung, the other still within its timeout": ([(10.0, False), (0.1, True)], [0], [1]),
+    "both wait in a collective: the collective hangs": ([(10.0, True), (10.0, True)], [0, 1], []),
+    "both hung outside collectives": ([(10.0, False), (10.0, False)], [0, 1], []),
+    "one waits in a collective, its peer is not stalled yet": ([(10.0, True), (0.1, False)], [], []),
+}
+
+
+@pytest.mark.parametrize("case", list(WHO_HANGS))
+def test_the_detector_kills_the_hung_rank_and_keeps_those_waiting_for_it(case, tmp_path, sleepers):
+    workers, killed, kept = WHO_HANGS[case]
+    d = heartbeat_dir(tmp_path)
+    d.mkdir()
+    for rank, ((age, collective), proc) in enumerate(zip(workers, sleepers)):
+        (d / f"agent{os.getpid()}-local{rank}.json").write_text(json.dumps(
+            {"phase": "step", "step": 30, "rank": rank, "pid": proc.pid, "time": time.time() - age, "collective": collective}))
+    found = []
+    HangDetector(tmp_path, {"step": 5.0}, found.append).scan()
+    assert [(e["ranks"], e["kept"]) for e in found] == ([(killed, kept)] if killed else [])
+    for rank, proc in enumerate(sleepers):
+        assert (proc.wait(30) == -9) if rank in killed else proc.poll() is None

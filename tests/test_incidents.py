@@ -66,6 +66,9 @@ DETECTED = {  # a restart's fault records → when the fault was found
     "only the drill's record: its time": ([{"event": "chaos", "kind": "hang_worker", "time": 1.0}], 1.0),
     "a killed worker: the kill": ([{"event": "chaos", "kind": "kill_worker", "time": 1.0}, error("x") | {"time": 1.5}], 1.0),
     "nothing recorded: the restart": ([], 9.0),
+    "a saver killed before the hang (training went on): the hang's detection": (
+        [{"event": "chaos", "kind": "kill_saver", "time": 0.5}, {"event": "chaos", "kind": "hang_worker", "time": 1.0},
+         {"event": "hang", "time": 6.0}], 6.0),
 }
 
 
@@ -85,4 +88,7 @@ def test_a_hang_incident_counts_the_stall_before_detection_as_lost():
     metrics = [{"step": s, "time": float(s), "step_time": 1.0} for s in range(1, 10)] + [{"step": 9, "time": 19.0, "step_time": 1.0}]
     [incident] = incidents(events, metrics, 0)
     assert (incident["cause"], incident["detected_at"], incident["detection_s"], incident["recovery_s"]) == ("hang", 15.5, 5.5, 3.5)
+    # a saver killed earlier in the same window (training went on beside it) changes nothing
+    [same] = incidents(events[:1] + [{"event": "chaos", "kind": "kill_saver", "time": 5.0}] + events[1:], metrics, 0)
+    assert (same["detected_at"], same["detection_s"], same["recovery_s"]) == (15.5, 5.5, 3.5)
     assert incident["steps_redone"] == 1 and incident["time_lost_s"] == 5.5 + 3.5 + 1 * 1.0

@@ -75,7 +75,8 @@ def test_campaign_with_data_and_checkpoints_on_s3_trains_from_a_fresh_node_cache
 def test_worker_killed_with_s3_checkpoints_resumes(prefect_harness, prepared_data, tmp_path, seaweed, aws_env):
     spec = s3_spec(tmp_path, prepared_data, seaweed.endpoint,
                    model={"n_layer": 4, "n_head": 4, "d_model": 128, "max_seq_len": 64},
-                   stages=[{"name": "main", "steps": 40, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}])
+                   stages=[{"name": "main", "steps": 40, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}],
+                   fault_tolerance={"fast_recovery_timeout_s": 0})  # the workers restart and restore from memory
     store = checkpoint_store(spec, "main")
 
     def kill_a_worker() -> None:

@@ -1,7 +1,10 @@
 """The node agent, started as ``python -m trainer.launch JOB.json --nproc N ...``.
 
-Runs torch's elastic agent (the ``torchrun`` machinery: c10d rendezvous, worker monitoring,
-in-job restarts) for one node and starts ``python -m trainer.worker JOB.json`` per local rank.
+For a job of one node it runs our own agent (``trainer.node_agent``: worker monitoring, fast
+recovery keeping the survivors of a lost worker, warm spares, full restarts); for several nodes
+torch's elastic agent (the ``torchrun`` machinery: c10d rendezvous, worker monitoring, in-job
+restarts). Either starts ``python -m trainer.worker JOB.json`` per local rank; around them the
+checkpoint saver and the hang detector.
 It exits 0 when every worker finished, 1 when the job failed after its restarts, and ends
 itself (and so its workers) if the orchestrator that started it dies.
 """
@@ -28,7 +31,9 @@ from trainer.backoff import Backoff
 from trainer.checkpoint import fence, shmdirs
 from trainer.checkpoint.saver import ERROR_FILE, PROGRESS_FILE
 from trainer.config import JobConfig, NodeDrill
+from trainer.dist import pick_backend
 from trainer.events import EventKind
+from trainer.node_agent import AgentSettings, run_local
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.chaos import claim, reached_marker
@@ -209,8 +214,6 @@ def run_node(args: argparse.Namespace) -> int:
     exit_when_orphaned(on_orphan=cleanup)
     if args.lock:
         hold_lock(args.lock, timeout_s=args.lock_wait)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ[NODE_ENV] = str(args.node)  # workers name their node in the node check after a restart
     worker_args = ["-u", "-m", "trainer.worker", args.job]
     fence.claim(job.checkpoints(), job.job_dir)  # savers of older jobs of this stage commit nothing from now on
     if job.memory_interval > 0:
@@ -219,6 +222,34 @@ def run_node(args: argparse.Namespace) -> int:
         saver = SaverProcess(ns, args.nproc, args.job, job.saver_max_failures, job.saver_backoff_s,
                              on_give_up=lambda message, error_type: fail_job(job, args.node, message, error_type))
         worker_args += ["--shm", str(ns)]
+    detector = watch_workers(job, args.node, lambda: saver)
+    try:
+        if args.nnodes_max == 1:
+            code = run_local(local_settings(job, args), [sys.executable, *worker_args],
+                             spares_wanted=lambda: detector.max_step >= 1)
+        else:
+            code = run_elastic(args, worker_args)
+    finally:
+        cleanup()
+    return 1 if code and saver is not None and saver.failed else code  # fail_job reported why
+
+
+def local_settings(job: JobConfig, args: argparse.Namespace) -> AgentSettings:
+    """Our own agent's settings for a job of one node: survivors of a lost worker are kept under
+    DDP with more than one worker over gloo (an FSDP model is sharded over the broken group; an
+    NCCL collective with a dead peer does not fail, it waits for the group's timeout), unless
+    ``fast_recovery_timeout_s`` is 0."""
+    return AgentSettings(nproc=args.nproc, max_restarts=args.max_restarts, threads=args.threads, node=args.node,
+                         port=int(args.rdzv_endpoint.rsplit(":", 1)[1]), spares=job.spares_per_node,
+                         fast=args.nproc > 1 and job.parallelism == "ddp" and pick_backend(job.backend) == "gloo"
+                         and job.fast_recovery_timeout_s > 0,
+                         fast_timeout_s=job.fast_recovery_timeout_s)
+
+
+def run_elastic(args: argparse.Namespace, worker_args: list[str]) -> int:
+    """Torch's elastic agent, for a job of several nodes (c10d rendezvous across the nodes)."""
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ[NODE_ENV] = str(args.node)  # workers name their node in the node check after a restart
     config = LaunchConfig(
         min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,
         run_id=args.run_id, role="trainer", rdzv_endpoint=args.rdzv_endpoint, rdzv_backend="c10d",
@@ -230,7 +261,6 @@ def run_node(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts, monitor_interval=0.2,
         start_method="spawn",
     )
-    watch_workers(job, args.node, lambda: saver)
     signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
     try:
         elastic_launch(config, sys.executable)(*worker_args)
@@ -238,11 +268,6 @@ def run_node(args: argparse.Namespace) -> int:
         print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
         return 1
     except SignalException as err:
-        if saver is not None and saver.failed:
-            return 1  # fail_job reported why
         print(f"stopped by {err.sigval.name}", file=sys.stderr, flush=True)
         return 128 + err.sigval
-    finally:
-        cleanup()
     return 0
-

@@ -137,6 +137,9 @@ class JobConfig:
     parallelism: str  # ddp (replicated model, rank 0 checkpoints it) | fsdp (FSDP2: every rank its shard)
     threads_per_worker: int  # torch intra-op threads; 0 = leave as launched
     lease: dict  # the campaign lease the job runs under: {"location", "key", "generation"} (trainer.checkpoint.fence.LeaseFence); {}: none (local state, the flock)
+    # fast recovery under the single-node agent (trainer.node_agent); defaults for a job file of the release before
+    spares_per_node: int = 1  # warm spare workers kept per node (0: a lost worker is replaced by a cold start)
+    fast_recovery_timeout_s: float = 30.0  # a lost worker not replaced (all ranks restored) by then: full restart; 0: always
 
     def checkpoints(self):
         """This stage's checkpoint store (local directory or S3 prefix)."""

@@ -1,4 +1,5 @@
-"""Process-group set-up and tear-down for workers started by torch's elastic agent.
+"""Process-group set-up and tear-down for workers started by a node agent (``trainer.node_agent``
+for one node, torch's elastic agent for several).
 
 Two torch 2.13 + gloo traps are handled here (see docs/platform.md):
 - restarted workers must not meet dead peers in the shared rendezvous store, so the group is
@@ -25,6 +26,28 @@ class DistInfo:
     restart_count: int
     device: torch.device
     backend: str
+    epoch: int = 0  # fast recoveries (new groups of the same processes) in this round; 0: as started
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a worker is: set by the node agent in its environment, or, for a warm spare, handed
+    over through the agent's store when it takes a lost rank's place."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    restart_count: int = 0  # full restarts of the job's workers (torch elastic's name for it)
+    epoch: int = 0  # fast recoveries in this round (trainer.resilience.peers)
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "Identity":
+        return cls(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")), int(env.get("WORLD_SIZE", "1")),
+                   int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get(EPOCH_ENV, "0")))
+
+
+EPOCH_ENV = "PRETRAIN_EPOCH"  # set by the single-node agent for a replacement: the epoch it joins
+FAST_RECOVERY_ENV = "PRETRAIN_FAST_RECOVERY"  # "1": survivors of a lost peer rejoin (trainer.node_agent)
 
 
 def pick_backend(requested: str) -> str:
@@ -33,24 +56,37 @@ def pick_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 300) -> DistInfo:
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def group_prefix(restart: int, epoch: int) -> str:
+    """The store prefix of a round's process group: restarted workers never meet dead peers'
+    keys, nor do the processes of a fast recovery (a new epoch) meet the broken group's."""
+    return f"attempt_{restart}" if epoch == 0 else f"attempt_{restart}_epoch_{epoch}"
+
+
+def connect_store(timeout_s: float) -> dist.TCPStore:
+    """A client of the node agent's store (MASTER_ADDR/MASTER_PORT)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def join_group(base: dist.Store, backend: str, me: Identity, timeout_s: float) -> None:
+    dist.init_process_group(backend, store=dist.PrefixStore(group_prefix(me.restart_count, me.epoch), base),
+                            rank=me.rank, world_size=me.world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 300, me: Identity | None = None,
+                     base: dist.Store | None = None) -> DistInfo:
+    """Join the job's process group as ``me`` (default: from the environment) through the agent's
+    store ``base`` (default: connect to it)."""
+    me = me or Identity.from_env()
     backend = pick_backend(backend)
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(me.local_rank)
+        device = torch.device("cuda", me.local_rank)
     else:
         device = torch.device("cpu")
-    if world > 1 or "MASTER_ADDR" in os.environ:
-        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                             is_master=False, timeout=timedelta(seconds=timeout_s))
-        store = dist.PrefixStore(f"attempt_{restart}", base)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-    return DistInfo(rank, local_rank, world, restart, device, backend)
+    if me.world_size > 1 or "MASTER_ADDR" in os.environ:
+        join_group(base or connect_store(timeout_s), backend, me, timeout_s)
+    return DistInfo(me.rank, me.local_rank, me.world_size, me.restart_count, device, backend, me.epoch)
 
 
 def is_initialized() -> bool:

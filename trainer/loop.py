@@ -24,6 +24,7 @@ from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, record_skip, 
 from trainer.resilience.chaos import WorkerChaos
 from trainer.resilience.heartbeat import Heartbeat
 from trainer.resilience.nodecheck import check_after_restart, this_node
+from trainer.resilience.peers import Peers, rejoin
 from trainer.resilience.rollback import roll_back, skip_windows
 
 
@@ -133,31 +134,54 @@ def recheck_nodes(cfg: JobConfig, info: DistInfo, chaos: WorkerChaos, events: Js
         raise NodeExcluded(f"node(s) {sorted(excluded)} failed the node check after a restart; re-forming the job without them")
 
 
-def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: Heartbeat | None = None) -> int:
+def wrap(cfg: JobConfig, info: DistInfo, model):
+    """What the loop runs the model through: DDP over the current process group (not FSDP, which
+    sharded the model when it was built; not a world of one)."""
+    return DDP(model) if info.world_size > 1 and not state.is_sharded(cfg) else model
+
+
+def spike_detector(cfg: JobConfig) -> SpikeDetector:
+    return SpikeDetector(**cfg.spike) if cfg.spike else SpikeDetector(50, 0.0, 1)
+
+
+def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: Heartbeat | None = None,
+          warm: tuple | None = None, peers: Peers | None = None) -> int:
     """Train until the stage's last step; returns the final step. With ``shm_ns`` checkpoints
-    are flash snapshots persisted by the node's saver; without, they are written directly."""
+    are flash snapshots persisted by the node's saver; without, they are written directly.
+    ``warm``: model and optimizer a warm spare built ahead; ``peers``: the link to the node
+    agent's fast recovery (survivors of a lost peer rejoin a new group instead of exiting)."""
     o = cfg.optim
-    seed_everything(cfg.seed, info.device)
+    if warm is None:  # a warm spare seeded before it built its model
+        seed_everything(cfg.seed, info.device)
     job_dir = Path(cfg.job_dir)
     events = JsonLines(job_dir / EVENTS)
     metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
-    beat = heartbeat.beat if heartbeat is not None else (lambda phase, step: None)
-    chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write, node=this_node())
-    spikes = SpikeDetector(**cfg.spike) if cfg.spike else SpikeDetector(50, 0.0, 1)
+    beat = heartbeat.beat if heartbeat is not None else (lambda phase, step, collective=False: None)
+    def wait_for_spare() -> None:
+        """Before a drill takes a worker away. Waiting is not a step (its time must not stretch
+        the adapted step timeout); the step goes on after it (a hang in the drill is a step's)."""
+        peers.wait_for_spare(lambda: beat("startup", step))
+        beat("step", step)
+
+    chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write, node=this_node(),
+                        before_loss=wait_for_spare if peers is not None and cfg.spares_per_node else None)
+    spikes = spike_detector(cfg)
     windows_to_skip = skip_windows(cfg)
     accum = o.accum_for(info.world_size)
 
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and info.world_size > 1:
+    if info.restart_count > 0 and info.world_size > 1 and info.epoch == 0:  # not a replacement joining survivors
         recheck_nodes(cfg, info, chaos, events)
     snapshots = open_snapshots(cfg, info, snapshot_capacity(cfg, info.rank, info.world_size), shm_ns, events)
-    model, opt = build_model(cfg, info.device)
+    model, opt = warm or build_model(cfg, info.device)
     restored = state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
     step, consumed = restored.step, restored.consumed
     events.write({"event": EventKind.START, "rank": info.rank, "world_size": info.world_size,
-                  "restart_count": info.restart_count, "step": step, "source": restored.source,
+                  "restart_count": info.restart_count, "epoch": info.epoch, "step": step, "source": restored.source,
                   "checkpoint": restored.checkpoint})
 
-    net = DDP(model) if info.world_size > 1 and not state.is_sharded(cfg) else model
+    net = wrap(cfg, info, model)
+    if peers is not None:
+        peers.ready(restored, events.write)
     windows = TokenWindows(cfg.local_data(on_progress=lambda: beat("startup", step)), "train", o.seq_len)
     sampler = make_sampler(windows, cfg.mixture, cfg.seed, cfg.stage_index)
     global_batch = info.world_size * o.micro_batch * accum
@@ -165,65 +189,80 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
 
     stalled = 0.0  # seconds checkpoints blocked training since the last metrics line
     while step < o.steps:
-        beat("step", step)
-        chaos.before_step(step + 1)
-        t0 = time.perf_counter()
-        consumed = skip_past(consumed, windows_to_skip)
-        lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=o.warmup_steps, total=o.steps)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=info.device)
-        factor = chaos.loss_factor(step + 1)
-        for m in range(accum):
-            positions = micro_batch_positions(consumed, world=info.world_size, rank=info.rank,
-                                              micro=o.micro_batch, accum_index=m)
-            x, y = (t.to(info.device, non_blocking=True) for t in make_batch(windows, sampler, positions))
-            with grad_sync(net, model, last=m == accum - 1):
-                with autocast:
-                    loss = lm_loss(net(x), y) / accum
-                    if factor != 1.0:
-                        loss = loss * factor
-                loss.backward()
-            loss_sum += loss.detach().float()
-        mean_loss = all_reduce_mean(loss_sum).item()
-        anomaly = spikes.check(mean_loss)
-        if anomaly:  # before the update: the rollback target never contains this step
-            err = LossAnomaly(anomaly, step + 1, mean_loss, (consumed, consumed + global_batch))
-            if info.rank == 0:
-                record_skip(cfg.job_dir, err)
-                events.write({"event": EventKind.ANOMALY, "kind": anomaly, "step": step + 1, "loss": repr(mean_loss),
-                              "skip": list(err.window)})
-            if not cfg.rollback_in_process:
-                raise err  # the elastic agent restarts the workers, which roll back on start-up
-            beat("startup", step)  # restoring, as a restarted worker would
-            restored, windows_to_skip = roll_back(cfg, info, err, model=model, optimizer=opt, snapshots=snapshots,
-                                                  spikes=spikes, write_event=events.write)
-            step, consumed = restored.step, restored.consumed
+        try:
+            beat("step", step)
+            chaos.before_step(step + 1)
+            beat("step", step, collective=True)  # waiting from here on is waiting for the peers
+            t0 = time.perf_counter()
+            consumed = skip_past(consumed, windows_to_skip)
+            lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=o.warmup_steps, total=o.steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=info.device)
+            factor = chaos.loss_factor(step + 1)
+            for m in range(accum):
+                positions = micro_batch_positions(consumed, world=info.world_size, rank=info.rank,
+                                                  micro=o.micro_batch, accum_index=m)
+                x, y = (t.to(info.device, non_blocking=True) for t in make_batch(windows, sampler, positions))
+                with grad_sync(net, model, last=m == accum - 1):
+                    with autocast:
+                        loss = lm_loss(net(x), y) / accum
+                        if factor != 1.0:
+                            loss = loss * factor
+                    loss.backward()
+                loss_sum += loss.detach().float()
+            mean_loss = all_reduce_mean(loss_sum).item()
+            anomaly = spikes.check(mean_loss)
+            if anomaly:  # before the update: the rollback target never contains this step
+                err = LossAnomaly(anomaly, step + 1, mean_loss, (consumed, consumed + global_batch))
+                if info.rank == 0:
+                    record_skip(cfg.job_dir, err)
+                    events.write({"event": EventKind.ANOMALY, "kind": anomaly, "step": step + 1, "loss": repr(mean_loss),
+                                  "skip": list(err.window)})
+                if not cfg.rollback_in_process:
+                    raise err  # the elastic agent restarts the workers, which roll back on start-up
+                beat("startup", step)  # restoring, as a restarted worker would
+                restored, windows_to_skip = roll_back(cfg, info, err, model=model, optimizer=opt, snapshots=snapshots,
+                                                      spikes=spikes, write_event=events.write)
+                step, consumed = restored.step, restored.consumed
+                continue
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            consumed += global_batch
+            dt = time.perf_counter() - t0
+            beat("checkpoint", step)
+            record = None
+            if metrics is not None and (step % cfg.log_every == 0 or step == o.steps):
+                record = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm), "step_time": dt,
+                          "tokens_per_s": global_batch * o.seq_len / dt, "consumed": consumed,
+                          "tokens": consumed * o.seq_len,  # tokens seen in this stage (MLflow: tokens_seen)
+                          "world_size": info.world_size, "grad_accum": accum}
+            last = step == o.steps
+            if record is not None and not last:
+                # written before this step's checkpoint: a worker stopped during or right after it resumes from
+                # this step and never trains it again, so a line written afterwards would be lost; ``ckpt_block_s``
+                # is then the time checkpoints blocked training since the previous line
+                metrics.write(record if not stalled else {**record, "ckpt_block_s": stalled})
+                stalled = 0.0
+            stalled += checkpoint(cfg, info, snapshots, events, step=step, consumed=consumed, model=model,
+                                  optimizer=opt, loss=mean_loss) or 0.0
+            if record is not None and last:  # the last line carries the final checkpoint's own blocking
+                metrics.write(record if not stalled else {**record, "ckpt_block_s": stalled})
+        except RuntimeError as err:
+            beat("startup", step)  # not stalled: hearing from the agent whether a peer was lost
+            if peers is None or (lost := peers.announced(err)) is None:
+                raise
+        else:
             continue
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        consumed += global_batch
-        dt = time.perf_counter() - t0
-        beat("checkpoint", step)
-        record = None
-        if metrics is not None and (step % cfg.log_every == 0 or step == o.steps):
-            record = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm), "step_time": dt,
-                      "tokens_per_s": global_batch * o.seq_len / dt, "consumed": consumed,
-                      "tokens": consumed * o.seq_len,  # tokens seen in this stage (MLflow: tokens_seen)
-                      "world_size": info.world_size, "grad_accum": accum}
-        last = step == o.steps
-        if record is not None and not last:
-            # written before this step's checkpoint: a worker stopped during or right after it resumes from this
-            # step and never trains it again, so a line written afterwards would be lost; ``ckpt_block_s`` is then
-            # the time checkpoints blocked training since the previous line
-            metrics.write(record if not stalled else {**record, "ckpt_block_s": stalled})
-            stalled = 0.0
-        stalled += checkpoint(cfg, info, snapshots, events, step=step, consumed=consumed, model=model, optimizer=opt,
-                              loss=mean_loss) or 0.0
-        if record is not None and last:  # the last line carries the final checkpoint's own blocking
-            metrics.write(record if not stalled else {**record, "ckpt_block_s": stalled})
+        net = loss = None  # the broken group's DDP reducer goes with its wrapper
+        info, restored = rejoin(cfg, info, peers, model=model, optimizer=opt, snapshots=snapshots)
+        step, consumed, spikes, windows_to_skip = restored.step, restored.consumed, spike_detector(cfg), skip_windows(cfg)
+        net = wrap(cfg, info, model)
+        peers.ready(restored, events.write)
+        events.write({"event": EventKind.REJOINED, "rank": info.rank, "epoch": info.epoch, "lost_ranks": lost["lost"],
+                      "step": step})
     if snapshots is not None:
         beat("checkpoint", step)
         snapshots.flush()

@@ -1,7 +1,9 @@
 """Worker entry point: ``python -m trainer.worker JOB.json`` (one process per rank).
 
-Started by the elastic agent (``trainer.launch``); its command line names this module so an
-operator can find the workers of a job with ``ps`` and signal them.
+Started by the node agent (``trainer.launch``); its command line names this module so an
+operator can find the workers of a job with ``ps`` and signal them. With ``--spare N`` it is a
+warm spare: it imports torch and builds the model ahead, then waits in the agent's store until
+it is handed a lost rank (``trainer.resilience.peers``).
 """
 
 from __future__ import annotations
@@ -15,33 +17,63 @@ from pathlib import Path
 import torch
 
 from trainer.config import JobConfig
-from trainer.dist import init_distributed, shutdown_and_exit
-from trainer.events import error_event
-from trainer.loop import train
+from trainer.dist import FAST_RECOVERY_ENV, Identity, connect_store, init_distributed, pick_backend, shutdown_and_exit
+from trainer.events import EventKind, error_event
+from trainer.loop import build_model, seed_everything, train
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.heartbeat import Heartbeat, collective_timeout_s
+from trainer.resilience.peers import Peers, wait_for_rank
+
+
+def warm_up(cfg: JobConfig) -> tuple | None:
+    """A spare's model and optimizer, built on the CPU as a fresh worker builds them (a fresh
+    worker builds on the CPU too, then moves the model to its device). None under FSDP: its model
+    is sharded over the process group, so it is built after joining."""
+    if cfg.parallelism == "fsdp":
+        return None
+    seed_everything(cfg.seed, torch.device("cpu"))
+    return build_model(cfg, torch.device("cpu"))
+
+
+def placed(warm: tuple | None, cfg: JobConfig, me: Identity) -> tuple | None:
+    """The spare's model on the device of the rank it took (the optimizer has no state yet: its
+    parameters are moved in place)."""
+    if warm is not None and pick_backend(cfg.backend) == "nccl":
+        warm[0].to(torch.device("cuda", me.local_rank))
+    return warm
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m trainer.worker")
     p.add_argument("job", help="job config JSON")
     p.add_argument("--shm", help="the node's shared-memory snapshot directory (flash checkpoints)")
+    p.add_argument("--spare", type=int, help="a warm spare: wait for the agent to hand over a lost rank (spare id)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     exit_when_orphaned()
     cfg = JobConfig.load(args.job)
     if cfg.threads_per_worker:
         torch.set_num_threads(cfg.threads_per_worker)
-    code = 0
+    code, me = 0, Identity.from_env()
     try:
-        heartbeat = Heartbeat(cfg.job_dir, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("RANK", "0")))
+        timeout_s = collective_timeout_s(cfg.hang_timeouts)
+        fast = os.environ.get(FAST_RECOVERY_ENV) == "1"
+        store = connect_store(timeout_s) if fast else None
+        warm = None
+        if args.spare is not None:
+            warm = warm_up(cfg)
+            JsonLines(Path(cfg.job_dir) / EVENTS).write({"event": EventKind.SPARE_READY, "spare": args.spare})
+            me = wait_for_rank(store, args.spare)
+            warm = placed(warm, cfg, me)
+        heartbeat = Heartbeat(cfg.job_dir, me.local_rank, me.rank)
         heartbeat.beat("startup", 0)
-        info = init_distributed(cfg.backend, timeout_s=collective_timeout_s(cfg.hang_timeouts))
-        train(cfg, info, shm_ns=args.shm, heartbeat=heartbeat)
+        info = init_distributed(cfg.backend, timeout_s=timeout_s, me=me, base=store)
+        peers = Peers(store, me, info.backend, timeout_s) if fast else None
+        train(cfg, info, shm_ns=args.shm, heartbeat=heartbeat, warm=warm, peers=peers)
     except BaseException as err:  # noqa: BLE001 - report every failure, then exit non-zero
         traceback.print_exc()
         report = JsonLines(Path(cfg.job_dir) / EVENTS)
-        report.write(error_event(err, rank=int(os.environ.get("RANK", "0")), traceback=traceback.format_exc()[-2000:]))
+        report.write(error_event(err, rank=me.rank, traceback=traceback.format_exc()[-2000:]))
         code = 1
     shutdown_and_exit(code)
 

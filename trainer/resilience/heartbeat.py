@@ -75,15 +75,19 @@ class Heartbeat:
         self.durations: dict[str, deque[float]] = {p: deque(maxlen=RECENT) for p in ADAPTED_PHASES}
         self.last: tuple[str, int, float] | None = None  # phase, step, monotonic time of the previous beat
 
-    def beat(self, phase: str, step: int) -> None:
+    def beat(self, phase: str, step: int, collective: bool = False) -> None:
+        """``collective``: from now on this rank may wait for its peers (the step's collectives);
+        beating the same phase and step again refreshes the record, the phase's duration runs on."""
         now = time.monotonic()
-        if self.last is not None and self.last[0] in self.durations and (phase, step) != self.last[:2]:
+        same = self.last is not None and (phase, step) == self.last[:2]
+        if self.last is not None and self.last[0] in self.durations and not same:
             self.durations[self.last[0]].append(now - self.last[2])
-        self.last = (phase, step, now)
+        if not same:
+            self.last = (phase, step, now)
         observed = {p: [len(d), p99(d)] for p, d in self.durations.items() if d}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"phase": phase, "step": step, "rank": self.rank, "pid": os.getpid(),
-                                   "time": time.time(), "observed": observed}))
+                                   "time": time.time(), "observed": observed, "collective": collective}))
         os.replace(tmp, self.path)  # readers never see half a record; no fsync needed
 
 
@@ -114,9 +118,12 @@ class HangDetector:
         self.observers: list = []  # callables(step) run on each scan with the node's newest step
 
     def scan(self) -> None:
-        """One pass: a hang usually stalls every rank (the others wait in a collective), so all
-        stalled workers are reported as one hang and killed together."""
-        now, stalled = time.time(), []
+        """One pass: a hang usually stalls every rank (the others wait in a collective). The
+        stalled ranks that are *not* waiting in a collective are the hung ones: they alone are
+        killed, and the ranks waiting for them are kept (their collective then fails, and they
+        rejoin with the lost ranks' replacements: ``trainer.resilience.peers``). If every rank
+        waits in a collective, the collective itself hangs: all are killed together."""
+        now, stalled, live = time.time(), [], []
         for path in self.dir.glob(f"{self.prefix}local*.json"):
             try:
                 hb = json.loads(path.read_text())
@@ -124,16 +131,19 @@ class HangDetector:
                 continue
             if not pid_alive(hb["pid"]):
                 continue  # an old worker's record; its replacement overwrites it
+            live.append(hb["rank"])
             self.max_step = max(self.max_step, hb["step"])
             limit = self.limit(hb)
             if limit and now - hb["time"] > limit:
                 stalled.append({**hb, "timeout_s": limit})
-        if stalled:
-            first = min(stalled, key=lambda hb: hb["time"])
-            self.on_event({"event": EventKind.HANG, "ranks": sorted(hb["rank"] for hb in stalled), "phase": first["phase"],
+        hung = [hb for hb in stalled if not hb.get("collective")] or (stalled if len(stalled) == len(live) else [])
+        if hung:
+            first = min(hung, key=lambda hb: hb["time"])
+            kept = sorted(set(live) - {hb["rank"] for hb in hung})  # the node's other workers, not killed
+            self.on_event({"event": EventKind.HANG, "ranks": sorted(hb["rank"] for hb in hung), "phase": first["phase"],
                            "step": first["step"], "stalled_s": round(now - first["time"], 1),
-                           "timeout_s": round(first["timeout_s"], 2), "stalled_since": first["time"]})
-            for hb in stalled:
+                           "timeout_s": round(first["timeout_s"], 2), "stalled_since": first["time"], "kept": kept})
+            for hb in hung:
                 try:
                     os.kill(hb["pid"], signal.SIGKILL)
                 except ProcessLookupError:

@@ -1,0 +1,129 @@
+"""Fast recovery under the single-node agent (issue 16 §1–§4): a worker killed mid-step is
+replaced by a warm spare while the other worker keeps its process, its model and its optimizer;
+the run ends bit for bit as the fault-free run; a fast path that cannot finish in time falls
+back to the full restart and the job still completes."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from agents import node_log, run_agent
+from conftest import seed_data, small_spec
+from pretrain.incidents import incidents
+from pretrain.jobs import build_job
+from trainer.config import JobConfig
+from trainer.reporting import EVENTS, METRICS, read_all
+from trainer.resilience.peers import may_be_peer_loss
+
+STEPS = 14
+
+
+def two_worker_job(root: Path, prepared_data: Path, chaos: list[dict], **fields) -> JobConfig:
+    """One node, two DDP workers, snapshots in memory every 2 steps (persisted every 4); the
+    adaptive hang timeout does not start before the faults (a drill waits for the warm spare)."""
+    spec = small_spec(root, cluster={"workers_per_node": 2, "max_restarts": 3},
+                      stages=[{"name": "s", "steps": STEPS, "seq_len": 32, "micro_batch": 2, "warmup_steps": 2}],
+                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
+                      fault_tolerance={"hang_warmup_steps": 50}, chaos=chaos)
+    seed_data(spec, prepared_data)
+    return dataclasses.replace(build_job(spec, 0, 0, None), **fields)
+
+
+def final_model(cfg: JobConfig) -> dict:
+    store = cfg.checkpoints()
+    return store.load_shard(store.read_pointer(), "model.pt")["model"]
+
+
+def by_kind(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def clean_model(prepared_data, tmp_path_factory) -> dict:
+    job = two_worker_job(tmp_path_factory.mktemp("clean"), prepared_data, [])
+    assert run_agent(job, max_restarts=3, nproc=2) == 0, node_log(job)
+    return final_model(job)
+
+
+def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_running(prepared_data, tmp_path,
+                                                                                  clean_model):
+    """Rank 1 SIGKILLed at step 5, then rank 0 (by then a survivor of the first fault) at step 9:
+    each time the other worker keeps its process, a warm spare takes the lost rank, a new spare
+    is started for the next fault, and the result is bitwise the fault-free run's."""
+    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 5},
+                                                   {"kind": "kill_worker", "rank": 0, "step": 9}])
+    assert run_agent(job, max_restarts=3, nproc=2) == 0, node_log(job)
+    events = read_all(Path(job.job_dir) / EVENTS)
+    starts = {e["rank"]: e for e in by_kind(events, "start") if not e["epoch"]}
+    first, second = by_kind(events, "rejoined")
+    # fault 1: rank 0 survived in the process it started in; fault 2: the spare that became rank 1 survived
+    assert (first["rank"], first["epoch"], first["lost_ranks"]) == (0, 1, [1])
+    assert first["pid"] == starts[0]["pid"]
+    assert (second["rank"], second["epoch"], second["lost_ranks"]) == (1, 2, [0])
+    replacements = [e for e in by_kind(events, "start") if e["epoch"]]
+    assert [(e["rank"], e["epoch"]) for e in replacements] == [(1, 1), (0, 2)]
+    assert second["pid"] == replacements[0]["pid"]  # the first replacement kept its process through the second fault
+    assert len({starts[0]["pid"], starts[1]["pid"], *(e["pid"] for e in replacements)}) == 4
+    # each recovery took a spare that was warm before its fault; a new one was warm before the next fault
+    warm = {e["pid"]: e["time"] for e in by_kind(events, "spare_ready")}
+    kills = by_kind(events, "chaos")
+    assert [warm[e["pid"]] < kill["time"] for e, kill in zip(replacements, kills)] == [True, True]
+    rollbacks = by_kind(events, "rollback")
+    assert [(r["path"], r["lost_ranks"]) for r in rollbacks] == [("spare", [1]), ("spare", [0])]
+    assert all(r["source"] == "memory" for r in rollbacks)
+    assert not [e for e in events if e["event"] == "start" and e["restart_count"]]  # no full restart
+    # the ledger's incidents say how each was recovered
+    found = incidents(events, read_all(Path(job.job_dir) / METRICS), 0)
+    assert [(i["cause"], i["recovery_path"]) for i in found] == [("worker_killed", "spare")] * 2
+    assert all(i["recovery_s"] is not None for i in found)
+
+    model = final_model(job)
+    assert model.keys() == clean_model.keys() and all(torch.equal(model[k], clean_model[k]) for k in model)
+
+
+def test_a_hung_worker_is_killed_alone_and_replaced_while_the_other_keeps_running(prepared_data, tmp_path, clean_model):
+    """Rank 1 hangs at step 5 (3 s step timeout): rank 0, waiting for it in the step's
+    collective, is not taken for hung; only rank 1 is killed, a spare takes its rank."""
+    job = two_worker_job(tmp_path, prepared_data, [{"kind": "hang_worker", "rank": 1, "step": 5}])
+    job = dataclasses.replace(job, hang_timeouts={**job.hang_timeouts, "step": 3.0})
+    assert run_agent(job, max_restarts=3, nproc=2) == 0, node_log(job)
+    events = read_all(Path(job.job_dir) / EVENTS)
+    [hang] = by_kind(events, "hang")
+    assert (hang["ranks"], hang["kept"]) == ([1], [0])
+    [start0] = [e for e in by_kind(events, "start") if e["rank"] == 0]
+    [rejoined] = by_kind(events, "rejoined")
+    assert (rejoined["rank"], rejoined["pid"]) == (0, start0["pid"])
+    [incident] = incidents(events, read_all(Path(job.job_dir) / METRICS), 0)
+    assert (incident["cause"], incident["recovery_path"]) == ("hang", "spare")
+    model = final_model(job)
+    assert all(torch.equal(model[k], clean_model[k]) for k in model)
+
+
+def test_a_fast_recovery_that_cannot_finish_in_time_falls_back_to_a_full_restart(prepared_data, tmp_path,
+                                                                                 clean_model):
+    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 5}],
+                         fast_recovery_timeout_s=0.001, spares_per_node=0)
+    assert run_agent(job, max_restarts=3, nproc=2) == 0, node_log(job)
+    assert "restarting every worker" in node_log(job)
+    events = read_all(Path(job.job_dir) / EVENTS)
+    assert sorted(e["restart_count"] for e in by_kind(events, "start") if e["rank"] == 0) == [0, 1]
+    [incident] = incidents(events, read_all(Path(job.job_dir) / METRICS), 0)
+    assert (incident["cause"], incident["recovery_path"]) == ("worker_killed", "restart")
+    model = final_model(job)
+    assert all(torch.equal(model[k], clean_model[k]) for k in model)
+
+
+@pytest.mark.parametrize("err, candidate", [
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12202: Connection reset"), True),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms"), True),
+    (torch.distributed.DistStoreError("wait timeout"), True),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),  # the worker's own error
+    (ValueError("gloo"), False),
+    (MemoryError(), False),
+])
+def test_only_a_broken_collective_makes_a_worker_wait_for_a_new_epoch(err, candidate):
+    assert may_be_peer_loss(err) is candidate

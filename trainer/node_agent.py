@@ -1,0 +1,200 @@
+"""Our own agent for a job of one node, in place of torch elastic's ``LocalElasticAgent``.
+
+It does what torch's agent does for one node — host the store, start ``python -m
+trainer.worker`` per local rank (RANK, WORLD_SIZE, MASTER_* in the child's ``env=``), watch
+them, restart them all on a failure up to ``max_restarts`` — and what torch's agent cannot
+(docs/recovery.md): when a worker dies while the others are still running, the others are kept
+(``trainer.resilience.peers``). The agent announces a new epoch in its store, hands the lost
+rank to a warm spare (or starts a replacement cold when none is ready), and waits for every
+rank to report itself restored in the new process group. If that does not happen within
+``fast_recovery_timeout_s`` (the spare or a survivor died, the survivors had nothing to roll
+back to, …) it falls back to the full restart. Jobs of several nodes keep torch's agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
+from trainer.resilience.nodecheck import NODE_ENV
+from trainer.resilience.peers import TAKEN, epoch_key, ready_key, spare_key
+
+POLL_S = 0.05  # how often the workers' exit codes are looked at
+STOP_GRACE_S = 30.0  # SIGTERM → SIGKILL, as torch's agent
+REPLENISH_DELAY_S = 2.0  # a new spare starts this long after a recovery, not beside its first steps
+
+
+class Stopped(Exception):
+    """The agent got SIGTERM/SIGINT: the workers are stopped, the job ends with 128 + signal."""
+
+    def __init__(self, sig: int):
+        super().__init__(f"stopped by {signal.Signals(sig).name}")
+        self.sig = sig
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    nproc: int  # workers on this node (= the world: one node)
+    max_restarts: int  # recoveries (fast or full) before the job fails
+    threads: int  # OMP threads per worker
+    node: int  # this node's index (chaos drills, node check)
+    port: int  # where the agent's store listens
+    spares: int  # warm spares kept (0: a lost worker is replaced cold)
+    fast: bool  # keep the survivors of a lost worker (DDP over more than one worker)
+    fast_timeout_s: float  # a fast recovery not done by then falls back to a full restart
+
+
+@dataclass
+class Spare:
+    id: int
+    proc: subprocess.Popen
+
+
+def describe_exit(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+
+
+class NodeAgent:
+    """Runs one node's workers (``worker_cmd``: the worker command line) until they finish."""
+
+    def __init__(self, settings: AgentSettings, worker_cmd: list[str], spares_wanted=lambda: True):
+        self.s, self.cmd, self.spares_wanted = settings, worker_cmd, spares_wanted
+        self.store = dist.TCPStore("127.0.0.1", settings.port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.restart = self.epoch = self.recoveries = 0
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.spares: list[Spare] = []
+        self.next_spare, self.replenish_at = 0, 0.0
+
+    def _env(self, **extra) -> dict[str, str]:
+        s = self.s
+        env = {**os.environ, "OMP_NUM_THREADS": str(s.threads), NODE_ENV: str(s.node), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(s.port), "WORLD_SIZE": str(s.nproc), "LOCAL_WORLD_SIZE": str(s.nproc),
+               "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(self.restart), FAST_RECOVERY_ENV: str(int(s.fast))}
+        return env | {k: str(v) for k, v in extra.items()}
+
+    def _start_worker(self, rank: int) -> subprocess.Popen:
+        return subprocess.Popen(self.cmd, env=self._env(RANK=rank, LOCAL_RANK=rank, **{EPOCH_ENV: self.epoch}))
+
+    def _identity(self, rank: int) -> Identity:
+        return Identity(rank, rank, self.s.nproc, self.restart, self.epoch)
+
+    def _start_round(self) -> None:
+        self.workers = {r: self._start_worker(r) for r in range(self.s.nproc)}
+
+    def stop_workers(self, procs=None) -> None:
+        """SIGTERM, then SIGKILL after ``STOP_GRACE_S`` (the saver keeps the newest snapshot)."""
+        procs = [p for p in (self.workers.values() if procs is None else procs) if p.poll() is None]
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def tend_spares(self) -> None:
+        """Keep ``spares`` warm spares once training is under way (a spare that died is replaced)."""
+        self.spares = [sp for sp in self.spares if sp.proc.poll() is None]
+        if not self.s.fast or len(self.spares) >= self.s.spares or time.monotonic() < self.replenish_at \
+                or not self.spares_wanted():
+            return
+        self.spares.append(Spare(self.next_spare, subprocess.Popen(self.cmd + ["--spare", str(self.next_spare)],
+                                                                   env=self._env())))
+        self.next_spare += 1
+
+    def fast_recover(self, lost: list[int]) -> bool:
+        """Replace the ``lost`` ranks while the others are kept; False: not done within the bound."""
+        t0, detected = time.monotonic(), time.time()
+        self.epoch += 1
+        spare = self.spares.pop(0) if self.spares else None
+        record = {"lost": lost, "path": "spare" if spare else "replacement", "detected_at": detected}
+        self.store.set(epoch_key(self.restart, self.epoch), json.dumps(record))
+        for rank in lost:
+            if spare is not None:
+                self.store.add(TAKEN, 1)
+                self.store.set(spare_key(spare.id), json.dumps(asdict(self._identity(rank))))
+                self.workers[rank], spare = spare.proc, None
+            else:
+                self.workers[rank] = self._start_worker(rank)
+        print(f"rank(s) {lost} lost; the other workers are kept, epoch {self.epoch}: {record['path']}", flush=True)
+        while time.monotonic() - t0 < self.s.fast_timeout_s:
+            if any(p.poll() is not None for p in self.workers.values()):
+                print("a worker exited during the fast recovery: restarting every worker", file=sys.stderr, flush=True)
+                return False
+            if self.store.add(ready_key(self.restart, self.epoch), 0) >= self.s.nproc:
+                print(f"recovered in {time.monotonic() - t0:.2f} s ({record['path']})", flush=True)
+                self.replenish_at = time.monotonic() + REPLENISH_DELAY_S
+                return True
+            time.sleep(POLL_S)  # polls exit codes and the store's ready counter
+        print(f"the fast recovery was not done within {self.s.fast_timeout_s:.1f} s: "
+              "restarting every worker", file=sys.stderr, flush=True)
+        return False
+
+    def full_restart(self) -> None:
+        self.stop_workers()
+        self.restart, self.epoch = self.restart + 1, 0
+        self._start_round()
+
+    def run(self) -> int:
+        """Until every worker finished (0) or the job failed after ``max_restarts`` recoveries (1)."""
+        self._start_round()
+        while True:
+            codes = {r: p.poll() for r, p in self.workers.items()}
+            if all(c == 0 for c in codes.values()):
+                return 0
+            failed = sorted(r for r, c in codes.items() if c not in (None, 0))
+            if failed:
+                why = ", ".join(f"rank {r}: {describe_exit(codes[r])}" for r in failed)
+                self.recoveries += 1
+                if self.recoveries > self.s.max_restarts:
+                    print(f"training job failed: {why} (after {self.s.max_restarts} restart(s))", file=sys.stderr, flush=True)
+                    self.stop_workers()
+                    return 1
+                print(f"worker failure ({why}); recovery {self.recoveries} of {self.s.max_restarts}", file=sys.stderr,
+                      flush=True)
+                survivors = [c for r, c in codes.items() if r not in failed]
+                if not (self.s.fast and survivors and all(c is None for c in survivors) and self.fast_recover(failed)):
+                    self.full_restart()
+            self.tend_spares()
+            time.sleep(POLL_S)  # polls the workers' exit codes
+
+    def close(self) -> None:
+        for sp in self.spares:
+            sp.proc.kill()
+        self.stop_workers()
+        for sp in self.spares:
+            sp.proc.wait()
+
+
+def run_local(settings: AgentSettings, worker_cmd: list[str], spares_wanted=lambda: True) -> int:
+    """Run the node's workers; the agent's exit code (0, 1, or 128 + the signal that stopped it)."""
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    agent = NodeAgent(settings, worker_cmd, spares_wanted)
+    # SIGINT left ignored when it was (a background job is not stopped by a Ctrl-C meant for others)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        return agent.run()
+    except Stopped as err:
+        print(err, file=sys.stderr, flush=True)
+        return 128 + err.sig
+    finally:
+        for sig, handler in previous.items():  # a second signal must not interrupt the shutdown
+            signal.signal(sig, signal.SIG_IGN)
+        agent.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

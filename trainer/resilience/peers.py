@@ -1,0 +1,144 @@
+"""Fast recovery, worker side: a lost peer is replaced while the other workers keep running.
+
+Under the single-node agent (``trainer.node_agent``) a worker that dies does not take the
+others with it. A survivor finds out from the collective that fails (gloo: a SIGKILLed peer's
+connection closes, the collective raises within milliseconds); the agent, which saw the death,
+announces a new **epoch** in its store (``epoch_key``: the lost ranks, how they are replaced:
+``spare`` or ``replacement`` (cold start), and when the agent noticed). The survivor destroys
+the broken process group, joins a new one under a new store prefix (``dist.group_prefix``) with
+the same ranks, restores the newest state every rank agrees on into its live model and
+optimizer (``state.restore``, as the in-process NaN rollback does: bitwise exact), re-wraps DDP
+and goes on. The replacement (a warm spare, or a cold-started worker) starts as any worker does
+and meets the survivors in the new group. Every rank reports itself ready (``ready_key``); the
+agent falls back to a full restart if they are not all ready within its bound.
+
+A warm spare is a worker process started ahead with torch imported and the model built, blocked
+on its key in the store (``spare_key``) until the agent hands it a rank (``wait_for_rank``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainer.checkpoint import state
+from trainer.checkpoint.state import Restored
+from trainer.config import JobConfig
+from trainer.dist import DistInfo, Identity, join_group
+from trainer.events import EventKind
+from trainer.resilience.rollback import IN_PROCESS_SOURCES
+
+NOTICE_S = 10.0  # after a failed collective, how long a survivor waits for the agent to announce a lost peer
+
+
+def epoch_key(restart: int, epoch: int) -> str:
+    """The agent's record of a fast recovery: {"lost": [ranks], "path", "detected_at"}."""
+    return f"fastrec/attempt_{restart}/epoch_{epoch}"
+
+
+def ready_key(restart: int, epoch: int) -> str:
+    """A counter: ranks that have restored their state in the epoch's new group."""
+    return epoch_key(restart, epoch) + "/ready"
+
+
+def spare_key(spare: int) -> str:
+    """Where warm spare ``spare`` learns the identity it takes over."""
+    return f"fastrec/spare_{spare}"
+
+
+WARM, TAKEN = "fastrec/spares_warm", "fastrec/spares_taken"  # counters: spares that got warm, spares handed a rank
+
+
+def spares_available(store: dist.Store) -> int:
+    return store.add(WARM, 0) - store.add(TAKEN, 0)
+
+
+def wait_for_rank(store: dist.Store, spare: int) -> Identity:
+    """Block (a warm spare) until the agent hands this process a lost rank."""
+    key = spare_key(spare)
+    store.add(WARM, 1)
+    while True:
+        try:
+            store.wait([key], timedelta(hours=1))
+            return Identity(**json.loads(store.get(key)))
+        except dist.DistStoreError:  # an hour without a fault: keep waiting (the orphan watchdog ends us with the agent)
+            continue
+
+
+def may_be_peer_loss(err: BaseException) -> bool:
+    """Could ``err`` be a collective broken by a lost peer? (gloo raises a plain RuntimeError
+    naming its transport; NCCL/store errors are DistErrors.) Anything else is the worker's own."""
+    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and "gloo" in str(err).lower())
+
+
+@dataclass
+class Peers:
+    """A worker's link to the agent's store for fast recoveries."""
+
+    store: dist.Store  # the node agent's store (not a prefix of it)
+    me: Identity
+    backend: str
+    timeout_s: float  # the process group's timeout
+
+    def announced(self, err: BaseException, notice_s: float = NOTICE_S) -> dict | None:
+        """After ``err`` in a collective: the agent's record of the next epoch, if it announces
+        one within ``notice_s`` (None: no peer was lost, the error is this worker's own)."""
+        if not may_be_peer_loss(err):
+            return None
+        key = epoch_key(self.me.restart_count, self.me.epoch + 1)
+        try:
+            self.store.wait([key], timedelta(seconds=notice_s))
+        except dist.DistError:
+            return None
+        return json.loads(self.store.get(key))
+
+    def wait_for_spare(self, beat, timeout_s: float = 120.0) -> None:
+        """Until the node has a warm spare (a ``kill_worker`` drill rehearses the recovery the
+        spec configures, not the start-up race of the first spare); ``beat()`` keeps this worker's
+        heartbeat fresh meanwhile. Gives up after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        next_beat = 0.0
+        while spares_available(self.store) < 1 and time.monotonic() < deadline:
+            if time.monotonic() >= next_beat:
+                beat()
+                next_beat = time.monotonic() + 0.5
+            time.sleep(0.02)  # polls the store's counters
+
+    def rejoin(self) -> Identity:
+        """Leave the broken group; join the next epoch's, same rank, same world."""
+        dist.destroy_process_group()
+        self.me = replace(self.me, epoch=self.me.epoch + 1)
+        join_group(self.store, self.backend, self.me, self.timeout_s)
+        return self.me
+
+    def ready(self, restored, write_event) -> None:
+        """This rank restored its state in the new group; rank 0 records the recovery (how,
+        and how long since the agent noticed the loss). Nothing to do in epoch 0."""
+        if self.me.epoch == 0:
+            return
+        record = json.loads(self.store.get(epoch_key(self.me.restart_count, self.me.epoch)))
+        if self.me.rank == 0:
+            write_event({"event": EventKind.ROLLBACK, "rank": 0, "path": record["path"], "lost_ranks": record["lost"],
+                         "epoch": self.me.epoch, "step": restored.step, "source": restored.source,
+                         "checkpoint": restored.checkpoint, "seconds": round(time.time() - record["detected_at"], 4)})
+        self.store.add(ready_key(self.me.restart_count, self.me.epoch), 1)
+
+
+class CannotRejoin(RuntimeError):
+    """The survivors have nothing to roll back to in place: the node agent restarts every worker."""
+
+
+def rejoin(cfg: JobConfig, info: DistInfo, peers: Peers, *, model, optimizer, snapshots) -> tuple[DistInfo, Restored]:
+    """A survivor's part of a fast recovery: the next epoch's group, and the newest state every
+    rank agrees on restored into its live model and optimizer (what a restarted worker would load)."""
+    info = replace(info, epoch=peers.rejoin().epoch)
+    optimizer.zero_grad(set_to_none=True)  # the broken step's gradients
+    restored = state.restore(cfg, info, model=model, optimizer=optimizer, snapshots=snapshots)
+    if restored.source not in IN_PROCESS_SOURCES:
+        raise CannotRejoin(f"a peer was lost before this stage's first snapshot or checkpoint ({restored.source}): "
+                           "only fresh processes can start the model over")
+    return info, restored
