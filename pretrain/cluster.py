@@ -192,7 +192,9 @@ class LocalCluster(Cluster):
                     "--rdzv-endpoint", endpoint, "--run-id", run_id, "--max-restarts", str(self.spec.max_restarts),
                     "--lock", str(layout.stage_lock(job.stage, node)), "--threads", str(self.threads_per_worker),
                     "--node", str(node), "--lock-wait", str(self.settings.node_lock_wait_s)]
-                    + (["--rdzv-host"] if node == nodes[0] else []))
+                    + (["--rdzv-host"] if node == nodes[0] else [])
+                    # the agent forks its workers, spares and saver from the same zygote (torch imported)
+                    + (["--zygote", self.zygote.path] if self.zygote is not None and self.zygote.usable else []))
             with open(log, "ab") as out:
                 procs.append(self._spawn("trainer.launch", argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          new_session=True, env=dict(os.environ if self.env is None else self.env)))

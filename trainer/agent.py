@@ -39,6 +39,7 @@ from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.chaos import claim, reached_marker
 from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, worker_pids
 from trainer.resilience.nodecheck import NODE_ENV, exclusion_marker
+from trainer.zygote import Zygote, spawn
 
 
 class LockBusy(RuntimeError):
@@ -71,8 +72,9 @@ class SaverProcess:
     BACKOFF_CAP_S = 60.0
 
     def __init__(self, ns: Path, nproc: int, job_path: str, max_failures: int = 5, backoff_s: float = 1.0,
-                 on_give_up=None):
-        self.cmd = [sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc), "--job", job_path]
+                 on_give_up=None, zygote: Zygote | None = None):
+        self.argv = ["--ns", str(ns), "--nproc", str(nproc), "--job", job_path]
+        self.zygote = zygote
         self.ns, self.max_failures, self.on_give_up = ns, max_failures, on_give_up
         self.closing = threading.Event()
         self.restarts, self.backoff = 0, Backoff(backoff_s, self.BACKOFF_CAP_S)
@@ -83,7 +85,7 @@ class SaverProcess:
     def _start(self) -> None:
         (self.ns / ERROR_FILE).unlink(missing_ok=True)
         self.started = time.time()
-        self.proc = subprocess.Popen(self.cmd)
+        self.proc = spawn("trainer.saver", self.argv, zygote=self.zygote)
 
     def _persisted_since_start(self) -> bool:
         try:
@@ -215,23 +217,34 @@ def run_node(args: argparse.Namespace) -> int:
     if args.lock:
         hold_lock(args.lock, timeout_s=args.lock_wait)
     worker_args = ["-u", "-m", "trainer.worker", args.job]
+    zygote = Zygote.connect(args.zygote, log=lambda line: print(line, file=sys.stderr, flush=True)) if args.zygote else None
     fence.claim(job.checkpoints(), job.job_dir)  # savers of older jobs of this stage commit nothing from now on
     if job.memory_interval > 0:
         sweep_shared_memory(job, args.node)
         ns = shmdirs.create(job.shm_dir, job.job_dir)
         saver = SaverProcess(ns, args.nproc, args.job, job.saver_max_failures, job.saver_backoff_s,
-                             on_give_up=lambda message, error_type: fail_job(job, args.node, message, error_type))
+                             on_give_up=lambda message, error_type: fail_job(job, args.node, message, error_type),
+                             zygote=zygote)
         worker_args += ["--shm", str(ns)]
     detector = watch_workers(job, args.node, lambda: saver)
     try:
         if args.nnodes_max == 1:
-            code = run_local(local_settings(job, args), [sys.executable, *worker_args],
+            code = run_local(local_settings(job, args), worker_starter(zygote, worker_args[3:]),
                              spares_wanted=lambda: detector.max_step >= 1)
         else:
             code = run_elastic(args, worker_args)
     finally:
         cleanup()
     return 1 if code and saver is not None and saver.failed else code  # fail_job reported why
+
+
+def worker_starter(zygote: Zygote | None, worker_argv: list[str]):
+    """How our own agent starts a worker (``extra``: more arguments, e.g. ``--spare N``; ``env``: its
+    complete environment): forked from the campaign run's zygote, torch imported, else
+    ``python -m trainer.worker`` in a fresh interpreter; unbuffered either way."""
+    def start(extra: list[str], env: dict[str, str]):
+        return spawn("trainer.worker", [*worker_argv, *extra], zygote=zygote, env={**env, "PYTHONUNBUFFERED": "1"})
+    return start
 
 
 def local_settings(job: JobConfig, args: argparse.Namespace) -> AgentSettings:

@@ -28,6 +28,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds to wait for a dying predecessor to let go of --lock (PRETRAIN_NODE_LOCK_WAIT_S)")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per worker")
     p.add_argument("--node", type=int, default=0, help="this node's index in the cluster (chaos drills, logs)")
+    p.add_argument("--zygote", help="the campaign run's fork server (trainer.zygote): the agent forks its workers, "
+                   "spares and saver from it, torch imported; without it they are fresh interpreters")
     p.add_argument("--rdzv-host", action="store_true", help="this node hosts the rendezvous store (exactly one node)")
     args = p.parse_args(argv)
     if args.lock and args.lock_wait is None:

@@ -64,10 +64,11 @@ def describe_exit(code: int) -> str:
 
 
 class NodeAgent:
-    """Runs one node's workers (``worker_cmd``: the worker command line) until they finish."""
+    """Runs one node's workers (``start_worker``: starts one, see ``trainer.agent.worker_starter``) until they finish."""
 
-    def __init__(self, settings: AgentSettings, worker_cmd: list[str], spares_wanted=lambda: True):
-        self.s, self.cmd, self.spares_wanted = settings, worker_cmd, spares_wanted
+    def __init__(self, settings: AgentSettings, start_worker, spares_wanted=lambda: True):
+        # start_worker(extra_args, env) -> a Popen-like process (trainer.agent.worker_starter)
+        self.s, self.start, self.spares_wanted = settings, start_worker, spares_wanted
         self.store = dist.TCPStore("127.0.0.1", settings.port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
         self.restart = self.epoch = self.recoveries = 0
@@ -83,7 +84,7 @@ class NodeAgent:
         return env | {k: str(v) for k, v in extra.items()}
 
     def _start_worker(self, rank: int) -> subprocess.Popen:
-        return subprocess.Popen(self.cmd, env=self._env(RANK=rank, LOCAL_RANK=rank, **{EPOCH_ENV: self.epoch}))
+        return self.start([], self._env(RANK=rank, LOCAL_RANK=rank, **{EPOCH_ENV: self.epoch}))
 
     def _identity(self, rank: int) -> Identity:
         return Identity(rank, rank, self.s.nproc, self.restart, self.epoch)
@@ -110,8 +111,7 @@ class NodeAgent:
         if not self.s.fast or len(self.spares) >= self.s.spares or time.monotonic() < self.replenish_at \
                 or not self.spares_wanted():
             return
-        self.spares.append(Spare(self.next_spare, subprocess.Popen(self.cmd + ["--spare", str(self.next_spare)],
-                                                                   env=self._env())))
+        self.spares.append(Spare(self.next_spare, self.start(["--spare", str(self.next_spare)], self._env())))
         self.next_spare += 1
 
     def fast_recover(self, lost: list[int]) -> bool:
@@ -178,12 +178,12 @@ class NodeAgent:
             sp.proc.wait()
 
 
-def run_local(settings: AgentSettings, worker_cmd: list[str], spares_wanted=lambda: True) -> int:
+def run_local(settings: AgentSettings, start_worker, spares_wanted=lambda: True) -> int:
     """Run the node's workers; the agent's exit code (0, 1, or 128 + the signal that stopped it)."""
     def stop(signum, frame):
         raise Stopped(signum)
 
-    agent = NodeAgent(settings, worker_cmd, spares_wanted)
+    agent = NodeAgent(settings, start_worker, spares_wanted)
     # SIGINT left ignored when it was (a background job is not stopped by a Ctrl-C meant for others)
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)
                 if signal.getsignal(sig) is not signal.SIG_IGN}

@@ -52,8 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     exit_when_orphaned()
     cfg = JobConfig.load(args.job)
-    if cfg.threads_per_worker:
-        torch.set_num_threads(cfg.threads_per_worker)
+    # OMP_NUM_THREADS from the agent counts too when this process was forked with torch imported
+    # (trainer.zygote): torch read the variable when the zygote imported it
+    threads = cfg.threads_per_worker or int(os.environ.get("OMP_NUM_THREADS") or 0)
+    if threads:
+        torch.set_num_threads(threads)
     code, me = 0, Identity.from_env()
     try:
         timeout_s = collective_timeout_s(cfg.hang_timeouts)
