@@ -36,6 +36,7 @@ class _ElasticJob(Block, ABC):
     nodes_min: int = _mirror("nodes_min", "Minimum nodes", ge=1)
     nodes_max: int = _mirror("nodes_max", "Maximum nodes", ge=1)
     max_restarts: int = _mirror("max_restarts", "Maximum restarts", ge=0)
+    spares_per_node: int = _mirror("spares_per_node", "Warm spare workers per node", ge=0)
     backend: Literal["auto", "gloo", "nccl"] = _mirror("backend", "Collective backend")
     threads_per_worker: int = _mirror("threads_per_worker", "Threads per worker", ge=0)
     parallelism: Literal["ddp", "fsdp"] = _mirror("parallelism", "Parallelism")

@@ -50,14 +50,17 @@ def migrated_tracking_store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def own_tracking_store(tmp_path, monkeypatch, migrated_tracking_store):
+def own_tracking_store(tmp_path_factory, monkeypatch, migrated_tracking_store) -> str:
     """Each test's campaigns share a tracking store of their own (``MLFLOW_TRACKING_URI``, which a
     campaign without ``tracking.uri`` and without a store in its workdir uses), never one in the
     directory pytest runs in; child processes inherit it. It starts as a copy of the session's
-    empty, migrated store."""
-    store = tmp_path / TRACKING_STORE
+    empty, migrated store and lies outside the test's ``tmp_path`` (tests list what a command
+    wrote there). Its URI is the fixture's value, for tests that talk to MLflow themselves."""
+    store = tmp_path_factory.mktemp("own-tracking") / TRACKING_STORE
     shutil.copyfile(migrated_tracking_store, store)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    uri = f"sqlite:///{store}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
 
 
 @pytest.fixture(scope="session")

@@ -37,15 +37,14 @@ def strip_record(step_dir):
     (step_dir / MANIFEST).write_text(json.dumps(manifest))
 
 
-def mlflow_run(tmp_path) -> tuple[str, MlflowClient, str]:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def mlflow_run(tmp_path, uri: str) -> tuple[str, MlflowClient, str]:
     client = MlflowClient(uri)
     return uri, client, client.create_run(client.create_experiment("eval", (tmp_path / "art").as_uri())).info.run_id
 
 
-def test_eval_prints_the_metrics_of_a_good_checkpoint(trained_checkpoint, tmp_path):
+def test_eval_prints_the_metrics_of_a_good_checkpoint(trained_checkpoint, tmp_path, own_tracking_store):
     spec, ref = trained_checkpoint
-    uri, client, run_id = mlflow_run(tmp_path)
+    uri, client, run_id = mlflow_run(tmp_path, own_tracking_store)
     proc = pretrain_cli("eval", ref.location, "--json", "--tracking-uri", uri, "--run-id", run_id)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -83,9 +82,9 @@ def test_an_old_checkpoint_without_its_record_names_the_option_to_pass(trained_c
     assert "val_loss" in proc.stdout and "(step 2): valid" in proc.stdout
 
 
-def test_flow_logs_the_metrics_to_mlflow_at_the_checkpoint_step(prefect_harness, trained_checkpoint, tmp_path):
+def test_flow_logs_the_metrics_to_mlflow_at_the_checkpoint_step(prefect_harness, trained_checkpoint, tmp_path, own_tracking_store):
     _, ref = trained_checkpoint
-    uri, client, run_id = mlflow_run(tmp_path)
+    uri, client, run_id = mlflow_run(tmp_path, own_tracking_store)
     result = evaluate_checkpoint(checkpoint=ref.location, tracking_uri=uri, run_id=run_id)
     assert result["step"] == 2 and result["val_loss"] > 0
     for key in ("val_loss", "val_perplexity", "val_accuracy"):

@@ -45,9 +45,9 @@ def test_values_under_secret_names_are_masked_whole():
         {"cfg.aws_secret_access_key": "***", "token": "***", "data.max_bytes": "5", "note": ""}
 
 
-def test_mlflow_params_and_tags_are_redacted(tmp_path):
+def test_mlflow_params_and_tags_are_redacted(tmp_path, own_tracking_store):
     """Real MLflow (sqlite): a credential-shaped param or tag value is stored redacted."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = own_tracking_store
     tracker = Tracker(uri, "exp", tmp_path / "artifacts")
     run_id = tracker.campaign_run("cid", "c", "hash", {
         "checkpoint": {"uri": f"s3://AKIAIOSFODNN7EXAMPLE:{SECRET}@bucket/x", "secret_key": SECRET},

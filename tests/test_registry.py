@@ -18,9 +18,9 @@ from test_export import greedy, our_model
 from trainer.data import TokenWindows
 
 
-def test_registered_model_loads_by_alias_and_predicts_like_our_model(trained_checkpoint, tmp_path, monkeypatch):
+def test_registered_model_loads_by_alias_and_predicts_like_our_model(trained_checkpoint, tmp_path, monkeypatch, own_tracking_store):
     spec, ref = trained_checkpoint
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = own_tracking_store
     run_id = Tracker(uri, "registry", tmp_path / "artifacts").campaign_run("c1", "t", "hash", {})
     info = describe(ref.location)
     reg = register_checkpoint(info, tracking_uri=uri, run_id=run_id, name="tiny-gpt", alias="latest-good",
@@ -54,9 +54,9 @@ def test_registered_model_loads_by_alias_and_predicts_like_our_model(trained_che
     assert len(client.search_model_versions("name = 'tiny-gpt'")) == 1
 
 
-def test_registering_links_the_final_evaluation_without_logging_it_twice(trained_checkpoint, tmp_path):
+def test_registering_links_the_final_evaluation_without_logging_it_twice(trained_checkpoint, tmp_path, own_tracking_store):
     spec, ref = trained_checkpoint
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = own_tracking_store
     tracker = Tracker(uri, "registry", tmp_path / "artifacts")
     run_id = tracker.campaign_run("c1", "t", "hash", {})
     evaluation = {"val_loss": 5.5, "val_accuracy": 0.1}

@@ -63,8 +63,8 @@ def runs(tracker, stage="main"):
     return parent, tracker.stage_run("c1", parent, "t", stage, {})
 
 
-def test_damaged_lines_are_skipped_and_a_line_being_written_is_forwarded_once_complete(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_damaged_lines_are_skipped_and_a_line_being_written_is_forwarded_once_complete(tmp_path, own_tracking_store):
+    uri = own_tracking_store
     tracker = Tracker(uri, "e", tmp_path / "artifacts")
     parent, stage = runs(tracker)
     metrics, events = tmp_path / "metrics.jsonl", tmp_path / "events.jsonl"
