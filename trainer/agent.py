@@ -73,7 +73,7 @@ class SaverProcess:
 
     def __init__(self, ns: Path, nproc: int, job_path: str, max_failures: int = 5, backoff_s: float = 1.0,
                  on_give_up=None, zygote: Zygote | None = None):
-        self.argv = ["--ns", str(ns), "--nproc", str(nproc), "--job", job_path]
+        self.argv = ["--ns", str(ns), "--nproc", str(nproc), "--job", job_path, "--agent", str(os.getpid())]
         self.zygote = zygote
         self.ns, self.max_failures, self.on_give_up = ns, max_failures, on_give_up
         self.closing = threading.Event()
@@ -155,23 +155,26 @@ def watch_workers(job: JobConfig, node: int, saver) -> HangDetector:
     for i, drill in enumerate(job.chaos):
         if isinstance(drill, NodeDrill) and drill.node == node:
             detector.observers.append(lambda step, i=i, d=drill: agent_drill(job, i, d, step, saver(), report))
-    detector.observers.append(lambda step: leave_if_excluded(job, node, report))
+    detector.observers.append(lambda step: leave_if_excluded(job, node, report, saver()))
     return detector.start()
 
 
-def stop_node(job: JobConfig) -> None:
-    """The whole node at once: workers, saver, agent."""
+def stop_node(job: JobConfig, saver=None) -> None:
+    """The whole node at once: workers, saver (``saver``: its SaverProcess; forked by the zygote
+    it is not in this agent's process group), agent."""
     for pid in worker_pids(job.job_dir):
         os.kill(pid, signal.SIGKILL)
+    if saver is not None:
+        saver.proc.kill()
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
-def leave_if_excluded(job: JobConfig, node: int, report) -> None:
+def leave_if_excluded(job: JobConfig, node: int, report, saver=None) -> None:
     """The workers' node check after a restart excluded this node: stop it, so the other
     nodes' agents re-form the job without it (the orchestrator re-checks it later)."""
     if exclusion_marker(job.job_dir, node).exists():
         report({"event": EventKind.NODE_EXCLUDED, "reason": "node check after restart"})
-        stop_node(job)
+        stop_node(job, saver)
 
 
 def agent_drill(job: JobConfig, index: int, drill: NodeDrill, step: int, saver, report) -> None:
@@ -182,7 +185,7 @@ def agent_drill(job: JobConfig, index: int, drill: NodeDrill, step: int, saver, 
     if drill.kind == "kill_saver" and saver is not None:
         saver.proc.kill()
     elif drill.kind == "kill_node":
-        stop_node(job)
+        stop_node(job, saver)
 
 
 def _terminate(signum, frame) -> None:

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
+from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
 from trainer.resilience.peers import TAKEN, epoch_key, ready_key, spare_key
 
@@ -80,7 +81,8 @@ class NodeAgent:
         s = self.s
         env = {**os.environ, "OMP_NUM_THREADS": str(s.threads), NODE_ENV: str(s.node), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(s.port), "WORLD_SIZE": str(s.nproc), "LOCAL_WORLD_SIZE": str(s.nproc),
-               "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(self.restart), FAST_RECOVERY_ENV: str(int(s.fast))}
+               "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(self.restart), FAST_RECOVERY_ENV: str(int(s.fast)),
+               AGENT_ENV: str(os.getpid())}
         return env | {k: str(v) for k, v in extra.items()}
 
     def _start_worker(self, rank: int) -> subprocess.Popen:

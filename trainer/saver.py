@@ -1,4 +1,4 @@
-"""The node's checkpoint saver: ``python -m trainer.saver --ns SHM_DIR --nproc N --job JOB.json``
+"""The node's checkpoint saver: ``python -m trainer.saver --ns SHM_DIR --nproc N --job JOB.json [--agent PID]``
 (the saver itself: ``trainer.checkpoint.saver``).
 
 Started by the node agent (``trainer.agent``) before the workers and kept alive across their
@@ -19,8 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ns", type=Path, required=True, help="the node's shared-memory snapshot directory")
     p.add_argument("--nproc", type=int, required=True, help="workers on this node")
     p.add_argument("--job", type=Path, required=True, help="the job config: checkpoint location, retention, job dir")
+    p.add_argument("--agent", type=int, default=None, help="the node agent's process id (default: the parent's): "
+                   "named in the saver's events; the saver saves at breakpoint and ends once it is gone")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    return serve(args.ns, args.nproc, args.job)
+    return serve(args.ns, args.nproc, args.job, args.agent)
 
 
 if __name__ == "__main__":

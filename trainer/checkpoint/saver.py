@@ -64,7 +64,10 @@ class CheckpointDiskFull(RuntimeError):
 class Saver:
     def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None,
                  drills: list[Drill] = (), job_dir: str | None = None, meta: dict | None = None,
-                 fence_owner: str | None = None, lease: fence.LeaseFence | None = None):
+                 fence_owner: str | None = None, lease: fence.LeaseFence | None = None, agent: int | None = None):
+        # the node agent this saver serves (its events name it; the saver ends when it is gone):
+        # not always the parent process (a saver forked by the zygote is the zygote's child)
+        self.agent = os.getppid() if agent is None else agent
         self.ns, self.nproc, self.store, self.keep, self.events = ns, nproc, store, keep, events
         self.fence_owner = fence_owner  # the job this saver commits for (None: no fencing)
         self.lease = lease  # the campaign lease generation its job runs under (None: no lease)
@@ -82,7 +85,7 @@ class Saver:
 
     def _emit(self, record: dict) -> None:
         if self.events is not None:
-            self.events.write({"source": "saver", "agent": os.getppid(), **record})
+            self.events.write({"source": "saver", "agent": self.agent, **record})
 
     def headers(self) -> list[list[dict]]:
         """Per local rank, the headers of its ready slots."""
@@ -224,8 +227,7 @@ class Saver:
 
     def run(self) -> None:
         committed = self.store.read_pointer() or -1
-        parent = os.getppid()
-        while not self.stopping and os.getppid() == parent:
+        while not self.stopping and pid_alive(self.agent):
             step = self.candidate(breakpoint=False)
             if (step is None or step <= committed) and self.newly_dead_workers():
                 step = self.candidate(breakpoint=True)
@@ -247,13 +249,13 @@ class Saver:
             time.sleep(POLL_S)
 
 
-def serve(ns: Path, nproc: int, job_path: Path) -> int:
+def serve(ns: Path, nproc: int, job_path: Path, agent: int | None = None) -> int:
     """Run the node's saver until SIGTERM (then save at breakpoint); the process's exit code.
     A failure is written to ``ns/saver.error`` for the node agent."""
     job = JobConfig.load(job_path)
     saver = Saver(ns, nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
                   drills=job.chaos, job_dir=job.job_dir, meta=job.checkpoint_meta(), fence_owner=job.job_dir,
-                  lease=fence.LeaseFence.of_job(job.lease, job.storage_options))
+                  lease=fence.LeaseFence.of_job(job.lease, job.storage_options), agent=agent)
     signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "stopping", True))  # finish, save at breakpoint, exit
     saver._emit({"event": EventKind.SAVER_START})
     try:

@@ -66,11 +66,23 @@ def collective_timeout_s(hang_timeouts: dict[str, float]) -> float:
     return max(hang_timeouts.values(), default=0.0) + COLLECTIVE_MARGIN_S
 
 
+AGENT_ENV = "PRETRAIN_AGENT_PID"  # set by our own node agent: its process id (a worker forked by the zygote is not its child)
+
+
+def agent_pid() -> int:
+    """The process id of this worker's node agent: ``PRETRAIN_AGENT_PID``, else the parent
+    (torch's elastic agent runs in the node agent's process and starts the workers itself)."""
+    try:
+        return int(os.environ[AGENT_ENV])
+    except (KeyError, ValueError):
+        return os.getppid()
+
+
 class Heartbeat:
     def __init__(self, job_dir: str | Path, local_rank: int, rank: int):
         d = heartbeat_dir(job_dir)
         d.mkdir(parents=True, exist_ok=True)
-        self.path = d / f"agent{os.getppid()}-local{local_rank}.json"
+        self.path = d / f"agent{agent_pid()}-local{local_rank}.json"
         self.rank = rank
         self.durations: dict[str, deque[float]] = {p: deque(maxlen=RECENT) for p in ADAPTED_PHASES}
         self.last: tuple[str, int, float] | None = None  # phase, step, monotonic time of the previous beat
