@@ -26,11 +26,13 @@ DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"
 
 
 # The longest test files first (measured: each runs one or more whole campaigns): the suite runs
-# on two processes that take whole files (`-n 2 --dist loadfile`), and a long file started last
+# on processes that take whole files (`--dist loadfile`), and a long file started last
 # would run alone at the end. Order within a file is kept.
-LONGEST_FIRST = ("test_resume.py", "test_s3_campaign.py", "test_interrupt.py", "test_chaos.py", "test_elastic.py",
-                 "test_gate.py", "test_prefect_server.py", "test_data_identity.py", "test_fsdp.py", "test_data_ux.py",
-                 "test_release_before.py", "test_stages.py", "test_campaign.py", "test_tracking.py", "test_ledger.py")
+LONGEST_FIRST = ("test_kube_campaign.py", "test_interrupt.py", "test_resume.py", "test_prefect_server.py",
+                 "test_s3_campaign.py", "test_elastic.py", "test_gate.py", "test_kube_cluster.py", "test_fast_recovery.py",
+                 "test_data_ux.py", "test_chaos.py", "test_tracking.py", "test_fsdp.py", "test_compare.py", "test_saver.py",
+                 "test_storage.py", "test_export.py", "test_pause.py", "test_campaign.py", "test_anomaly.py",
+                 "test_release_before.py", "test_spec.py", "test_stages.py", "test_blocks.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import yaml
 from mlflow.tracking import MlflowClient
+from prefect.settings import PREFECT_API_URL
 
 from conftest import seed_data, small_spec, wait_for
 from pretrain.interrupt import CampaignInterrupted, current_stop, stop_on_signals
@@ -71,13 +72,15 @@ def test_a_signal_ignored_at_start_stays_ignored():
 
 class Cli:
     """``pretrain run`` in a session of its own with SIGINT at its default (a terminal's foreground
-    job; a background child would inherit SIGINT ignored), output to files."""
+    job; a background child would inherit SIGINT ignored), output to files. It talks to the test
+    session's Prefect API (the harness's, as a user's configured ``PREFECT_API_URL``): starting a
+    server of its own, what test_resume's killed CLI keeps testing, costs seconds of CPU a run."""
 
     def __init__(self, tmp_path: Path, spec, name: str):
         spec_file = tmp_path / "spec.yaml"
         spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
         self.cmd = [sys.executable, "-m", "pretrain.cli", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
-        self.env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        self.env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": PREFECT_API_URL.value()}
         self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=self.env,
@@ -149,7 +152,7 @@ def assert_recorded_paused(spec, cause: str):
     return status
 
 
-def test_ctrl_c_pauses_the_campaign_and_the_same_command_resumes_it(prepared_data, tmp_path):
+def test_ctrl_c_pauses_the_campaign_and_the_same_command_resumes_it(prefect_harness, prepared_data, tmp_path):
     spec, cli = start_training(tmp_path, prepared_data, "first")
     # piped, `pretrain run` says how training goes: a progress line once the stage trains
     wait_for(lambda: "training: stage main" in cli.output(), 60, "a training progress line")
@@ -180,7 +183,7 @@ def test_ctrl_c_pauses_the_campaign_and_the_same_command_resumes_it(prepared_dat
     assert_mlflow_steps_unique(spec)
 
 
-def test_sigterm_stops_the_campaign_and_a_second_signal_stops_it_at_once(prepared_data, tmp_path):
+def test_sigterm_stops_the_campaign_and_a_second_signal_stops_it_at_once(prefect_harness, prepared_data, tmp_path):
     spec, cli = start_training(tmp_path, prepared_data, "first", SIGTERM_STEPS)
     tree = cli.tree()
     os.kill(cli.proc.pid, signal.SIGTERM)  # a process manager stops the CLI alone
@@ -199,7 +202,7 @@ def test_sigterm_stops_the_campaign_and_a_second_signal_stops_it_at_once(prepare
         assert ckpt.CheckpointStore.open(store).verify(step) == []
 
 
-def test_sigterm_stops_everything_at_once_when_the_pause_outlasts_the_grace_period(prepared_data, tmp_path):
+def test_sigterm_stops_everything_at_once_when_the_pause_outlasts_the_grace_period(prefect_harness, prepared_data, tmp_path):
     """A pause that cannot be done within ``resume.grace_period_s`` (1 s here: stopping the job and
     validating its final save take longer) is cut short: the job killed, the campaign recorded
     interrupted saying so, nothing torn; the next run resumes from the last good checkpoint."""

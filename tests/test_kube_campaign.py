@@ -89,14 +89,13 @@ def workers(api: double.KubeAPI) -> list[psutil.Process]:
 
 
 def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_completes(
-        kube_api, prepared_data, tmp_path, monkeypatch):
+        prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch):
     """The flow-run process dies (SIGKILL: its Job trains on, orphaned); the re-run finds the Job of
     the stage's last attempt alive and takes it back: the same Job object finishes the stage, no
     attempt is counted, no second Job is created. The orphan's workers are frozen until the re-run
     has adopted it, so it cannot finish first however slowly the re-run starts (the hang detector's
     fixed timeout, not an adaptive one, so the frozen steps are no hang)."""
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))  # the CLI's environment (Cli copies os.environ)
-    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # a loaded machine starts it slowly
     spec = kube_spec(tmp_path / "w", steps=120)  # seconds of steps: the orphan is frozen long before its end
     spec = parse_spec({**spec.model_dump(mode="json"), "fault_tolerance": {"hang_timeout_factor": 0}})
     seed_data(spec, prepared_data)
@@ -136,11 +135,11 @@ def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_comp
     assert live_pids(kube_api) == []
 
 
-def test_sigterm_to_the_flow_process_leaves_no_object_and_no_process(kube_api, prepared_data, tmp_path, monkeypatch):
+def test_sigterm_to_the_flow_process_leaves_no_object_and_no_process(prefect_harness, kube_api, prepared_data, tmp_path,
+                                                                    monkeypatch):
     """SIGTERM — what Prefect's cancellation does to a flow-run process — while its stage's Job
     trains: the Job, its pods and its Service are deleted before the process exits."""
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))
-    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     spec = kube_spec(tmp_path / "w", steps=20000)  # never reached
     seed_data(spec, prepared_data)
     run = Cli(tmp_path, spec, "run")

@@ -96,8 +96,8 @@ def test_damaged_lines_are_skipped_and_a_line_being_written_is_forwarded_once_co
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
+def mlflow_server(tmp_path_factory, migrated_tracking_store):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start(template=migrated_tracking_store)
     yield server
     server.stop()
 
