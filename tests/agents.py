@@ -16,6 +16,7 @@ from pretrain.cluster import free_port
 from pretrain.jobs import build_job, write_job
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.config import JobConfig
+from trainer.zygote import Zygote
 
 
 def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int = 4, sections: dict | None = None,
@@ -29,12 +30,16 @@ def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int =
     return build_job(spec, 0, attempt, None)
 
 
-def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, **popen) -> subprocess.Popen:
-    """The job's node agent (``max_restarts``: in-job restarts of its ``nproc`` workers)."""
+def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, zygote: Zygote | None = None,
+                **popen) -> subprocess.Popen:
+    """The job's node agent (``max_restarts``: in-job restarts of its ``nproc`` workers); with
+    ``zygote`` it forks its workers, spares and saver from it, as in a campaign run (else each
+    is a fresh interpreter that imports torch)."""
     job_path = write_job(job)
     log = open(Path(job.job_dir) / "node0.log", "ab")
     cmd = [sys.executable, "-m", "trainer.launch", str(job_path), "--nproc", str(nproc), "--rdzv-endpoint",
-           f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--rdzv-host", "--max-restarts", str(max_restarts)]
+           f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--rdzv-host", "--max-restarts", str(max_restarts),
+           *(["--zygote", zygote.path] if zygote is not None else [])]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)
 
 
@@ -42,9 +47,11 @@ def node_log(job: JobConfig) -> str:
     return (Path(job.job_dir) / "node0.log").read_text(errors="replace")
 
 
-def run_agent(job: JobConfig, timeout: float = 180, max_restarts: int = 0, nproc: int = 1) -> int:
-    """Run the job's agent to its end; returns its exit code. Nothing it started outlives this."""
-    agent = start_agent(job, max_restarts, nproc, start_new_session=True)
+def run_agent(job: JobConfig, timeout: float = 180, max_restarts: int = 0, nproc: int = 1,
+              zygote: Zygote | None = None) -> int:
+    """Run the job's agent to its end; returns its exit code. Nothing it started outlives this
+    (what it forked from ``zygote`` ends with it: the orphan watchdog)."""
+    agent = start_agent(job, max_restarts, nproc, zygote, start_new_session=True)
     try:
         return agent.wait(timeout)
     finally:

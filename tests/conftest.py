@@ -79,6 +79,16 @@ def prefect_harness():
 
 
 @pytest.fixture(scope="session")
+def zygote():
+    """A fork server with torch imported, as a campaign run has (``trainer.zygote``), for tests
+    that start node agents themselves; not the context's zygote (campaigns start their own)."""
+    from trainer.zygote import Zygote
+
+    with Zygote.start() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def prepared_data(tmp_path_factory, migrated_tracking_store) -> Path:
     """One data set for the session (its directory ``<root>/<fingerprint>``); campaigns copy it
     (its fingerprint matches their spec). Beside the root, the empty migrated MLflow store that

@@ -53,11 +53,12 @@ def test_a_persist_that_fills_the_disk_takes_back_its_shards_and_says_what_to_ch
         assert location.read_pointer() == 4 and location.latest_complete().step == 4
 
 
-def test_a_full_checkpoint_disk_stops_the_job_with_the_message_while_training_went_on(prepared_data, tmp_path):
+def test_a_full_checkpoint_disk_stops_the_job_with_the_message_while_training_went_on(prepared_data, tmp_path,
+                                                                                        zygote):
     job = agent_job(tmp_path, prepared_data, steps=100_000, shm_dir=str(tmp_path / "shm"))
     with small_tmpfs(tmp_path / "fs", "128k") as fs:
         job = dataclasses.replace(job, ckpt_dir=str(fs / "s"), saver_max_failures=3, saver_backoff_s=0.05)
-        assert run_agent(job) == 1
+        assert run_agent(job, zygote=zygote) == 1
         events = read_all(Path(job.job_dir) / EVENTS)
         failed = [e["error"] for e in events if e["event"] == "error"]
         assert len(failed) == 1 and "CheckpointDiskFull: no space left on" in failed[0] and "checkpoint.keep" in failed[0]

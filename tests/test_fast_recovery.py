@@ -43,20 +43,20 @@ def by_kind(events: list[dict], kind: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def clean_model(prepared_data, tmp_path_factory) -> dict:
+def clean_model(prepared_data, tmp_path_factory, zygote) -> dict:
     job = two_worker_job(tmp_path_factory.mktemp("clean"), prepared_data, [])
-    assert run_agent(job, max_restarts=3, nproc=2) == 0, node_log(job)
+    assert run_agent(job, max_restarts=3, nproc=2, zygote=zygote) == 0, node_log(job)
     return final_model(job)
 
 
 def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_running(prepared_data, tmp_path,
-                                                                                  clean_model):
+                                                                                  clean_model, zygote):
     """Rank 1 SIGKILLed at step 5, then rank 0 (by then a survivor of the first fault) at step 9:
     each time the other worker keeps its process, a warm spare takes the lost rank, a new spare
     is started for the next fault, and the result is bitwise the fault-free run's."""
     job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 5},
                                                    {"kind": "kill_worker", "rank": 0, "step": 9}])
-    assert run_agent(job, max_restarts=3, nproc=2) == 0, node_log(job)
+    assert run_agent(job, max_restarts=3, nproc=2, zygote=zygote) == 0, node_log(job)
     events = read_all(Path(job.job_dir) / EVENTS)
     starts = {e["rank"]: e for e in by_kind(events, "start") if not e["epoch"]}
     first, second = by_kind(events, "rejoined")
@@ -85,12 +85,13 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_runn
     assert model.keys() == clean_model.keys() and all(torch.equal(model[k], clean_model[k]) for k in model)
 
 
-def test_a_hung_worker_is_killed_alone_and_replaced_while_the_other_keeps_running(prepared_data, tmp_path, clean_model):
+def test_a_hung_worker_is_killed_alone_and_replaced_while_the_other_keeps_running(prepared_data, tmp_path, clean_model,
+                                                                                  zygote):
     """Rank 1 hangs at step 5 (3 s step timeout): rank 0, waiting for it in the step's
     collective, is not taken for hung; only rank 1 is killed, a spare takes its rank."""
     job = two_worker_job(tmp_path, prepared_data, [{"kind": "hang_worker", "rank": 1, "step": 5}])
     job = dataclasses.replace(job, hang_timeouts={**job.hang_timeouts, "step": 3.0})
-    assert run_agent(job, max_restarts=3, nproc=2) == 0, node_log(job)
+    assert run_agent(job, max_restarts=3, nproc=2, zygote=zygote) == 0, node_log(job)
     events = read_all(Path(job.job_dir) / EVENTS)
     [hang] = by_kind(events, "hang")
     assert (hang["ranks"], hang["kept"]) == ([1], [0])
@@ -104,10 +105,10 @@ def test_a_hung_worker_is_killed_alone_and_replaced_while_the_other_keeps_runnin
 
 
 def test_a_fast_recovery_that_cannot_finish_in_time_falls_back_to_a_full_restart(prepared_data, tmp_path,
-                                                                                 clean_model):
+                                                                                 clean_model, zygote):
     job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 5}],
                          fast_recovery_timeout_s=0.001, spares_per_node=0)
-    assert run_agent(job, max_restarts=3, nproc=2) == 0, node_log(job)
+    assert run_agent(job, max_restarts=3, nproc=2, zygote=zygote) == 0, node_log(job)
     assert "restarting every worker" in node_log(job)
     events = read_all(Path(job.job_dir) / EVENTS)
     assert sorted(e["restart_count"] for e in by_kind(events, "start") if e["rank"] == 0) == [0, 1]

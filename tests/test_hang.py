@@ -100,7 +100,7 @@ def test_detector_judges_each_worker_by_its_own_durations(case, tmp_path, sleepe
         assert sleeper.poll() is None
 
 
-def test_a_hang_is_found_well_before_step_timeout_and_recorded_as_hang(prepared_data, tmp_path):
+def test_a_hang_is_found_well_before_step_timeout_and_recorded_as_hang(prepared_data, tmp_path, zygote):
     """A worker hangs at step 6 of a job whose ``step_timeout_s`` is 120: the agent finds it
     after the adapted timeout (seconds), the job recovers and completes, and the incident says
     ``hang``, detected when the detector found it (not when the worker stopped)."""
@@ -111,7 +111,7 @@ def test_a_hang_is_found_well_before_step_timeout_and_recorded_as_hang(prepared_
                       fault_tolerance={"step_timeout_s": 120, "hang_warmup_steps": 3})  # default factor and floor
     seed_data(spec, prepared_data)
     job = build_job(spec, 0, 0, None)
-    assert run_agent(job, timeout=300, max_restarts=1) == 0
+    assert run_agent(job, timeout=300, max_restarts=1, zygote=zygote) == 0
     events, metrics = read_all(Path(job.job_dir) / EVENTS), read_all(Path(job.job_dir) / METRICS)
     [hang] = [e for e in events if e["event"] == "hang"]
     [drill] = [e for e in events if e["event"] == "chaos"]
