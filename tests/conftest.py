@@ -26,8 +26,9 @@ DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"
 
 
 # The longest test files first (measured: each runs one or more whole campaigns): the suite runs
-# on processes that take whole files (`--dist loadfile`), and a long file started last
-# would run alone at the end. Order within a file is kept.
+# on processes that take whole files (`--dist loadfile`), and a long file started last would run
+# alone at the end. xdist would reorder the files by their number of tests (many short unit tests
+# first): `--no-loadscope-reorder` in pyproject.toml keeps this order. Order within a file is kept.
 LONGEST_FIRST = ("test_kube_campaign.py", "test_interrupt.py", "test_resume.py", "test_prefect_server.py",
                  "test_s3_campaign.py", "test_elastic.py", "test_gate.py", "test_kube_cluster.py", "test_fast_recovery.py",
                  "test_data_ux.py", "test_chaos.py", "test_tracking.py", "test_fsdp.py", "test_compare.py", "test_saver.py",
