@@ -91,12 +91,14 @@ HOLDER = textwrap.dedent("""
 def test_a_second_orchestrator_is_refused_by_the_lease_and_takes_over_once_the_holder_died(tmp_path, moto, aws_env):
     spec = s3_state_spec(tmp_path, moto.endpoint)
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PRETRAIN_LEASE_TTL_S": "2", "PRETRAIN_LEASE_MARGIN_S": "0"}
+    # a TTL short enough to wait out, long enough for the taking run's writes to moto on a loaded
+    # machine (2 s: the lease it had just taken expired before its first ledger write)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PRETRAIN_LEASE_TTL_S": "5", "PRETRAIN_LEASE_MARGIN_S": "0"}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "spec.json")], env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "holding\n"
-        quick = PretrainSettings(lease_ttl_s=2, lease_margin_s=0)
+        quick = PretrainSettings(lease_ttl_s=5, lease_margin_s=0)
         with pytest.raises(CampaignBusy) as refused:
             with campaign_guard(spec, "run-B", settings=quick):
                 pass

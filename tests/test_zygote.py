@@ -42,8 +42,12 @@ elif mode == "agent":  # as a node agent: an orphan watchdog, and a worker that 
     import subprocess
     from trainer.process import exit_when_orphaned
     exit_when_orphaned()
+    # the worker says when its watchdog runs: one started after its parent died would watch the
+    # wrong parent (the test's owner is killed right after the pids are printed)
     worker = subprocess.Popen([sys.executable, "-c", "import signal; from trainer.process import exit_when_orphaned; "
-                               "exit_when_orphaned(); signal.pause()"])
+                               "exit_when_orphaned(); print('watching', flush=True); signal.pause()"],
+                              stdout=subprocess.PIPE, text=True)
+    worker.stdout.readline()
     print(worker.pid, flush=True)
     signal.pause()
 """
