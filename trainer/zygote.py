@@ -40,7 +40,9 @@ from pathlib import Path
 
 from trainer.zygote_server import HEADER
 
-PRELOAD = ("torch", "trainer.launch", "trainer.worker", "trainer.healthcheck", "trainer.gate")
+# torch._inductor.config: what torch.use_deterministic_algorithms imports (every CPU worker calls
+# it): ~1 CPU-s in each forked worker, about two thirds of a small job's worker CPU, if not here
+PRELOAD = ("torch", "torch._inductor.config", "trainer.launch", "trainer.worker", "trainer.healthcheck", "trainer.gate")
 TITLE_ROOM = 4096  # bytes of the zygote's argv its children rewrite into their own command lines
 READY_TIMEOUT_S = 120.0  # a zygote still importing when asked: wait this long (a fresh interpreter pays the same imports)
 
