@@ -93,12 +93,12 @@ def test_a_second_orchestrator_is_refused_by_the_lease_and_takes_over_once_the_h
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
     # a TTL short enough to wait out, long enough for the taking run's writes to moto on a loaded
     # machine (2 s: the lease it had just taken expired before its first ledger write)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PRETRAIN_LEASE_TTL_S": "5", "PRETRAIN_LEASE_MARGIN_S": "0"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PRETRAIN_LEASE_TTL_S": "8", "PRETRAIN_LEASE_MARGIN_S": "0"}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "spec.json")], env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "holding\n"
-        quick = PretrainSettings(lease_ttl_s=5, lease_margin_s=0)
+        quick = PretrainSettings(lease_ttl_s=8, lease_margin_s=0)
         with pytest.raises(CampaignBusy) as refused:
             with campaign_guard(spec, "run-B", settings=quick):
                 pass
@@ -135,7 +135,9 @@ def test_a_run_whose_lease_was_taken_over_writes_no_more_campaign_state(tmp_path
     an expiry this run did not notice leaves it): the check before a `good` pointer and the
     ledger's next write both refuse, naming the new holder."""
     spec = s3_state_spec(tmp_path, moto.endpoint)
-    with campaign_guard(spec, "run-A", settings=PretrainSettings(lease_ttl_s=3, lease_margin_s=0)):
+    # no expiry is waited for: a TTL that moto's answers on a loaded machine cannot outlast (3 s did:
+    # the lease lapsed before the run's first ledger write); the keeper renews every TTL / 3
+    with campaign_guard(spec, "run-A", settings=PretrainSettings(lease_ttl_s=15, lease_margin_s=0)):
         ledger = Ledger.open(spec)
         ledger.begin_run("run-A")
         check_holds(spec)  # still ours
