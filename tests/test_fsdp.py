@@ -211,9 +211,12 @@ def test_fsdp_worker_killed_after_a_snapshot_resumes_from_memory_bit_exact(prefe
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 8 and stage["attempts"] == 1
     assert [f["cause"] for f in stage["failures"]] == ["worker_killed"]
-    starts = [e for e in read_all(drilled.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
-              if e["event"] == "start"]
-    assert {(e["source"], e["step"]) for e in starts if e["restart_count"] == 1} == {("memory", 4)}
+    events = read_all(drilled.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
+    # the newest snapshot every rank holds sealed when rank 1 dies at step 5: step 4's, or step 2's
+    # when the other rank was still copying step 4's as the restart stopped it (a loaded machine)
+    starts = [e for e in events if e["event"] == "start" and e["restart_count"] == 1]
+    assert len({(e["source"], e["step"]) for e in starts}) == 1 and starts[0]["source"] == "memory"
+    assert starts[0]["step"] in (2, 4)
 
     store = checkpoint_store(drilled, "main")
     final = store.ref(store.read_pointer()).location
