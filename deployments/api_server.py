@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import httpx
 
 from pretrain.interrupt import StoppedAtOnce
-from trainer.process import exit_when_orphaned
+from trainer.process import child_env, exit_when_orphaned
 
 HOST = "127.0.0.1"
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
@@ -54,7 +54,7 @@ class ApiServer:
     def start(self, timeout_s: float, attempts: int = 3) -> str:
         from prefect.settings import get_current_settings
 
-        env = {**os.environ, **SERVER_ENV, **get_current_settings().to_environment_variables(exclude_unset=True)}
+        env = child_env({**os.environ, **SERVER_ENV, **get_current_settings().to_environment_variables(exclude_unset=True)})
         for _ in range(attempts):  # a port taken between choosing and binding: try another
             port = _free_port()
             self.proc = subprocess.Popen([sys.executable, "-m", "deployments.api_server", "--port", str(port)], env=env,

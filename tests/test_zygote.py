@@ -3,6 +3,7 @@ started by ``subprocess.Popen``, die with their owner, and a broken zygote falls
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -191,3 +192,33 @@ def test_the_node_check_runs_forked_from_the_zygote(zygote, tmp_path):
     rows = cluster.health_check(tmp_path)
     assert [r["ok"] for r in rows] == [True, True], rows
     assert all(r["matmul_s"] > 0 and r["allreduce_MBps"] > 0 for r in rows)
+
+
+CHILD = """
+import os, signal, sys, time
+while not os.path.exists(sys.argv[1]):  # a start slower than its parent's life
+    time.sleep(0.05)
+from trainer.process import exit_when_orphaned
+exit_when_orphaned()
+signal.pause()
+"""
+
+
+def test_a_child_whose_parent_died_before_its_watchdog_ran_still_ends(tmp_path):
+    """``child_env`` names the parent: a child that starts its orphan watchdog only after its
+    parent died (a slow start on a loaded machine) ends, instead of taking its new parent (init,
+    a subreaper) for its own and living on."""
+    go = tmp_path / "go"
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import subprocess, sys
+        from trainer.process import child_env
+        print(subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], env=child_env()).pid, flush=True)
+    """), CHILD, str(go)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    child = int(parent.stdout.readline())
+    assert parent.wait(30) == 0
+    go.touch()  # the child's watchdog starts now, its parent long gone
+    try:
+        wait_for(lambda: gone([child]), 30, "the orphaned child to end")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Mapping
 
 
 def pid_alive(pid: int) -> bool:
@@ -17,14 +18,27 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+PARENT_ENV = "PRETRAIN_PARENT_PID"  # the pid of the process that started this one (see child_env)
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a child this process starts with Popen, naming this
+    process as the parent its orphan watchdog must see: a child whose parent died before its
+    watchdog ran would otherwise take its new parent (init, a subreaper) for its own."""
+    return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
+
+
 def exit_when_orphaned(on_orphan=None, interval: float = 0.5) -> threading.Thread:
     """Start a daemon thread that ends this process once its parent is gone.
 
     A launcher whose orchestrator died, or a worker whose agent died, must not keep training
     and writing checkpoints beside the process that resumes the campaign. ``on_orphan`` runs
-    first (e.g. to stop children); then the process exits with SIGTERM's status.
+    first (e.g. to stop children); then the process exits with SIGTERM's status. The parent is
+    the one ``child_env`` named (taken out of the environment: this process's children have
+    their own), else this process's parent now.
     """
-    parent = os.getppid()
+    named = os.environ.pop(PARENT_ENV, "")
+    parent = int(named) if named.isdigit() else os.getppid()
     stop = threading.Event()
 
     def watch() -> None:

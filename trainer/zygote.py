@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from trainer.process import PARENT_ENV, child_env
 from trainer.zygote_server import HEADER
 
 # torch._inductor.config: what torch.use_deterministic_algorithms imports (every CPU worker calls
@@ -222,13 +223,14 @@ class Zygote:
         zygote is unusable). ``env``: the child's complete environment (default: this
         process's now); ``stderr`` may be ``subprocess.STDOUT``."""
         env = dict(os.environ if env is None else env)
+        env.pop(PARENT_ENV, None)  # a forked child's parent is the zygote
         args = [self.python, "-m", module, *map(str, argv)]
         if self._why_not is None:
             try:
                 return self._fork(args, module, argv, env, cwd, _fds((stdin, stdout, stderr)), new_session)
             except (OSError, ValueError, ConnectionError, TimeoutError) as e:
                 self._unusable(f"{type(e).__name__}: {e}")
-        return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
+        return subprocess.Popen(args, env=child_env(env), cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
                                 start_new_session=new_session)
 
     def _unusable(self, why: str) -> None:
@@ -352,7 +354,7 @@ def spawn(module: str, argv: Sequence[str] = (), *, zygote: Zygote | None = None
     if zygote is not None:
         return zygote.spawn(module, argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
                             new_session=new_session)
-    return subprocess.Popen([python, "-m", module, *map(str, argv)], env=None if env is None else dict(env), cwd=cwd,
+    return subprocess.Popen([python, "-m", module, *map(str, argv)], env=child_env(env), cwd=cwd,
                             stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=new_session)
 
 
