@@ -33,12 +33,15 @@ def exit_when_orphaned(on_orphan=None, interval: float = 0.5) -> threading.Threa
 
     A launcher whose orchestrator died, or a worker whose agent died, must not keep training
     and writing checkpoints beside the process that resumes the campaign. ``on_orphan`` runs
-    first (e.g. to stop children); then the process exits with SIGTERM's status. The parent is
-    the one ``child_env`` named (taken out of the environment: this process's children have
-    their own), else this process's parent now.
+    first (e.g. to stop children); then the process exits with SIGTERM's status. A parent that
+    ``child_env`` named and that is gone already (it died while this process was starting) makes
+    this process an orphan from the start; a named process that lives but is not the parent (a
+    grandparent's name, inherited by a child started without ``child_env``) is not looked at.
     """
-    named = os.environ.pop(PARENT_ENV, "")
-    parent = int(named) if named.isdigit() else os.getppid()
+    parent = os.getppid()
+    named = os.environ.get(PARENT_ENV, "")
+    if named.isdigit() and int(named) != parent and not pid_alive(int(named)):
+        parent = -1  # orphaned before this watchdog ran: the first look ends the process
     stop = threading.Event()
 
     def watch() -> None:
