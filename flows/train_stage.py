@@ -124,10 +124,10 @@ def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str |
         ledger.record_relaunch_recovery(stage, attempt - 1, result.first_step_at)
     for r in result.resumes:
         ledger.record_resume(stage, Resume(attempt=attempt, **r))
-    job_restarts(spec, stage, attempt, result.resumes)
+    restarts = job_restarts(spec, stage, attempt, result.resumes, result.incidents)
     for incident in result.incidents:
         logger.warning("stage %s: %s — %s (recovered in %ss, %.1fs lost)", stage, incident["cause"],
                        incident["action"], incident["recovery_s"], incident["time_lost_s"])
         ledger.record_failure(stage, Failure(**incident))
-    ledger.add_restarts(stage, max((r["restart_count"] for r in result.resumes), default=0))
+    ledger.add_restarts(stage, restarts)
     return result

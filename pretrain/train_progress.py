@@ -18,7 +18,7 @@ from typing import Callable
 
 from pretrain.console_progress import clock_time, human
 from pretrain.ledger_schema import StageRecord
-from trainer.events import EventKind
+from trainer.events import EventKind, replaced_workers
 from trainer.reporting import EVENTS, METRICS, read_new_lines
 
 ETA_WINDOW_S = 60.0  # the ETA follows the step rate of the last this-many seconds of training
@@ -35,7 +35,7 @@ class TrainingSnapshot:
     loss: float | None = None
     tokens_per_s: float | None = None
     eta_s: float | None = None  # None until the job has trained for a while
-    restarts: int = 0  # relaunches of the job plus in-job restarts, over all attempts
+    restarts: int = 0  # relaunches of the job plus in-job restarts and lost workers replaced, over all attempts
     checkpoint_step: int | None = None  # the newest committed checkpoint of the stage
     checkpoint_verdict: str | None = None  # good / bad / pending (not judged yet)
 
@@ -114,6 +114,7 @@ class TrainingWatch:
     loss: float | None = None
     tokens_per_s: float | None = None
     job_restarts: int = 0  # the newest restart_count a worker started with in this attempt
+    job_replacements: int = 0  # lost workers replaced while the others kept running (fast recoveries)
     checkpoint_step: int | None = None
 
     def poll(self, final: bool = False) -> TrainingSnapshot:
@@ -130,7 +131,7 @@ class TrainingWatch:
         eta = (self.total - self.step) / rate if rate and 0 <= self.step < self.total else None
         return TrainingSnapshot(
             stage=self.stage, attempt=self.attempt, step=self.step, total=self.total, loss=self.loss,
-            tokens_per_s=self.tokens_per_s, eta_s=eta, restarts=self.attempt + earlier + self.job_restarts,
+            tokens_per_s=self.tokens_per_s, eta_s=eta, restarts=self.attempt + earlier + self.job_restarts + self.job_replacements,
             checkpoint_step=ckpt, checkpoint_verdict=None if ckpt is None else _verdict(record, ckpt))
 
     def _record(self) -> StageRecord | None:
@@ -160,6 +161,8 @@ class TrainingWatch:
                 self.checkpoint_step = max(self.checkpoint_step or 0, e["step"])
             elif e.get("event") == EventKind.START and _int(e.get("restart_count")) is not None:
                 self.job_restarts = max(self.job_restarts, e["restart_count"])
+            elif replaced_workers(e):
+                self.job_replacements += 1
 
 
 def _verdict(record: StageRecord | None, step: int) -> str:

@@ -2,7 +2,8 @@
 (``pretrain.campaign.<name>``), so automations can react to them:
 
 - ``pretrain.checkpoint.good`` / ``pretrain.checkpoint.bad``  a checkpoint passed / failed validation
-- ``pretrain.stage.restarted``  a stage's workers restarted inside a job, or its job was launched again
+- ``pretrain.stage.restarted``  a stage's workers restarted inside a job (``recovery_path``: restart, or
+  spare / replacement: lost workers replaced, the others kept), or its job was launched again
 - ``pretrain.stage.failed``     a stage gave up
 - ``pretrain.campaign.completed``  every stage is done
 
@@ -20,6 +21,7 @@ from pretrain.campaign_data import campaign_data
 from pretrain.ledger import LedgerError
 from pretrain.spec import CampaignSpec
 from trainer.data import DataError
+from trainer.events import REPLACEMENT_PATHS
 
 CHECKPOINT_GOOD = "pretrain.checkpoint.good"
 CHECKPOINT_BAD = "pretrain.checkpoint.bad"
@@ -71,13 +73,21 @@ def stage_relaunched(spec: CampaignSpec, stage: str, attempt: int, from_step: in
                                                 "from_step": from_step}, stage)
 
 
-def job_restarts(spec: CampaignSpec, stage: str, attempt: int, resumes: list[dict]) -> None:
-    """One event per in-job restart of the workers (elastic agent restarts) a finished job reported."""
+def job_restarts(spec: CampaignSpec, stage: str, attempt: int, resumes: list[dict], incidents: list[dict]) -> int:
+    """One event per in-job restart of the workers (elastic agent restarts) and per fast recovery
+    that replaced lost workers (the others kept running) a finished job reported; returns how
+    many restarts the job had (the ledger's ``restarts`` of the stage grow by it)."""
     for r in resumes:
         if r.get("restart_count", 0) > 0:
             emit_campaign_event(spec, STAGE_RESTARTED, {"stage": stage, "attempt": attempt, "in_job": True,
                                                         "restart_count": r["restart_count"], "from_step": r.get("step"),
-                                                        "source": r.get("source")}, stage)
+                                                        "source": r.get("source"), "recovery_path": "restart"}, stage)
+    replaced = [i for i in incidents if i.get("recovery_path") in REPLACEMENT_PATHS]
+    for i in replaced:
+        emit_campaign_event(spec, STAGE_RESTARTED, {"stage": stage, "attempt": attempt, "in_job": True,
+                                                    "recovery_path": i["recovery_path"], "cause": i.get("cause"),
+                                                    "action": i.get("action"), "recovery_s": i.get("recovery_s")}, stage)
+    return max((r.get("restart_count", 0) for r in resumes), default=0) + len(replaced)
 
 
 def stage_failed(spec: CampaignSpec, stage: str, step: int, attempts: int, cause: str | None, message: str) -> None:

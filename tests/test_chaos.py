@@ -11,8 +11,9 @@ import matplotlib.image
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from prefect.settings import PREFECT_API_URL
 
-from conftest import assert_no_duplicate_metric_steps, seed_data, small_spec
+from conftest import assert_no_duplicate_metric_steps, campaign_events, seed_data, small_spec, wait_for
 from flows.campaign import pretrain_campaign
 from pretrain.goodput import ALL
 from pretrain.jobs import checkpoint_store, job_config
@@ -88,6 +89,23 @@ def test_failures_are_classified_with_recovery_times(drilled):
             assert f["action"].startswith({"in_process": "roll back in process to memory", "restart": "restart workers from memory",
                                            "spare": "replace rank(s) ["}[path])
             assert f["time_lost_s"] >= f["recovery_s"]
+
+
+def test_every_worker_replaced_counts_as_a_restart_and_sends_a_restarted_event(drilled):
+    """The kill and the hang each replace a worker (a spare, or all workers when the fast path
+    fell back): the stage's restarts count them and each sends ``pretrain.stage.restarted``."""
+    spec, status = drilled
+    stage = status["stages"][0]
+    replaced = [f["recovery_path"] for f in stage["failures"] if f.get("recovery_path") in ("spare", "replacement", "restart")]
+    assert len(replaced) >= 2 and stage["restarts"] == len(replaced)
+
+    def restarted():
+        found = [e["payload"] for e in campaign_events(PREFECT_API_URL.value(), spec.name)
+                 if e["event"] == "pretrain.stage.restarted" and e["resource"]["pretrain.workdir"] == str(spec.workdir_path)]
+        return found if len(found) >= len(replaced) else None
+    events = wait_for(restarted, 30, "the restarted events", interval=0.5)
+    assert all(e["in_job"] for e in events)
+    assert sorted(e["recovery_path"] for e in events) == sorted(replaced)
 
 
 def test_goodput_parts_add_up_to_the_wall_time_of_a_drilled_campaign(drilled):

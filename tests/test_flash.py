@@ -15,11 +15,13 @@ from conftest import wait_for
 from jobs import tiny_job
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import state
-from trainer.checkpoint.flash import SnapshotStore
-from trainer.checkpoint.shm import ShmTooSmall
+from pretrain.cluster import free_port
+from trainer.checkpoint.flash import SnapshotStore, copies_in_flight
+from trainer.checkpoint.shm import ShmTooSmall, Slot
 from trainer.config import JobConfig
 from trainer.dist import DistInfo
 from trainer.loop import build_model, open_snapshots, snapshot_capacity
+from trainer.node_agent import AgentSettings, NodeAgent
 from trainer.reporting import JsonLines, read_all
 
 CPU0 = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torch.device("cpu"), backend="gloo")
@@ -76,6 +78,60 @@ def test_busy_slot_skips_the_snapshot_and_keeps_the_older_one(tmp_path):
     assert store.sealed_steps() == {5: 0, 10: 1}
     assert store.snapshot(15, {"w": torch.full((8,), 15.0)}, persist=False) is not None
     assert store.sealed_steps() == {15: 0, 10: 1}
+
+
+@pytest.mark.parametrize("header, live, busy", [
+    ({"state": "writing"}, True, True),  # being copied
+    ({"state": "ready"}, True, True),  # copied, its digest still being computed
+    ({"state": "ready", "digest": "ab"}, True, False),  # sealed
+    ({"state": "writing"}, False, False),  # torn by a process that is gone: nothing to wait for
+    (None, True, False),  # never written
+], ids=["copying", "sealing", "sealed", "torn-by-the-dead", "empty"])
+def test_copies_in_flight_are_the_live_workers_unsealed_snapshots(tmp_path, header, live, busy):
+    slot = Slot(tmp_path / "rank000.slot0", 1 << 12)
+    if header is not None:
+        slot.set_header({**header, "step": 4, "pid": os.getpid() if live else -1})
+    slot.close()
+    assert copies_in_flight(tmp_path, {os.getpid()}) == (["rank000.slot0"] if busy else [])
+
+
+# A worker copying a snapshot into its slot (0.5 s), then sealing it; on SIGTERM it reports
+# whether the slot was sealed when the signal came.
+COPYING_WORKER = textwrap.dedent("""
+    import os, signal, sys, time
+    from trainer.checkpoint.shm import Slot
+    slot = Slot(sys.argv[1], 1 << 12)
+    def stopped(signum, frame):
+        h = slot.header()
+        open(sys.argv[2], "w").write("sealed" if h.get("digest") else h["state"])
+        os._exit(143)
+    signal.signal(signal.SIGTERM, stopped)
+    slot.set_header({"state": "writing", "step": 4, "pid": os.getpid()})
+    time.sleep(0.5)  # the copy
+    slot.set_header({"state": "ready", "step": 4, "pid": os.getpid()})
+    slot.set_header({"state": "ready", "step": 4, "pid": os.getpid(), "digest": "ab"})
+    signal.pause()
+""")
+
+
+def test_a_full_restart_lets_a_survivor_finish_the_snapshot_it_is_copying(tmp_path):
+    """Stopped mid-copy, the survivor would lack the newest snapshot its lost peer holds, and the
+    restart would go back to the snapshot before."""
+    ns, report = tmp_path / "shm", tmp_path / "at_sigterm"
+    ns.mkdir()
+    survivor = subprocess.Popen([sys.executable, "-c", COPYING_WORKER, str(ns / "rank000.slot0"), str(report)])
+    settings = AgentSettings(nproc=1, max_restarts=1, threads=1, node=0, port=free_port(), spares=0, fast=False,
+                             fast_timeout_s=0, shm=str(ns))
+    restarted = []
+    agent = NodeAgent(settings, lambda extra, env: restarted.append(env) or subprocess.Popen(["sleep", "60"]))
+    agent.workers = {0: survivor}
+    try:
+        wait_for(lambda: copies_in_flight(ns, {survivor.pid}), 30, "the survivor's copy")
+        agent.full_restart()
+        assert report.read_text() == "sealed" and survivor.returncode == 143
+        assert [env["TORCHELASTIC_RESTART_COUNT"] for env in restarted] == ["1"]
+    finally:
+        agent.close()
 
 
 def test_restore_prefers_memory_and_falls_back_to_storage_when_memory_is_corrupt(tmp_path):

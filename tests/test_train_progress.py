@@ -79,6 +79,17 @@ def test_restarts_count_relaunches_earlier_and_in_job_restarts_and_a_resume_rest
     assert watch.poll(final=True).step == 32  # a damaged last line of a dead writer: skipped
 
 
+def test_a_lost_worker_replaced_while_the_others_kept_running_counts_as_a_restart_a_rollback_does_not(ledger):
+    job = ledger.layout.job_dir("main", 0)
+    write_lines(job / "events.jsonl",
+                {"event": "rollback", "rank": 0, "path": "in_process", "step": 4, "time": 1.0},  # NaN: no process lost
+                {"event": "rollback", "rank": 1, "path": "in_process", "step": 4, "time": 1.0},
+                {"event": "rollback", "rank": 0, "path": "spare", "lost_ranks": [1], "step": 6, "time": 2.0},
+                {"event": "start", "rank": 1, "restart_count": 0, "epoch": 1, "step": 6, "time": 2.0},  # the spare
+                {"event": "rollback", "rank": 0, "path": "replacement", "lost_ranks": [1], "step": 8, "time": 3.0})
+    assert watch_of(ledger).poll().restarts == 2
+
+
 def test_a_damaged_ledger_leaves_the_jobs_own_numbers(ledger):
     write_lines(ledger.layout.job_dir("main", 0) / "metrics.jsonl", metric(5, 1.0))
     ledger.layout.ledger.write_text("{not json")

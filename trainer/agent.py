@@ -232,7 +232,7 @@ def run_node(args: argparse.Namespace) -> int:
     detector = watch_workers(job, args.node, lambda: saver)
     try:
         if args.nnodes_max == 1:
-            code = run_local(local_settings(job, args), worker_starter(zygote, worker_args[3:]),
+            code = run_local(local_settings(job, args, ns), worker_starter(zygote, worker_args[3:]),
                              spares_wanted=lambda: detector.max_step >= 1)
         else:
             code = run_elastic(args, worker_args)
@@ -250,7 +250,7 @@ def worker_starter(zygote: Zygote | None, worker_argv: list[str]):
     return start
 
 
-def local_settings(job: JobConfig, args: argparse.Namespace) -> AgentSettings:
+def local_settings(job: JobConfig, args: argparse.Namespace, shm: Path | None = None) -> AgentSettings:
     """Our own agent's settings for a job of one node: survivors of a lost worker are kept under
     DDP with more than one worker over gloo (an FSDP model is sharded over the broken group; an
     NCCL collective with a dead peer does not fail, it waits for the group's timeout), unless
@@ -259,7 +259,7 @@ def local_settings(job: JobConfig, args: argparse.Namespace) -> AgentSettings:
                          port=int(args.rdzv_endpoint.rsplit(":", 1)[1]), spares=job.spares_per_node,
                          fast=args.nproc > 1 and job.parallelism == "ddp" and pick_backend(job.backend) == "gloo"
                          and job.fast_recovery_timeout_s > 0,
-                         fast_timeout_s=job.fast_recovery_timeout_s)
+                         fast_timeout_s=job.fast_recovery_timeout_s, shm=None if shm is None else str(shm))
 
 
 def run_elastic(args: argparse.Namespace, worker_args: list[str]) -> int:

@@ -34,6 +34,15 @@ class EventKind(StrEnum):
     NODE_RECHECK = "node_recheck"  # written by the orchestrator
 
 
+REPLACEMENT_PATHS = ("spare", "replacement")  # fast recoveries that replaced a lost worker (ROLLBACK ``path``)
+
+
+def replaced_workers(event: dict) -> bool:
+    """Whether ``event`` marks a fast recovery that replaced lost workers (rank 0's rollback with
+    a spare / replacement path; each rank writes its own in-process rollbacks)."""
+    return event.get("event") == EventKind.ROLLBACK and event.get("rank") == 0 and event.get("path") in REPLACEMENT_PATHS
+
+
 def cause_types(err: BaseException) -> list[str]:
     """The class names of what led to ``err`` (its ``__cause__`` / ``__context__`` chain)."""
     names, seen, cur = [], {id(err)}, err.__cause__ or err.__context__

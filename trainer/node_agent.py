@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from trainer.checkpoint.flash import copies_in_flight
 from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
 from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
@@ -31,6 +32,7 @@ from trainer.resilience.peers import TAKEN, epoch_key, ready_key, spare_key
 
 POLL_S = 0.05  # how often the workers' exit codes are looked at
 STOP_GRACE_S = 30.0  # SIGTERM → SIGKILL, as torch's agent
+SETTLE_S = 5.0  # the longest a full restart waits for the survivors' snapshot copies in progress
 REPLENISH_DELAY_S = 2.0  # a new spare starts this long after a recovery, not beside its first steps
 
 
@@ -52,6 +54,7 @@ class AgentSettings:
     spares: int  # warm spares kept (0: a lost worker is replaced cold)
     fast: bool  # keep the survivors of a lost worker (DDP over more than one worker)
     fast_timeout_s: float  # a fast recovery not done by then falls back to a full restart
+    shm: str | None = None  # the node's snapshot slots (a full restart lets copies in progress finish)
 
 
 @dataclass
@@ -144,7 +147,22 @@ class NodeAgent:
               "restarting every worker", file=sys.stderr, flush=True)
         return False
 
+    def settle_snapshots(self) -> None:
+        """Let the workers still running finish the snapshot they are copying or sealing (bounded
+        by ``SETTLE_S``): one stopped mid-copy would lack the newest snapshot its peers hold, and
+        the restart would go back to the one before."""
+        if self.s.shm is None:
+            return
+        deadline = time.monotonic() + SETTLE_S
+        live = {p.pid for p in self.workers.values() if p.poll() is None}
+        while (busy := copies_in_flight(self.s.shm, live)) and time.monotonic() < deadline:
+            time.sleep(POLL_S)  # polls the slot headers
+        if busy:
+            print(f"stopping workers with snapshots still in progress after {SETTLE_S:.0f} s: {', '.join(busy)}",
+                  file=sys.stderr, flush=True)
+
     def full_restart(self) -> None:
+        self.settle_snapshots()
         self.stop_workers()
         self.restart, self.epoch = self.restart + 1, 0
         self._start_round()

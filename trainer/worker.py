@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint.flash import finish_digests
 from trainer.config import JobConfig
 from trainer.dist import FAST_RECOVERY_ENV, Identity, connect_store, init_distributed, pick_backend, shutdown_and_exit
 from trainer.events import EventKind, error_event
@@ -24,6 +25,8 @@ from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.heartbeat import Heartbeat, collective_timeout_s
 from trainer.resilience.peers import Peers, wait_for_rank
+
+DIGEST_WAIT_S = 10.0  # the longest a failing worker waits for the digest of the snapshot it copied
 
 
 def warm_up(cfg: JobConfig) -> tuple | None:
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         report = JsonLines(Path(cfg.job_dir) / EVENTS)
         report.write(error_event(err, rank=me.rank, traceback=traceback.format_exc()[-2000:]))
+        finish_digests(DIGEST_WAIT_S)
         code = 1
     shutdown_and_exit(code)
 

@@ -20,11 +20,41 @@ from pathlib import Path
 
 from trainer.checkpoint.shm import Slot, check_capacity, slot_paths
 
+DIGEST_THREAD = "snapshot-digest"  # the thread that seals a snapshot after its copy
+
 
 def node_missing(ns: Path, capacities: dict[int, int]) -> int:
     """Bytes still to allocate for the slots of every local rank (local rank → bytes per slot)."""
     return sum(max(0, cap - (p.stat().st_size if p.exists() else 0))
                for lr, cap in capacities.items() for p in slot_paths(ns, lr))
+
+
+def finish_digests(timeout_s: float) -> None:
+    """Let this process's snapshot digests still running finish (at most ``timeout_s``): a worker
+    leaving on an error (a peer died under a collective) seals the snapshot it has copied, so the
+    restart can use it rather than the one before."""
+    deadline = time.monotonic() + timeout_s
+    for t in threading.enumerate():
+        if t.name == DIGEST_THREAD:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+def copies_in_flight(ns: str | Path, pids: set[int]) -> list[str]:
+    """The slots under ``ns`` that a process of ``pids`` is copying a snapshot into or sealing
+    (``writing``, or ``ready`` without its digest yet); a slot left so by a dead process is not."""
+    busy = []
+    for path in sorted(Path(ns).glob("rank*.slot*")):
+        try:
+            slot = Slot(path)
+        except OSError:  # removed meanwhile
+            continue
+        try:
+            h = slot.header()
+        finally:
+            slot.close()
+        if h and h.get("pid") in pids and (h.get("state") == "writing" or not h.get("digest")):
+            busy.append(path.name)
+    return busy
 
 
 class SnapshotStore:
@@ -57,7 +87,7 @@ class SnapshotStore:
             target.write(state, {"step": step, "rank": self.rank, "world_size": self.world_size,
                                  "pid": os.getpid(), "persist": persist, "time": time.time()})
         blocked = time.perf_counter() - t0
-        self._digest = threading.Thread(target=self._seal, args=(target, step), name="snapshot-digest", daemon=True)
+        self._digest = threading.Thread(target=self._seal, args=(target, step), name=DIGEST_THREAD, daemon=True)
         self._digest.start()
         return blocked
 
