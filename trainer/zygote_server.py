@@ -114,6 +114,7 @@ def become(request: dict, fds: list[int], close: list[int]) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one sent meanwhile ends us now
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if request.get("new_session"):
             os.setsid()
@@ -223,6 +224,10 @@ class Server:
         sys.stderr.flush()
         close = [self.listener.fileno(), self.selector.fileno(), self.wake_r, self.wake_w, conn.fileno(),
                  *(c.conn.fileno() for c in self.children.values() if c.conn is not None)]
+        # SIGTERM is blocked across the fork: the child inherits the server's handler, and one sent
+        # to it before ``become`` restored the default would be taken by that handler and lost
+        # (its client, told the pid at once, may stop it right away); ``become`` unblocks it
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             pid = os.fork()
         except OSError as e:
@@ -230,6 +235,7 @@ class Server:
             pid = None
         if pid == 0:
             become(request, fds, close)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         for fd in fds:
             os.close(fd)
         if pid is None:
