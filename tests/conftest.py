@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 import shutil
 import time
@@ -67,7 +68,7 @@ def own_tracking_store(tmp_path_factory, monkeypatch, migrated_tracking_store) -
 
 
 @pytest.fixture(scope="session")
-def prefect_harness():
+def prefect_harness(zygote):
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
@@ -82,10 +83,11 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def zygote():
     """A fork server with torch imported, as a campaign run has (``trainer.zygote``), for tests
-    that start node agents themselves; not the context's zygote (campaigns start their own)."""
-    from trainer.zygote import Zygote
+    that start node agents themselves, and the context's zygote for the session: the campaigns a
+    test runs in this process fork from it instead of starting their own (2.6 CPU-s each)."""
+    from trainer.zygote import zygote_running
 
-    with Zygote.start() as server:
+    with zygote_running() as server:
         yield server
 
 
@@ -182,7 +184,7 @@ def run_campaign_while(spec, act):
     from flows.campaign import pretrain_campaign
 
     with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(pretrain_campaign, spec=spec)
+        run = pool.submit(contextvars.copy_context().run, pretrain_campaign, spec=spec)  # the session's zygote
         acted = act()
         return run.result(timeout=300), acted
 

@@ -337,7 +337,13 @@ def current_zygote() -> Zygote | None:
 def zygote_running(preload: Sequence[str] = PRELOAD, env: Mapping[str, str] | None = None,
                    log: Callable[[str], None] | None = None) -> Iterator[Zygote]:
     """A zygote for the block, the context's :func:`current_zygote` (code run in a context copied
-    inside the block sees it: Prefect's task threads do); stopped at the block's end."""
+    inside the block sees it: Prefect's task threads do); stopped at the block's end. Inside a
+    block that has a usable zygote already (a process that keeps one warm for the campaigns it
+    runs one after another, as the test suite does), that one serves and is left running."""
+    enclosing = _CURRENT.get()
+    if enclosing is not None and enclosing.usable:
+        yield enclosing
+        return
     zygote = Zygote.start(preload, env, log)
     token = _CURRENT.set(zygote)
     try:
