@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import httpx
 
 from pretrain.interrupt import StoppedAtOnce
-from trainer.process import child_env, exit_when_orphaned
+from trainer.process import child_env, exit_now, exit_when_orphaned
 
 HOST = "127.0.0.1"
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
@@ -161,4 +161,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # whoever started it waits for the exit: no module teardown

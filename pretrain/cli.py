@@ -272,7 +272,13 @@ def spec_schema() -> None:
 
 def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    app()
+    from trainer.process import exit_now
+
+    try:
+        app()
+    except SystemExit as e:  # how every command ends (click's standalone mode)
+        exit_now(e.code)  # without the teardown of every module imported (1.6 s after a campaign)
+    exit_now(0)
 
 
 if __name__ == "__main__":

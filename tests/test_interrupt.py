@@ -3,6 +3,7 @@ terminal (or a process manager) does, then the same command resumes it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -203,13 +204,19 @@ def test_sigterm_stops_the_campaign_and_a_second_signal_stops_it_at_once(prefect
 
 
 def test_sigterm_stops_everything_at_once_when_the_pause_outlasts_the_grace_period(prefect_harness, prepared_data, tmp_path):
-    """A pause that cannot be done within ``resume.grace_period_s`` (1 s here: stopping the job and
-    validating its final save take longer) is cut short: the job killed, the campaign recorded
+    """A pause that cannot be done within ``resume.grace_period_s`` (1 s here; the node's saver is
+    frozen, so the job's final save never ends) is cut short: the job killed, the campaign recorded
     interrupted saying so, nothing torn; the next run resumes from the last good checkpoint."""
     spec, cli = start_training(tmp_path, prepared_data, "first", resume={"max_attempts": 2, "grace_period_s": 1})
     tree = cli.tree()
-    os.kill(cli.proc.pid, signal.SIGTERM)
-    code = cli.wait(60)
+    [saver] = [p for p in tree if "trainer.saver" in " ".join(p.cmdline())]
+    saver.suspend()
+    try:
+        os.kill(cli.proc.pid, signal.SIGTERM)
+        code = cli.wait(60)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            saver.resume()  # the SIGTERM its zygote sent it meanwhile ends it now
     output = cli.output()
     assert code == 143, output[-3000:]
     assert "Traceback" not in output, output[-5000:]

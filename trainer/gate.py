@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from trainer.evaluate import judge_one
-from trainer.process import exit_when_orphaned
+from trainer.process import exit_now, exit_when_orphaned
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,4 +40,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # whoever started it waits for the exit: no module teardown

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from trainer.atomic import atomic_write_json
-from trainer.process import exit_when_orphaned
+from trainer.process import exit_now, exit_when_orphaned
 from trainer.resilience.healthcheck import allreduce_mbps, matmul_seconds
 
 
@@ -45,4 +45,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # whoever started it waits for the exit: no module teardown

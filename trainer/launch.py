@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from trainer.agent import run_node
+from trainer.process import exit_now
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -42,4 +43,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # whoever started it waits for the exit: no module teardown

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+import sys
 import threading
 from collections.abc import Mapping
+from typing import NoReturn
 
 
 def pid_alive(pid: int) -> bool:
@@ -54,3 +57,24 @@ def exit_when_orphaned(on_orphan=None, interval: float = 0.5) -> threading.Threa
     t = threading.Thread(target=watch, name="orphan-watchdog", daemon=True)
     t.start()
     return t
+
+
+def exit_now(code: int | str | None = 0) -> NoReturn:
+    """Leave as ``sys.exit(code)`` would (non-daemon threads joined, atexit handlers run: Prefect
+    drains its logs and events there, streams flushed) but without the interpreter's teardown of
+    every module, which whoever started the process waits for: 0.4 s with torch imported, 1.6 s
+    with the CLI's imports (torch, Prefect, MLflow), 0.8 s for a zygote."""
+    if isinstance(code, str):  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a reader that went away
+            pass
+    os._exit(code or 0)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from trainer.checkpoint.saver import serve
+from trainer.process import exit_now
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,4 +27,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # whoever started it waits for the exit: no module teardown

@@ -33,6 +33,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from trainer.process import exit_now
+
 HEADER = struct.Struct("!I")  # request: its JSON's length, then the JSON; three fds ride on the first bytes
 STOP_GRACE_S = 10.0  # a child whose client is gone: SIGTERM, then SIGKILL after this long
 READ_TIMEOUT_S = 5.0  # a client that connects but never sends its request holds the loop this long at most
@@ -279,7 +281,7 @@ class Server:
                 self.forget(child.conn)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # 0 at once if the owner is gone, else never returns
     p = argparse.ArgumentParser(prog="python -m trainer.zygote")
     p.add_argument("--socket", required=True, help="unix socket path to serve on")
     p.add_argument("--owner", type=int, required=True, help="the zygote ends when this process (its parent) does")
@@ -301,4 +303,4 @@ def main(argv: list[str] | None = None) -> int:
             os.unlink(args.socket)
         except OSError:
             pass
-    return 0
+    exit_now(0)  # the end of every campaign run waits for its zygote to exit: no module teardown (0.8 s)
