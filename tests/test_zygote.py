@@ -39,6 +39,10 @@ elif mode == "suicide":
     os.kill(os.getpid(), getattr(signal, sys.argv[2]))
 elif mode == "sleep":
     signal.pause()
+elif mode == "trap":  # ends with status 7 on SIGTERM
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+    print("ready", flush=True)
+    signal.pause()
 elif mode == "agent":  # as a node agent: an orphan watchdog, and a worker that watches it in turn
     import subprocess
     from trainer.process import exit_when_orphaned
@@ -125,6 +129,44 @@ def test_a_child_stopped_right_after_it_was_forked_ends_by_that_signal(zygote, p
             assert proc.wait(10) == -signal.SIGTERM
         finally:
             proc.kill()
+
+
+def sleeping_probes() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if (p.info["cmdline"] or [])[:4] == [sys.executable, "-m", "zprobe", "sleep"]]
+
+
+def exec_through(zygote: Zygote, env, *argv: str) -> subprocess.Popen:
+    """The probe as torch's elastic agent starts a worker: a command line, ``trainer.zygote_exec``."""
+    return subprocess.Popen([sys.executable, "-m", "trainer.zygote_exec", "--zygote", zygote.path, "zprobe", *argv],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("argv", [("exit", "0"), ("exit", "3"), ("message",), ("suicide", "SIGKILL"), ("suicide", "SIGTERM")])
+def test_a_command_line_run_through_the_zygote_ends_as_its_child_ended(zygote, probe_env, tmp_path, argv):
+    shim = exec_through(zygote, probe_env, *argv)
+    out, err = shim.communicate(timeout=60)
+    assert shim.returncode == run(None, probe_env, tmp_path, *argv)[0], err
+
+
+def test_a_command_line_run_through_the_zygote_is_the_forked_child_and_passes_signals_on(zygote, probe_env, tmp_path):
+    shim = exec_through(zygote, probe_env, "report", "--shm", "x")  # its options are the child's
+    out, err = shim.communicate(timeout=60)
+    seen = json.loads(out)
+    assert shim.returncode == 0 and seen["argv"][1:] == ["report", "--shm", "x"], err
+    fresh = json.loads(run(None, probe_env, tmp_path, "report")[1])  # as a fresh interpreter sees it (locale coercion)
+    assert seen["env"] == fresh["env"]
+    assert err == "to stderr\n"
+    before = set(sleeping_probes())
+    shim = exec_through(zygote, probe_env, "sleep")
+    child = wait_for(lambda: [p for p in sleeping_probes() if p not in before], 30, "the forked child")
+    assert [psutil.Process(pid).ppid() for pid in child] != [shim.pid]  # the zygote's child, not a fresh interpreter
+    shim.kill()
+    wait_for(lambda: gone(child), 30, "the child of a shim that died to be stopped")
+    shim = exec_through(zygote, probe_env, "trap")
+    assert shim.stdout.readline() == "ready\n"
+    os.killpg(shim.pid, signal.SIGTERM)  # what torch's agent does to stop a worker: its process group
+    assert shim.wait(30) == 7  # the child got the signal, and the shim ended as the child did
 
 
 def gone(pids: list[int]) -> bool:

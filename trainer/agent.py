@@ -37,7 +37,7 @@ from trainer.node_agent import AgentSettings, run_local
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.chaos import claim, reached_marker
-from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, worker_pids
+from trainer.resilience.heartbeat import AGENT_ENV, AdaptiveTimeout, HangDetector, worker_pids
 from trainer.resilience.nodecheck import NODE_ENV, exclusion_marker
 from trainer.zygote import Zygote, spawn
 
@@ -235,7 +235,7 @@ def run_node(args: argparse.Namespace) -> int:
             code = run_local(local_settings(job, args, ns), worker_starter(zygote, worker_args[3:]),
                              spares_wanted=lambda: detector.max_step >= 1)
         else:
-            code = run_elastic(args, worker_args)
+            code = run_elastic(args, elastic_worker_args(zygote, worker_args))
     finally:
         cleanup()
     return 1 if code and saver is not None and saver.failed else code  # fail_job reported why
@@ -248,6 +248,17 @@ def worker_starter(zygote: Zygote | None, worker_argv: list[str]):
     def start(extra: list[str], env: dict[str, str]):
         return spawn("trainer.worker", [*worker_argv, *extra], zygote=zygote, env={**env, "PYTHONUNBUFFERED": "1"})
     return start
+
+
+def elastic_worker_args(zygote: Zygote | None, worker_args: list[str]) -> list[str]:
+    """The worker's command line (after ``python``) for torch's elastic agent: forked from the
+    zygote through ``trainer.zygote_exec`` when there is one (no ``import torch`` at the job's start
+    and at every restart), else ``-u -m trainer.worker …`` in a fresh interpreter."""
+    if zygote is None or not zygote.usable:
+        return worker_args
+    return ["-m", "trainer.zygote_exec", "--zygote", zygote.path, "--unbuffered",
+            "--env", f"{AGENT_ENV}={os.getpid()}",  # its heartbeats name this agent, not the zygote (its parent)
+            "trainer.worker", *worker_args[3:]]
 
 
 def local_settings(job: JobConfig, args: argparse.Namespace, shm: Path | None = None) -> AgentSettings:
