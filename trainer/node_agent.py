@@ -154,9 +154,10 @@ class NodeAgent:
         if self.s.shm is None:
             return
         deadline = time.monotonic() + SETTLE_S
-        live = {p.pid for p in self.workers.values() if p.poll() is None}
-        while (busy := copies_in_flight(self.s.shm, live)) and time.monotonic() < deadline:
-            time.sleep(POLL_S)  # polls the slot headers
+        # a worker dying meanwhile leaves its copy torn for good: only the live ones are waited for
+        while (busy := copies_in_flight(self.s.shm, {p.pid for p in self.workers.values() if p.poll() is None})) \
+                and time.monotonic() < deadline:
+            time.sleep(POLL_S)  # polls the slot headers and the workers
         if busy:
             print(f"stopping workers with snapshots still in progress after {SETTLE_S:.0f} s: {', '.join(busy)}",
                   file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainer.checkpoint.shm import Slot, check_capacity, slot_paths
+from trainer.checkpoint.shm import Slot, check_capacity, read_header, slot_paths
 
 DIGEST_THREAD = "snapshot-digest"  # the thread that seals a snapshot after its copy
 
@@ -42,19 +42,8 @@ def finish_digests(timeout_s: float) -> None:
 def copies_in_flight(ns: str | Path, pids: set[int]) -> list[str]:
     """The slots under ``ns`` that a process of ``pids`` is copying a snapshot into or sealing
     (``writing``, or ``ready`` without its digest yet); a slot left so by a dead process is not."""
-    busy = []
-    for path in sorted(Path(ns).glob("rank*.slot*")):
-        try:
-            slot = Slot(path)
-        except OSError:  # removed meanwhile
-            continue
-        try:
-            h = slot.header()
-        finally:
-            slot.close()
-        if h and h.get("pid") in pids and (h.get("state") == "writing" or not h.get("digest")):
-            busy.append(path.name)
-    return busy
+    return [path.name for path in sorted(Path(ns).glob("rank*.slot*"))
+            if (h := read_header(path)) and h.get("pid") in pids and (h.get("state") == "writing" or not h.get("digest"))]
 
 
 class SnapshotStore:

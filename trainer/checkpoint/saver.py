@@ -37,7 +37,7 @@ from pathlib import Path
 from trainer.atomic import atomic_write_bytes, atomic_write_json
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import fence
-from trainer.checkpoint.shm import Slot, slot_paths
+from trainer.checkpoint.shm import Slot, read_header, slot_paths
 from trainer.config import Drill, JobConfig
 from trainer.events import EventKind
 from trainer.process import pid_alive
@@ -93,12 +93,8 @@ class Saver:
         for lr in range(self.nproc):
             hs = []
             for p in slot_paths(self.ns, lr):
-                if p.exists() and p.stat().st_size:
-                    s = Slot(p)
-                    h = s.header()
-                    s.close()
-                    if h and h.get("state") == "ready":
-                        hs.append({**h, "_path": str(p)})
+                if (h := read_header(p)) and h.get("state") == "ready":
+                    hs.append({**h, "_path": str(p)})
             out.append(hs)
         return out
 

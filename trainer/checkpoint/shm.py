@@ -51,6 +51,30 @@ def check_capacity(shm_dir: str | Path, need: int, detail: str = "") -> None:
         raise too_small(shm_dir, free, need, detail)
 
 
+def _parse_header(raw: bytes) -> dict | None:
+    if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
+        return None
+    n = int.from_bytes(raw[8:12], "little")
+    try:
+        return json.loads(raw[12 : 12 + n])
+    except (ValueError, UnicodeDecodeError):  # torn header: treat as absent this round
+        return None
+
+
+def read_header(path: str | Path) -> dict | None:
+    """The header of the slot file at ``path``, for a reader that maps nothing (the saver picking
+    what to persist, the agent waiting for copies): None if the file is missing, empty or its
+    header torn. Never creates the file (``Slot`` would)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return _parse_header(os.pread(fd, HEADER_BYTES, 0))
+    finally:
+        os.close(fd)
+
+
 class Slot:
     def __init__(self, path: str | Path, capacity: int = 0):
         self.path = Path(path)
@@ -95,14 +119,7 @@ class Slot:
     def header(self) -> dict | None:
         if self.mm is None or self.size < HEADER_BYTES:
             return None
-        raw = self.mm[:HEADER_BYTES]
-        if raw[:8] != MAGIC:
-            return None
-        n = int.from_bytes(raw[8:12], "little")
-        try:
-            return json.loads(raw[12 : 12 + n])
-        except (ValueError, UnicodeDecodeError):  # torn header: treat as absent this round
-            return None
+        return _parse_header(self.mm[:HEADER_BYTES])
 
     def set_header(self, h: dict) -> None:
         body = json.dumps(h).encode()
