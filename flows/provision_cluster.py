@@ -20,7 +20,7 @@ def provision_cluster(spec: CampaignSpec) -> dict:
     if spec.cluster.kind == "kubernetes":
         check_kubernetes(spec, ledger.record.data.vocab_size if ledger.record.data else None)
     check = check_nodes(spec)
-    info = ClusterRecord(kind=spec.cluster.kind, nodes=spec.cluster.nodes_max - len(check["excluded"]),
+    info = ClusterRecord(kind=spec.cluster.kind, nodes=spec.cluster.nodes_in_use(len(check["excluded"])),
                          workers_per_node=spec.cluster.workers_per_node, excluded=check["excluded"], health=check["rows"])
     ledger.set_cluster(info)
     run_id = ledger.record.mlflow.parent_run_id

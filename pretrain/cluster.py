@@ -55,6 +55,7 @@ class JobHandle(ABC):
         """Nodes that dropped out while the job went on (index → exit code)."""
         return {}
 
+    spare_nodes: int = 0  # standby nodes started with the job: a node lost while one stands by is replaced, the world kept
     notices: tuple[str, ...] = ()  # what start() did besides starting, for the flow run's logs (e.g. adopted a live job)
 
     def failure_logs(self) -> dict[int, str]:
@@ -95,10 +96,13 @@ class LocalJobHandle(JobHandle):
     procs: list[subprocess.Popen | ZygoteProcess]
     logs: list[Path] = field(default_factory=list)
     nodes_min: int = 1
+    nodes: list[int] | None = None  # the node index of each process (None: 0, 1, …)
+    spare_nodes: int = 0
 
     def lost_nodes(self) -> dict[int, int]:
         """node index → exit code of nodes that failed."""
-        return {i: p.returncode for i, p in enumerate(self.procs) if p.poll() not in (None, 0)}
+        ids = self.nodes or list(range(len(self.procs)))
+        return {ids[i]: p.returncode for i, p in enumerate(self.procs) if p.poll() not in (None, 0)}
 
     def poll(self) -> int | None:
         codes = [p.poll() for p in self.procs]
@@ -153,7 +157,7 @@ class LocalCluster(Cluster):
                      nodes: list[int] | None = None) -> list[dict]:
         """Every worker slot of the nodes at once: matmul time and allreduce bandwidth among them."""
         wpn, port = self.spec.workers_per_node, free_port()
-        slots = [n * wpn + i for n in (range(self.spec.nodes_max) if nodes is None else nodes) for i in range(wpn)]
+        slots = [n * wpn + i for n in (range(self.spec.node_count) if nodes is None else nodes) for i in range(wpn)]
         with tempfile.TemporaryDirectory(prefix="pretrain-nodecheck-") as tmp:
             procs = []
             for k, r in enumerate(slots):
@@ -180,26 +184,35 @@ class LocalCluster(Cluster):
     def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> LocalJobHandle:
         endpoint = f"127.0.0.1:{free_port()}"
         run_id = f"{job.stage}-{Path(job.job_dir).name}"
-        nodes = [n for n in range(self.spec.nodes_max) if n not in exclude]
+        nodes = [n for n in range(self.spec.node_count) if n not in exclude]
         if len(nodes) < self.spec.nodes_min:
             raise ClusterError(f"only {len(nodes)} healthy node(s) (excluded: {sorted(exclude)}), cluster.nodes_min is "
                                f"{self.spec.nodes_min}: repair or replace the nodes, or lower nodes_min")
+        in_use = nodes[: self.spec.nodes_max]  # the rest stand by: they join the rendezvous once training runs
+        env = dict(os.environ if self.env is None else self.env)
+        if len(nodes) > len(in_use):
+            # torch's agents share their rendezvous store with the workers, and a node that was in the first
+            # round never publishes that store's address again: a standby joining a later round waited for it
+            # forever. Unshared, rank 0 publishes a fresh store every round.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         procs, logs = [], []
         for node in nodes:
             log = Path(job.job_dir) / f"node{node}.log"
             argv = ([str(job_path), "--nproc", str(self.spec.workers_per_node),
-                    "--nnodes-min", str(self.spec.nodes_min), "--nnodes-max", str(len(nodes)),
+                    "--nnodes-min", str(self.spec.nodes_min), "--nnodes-max", str(len(in_use)),
                     "--rdzv-endpoint", endpoint, "--run-id", run_id, "--max-restarts", str(self.spec.max_restarts),
                     "--lock", str(layout.stage_lock(job.stage, node)), "--threads", str(self.threads_per_worker),
-                    "--node", str(node), "--lock-wait", str(self.settings.node_lock_wait_s)]
+                    "--node", str(node), "--lock-wait", str(self.settings.node_lock_wait_s),
+                    "--node-timeout", str(self.spec.node_timeout_s)]
                     + (["--rdzv-host"] if node == nodes[0] else [])
+                    + (["--standby"] if node not in in_use else [])
                     # the agent forks its workers, spares and saver from the same zygote (torch imported)
                     + (["--zygote", self.zygote.path] if self.zygote is not None and self.zygote.usable else []))
             with open(log, "ab") as out:
                 procs.append(self._spawn("trainer.launch", argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         new_session=True, env=dict(os.environ if self.env is None else self.env)))
+                                         new_session=True, env=env))
             logs.append(log)
-        return LocalJobHandle(procs, logs, self.spec.nodes_min)
+        return LocalJobHandle(procs, logs, self.spec.nodes_min, nodes=nodes, spare_nodes=len(nodes) - len(in_use))
 
 
 def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1, env: Mapping[str, str] | None = None,

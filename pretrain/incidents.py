@@ -2,7 +2,8 @@
 
 Every failure gets a cause, the action taken and how (``recovery_path``: ``in_process``: an
 anomaly rolled back in the live workers; ``spare`` / ``replacement``: a lost worker replaced by a
-warm spare / a cold start while the others were kept; ``restart``: every worker restarted), when it was detected and how long it went unnoticed (``detection_s``: a hang
+warm spare / a cold start while the others were kept; ``restart``: every worker restarted;
+``spare_node``: every worker restarted, a standby node in the lost one's place), when it was detected and how long it went unnoticed (``detection_s``: a hang
 stalls training until the detector finds it), how long until training stepped again, and the
 time lost (detection, recovery and the steps redone) — the raw data for a goodput ledger.
 """
@@ -101,9 +102,11 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
         resumed = next((m["time"] for m in metrics if m["time"] > cur["time"]), None)
         recovery = (resumed - detected) if resumed else None
         redone = max(0, reached - cur["step"])
-        path = cur.get("path", "in_process") if cur["event"] == EventKind.ROLLBACK else "restart"
+        path = cur.get("path", "in_process") if cur["event"] == EventKind.ROLLBACK else \
+            "spare_node" if any(e["event"] == EventKind.NODE_LOST and e.get("standby") for e in window) else "restart"
         action = {"in_process": f"roll back in process to {cur['source']} step {cur['step']}",
-                  "restart": f"restart workers from {cur['source']} step {cur['step']}"}.get(
+                  "restart": f"restart workers from {cur['source']} step {cur['step']}",
+                  "spare_node": f"restart workers with a standby node for the lost one, from {cur['source']} step {cur['step']}"}.get(
             path, f"replace rank(s) {cur.get('lost_ranks')} ({path}), others kept, from {cur['source']} step {cur['step']}")
         out.append({"attempt": attempt, "in_job": True, "cause": cause_of(window), "action": action,
                     "recovery_path": path, "detected_at": detected,

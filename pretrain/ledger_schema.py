@@ -110,7 +110,7 @@ class Failure(Entry):
     detected_at: float | None = None  # when the fault was noticed (a hang: when the detector found it; a failed job: its end)
     recovery_s: float | None = None  # until training stepped again (a failed job: its relaunch until the first step)
     steps_redone: int = 0
-    recovery_path: str | None = None  # in-job: "in_process" (rolled back in the live workers), "spare"/"replacement" (a lost worker replaced, the others kept) or "restart" (new workers)
+    recovery_path: str | None = None  # in-job: "in_process" (rolled back in the live workers), "spare"/"replacement" (a lost worker replaced, the others kept), "restart" (new workers) or "spare_node" (new workers, a standby node for a lost one)
     detection_s: float | None = None  # a hang: how long it went unnoticed (last heartbeat → detection)
 
 

@@ -88,9 +88,9 @@ class CampaignSpec(Section):
             if getattr(drill, "rank", 0) >= c.workers_per_node * c.nodes_max:
                 raise FieldProblem(f"chaos.{i}.rank", f"rank {drill.rank} does not exist, the cluster has "
                                  f"{c.workers_per_node * c.nodes_max} workers (ranks 0..{c.workers_per_node * c.nodes_max - 1})")
-            if getattr(drill, "node", 0) >= c.nodes_max:
-                raise FieldProblem(f"chaos.{i}.node", f"node {drill.node} does not exist, the cluster has {c.nodes_max} "
-                                 f"node(s) (0..{c.nodes_max - 1})")
+            if getattr(drill, "node", 0) >= c.node_count:
+                raise FieldProblem(f"chaos.{i}.node", f"node {drill.node} does not exist, the cluster has {c.node_count} "
+                                 f"node(s) (0..{c.node_count - 1})")
         return self
 
     @model_validator(mode="after")

@@ -51,6 +51,15 @@ class ClusterSpec(Section):
     workers_per_node: int = Field(2, ge=1, description="Training processes per node (one per accelerator; on CPU one per core is sensible).")
     nodes_min: int = Field(1, ge=1, description="Fewest nodes the job may run with (elastic lower bound).")
     nodes_max: int = Field(1, ge=1, description="Most nodes the job starts with (elastic upper bound).")
+    spare_nodes: int = Field(
+        0, ge=0, description="Standby nodes of a job of several nodes (local clusters): their agents start once training "
+        "is under way and wait in the rendezvous, torch imported; when a node is lost one takes its place at once, so "
+        "the world keeps its size and global batch (no shrink, no scale-up later). The cluster has nodes_max + "
+        "spare_nodes nodes; the node check covers them all.")
+    node_timeout_s: int = Field(
+        3, ge=2, le=60, description="A node of a job of several nodes whose agent sent no keep-alive (one a second) for "
+        "this long counts as lost and leaves the rendezvous; the other nodes wait that long before going on without it "
+        "(or with a spare node). Lower is faster recovery; too low drops a node that is only slow.")
     max_restarts: int = Field(2, ge=0, description="In-job restarts by the elastic agent before the job counts as failed.")
     spares_per_node: int = Field(
         1, ge=0, description="Warm spare workers per node (a job of one node): started once training is under way, "
@@ -73,7 +82,22 @@ class ClusterSpec(Section):
     def _bounds(self) -> "ClusterSpec":
         if self.nodes_min > self.nodes_max:
             raise ValueError(f"nodes_min ({self.nodes_min}) must not exceed nodes_max ({self.nodes_max})")
+        if self.spare_nodes and self.nodes_max < 2:
+            raise ValueError("spare_nodes stand by for a job of several nodes: set nodes_max to 2 or more (a job of "
+                             "one node recovers a lost worker with spares_per_node)")
+        if self.spare_nodes and self.kind != "local":
+            raise ValueError(f"spare_nodes is not supported on kind {self.kind!r} yet: set it to 0 (a lost pod's node is "
+                             "replaced by the job's relaunch)")
         return self
+
+    @property
+    def node_count(self) -> int:
+        """Nodes of the cluster: the job's (``nodes_max``) and its standby nodes."""
+        return self.nodes_max + self.spare_nodes
+
+    def nodes_in_use(self, excluded: int = 0) -> int:
+        """Nodes a job trains on when ``excluded`` nodes failed the node check (standby nodes fill in first)."""
+        return min(self.nodes_max, self.node_count - excluded)
 
     @model_validator(mode="after")
     def _kind_settings(self) -> "ClusterSpec":

@@ -58,7 +58,7 @@ def check_nodes(spec: CampaignSpec) -> dict:
     create_table_artifact(key=artifact_key("node-check", spec.name), table=[
         {k: r.get(k) for k in ("node", "local_rank", "matmul_s", "relative", "allreduce_MBps", "excluded", "error")}
         for r in rows], description=f"Node health check of campaign {spec.name}")
-    healthy = spec.cluster.nodes_max - len(excluded)
+    healthy = spec.cluster.nodes_in_use(len(excluded))
     if healthy < spec.cluster.nodes_min:
         raise ClusterError(f"node health check: {healthy} healthy node(s), cluster.nodes_min is {spec.cluster.nodes_min}; "
                            "failing checks: " + "; ".join(_why(r) for r in rows if r["excluded"]))

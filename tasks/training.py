@@ -160,7 +160,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     for notice in handle.notices:
         logger.warning("stage %s attempt %d: %s", job.stage, attempt, notice)
     logger.info("stage %s attempt %d: %d node(s) × %d workers, job dir %s", job.stage, attempt,
-                spec.cluster.nodes_max - len(exclude), spec.cluster.workers_per_node, job.job_dir)
+                spec.cluster.nodes_in_use(len(exclude)), spec.cluster.workers_per_node, job.job_dir)
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
                                  step_offset, events_path=Path(job.job_dir) / EVENTS, log=logger.warning,
                                  backoff=forwarder_backoff(settings))
@@ -190,9 +190,13 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
             for node, exit_code in (handle.lost_nodes().items() if code is None else ()):
                 if node not in lost:  # a node died while the others go on
                     lost[node] = exit_code
-                    rejoin.lost(node)
-                    logger.warning("stage %s: node %d lost (exit %s); training continues on the others", job.stage, node, exit_code)
-                    events.write({"event": EventKind.NODE_LOST, "node": node, "exit_code": exit_code, "source": "orchestrator"})
+                    replaced = len(lost) <= handle.spare_nodes  # a standby node takes its place: nothing to scale up later
+                    if not replaced:
+                        rejoin.lost(node)
+                    logger.warning("stage %s: node %d lost (exit %s); training continues %s", job.stage, node, exit_code,
+                                   "with a standby node in its place" if replaced else "on the others")
+                    events.write({"event": EventKind.NODE_LOST, "node": node, "exit_code": exit_code, "standby": replaced,
+                                  "source": "orchestrator"})
             forwarder.pump()
             progress.update()
             if code is None and (due := rejoin.due()):

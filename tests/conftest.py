@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -35,6 +36,14 @@ LONGEST_FIRST = ("test_kube_campaign.py", "test_interrupt.py", "test_resume.py",
                  "test_data_ux.py", "test_chaos.py", "test_tracking.py", "test_fsdp.py", "test_compare.py", "test_saver.py",
                  "test_storage.py", "test_export.py", "test_pause.py", "test_campaign.py", "test_anomaly.py",
                  "test_release_before.py", "test_spec.py", "test_stages.py", "test_blocks.py")
+
+
+def pytest_configure(config):
+    # A shell without job control starts background commands (`pytest … &` in a script) with SIGINT
+    # ignored, and an ignored signal stays ignored in every child: the Ctrl-C tests would then see
+    # nothing arrive. Python's own handler here gives the children the default again.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,10 +8,11 @@ use them from conftest.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -81,7 +82,7 @@ class PrefectServer(_Server):
         return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=cwd, env=self.env(PWD=str(cwd)),
                               capture_output=True, text=True, timeout=timeout)
 
-    @contextmanager
+    @contextlib.contextmanager
     def settings(self):
         """Point this process's Prefect client at the server for the duration of the block."""
         from prefect.events.worker import EventsWorker
@@ -106,13 +107,23 @@ class PrefectServer(_Server):
                     w.kill()
         super().stop(timeout)
 
+    def kill(self) -> None:
+        """SIGKILL the workers (their process groups: the flow runs they started) and the server."""
+        for w in self.workers:
+            if w.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(w.pid, signal.SIGKILL)
+                w.wait()
+        super().kill()
+
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
-    """One real Prefect server for the test session, started only if a test asks for it."""
+    """One real Prefect server for the test session, started only if a test asks for it; killed at
+    the end (its database is thrown away: a graceful stop waited up to 10 s for open connections)."""
     server = PrefectServer(tmp_path_factory.mktemp("prefect-home")).start()
     yield server
-    server.stop()
+    server.kill()
 
 
 @pytest.fixture

@@ -174,8 +174,8 @@ class SeaweedServer(_Server):
         self._wait_ready(probe, timeout)
         return self
 
-    def stop(self, timeout: float = 10) -> None:
-        super().stop(timeout)
+    def kill(self) -> None:  # also the end of stop()
+        super().kill()
         for name, port in self.ports.items():  # unix sockets weed always puts in /tmp
             for sock in (f"{name}-grpc-{port + 10000}", f"{name}-{port}"):
                 Path(f"/tmp/seaweedfs-{sock}.sock").unlink(missing_ok=True)
@@ -210,7 +210,7 @@ def seaweed(tmp_path_factory):
     """One SeaweedFS for the session, bucket ``BUCKET`` created; tests use unique prefixes."""
     server = SeaweedServer(tmp_path_factory.mktemp("seaweed")).start()
     yield server
-    server.stop()
+    server.kill()  # thrown away with the session: SIGTERM sometimes waited out the 10 s
 
 
 def _started_servers(make_server):
@@ -252,4 +252,4 @@ def moto(tmp_path_factory):
     """One moto_server for the session, bucket ``BUCKET`` created; tests use unique prefixes."""
     server = MotoServer(tmp_path_factory.mktemp("moto")).start()
     yield server
-    server.stop()
+    server.kill()

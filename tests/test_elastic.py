@@ -113,3 +113,42 @@ def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_har
     final = {m["step"]: m for m in metrics}
     assert (final[24]["world_size"], final[24]["grad_accum"]) == (1, 2)
     assert all(m["consumed"] == 4 * s for s, m in final.items())
+
+
+def test_a_standby_node_takes_a_lost_nodes_place_and_the_world_keeps_its_size(prefect_harness, prepared_data, tmp_path):
+    """Two nodes train, a third stands by (``spare_nodes``); node 1 dies at step 12: the standby
+    joins the next round in its place, so the job never shrinks (``nodes_min`` is 2: without the
+    standby the job fails), every step runs on 2 workers, and every sample is trained on once."""
+    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 2, "nodes_max": 2, "spare_nodes": 1,
+                                         "max_restarts": 3, "node_timeout_s": 2},
+                      stages=[{"name": "main", "steps": 24, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
+                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
+                      chaos=[{"kind": "kill_node", "node": 1, "step": 12}])
+    seed_data(spec, prepared_data)
+    status = pretrain_campaign(spec=spec)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == 24 and stage["attempts"] == 1, stage
+    lost = [f for f in stage["failures"] if f["cause"] == "node_lost"]
+    assert [f["recovery_path"] for f in lost] == ["spare_node"], stage["failures"]
+    job = spec.workdir_path / "jobs" / "main" / "attempt_000"
+    metrics = read_all(job / "metrics.jsonl")
+    final = {m["step"]: m for m in metrics}
+    assert sorted(final) == list(range(1, 25)) and {m["world_size"] for m in metrics} == {2}
+    for step, m in final.items():
+        assert m["consumed"] == 4 * step, step  # global batch 4 = 2 workers × 2, none twice, none skipped
+    starts = [e for e in read_all(job / "events.jsonl") if e["event"] == "start"]
+    assert {e["node"] for e in starts if e["step"] == 0} == {0, 1}  # the standby waited out the first round
+    assert 2 in {e["node"] for e in starts if e["step"] > 0}  # and trained after the loss
+
+
+def test_a_standby_node_that_is_never_needed_leaves_with_the_job(prefect_harness, prepared_data, tmp_path):
+    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 2, "nodes_max": 2, "spare_nodes": 1},
+                      stages=[{"name": "main", "steps": 6, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
+                      checkpoint={"interval": 3, "memory_interval": 0})
+    seed_data(spec, prepared_data)
+    status = pretrain_campaign(spec=spec)
+    assert status["status"] == "completed" and status["stages"][0]["failures"] == []
+    job = spec.workdir_path / "jobs" / "main" / "attempt_000"
+    assert {e["node"] for e in read_all(job / "events.jsonl") if e["event"] == "start"} == {0, 1}
+    log = (job / "node2.log").read_text()
+    assert "standby node 2: the job ended" in log and "Traceback" not in log, log[-3000:]

@@ -92,3 +92,18 @@ def test_a_hang_incident_counts_the_stall_before_detection_as_lost():
     [same] = incidents(events[:1] + [{"event": "chaos", "kind": "kill_saver", "time": 5.0}] + events[1:], metrics, 0)
     assert (same["detected_at"], same["detection_s"], same["recovery_s"]) == (15.5, 5.5, 3.5)
     assert incident["steps_redone"] == 1 and incident["time_lost_s"] == 5.5 + 3.5 + 1 * 1.0
+
+
+@pytest.mark.parametrize("standby, path", [(True, "spare_node"), (False, "restart"), (None, "restart")])
+def test_a_lost_node_says_whether_a_standby_node_took_its_place(standby, path):
+    """The orchestrator's ``node_lost`` event says whether a standby node stood by (an event of the
+    release before says nothing: a restart)."""
+    lost = {"event": "node_lost", "node": 1, "time": 10.5, "source": "orchestrator"}
+    events = [{"event": "start", "rank": 0, "time": 0.0, "step": 0, "source": "scratch"},
+              {"event": "chaos", "kind": "kill_node", "node": 1, "time": 10.0},
+              lost if standby is None else {**lost, "standby": standby},
+              {"event": "start", "rank": 0, "time": 12.0, "step": 8, "source": "checkpoint"}]
+    metrics = [{"step": s, "time": float(s), "step_time": 1.0} for s in range(1, 11)] + [{"step": 9, "time": 12.5, "step_time": 1.0}]
+    [incident] = incidents(events, metrics, 0)
+    assert (incident["cause"], incident["recovery_path"], incident["recovery_s"]) == ("node_lost", path, 2.5)
+    assert ("standby node" in incident["action"]) == (path == "spare_node")

@@ -79,6 +79,11 @@ def test_builtin_demo_spec_is_valid():
     ({"stages": [{"name": "a", "steps": 5, "lr": 1e-4, "min_lr": 1e-3}]}, "stages.0", "min_lr"),
     ({"model": {"d_model": 30, "n_head": 4}}, "model", "divisible"),
     ({"cluster": {"nodes_min": 3, "nodes_max": 2}}, "cluster", "nodes_min"),
+    ({"cluster": {"spare_nodes": 1}}, "cluster", "nodes_max to 2 or more"),
+    ({"cluster": {"kind": "kubernetes", "nodes_max": 2, "spare_nodes": 1, "kubernetes": {"image": "i"}}}, "cluster",
+     "not supported on kind 'kubernetes'"),
+    ({"cluster": {"nodes_max": 2, "node_timeout_s": 1}}, "cluster.node_timeout_s", "greater than or equal to 2"),
+    ({"cluster": {"nodes_max": 2}, "chaos": [{"kind": "kill_node", "node": 2, "step": 3}]}, "chaos.0.node", "has 2 node(s)"),
     ({"model": {"max_seq_len": 32}, "stages": [{"name": "a", "steps": 5, "seq_len": 64}]}, "(top level)", "max_seq_len"),
     ({"checkpoint": {"intervall": 5}}, "checkpoint.intervall", "Extra inputs"),
     ({"stages": [{"name": "a", "steps": 5}, {"name": "a", "steps": 5}]}, "(top level)", "unique"),
@@ -158,6 +163,8 @@ def test_chaos_rank_is_checked_against_the_block_cluster_only_after_resolution()
     # a cluster block may give more workers than the inline default: judged once it is resolved
     parse_spec({"chaos": [{"kind": "kill_worker", "rank": 5}], "blocks": {"cluster": "local-process-cluster/big"}})
     parse_spec({"cluster": {"workers_per_node": 3, "nodes_max": 2}, "chaos": [{"kind": "kill_worker", "rank": 5}]})
+    # a standby node may be the drill's: it trains once it took a lost node's place
+    parse_spec({"cluster": {"nodes_max": 2, "spare_nodes": 1}, "chaos": [{"kind": "kill_node", "node": 2, "step": 3}]})
 
 
 def test_sqlite_paths_with_at_signs_are_not_credentials(tmp_path):

@@ -23,22 +23,19 @@ import threading
 import time
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
 from trainer.backoff import Backoff
 from trainer.checkpoint import fence, shmdirs
 from trainer.checkpoint.saver import ERROR_FILE, PROGRESS_FILE
 from trainer.config import JobConfig, NodeDrill
 from trainer.dist import pick_backend
+from trainer.elastic import run_elastic
 from trainer.events import EventKind
 from trainer.node_agent import AgentSettings, run_local
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.chaos import claim, reached_marker
-from trainer.resilience.heartbeat import AGENT_ENV, AdaptiveTimeout, HangDetector, worker_pids
-from trainer.resilience.nodecheck import NODE_ENV, exclusion_marker
+from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, worker_pids
+from trainer.resilience.nodecheck import exclusion_marker
 from trainer.zygote import Zygote, spawn
 
 
@@ -188,10 +185,6 @@ def agent_drill(job: JobConfig, index: int, drill: NodeDrill, step: int, saver, 
         stop_node(job, saver)
 
 
-def _terminate(signum, frame) -> None:
-    raise SignalException(f"agent {os.getpid()} got signal {signal.Signals(signum).name}", signal.Signals(signum))
-
-
 def sweep_shared_memory(job: JobConfig, node: int) -> None:
     """Free the snapshot directories that agents killed without cleaning up left behind."""
     swept = shmdirs.sweep_orphans(job.shm_dir)
@@ -235,7 +228,7 @@ def run_node(args: argparse.Namespace) -> int:
             code = run_local(local_settings(job, args, ns), worker_starter(zygote, worker_args[3:]),
                              spares_wanted=lambda: detector.max_step >= 1)
         else:
-            code = run_elastic(args, elastic_worker_args(zygote, worker_args))
+            code = run_elastic(args, job, zygote, worker_args)
     finally:
         cleanup()
     return 1 if code and saver is not None and saver.failed else code  # fail_job reported why
@@ -250,17 +243,6 @@ def worker_starter(zygote: Zygote | None, worker_argv: list[str]):
     return start
 
 
-def elastic_worker_args(zygote: Zygote | None, worker_args: list[str]) -> list[str]:
-    """The worker's command line (after ``python``) for torch's elastic agent: forked from the
-    zygote through ``trainer.zygote_exec`` when there is one (no ``import torch`` at the job's start
-    and at every restart), else ``-u -m trainer.worker …`` in a fresh interpreter."""
-    if zygote is None or not zygote.usable:
-        return worker_args
-    return ["-m", "trainer.zygote_exec", "--zygote", zygote.path, "--unbuffered",
-            "--env", f"{AGENT_ENV}={os.getpid()}",  # its heartbeats name this agent, not the zygote (its parent)
-            "trainer.worker", *worker_args[3:]]
-
-
 def local_settings(job: JobConfig, args: argparse.Namespace, shm: Path | None = None) -> AgentSettings:
     """Our own agent's settings for a job of one node: survivors of a lost worker are kept under
     DDP with more than one worker over gloo (an FSDP model is sharded over the broken group; an
@@ -271,30 +253,3 @@ def local_settings(job: JobConfig, args: argparse.Namespace, shm: Path | None = 
                          fast=args.nproc > 1 and job.parallelism == "ddp" and pick_backend(job.backend) == "gloo"
                          and job.fast_recovery_timeout_s > 0,
                          fast_timeout_s=job.fast_recovery_timeout_s, shm=None if shm is None else str(shm))
-
-
-def run_elastic(args: argparse.Namespace, worker_args: list[str]) -> int:
-    """Torch's elastic agent, for a job of several nodes (c10d rendezvous across the nodes)."""
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ[NODE_ENV] = str(args.node)  # workers name their node in the node check after a restart
-    config = LaunchConfig(
-        min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,
-        run_id=args.run_id, role="trainer", rdzv_endpoint=args.rdzv_endpoint, rdzv_backend="c10d",
-        # a lost node drops out of the rendezvous after ~3 s of missed keep-alives; a round waits
-        # 5 s for late joiners beyond nodes_min (all nodes start together, so the first round
-        # gathers every healthy node); a node joining later makes the agents restart to take it in
-        rdzv_configs={"timeout": 120, "join_timeout": 600, "last_call_timeout": 5, "keep_alive_interval": 1,
-                      "keep_alive_max_attempt": 3, "is_host": args.rdzv_host},
-        max_restarts=args.max_restarts, monitor_interval=0.2,
-        start_method="spawn",
-    )
-    signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
-    try:
-        elastic_launch(config, sys.executable)(*worker_args)
-    except ChildFailedError as err:
-        print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
-        return 1
-    except SignalException as err:
-        print(f"stopped by {err.sigval.name}", file=sys.stderr, flush=True)
-        return 128 + err.sigval
-    return 0

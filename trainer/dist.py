@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -62,10 +62,26 @@ def group_prefix(restart: int, epoch: int) -> str:
     return f"attempt_{restart}" if epoch == 0 else f"attempt_{restart}_epoch_{epoch}"
 
 
-def connect_store(timeout_s: float) -> dist.TCPStore:
-    """A client of the node agent's store (MASTER_ADDR/MASTER_PORT)."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+def own_round_store() -> bool:
+    """Whether torch's elastic agent keeps its store to itself (``TORCHELASTIC_USE_AGENT_STORE=False``,
+    a job with standby nodes): rank 0 then hosts a fresh store for the round at MASTER_PORT."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False"
+
+
+def connect_store(timeout_s: float, rank: int = 0) -> dist.TCPStore:
+    """The job's store at MASTER_ADDR/MASTER_PORT: the node agent's (a client of it), or the round's
+    own, hosted by rank 0 (``own_round_store``), as ``env://`` would."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=own_round_store() and rank == 0,
                          timeout=timedelta(seconds=timeout_s))
+
+
+def agreed_restart_count(store: dist.Store, me: Identity) -> Identity:
+    """Torch counts restarts per agent, so a standby node's workers joining in a later round say 0
+    where the others say 1 or more; the round's group prefix and the checks after a restart need
+    one number: the largest, agreed through the round's (fresh) store."""
+    store.set(f"restart_count/{me.rank}", str(me.restart_count))
+    counts = [int(store.get(f"restart_count/{r}")) for r in range(me.world_size)]
+    return replace(me, restart_count=max(counts))
 
 
 def join_group(base: dist.Store, backend: str, me: Identity, timeout_s: float) -> None:
@@ -85,7 +101,10 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, me: Identity
     else:
         device = torch.device("cpu")
     if me.world_size > 1 or "MASTER_ADDR" in os.environ:
-        join_group(base or connect_store(timeout_s), backend, me, timeout_s)
+        base = base or connect_store(timeout_s, me.rank)
+        if own_round_store():
+            me = agreed_restart_count(base, me)
+        join_group(base, backend, me, timeout_s)
     return DistInfo(me.rank, me.local_rank, me.world_size, me.restart_count, device, backend, me.epoch)
 
 

@@ -8,7 +8,7 @@ from enum import StrEnum
 
 
 class EventKind(StrEnum):
-    START = "start"  # a worker (re)started: rank, step, source (checkpoint / init / scratch), restart_count
+    START = "start"  # a worker (re)started: rank, node, step, source (checkpoint / init / scratch), restart_count
     DONE = "done"  # a worker finished its last step
     CHECKPOINT = "checkpoint"  # a checkpoint was committed: step, path
     SNAPSHOT_SKIPPED = "snapshot_skipped"  # the in-memory slot was busy
@@ -30,7 +30,7 @@ class EventKind(StrEnum):
     NODE_CHECK = "node_check"
     NODE_EXCLUDED = "node_excluded"
     SHM_SWEPT = "shm_swept"
-    NODE_LOST = "node_lost"  # written by the orchestrator
+    NODE_LOST = "node_lost"  # written by the orchestrator: node, exit_code, standby (a standby node takes its place)
     NODE_RECHECK = "node_recheck"  # written by the orchestrator
 
 

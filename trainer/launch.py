@@ -32,6 +32,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--zygote", help="the campaign run's fork server (trainer.zygote): the agent forks its workers, "
                    "spares and saver from it, torch imported; without it they are fresh interpreters")
     p.add_argument("--rdzv-host", action="store_true", help="this node hosts the rendezvous store (exactly one node)")
+    p.add_argument("--standby", action="store_true", help="a standby node: joins the rendezvous once training runs and "
+                   "waits there until a node is lost (a job of several nodes)")
+    p.add_argument("--node-timeout", type=int, default=3,
+                   help="seconds without a keep-alive after which the rendezvous drops a node (a job of several nodes)")
     args = p.parse_args(argv)
     if args.lock and args.lock_wait is None:
         p.error("--lock needs --lock-wait")

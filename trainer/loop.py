@@ -175,7 +175,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     model, opt = warm or build_model(cfg, info.device)
     restored = state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
     step, consumed = restored.step, restored.consumed
-    events.write({"event": EventKind.START, "rank": info.rank, "world_size": info.world_size,
+    events.write({"event": EventKind.START, "rank": info.rank, "node": this_node(), "world_size": info.world_size,
                   "restart_count": info.restart_count, "epoch": info.epoch, "step": step, "source": restored.source,
                   "checkpoint": restored.checkpoint})
 

@@ -1,0 +1,147 @@
+"""A job of several nodes: torch's elastic agent (c10d rendezvous, worker monitoring, in-job
+restarts) on each node, and *standby* nodes (``cluster.spare_nodes``).
+
+A standby node's agent waits until the job's workers start, then joins the job's rendezvous. The round
+is full (``max_nodes`` is the number of nodes in use), so torch keeps it in its redundancy list,
+sending keep-alives, torch imported and its saver started. When a node is lost, the survivors'
+next round takes the standby in its place as soon as the lost node's keep-alives have lapsed
+(``cluster.node_timeout_s``): the world keeps its size and global batch, and the round
+completes at once (a full round needs no last-call wait).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from trainer.config import JobConfig
+from trainer.events import EventKind
+from trainer.reporting import EVENTS, read_all
+from trainer.resilience.heartbeat import AGENT_ENV, heartbeat_dir
+from trainer.resilience.nodecheck import NODE_ENV
+from trainer.zygote import Zygote
+
+RENDEZVOUS_POLL_S = 0.1  # torch's rendezvous polls its store once a second while a round forms
+
+
+def elastic_worker_args(zygote: Zygote | None, worker_args: list[str], env: dict[str, str]) -> list[str]:
+    """The worker's command line (after ``python``) for torch's elastic agent: forked from the
+    zygote through ``trainer.zygote_exec`` when there is one (no ``import torch`` at the job's start
+    and at every restart), with ``env`` added to its environment; else ``-u -m trainer.worker …`` in
+    a fresh interpreter (which inherits the agent's environment)."""
+    if zygote is None or not zygote.usable:
+        return worker_args
+    env = {**env, AGENT_ENV: str(os.getpid())}  # its heartbeats name this agent, not the zygote (its parent)
+    return ["-m", "trainer.zygote_exec", "--zygote", zygote.path, "--unbuffered",
+            *(a for k, v in env.items() for a in ("--env", f"{k}={v}")), "trainer.worker", *worker_args[3:]]
+
+
+def rendezvous_configs(args: argparse.Namespace) -> dict:
+    """A lost node leaves the rendezvous after ``--node-timeout`` seconds of missed keep-alives (one
+    a second); a round waits 5 s for late joiners beyond nodes_min (all nodes start together, so
+    the first round gathers every healthy node; a full round completes at once); a node joining
+    later makes the agents restart to take it in."""
+    return {"timeout": 120, "join_timeout": 600, "last_call_timeout": 5, "keep_alive_interval": 1,
+            "keep_alive_max_attempt": args.node_timeout, "is_host": args.rdzv_host}
+
+
+def fast_rendezvous_polls(poll_s: float = RENDEZVOUS_POLL_S) -> None:
+    """Make torch's rendezvous poll its store every ``poll_s`` instead of every second while a
+    round forms (or while a standby waits): each of the three or so polls between a lost node's
+    keep-alive lapsing and the new round cost up to a second. In this process only (a node
+    agent); other delays of the rendezvous (its random start-up jitter) are kept."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    slow = dynamic_rendezvous._delay
+    if getattr(slow, "poll_s", None) is not None:
+        return
+
+    def delay(seconds):
+        slow(poll_s if seconds == 1 else seconds)
+
+    delay.poll_s = poll_s
+    dynamic_rendezvous._delay = delay
+
+
+def first_round_formed(job_dir: str | Path) -> bool:
+    """Whether the job's nodes formed their first round: a worker of it started (its heartbeat
+    file exists, however short it lived)."""
+    return any(heartbeat_dir(job_dir).glob("agent*-local*.json"))
+
+
+def rendezvous_reachable(endpoint: str) -> bool:
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_to_stand_by(job_dir: str | Path, endpoint: str, poll_s: float = 0.1) -> bool:
+    """A standby node joins once the job's own nodes formed their first round (True), so that it
+    stands by instead of taking one of their places. False: the job's rendezvous went away first
+    (the job ended or failed before it started training)."""
+    checks = 0
+    while not first_round_formed(job_dir):
+        checks += 1
+        if checks % 5 == 0 and not rendezvous_reachable(endpoint):
+            return False
+        time.sleep(poll_s)  # polls for the workers' heartbeat files and, every 5th time, the rendezvous
+    return True
+
+
+def ran_workers(job_dir: str | Path, node: int) -> bool:
+    """Whether a worker of this node started in the job (its ``start`` event names the node)."""
+    return any(e.get("event") == EventKind.START and e.get("node") == node for e in read_all(Path(job_dir) / EVENTS))
+
+
+def _terminate(signum, frame) -> None:
+    raise SignalException(f"agent {os.getpid()} got signal {signal.Signals(signum).name}", signal.Signals(signum))
+
+
+def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None, worker_args: list[str]) -> int:
+    """Torch's elastic agent for this node of a job of several nodes (``args``: ``trainer.launch``'s)."""
+    signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
+    env = {"OMP_NUM_THREADS": str(args.threads), NODE_ENV: str(args.node)}  # workers name their node (node check, events)
+    argv = elastic_worker_args(zygote, worker_args, env)
+    if argv is worker_args:  # fresh interpreters inherit the agent's environment
+        os.environ.update(env)
+    try:
+        if args.standby and not wait_to_stand_by(job.job_dir, args.rdzv_endpoint):
+            print(f"standby node {args.node}: the job ended before training started", file=sys.stderr, flush=True)
+            return 0
+    except SignalException as err:
+        print(f"standby node {args.node}: stopped by {err.sigval.name} before it was needed", file=sys.stderr, flush=True)
+        return 128 + err.sigval
+    fast_rendezvous_polls()
+    config = LaunchConfig(
+        min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,
+        run_id=args.run_id, role="trainer", rdzv_endpoint=args.rdzv_endpoint, rdzv_backend="c10d",
+        rdzv_configs=rendezvous_configs(args), max_restarts=args.max_restarts, monitor_interval=0.2,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, sys.executable)(*argv)
+    except ChildFailedError as err:
+        print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as err:
+        print(f"stopped by {err.sigval.name}", file=sys.stderr, flush=True)
+        return 128 + err.sigval
+    except Exception as err:  # noqa: BLE001 - a standby whose job ended: torch fails on the closed rendezvous
+        if args.standby and not ran_workers(job.job_dir, args.node):
+            print(f"standby node {args.node}: the job ended without needing it ({type(err).__name__})",
+                  file=sys.stderr, flush=True)
+            return 0
+        raise
+    return 0
