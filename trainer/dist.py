@@ -10,7 +10,9 @@ Two torch 2.13 + gloo traps are handled here (see docs/platform.md):
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -68,11 +70,25 @@ def own_round_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False"
 
 
+def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.01) -> None:
+    """Until ``host:port`` accepts a connection (at most ``timeout_s``): a TCPStore client refused
+    by a server not yet listening backs off for up to a second before it tries again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            return
+        except OSError:
+            time.sleep(poll_s)  # the round's rank 0 is starting its store
+
+
 def connect_store(timeout_s: float, rank: int = 0) -> dist.TCPStore:
     """The job's store at MASTER_ADDR/MASTER_PORT: the node agent's (a client of it), or the round's
     own, hosted by rank 0 (``own_round_store``), as ``env://`` would."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=own_round_store() and rank == 0,
-                         timeout=timedelta(seconds=timeout_s))
+    host, port, own = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), own_round_store()
+    if own and rank != 0:
+        wait_listening(host, port, timeout_s)
+    return dist.TCPStore(host, port, is_master=own and rank == 0, timeout=timedelta(seconds=timeout_s))
 
 
 def agreed_restart_count(store: dist.Store, me: Identity) -> Identity:

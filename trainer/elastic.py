@@ -55,13 +55,14 @@ def rendezvous_configs(args: argparse.Namespace) -> dict:
 
 
 def fast_rendezvous_polls(poll_s: float = RENDEZVOUS_POLL_S) -> None:
-    """Make torch's rendezvous poll its store every ``poll_s`` instead of every second while a
-    round forms (or while a standby waits): each of the three or so polls between a lost node's
-    keep-alive lapsing and the new round cost up to a second. In this process only (a node
-    agent); other delays of the rendezvous (its random start-up jitter) are kept."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    """Make torch's rendezvous look at its store every ``poll_s`` instead of every second while a
+    round forms (or while a standby waits): it sleeps 1 s between polls and serves a cached state
+    for 1 s, so each of the three or so looks between a lost node's keep-alives lapsing and the
+    new round cost up to a second. In this process only (a node agent), before its rendezvous
+    handler is made; the rendezvous' other delays (its random start-up jitter) are kept."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
 
-    slow = dynamic_rendezvous._delay
+    slow = rdzv._delay
     if getattr(slow, "poll_s", None) is not None:
         return
 
@@ -69,7 +70,14 @@ def fast_rendezvous_polls(poll_s: float = RENDEZVOUS_POLL_S) -> None:
         slow(poll_s if seconds == 1 else seconds)
 
     delay.poll_s = poll_s
-    dynamic_rendezvous._delay = delay
+    rdzv._delay = delay
+    holder = rdzv._BackendRendezvousStateHolder
+    init = holder.__init__
+
+    def fresher(self, backend, settings, cache_duration=poll_s):
+        init(self, backend, settings, cache_duration)
+
+    holder.__init__ = fresher
 
 
 def first_round_formed(job_dir: str | Path) -> bool:
