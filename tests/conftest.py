@@ -286,3 +286,11 @@ def assert_no_duplicate_metric_steps(tracking_uri: str) -> None:
             if dup := sorted(s for s, n in steps.items() if n > 1):
                 twice[f"{run.info.run_name} ({run.info.run_id}) {key}"] = dup
     assert not twice, f"metrics logged twice at one step: {twice}"
+
+
+def final_model(spec: CampaignSpec, stage: str = "main") -> dict:
+    """The model tensors of the stage's newest committed checkpoint."""
+    from pretrain.jobs import checkpoint_store
+
+    store = checkpoint_store(spec, stage)
+    return store.load_shard(store.read_pointer(), "model.pt")["model"]

@@ -13,7 +13,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
-from conftest import assert_no_duplicate_metric_steps, campaign_events, seed_data, small_spec, wait_for
+from conftest import assert_no_duplicate_metric_steps, campaign_events, final_model, seed_data, small_spec, wait_for
 from flows.campaign import pretrain_campaign
 from pretrain.goodput import ALL
 from pretrain.jobs import checkpoint_store, job_config
@@ -39,11 +39,6 @@ def chaos_spec(path, prepared_data, **overrides):
     spec = small_spec(path, **body)
     seed_data(spec, prepared_data)
     return spec
-
-
-def final_model(spec):
-    store = checkpoint_store(spec, "main")
-    return store.load_shard(store.read_pointer(), "model.pt")["model"]
 
 
 @pytest.fixture(scope="module")

@@ -114,30 +114,40 @@ def _apply(cfg: JobConfig, info: DistInfo, model_state: dict, mine: dict, model,
         torch.cuda.set_rng_state(mine["rng_cuda"], info.device)
 
 
-def newest_common_snapshot(snapshots: SnapshotStore, floor: int) -> int | None:
-    """The newest step at least ``floor`` of which every rank holds a verified snapshot.
-    Ranks exchange their sealed steps (headers only), then verify candidates newest first."""
+def newest_common_snapshot(snapshots: SnapshotStore, floor: int, fresh_ranks_allowed: bool = False) -> tuple[int, bool] | None:
+    """The newest step at least ``floor`` of which every rank holds a verified snapshot, and
+    whether some ranks hold none at all (``fresh_ranks_allowed``: a standby node's, in place of
+    a lost node's; they take the replicated state from rank 0's snapshot). Ranks exchange their
+    sealed steps (headers only), then verify candidates newest first; every rank computes the
+    same candidates, so all run the same collectives."""
     sealed = snapshots.sealed_steps()
-    common = set.intersection(*(set(s) for s in all_gather_object(sorted(sealed))))
+    held = [set(s) for s in all_gather_object(sorted(sealed))]
+    fresh = [not h for h in held]
+    if any(fresh) and (not fresh_ranks_allowed or fresh[0] or all(fresh)):
+        return None
+    common = set.intersection(*(h for h in held if h))
     for step in sorted((s for s in common if s >= floor), reverse=True):
-        if all(all_gather_object(snapshots.verify(step))):
-            return step
+        if all(all_gather_object(snapshots.verify(step) if sealed else True)):
+            return step, any(fresh)
     return None
 
 
 def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: SnapshotStore | None = None) -> Restored:
     """Load the newest state of this stage: from shared memory if every rank holds a verified
-    snapshot of a common step at least as new as storage's; else the newest complete
-    checkpoint; else ``init_from``; else nothing. Rank 0 decides and broadcasts, so all ranks
-    load the same step."""
+    snapshot of a common step at least as new as storage's (under DDP without dropout, ranks of a
+    node that replaced a lost one may hold none: they take rank 0's, the replicated state, and its
+    data position); else the newest complete checkpoint; else ``init_from``; else nothing. Rank 0
+    decides and broadcasts, so all ranks load the same step."""
     choice = None
     store = cfg.checkpoints()
     ref = store.latest_complete() if info.rank == 0 else None
     floor = broadcast_object(ref.step if ref else -1)
-    step = newest_common_snapshot(snapshots, floor) if snapshots is not None else None
+    # a rank's RNG lives only in its own snapshot: with dropout it shapes training, so no rank may lack it
+    peers = not is_sharded(cfg) and cfg.model.dropout == 0
+    found = newest_common_snapshot(snapshots, floor, peers) if snapshots is not None else None
     if info.rank == 0:
-        if step is not None:
-            choice = ("memory", step)
+        if found is not None:
+            choice = ("memory", found)
         elif ref is not None:
             choice = ("checkpoint", ref.location)
         elif cfg.init_from:
@@ -147,13 +157,20 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
         return Restored(0, 0, "scratch", None)
     source, path = choice
     if source == "memory":
-        snap = snapshots.load(path)
+        step, some_fresh = path
+        snap = snapshots.load(step) if step in snapshots.sealed_steps() else None
         if is_sharded(cfg):  # every rank's slot holds its own piece
             shared = snap["shard"]
         else:  # replicated state lives in rank 0's slot
-            shared = broadcast_object(snap.get("shared"))
-        _apply(cfg, info, shared, snap["rank"], model, optimizer)
-        return Restored(int(shared["step"]), int(snap["rank"]["consumed"]), "memory", str(snapshots.ns))
+            shared = broadcast_object(snap.get("shared") if info.rank == 0 else None)
+        mine = snap["rank"] if snap is not None else None
+        if some_fresh:  # a fresh rank takes rank 0's data position, and keeps its own RNG stream (unused: no dropout)
+            first = broadcast_object(mine if info.rank == 0 else None)
+            if mine is None:
+                mine = {**first, "rng_cpu": torch.get_rng_state()}
+                mine.pop("rng_cuda", None)
+        _apply(cfg, info, shared, mine, model, optimizer)
+        return Restored(int(shared["step"]), int(mine["consumed"]), "memory", str(snapshots.ns))
     src, step = cfg.checkpoint_at(path)
     state = _model_state(cfg, info, src, step)
     if source == "init_from":  # moments carry over if asked; the new stage's schedule sets the lr
