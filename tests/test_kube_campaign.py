@@ -88,6 +88,9 @@ def workers(api: double.KubeAPI) -> list[psutil.Process]:
     return found
 
 
+STEPS = 48  # a synchronous checkpoint every 2 steps: ~0.15 s a step, frozen at the first checkpoint
+
+
 def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_completes(
         prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch):
     """The flow-run process dies (SIGKILL: its Job trains on, orphaned); the re-run finds the Job of
@@ -96,7 +99,7 @@ def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_comp
     has adopted it, so it cannot finish first however slowly the re-run starts (the hang detector's
     fixed timeout, not an adaptive one, so the frozen steps are no hang)."""
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))  # the CLI's environment (Cli copies os.environ)
-    spec = kube_spec(tmp_path / "w", steps=120)  # seconds of steps: the orphan is frozen long before its end
+    spec = kube_spec(tmp_path / "w", steps=STEPS)  # seconds of steps: the orphan is frozen long before its end
     spec = parse_spec({**spec.model_dump(mode="json"), "fault_tolerance": {"hang_timeout_factor": 0}})
     seed_data(spec, prepared_data)
     first, frozen = Cli(tmp_path, spec, "first"), []
@@ -130,7 +133,7 @@ def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_comp
     stage = Ledger.read(CampaignLayout(spec.workdir_path)).record.stages["s"]
     assert stage.status == "completed" and stage.attempts == 1 and stage.failures == [], stage
     assert not (spec.workdir_path / "jobs" / "s" / "attempt_001").exists()
-    assert max(m["step"] for m in read_all(spec.workdir_path / "jobs" / "s" / "attempt_000" / "metrics.jsonl")) == 120
+    assert max(m["step"] for m in read_all(spec.workdir_path / "jobs" / "s" / "attempt_000" / "metrics.jsonl")) == STEPS
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
     assert live_pids(kube_api) == []
 
