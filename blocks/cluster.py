@@ -35,6 +35,8 @@ class _ElasticJob(Block, ABC):
     workers_per_node: int = _mirror("workers_per_node", "Workers per node", ge=1)
     nodes_min: int = _mirror("nodes_min", "Minimum nodes", ge=1)
     nodes_max: int = _mirror("nodes_max", "Maximum nodes", ge=1)
+    spare_nodes: int = _mirror("spare_nodes", "Standby nodes", ge=0)
+    node_timeout_s: int = _mirror("node_timeout_s", "Lost-node timeout (s)", ge=2, le=60)
     max_restarts: int = _mirror("max_restarts", "Maximum restarts", ge=0)
     spares_per_node: int = _mirror("spares_per_node", "Warm spare workers per node", ge=0)
     backend: Literal["auto", "gloo", "nccl"] = _mirror("backend", "Collective backend")

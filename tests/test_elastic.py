@@ -4,6 +4,9 @@ when the lost node passes its health check again, the job scales back up."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 from conftest import assert_no_duplicate_metric_steps, final_model, seed_data, small_spec
@@ -161,3 +164,24 @@ def test_a_standby_node_takes_a_lost_nodes_place_and_the_run_stays_bit_exact(pre
     a, b = final_model(spec), final_model(clean)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_the_rendezvous_reads_its_store_every_tenth_of_a_second():
+    """Torch's rendezvous sleeps 1 s between looks at its store and serves a cached state for 1 s;
+    a node agent makes both 0.1 s (``trainer.elastic.fast_rendezvous_polls``). Checked in a fresh
+    interpreter against this torch, so an upgrade that renames the internals is noticed."""
+    probe = """
+from unittest import mock
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+from trainer.elastic import fast_rendezvous_polls
+slept = []
+with mock.patch("time.sleep", slept.append):
+    fast_rendezvous_polls()
+    fast_rendezvous_polls()  # idempotent
+    rdzv._delay(seconds=1)
+holder = rdzv._BackendRendezvousStateHolder(mock.Mock(), mock.Mock())
+print(slept, holder._cache_duration)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[0.1]", "0.1"], out.stdout
