@@ -30,6 +30,7 @@ from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.logging.handlers import APILogWorker
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from blocks.references import resolve_campaign
 from flows.evaluate import evaluate
@@ -83,7 +84,7 @@ def _campaign(spec: CampaignSpec) -> dict:
     # the run's fork server (torch imported once: node checks, node agents, gate passes), started
     # now so that its imports overlap the data preparation; the tasks find it in their context
     with campaign_guard(spec, flow_run.get_id()), zygote_running(log=get_run_logger().warning), \
-            mlflow_auth(spec.credentials):
+            mlflow_auth(spec.credentials), subflows_without_heartbeats():
         if stop is not None:
             return _run_stoppable(spec, stop)
         # this flow runs in its process's main thread (a deployment's run, a pod): SIGTERM pauses
@@ -102,6 +103,13 @@ def _campaign(spec: CampaignSpec) -> dict:
                 if stop.origin == CANCELLED_FROM_PREFECT:
                     _leave_to_the_worker()
                 raise  # any other SIGTERM goes on to Prefect's handler: the run ends Crashed, as before
+
+
+def subflows_without_heartbeats():
+    """The stage flows run in this flow's process: this flow run's heartbeats (its thread started
+    with it) already say the process lives. Their own heartbeat threads sleep in 1 s ticks, and
+    each flow run's end waited up to a second for its thread: ~5 s of idle time per stage."""
+    return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
 def _run_stoppable(spec: CampaignSpec, stop: StopRequest) -> dict:
