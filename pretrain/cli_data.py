@@ -46,10 +46,15 @@ def prepare(
         campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
     except SpecError as e:
         raise fail(str(e))
-    from deployments.local_prepare import prepare_data_here
     from pretrain.data_identity import DataChanged
     from pretrain.ledger import CampaignMismatch, LedgerError
     from pretrain.lock import CampaignBusy
+
+    try:
+        _refuse_before_starting(campaign)
+    except (ValueError, CampaignMismatch, LedgerError) as e:
+        raise fail(str(e))
+    from deployments.local_prepare import prepare_data_here
 
     display = progress_display("data", unit="B", rated=("tokens",), interval_s=interval)
     try:
@@ -70,6 +75,25 @@ def prepare(
     from pretrain.data_inspect import render_summary
 
     render_summary(_stats(campaign, summary), out())
+
+
+def _refuse_before_starting(campaign) -> None:
+    """What the flow would refuse and this process can tell at once, before the Prefect API server
+    and the flow start (~10 s): a local workdir that holds a campaign of another spec, local
+    sources that match no file. Sources on S3, a ledger at ``checkpoint.state_uri`` and settings
+    from blocks are the flow's to check (credentials, network)."""
+    from pretrain.corpus.files import expand_sources
+    from pretrain.layout import CampaignLayout
+    from pretrain.ledger import Ledger
+
+    if any(campaign.blocks.model_dump().values()):
+        return
+    if campaign.checkpoint.state_uri is None and (ledger := Ledger.read(CampaignLayout(campaign.workdir_path))):
+        ledger.refuse_other_spec(campaign)
+    sources = campaign.data.sources
+    entries = [e for group in (sources.values() if isinstance(sources, dict) else [sources]) for e in group]
+    if not any((e if isinstance(e, str) else e.path).startswith("s3://") for e in entries):
+        expand_sources(campaign.data)
 
 
 def _stats(campaign, summary: dict) -> dict:

@@ -198,14 +198,20 @@ class Ledger:
                 storage_options=redact_tree(storage_options(spec)),
                 stages={s.name: new_stage(s.steps, redact(checkpoint_location(spec, s.name))) for s in spec.stages},
             ), remote)
-        elif ledger.record.spec_hash != spec.spec_hash():
-            where, fresh = ((ledger.remote.where, "an unused `checkpoint.state_uri`") if ledger.remote else
-                            (layout.root, "--workdir pointing to an empty directory"))
-            raise CampaignMismatch(
-                f"{where} holds campaign {ledger.record.campaign!r} with spec hash {ledger.record.spec_hash}, "
-                f"but this spec hashes to {spec.spec_hash()}: resume it with its original spec, "
-                f"or start a new campaign with {fresh}")
+        else:
+            ledger.refuse_other_spec(spec)
         return ledger
+
+    def refuse_other_spec(self, spec: CampaignSpec) -> None:
+        """:class:`CampaignMismatch` if this ledger's campaign was started from another spec."""
+        if self.record.spec_hash == spec.spec_hash():
+            return
+        where, fresh = ((self.remote.where, "an unused `checkpoint.state_uri`") if self.remote else
+                        (self.layout.root, "--workdir pointing to an empty directory"))
+        raise CampaignMismatch(
+            f"{where} holds campaign {self.record.campaign!r} with spec hash {self.record.spec_hash}, "
+            f"but this spec hashes to {spec.spec_hash()}: resume it with its original spec, "
+            f"or start a new campaign with {fresh}")
 
     def save(self) -> None:
         """Write the ledger atomically, first keeping the current (intact) one as ``ledger.json.prev``
