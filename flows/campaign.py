@@ -217,7 +217,8 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
         publish_reports(spec)
         init_from = final["path"]
     stop_point("before registering the final model")
-    register_final_model(spec)  # after every stage is completed: a failure here is the campaign's alone
+    with ledger.timed(SpanKind.REGISTRATION):
+        register_final_model(spec)  # after every stage is completed: a failure here is the campaign's alone
     ledger.set_status(CampaignStatus.COMPLETED)
     finish_run(spec, parent_run_id, "FINISHED")
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options(), live=True)

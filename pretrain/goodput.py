@@ -27,7 +27,7 @@ from trainer.reporting import EVENTS, METRICS, read_all
 
 # in priority order: an instant covered by several categories goes to the first
 CATEGORIES = ("productive", "recomputation", "checkpoint_blocking", "detection", "recovery", "node_checks",
-              "validation_eval", "data_preparation", "provisioning")
+              "validation_eval", "registration", "data_preparation", "provisioning")
 IDLE = "idle"  # idle / orchestration: the remainder
 ALL = (*CATEGORIES, IDLE)
 DESCRIPTIONS = {
@@ -38,6 +38,7 @@ DESCRIPTIONS = {
     "recovery": "restart, rendezvous, restore; a relaunched job until it stepped again",
     "node_checks": "provisioning the cluster: node health checks",
     "validation_eval": "validating and evaluating a stage's final checkpoint",
+    "registration": "exporting the final model and registering it in MLflow",
     "data_preparation": "preparing (or checking) the data set",
     "provisioning": "a job's launch until its first step (processes, imports, data loading)",
     IDLE: "orchestration and waiting: everything else",
@@ -221,7 +222,7 @@ def goodput_report(record: CampaignRecord, layout: CampaignLayout, now: float | 
     spans = [(s, span_end(s, record, now, live)) for s in record.spans if isinstance(s.start, (int, float))]
     ledger_intervals = [(cat, s.start, end) for s, end in spans for kind, cat in (
         (SpanKind.NODE_CHECK, "node_checks"), (SpanKind.DATA_PREPARATION, "data_preparation"),
-        (SpanKind.VALIDATION_EVAL, "validation_eval")) if s.kind == kind]
+        (SpanKind.VALIDATION_EVAL, "validation_eval"), (SpanKind.REGISTRATION, "registration")) if s.kind == kind]
     no_spans = [] if record.spans else ["the ledger has no timed spans (written by a release before goodput was "
                                         "recorded): wall time unknown; runs from now on are measured"]
     all_intervals, stages = list(ledger_intervals), {}

@@ -162,6 +162,7 @@ class SpanKind(StrEnum):
     STAGE = "stage"  # a stage: training, validation, evaluation
     JOB = "job"  # one launch of a stage's job, from its start to its end (``attempt``)
     VALIDATION_EVAL = "validation_eval"  # the final checkpoint's validation and evaluation
+    REGISTRATION = "registration"  # exporting the final model and registering it in MLflow
 
 
 class Span(GivenKeys):

@@ -20,7 +20,7 @@ from trainer.events import EventKind  # noqa: E402
 
 LOSS_PNG, GOODPUT_PNG = "loss_vs_tokens.png", "goodput.png"
 COLORS = {"productive": "#2ca02c", "recomputation": "#d62728", "checkpoint_blocking": "#ff7f0e", "detection": "#9467bd",
-          "recovery": "#8c564b", "node_checks": "#e377c2", "validation_eval": "#17becf", "data_preparation": "#bcbd22",
+          "recovery": "#8c564b", "node_checks": "#e377c2", "validation_eval": "#17becf", "registration": "#aec7e8", "data_preparation": "#bcbd22",
           "provisioning": "#1f77b4", "idle": "#c7c7c7"}
 
 

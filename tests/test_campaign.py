@@ -92,6 +92,7 @@ def test_final_good_checkpoint_is_registered_and_checkpoints_describe_themselves
     assert version.run_id == status["mlflow"]["parent_run_id"] and version.tags[TAG_CHECKPOINT] == final
     assert float(version.tags["val_loss"]) == pytest.approx(status["stages"][-1]["eval"]["val_loss"], rel=1e-5)
     assert status["registered_model"]["uri"] == f"models:/{spec.name}@latest-good"
+    assert status["goodput"]["parts_s"]["registration"] > 0  # the export and registration's time, not "idle"
 
 
 def test_rerunning_a_finished_campaign_trains_nothing(finished, prefect_harness):

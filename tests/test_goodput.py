@@ -76,11 +76,12 @@ def test_a_stage_with_an_in_job_restart_and_a_relaunch_is_split_exactly(tmp_path
     _lines(job1 / "events.jsonl", [{"time": 26.0, "event": "start", "rank": 0, "step": 3, "source": "checkpoint"},
                                    {"time": 30.0, "event": "done", "rank": 0, "step": 6}])
     _lines(job1 / "metrics.jsonl", [_step(27.0, 4), _step(28.0, 5), _step(29.0, 6)])
-    spans = [{"kind": "run", "start": 0.0, "end": 40.0}, {"kind": "data_preparation", "start": 0.0, "end": 2.0},
+    spans = [{"kind": "run", "start": 0.0, "end": 41.0}, {"kind": "data_preparation", "start": 0.0, "end": 2.0},
              {"kind": "node_check", "start": 2.0, "end": 3.0}, {"kind": "stage", "stage": "main", "start": 3.0, "end": 40.0},
              {"kind": "job", "stage": "main", "attempt": 0, "start": 4.0, "end": 20.0},
              {"kind": "job", "stage": "main", "attempt": 1, "start": 24.0, "end": 36.0},
-             {"kind": "validation_eval", "stage": "main", "start": 37.0, "end": 39.0}]
+             {"kind": "validation_eval", "stage": "main", "start": 37.0, "end": 39.0},
+             {"kind": "registration", "start": 40.0, "end": 41.0}]  # after the stage: the final model's
     failure = {"attempt": 0, "cause": "worker_killed", "in_job": False, "detected_at": 20.0, "time_lost_s": 0.1}
     report = goodput_report(_ledger(tmp_path, spans, [failure]), CampaignLayout(tmp_path))
     stage = report["stages"]["main"]
@@ -95,7 +96,8 @@ def test_a_stage_with_an_in_job_restart_and_a_relaunch_is_split_exactly(tmp_path
     assert stage["wall_s"] == pytest.approx(37.0) and sum(parts.values()) == pytest.approx(37.0)
     assert stage["goodput"] == pytest.approx(6.0 / 37.0, abs=1e-4)
     campaign = report["campaign"]
-    assert campaign["wall_s"] == 40.0 and sum(campaign["parts_s"].values()) == pytest.approx(40.0)
+    assert campaign["wall_s"] == 41.0 and sum(campaign["parts_s"].values()) == pytest.approx(41.0)
+    assert campaign["parts_s"]["registration"] == 1.0 and parts["registration"] == 0.0
     assert campaign["parts_s"]["data_preparation"] == 2.0 and campaign["parts_s"]["node_checks"] == 1.0
     assert all(v >= 0 for v in campaign["parts_s"].values())
 
