@@ -90,9 +90,7 @@ def _refuse_before_starting(campaign) -> None:
         return
     if campaign.checkpoint.state_uri is None and (ledger := Ledger.read(CampaignLayout(campaign.workdir_path))):
         ledger.refuse_other_spec(campaign)
-    sources = campaign.data.sources
-    entries = [e for group in (sources.values() if isinstance(sources, dict) else [sources]) for e in group]
-    if not any((e if isinstance(e, str) else e.path).startswith("s3://") for e in entries):
+    if not any(s.path.startswith("s3://") for specs in campaign.data.groups().values() for s in specs):
         expand_sources(campaign.data)
 
 

@@ -28,7 +28,7 @@ from trainer.checkpoint import fence, shmdirs
 from trainer.checkpoint.saver import ERROR_FILE, PROGRESS_FILE
 from trainer.config import JobConfig, NodeDrill
 from trainer.dist import pick_backend
-from trainer.elastic import run_elastic
+from trainer.elastic import host_port, run_elastic
 from trainer.events import EventKind
 from trainer.node_agent import AgentSettings, run_local
 from trainer.process import exit_when_orphaned
@@ -249,7 +249,7 @@ def local_settings(job: JobConfig, args: argparse.Namespace, shm: Path | None = 
     NCCL collective with a dead peer does not fail, it waits for the group's timeout), unless
     ``fast_recovery_timeout_s`` is 0."""
     return AgentSettings(nproc=args.nproc, max_restarts=args.max_restarts, threads=args.threads, node=args.node,
-                         port=int(args.rdzv_endpoint.rsplit(":", 1)[1]), spares=job.spares_per_node,
+                         port=host_port(args.rdzv_endpoint)[1], spares=job.spares_per_node,
                          fast=args.nproc > 1 and job.parallelism == "ddp" and pick_backend(job.backend) == "gloo"
                          and job.fast_recovery_timeout_s > 0,
                          fast_timeout_s=job.fast_recovery_timeout_s, shm=None if shm is None else str(shm))

@@ -70,16 +70,21 @@ def own_round_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False"
 
 
+def listening(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether ``host:port`` accepts a connection now."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
 def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.01) -> None:
     """Until ``host:port`` accepts a connection (at most ``timeout_s``): a TCPStore client refused
     by a server not yet listening backs off for up to a second before it tries again."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port), timeout=timeout_s).close()
-            return
-        except OSError:
-            time.sleep(poll_s)  # the round's rank 0 is starting its store
+    while time.monotonic() < deadline and not listening(host, port, timeout_s):
+        time.sleep(poll_s)  # the round's rank 0 is starting its store
 
 
 def connect_store(timeout_s: float, rank: int = 0) -> dist.TCPStore:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.config import JobConfig
+from trainer.dist import listening
 from trainer.events import EventKind
 from trainer.reporting import EVENTS, read_all
 from trainer.resilience.heartbeat import AGENT_ENV, heartbeat_dir
@@ -87,15 +87,6 @@ def first_round_formed(job_dir: str | Path) -> bool:
     return any(heartbeat_dir(job_dir).glob("agent*-local*.json"))
 
 
-def rendezvous_reachable(endpoint: str) -> bool:
-    host, port = endpoint.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-        return True
-    except OSError:
-        return False
-
-
 def wait_to_stand_by(job_dir: str | Path, endpoint: str, poll_s: float = 0.1) -> bool:
     """A standby node joins once the job's own nodes formed their first round (True), so that it
     stands by instead of taking one of their places. False: the job's rendezvous went away first
@@ -103,10 +94,15 @@ def wait_to_stand_by(job_dir: str | Path, endpoint: str, poll_s: float = 0.1) ->
     checks = 0
     while not first_round_formed(job_dir):
         checks += 1
-        if checks % 5 == 0 and not rendezvous_reachable(endpoint):
+        if checks % 5 == 0 and not listening(*host_port(endpoint)):
             return False
         time.sleep(poll_s)  # polls for the workers' heartbeat files and, every 5th time, the rendezvous
     return True
+
+
+def host_port(endpoint: str) -> tuple[str, int]:
+    host, port = endpoint.rsplit(":", 1)
+    return host, int(port)
 
 
 def ran_workers(job_dir: str | Path, node: int) -> bool:
