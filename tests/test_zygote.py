@@ -69,6 +69,9 @@ def probe_env(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def zygote():
     with Zygote.start(env={**os.environ, "PYTHONPATH": REPO}) as z:  # the real preload: torch and the entry points
+        # ready before a test's shim connects to it (a client given only the path does not wait
+        # for a zygote still starting: it starts fresh interpreters)
+        assert z.spawn("platform", stdout=subprocess.DEVNULL).wait(120) == 0
         yield z
 
 

@@ -35,9 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **dict(item.split("=", 1) for item in args.env)}
     if args.unbuffered:
         env["PYTHONUNBUFFERED"] = "1"
-    child = zygote.spawn(args.module, args.args, env=env)
+    # A signal that comes while the child is being forked is passed on once it exists: its default
+    # action would have ended this process and so stopped the child unwarned.
+    started: list = []
+    early: list[int] = []
+
+    def pass_on(signum, frame):
+        started[0].send_signal(signum) if started else early.append(signum)
+
     for sig in PASSED_ON:
-        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+        signal.signal(sig, pass_on)
+    child = zygote.spawn(args.module, args.args, env=env)
+    started.append(child)
+    for signum in early:
+        child.send_signal(signum)
     exit_when_orphaned(on_orphan=child.kill)
     code = child.wait()
     if code < 0:  # end as the child did: killed by that signal
