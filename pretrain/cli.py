@@ -254,6 +254,12 @@ def export(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it is an earlier export (has pretrain.json); anything else is refused."),
 ) -> None:
     """Export a checkpoint as a Hugging Face GPT-2 model directory (safetensors, config, tokenizer)."""
+    from pretrain.export_target import check_out
+
+    try:  # a wrong OUT is refused before the checkpoint is read
+        check_out(out.expanduser().absolute(), checkpoint, overwrite)
+    except FileExistsError as e:
+        raise fail(str(e)) from None
     from pretrain.export import export_model
 
     info = _describe(checkpoint, data_dir, spec, s3_endpoint_url, s3_region)

@@ -24,7 +24,7 @@ from pretrain.layout import CampaignLayout
 from pretrain.settings import PretrainSettings
 from pretrain.spec_sections import ClusterSpec
 from trainer.config import JobConfig
-from trainer.resilience.healthcheck import judge_nodes
+from trainer.resilience.node_judgement import judge_nodes
 from trainer.zygote import Zygote, ZygoteProcess, current_zygote, spawn
 
 

@@ -34,13 +34,13 @@ import torch
 from pretrain.checkpoint_info import CheckpointInfo, describe
 from pretrain.dataset.tokenizer import EOT
 from pretrain.evaluation import require_valid
+from pretrain.export_target import PROVENANCE, check_out
 from trainer.atomic import fsync_dir
 from trainer.checkpoint.sharded import load_full_state
 from trainer.checkpoint.store import model_files
 from trainer.config import ModelConfig
 
 WEIGHTS = "model.safetensors"
-PROVENANCE = "pretrain.json"
 _CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
 
@@ -106,45 +106,6 @@ def write_hf_dir(tmp: Path, info: CheckpointInfo) -> None:
         "data_dir": str(info.data_dir), "data_fingerprint": data.get("fingerprint"), "exported": time.time(),
     })
     fsync_dir(tmp)
-
-
-class ExportRefused(FileExistsError):
-    """``out`` is not a place an export may be written to (or replace): it holds a campaign, the
-    checkpoint, or files that are not an earlier export."""
-
-
-def _is_within(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
-def check_out(out: Path, checkpoint: str, overwrite: bool) -> None:
-    """Refuse an ``out`` whose replacement would destroy something other than an earlier export:
-    the checkpoint (or a directory holding it), a campaign workdir (``ledger.json``) or a parent
-    of one, or any directory without ``pretrain.json``. An empty directory may be replaced."""
-    real = out.resolve()
-    if "://" not in checkpoint or checkpoint.startswith("file://"):
-        ckpt = Path(checkpoint.removeprefix("file://")).expanduser().resolve()
-        if real == ckpt:
-            raise ExportRefused(f"{out} is the checkpoint being exported: export to a directory outside it")
-        if _is_within(real, ckpt):
-            raise ExportRefused(f"{out} is inside the checkpoint {ckpt}: export to a directory outside it")
-        if _is_within(ckpt, real):
-            raise ExportRefused(f"{out} holds the checkpoint {ckpt} being exported: choose another directory")
-    if not out.exists() and not out.is_symlink():
-        return
-    if not overwrite:
-        raise ExportRefused(f"{out} already exists: choose another directory or pass --overwrite (overwrite=True)")
-    if not out.is_dir() or out.is_symlink():
-        raise ExportRefused(f"{out} is not a directory: remove it yourself or choose another directory")
-    if next(out.iterdir(), None) is None:
-        return
-    if not (out / PROVENANCE).is_file():
-        raise ExportRefused(f"{out} is not an earlier export (it has no {PROVENANCE}): --overwrite only replaces an "
-                            "earlier export; choose another directory, or empty this one yourself")
-    ledger = next(out.rglob("ledger.json"), None)
-    if ledger is not None:
-        raise ExportRefused(f"{out} holds a campaign ({ledger} is its ledger.json): --overwrite would delete it; "
-                            "choose another directory")
 
 
 def export_model(info: CheckpointInfo, out: str | Path, *, overwrite: bool = False) -> Path:

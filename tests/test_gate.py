@@ -145,8 +145,9 @@ def test_campaign_rewinds_past_a_silently_corrupted_checkpoint(prefect_harness, 
     spec = small_spec(tmp_path, stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 4}],
                       checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
                       chaos=[{"kind": "corrupt_checkpoint", "step": 8},
-                             # steps slow enough for the saver to persist step 4 before step 8 is due
-                             {"kind": "slow_worker", "rank": 0, "delay_s": 0.3}])
+                             # steps slow enough for the saver to persist step 4 before step 8 is due (from step 2: a
+                             # slow_worker from step 1 also slows the node check before training, 30× its delay)
+                             {"kind": "slow_worker", "rank": 0, "step": 2, "delay_s": 0.3}])
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
     assert_no_duplicate_metric_steps(spec.tracking_uri)

@@ -15,7 +15,7 @@ from pretrain.kube.nodecheck import HOSTS, HostMemory, check_launch, checks_dir
 from pretrain.layout import CampaignLayout
 from test_kube_cluster import NS, kube_spec, launch, live_pids, objects
 from test_kube_manifests import assert_valid, k8s_spec
-from trainer.resilience.healthcheck import judge_nodes
+from trainer.resilience.node_judgement import judge_nodes
 
 kube_api = double.kube_api  # the fixture
 HOST = "kube-double-node"  # the double's one Kubernetes node

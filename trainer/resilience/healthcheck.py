@@ -3,14 +3,13 @@
 
 Each process times a fixed matmul workload, then all of them join a gloo group on 127.0.0.1
 (or NCCL on GPU) and time an allreduce. Each prints one JSON line; the orchestrator compares
-the rows (``judge_nodes``: relative to the median node) and excludes slow or failing nodes
+the rows (``trainer.resilience.node_judgement``: relative to the median node) and excludes slow or failing nodes
 before workers start. After an in-job restart the workers repeat the matmul part among
 themselves (``trainer.resilience.nodecheck``).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from datetime import timedelta
 
@@ -49,20 +48,3 @@ def allreduce_mbps(rank: int, world: int, port: int, megabytes: int = 4, reps: i
         return megabytes * reps / (time.perf_counter() - t0)
     finally:
         dist.destroy_process_group()
-
-
-def judge_nodes(rows: list[dict], threshold: float) -> tuple[list[dict], set[int]]:
-    """Judge *nodes*: a node's time is its slowest worker slot's; a node is excluded if any of
-    its checks failed or its time exceeds ``threshold`` × the median node time. Each row gets
-    its time relative to that median. (A lone node can only fail, never be "slow".)"""
-    node_times: dict[int, float] = {}
-    for r in rows:
-        if r["ok"]:
-            node_times[r["node"]] = max(node_times.get(r["node"], 0.0), r["matmul_s"])
-    median = statistics.median_low(node_times.values()) if node_times else 0.0  # low median: one straggler of two stands out
-    failed = {r["node"] for r in rows if not r["ok"]}
-    excluded = failed | {n for n, t in node_times.items() if median and t / median > threshold}
-    for r in rows:
-        r["relative"] = round(r["matmul_s"] / median, 2) if r["ok"] and median else None
-        r["excluded"] = r["node"] in excluded
-    return rows, excluded

@@ -16,7 +16,8 @@ from pathlib import Path
 from trainer.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object
 from trainer.events import EventKind
-from trainer.resilience.healthcheck import judge_nodes, matmul_seconds
+from trainer.resilience.healthcheck import matmul_seconds
+from trainer.resilience.node_judgement import judge_nodes
 
 NODE_ENV = "PRETRAIN_NODE"  # set by the node agent: the node's index in the cluster
 
