@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import fcntl
 import os
 import shutil
 import signal
@@ -51,15 +52,31 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """``root/name``, made by ``make(path)`` in one process of the session: the suite's worker
+    processes share the parent of their temporary directories; the first one makes it (under a
+    file lock, atomically), the others wait and reuse it. Treat it as read-only."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / name
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            part = root / f".{name}.part"
+            make(part)
+            os.replace(part, path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def migrated_tracking_store(tmp_path_factory) -> Path:
-    """An empty MLflow sqlite store with its tables made: MLflow creates a new store's tables by
-    running its migrations (3–6 s here), which every test that tracks would otherwise pay."""
+    """An empty MLflow sqlite store with its tables made, once for the whole session: MLflow
+    creates a new store's tables by running its migrations (3–6 s here), which every test that
+    tracks, and every worker process of the suite, would otherwise pay."""
     from mlflow.tracking import MlflowClient
 
-    store = tmp_path_factory.mktemp("tracking") / TRACKING_STORE
-    MlflowClient(f"sqlite:///{store}").search_experiments()  # creates and migrates it
-    return store
+    return made_once(tmp_path_factory, TRACKING_STORE, lambda path: MlflowClient(f"sqlite:///{path}").search_experiments())
 
 
 @pytest.fixture(autouse=True)
