@@ -60,7 +60,7 @@ def loss_curves(record: CampaignRecord, layout: CampaignLayout) -> list[StageCur
                 if isinstance(m.get("loss"), (int, float)):
                     curve.train[m["step"]] = (offset + tokens_at[m["step"]], float(m["loss"]))
             for e in job.events:
-                if e.get("event") == EventKind.START and e.get("rank") == 0 and e.get("source") in ("memory", "checkpoint"):
+                if e.get("event") == EventKind.START and e.get("rank") == 0 and e.get("source") in ("survivors", "memory", "checkpoint"):
                     marks.append((curve.restarts, e["step"]))
                 elif e.get("event") == EventKind.ANOMALY and isinstance(e.get("step"), int):
                     marks.append((curve.rollbacks, e["step"]))

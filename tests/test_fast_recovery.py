@@ -51,11 +51,13 @@ def clean_model(prepared_data, tmp_path_factory, zygote) -> dict:
 
 def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_running(prepared_data, tmp_path,
                                                                                   clean_model, zygote):
-    """Rank 1 SIGKILLed at step 5, then rank 0 (by then a survivor of the first fault) at step 9:
-    each time the other worker keeps its process, a warm spare takes the lost rank, a new spare
-    is started for the next fault, and the result is bitwise the fault-free run's."""
-    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 5},
-                                                   {"kind": "kill_worker", "rank": 0, "step": 9}])
+    """Rank 1 SIGKILLed before step 6, then rank 0 (by then a survivor of the first fault) before
+    step 10: each time the other worker keeps its process and its state (no rollback to the
+    snapshot of step 4 or 8: training goes on from the step it completed), a warm spare takes
+    the lost rank, a new spare is started for the next fault, and the result is bitwise the
+    fault-free run's."""
+    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 6},
+                                                   {"kind": "kill_worker", "rank": 0, "step": 10}])
     assert run_agent(job, max_restarts=3, nproc=2, zygote=zygote) == 0, node_log(job)
     events = read_all(Path(job.job_dir) / EVENTS)
     starts = {e["rank"]: e for e in by_kind(events, "start") if not e["epoch"]}
@@ -74,7 +76,7 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_runn
     assert [warm[e["pid"]] < kill["time"] for e, kill in zip(replacements, kills)] == [True, True]
     rollbacks = by_kind(events, "rollback")
     assert [(r["path"], r["lost_ranks"]) for r in rollbacks] == [("spare", [1]), ("spare", [0])]
-    assert all(r["source"] == "memory" for r in rollbacks)
+    assert [(r["source"], r["step"]) for r in rollbacks] == [("survivors", 5), ("survivors", 9)]
     assert not [e for e in events if e["event"] == "start" and e["restart_count"]]  # no full restart
     # the ledger's incidents say how each was recovered
     found = incidents(events, read_all(Path(job.job_dir) / METRICS), 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -155,6 +156,42 @@ def test_restore_prefers_memory_and_falls_back_to_storage_when_memory_is_corrupt
     got = state.restore(cfg, CPU0, model=fresh, optimizer=fresh_opt, snapshots=store)
     assert (got.source, got.step, got.consumed) == ("checkpoint", 10, 20)
     assert_same(fresh.state_dict(), model.state_dict())
+
+
+def test_a_rank_reads_rank_0s_verified_snapshot_from_the_nodes_shared_memory(tmp_path):
+    """In a job of one node every rank reads rank 0's replicated state from its slot instead of
+    having it sent over the group: only a sealed snapshot of that step, rank and world whose
+    bytes match their digest."""
+    rank0 = SnapshotStore(tmp_path / "shm", 0, 0, 2, capacity=1 << 16)
+    rank1 = SnapshotStore(tmp_path / "shm", 1, 1, 2, capacity=1 << 16)
+    shared = {"shared": {"w": torch.arange(8.0), "step": 4}}
+    rank0.snapshot(4, shared, persist=False)
+    rank0.flush()
+    assert_same(rank1.load_local(0, 0, 4), shared)
+    assert rank1.load_local(0, 0, 6) is None  # no snapshot of that step
+    assert rank1.load_local(0, 1, 4) is None  # that slot is rank 0's, not rank 1's
+    assert SnapshotStore(tmp_path / "shm", 1, 1, 3, capacity=1 << 16).load_local(0, 0, 4) is None  # another world
+    h = rank0.slots[0].header()
+    rank0.slots[0].mm[h["data_off"] + 3] ^= 0xFF
+    assert rank1.load_local(0, 0, 4) is None  # its bytes no longer match the digest
+
+
+@pytest.mark.parametrize("fields, live, kept", [
+    ({}, (7, 14), ("survivors", 7, 14)),                      # DDP: the survivors go on from the step they hold
+    ({"model.dropout": 0.1}, (7, 14), None),                  # each rank's RNG shapes training: roll back
+    ({"parallelism": "fsdp"}, (7, 14), None),                 # each rank holds its own pieces: roll back
+    ({}, None, None),                                         # nobody holds live state
+])
+def test_state_kept_by_survivors_only_when_it_is_replicated(tmp_path, fields, live, kept):
+    cfg = job(tmp_path)
+    for name, value in fields.items():
+        if name == "model.dropout":
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=value))
+        else:
+            cfg = dataclasses.replace(cfg, **{name: value})
+    model, opt = build_model(job(tmp_path), torch.device("cpu"))
+    got = state.kept_by_survivors(cfg, CPU0, live, model=model, optimizer=opt)
+    assert (None if got is None else (got.source, got.step, got.consumed)) == kept
 
 
 def test_too_little_shared_memory_is_a_clear_error_or_falls_back(tmp_path):

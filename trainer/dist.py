@@ -31,6 +31,11 @@ class DistInfo:
     epoch: int = 0  # fast recoveries (new groups of the same processes) in this round; 0: as started
 
 
+def local_world_size() -> int:
+    """Workers on this node (set by the elastic agent or the node agent; 1 when run alone)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 @dataclass(frozen=True)
 class Identity:
     """Who a worker is: set by the node agent in its environment, or, for a warm spare, handed

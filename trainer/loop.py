@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from contextlib import nullcontext
@@ -16,7 +15,7 @@ from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.shm import ShmTooSmall
 from trainer.config import JobConfig
 from trainer.data import TokenWindows, make_batch, make_sampler, micro_batch_positions
-from trainer.dist import DistInfo, all_reduce_mean, is_initialized
+from trainer.dist import DistInfo, all_reduce_mean, is_initialized, local_world_size
 from trainer.events import EventKind
 from trainer.model import GPT, lm_loss, lr_at, param_groups
 from trainer.reporting import EVENTS, METRICS, JsonLines
@@ -98,11 +97,6 @@ def grad_sync(net, model, last: bool):
     return nullcontext()
 
 
-def local_world_size() -> int:
-    """Workers on this node (set by the elastic agent; 1 when run alone)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 def open_snapshots(cfg: JobConfig, info: DistInfo, capacity: int, shm_ns: str | None, events: JsonLines):
     """The rank's snapshot slots, allocated and touched now (off the training path); None for
     direct checkpoints (no shared memory configured, or too little of it with fallback on)."""
@@ -173,7 +167,9 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         recheck_nodes(cfg, info, chaos, events)
     snapshots = open_snapshots(cfg, info, snapshot_capacity(cfg, info.rank, info.world_size), shm_ns, events)
     model, opt = warm or build_model(cfg, info.device)
-    restored = state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
+    # a replacement joining survivors (epoch > 0) takes the state they kept, if they agree on it
+    restored = (info.epoch > 0 and state.kept_by_survivors(cfg, info, None, model=model, optimizer=opt)) or \
+        state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
     step, consumed = restored.step, restored.consumed
     events.write({"event": EventKind.START, "rank": info.rank, "node": this_node(), "world_size": info.world_size,
                   "restart_count": info.restart_count, "epoch": info.epoch, "step": step, "source": restored.source,
@@ -257,7 +253,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         else:
             continue
         net = loss = None  # the broken group's DDP reducer goes with its wrapper
-        info, restored = rejoin(cfg, info, peers, model=model, optimizer=opt, snapshots=snapshots)
+        info, restored = rejoin(cfg, info, peers, (step, consumed), model=model, optimizer=opt, snapshots=snapshots)
         step, consumed, spikes, windows_to_skip = restored.step, restored.consumed, spike_detector(cfg), skip_windows(cfg)
         net = wrap(cfg, info, model)
         peers.ready(restored, events.write)

@@ -111,6 +111,23 @@ class SnapshotStore:
             h = self.slots[slot_index].verified()
         return bool(h) and h["step"] == step
 
+    def load_local(self, local_rank: int, rank: int, step: int):
+        """Another local rank's verified snapshot of ``step`` (copied out of shared memory), read
+        from its slots on this node; None if it holds none. Every rank of a job of one node reads
+        rank 0's replicated state so, instead of having it sent over the process group."""
+        for path in slot_paths(self.ns, local_rank):
+            if not path.exists():
+                continue
+            slot = Slot(path)
+            try:
+                with slot.lock(exclusive=False):
+                    h = slot.verified()
+                    if h and (h["step"], h["rank"], h["world_size"]) == (step, rank, self.world_size):
+                        return slot.read(h, clone=True)
+            finally:
+                slot.close()
+        return None
+
     def load(self, step: int):
         """This rank's snapshot of ``step`` (copied out of shared memory); call ``verify`` first."""
         slot = self.slots[self.sealed_steps()[step]]

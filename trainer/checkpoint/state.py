@@ -13,12 +13,14 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.flash import SnapshotStore
+from trainer.checkpoint.flat import Layout, read_state, write_tensors
 from trainer.checkpoint.sharded import apply_sharded, load_full_state, localize
 from trainer.config import JobConfig
-from trainer.dist import DistInfo, all_gather_object, broadcast_object
+from trainer.dist import DistInfo, all_gather_object, broadcast_object, local_world_size
 
 MODEL_SHARD = ckpt.MODEL_SHARD
 
@@ -40,7 +42,7 @@ def schedule_state(cfg: JobConfig, step: int) -> dict:
 class Restored:
     step: int  # completed optimizer steps in this stage
     consumed: int  # global sample position in this stage's data order
-    source: str  # "memory" | "checkpoint" | "init_from" | "scratch"
+    source: str  # "survivors" | "memory" | "checkpoint" | "init_from" | "scratch"
     checkpoint: str | None  # directory the state came from
 
 
@@ -132,6 +134,46 @@ def newest_common_snapshot(snapshots: SnapshotStore, floor: int, fresh_ranks_all
     return None
 
 
+SURVIVORS = "survivors"  # the state the ranks that survived a lost peer hold in their live model and optimizer
+
+
+def kept_by_survivors(cfg: JobConfig, info: DistInfo, live: tuple[int, int] | None, *, model, optimizer) -> Restored | None:
+    """A fast recovery's state without a rollback (every rank of the new group calls it): the
+    surviving ranks pass ``live`` (the step they completed and the data position), a replacement
+    None. If the survivors agree on one step (a peer lost inside the next step changed nothing
+    they hold: the update comes after the step's collectives), training goes on from it; under
+    DDP without dropout the model and optimizer are replicated, so a replacement takes them from
+    the first survivor over the group (its own RNG is unused). Else None for every rank (the
+    survivors disagree, or a rank's state is its own: FSDP's pieces, dropout's RNG): the newest
+    snapshot every rank holds (:func:`restore`)."""
+    lives = all_gather_object(live)
+    kept = {tuple(held) for held in lives if held is not None}
+    if len(kept) != 1 or is_sharded(cfg) or cfg.model.dropout != 0:
+        return None
+    step, consumed = kept.pop()
+    if None in lives:
+        src = next(r for r, held in enumerate(lives) if held is not None)
+        state = _broadcast_state(info, {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                                 if info.rank == src else None, src)
+        if live is None:
+            _load_model(cfg, state, model, optimizer)
+    return Restored(step, consumed, SURVIVORS, None)
+
+
+def _broadcast_state(info: DistInfo, state: dict | None, src: int) -> dict:
+    """Rank ``src``'s ``state`` on every rank: under gloo its tensors travel as one flat buffer
+    (the snapshots' layout, ``trainer.checkpoint.flat``), not pickled one by one."""
+    if info.backend != "gloo":
+        return broadcast_object(state, src=src)
+    layout, tensors = Layout.of(state) if info.rank == src else (None, [])
+    layout = Layout.from_json(broadcast_object(layout.to_json() if layout else None, src=src))
+    buf = torch.empty(layout.data_bytes, dtype=torch.uint8)
+    if info.rank == src:
+        write_tensors(memoryview(buf.numpy()), layout, tensors)
+    dist.broadcast(buf, src=src)
+    return state if info.rank == src else read_state(memoryview(buf.numpy()), layout, clone=False)
+
+
 def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: SnapshotStore | None = None) -> Restored:
     """Load the newest state of this stage: from shared memory if every rank holds a verified
     snapshot of a common step at least as new as storage's (under DDP without dropout, ranks of a
@@ -162,7 +204,7 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
         if is_sharded(cfg):  # every rank's slot holds its own piece
             shared = snap["shard"]
         else:  # replicated state lives in rank 0's slot
-            shared = broadcast_object(snap.get("shared") if info.rank == 0 else None)
+            shared = _replicated(info, snapshots, snap, step)
         mine = snap["rank"] if snap is not None else None
         if some_fresh:  # a fresh rank takes rank 0's data position, and keeps its own RNG stream (unused: no dropout)
             first = broadcast_object(mine if info.rank == 0 else None)
@@ -184,6 +226,17 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
         mine.pop("rng_cuda", None)
     _apply(cfg, info, state, mine, model, optimizer)
     return Restored(int(state["step"]), int(mine["consumed"]), source, path)
+
+
+def _replicated(info: DistInfo, snapshots: SnapshotStore, snap, step: int) -> dict:
+    """Rank 0's replicated state (model, optimizer, step) of its snapshot of ``step``: in a job of
+    one node every rank reads it from rank 0's slot in this node's shared memory; across nodes
+    rank 0 sends it over the process group."""
+    if info.world_size == local_world_size():
+        own = snap if info.rank == 0 else snapshots.load_local(0, 0, step)
+        if all(all_gather_object(own is not None)):  # else every rank takes it from rank 0 as below
+            return own["shared"]
+    return broadcast_object(snap.get("shared") if info.rank == 0 else None)
 
 
 def wait_committed(cfg: JobConfig, info: DistInfo, step: int, timeout_s: float = 300.0) -> None:

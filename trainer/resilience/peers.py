@@ -132,12 +132,16 @@ class CannotRejoin(RuntimeError):
     """The survivors have nothing to roll back to in place: the node agent restarts every worker."""
 
 
-def rejoin(cfg: JobConfig, info: DistInfo, peers: Peers, *, model, optimizer, snapshots) -> tuple[DistInfo, Restored]:
-    """A survivor's part of a fast recovery: the next epoch's group, and the newest state every
-    rank agrees on restored into its live model and optimizer (what a restarted worker would load)."""
+def rejoin(cfg: JobConfig, info: DistInfo, peers: Peers, live: tuple[int, int], *, model, optimizer,
+           snapshots) -> tuple[DistInfo, Restored]:
+    """A survivor's part of a fast recovery: the next epoch's group, then the state it holds
+    (``live``: its completed step and data position) if every survivor holds the same step
+    (``state.kept_by_survivors``), else the newest state every rank agrees on restored into its
+    live model and optimizer (what a restarted worker would load)."""
     info = replace(info, epoch=peers.rejoin().epoch)
     optimizer.zero_grad(set_to_none=True)  # the broken step's gradients
-    restored = state.restore(cfg, info, model=model, optimizer=optimizer, snapshots=snapshots)
+    restored = state.kept_by_survivors(cfg, info, live, model=model, optimizer=optimizer) or \
+        state.restore(cfg, info, model=model, optimizer=optimizer, snapshots=snapshots)
     if restored.source not in IN_PROCESS_SOURCES:
         raise CannotRejoin(f"a peer was lost before this stage's first snapshot or checkpoint ({restored.source}): "
                            "only fresh processes can start the model over")

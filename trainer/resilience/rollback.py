@@ -24,7 +24,7 @@ from trainer.dist import DistInfo, broadcast_object
 from trainer.events import EventKind
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips, skips_path
 
-IN_PROCESS_SOURCES = ("memory", "checkpoint")  # restored in place; "init_from"/"scratch" need fresh processes
+IN_PROCESS_SOURCES = ("survivors", "memory", "checkpoint")  # restored in place; "init_from"/"scratch" need fresh processes
 
 
 def skip_windows(cfg: JobConfig) -> list[tuple[int, int]]:
