@@ -59,7 +59,8 @@ class ClusterSpec(Section):
     node_timeout_s: int = Field(
         3, ge=2, le=60, description="A node of a job of several nodes whose agent sent no keep-alive (one a second) for "
         "this long counts as lost and leaves the rendezvous; the other nodes wait that long before going on without it "
-        "(or with a spare node). Lower is faster recovery; too low drops a node that is only slow.")
+        "(or with a spare node). Lower is faster recovery; too low drops a node that is only slow (an agent starved of "
+        "CPU for about a second at 2; with spare_nodes a standby then takes its place: a restart of the job).")
     max_restarts: int = Field(2, ge=0, description="In-job restarts by the elastic agent before the job counts as failed.")
     spares_per_node: int = Field(
         1, ge=0, description="Warm spare workers per node (a job of one node): started once training is under way, "
