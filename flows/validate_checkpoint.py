@@ -6,7 +6,8 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
-from pretrain.jobs import checkpoint_store, client_options
+from pretrain.jobs import checkpoint_store
+from pretrain.locations import client_options
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import check_checkpoints
 from trainer.checkpoint.store import CheckpointStore

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pretrain.jobs import data_client_options
+from pretrain.locations import data_client_options
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignRecord, DataRecord

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.campaign_data import validation_data
-from pretrain.jobs import client_options, model_config
+from pretrain.jobs import model_config
+from pretrain.locations import client_options
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 from trainer.checkpoint.records import DamagedRecord, Manifest

@@ -185,7 +185,7 @@ def _checkpoint_errors():
 def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_len=None):
     """The checkpoint's CheckpointInfo, from its manifest and the options given."""
     from pretrain.checkpoint_info import describe, spec_overrides
-    from pretrain.jobs import s3_options
+    from pretrain.locations import s3_options
     from pretrain.specfile import load_spec
 
     with _checkpoint_errors():

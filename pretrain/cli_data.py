@@ -98,7 +98,7 @@ def _stats(campaign, summary: dict) -> dict:
     """The prepared data set's manifest (shards and sources too), or the flow's summary where the
     data set cannot be read from here (S3 behind a block's credentials)."""
     from pretrain.data_inspect import InspectError, open_data_set
-    from pretrain.jobs import s3_options
+    from pretrain.locations import s3_options
 
     location = str(summary.get("location") or "")
     data, ckpt = campaign.data, campaign.checkpoint
@@ -120,7 +120,7 @@ def inspect(
 ) -> None:
     """Print a data set's stats (documents, tokens, sources, skips, duplicates, tokenizer, fingerprint) and decode a few random train windows."""
     from pretrain.data_inspect import InspectError, inspect_data_set
-    from pretrain.jobs import s3_options
+    from pretrain.locations import s3_options
 
     try:
         inspect_data_set(location, out(), windows=windows, window_tokens=tokens, seed=seed,

@@ -215,27 +215,6 @@ class LocalCluster(Cluster):
         return LocalJobHandle(procs, logs, self.spec.nodes_min, nodes=nodes, spare_nodes=len(nodes) - len(in_use))
 
 
-def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1, env: Mapping[str, str] | None = None,
-                 settings: PretrainSettings | None = None, campaign=None) -> Cluster:
-    """The cluster of ``spec``; ``env`` is the environment its training processes get (None: this
-    process's); ``settings``: None reads this process's environment. ``campaign``: the whole
-    CampaignSpec, which a Kubernetes cluster needs (names, tracking, workdir). A Kubernetes
-    cluster's API client comes from this process's environment (KUBECONFIG or in-cluster)."""
-    settings = settings or PretrainSettings.from_env()
-    if spec.kind == "local":
-        return LocalCluster(spec, threads_per_worker, env=env, settings=settings)
-    if spec.kind == "kubernetes":
-        if why := not_runnable(spec):
-            raise ClusterError(why)
-        if campaign is None:
-            raise ClusterError("a Kubernetes cluster is made from the campaign's whole spec (make_cluster(campaign=…))")
-        from pretrain.kube.client import api_client
-        from pretrain.kube.cluster import KubernetesCluster
-
-        return KubernetesCluster(campaign, api_client(), settings)
-    raise ClusterError(f"cluster.kind {spec.kind!r} is not supported yet")
-
-
 def not_runnable(spec: ClusterSpec, env: Mapping[str, str] | None = None) -> str | None:
     """Why a campaign cannot run on this cluster (None: it can); checked before anything starts.
     A Kubernetes cluster needs an API configured in ``env`` (default: this process's)."""

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from pretrain.campaign_data import validation_data
 from pretrain.guard import check_holds
-from pretrain.jobs import checkpoint_store, model_config, storage_options
+from pretrain.jobs import checkpoint_store, model_config
+from pretrain.locations import storage_options
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from trainer.checkpoint.records import DamagedRecord

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from pretrain.lease import Lease, LeaseDamaged, LeaseHeld, LeaseKeeper, LeaseLost, current_generation
+from pretrain.locations import client_options
 from pretrain.lock import CampaignBusy, LockUnavailable, campaign_lock
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
@@ -60,8 +61,6 @@ def state_location(spec: CampaignSpec) -> str | None:
 
 def state_storage(spec: CampaignSpec) -> Storage:
     """The storage of ``checkpoint.state_uri`` (the checkpoints' endpoint and the blocks' credentials)."""
-    from pretrain.jobs import client_options  # (jobs imports this module)
-
     return open_storage(state_location(spec), **client_options(spec))
 
 

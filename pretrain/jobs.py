@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pretrain.guard import job_lease
 from pretrain.layout import CampaignLayout
+from pretrain.locations import checkpoint_location, client_options, data_client_options, data_options, storage_options
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes
 from trainer.checkpoint.store import CheckpointStore
@@ -18,37 +19,6 @@ def model_config(spec: CampaignSpec, vocab_size: int) -> ModelConfig:
     m = spec.model
     return ModelConfig(vocab_size=vocab_size, n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
                        max_seq_len=m.max_seq_len, dropout=m.dropout)
-
-
-def checkpoint_location(spec: CampaignSpec, stage: str) -> str:
-    uri = spec.checkpoint.uri
-    return f"{uri.rstrip('/')}/{stage}" if uri else str(CampaignLayout(spec.workdir_path).ckpt_dir(stage))
-
-
-def s3_options(endpoint_url: str | None = None, region: str | None = None) -> dict:
-    """Storage options for an S3 checkpoint location (credentials come from the AWS environment)."""
-    return {k: v for k, v in (("endpoint_url", endpoint_url), ("region", region)) if v}
-
-
-def storage_options(spec: CampaignSpec) -> dict:
-    return s3_options(spec.checkpoint.s3_endpoint_url, spec.checkpoint.s3_region)
-
-
-def client_options(spec: CampaignSpec) -> dict:
-    """Storage options plus the credentials of the spec's blocks: for S3 clients in this process
-    only (``storage_options`` is what may be written down: job files, ledger, gate requests)."""
-    return {**storage_options(spec), **spec.credentials.s3_options()}
-
-
-def data_options(spec: CampaignSpec) -> dict:
-    """Storage options for S3 sources and data sets (the data section's endpoint, else the checkpoints')."""
-    d, c = spec.data, spec.checkpoint
-    return s3_options(d.s3_endpoint_url or c.s3_endpoint_url, d.s3_region or c.s3_region)
-
-
-def data_client_options(spec: CampaignSpec) -> dict:
-    """``data_options`` plus the blocks' credentials: for S3 clients in this process only."""
-    return {**data_options(spec), **spec.credentials.s3_options()}
 
 
 def checkpoint_store(spec: CampaignSpec, stage: str) -> CheckpointStore:
@@ -63,7 +33,7 @@ def threads_per_worker(spec: CampaignSpec) -> int:
 def build_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None) -> JobConfig:
     """The job of the stage's ``attempt``-th launch, on the data set the ledger records (its
     vocabulary from that data set's summary, or its manifest for a summary that lacks it)."""
-    from pretrain.campaign_data import campaign_data  # it reads the ledger, which imports this module
+    from pretrain.campaign_data import campaign_data  # torch (the data manifest reader): only when a job is built
 
     data = campaign_data(spec)
     vocab = data.vocab_size or fetch_manifest(data.location, data_client_options(spec))[2]["vocab_size"]

@@ -18,7 +18,8 @@ from typing import Callable, Iterator
 
 from pydantic import ValidationError
 
-from pretrain.jobs import checkpoint_location, storage_options
+from pretrain.locations import checkpoint_location, storage_options
+from pretrain.guard import held, state_storage
 from pretrain.layout import CampaignLayout
 from pretrain.ledger_remote import RemoteLedger
 from pretrain.lock import updating
@@ -149,8 +150,6 @@ def _remote(spec: CampaignSpec) -> RemoteLedger | None:
     its writes are refused once this run's lease is lost."""
     if not spec.checkpoint.state_uri:
         return None
-    from pretrain.guard import held, state_storage  # (the guard imports jobs, which this module imports)
-
     mine = held(spec)
     return RemoteLedger(state_storage(spec), parse=_parse_remote, guard=mine.check if mine else None)
 

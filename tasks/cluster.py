@@ -6,7 +6,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.cluster import ClusterError, judge_nodes, make_cluster
+from pretrain.cluster import ClusterError, judge_nodes
+from pretrain.cluster_factory import make_cluster
 from pretrain.jobs import threads_per_worker
 from pretrain.spec import CampaignSpec
 from tasks.artifacts import artifact_key

@@ -10,7 +10,7 @@ from pretrain.campaign_data import data_record, data_root, kept_flat_data
 from pretrain.data_identity import DataChanged, refuse_changed_data, trained_stages
 from pretrain.dataset.prepare import prepare
 from pretrain.dataset.progress import PrepProgress, ProgressCallback
-from pretrain.jobs import data_client_options
+from pretrain.locations import data_client_options
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import DataRecord

@@ -8,7 +8,8 @@ from prefect.cache_policies import NO_CACHE
 from pretrain.campaign_data import validation_data
 from pretrain.checkpoint_info import CheckpointInfo, CheckpointRejected, describe
 from pretrain.evaluation import measure, require_valid
-from pretrain.jobs import client_options, model_config
+from pretrain.jobs import model_config
+from pretrain.locations import client_options
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import log_to_run
 from tasks.tracking import MLFLOW_RETRIES

@@ -10,7 +10,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pretrain.budget import current_pause
-from pretrain.cluster import make_cluster, recheck_nodes
+from pretrain.cluster import recheck_nodes
+from pretrain.cluster_factory import make_cluster
 from pretrain.interrupt import CampaignInterrupted, current_stop
 from pretrain.guard import job_lease
 from pretrain.jobs import build_job, threads_per_worker, write_job

@@ -14,7 +14,8 @@ from kubernetes_validate import validate
 from typer.testing import CliRunner
 
 from pretrain.cli import app
-from pretrain.cluster import ClusterError, make_cluster
+from pretrain.cluster import ClusterError
+from pretrain.cluster_factory import make_cluster
 from pretrain.kube.manifests import (CONFIG_EXIT_CODES, NEWEST_K8S, OLDEST_K8S, label_value, node_shm_bytes,
                                      object_name, stage_launch)
 from pretrain.spec import SpecError, parse_spec

@@ -9,7 +9,6 @@ from typing import Iterator
 from pretrain.corpus.decoding import Doc, Skip, decode, document
 from pretrain.corpus.files import CorpusError, SourceFile
 from pretrain.corpus.streams import open_source
-from pretrain.corpus.units import WorkUnit
 from pretrain.spec_data import DataSpec
 
 BATCH_ROWS = 1024  # rows turned into Python strings at a time
@@ -47,14 +46,13 @@ def row_group_sizes(source: SourceFile, s3_options: dict | None = None) -> list[
         return [pf.metadata.row_group(i).total_byte_size for i in range(pf.metadata.num_row_groups)]
 
 
-def read_row_groups(unit: WorkUnit, data: DataSpec, s3_options: dict | None = None) -> Iterator[Doc | Skip]:
-    """One document per row of row groups [start, stop): a null is a bad record, bytes
-    (a binary column) are decoded under the data spec's rules."""
+def read_row_groups(src: SourceFile, groups: range, data: DataSpec, s3_options: dict | None = None) -> Iterator[Doc | Skip]:
+    """One document per row of the row groups ``groups`` of ``src``: a null is a bad record,
+    bytes (a binary column) are decoded under the data spec's rules."""
     import pyarrow as pa
 
-    src = unit.source
     with _parquet_file(src, s3_options) as pf:
-        for group in range(unit.start, unit.stop):
+        for group in groups:
             row = 0
             try:
                 for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=[src.text_field]):

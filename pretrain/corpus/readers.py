@@ -33,7 +33,7 @@ def read_unit(unit: WorkUnit, data: DataSpec, s3_options: dict | None = None) ->
     if src.format == "parquet":
         from pretrain.corpus.parquet import read_row_groups
 
-        yield from read_row_groups(unit, data, s3_options)
+        yield from read_row_groups(unit.source, range(unit.start, unit.stop), data, s3_options)
         return
     if looks_binary(head(src, s3_options, HEAD_BYTES), data.binary_threshold, final=False):
         if unit.start == 0:  # counted once per file, by its first unit
