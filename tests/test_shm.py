@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -111,6 +112,22 @@ def test_sweep_removes_only_directories_whose_owner_is_dead(tmp_path, case, swep
             os.close(held)
     assert (not d.exists()) == swept
     assert [p for p, _ in result] == ([d] if swept else [])
+
+
+def test_agents_sweeping_the_same_orphans_at_once_never_fail(tmp_path):
+    """The node agents of a local cluster start together and sweep the same /dev/shm: one found a
+    directory another had just deleted and failed at start-up (a lost node, a resize)."""
+    gone = dead_pid()
+    for round_ in range(20):
+        dirs = [owned_dir(tmp_path, f"pretrain-{gone}-{round_:04d}{i:06d}", {**shmdirs.owner_record(), "pid": gone,
+                                                                              "start": None}) for i in range(20)]
+        for d in dirs:
+            for j in range(1, 8):
+                (d / f"rank{j:03d}.slot0").write_bytes(b"\0" * 512)
+        with ThreadPoolExecutor(4) as pool:
+            found = [p for result in pool.map(shmdirs.sweep_orphans, [tmp_path] * 4) for p, _ in result]
+        assert not [d for d in dirs if d.exists()]
+        assert set(found) <= set(dirs)
 
 
 CPU = torch.device("cpu")

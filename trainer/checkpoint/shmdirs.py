@@ -94,14 +94,20 @@ def in_use(ns: Path) -> bool:
 
 def sweep_orphans(shm_dir: str | Path) -> list[tuple[Path, int]]:
     """Delete the snapshot directories in ``shm_dir`` whose owner agent is dead; returns each
-    one swept with the bytes it freed."""
+    one swept with the bytes it freed. The agents of a local cluster start together and sweep
+    the same directory: one that finds a directory (or a file of it) gone meanwhile leaves it to
+    the agent sweeping it."""
     root = Path(shm_dir)
     if not root.is_dir():
         return []
     swept = []
     for ns in sorted(root.glob(f"{PREFIX}*")):
-        if ns.is_dir() and not ns.is_symlink() and owner_dead(ns) and not in_use(ns):
+        try:
+            if not (ns.is_dir() and not ns.is_symlink() and owner_dead(ns) and not in_use(ns)):
+                continue
             size = sum(f.stat().st_size for f in ns.iterdir() if f.is_file())
-            shutil.rmtree(ns, ignore_errors=True)
-            swept.append((ns, size))
+        except FileNotFoundError:  # another agent is sweeping it
+            continue
+        shutil.rmtree(ns, ignore_errors=True)
+        swept.append((ns, size))
     return swept
