@@ -188,3 +188,14 @@ print(slept, holder._cache_duration)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[0.1]", "0.1"], out.stdout
+
+
+def test_a_fresh_interpreter_worker_gets_its_node_and_threads_in_its_own_environment():
+    """Without a zygote (a Kubernetes pod's agent) torch's agent starts each worker as a fresh
+    interpreter: the node index and thread count reach the worker through its command (``env``),
+    not through the agent's own environment."""
+    from trainer.elastic import elastic_worker_command
+
+    probe = ["-c", "import os; print(os.environ['PRETRAIN_NODE'], os.environ['OMP_NUM_THREADS'])"]
+    command = elastic_worker_command(None, probe, {"PRETRAIN_NODE": "3", "OMP_NUM_THREADS": "2"})
+    assert subprocess.run(command, capture_output=True, text=True, timeout=60).stdout == "3 2\n"

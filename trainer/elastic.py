@@ -30,18 +30,19 @@ from trainer.resilience.heartbeat import AGENT_ENV, heartbeat_dir
 from trainer.resilience.nodecheck import NODE_ENV
 from trainer.zygote import Zygote
 
+ENV_COMMAND = "/usr/bin/env"  # POSIX: runs a command with variables added to its environment (it execs it)
 RENDEZVOUS_POLL_S = 0.1  # torch's rendezvous polls its store once a second while a round forms
 
 
-def elastic_worker_args(zygote: Zygote | None, worker_args: list[str], env: dict[str, str]) -> list[str]:
-    """The worker's command line (after ``python``) for torch's elastic agent: forked from the
-    zygote through ``trainer.zygote_exec`` when there is one (no ``import torch`` at the job's start
-    and at every restart), with ``env`` added to its environment; else ``-u -m trainer.worker …`` in
-    a fresh interpreter (which inherits the agent's environment)."""
+def elastic_worker_command(zygote: Zygote | None, worker_args: list[str], env: dict[str, str]) -> list[str]:
+    """The worker's whole command line for torch's elastic agent, ``env`` added to the worker's
+    environment (never to the agent's): forked from the zygote through ``trainer.zygote_exec``
+    when there is one (no ``import torch`` at the job's start and at every restart); else
+    ``python -u -m trainer.worker …`` in a fresh interpreter, started through ``env``."""
     if zygote is None or not zygote.usable:
-        return worker_args
+        return [ENV_COMMAND, *(f"{k}={v}" for k, v in env.items()), sys.executable, *worker_args]
     env = {**env, AGENT_ENV: str(os.getpid())}  # its heartbeats name this agent, not the zygote (its parent)
-    return ["-m", "trainer.zygote_exec", "--zygote", zygote.path, "--unbuffered",
+    return [sys.executable, "-m", "trainer.zygote_exec", "--zygote", zygote.path, "--unbuffered",
             *(a for k, v in env.items() for a in ("--env", f"{k}={v}")), "trainer.worker", *worker_args[3:]]
 
 
@@ -118,9 +119,7 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
     """Torch's elastic agent for this node of a job of several nodes (``args``: ``trainer.launch``'s)."""
     signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
     env = {"OMP_NUM_THREADS": str(args.threads), NODE_ENV: str(args.node)}  # workers name their node (node check, events)
-    argv = elastic_worker_args(zygote, worker_args, env)
-    if argv is worker_args:  # fresh interpreters inherit the agent's environment
-        os.environ.update(env)
+    command = elastic_worker_command(zygote, worker_args, env)
     try:
         if args.standby and not wait_to_stand_by(job.job_dir, args.rdzv_endpoint):
             print(f"standby node {args.node}: the job ended before training started", file=sys.stderr, flush=True)
@@ -136,7 +135,7 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
         start_method="spawn",
     )
     try:
-        elastic_launch(config, sys.executable)(*argv)
+        elastic_launch(config, command[0])(*command[1:])
     except ChildFailedError as err:
         print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
         return 1
