@@ -137,6 +137,13 @@ def newest_common_snapshot(snapshots: SnapshotStore, floor: int, fresh_ranks_all
 SURVIVORS = "survivors"  # the state the ranks that survived a lost peer hold in their live model and optimizer
 
 
+def any_rank_will_do(cfg: JobConfig) -> bool:
+    """Can a rank that holds no state of its own take another rank's? Under DDP without dropout:
+    the model and optimizer are replicated and a rank's RNG shapes nothing (with dropout it lives
+    only in that rank's own snapshot; under FSDP each rank holds its own pieces)."""
+    return not is_sharded(cfg) and cfg.model.dropout == 0
+
+
 def kept_by_survivors(cfg: JobConfig, info: DistInfo, live: tuple[int, int] | None, *, model, optimizer) -> Restored | None:
     """A fast recovery's state without a rollback (every rank of the new group calls it): the
     surviving ranks pass ``live`` (the step they completed and the data position), a replacement
@@ -148,7 +155,7 @@ def kept_by_survivors(cfg: JobConfig, info: DistInfo, live: tuple[int, int] | No
     snapshot every rank holds (:func:`restore`)."""
     lives = all_gather_object(live)
     kept = {tuple(held) for held in lives if held is not None}
-    if len(kept) != 1 or is_sharded(cfg) or cfg.model.dropout != 0:
+    if len(kept) != 1 or not any_rank_will_do(cfg):
         return None
     step, consumed = kept.pop()
     if None in lives:
@@ -184,9 +191,7 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
     store = cfg.checkpoints()
     ref = store.latest_complete() if info.rank == 0 else None
     floor = broadcast_object(ref.step if ref else -1)
-    # a rank's RNG lives only in its own snapshot: with dropout it shapes training, so no rank may lack it
-    peers = not is_sharded(cfg) and cfg.model.dropout == 0
-    found = newest_common_snapshot(snapshots, floor, peers) if snapshots is not None else None
+    found = newest_common_snapshot(snapshots, floor, any_rank_will_do(cfg)) if snapshots is not None else None
     if info.rank == 0:
         if found is not None:
             choice = ("memory", found)
@@ -236,7 +241,7 @@ def _replicated(info: DistInfo, snapshots: SnapshotStore, snap, step: int) -> di
         own = snap if info.rank == 0 else snapshots.load_local(0, 0, step)
         if all(all_gather_object(own is not None)):  # else every rank takes it from rank 0 as below
             return own["shared"]
-    return broadcast_object(snap.get("shared") if info.rank == 0 else None)
+    return _broadcast_state(info, snap["shared"] if info.rank == 0 else None, 0)
 
 
 def wait_committed(cfg: JobConfig, info: DistInfo, step: int, timeout_s: float = 300.0) -> None:
