@@ -4,8 +4,9 @@
 
 Runs a one-stage campaign (2 local CPU workers, flash checkpoints) in which a worker is killed
 (the other kept, a warm spare takes its rank: the fast path), the saver is killed, a worker hangs
-and the loss turns NaN (rolled back in process); the same worker kill with the fast path off
-(``fault_tolerance.fast_recovery_timeout_s: 0``: every worker restarts, side by side); the same
+and the loss turns NaN (rolled back in process); four worker kills recovered by the fast path and
+the same four with the fast path off (``fault_tolerance.fast_recovery_timeout_s: 0``: every
+worker restarts, side by side; their medians are compared); the same
 NaN drill with ``rollback_in_process`` off (the workers restart: the old path, side by side);
 then a two-node campaign that loses a node (the world shrinks) and the same with a standby node
 (it takes the lost node's place). Prints, per fault, the recovery path, the
@@ -23,6 +24,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # slow to start on a loaded machine
@@ -35,6 +37,7 @@ from bench.results import Check, report  # noqa: E402
 from pretrain.spec import parse_spec  # noqa: E402
 
 DLROVER = "DLRover 0.6.1, measured here (docs/benchmarks.md): state back after a worker kill in 1.9 s (1 process) to 3.1 s (2)"
+KILL_STEPS = (12, 24, 36, 48)  # the worker kills of each path's run (one kill alone is too noisy to compare)
 DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"vocab_size": 512}}
 
 
@@ -59,8 +62,9 @@ def main() -> None:
     model = {"n_layer": a.layers, "n_head": 4, "d_model": a.d_model, "max_seq_len": 64}
     one_node = {"workers_per_node": 2, "max_restarts": 6}
     nan = [{"kind": "nan_loss", "step": 30}]
-    kill = [{"kind": "kill_worker", "step": 12, "rank": 1}]
-    kill_restart = spec(root / "kill-restart", model, one_node, kill, fast_recovery_timeout_s=0)
+    kill = [{"kind": "kill_worker", "step": s, "rank": 1} for s in KILL_STEPS]  # several samples per path
+    kill_fast, kill_restart = spec(root / "kill-fast", model, one_node, kill), \
+        spec(root / "kill-restart", model, one_node, kill, fast_recovery_timeout_s=0)
     lose_node = [{"kind": "kill_node", "node": 1, "step": 20}]
     node_runs = [
         spec(root / "two-nodes", model, {"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3}, lose_node),
@@ -70,17 +74,18 @@ def main() -> None:
     runs = [
         spec(root / "nan-in-process", model, one_node, nan),
         spec(root / "nan-restart", model, one_node, nan, rollback_in_process=False),
-    ] if a.only == "nan" else [spec(root / "kill-fast", model, one_node, kill), kill_restart] if a.only == "kill" else \
+    ] if a.only == "nan" else [kill_fast, kill_restart] if a.only == "kill" else \
         node_runs if a.only == "node" else [
         spec(root / "one-node", model, one_node,
              [{"kind": "kill_worker", "step": 12, "rank": 1}, {"kind": "kill_saver", "step": 20},
               {"kind": "hang_worker", "step": 28}, {"kind": "nan_loss", "step": 40}]),
+        kill_fast,
         kill_restart,
         spec(root / "nan-restart", model, one_node, nan, rollback_in_process=False),
         *node_runs,
     ]
     print(f"{'fault':16s} {'path':10s} {'action':42s} {'recovery_s':>10s} {'steps redone':>12s} {'time lost s':>11s}")
-    kills: dict[str, float] = {}  # recovery path → recovery_s of the worker kill
+    kills: dict[str, list[float]] = {}  # recovery path → recovery_s of each worker kill
     hangs: list[float] = []  # detection_s + recovery_s of each hang
     standby: list[float] = []  # kill → first step of a node loss recovered with a standby node
     for s in runs:
@@ -89,7 +94,7 @@ def main() -> None:
             print(f"{f['cause']:16s} {f.get('recovery_path', '-'):10s} {f['action'][:42]:42s} {str(f.get('recovery_s')):>10s} "
                   f"{f.get('steps_redone', 0):>12d} {f['time_lost_s']:>11.2f}")
             if f["cause"] == "worker_killed" and f.get("recovery_s") is not None:
-                kills[f["recovery_path"]] = f["recovery_s"]
+                kills.setdefault(f["recovery_path"], []).append(f["recovery_s"])
             if f["cause"] == "hang" and f.get("recovery_s") is not None:
                 hangs.append(f.get("detection_s", 0.0) + f["recovery_s"])
             if f["cause"] == "node_lost" and f.get("recovery_path") == "spare_node" and f.get("recovery_s") is not None:
@@ -104,18 +109,20 @@ def main() -> None:
         report(checks)
 
 
-def kill_checks(kills: dict[str, float]) -> list[Check]:
+def kill_checks(kills: dict[str, list[float]]) -> list[Check]:
     """Issue 16's targets for a worker kill: the fast path (kept survivors + spare) ≤ 1.0 s and
-    ≤ 0.5 × the full restart measured in the same run."""
-    fast = kills.get("spare", kills.get("replacement"))
-    restart = kills.get("restart")
+    ≤ 0.5 × the full restart measured in the same run; the medians of the kills each path
+    recovered (one kill alone varies by ±50 % on two cores)."""
+    fast = median(kills.get("spare", []) + kills.get("replacement", [])) if "spare" in kills or "replacement" in kills else None
+    restart = median(kills["restart"]) if "restart" in kills else None
     if fast is None or restart is None:
         return [Check(f"worker kill recovered by both paths (seen: {sorted(kills)})", 0, 1, ">=",
                       "a run did not record the worker kill's recovery")]
     why = ("both paths include one training step (~45 ms) and a new gloo group; a full restart of this small model "
            "forks its workers from a zygote with torch imported, so little is left for the kept survivors to save")
-    return [Check("worker kill → first step, fast path, s", fast, 1.0, "<=", why),
-            Check("worker kill: fast path / full restart", round(fast / restart, 3), 0.5, "<=", why)]
+    print(f"worker kills recovered: {', '.join(f'{path} {sorted(times)}' for path, times in sorted(kills.items()))}")
+    return [Check("worker kill → first step, fast path (median), s", fast, 1.0, "<=", why),
+            Check("worker kill: fast path / full restart (medians)", round(fast / restart, 3), 0.5, "<=", why)]
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -18,6 +19,7 @@ import pytest
 from conftest import wait_for
 from pretrain.cluster import LocalCluster
 from pretrain.spec_sections import ClusterSpec
+from trainer.process import wait_for_an_exit
 from trainer.zygote import Zygote, ZygoteProcess
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -119,6 +121,27 @@ def test_a_running_child_is_waited_signalled_and_listed_as_popen_would_show_it(z
     assert psutil.Process(proc.pid).cmdline()[:4] == [sys.executable, "-m", "zprobe", "sleep"]
     proc.terminate()
     assert proc.wait(30) == -signal.SIGTERM and proc.poll() == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["zygote", "popen"])
+def test_an_agent_waiting_on_its_workers_wakes_when_one_dies_not_at_its_timeout(zygote, probe_env, forked):
+    """The node agent starts a recovery as a worker dies (``wait_for_an_exit``), not at its next
+    polling tick; a wait where nobody dies ends at its timeout."""
+    start = (lambda mode: zygote.spawn("zprobe", [mode], env=probe_env, stdout=subprocess.DEVNULL)) if forked else \
+        (lambda mode: subprocess.Popen([sys.executable, "-m", "zprobe", mode], env=probe_env, stdout=subprocess.DEVNULL))
+    kept, doomed = start("sleep"), start("sleep")
+    try:
+        wait_for_an_exit([kept, doomed], 0.01)
+        assert kept.poll() is None and doomed.poll() is None
+        doomed.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_for_an_exit([kept, doomed], 20)
+        assert time.monotonic() - t0 < 10, "woken by the timeout, not by the exit"
+        assert doomed.poll() == -signal.SIGKILL and kept.poll() is None
+    finally:
+        for proc in (kept, doomed):
+            proc.kill()
+            proc.wait(30)
 
 
 def test_a_child_stopped_right_after_it_was_forked_ends_by_that_signal(zygote, probe_env):

@@ -26,11 +26,12 @@ import torch.distributed as dist
 
 from trainer.checkpoint.flash import copies_in_flight
 from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
+from trainer.process import wait_for_an_exit
 from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
 from trainer.resilience.peers import TAKEN, epoch_key, ready_key, spare_key
 
-POLL_S = 0.05  # how often the workers' exit codes are looked at
+POLL_S = 0.05  # how often the spares, the ready counter and snapshot copies are looked at (exits wake the agent)
 STOP_GRACE_S = 30.0  # SIGTERM → SIGKILL, as torch's agent
 SETTLE_S = 5.0  # the longest a full restart waits for the survivors' snapshot copies in progress
 REPLENISH_DELAY_S = 2.0  # a new spare starts this long after a recovery, not beside its first steps
@@ -189,7 +190,8 @@ class NodeAgent:
                 if not (self.s.fast and survivors and all(c is None for c in survivors) and self.fast_recover(failed)):
                     self.full_restart()
             self.tend_spares()
-            time.sleep(POLL_S)  # polls the workers' exit codes
+            # woken by a worker's exit (its recovery starts at once), else every POLL_S to tend the spares
+            wait_for_an_exit([p for p in self.workers.values() if p.returncode is None], POLL_S)
 
     def close(self) -> None:
         for sp in self.spares:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import atexit
 import os
+import select
 import signal
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import NoReturn
 
 
@@ -19,6 +20,38 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, owned by someone else
         return True
+
+
+def exit_fd(proc) -> tuple[int | None, bool]:
+    """A descriptor that turns readable when ``proc`` exits, and whether the caller must close it:
+    a ``ZygoteProcess``'s connection to its zygote (the zygote writes the exit status there), a
+    ``subprocess.Popen``'s pidfd (Linux ≥ 5.3; opened only for a child not reaped yet, whose pid
+    cannot have been reused). (None, False) where there is none."""
+    if hasattr(proc, "exit_fd"):
+        return proc.exit_fd(), False
+    try:
+        return os.pidfd_open(proc.pid), True
+    except (AttributeError, OSError):  # no pidfd on this system, or the process is gone already
+        return None, False
+
+
+def wait_for_an_exit(procs: Iterable, timeout: float) -> None:
+    """Sleep until one of ``procs`` (not yet known to have exited: ``returncode`` None) may have
+    exited, at most ``timeout`` seconds. The caller polls them afterwards: an exit is noticed as
+    it happens instead of at the next tick of a polling loop. A process without a descriptor to
+    wait on (its zygote gone) is noticed at the latest after ``timeout``."""
+    fds, owned = [], []
+    try:
+        for proc in procs:
+            fd, own = exit_fd(proc)
+            if fd is not None:
+                fds.append(fd)
+            if own:
+                owned.append(fd)
+        select.select(fds, [], [], timeout)
+    finally:
+        for fd in owned:
+            os.close(fd)
 
 
 PARENT_ENV = "PRETRAIN_PARENT_PID"  # the pid of the process that started this one (see child_env)

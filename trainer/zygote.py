@@ -108,6 +108,11 @@ class ZygoteProcess:
             self._buf += data
             self._take_messages()
 
+    def exit_fd(self) -> int | None:
+        """Readable once the zygote reports this child's exit (``trainer.process.wait_for_an_exit``);
+        None when the zygote is gone (the child is then polled)."""
+        return None if self._conn is None else self._conn.fileno()
+
     def poll(self) -> int | None:
         if self.returncode is None and self._lock.acquire(blocking=False):
             try:
