@@ -23,7 +23,7 @@ from pathlib import Path
 from pretrain.layout import CampaignLayout
 from pretrain.settings import PretrainSettings
 from pretrain.spec_sections import ClusterSpec
-from trainer.config import JobConfig
+from trainer.config import STANDBY_NODE_ENV, JobConfig
 from trainer.resilience.node_judgement import judge_nodes
 from trainer.zygote import Zygote, ZygoteProcess, current_zygote, spawn
 
@@ -57,6 +57,11 @@ class JobHandle(ABC):
 
     spare_nodes: int = 0  # standby nodes started with the job: a node lost while one stands by is replaced, the world kept
     notices: tuple[str, ...] = ()  # what start() did besides starting, for the flow run's logs (e.g. adopted a live job)
+
+    def new_notices(self) -> list[str]:
+        """What came up while the job runs that the flow run's logs should say (once each), e.g. a
+        standby node that cannot run."""
+        return []
 
     def failure_logs(self) -> dict[int, str]:
         """The ends of failed nodes' logs (index → text) for the flow run's logs; locally the
@@ -191,10 +196,7 @@ class LocalCluster(Cluster):
         in_use = nodes[: self.spec.nodes_max]  # the rest stand by: they join the rendezvous once training runs
         env = dict(os.environ if self.env is None else self.env)
         if len(nodes) > len(in_use):
-            # torch's agents share their rendezvous store with the workers, and a node that was in the first
-            # round never publishes that store's address again: a standby joining a later round waited for it
-            # forever. Unshared, rank 0 publishes a fresh store every round.
-            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            env.update(STANDBY_NODE_ENV)
         procs, logs = [], []
         for node in nodes:
             log = Path(job.job_dir) / f"node{node}.log"

@@ -52,10 +52,10 @@ class ClusterSpec(Section):
     nodes_min: int = Field(1, ge=1, description="Fewest nodes the job may run with (elastic lower bound).")
     nodes_max: int = Field(1, ge=1, description="Most nodes the job starts with (elastic upper bound).")
     spare_nodes: int = Field(
-        0, ge=0, description="Standby nodes of a job of several nodes (local clusters): their agents start once training "
-        "is under way and wait in the rendezvous, torch imported; when a node is lost one takes its place at once, so "
-        "the world keeps its size and global batch (no shrink, no scale-up later). The cluster has nodes_max + "
-        "spare_nodes nodes; the node check covers them all.")
+        0, ge=0, description="Standby nodes of a job of several nodes (on Kubernetes: standby pods of the Job, indices "
+        "nodes_max and up): their agents start once training is under way and wait in the rendezvous, torch imported; "
+        "when a node is lost one takes its place at once, so the world keeps its size and global batch (no shrink, no "
+        "scale-up later). The cluster has nodes_max + spare_nodes nodes; the node check covers them all.")
     node_timeout_s: int = Field(
         3, ge=2, le=60, description="A node of a job of several nodes whose agent sent no keep-alive (one a second) for "
         "this long counts as lost and leaves the rendezvous; the other nodes wait that long before going on without it "
@@ -86,9 +86,6 @@ class ClusterSpec(Section):
         if self.spare_nodes and self.nodes_max < 2:
             raise ValueError("spare_nodes stand by for a job of several nodes: set nodes_max to 2 or more (a job of "
                              "one node recovers a lost worker with spares_per_node)")
-        if self.spare_nodes and self.kind != "local":
-            raise ValueError(f"spare_nodes is not supported on kind {self.kind!r} yet: set it to 0 (a lost pod's node is "
-                             "replaced by the job's relaunch)")
         return self
 
     @property

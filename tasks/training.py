@@ -198,6 +198,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                                    "with a standby node in its place" if replaced else "on the others")
                     events.write({"event": EventKind.NODE_LOST, "node": node, "exit_code": exit_code, "standby": replaced,
                                   "source": "orchestrator"})
+            for notice in handle.new_notices():
+                logger.warning("stage %s attempt %d: %s", job.stage, attempt, notice)
             forwarder.pump()
             progress.update()
             if code is None and (due := rejoin.due()):

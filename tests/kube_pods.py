@@ -4,7 +4,8 @@
   env, as the kubelet does); ``python``/``python3`` map to this machine's Python (the image's
   Python). Images are not pulled; an image in :attr:`PodRunner.unpullable` fails like a missing
   one (waiting ``ErrImagePull`` then ``ImagePullBackOff``); a pod asking for a resource in
-  :attr:`PodRunner.unschedulable` stays Pending (PodScheduled False, reason Unschedulable);
+  :attr:`PodRunner.unschedulable`, or of a Job's completion index in :attr:`PodRunner.no_room_for`,
+  stays Pending (PodScheduled False, reason Unschedulable);
   affinity, tolerations and node selectors are not evaluated (one node, ``spec.nodeName``
   :attr:`PodRunner.node_name`). Only the first container runs, once
   (restartPolicy is the Job controller's business; pods are never restarted in place).
@@ -38,6 +39,7 @@ import sys
 import threading
 from pathlib import Path
 
+from kube_jobs import pod_index
 from kube_objects import KubeError
 from kube_store import Event, Store, now
 
@@ -65,6 +67,7 @@ class PodRunner:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.unpullable: set[str] = set()
         self.unschedulable: set[str] = set()  # resources no node has (e.g. "nvidia.com/gpu")
+        self.no_room_for: set[int] = set()  # completion indices no node has room for (e.g. a Job's standby pod)
         self.node_name = "kube-double-node"  # every scheduled pod's spec.nodeName
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}  # (namespace, name) -> data
         self.executables = {"python": sys.executable, "python3": sys.executable}
@@ -163,6 +166,8 @@ class PodRunner:
         try:
             wanted = {r for part in ("requests", "limits") for r in ((container.get("resources") or {}).get(part) or {})}
             short = sorted(wanted & self.unschedulable)
+            if not short and pod_index(pod) in self.no_room_for:
+                short = ["cpu"]
             if short:
                 self._set(pod, lambda s: s.update(conditions=_with_condition(
                     s, "PodScheduled", "False", "Unschedulable", f"0/1 nodes are available: 1 Insufficient {short[0]}.")))

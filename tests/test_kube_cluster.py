@@ -34,13 +34,14 @@ IMAGE = "pretrain:test"
 IMAGE_PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def kube_spec(workdir, steps: int = 6, max_restarts: int = 0, **kube):
-    """One stage on 2 nodes × 1 worker (nodes_min 1), checkpoints every 2 steps; its own rendezvous port."""
-    return small_spec(workdir, cluster={"kind": "kubernetes", "workers_per_node": 1, "nodes_min": 1, "nodes_max": 2,
-                                        "max_restarts": max_restarts, "threads_per_worker": 1,
-                                        "kubernetes": {"image": IMAGE, "cpu_per_node": "1", "memory_per_node": "4Gi",
-                                                       "rdzv_port": free_port(), "env": {"PATH": IMAGE_PATH},
-                                                       **kube}},
+def kube_spec(workdir, steps: int = 6, max_restarts: int = 0, cluster: dict | None = None, chaos: tuple = (), **kube):
+    """One stage on 2 nodes × 1 worker (nodes_min 1; ``cluster``: other settings), checkpoints every
+    2 steps; its own rendezvous port."""
+    return small_spec(workdir, chaos=list(chaos),
+                      cluster={"kind": "kubernetes", "workers_per_node": 1, "nodes_min": 1, "nodes_max": 2,
+                               "max_restarts": max_restarts, "threads_per_worker": 1, **(cluster or {}),
+                               "kubernetes": {"image": IMAGE, "cpu_per_node": "1", "memory_per_node": "4Gi",
+                                              "rdzv_port": free_port(), "env": {"PATH": IMAGE_PATH}, **kube}},
                       stages=[{"name": "s", "steps": steps, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
                       checkpoint={"interval": 2, "memory_interval": 0, "keep": 4})
 
@@ -131,6 +132,32 @@ def test_a_pod_no_node_can_take_fails_after_the_timeout_as_a_configuration_error
         events = read_all(handle.job_dir / EVENTS)
         assert cause_of(events, code) == "kube_config"
         assert "Insufficient nvidia.com/gpu" in events[-1]["error"] and "gpus_per_node" in events[-1]["error"]
+    finally:
+        handle.stop(grace_s=1)
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
+
+
+def test_a_standby_pod_no_node_has_room_for_is_left_out_and_the_job_trains_without_it(kube_api, prepared_data,
+                                                                                         tmp_path):
+    """A standby pod (``spare_nodes``) is optional: when no node has room for it the job trains on
+    its two nodes and succeeds, the standby is named once as a notice (not a configuration error,
+    not a lost node), and no standby is counted on to replace a lost node."""
+    spec = kube_spec(tmp_path / "w", steps=20, cluster={"nodes_min": 2, "spare_nodes": 1})
+    kube_api.runner.no_room_for.add(2)
+    cluster, job, path = launch(kube_api, spec, prepared_data)
+    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    try:
+        assert handle.spare_nodes == 1
+        notices: list[str] = []
+        code = None
+        while code is None:
+            code = handle.wait(timeout=0.5)
+            notices += handle.new_notices()
+            assert handle.lost_nodes() == {}
+        assert code == 0 and handle.spare_nodes == 0
+        assert len(notices) == 1 and "standby node 2 cannot run" in notices[0] and "Insufficient cpu" in notices[0], notices
+        assert "spare_nodes" in notices[0] and handle.new_notices() == []
+        assert not any(e["event"] == "error" for e in read_all(handle.job_dir / EVENTS))
     finally:
         handle.stop(grace_s=1)
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}

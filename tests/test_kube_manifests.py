@@ -32,9 +32,10 @@ KUBE = {"image": "ghcr.io/o/pretrain:1", "namespace": "train", "image_pull_secre
         "labels": {"team": "llm"}, "annotations": {"owner": "llm-team@example.com"}}
 
 
-def k8s_spec(name: str = "Demo_Campaign", nodes: int = 3, top: dict | None = None, **kube):
+def k8s_spec(name: str = "Demo_Campaign", nodes: int = 3, top: dict | None = None, spare_nodes: int = 0, **kube):
     return parse_spec({**(top or {}), "name": name, "tracking": {"uri": "http://mlflow.train.svc:5000"},
-                       "cluster": {"kind": "kubernetes", "nodes_min": 2, "nodes_max": nodes, "kubernetes": {**KUBE, **kube}}})
+                       "cluster": {"kind": "kubernetes", "nodes_min": 2, "nodes_max": nodes, "spare_nodes": spare_nodes,
+                                   "kubernetes": {**KUBE, **kube}}})
 
 
 def assert_valid(docs: list[dict]) -> None:
@@ -76,6 +77,26 @@ def test_node_zero_alone_hosts_the_rendezvous(tmp_path):
         out = subprocess.run(["sh", "-c", script], env={"JOB_COMPLETION_INDEX": index, "PATH": os.environ["PATH"]},
                              capture_output=True, text=True, check=True).stdout
         assert f"--node {index}" in out and ("--rdzv-host" in out) is hosts
+
+
+def test_standby_pods_follow_the_training_pods_and_alone_get_standby(tmp_path):
+    """With ``spare_nodes`` the Job has a pod more per standby node, after the training ones: the
+    shell line gives --standby to those indices only, the rendezvous keeps nodes_max as its most,
+    and every agent unshares its rendezvous store (a standby joining a later round waited for it
+    forever, as on a local cluster)."""
+    launch = stage_launch(k8s_spec(spare_nodes=1), "main")
+    service, job = launch.manifests()
+    assert_valid([service, job])
+    assert (job["spec"]["completions"], job["spec"]["parallelism"]) == (4, 4)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in container["env"]
+    script = container["command"][2].replace("exec python -m trainer.launch", "echo")
+    for index, standby in (("0", False), ("2", False), ("3", True)):
+        out = subprocess.run(["sh", "-c", script], env={"JOB_COMPLETION_INDEX": index, "PATH": os.environ["PATH"]},
+                             capture_output=True, text=True, check=True).stdout
+        assert f"--node {index}" in out and "--nnodes-max 3" in out and ("--standby" in out) is standby
+    plain = stage_launch(k8s_spec(), "main").job_manifest()["spec"]["template"]["spec"]["containers"][0]
+    assert "standby" not in plain["command"][2] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in str(plain["env"])
 
 
 @pytest.mark.parametrize("rule, expected", [

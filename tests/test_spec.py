@@ -80,8 +80,6 @@ def test_builtin_demo_spec_is_valid():
     ({"model": {"d_model": 30, "n_head": 4}}, "model", "divisible"),
     ({"cluster": {"nodes_min": 3, "nodes_max": 2}}, "cluster", "nodes_min"),
     ({"cluster": {"spare_nodes": 1}}, "cluster", "nodes_max to 2 or more"),
-    ({"cluster": {"kind": "kubernetes", "nodes_max": 2, "spare_nodes": 1, "kubernetes": {"image": "i"}}}, "cluster",
-     "not supported on kind 'kubernetes'"),
     ({"cluster": {"nodes_max": 2, "node_timeout_s": 1}}, "cluster.node_timeout_s", "greater than or equal to 2"),
     ({"cluster": {"nodes_max": 2}, "chaos": [{"kind": "kill_node", "node": 2, "step": 3}]}, "chaos.0.node", "has 2 node(s)"),
     ({"model": {"max_seq_len": 32}, "stages": [{"name": "a", "steps": 5, "seq_len": 64}]}, "(top level)", "max_seq_len"),

@@ -184,3 +184,10 @@ class JobConfig:
     @classmethod
     def load(cls, path: str | Path) -> "JobConfig":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# The environment of every node agent of a job with standby nodes (local or Kubernetes): torch's
+# agents share their rendezvous store with the workers, and a node that was in the first round
+# never publishes that store's address again, so a standby joining a later round waited for it
+# forever. Unshared, rank 0 publishes a fresh store every round.
+STANDBY_NODE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

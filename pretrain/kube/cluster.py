@@ -65,7 +65,7 @@ class KubernetesCluster(Cluster):
         campaign's (the pods write their rows there). Torn down before it returns."""
         from kubernetes import client
 
-        picked = list(range(self.spec.cluster.nodes_max)) if nodes is None else list(nodes)
+        picked = list(range(self.spec.cluster.node_count)) if nodes is None else list(nodes)
         if not picked:
             return []
         launch = check_launch(self.spec, picked, delays)
@@ -101,12 +101,13 @@ class KubernetesCluster(Cluster):
         from kubernetes import client
 
         c = self.spec.cluster
-        nodes = c.nodes_max - len(set(exclude) & set(range(c.nodes_max)))
-        if nodes < c.nodes_min:
-            raise ClusterError(f"only {nodes} healthy node(s) (excluded: {sorted(exclude)}), cluster.nodes_min is "
+        healthy = c.node_count - len(set(exclude) & set(range(c.node_count)))
+        if healthy < c.nodes_min:
+            raise ClusterError(f"only {healthy} healthy node(s) (excluded: {sorted(exclude)}), cluster.nodes_min is "
                                f"{c.nodes_min}: repair or replace the nodes, or lower nodes_min")
+        nodes = min(c.nodes_max, healthy)  # the rest stand by: one takes a lost pod's place
         hosts, avoid_notices = HostMemory(checks_dir(layout.root) / HOSTS).avoid(set(exclude)) if exclude else ((), [])
-        launch = Launch(self.spec, job, str(job_path), nodes, avoid_hosts=hosts)
+        launch = Launch(self.spec, job, str(job_path), nodes, avoid_hosts=hosts, spare_nodes=healthy - nodes)
         try:
             service, manifest = launch.manifests()
         except ValueError as e:
@@ -125,8 +126,8 @@ class KubernetesCluster(Cluster):
         if live is None:
             live = batch.read_namespaced_job(name, ns)
         self._own_service(core, ns, name, live.metadata.uid)
-        handle = KubeJobHandle(self.api, ns, name, selector(labels), nodes, c.nodes_min, Path(job.job_dir),
-                               self.unschedulable_after_s, adopted=adopted)
+        handle = KubeJobHandle(self.api, ns, name, selector(labels), healthy, c.nodes_min, Path(job.job_dir),
+                               self.unschedulable_after_s, adopted=adopted, spare_nodes=healthy - nodes)
         handle.notices = tuple([f"adopted the live Job {ns}/{name} of this launch"] * adopted + [
             f"deleted Job {ns}/{r} of an earlier launch of this stage (its orchestrator is gone; this launch "
             "resumes from the newest good checkpoint)" for r in retired] + avoid_notices)

@@ -2,6 +2,9 @@
 the local cluster's handle (the job runs while at least ``nodes_min`` nodes do; a node that
 dropped out meanwhile is *lost*; the job succeeds when a node finishes cleanly).
 
+Standby pods (``cluster.spare_nodes``: the highest indices) are optional: one that cannot run
+(no node fits it, its pod never made) is left out with a notice, and the job goes on without it.
+
 A background thread keeps the launch's pods current from a watch (a fresh list after ``410
 Gone``; BOOKMARKs only move the resource version); ``poll()`` judges them (``pretrain.kube.pods``).
 The failure that ends a job is written to its events (``error_type`` KubeConfigError / PodLost /
@@ -28,9 +31,12 @@ ERROR_TYPES = {"kube_config": ("KubeConfigError", []), "node_lost": ("PodLost", 
 
 class KubeJobHandle(JobHandle):
     def __init__(self, api, namespace: str, name: str, selector: str, nodes: int, nodes_min: int, job_dir: Path,
-                 unschedulable_after_s: float, adopted: bool = False):
+                 unschedulable_after_s: float, adopted: bool = False, spare_nodes: int = 0):
         self.api, self.namespace, self.name, self.selector = api, namespace, name, selector
-        self.nodes, self.nodes_min, self.job_dir = nodes, nodes_min, Path(job_dir)
+        self.nodes, self.nodes_min, self.job_dir = nodes, nodes_min, Path(job_dir)  # nodes: the standby pods' included
+        self._spares = spare_nodes  # the standby pods: the highest indices
+        self._unplaced: dict[int, str] = {}  # standby indices whose pod cannot run → why (the job goes on without them)
+        self._told = 0  # unplaced standby pods already named by new_notices()
         self.unschedulable_after_s = unschedulable_after_s
         self.adopted = adopted  # the Job existed (an earlier flow process started it)
         self.logs = [self.job_dir / f"node{i}.log" for i in range(nodes)]
@@ -111,16 +117,35 @@ class KubeJobHandle(JobHandle):
         return [v for _, pod, deleted in pods
                 if (v := pod_verdict(pod, now, self.unschedulable_after_s, deleted)).index is not None]
 
+    @property
+    def spare_nodes(self) -> int:
+        """Standby pods that can take a lost node's place (those that cannot run do not count)."""
+        return self._spares - len(self._unplaced)
+
+    def _standby(self, index: int) -> bool:
+        return index >= self.nodes - self._spares
+
     def verdicts(self) -> dict[int, PodVerdict]:
-        """The newest pod of each node index, judged now."""
-        return {v.index: v for v in self._judged()}
+        """The newest pod of each node index, judged now; standby pods that cannot run left out."""
+        judged = {v.index: v for v in self._judged()}
+        for index, v in judged.items():
+            if self._standby(index) and v.fatal and v.exit_code == CONFIG_EXIT:
+                self._unplaced.setdefault(index, v.message)  # never ran (unschedulable, image): only a standby is missing
+        return {index: v for index, v in judged.items() if index not in self._unplaced}
+
+    def new_notices(self) -> list[str]:
+        fresh = list(self._unplaced.items())[self._told:]
+        self._told += len(fresh)
+        return [f"standby node {index} cannot run ({why.split(' — ')[0]}): the job goes on without it; free room on the "
+                "cluster for it or lower cluster.spare_nodes" for index, why in fresh]
 
     def lost_nodes(self) -> dict[int, int]:
         """Nodes with a pod that failed (index → its exit code), even if the Job replaced the pod
         since (a disruption is not counted against the Job: its pod is replaced and rejoins)."""
         lost: dict[int, int] = {}
+        self.verdicts()  # notes standby pods that cannot run: they are not lost nodes
         for v in self._judged():
-            if v.state == "failed":
+            if v.state == "failed" and v.index not in self._unplaced:
                 lost.setdefault(v.index, v.exit_code)
         return lost
 
@@ -136,17 +161,23 @@ class KubeJobHandle(JobHandle):
         fatal = next((v for v in failed if v.fatal), None) or self._missing(verdicts)
         if fatal is not None:
             return self._failed(fatal)
-        if any(v.state in ("pending", "running") for v in verdicts.values()) or len(verdicts) < self.nodes:
-            alive = self.nodes - len(failed)
+        nodes = self.nodes - len(self._unplaced)
+        if any(v.state in ("pending", "running") for v in verdicts.values()) or len(verdicts) < nodes:
+            alive = nodes - len(failed)
             return None if alive >= self.nodes_min else self._failed(failed[0])
         return 0 if any(v.state == "succeeded" for v in verdicts.values()) else self._failed(failed[0])
 
     def _missing(self, verdicts: dict[int, PodVerdict]) -> PodVerdict | None:
         """A configuration error when the Job has not made a pod for every node in time (a
         ResourceQuota, LimitRange or admission webhook refusing them)."""
-        missing = sorted(set(range(self.nodes)) - set(verdicts))
+        missing = sorted(set(range(self.nodes)) - set(verdicts) - set(self._unplaced))
         waited = time.monotonic() - self._began
         if not missing or waited < self.unschedulable_after_s:
+            return None
+        for index in filter(self._standby, missing):
+            self._unplaced[index] = f"the Job made no pod for it in {waited:.0f}s"
+        missing = [i for i in missing if i not in self._unplaced]
+        if not missing:
             return None
         return PodVerdict(self.name, missing[0], "failed", "kube_config", CONFIG_EXIT,
                           f"Job {self.namespace}/{self.name} made no pod for node(s) {missing} in {waited:.0f}s: a "

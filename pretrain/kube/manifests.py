@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pretrain.spec import CampaignSpec
 from pretrain.spec_kube import KubernetesSpec, quantity_bytes
 from trainer.checkpoint.shm import HEADER_BYTES, PAGE
-from trainer.config import JobConfig
+from trainer.config import STANDBY_NODE_ENV, JobConfig
 from trainer.loop import snapshot_capacity
 
 OLDEST_K8S, NEWEST_K8S = "1.29.0", "1.37.0"
@@ -92,8 +92,9 @@ class Launch:
     spec: CampaignSpec
     job: JobConfig
     job_location: str  # where the pods read the job's JobConfig JSON (a path on the workdir volume)
-    nodes: int  # pods started (≤ cluster.nodes_max)
+    nodes: int  # pods that train (≤ cluster.nodes_max): completion indices 0 … nodes - 1
     avoid_hosts: tuple[str, ...] = ()  # Kubernetes nodes that failed the node check: the pods must not run there
+    spare_nodes: int = 0  # standby pods after them (indices nodes … nodes + spare_nodes - 1): one takes a lost pod's place
 
     @property
     def kube(self) -> KubernetesSpec:
@@ -136,19 +137,21 @@ class Launch:
         return c.threads_per_worker or max(1, int(quantity_bytes(self.kube.cpu_per_node)) // c.workers_per_node)
 
     def command(self) -> list[str]:
-        """The node agent, its node index from the Job's completion index (node 0 hosts the rendezvous)."""
+        """The node agent, its node index from the Job's completion index (node 0 hosts the rendezvous;
+        indices from ``nodes`` on stand by, as a local cluster's standby nodes do)."""
         c = self.spec.cluster
         agent = ["python", "-m", "trainer.launch", self.job_location, "--nproc", str(c.workers_per_node),
                  "--nnodes-min", str(c.nodes_min), "--nnodes-max", str(self.nodes),
                  "--rdzv-endpoint", self.endpoint(), "--run-id", f"{self.job.stage}-{self.job.attempt}",
                  "--max-restarts", str(c.max_restarts), "--threads", str(self.threads())]
-        script = (f'host=""; [ "$JOB_COMPLETION_INDEX" = 0 ] && host=--rdzv-host; '
-                  f'exec {shlex.join(agent)} --node "$JOB_COMPLETION_INDEX" $host')
+        standby = f'standby=""; [ "$JOB_COMPLETION_INDEX" -ge {self.nodes} ] && standby=--standby; ' if self.spare_nodes else ""
+        script = (f'host=""; [ "$JOB_COMPLETION_INDEX" = 0 ] && host=--rdzv-host; {standby}'
+                  f'exec {shlex.join(agent)} --node "$JOB_COMPLETION_INDEX" $host' + (" $standby" if standby else ""))
         return ["sh", "-c", script]
 
     def env(self) -> list[dict]:
         plain = {"PYTHONUNBUFFERED": "1", **({"MLFLOW_TRACKING_URI": self.spec.tracking.uri} if self.spec.tracking.uri else {}),
-                 **self.kube.env}
+                 **(STANDBY_NODE_ENV if self.spare_nodes else {}), **self.kube.env}
         return ([{"name": k, "value": v} for k, v in plain.items()]
                 + [{"name": k, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
                    for k, ref in self.kube.secret_env.items()])
@@ -201,7 +204,8 @@ class Launch:
         pod.update({key: v for key, v in optional.items() if v is not None})
         if self.avoid_hosts:
             pod["affinity"] = avoid_hosts_affinity(self.avoid_hosts)
-        spec = {"completionMode": "Indexed", "completions": self.nodes, "parallelism": self.nodes,
+        pods = self.nodes + self.spare_nodes
+        spec = {"completionMode": "Indexed", "completions": pods, "parallelism": pods,
                 "backoffLimitPerIndex": 0, "podFailurePolicy": self.pod_failure_policy(),
                 "template": {"metadata": {"labels": self.labels(), "annotations": self.annotations()}, "spec": pod}}
         if k.ttl_seconds_after_finished is not None:
@@ -222,7 +226,7 @@ def avoid_hosts_affinity(hosts: tuple[str, ...]) -> dict:
 
 
 def stage_launch(spec: CampaignSpec, stage: str, attempt: int = 1, vocab_size: int | None = None) -> Launch:
-    """The launch of ``stage`` as the backend would make it, with all ``cluster.nodes_max`` nodes
+    """The launch of ``stage`` as the backend would make it, with all ``cluster.nodes_max`` nodes and standby nodes
     (``vocab_size``: the data set's; default the spec's tokenizer size). KeyError: no such stage."""
     from pretrain.jobs import job_config
     from pretrain.layout import CampaignLayout
@@ -234,7 +238,7 @@ def stage_launch(spec: CampaignSpec, stage: str, attempt: int = 1, vocab_size: i
         raise KeyError(f"no stage {stage!r} in campaign {spec.name!r} (stages: {', '.join(names)})")
     job = job_config(spec, names.index(stage), attempt, None, vocab_size or spec.data.tokenizer.vocab_size)
     location = str(CampaignLayout(spec.workdir_path).job_dir(stage, attempt) / "job.json")
-    return Launch(spec, job, location, spec.cluster.nodes_max)
+    return Launch(spec, job, location, spec.cluster.nodes_max, spare_nodes=spec.cluster.spare_nodes)
 
 
 def _camel(name: str) -> str:
