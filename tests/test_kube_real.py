@@ -223,6 +223,35 @@ def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(api, prep
 
 
 @needs_shared_workdir
+def test_a_standby_pod_takes_a_deleted_pods_place(api, prepared_data):
+    """``spare_nodes``: a third pod stands by; node 1's pod deleted, it joins in its place and the
+    job (nodes_min 2) goes on with two nodes."""
+    from kubernetes import client
+
+    from trainer.reporting import EVENTS, read_all
+
+    spec = training_spec(Path(SHARED), steps=2000, max_restarts=2, nodes_min=2, spare_nodes=1)
+    _, job, handle = start_job(api, spec, prepared_data)
+
+    def events(kind: str) -> list[dict]:
+        path = Path(job.job_dir) / EVENTS
+        return [e for e in read_all(path) if e["event"] == kind] if path.exists() else []
+    try:
+        wait_for(lambda: events("checkpoint"), 900, "the first checkpoint of the 2-node job", interval=2.0)
+        pod = next(v.name for v in handle.verdicts().values() if v.index == 1)
+        client.CoreV1Api(api).delete_namespaced_pod(pod, NAMESPACE)
+        assert list(wait_for(handle.lost_nodes, 120, "node 1 reported lost", interval=1.0)) == [1]
+        wait_for(lambda: any(e.get("node") == 2 for e in events("start")), 300, "the standby pod's workers", interval=2.0)
+        before = max(e["step"] for e in events("checkpoint"))
+        wait_for(lambda: max(e["step"] for e in events("checkpoint")) > before + 2, 300, "two nodes training on",
+                 interval=2.0)
+        assert handle.poll() is None
+    finally:
+        handle.stop(grace_s=10)
+    assert_nothing_left(api, spec)
+
+
+@needs_shared_workdir
 def test_stopping_a_running_job_leaves_nothing_behind(api, prepared_data):
     """What the flow does on Prefect cancellation or SIGTERM: stop() = foreground delete, then wait."""
     spec = training_spec(Path(SHARED), steps=2000)
