@@ -142,6 +142,6 @@ class KubernetesCluster(_ElasticJob):
         return KubernetesSpec(**{name: getattr(self, name) for name in KubernetesSpec.model_fields})
 
     def to_spec(self) -> ClusterSpec:
-        """The campaign spec's ``cluster`` section (``kind: kubernetes``); a campaign on it is
-        refused before anything starts until the backend exists (``pretrain cluster render`` works)."""
+        """The campaign spec's ``cluster`` section (``kind: kubernetes``): its stages run as Indexed
+        Jobs (``pretrain.kube``); ``pretrain cluster render`` prints them for review."""
         return ClusterSpec(kind="kubernetes", kubernetes=self._kube_spec(), **self._job_settings())
