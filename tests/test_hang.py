@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agents import run_agent
-from conftest import seed_data, small_spec
+from conftest import seed_data, small_spec, wait_for
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
 from trainer.reporting import EVENTS, METRICS, read_all
@@ -59,11 +59,25 @@ def test_heartbeat_reports_its_recent_step_durations(tmp_path):
         beat.beat("step", step)
         beat.beat("checkpoint", step + 1)
     beat.beat("step", 3)
+    beat.flush()
     record = json.loads(beat.path.read_text())
     assert record["phase"] == "step" and record["step"] == 3
     count, slowest = record["observed"]["step"]
     assert count == 3 and slowest >= 0  # steps only; startup and checkpoint phases are not counted
     assert set(record["observed"]) == {"step"}
+
+
+def test_a_heartbeat_file_is_there_at_the_first_beat_and_follows_the_newest_one(tmp_path):
+    """The agent finds a worker by its file as soon as it beats once; later beats reach the file
+    from the writer thread (a beat itself writes nothing), the newest one last."""
+    beat = Heartbeat(tmp_path, 0, 0)
+    beat.beat("startup", 0)
+    assert json.loads(beat.path.read_text())["phase"] == "startup"
+    for step in range(50):
+        beat.beat("step", step)
+        beat.beat("checkpoint", step + 1)
+    wait_for(lambda: json.loads(beat.path.read_text())["step"] == 50, 30, "the newest beat in the file")
+    assert json.loads(beat.path.read_text())["phase"] == "checkpoint"
 
 
 @pytest.fixture
