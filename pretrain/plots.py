@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from pretrain.goodput import ALL, read_jobs  # noqa: E402
 from pretrain.layout import CampaignLayout  # noqa: E402
 from pretrain.ledger_schema import CampaignRecord  # noqa: E402
-from trainer.events import EventKind  # noqa: E402
+from trainer.events import IN_PROCESS_SOURCES, EventKind  # noqa: E402
 
 LOSS_PNG, GOODPUT_PNG = "loss_vs_tokens.png", "goodput.png"
 COLORS = {"productive": "#2ca02c", "recomputation": "#d62728", "checkpoint_blocking": "#ff7f0e", "detection": "#9467bd",
@@ -60,7 +60,7 @@ def loss_curves(record: CampaignRecord, layout: CampaignLayout) -> list[StageCur
                 if isinstance(m.get("loss"), (int, float)):
                     curve.train[m["step"]] = (offset + tokens_at[m["step"]], float(m["loss"]))
             for e in job.events:
-                if e.get("event") == EventKind.START and e.get("rank") == 0 and e.get("source") in ("survivors", "memory", "checkpoint"):
+                if e.get("event") == EventKind.START and e.get("rank") == 0 and e.get("source") in IN_PROCESS_SOURCES:
                     marks.append((curve.restarts, e["step"]))
                 elif e.get("event") == EventKind.ANOMALY and isinstance(e.get("step"), int):
                     marks.append((curve.rollbacks, e["step"]))

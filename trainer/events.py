@@ -34,6 +34,9 @@ class EventKind(StrEnum):
     NODE_RECHECK = "node_recheck"  # written by the orchestrator
 
 
+SURVIVORS = "survivors"  # a start's ``source``: the state the ranks that survived a lost peer hold in memory
+# a start's ``source`` restored in the live processes; "init_from" / "scratch" need fresh processes
+IN_PROCESS_SOURCES = (SURVIVORS, "memory", "checkpoint")
 REPLACEMENT_PATHS = ("spare", "replacement")  # fast recoveries that replaced a lost worker (ROLLBACK ``path``)
 
 

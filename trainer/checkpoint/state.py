@@ -21,6 +21,7 @@ from trainer.checkpoint.flat import Layout, read_state, write_tensors
 from trainer.checkpoint.sharded import apply_sharded, load_full_state, localize
 from trainer.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object, broadcast_object, local_world_size
+from trainer.events import SURVIVORS
 
 MODEL_SHARD = ckpt.MODEL_SHARD
 
@@ -132,9 +133,6 @@ def newest_common_snapshot(snapshots: SnapshotStore, floor: int, fresh_ranks_all
         if all(all_gather_object(snapshots.verify(step) if sealed else True)):
             return step, any(fresh)
     return None
-
-
-SURVIVORS = "survivors"  # the state the ranks that survived a lost peer hold in their live model and optimizer
 
 
 def any_rank_will_do(cfg: JobConfig) -> bool:

@@ -29,8 +29,7 @@ from trainer.checkpoint import state
 from trainer.checkpoint.state import Restored
 from trainer.config import JobConfig
 from trainer.dist import DistInfo, Identity, join_group
-from trainer.events import EventKind
-from trainer.resilience.rollback import IN_PROCESS_SOURCES
+from trainer.events import IN_PROCESS_SOURCES, EventKind
 
 NOTICE_S = 10.0  # after a failed collective, how long a survivor waits for the agent to announce a lost peer
 

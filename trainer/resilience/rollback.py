@@ -21,10 +21,8 @@ import time
 from trainer.checkpoint import state
 from trainer.config import JobConfig
 from trainer.dist import DistInfo, broadcast_object
-from trainer.events import EventKind
+from trainer.events import IN_PROCESS_SOURCES, EventKind
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips, skips_path
-
-IN_PROCESS_SOURCES = ("survivors", "memory", "checkpoint")  # restored in place; "init_from"/"scratch" need fresh processes
 
 
 def skip_windows(cfg: JobConfig) -> list[tuple[int, int]]:
