@@ -126,6 +126,9 @@ def become(request: dict, fds: list[int], close: list[int]) -> None:
         if request.get("cwd"):
             os.chdir(request["cwd"])
         env = request["env"]
+        # this forked process becomes the requested program (no exec follows, that is the point of
+        # the zygote): its environment is the one its starter asked for, what execve's envp would be;
+        # the zygote's own environment and its other children's are untouched
         os.environ.clear()
         os.environ.update(env)
         for entry in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):

@@ -125,13 +125,17 @@ class KubeJobHandle(JobHandle):
     def _standby(self, index: int) -> bool:
         return index >= self.nodes - self._spares
 
-    def verdicts(self) -> dict[int, PodVerdict]:
-        """The newest pod of each node index, judged now; standby pods that cannot run left out."""
-        judged = {v.index: v for v in self._judged()}
-        for index, v in judged.items():
+    def _placed(self, judged: list[PodVerdict]) -> dict[int, PodVerdict]:
+        """The newest of ``judged`` per node index, standby pods that cannot run left out (and noted)."""
+        newest = {v.index: v for v in judged}
+        for index, v in newest.items():
             if self._standby(index) and v.fatal and v.exit_code == CONFIG_EXIT:
                 self._unplaced.setdefault(index, v.message)  # never ran (unschedulable, image): only a standby is missing
-        return {index: v for index, v in judged.items() if index not in self._unplaced}
+        return {index: v for index, v in newest.items() if index not in self._unplaced}
+
+    def verdicts(self) -> dict[int, PodVerdict]:
+        """The newest pod of each node index, judged now; standby pods that cannot run left out."""
+        return self._placed(self._judged())
 
     def new_notices(self) -> list[str]:
         fresh = list(self._unplaced.items())[self._told:]
@@ -143,8 +147,9 @@ class KubeJobHandle(JobHandle):
         """Nodes with a pod that failed (index → its exit code), even if the Job replaced the pod
         since (a disruption is not counted against the Job: its pod is replaced and rejoins)."""
         lost: dict[int, int] = {}
-        self.verdicts()  # notes standby pods that cannot run: they are not lost nodes
-        for v in self._judged():
+        judged = self._judged()
+        self._placed(judged)  # notes standby pods that cannot run: they are not lost nodes
+        for v in judged:
             if v.state == "failed" and v.index not in self._unplaced:
                 lost.setdefault(v.index, v.exit_code)
         return lost
