@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from agents import node_log, run_agent
 from conftest import seed_data, small_spec
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
 from trainer.config import JobConfig
+from trainer.dist import Identity
 from trainer.reporting import EVENTS, METRICS, read_all
-from trainer.resilience.peers import may_be_peer_loss
+from trainer.resilience.peers import TAKEN, WARM, Peers, may_be_peer_loss
 
 STEPS = 14
 
@@ -61,7 +63,9 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_runn
     assert run_agent(job, max_restarts=3, nproc=2, zygote=zygote) == 0, node_log(job)
     events = read_all(Path(job.job_dir) / EVENTS)
     starts = {e["rank"]: e for e in by_kind(events, "start") if not e["epoch"]}
-    first, second = by_kind(events, "rejoined")
+    rejoined = by_kind(events, "rejoined")
+    assert len(rejoined) == 2, node_log(job)
+    first, second = rejoined
     # fault 1: rank 0 survived in the process it started in; fault 2: the spare that became rank 1 survived
     assert (first["rank"], first["epoch"], first["lost_ranks"]) == (0, 1, [1])
     assert first["pid"] == starts[0]["pid"]
@@ -111,7 +115,7 @@ def test_a_fast_recovery_that_cannot_finish_in_time_falls_back_to_a_full_restart
     job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 5}],
                          fast_recovery_timeout_s=0.001, spares_per_node=0)
     assert run_agent(job, max_restarts=3, nproc=2, zygote=zygote) == 0, node_log(job)
-    assert "restarting every worker" in node_log(job)
+    assert "(rank(s) [0, 1] not restored in the new process group): restarting every worker" in node_log(job)
     events = read_all(Path(job.job_dir) / EVENTS)
     assert sorted(e["restart_count"] for e in by_kind(events, "start") if e["rank"] == 0) == [0, 1]
     [incident] = incidents(events, read_all(Path(job.job_dir) / METRICS), 0)
@@ -130,3 +134,19 @@ def test_a_fast_recovery_that_cannot_finish_in_time_falls_back_to_a_full_restart
 ])
 def test_only_a_broken_collective_makes_a_worker_wait_for_a_new_epoch(err, candidate):
     assert may_be_peer_loss(err) is candidate
+
+
+def test_every_rank_goes_on_to_a_drill_once_one_saw_the_warm_spare_that_the_drill_then_took():
+    """Before a drill takes a worker away, every rank waits for a warm spare. The rank the drill
+    takes may see it first, and the agent hands that spare over as soon as the rank dies: a
+    slower rank looking afterwards finds none, and must go on (the agent waits for it to rejoin)
+    instead of waiting for a spare that would only come after the recovery (CI: 30 s lost, then
+    a full restart)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    doomed, slow = (Peers(store, Identity(r, r, 2, 0, 0), "gloo", 10.0) for r in (0, 1))
+    store.add(WARM, 1)
+    assert doomed.wait_for_spare(lambda: None, drill=3)
+    store.add(TAKEN, 1)  # the doomed rank died; the agent handed its rank to the spare
+    assert slow.wait_for_spare(lambda: None, drill=3, timeout_s=5.0)
+    # a later drill with no warm spare: the wait gives up (the drill goes on, replaced cold)
+    assert not slow.wait_for_spare(lambda: None, drill=4, timeout_s=0.2)

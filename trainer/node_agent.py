@@ -31,7 +31,7 @@ from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
 from trainer.resilience.peers import TAKEN, epoch_key, ready_key, spare_key
 
-POLL_S = 0.05  # how often the spares, the ready counter and snapshot copies are looked at (exits wake the agent)
+POLL_S = 0.05  # how often the spares, the ranks' ready keys and snapshot copies are looked at (exits wake the agent)
 STOP_GRACE_S = 30.0  # SIGTERM → SIGKILL, as torch's agent
 SETTLE_S = 5.0  # the longest a full restart waits for the survivors' snapshot copies in progress
 REPLENISH_DELAY_S = 2.0  # a new spare starts this long after a recovery, not beside its first steps
@@ -139,13 +139,14 @@ class NodeAgent:
             if any(p.poll() is not None for p in self.workers.values()):
                 print("a worker exited during the fast recovery: restarting every worker", file=sys.stderr, flush=True)
                 return False
-            if self.store.add(ready_key(self.restart, self.epoch), 0) >= self.s.nproc:
+            if self.store.check([ready_key(self.restart, self.epoch, r) for r in range(self.s.nproc)]):
                 print(f"recovered in {time.monotonic() - t0:.2f} s ({record['path']})", flush=True)
                 self.replenish_at = time.monotonic() + REPLENISH_DELAY_S
                 return True
-            time.sleep(POLL_S)  # polls exit codes and the store's ready counter
-        print(f"the fast recovery was not done within {self.s.fast_timeout_s:.1f} s: "
-              "restarting every worker", file=sys.stderr, flush=True)
+            time.sleep(POLL_S)  # polls exit codes and the ranks' ready keys
+        late = [r for r in range(self.s.nproc) if not self.store.check([ready_key(self.restart, self.epoch, r)])]
+        print(f"the fast recovery was not done within {self.s.fast_timeout_s:.1f} s (rank(s) {late} not restored "
+              "in the new process group): restarting every worker", file=sys.stderr, flush=True)
         return False
 
     def settle_snapshots(self) -> None:

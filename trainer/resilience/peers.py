@@ -39,14 +39,19 @@ def epoch_key(restart: int, epoch: int) -> str:
     return f"fastrec/attempt_{restart}/epoch_{epoch}"
 
 
-def ready_key(restart: int, epoch: int) -> str:
-    """A counter: ranks that have restored their state in the epoch's new group."""
-    return epoch_key(restart, epoch) + "/ready"
+def ready_key(restart: int, epoch: int, rank: int) -> str:
+    """Set by ``rank`` once it restored its state in the epoch's new group."""
+    return epoch_key(restart, epoch) + f"/ready/rank_{rank}"
 
 
 def spare_key(spare: int) -> str:
     """Where warm spare ``spare`` learns the identity it takes over."""
     return f"fastrec/spare_{spare}"
+
+
+def drill_key(restart: int, drill: int) -> str:
+    """Set by the first rank that saw a warm spare before chaos drill ``drill`` (its index in the spec)."""
+    return f"fastrec/attempt_{restart}/drill_{drill}/spare_seen"
 
 
 WARM, TAKEN = "fastrec/spares_warm", "fastrec/spares_taken"  # counters: spares that got warm, spares handed a rank
@@ -95,17 +100,28 @@ class Peers:
             return None
         return json.loads(self.store.get(key))
 
-    def wait_for_spare(self, beat, timeout_s: float = 120.0) -> None:
-        """Until the node has a warm spare (a ``kill_worker`` drill rehearses the recovery the
-        spec configures, not the start-up race of the first spare); ``beat()`` keeps this worker's
-        heartbeat fresh meanwhile. Gives up after ``timeout_s``."""
+    def wait_for_spare(self, beat, drill: int, timeout_s: float = 120.0) -> bool:
+        """Before drill ``drill`` takes a worker away: until the node has a warm spare (a drill
+        rehearses the recovery the spec configures, not the start-up race of the first spare);
+        ``beat()`` keeps this worker's heartbeat fresh meanwhile. Every rank waits, and all go on
+        once one of them saw a warm spare (``drill_key``): the rank the drill takes away may see
+        it first, and its loss takes the spare before a slower rank looks again, which must not
+        then wait for a spare that will never come while the agent waits for it. True: a spare was
+        seen; False: given up after ``timeout_s`` (the drill goes on, its replacement starts cold)."""
+        seen = drill_key(self.me.restart_count, drill)
         deadline = time.monotonic() + timeout_s
         next_beat = 0.0
-        while spares_available(self.store) < 1 and time.monotonic() < deadline:
+        while not self.store.check([seen]):
+            if spares_available(self.store) >= 1:
+                self.store.set(seen, "1")
+                return True
+            if time.monotonic() >= deadline:
+                return False
             if time.monotonic() >= next_beat:
                 beat()
                 next_beat = time.monotonic() + 0.5
             time.sleep(0.02)  # polls the store's counters
+        return True
 
     def rejoin(self) -> Identity:
         """Leave the broken group; join the next epoch's, same rank, same world."""
@@ -124,7 +140,7 @@ class Peers:
             write_event({"event": EventKind.ROLLBACK, "rank": 0, "path": record["path"], "lost_ranks": record["lost"],
                          "epoch": self.me.epoch, "step": restored.step, "source": restored.source,
                          "checkpoint": restored.checkpoint, "seconds": round(time.time() - record["detected_at"], 4)})
-        self.store.add(ready_key(self.me.restart_count, self.me.epoch), 1)
+        self.store.set(ready_key(self.me.restart_count, self.me.epoch, self.me.rank), "1")
 
 
 class CannotRejoin(RuntimeError):
