@@ -126,8 +126,9 @@ def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str |
         ledger.record_resume(stage, Resume(attempt=attempt, **r))
     restarts = job_restarts(spec, stage, attempt, result.resumes, result.incidents)
     for incident in result.incidents:
-        logger.warning("stage %s: %s — %s (recovered in %ss, %.1fs lost)", stage, incident["cause"],
-                       incident["action"], incident["recovery_s"], incident["time_lost_s"])
+        took = "" if incident["recovery_s"] is None else f"recovered in {incident['recovery_s']}s, "
+        logger.warning("stage %s: %s — %s (%s%.1fs lost)", stage, incident["cause"], incident["action"], took,
+                       incident["time_lost_s"])
         ledger.record_failure(stage, Failure(**incident))
     ledger.add_restarts(stage, restarts)
     return result

@@ -116,6 +116,7 @@ class TrainingWatch:
     job_restarts: int = 0  # the newest restart_count a worker started with in this attempt
     job_replacements: int = 0  # lost workers replaced while the others kept running (fast recoveries)
     checkpoint_step: int | None = None
+    earlier_restarts: int | None = None  # the ledger's restarts when first read: earlier attempts' (a job's own are added when it ends)
 
     def poll(self, final: bool = False) -> TrainingSnapshot:
         """Read what the job wrote since the last call (``final``: the job ended, take a last
@@ -123,7 +124,11 @@ class TrainingWatch:
         self._read_metrics(final)
         self._read_events(final)
         record = self._record()
-        earlier = record.restarts if record else 0
+        if self.earlier_restarts is None and record is not None:
+            self.earlier_restarts = record.restarts
+        # once the job ended the ledger counts its restarts too: counted once, not again beside the job's own
+        restarts = max(record.restarts if record else 0,
+                       (self.earlier_restarts or 0) + self.job_restarts + self.job_replacements)
         ckpt = self.checkpoint_step
         if ckpt is None and record and record.good_checkpoint:
             ckpt = record.good_checkpoint.step  # nothing committed in this attempt yet: where it resumed from
@@ -131,7 +136,7 @@ class TrainingWatch:
         eta = (self.total - self.step) / rate if rate and 0 <= self.step < self.total else None
         return TrainingSnapshot(
             stage=self.stage, attempt=self.attempt, step=self.step, total=self.total, loss=self.loss,
-            tokens_per_s=self.tokens_per_s, eta_s=eta, restarts=self.attempt + earlier + self.job_restarts + self.job_replacements,
+            tokens_per_s=self.tokens_per_s, eta_s=eta, restarts=self.attempt + restarts,
             checkpoint_step=ckpt, checkpoint_verdict=None if ckpt is None else _verdict(record, ckpt))
 
     def _record(self) -> StageRecord | None:

@@ -4,6 +4,7 @@ recovery is exact — the parameters match a fault-free run bit for bit."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -208,7 +209,7 @@ def test_loss_spike_is_rolled_back_and_skipped(prefect_harness, prepared_data, t
     status = pretrain_campaign(spec=spec)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 30
-    assert [(f["cause"], f["recovery_path"]) for f in stage["failures"]] == [("loss_spike", "restart")]
+    assert [(f["cause"], f.get("recovery_path")) for f in stage["failures"]] == [("loss_spike", "restart")]
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     [skip] = read_all_skips(spec)
     assert skip["kind"] == "spike" and skip["step"] == 25
@@ -227,3 +228,24 @@ def test_drills_reach_the_workers_typed_with_the_specs_values(tmp_path):
     assert worker.check_delay() == spec.chaos[0].delay_s == 0.2
     assert worker.loss_factor(3) == spec.chaos[1].factor == 20.0
     assert [e["kind"] for e in fired] == ["loss_spike"]
+
+
+@pytest.mark.slow
+def test_the_builtin_drills_campaign_recovers_each_fault_by_its_own_path(tmp_path):
+    """``pretrain run builtin:drills`` (README): the kill and the hang are taken by warm spares
+    while the other worker keeps running, the NaN is rolled back in the processes, the saver is
+    restarted, all in the job's first attempt; the run's last live line and the table agree on
+    the restarts (the lost workers replaced)."""
+    env = {**os.environ, "COLUMNS": "200"}
+    run = subprocess.run([sys.executable, "-m", "pretrain.cli", "run", "builtin:drills", "--workdir", str(tmp_path / "w")],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert run.returncode == 0 and "Traceback" not in run.stderr + run.stdout, run.stderr[-3000:]
+    status = json.loads(subprocess.run([sys.executable, "-m", "pretrain.cli", "status", "--workdir", str(tmp_path / "w"),
+                                        "--json"], capture_output=True, text=True, timeout=120, check=True).stdout)
+    [stage] = status["stages"]
+    assert stage["status"] == "completed" and stage["attempts"] == 1
+    assert [(f["cause"], f.get("recovery_path")) for f in stage["failures"]] == [
+        ("worker_killed", "spare"), ("hang", "spare"), ("nonfinite_loss", "in_process"), ("saver_failure", None)]
+    assert stage["restarts"] == 2
+    assert "restarts 2," in run.stdout + run.stderr and "restarts 4" not in run.stdout + run.stderr
+    assert "Nones" not in run.stdout + run.stderr

@@ -90,6 +90,19 @@ def test_a_lost_worker_replaced_while_the_others_kept_running_counts_as_a_restar
     assert watch_of(ledger).poll().restarts == 2
 
 
+def test_the_followed_attempts_restarts_count_once_after_its_job_ended_and_the_ledger_added_them(ledger):
+    """The live line's last poll comes after the flow recorded the finished job's restarts in
+    the ledger: they were shown twice (the drills campaign ended on "restarts 4" for 2)."""
+    ledger.add_restarts("main", 1)  # attempt 0's
+    job = ledger.layout.job_dir("main", 1)
+    write_lines(job / "events.jsonl", {"event": "rollback", "rank": 0, "path": "spare", "lost_ranks": [1], "step": 6,
+                                       "time": 2.0})
+    watch = watch_of(ledger, attempt=1)
+    assert watch.poll().restarts == 1 + 1 + 1  # the relaunch, attempt 0's, the spare
+    ledger.add_restarts("main", 1)  # the job ended: the flow records its restarts
+    assert watch.poll(final=True).restarts == 3
+
+
 def test_a_damaged_ledger_leaves_the_jobs_own_numbers(ledger):
     write_lines(ledger.layout.job_dir("main", 0) / "metrics.jsonl", metric(5, 1.0))
     ledger.layout.ledger.write_text("{not json")
