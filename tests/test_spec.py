@@ -63,8 +63,8 @@ def test_builtins_ship_in_the_pretrain_package_not_a_top_level_examples(tmp_path
 
 
 def test_an_unknown_builtin_names_the_ones_there_are():
-    with pytest.raises(SpecError, match="no built-in spec 'tinny'; the built-ins are builtin:jsonl-corpus, builtin:three-stage, "
-                                        "builtin:tiny"):
+    with pytest.raises(SpecError, match="no built-in spec 'tinny'; the built-ins are builtin:drills, builtin:jsonl-corpus, "
+                                        "builtin:three-stage, builtin:tiny"):
         load_spec("builtin:tinny")
 
 
