@@ -18,6 +18,7 @@ from typing import Callable
 
 from pretrain.console_progress import clock_time, human
 from pretrain.ledger_schema import StageRecord
+from pretrain.recovery_notes import RecoveryNotes
 from trainer.events import EventKind, replaced_workers
 from trainer.reporting import EVENTS, METRICS, read_new_lines
 
@@ -116,6 +117,8 @@ class TrainingWatch:
     job_restarts: int = 0  # the newest restart_count a worker started with in this attempt
     job_replacements: int = 0  # lost workers replaced while the others kept running (fast recoveries)
     checkpoint_step: int | None = None
+    recoveries: RecoveryNotes = field(default_factory=RecoveryNotes)
+    notes: deque = field(default_factory=lambda: deque(maxlen=100))  # recoveries seen and not yet taken (take_notes)
     earlier_restarts: int | None = None  # the ledger's restarts when first read: earlier attempts' (a job's own are added when it ends)
 
     def poll(self, final: bool = False) -> TrainingSnapshot:
@@ -168,6 +171,14 @@ class TrainingWatch:
                 self.job_restarts = max(self.job_restarts, e["restart_count"])
             elif replaced_workers(e):
                 self.job_replacements += 1
+            if (note := self.recoveries.note(e)) is not None:
+                self.notes.append(note)
+
+    def take_notes(self) -> list[str]:
+        """The recoveries read since the last call, one line each (``pretrain.recovery_notes``)."""
+        taken = list(self.notes)
+        self.notes.clear()
+        return taken
 
 
 def _verdict(record: StageRecord | None, step: int) -> str:

@@ -54,6 +54,8 @@ class StageProgress:
         if not (log or publish):
             return None
         snap = self.watch.poll(final)
+        for note in self.watch.take_notes():  # each recovery as it happens (not a progress line: consoles keep it)
+            self.logger.warning("stage %s: %s", snap.stage, note)
         if publish:
             self._publish(snap)
         key = (snap.step, snap.checkpoint_step, snap.checkpoint_verdict, snap.restarts)

@@ -4,9 +4,11 @@ recovery is exact — the parameters match a fault-free run bit for bit."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib.image
 import pytest
@@ -42,10 +44,36 @@ def chaos_spec(path, prepared_data, **overrides):
     return spec
 
 
+def flow_log(spec) -> Path:
+    """What the drilled campaign's flow and task runs logged (the ``prefect`` loggers' records)."""
+    return spec.workdir_path.with_name(spec.workdir_path.name + "-flow-runs.log")  # beside the workdir, not in it
+
+
 @pytest.fixture(scope="module")
 def drilled(prefect_harness, prepared_data, tmp_path_factory):
     spec = chaos_spec(tmp_path_factory.mktemp("chaos"), prepared_data, chaos=DRILLS)
-    return spec, pretrain_campaign(spec=spec)
+    handler = logging.FileHandler(flow_log(spec))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.getLogger("prefect").addHandler(handler)
+    try:
+        return spec, pretrain_campaign(spec=spec)
+    finally:
+        logging.getLogger("prefect").removeHandler(handler)
+        handler.close()
+
+
+def test_the_flow_run_log_says_each_recovery_before_the_jobs_incident_summary(drilled):
+    """Each recovery is a line in the flow run's log as it happens (read from the job's events
+    while it trains, every 2 s), ahead of the incidents the flow records when the job has ended."""
+    spec, _ = drilled
+    lines = flow_log(spec).read_text().splitlines()
+    live = [i for i, line in enumerate(lines) if "stage main: rank 1 lost: a warm spare took its place" in line]
+    hang = [i for i, line in enumerate(lines) if "stage main: rank 0 hung (no progress in 'step'" in line]
+    saver = [i for i, line in enumerate(lines) if "stage main: the checkpoint saver was restarted" in line]
+    nan = [i for i, line in enumerate(lines) if "stage main: the loss of step 21 was anomalous: rolled back" in line]
+    summary = [i for i, line in enumerate(lines) if "stage main: worker_killed — " in line]  # the incidents, at the job's end
+    assert len(live) == len(hang) == len(saver) == len(nan) == len(summary) == 1, "\n".join(lines[-60:])
+    assert max(live + hang + saver + nan) < summary[0]
 
 
 def test_every_drill_fires_once_and_the_campaign_completes(drilled):
@@ -249,3 +277,4 @@ def test_the_builtin_drills_campaign_recovers_each_fault_by_its_own_path(tmp_pat
     assert stage["restarts"] == 2
     assert "restarts 2," in run.stdout + run.stderr and "restarts 4" not in run.stdout + run.stderr
     assert "Nones" not in run.stdout + run.stderr
+    assert "stage main: rank 1 lost: a warm spare took its place" in run.stdout + run.stderr  # as it happened
