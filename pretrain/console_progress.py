@@ -22,6 +22,9 @@ class ProgressDisplay(Protocol):
         """The work is at ``done`` of ``total`` (0: unknown), in ``stage``; ``fields`` are cumulative
         counts (shown with a rate when named in ``rated``) or text shown as it is."""
 
+    def note(self, text: str) -> None:
+        """Something happened (a recovery): one line of its own, kept above a bar."""
+
     def close(self) -> None:
         """The work ended: show where it ended, release the terminal."""
 
@@ -119,6 +122,9 @@ class LineProgress:
                                                             estimates=self.estimates)))
             self.last_line_at, self.unwritten = now, False
 
+    def note(self, text: str) -> None:
+        self.write(text)
+
     def close(self) -> None:
         if self.unwritten:
             self.write(line(self.title, self.snap, describe(self.snap, self.rates, self.unit, self.rated, final=True)))
@@ -152,6 +158,9 @@ class BarProgress:
                              description=f"{self.title}: {stage}" if stage else self.title,
                              line=describe(self.snap, self.rates, self.unit, self.rated, percent=False,
                                            estimates=self.estimates))
+
+    def note(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False)
 
     def close(self) -> None:
         if self.started:

@@ -142,7 +142,10 @@ def test_status_watch_piped_prints_lines_and_ends_when_the_campaign_process_is_g
         wait_for(lambda: "20/100" in err.read_text(), 60, "a progress line")
         assert proc.poll() is None  # follows while the campaign runs
         write_lines(ledger.layout.job_dir("main", 0) / "metrics.jsonl", metric(55, 1020.0, loss=1.5))
-        wait_for(lambda: "55/100" in err.read_text(), 60, "the next progress line")
+        write_lines(ledger.layout.job_dir("main", 0) / "events.jsonl",
+                    {"event": "rollback", "rank": 0, "path": "spare", "lost_ranks": [1], "step": 54, "source": "survivors",
+                     "seconds": 0.1, "time": 1019.0})
+        wait_for(lambda: "55/100" in err.read_text() and "lost" in err.read_text(), 60, "the next progress line")
     finally:
         runner.kill()
         runner.wait()
@@ -150,6 +153,7 @@ def test_status_watch_piped_prints_lines_and_ends_when_the_campaign_process_is_g
     text = err.read_text()
     assert "training: stage main 20% 20/100, loss 3, tok/s 1.5k, ETA 0:01:20, restarts 0" in text
     assert "training: stage main 55% 55/100, loss 1.5" in text
+    assert text.count("stage main: rank 1 lost: a warm spare took its place") == 1  # the recovery, once
     assert "campaign t is not running (running)" in text and "Traceback" not in text
     assert "campaign t — running" in out.read_text()  # then the status table
 
