@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from trainer.events import REPLACEMENT_PATHS, EventKind
 
-TAKEN_BY = {"spare": "a warm spare took its place", "replacement": "a new worker took its place (no warm spare was ready)"}
+TAKEN_BY = {"spare": "a warm spare took over", "replacement": "new worker processes took over (started cold: no warm spare was ready)"}
 
 
 def _ranks(ranks) -> str:

@@ -67,7 +67,7 @@ def test_the_flow_run_log_says_each_recovery_before_the_jobs_incident_summary(dr
     while it trains, every 2 s), ahead of the incidents the flow records when the job has ended."""
     spec, _ = drilled
     lines = flow_log(spec).read_text().splitlines()
-    live = [i for i, line in enumerate(lines) if "stage main: rank 1 lost: a warm spare took its place" in line]
+    live = [i for i, line in enumerate(lines) if "stage main: rank 1 lost: a warm spare took over" in line]
     hang = [i for i, line in enumerate(lines) if "stage main: rank 0 hung (no progress in 'step'" in line]
     saver = [i for i, line in enumerate(lines) if "stage main: the checkpoint saver was restarted" in line]
     nan = [i for i, line in enumerate(lines) if "stage main: the loss of step 21 was anomalous: rolled back" in line]
@@ -277,4 +277,4 @@ def test_the_builtin_drills_campaign_recovers_each_fault_by_its_own_path(tmp_pat
     assert stage["restarts"] == 2
     assert "restarts 2," in run.stdout + run.stderr and "restarts 4" not in run.stdout + run.stderr
     assert "Nones" not in run.stdout + run.stderr
-    assert "stage main: rank 1 lost: a warm spare took its place" in run.stdout + run.stderr  # as it happened
+    assert "stage main: rank 1 lost: a warm spare took over" in run.stdout + run.stderr  # as it happened

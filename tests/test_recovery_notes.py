@@ -16,10 +16,10 @@ NAN = {"anomaly_step": 90, "event": "rollback", "path": "in_process", "rank": 0,
 RESTART = {"event": "start", "rank": 0, "restart_count": 1, "epoch": 0, "step": 40, "source": "memory"}
 
 CASES = {
-    "a warm spare took a lost rank": (SPARE, "rank 1 lost: a warm spare took its place while the other workers kept "
+    "a warm spare took a lost rank": (SPARE, "rank 1 lost: a warm spare took over while the other workers kept "
                                              "running; training went on from step 29 (survivors) 0.07 s after the loss was noticed"),
     "no spare was ready": ({**SPARE, "path": "replacement", "lost_ranks": [0, 1], "seconds": None},
-                           "ranks [0, 1] lost: a new worker took its place (no warm spare was ready) while the other "
+                           "ranks [0, 1] lost: new worker processes took over (started cold: no warm spare was ready) while the other "
                            "workers kept running; training went on from step 29 (survivors)"),
     "a hang found": (HANG, "rank 0 hung (no progress in 'step' after step 59 for 3.2 s, timeout 3.0 s): killed, "
                            "rank 1 kept running"),
@@ -34,7 +34,7 @@ CASES = {
     "a checkpoint": ({"event": "checkpoint", "step": 20, "path": "x"}, None),
     "damaged: no fields": ({"event": "hang"}, "ranks None hung (no progress in 'None' after step None for None s, "
                                               "timeout None s): killed"),
-    "damaged: odd types": ({**SPARE, "seconds": "soon", "lost_ranks": "1"}, "ranks 1 lost: a warm spare took its place "
+    "damaged: odd types": ({**SPARE, "seconds": "soon", "lost_ranks": "1"}, "ranks 1 lost: a warm spare took over "
                            "while the other workers kept running; training went on from step 29 (survivors)"),
 }
 

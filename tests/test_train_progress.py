@@ -153,7 +153,7 @@ def test_status_watch_piped_prints_lines_and_ends_when_the_campaign_process_is_g
     text = err.read_text()
     assert "training: stage main 20% 20/100, loss 3, tok/s 1.5k, ETA 0:01:20, restarts 0" in text
     assert "training: stage main 55% 55/100, loss 1.5" in text
-    assert text.count("stage main: rank 1 lost: a warm spare took its place") == 1  # the recovery, once
+    assert text.count("stage main: rank 1 lost: a warm spare took over") == 1  # the recovery, once
     assert "campaign t is not running (running)" in text and "Traceback" not in text
     assert "campaign t — running" in out.read_text()  # then the status table
 
