@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -79,6 +80,25 @@ def test_busy_slot_skips_the_snapshot_and_keeps_the_older_one(tmp_path):
     assert store.sealed_steps() == {5: 0, 10: 1}
     assert store.snapshot(15, {"w": torch.full((8,), 15.0)}, persist=False) is not None
     assert store.sealed_steps() == {15: 0, 10: 1}
+
+
+def test_flush_waits_for_every_snapshot_still_sealing_not_only_the_last(tmp_path, monkeypatch):
+    """Two snapshots close together: the first one's digest may still be computing when the
+    second is taken (the suite caught it on a loaded machine: step 5 not yet sealed). The first
+    seal is held here until flush has started waiting."""
+    release, seal = threading.Event(), SnapshotStore._seal
+
+    def slow_first(slot, step):
+        if step == 5:
+            release.wait(30)
+        seal(slot, step)
+
+    monkeypatch.setattr(SnapshotStore, "_seal", staticmethod(slow_first))
+    store = SnapshotStore(tmp_path / "shm", 0, 0, 1, capacity=1 << 16)
+    for step in (5, 10):
+        store.snapshot(step, {"w": torch.full((8,), float(step))}, persist=False)
+    threading.Timer(0.2, release.set).start()  # after flush (in sealed_steps) has begun to wait
+    assert store.sealed_steps() == {5: 0, 10: 1}
 
 
 @pytest.mark.parametrize("header, live, busy", [

@@ -58,7 +58,7 @@ class SnapshotStore:
         check_capacity(self.ns, node_missing(self.ns, node),
                        f" more (2 slots for each of the node's {len(node)} local rank(s))")
         self.slots = [Slot(p, capacity) for p in slot_paths(self.ns, local_rank)]
-        self._digest: threading.Thread | None = None
+        self._digests: list[threading.Thread] = []  # sealing snapshots (two may overlap: one per slot)
 
     def _newest(self) -> int | None:
         steps = [(h["step"], i) for i, s in enumerate(self.slots) if (h := s.header()) and h.get("state") == "ready"]
@@ -76,8 +76,9 @@ class SnapshotStore:
             target.write(state, {"step": step, "rank": self.rank, "world_size": self.world_size,
                                  "pid": os.getpid(), "persist": persist, "time": time.time()})
         blocked = time.perf_counter() - t0
-        self._digest = threading.Thread(target=self._seal, args=(target, step), name=DIGEST_THREAD, daemon=True)
-        self._digest.start()
+        digest = threading.Thread(target=self._seal, args=(target, step), name=DIGEST_THREAD, daemon=True)
+        digest.start()
+        self._digests = [t for t in self._digests if t.is_alive()] + [digest]
         return blocked
 
     @staticmethod
@@ -88,9 +89,11 @@ class SnapshotStore:
                 slot.set_header({**h, "digest": slot.compute_digest(h)})
 
     def flush(self) -> None:
-        """Wait for the last snapshot's digest (so the saver may persist it)."""
-        if self._digest is not None:
-            self._digest.join()
+        """Wait for the digests of the snapshots taken (so the saver may persist them): the one
+        before the last may still be sealing when the next snapshot comes soon after it."""
+        for digest in self._digests:
+            digest.join()
+        self._digests = []
 
     def sealed_steps(self) -> dict[int, int]:
         """step → slot index of every complete, sealed snapshot of this rank (cheap: headers only)."""
