@@ -5,7 +5,7 @@ as it happens (the ledger's incidents, with their full timing, come when the job
 
 from __future__ import annotations
 
-from trainer.events import REPLACEMENT_PATHS, EventKind
+from trainer.events import EventKind, replaced_workers
 
 TAKEN_BY = {"spare": "a warm spare took over", "replacement": "new worker processes took over (started cold: no warm spare was ready)"}
 
@@ -28,7 +28,7 @@ class RecoveryNotes:
                     f"{e.get('stalled_s')} s, timeout {e.get('timeout_s')} s): killed{kept}")
         if kind == EventKind.ROLLBACK and e.get("rank") == 0:
             took = f" {e['seconds']:.2f} s after the loss was noticed" if isinstance(e.get("seconds"), (int, float)) else ""
-            if e.get("path") in REPLACEMENT_PATHS:
+            if replaced_workers(e):
                 return (f"{_ranks(e.get('lost_ranks'))} lost: {TAKEN_BY[e['path']]} while the other workers kept running; "
                         f"training went on from step {e.get('step')} ({e.get('source')}){took}")
             if e.get("path") == "in_process":

@@ -135,16 +135,17 @@ class NodeAgent:
             else:
                 self.workers[rank] = self._start_worker(rank)
         print(f"rank(s) {lost} lost; the other workers are kept, epoch {self.epoch}: {record['path']}", flush=True)
+        ready = [ready_key(self.restart, self.epoch, r) for r in range(self.s.nproc)]
         while time.monotonic() - t0 < self.s.fast_timeout_s:
             if any(p.poll() is not None for p in self.workers.values()):
                 print("a worker exited during the fast recovery: restarting every worker", file=sys.stderr, flush=True)
                 return False
-            if self.store.check([ready_key(self.restart, self.epoch, r) for r in range(self.s.nproc)]):
+            if self.store.check(ready):
                 print(f"recovered in {time.monotonic() - t0:.2f} s ({record['path']})", flush=True)
                 self.replenish_at = time.monotonic() + REPLENISH_DELAY_S
                 return True
             time.sleep(POLL_S)  # polls exit codes and the ranks' ready keys
-        late = [r for r in range(self.s.nproc) if not self.store.check([ready_key(self.restart, self.epoch, r)])]
+        late = [r for r, key in enumerate(ready) if not self.store.check([key])]
         print(f"the fast recovery was not done within {self.s.fast_timeout_s:.1f} s (rank(s) {late} not restored "
               "in the new process group): restarting every worker", file=sys.stderr, flush=True)
         return False
