@@ -17,7 +17,6 @@ import argparse
 import inspect
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from contextlib import contextmanager
 import httpx
 
 from pretrain.interrupt import StoppedAtOnce
+from pretrain.ports import free_port
 from trainer.process import child_env, exit_now, exit_when_orphaned
 
 HOST = "127.0.0.1"
@@ -36,12 +36,6 @@ STOP_TIMEOUT_S = 10.0
 
 class ApiServerError(RuntimeError):
     """The local Prefect API server did not start."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class ApiServer:
@@ -56,7 +50,7 @@ class ApiServer:
 
         env = child_env({**os.environ, **SERVER_ENV, **get_current_settings().to_environment_variables(exclude_unset=True)})
         for _ in range(attempts):  # a port taken between choosing and binding: try another
-            port = _free_port()
+            port = free_port(host=HOST)
             self.proc = subprocess.Popen([sys.executable, "-m", "deployments.api_server", "--port", str(port)], env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
             self.url = f"http://{HOST}:{port}/api"
@@ -119,15 +113,32 @@ def drain_prefect_workers() -> None:
 
 
 @contextmanager
+def _prefect_queues_drained() -> Iterator[None]:
+    """Send what the block queued to the API before it returns or raises, so that nothing of
+    Prefect's (``EventsWorker - Still processing items``) prints at exit after the CLI's last line;
+    not on ``StoppedAtOnce``: the flow may still be logging, and waiting would not stop at once."""
+    try:
+        yield
+    except StoppedAtOnce:
+        raise
+    except BaseException:
+        drain_prefect_workers()
+        raise
+    drain_prefect_workers()
+
+
+@contextmanager
 def api_server_for_this_run() -> Iterator[ApiServer | None]:
     """Point Prefect at a server owned by this process for the block, if Prefect would otherwise
-    start its ephemeral one; a configured ``PREFECT_API_URL`` is used as it is (yields None)."""
+    start its ephemeral one; a configured ``PREFECT_API_URL`` is used as it is (yields None). The
+    logs and events the block queued are sent before it ends, while the server is up."""
     from prefect.context import _temporary_global_settings_context, get_settings_context
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     settings = get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
-        yield None
+        with _prefect_queues_drained():
+            yield None
         return
     server = ApiServer()
     try:
@@ -135,15 +146,8 @@ def api_server_for_this_run() -> Iterator[ApiServer | None]:
         # this context and the process-global one: Prefect's log and event workers run in
         # threads of their own, which see the global settings
         with temporary_settings(updates={PREFECT_API_URL: url}), \
-                _temporary_global_settings_context(get_settings_context()):
-            try:
-                yield server
-            except StoppedAtOnce:
-                raise  # the flow may still be logging: waiting for its queues would not stop at once
-            except BaseException:
-                drain_prefect_workers()
-                raise
-            drain_prefect_workers()
+                _temporary_global_settings_context(get_settings_context()), _prefect_queues_drained():
+            yield server
     finally:
         server.stop()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.layout import CampaignLayout
+from pretrain.ports import free_port
 from pretrain.settings import PretrainSettings
 from pretrain.spec_sections import ClusterSpec
 from trainer.config import STANDBY_NODE_ENV, JobConfig
@@ -30,12 +30,6 @@ from trainer.zygote import Zygote, ZygoteProcess, current_zygote, spawn
 
 class ClusterError(RuntimeError):
     """The cluster cannot run the job (failed health check, nothing to start)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class JobHandle(ABC):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from conftest import seed_data, small_spec
-from pretrain.cluster import free_port
+from pretrain.ports import free_port
 from pretrain.jobs import build_job, write_job
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.config import JobConfig

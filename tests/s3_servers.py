@@ -10,7 +10,6 @@ import os
 import signal
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,30 +18,22 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.ports import bindable, free_port
+
 ACCESS_KEY = "test-access-key"
 SECRET_KEY = "test-secret-key-" + uuid.uuid4().hex  # checked by SeaweedFS (real signatures)
 BUCKET = "ckpt"
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def free_ports(n: int, with_grpc: bool = False) -> list[int]:
-    """``n`` distinct free ports; with_grpc: each port P also has P+10000 free (SeaweedFS
-    derives some gRPC ports as P+10000 even when told otherwise)."""
+    """``n`` distinct free ports below the ephemeral range (``pretrain.ports``); with_grpc: each
+    port P also has P+10000 free (SeaweedFS derives some gRPC ports as P+10000 even when told
+    otherwise): P from 10000-16000, a range nothing else here draws from."""
     ports: list[int] = []
     rng = random.Random()
     while len(ports) < n:
-        p = rng.randrange(20000, 30000) if with_grpc else rng.randrange(30000, 60000)
-        if p in ports or (p + 10000) in ports or not _port_free(p):
-            continue
-        if with_grpc and not _port_free(p + 10000):
+        p = rng.randrange(10000, 16000) if with_grpc else free_port()
+        if p in ports or (p + 10000) in ports or not bindable(p) or (with_grpc and not bindable(p + 10000)):
             continue
         ports.append(p)
     return ports

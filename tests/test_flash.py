@@ -17,7 +17,7 @@ from conftest import wait_for
 from jobs import tiny_job
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import state
-from pretrain.cluster import free_port
+from pretrain.ports import free_port
 from trainer.checkpoint.flash import SnapshotStore, copies_in_flight
 from trainer.checkpoint.shm import ShmTooSmall, Slot
 from trainer.config import JobConfig

@@ -17,7 +17,7 @@ from kubernetes import client
 
 from conftest import seed_data, small_spec, wait_for
 import kube_api as double
-from pretrain.cluster import free_port
+from pretrain.ports import free_port
 from pretrain.incidents import NON_RETRYABLE, cause_of
 from pretrain.jobs import build_job, write_job
 from pretrain.cluster import ClusterError
@@ -42,7 +42,8 @@ def kube_spec(workdir, steps: int = 6, max_restarts: int = 0, cluster: dict | No
                       cluster={"kind": "kubernetes", "workers_per_node": 1, "nodes_min": 1, "nodes_max": 2,
                                "max_restarts": max_restarts, "threads_per_worker": 1, **(cluster or {}),
                                "kubernetes": {"image": IMAGE, "cpu_per_node": "1", "memory_per_node": "4Gi",
-                                              "rdzv_port": free_port(), "env": {"PATH": IMAGE_PATH}, **kube}},
+                                              "env": {"PATH": IMAGE_PATH},
+                                              "rdzv_port": free_port(span=2), **kube}},  # node check: the next port
                       stages=[{"name": "s", "steps": steps, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
                       checkpoint={"interval": 2, "memory_interval": 0, "keep": 4})
 

@@ -123,12 +123,12 @@ needs_shared_workdir = pytest.mark.skipif(
 
 def training_spec(root: Path, steps: int = 6, image: str = IMAGE, **cluster):
     """2 nodes × 1 worker of a tiny model, checkpoints every 2 steps, on the shared workdir."""
-    from pretrain.cluster import free_port
+    from pretrain.ports import free_port
 
     return small_spec(root / f"kube-real-{uuid.uuid4().hex[:8]}", name=f"kube-real-{uuid.uuid4().hex[:8]}", cluster={
         "kind": "kubernetes", "workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "threads_per_worker": 1,
         **cluster, "kubernetes": {"image": image, "namespace": NAMESPACE, "cpu_per_node": "1", "memory_per_node": "2Gi",
-                                  "workdir_claim": CLAIM or None, "rdzv_port": free_port(),
+                                  "workdir_claim": CLAIM or None, "rdzv_port": free_port(span=2),
                                   "ttl_seconds_after_finished": 600}},
         stages=[{"name": "s", "steps": steps, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
         checkpoint={"interval": 2, "memory_interval": 0, "keep": 4})
