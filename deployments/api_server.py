@@ -20,8 +20,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -30,7 +31,11 @@ from pretrain.ports import free_port
 from trainer.process import child_env, exit_now, exit_when_orphaned
 
 HOST = "127.0.0.1"
-SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+# a local server for one run: no UI, and no telemetry heartbeat (its write raced the first start's
+# migrations on a fresh database: "database is locked", a traceback); a user's setting still wins
+SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+              "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+LOG_TAIL_LINES = 15
 STOP_TIMEOUT_S = 10.0
 
 
@@ -39,27 +44,60 @@ class ApiServerError(RuntimeError):
 
 
 class ApiServer:
-    """One server process; ``start()`` returns its API URL once ``/api/health`` answers."""
+    """One server process; ``start()`` returns its API URL once ``/api/health`` answers. What the
+    server prints goes to ``log_path`` (in ``log_dir``, Prefect's home by default), not to the
+    user's terminal: a failed start names it and shows its end; a clean stop removes it if empty."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_dir: Path | None = None) -> None:
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+        self.log_dir = log_dir
+        self.log_path: Path | None = None
 
     def start(self, timeout_s: float, attempts: int = 3) -> str:
+        """Launch the server and wait until it answers; its API URL."""
+        self.launch()
+        return self.wait_ready(timeout_s, attempts)
+
+    def launch(self) -> None:
+        """Start the server process and return at once (the caller may do other work meanwhile:
+        the server takes seconds to answer); ``wait_ready`` waits for it."""
         from prefect.settings import get_current_settings
 
-        env = child_env({**os.environ, **SERVER_ENV, **get_current_settings().to_environment_variables(exclude_unset=True)})
-        for _ in range(attempts):  # a port taken between choosing and binding: try another
-            port = free_port(host=HOST)
+        settings = get_current_settings()
+        env = child_env({**os.environ, **SERVER_ENV, **settings.to_environment_variables(exclude_unset=True)})
+        log_dir = Path(self.log_dir or settings.home)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"pretrain-api-server-{os.getpid()}.log"
+        port = free_port(host=HOST)
+        with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "deployments.api_server", "--port", str(port)], env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-            self.url = f"http://{HOST}:{port}/api"
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.url = f"http://{HOST}:{port}/api"
+
+    def wait_ready(self, timeout_s: float, attempts: int = 3) -> str:
+        """The API URL once the launched server answers; a server that exits or does not answer
+        within ``timeout_s`` is stopped and another launched (a port taken between choosing and
+        binding), up to ``attempts`` in all."""
+        for _ in range(attempts):
+            if self.proc is None:
+                self.launch()
             if self._healthy(timeout_s):
                 return self.url
-            self.stop()
+            self.stop(keep_log=True)
         raise ApiServerError(f"the local Prefect API server did not start within {timeout_s:.0f}s; "
                              "on a busy machine give it longer (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120), or start "
-                             "one (`prefect server start`) and set PREFECT_API_URL to use it")
+                             f"one (`prefect server start`) and set PREFECT_API_URL to use it. {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        if not lines:
+            return f"It printed nothing (log: {self.log_path})."
+        return f"The end of its log ({self.log_path}):\n" + "\n".join(lines[-LOG_TAIL_LINES:])
 
     def _healthy(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -73,8 +111,9 @@ class ApiServer:
                 time.sleep(0.1)  # polls the server's health endpoint until it answers
         return False
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM (uvicorn shuts down cleanly), then SIGKILL to its whole group (idempotent)."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S, keep_log: bool = False) -> None:
+        """SIGTERM (uvicorn shuts down cleanly), then SIGKILL to its whole group (idempotent); its
+        log goes unless ``keep_log`` or it holds something."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -89,6 +128,8 @@ class ApiServer:
         except ProcessLookupError:
             pass
         proc.wait()
+        if not keep_log and self.log_path is not None and self.log_path.exists() and not self.log_path.stat().st_size:
+            self.log_path.unlink(missing_ok=True)
 
 
 def drain_prefect_workers() -> None:
@@ -128,21 +169,27 @@ def _prefect_queues_drained() -> Iterator[None]:
 
 
 @contextmanager
-def api_server_for_this_run() -> Iterator[ApiServer | None]:
+def api_server_for_this_run(while_starting: Callable[[], object] | None = None) -> Iterator[ApiServer | None]:
     """Point Prefect at a server owned by this process for the block, if Prefect would otherwise
     start its ephemeral one; a configured ``PREFECT_API_URL`` is used as it is (yields None). The
-    logs and events the block queued are sent before it ends, while the server is up."""
+    logs and events the block queued are sent before it ends, while the server is up.
+    ``while_starting`` (e.g. importing the flow, ~5 s) runs while the server starts (~6 s)."""
     from prefect.context import _temporary_global_settings_context, get_settings_context
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     settings = get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
+        if while_starting is not None:
+            while_starting()
         with _prefect_queues_drained():
             yield None
         return
     server = ApiServer()
     try:
-        url = server.start(settings.server.ephemeral.startup_timeout_seconds)
+        server.launch()
+        if while_starting is not None:
+            while_starting()
+        url = server.wait_ready(settings.server.ephemeral.startup_timeout_seconds)
         # this context and the process-global one: Prefect's log and event workers run in
         # threads of their own, which see the global settings
         with temporary_settings(updates={PREFECT_API_URL: url}), \

@@ -17,7 +17,7 @@ from pathlib import Path
 from pretrain.console_progress import progress_display
 from pretrain.follow import TITLE, FollowThread
 from pretrain.settings import PretrainSettings
-from tasks.training_progress import PROGRESS_RECORD
+from pretrain.train_progress import PROGRESS_RECORD
 
 
 def _not_progress(record: logging.LogRecord) -> bool:

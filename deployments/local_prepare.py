@@ -4,6 +4,7 @@ own Prefect API server when none is configured, with the CLI's progress display 
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,7 +45,8 @@ def _console_without_tracebacks() -> Iterator[None]:
 def prepare_data_here(spec: CampaignSpec, progress: ProgressCallback | None = None) -> dict:
     """Prepare (or reuse) the campaign's data set in this process; returns the flow's summary.
     Raises what the flow raised (a bad data section, a busy campaign, Ctrl-C)."""
-    from flows.prepare_data import prepare_data
+    with api_server_for_this_run(while_starting=lambda: importlib.import_module("flows.prepare_data")), \
+            _console_without_tracebacks():
+        from flows.prepare_data import prepare_data
 
-    with api_server_for_this_run(), _console_without_tracebacks():
         return prepare_data(spec=spec, progress=progress)

@@ -13,6 +13,7 @@ out of the terminal's reach, and stopped last.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -67,12 +68,15 @@ def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict
     ``CampaignPaused`` when a signal paused it cleanly, ``CampaignInterrupted`` (``StoppedAtOnce``
     after a second signal or the grace period) when it stopped otherwise, whatever the flow raised
     on the way out; other errors as the flow raised them."""
-    from flows.campaign import pretrain_campaign
     from pretrain.outcome import pause_cause
 
     pause = current_pause() or PauseRequest()  # `pretrain run --for` sets one with its deadline
     grace_s = spec.resume.grace_period_s
-    with stop_on_signals() as stop, pausing(pause), api_server_for_this_run(), _quiet_interrupt_tracebacks(stop):
+    with stop_on_signals() as stop, pausing(pause), \
+            api_server_for_this_run(while_starting=lambda: importlib.import_module("flows.campaign")), \
+            _quiet_interrupt_tracebacks(stop):
+        from flows.campaign import pretrain_campaign
+
         stop.raise_if_requested("before the campaign started")
         stop.on_first = lambda name: pause.ask(f"{name} received")
         try:

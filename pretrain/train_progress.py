@@ -22,6 +22,13 @@ from pretrain.recovery_notes import RecoveryNotes
 from trainer.events import EventKind, replaced_workers
 from trainer.reporting import EVENTS, METRICS, read_new_lines
 
+PROGRESS_RECORD = "training_progress"  # the attribute of a progress log record: a console that draws its own display drops them
+
+
+def progress_extra() -> dict:
+    """``extra`` of a progress log line, which marks it as one."""
+    return {PROGRESS_RECORD: True}
+
 ETA_WINDOW_S = 60.0  # the ETA follows the step rate of the last this-many seconds of training
 
 

@@ -18,18 +18,10 @@ from pretrain.ledger import Ledger
 from pretrain.ledger_schema import StageRecord
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
-from pretrain.train_progress import Throttle, TrainingSnapshot, job_watch
+from pretrain.train_progress import Throttle, TrainingSnapshot, job_watch, progress_extra
 from tasks.artifacts import artifact_key
 
 ARTIFACT_INTERVAL_S = 2.0  # between two updates of the artifact (the UI's bar)
-PROGRESS_RECORD = "training_progress"  # the attribute of a progress log record: a console that draws its own display drops them
-
-
-def progress_extra() -> dict:
-    """``extra`` of a progress log line, which marks it as one."""
-    return {PROGRESS_RECORD: True}
-
-
 class StageProgress:
     """Follows one attempt of a stage's job for the flow run's log and the progress artifact."""
 
