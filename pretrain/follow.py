@@ -45,12 +45,13 @@ class CampaignFollower:
     """Where the campaign in ``workdir`` trains now: the stage whose job runs, and its numbers."""
 
     workdir: Path
-    watch: TrainingWatch | None = None
+    watch: TrainingWatch | None = None  # the running stage's, or the last one's
     record: CampaignRecord | None = None
+    ended: bool = False  # the watched stage ended and was shown once more
 
     def look(self) -> TrainingSnapshot | None:
-        """The running stage's snapshot; None while no stage trains (data, node check, evaluation).
-        Raises ``LedgerError`` for a damaged ledger."""
+        """The running stage's snapshot, and once more the stage's after it ended; None while no
+        stage trains (data, node check, evaluation). Raises ``LedgerError`` for a damaged ledger."""
         layout = CampaignLayout(self.workdir)
         ledger = Ledger.read(layout)
         self.record = ledger.record if ledger else None
@@ -59,7 +60,11 @@ class CampaignFollower:
         stage = next((name for name, s in self.record.stages.items()
                       if s.status == StageStatus.RUNNING and s.attempts > 0), None)
         if stage is None:
-            return None
+            if self.watch is None or self.ended:
+                return None
+            self.ended = True  # the stage just ended: once more, with its final record (the last
+            return self.watch.poll(final=True)  # checkpoint's verdict, the restarts)
+        self.ended = False
         s = self.record.stages[stage]
         if self.watch is None or (self.watch.stage, self.watch.attempt) != (stage, s.attempts - 1):
             self.watch = job_watch(self.workdir, stage, s.attempts - 1, s.steps, lambda: self._stage(stage))
@@ -87,6 +92,10 @@ class FollowThread:
     every_s: float = 1.0
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    follower: CampaignFollower = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.follower = CampaignFollower(self.workdir)
 
     def start(self) -> "FollowThread":
         self.thread = threading.Thread(target=self._run, name="training-progress", daemon=True)
@@ -94,17 +103,22 @@ class FollowThread:
         return self
 
     def _run(self) -> None:
-        follower = CampaignFollower(self.workdir)
         while not self.stop.wait(self.every_s):
-            try:
-                snap = follower.look()
-            except Exception:  # noqa: BLE001 - a ledger mid-replace or damaged: the run itself reports it
-                continue
-            if snap is not None and snap.step >= 0:
-                show(self.display, snap)
+            self._look()
+
+    def _look(self) -> None:
+        try:
+            snap = self.follower.look()
+        except Exception:  # noqa: BLE001 - a ledger mid-replace or damaged: the run itself reports it
+            return
+        if snap is not None and snap.step >= 0:
+            show(self.display, snap)
 
     def close(self) -> None:
+        """Stop, take a last look (a stage that ended since the last one shows its end), close."""
         self.stop.set()
         if self.thread is not None:
             self.thread.join(timeout=5)
+            if not self.thread.is_alive():
+                self._look()
         self.display.close()

@@ -18,6 +18,7 @@ from conftest import small_spec, wait_for
 from terminal import Terminal
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import StageStatus, Verdict
+from pretrain.follow import CampaignFollower
 from pretrain.train_progress import TrainingWatch
 
 
@@ -122,6 +123,21 @@ def running_campaign(ledger, holder_pid: int) -> Path:
     (root / "campaign.lock").write_text(json.dumps({"pid": holder_pid, "host": socket.gethostname(), "since": 0}))
     write_lines(ledger.layout.job_dir("main", 0) / "metrics.jsonl", metric(10, 1000.0), metric(20, 1010.0))
     return root
+
+
+def test_the_follower_shows_a_stage_once_more_after_it_ended_with_its_last_checkpoints_verdict(ledger):
+    """``pretrain run``'s last line of a stage says what became of its last checkpoint, not
+    "pending": the gate judges it after the job ended, when the stage no longer runs."""
+    root = running_campaign(ledger, os.getpid())
+    write_lines(ledger.layout.job_dir("main", 0) / "events.jsonl",
+                {"event": "checkpoint", "step": 20, "path": "x/step_20", "time": 1011.0})
+    follower = CampaignFollower(root)
+    assert follower.look().line().endswith("checkpoint 20 pending")
+    ledger.record_verdict("main", Verdict(step=20, path="x/step_20", verdict="good"))
+    ledger.set_stage_status("main", StageStatus.COMPLETED)
+    last = follower.look()
+    assert last.step == 20 and last.line().endswith("checkpoint 20 good")
+    assert follower.look() is None  # once
 
 
 def holder() -> subprocess.Popen:
