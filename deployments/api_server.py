@@ -28,19 +28,33 @@ import httpx
 
 from pretrain.interrupt import StoppedAtOnce
 from pretrain.ports import free_port
-from trainer.process import child_env, exit_now, exit_when_orphaned
+from trainer.process import child_env, exit_now, exit_when_orphaned, pid_alive
 
 HOST = "127.0.0.1"
 # a local server for one run: no UI, and no telemetry heartbeat (its write raced the first start's
 # migrations on a fresh database: "database is locked", a traceback); a user's setting still wins
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
               "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+LOG_PREFIX = "pretrain-api-server-"  # + the CLI's pid + .log, in Prefect's home
 LOG_TAIL_LINES = 15
 STOP_TIMEOUT_S = 10.0
 
 
 class ApiServerError(RuntimeError):
     """The local Prefect API server did not start."""
+
+
+def sweep_empty_logs(log_dir: Path) -> None:
+    """Remove the empty logs of runs that are gone (a CLI killed with SIGKILL never removed its
+    own); a log that holds something stays: it may say why a run failed."""
+    for path in log_dir.glob(f"{LOG_PREFIX}*.log"):
+        pid = path.name[len(LOG_PREFIX):-len(".log")]
+        try:
+            if not pid.isdigit() or path.stat().st_size or pid_alive(int(pid)):
+                continue
+            path.unlink()
+        except OSError:  # another run swept it first
+            pass
 
 
 class ApiServer:
@@ -68,7 +82,8 @@ class ApiServer:
         env = child_env({**os.environ, **SERVER_ENV, **settings.to_environment_variables(exclude_unset=True)})
         log_dir = Path(self.log_dir or settings.home)
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"pretrain-api-server-{os.getpid()}.log"
+        sweep_empty_logs(log_dir)
+        self.log_path = log_dir / f"{LOG_PREFIX}{os.getpid()}.log"
         port = free_port(host=HOST)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "deployments.api_server", "--port", str(port)], env=env,

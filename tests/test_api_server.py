@@ -3,6 +3,8 @@ goes to its own log, not to the user's terminal; a failed start says why from th
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from deployments.api_server import ApiServer, ApiServerError
@@ -33,3 +35,21 @@ def test_a_server_that_ran_cleanly_leaves_no_log_behind(tmp_path, capfd):
     assert list(tmp_path.iterdir()) == []
     out, err = capfd.readouterr()
     assert out + err == ""
+
+
+def test_empty_logs_of_gone_runs_are_swept_and_others_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from deployments.api_server import LOG_PREFIX, sweep_empty_logs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / f"{LOG_PREFIX}{gone.pid}.log").write_bytes(b"")  # a CLI killed with SIGKILL left it
+    (tmp_path / f"{LOG_PREFIX}{gone.pid + 1000000}.log").write_text("ERROR why it failed\n")  # says something
+    alive = tmp_path / f"{LOG_PREFIX}{os.getpid()}.log"  # a run still going
+    alive.write_bytes(b"")
+    (tmp_path / f"{LOG_PREFIX}x.log").write_bytes(b"")  # foreign name
+    sweep_empty_logs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{LOG_PREFIX}{gone.pid + 1000000}.log", alive.name, f"{LOG_PREFIX}x.log"])

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.atomic import fsync_dir
+from trainer.process import pid_alive
 
 TOKENS, DOCS, META = "tokens.bin", "docs.bin", "meta.json"
 DOC_DTYPE = np.dtype([("end", "<u8"), ("hash", "<u8")])  # end offset into tokens, document hash
@@ -94,23 +95,13 @@ def load_tokens(path: Path, dtype: str) -> np.ndarray:
     return np.memmap(path / TOKENS, dtype=dtype, mode="r") if (path / TOKENS).stat().st_size else np.zeros(0, dtype)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def clear_stale_temporaries(units: Path) -> None:
     """Remove the temporaries a killed run left (a dot-name with the temporary mark whose
     process is gone; a live one belongs to a run still writing it)."""
     if units.is_dir():
         for p in units.iterdir():
             pid = p.name.partition(".tmp-")[2].partition("-")[0]
-            if p.name.startswith(".") and pid.isdigit() and not _alive(int(pid)):
+            if p.name.startswith(".") and pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(p, ignore_errors=True)
 
 
