@@ -107,7 +107,8 @@ def _this_command() -> str:
 
 @app.command()
 def status(
-    workdir: Path = typer.Option(..., "--workdir", "-w", help="The campaign's workdir."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", "-w", help="The campaign's workdir (default: the one "
+                                           "campaign in ./runs, where `pretrain run` puts it)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     watch: bool = typer.Option(False, "--watch", help="Follow a running campaign's training (step, loss, tokens/s, "
                                "ETA, restarts, newest checkpoint) until it stops running, then show the table."),
@@ -117,7 +118,10 @@ def status(
     """Show a campaign's stages, checkpoints, attempts, restarts and MLflow runs."""
     from pretrain.ledger import LedgerError
     from pretrain.status import NoCampaign, campaign_status, render
+    from pretrain.workdir_lookup import pick_workdir
 
+    with refused(NoCampaign):
+        workdir = pick_workdir(workdir)
     if watch:
         from pretrain.cli_watch import watch_campaign
 

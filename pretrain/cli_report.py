@@ -11,15 +11,18 @@ from pretrain.cli_errors import refused
 
 
 def report(
-    workdir: Path = typer.Option(..., "--workdir", "-w", help="The campaign's workdir."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", "-w", help="The campaign's workdir (default: the one "
+                                           "campaign in ./runs, where `pretrain run` puts it)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the files (default: <workdir>/report)."),
 ) -> None:
     """Write the campaign's loss and goodput pictures (PNG) and an HTML page with its report."""
     from pretrain.ledger import LedgerError
     from pretrain.report import write_report_files
     from pretrain.status import NoCampaign
+    from pretrain.workdir_lookup import pick_workdir
 
     with refused(NoCampaign, LedgerError, OSError):
+        workdir = pick_workdir(workdir)
         files = write_report_files(workdir, out or Path(workdir) / "report")
     for what, path in files.items():
         typer.echo(f"{what}: {path}")

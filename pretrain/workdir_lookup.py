@@ -1,0 +1,40 @@
+"""Which campaign a command means when no ``--workdir`` is given: the one ``pretrain run`` made
+here, in the specs' default workdir ``./runs/{name}`` (or the current directory, if it is one).
+
+    pretrain run           # ./runs/tiny
+    pretrain status        # finds ./runs/tiny; with several campaigns here it lists them
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pretrain.layout import CampaignLayout
+from pretrain.status import NoCampaign
+
+RUNS = "runs"  # the specs' default workdir is ./runs/{name}
+
+
+def campaigns_here(here: Path) -> list[Path]:
+    """The campaign workdirs (a ledger inside) at ``here`` and under ``here/runs``."""
+    candidates = [here]
+    try:
+        candidates += sorted(p for p in (here / RUNS).iterdir() if p.is_dir())
+    except OSError:  # no ./runs, or not readable
+        pass
+    return [p for p in candidates if CampaignLayout(p).ledger.is_file()]
+
+
+def pick_workdir(given: Path | None, here: Path | None = None) -> Path:
+    """``given``, else the one campaign here; ``NoCampaign`` says what to pass when there is
+    none or more than one."""
+    if given is not None:
+        return given
+    here = Path.cwd() if here is None else here
+    found = campaigns_here(here)
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise NoCampaign(f"no campaign in {here} or {here / RUNS}/*: pass --workdir DIR (the campaign's workdir)")
+    names = ", ".join(str(p.relative_to(here)) if p != here else "." for p in found)
+    raise NoCampaign(f"{len(found)} campaigns here ({names}): pass --workdir with one of them")
