@@ -201,7 +201,9 @@ def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_l
 
 @app.command("eval")
 def eval_checkpoint(
-    checkpoint: str = _CHECKPOINT,
+    checkpoint: Optional[str] = typer.Argument(None, help="A checkpoint: <stage location>/step_XXXXXXXX, a local "
+                                               "directory or an s3:// URL (default: the newest good one of the "
+                                               "campaign in ./runs, where `pretrain run` puts it)."),
     data_dir: Optional[Path] = _DATA_DIR,
     spec: Optional[str] = _SPEC,
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per evaluation window; default: the stage's training seq_len."),
@@ -218,6 +220,13 @@ def eval_checkpoint(
 
     if tracking_uri and not run_id:
         raise fail("--tracking-uri needs --run-id (the run to log the metrics to)")
+    if checkpoint is None:
+        from pretrain.ledger import LedgerError
+        from pretrain.status import NoCampaign
+        from pretrain.workdir_lookup import good_checkpoint_here
+
+        with refused(NoCampaign, LedgerError):
+            checkpoint = good_checkpoint_here()
     info = _describe(checkpoint, data_dir, spec, s3_endpoint_url, s3_region, seq_len)
     if run_id:  # a wrong run fails before the evaluation, not after
         from mlflow.exceptions import MlflowException

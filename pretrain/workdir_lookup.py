@@ -25,9 +25,12 @@ def campaigns_here(here: Path) -> list[Path]:
     return [p for p in candidates if CampaignLayout(p).ledger.is_file()]
 
 
-def pick_workdir(given: Path | None, here: Path | None = None) -> Path:
-    """``given``, else the one campaign here; ``NoCampaign`` says what to pass when there is
-    none or more than one."""
+WORKDIR = "--workdir DIR (the campaign's workdir)"
+
+
+def pick_workdir(given: Path | None, here: Path | None = None, instead: str = WORKDIR) -> Path:
+    """``given``, else the one campaign here; ``NoCampaign`` says what to pass ``instead`` when
+    there is none or more than one."""
     if given is not None:
         return given
     here = Path.cwd() if here is None else here
@@ -35,6 +38,20 @@ def pick_workdir(given: Path | None, here: Path | None = None) -> Path:
     if len(found) == 1:
         return found[0]
     if not found:
-        raise NoCampaign(f"no campaign in {here} or {here / RUNS}/*: pass --workdir DIR (the campaign's workdir)")
+        raise NoCampaign(f"no campaign in {here} or {here / RUNS}/*: pass {instead}")
     names = ", ".join(str(p.relative_to(here)) if p != here else "." for p in found)
-    raise NoCampaign(f"{len(found)} campaigns here ({names}): pass --workdir with one of them")
+    raise NoCampaign(f"{len(found)} campaigns here ({names}): pass {instead}")
+
+
+def good_checkpoint_here(here: Path | None = None) -> str:
+    """Where the campaign here ended up: the good checkpoint of its last stage that has one
+    (``pretrain eval`` without a checkpoint). ``NoCampaign`` if there is none to take."""
+    from pretrain.ledger import Ledger
+
+    workdir = pick_workdir(None, here, instead="a checkpoint (<stage location>/step_XXXXXXXX)")
+    ledger = Ledger.read(CampaignLayout(workdir))  # LedgerError if damaged: the caller reports it
+    good = [s.good_checkpoint for s in ledger.record.stages.values() if s.good_checkpoint] if ledger else []
+    if not good:
+        raise NoCampaign(f"the campaign in {workdir} has no good checkpoint yet: pass a checkpoint "
+                         "(<stage location>/step_XXXXXXXX)")
+    return good[-1].path

@@ -33,7 +33,7 @@ def test_the_one_campaign_here_is_found(tmp_path, made, expected):
 
 @pytest.mark.parametrize("made, says", [
     ([], "no campaign in"),
-    (["runs/a", "runs/b"], "2 campaigns here (runs/a, runs/b): pass --workdir"),
+    (["runs/a", "runs/b"], "2 campaigns here (runs/a, runs/b): pass --workdir DIR"),
     ([".", "runs/a"], "2 campaigns here (., runs/a)"),
 ])
 def test_none_or_several_say_what_to_pass(tmp_path, made, says):
@@ -58,3 +58,22 @@ def test_status_without_workdir_shows_the_campaign_run_made_here(tmp_path, monke
     monkeypatch.chdir(tmp_path / "runs")  # nothing here: one line, what to pass
     missing = pretrain_cli("status")
     assert missing.returncode == 2 and "pass --workdir" in missing.stderr and "Traceback" not in missing.stderr
+    no_checkpoint = pretrain_cli("eval")
+    assert no_checkpoint.returncode == 2 and "pass a checkpoint" in no_checkpoint.stderr
+
+
+def test_eval_without_a_checkpoint_takes_the_newest_good_one_of_the_campaign_here(tmp_path):
+    from pretrain.ledger_schema import Verdict
+    from pretrain.workdir_lookup import good_checkpoint_here
+
+    workdir = campaign(tmp_path / "runs" / "tiny")
+    with pytest.raises(NoCampaign, match="no good checkpoint yet: pass a checkpoint"):
+        good_checkpoint_here(tmp_path)
+    ledger = Ledger.open(small_spec(workdir, name="c"))  # stages warmup, main
+    ledger.record_verdict("warmup", Verdict(step=4, path=str(workdir / "w" / "step_4"), verdict="good"))
+    assert good_checkpoint_here(tmp_path) == str(workdir / "w" / "step_4")
+    ledger.record_verdict("main", Verdict(step=8, path=str(workdir / "m" / "step_8"), verdict="good"))
+    ledger.record_verdict("main", Verdict(step=6, path=str(workdir / "m" / "step_6"), verdict="bad"))
+    assert good_checkpoint_here(tmp_path) == str(workdir / "m" / "step_8")  # the last stage's newest good one
+    with pytest.raises(NoCampaign, match="pass a checkpoint"):
+        good_checkpoint_here(tmp_path / "runs" / "tiny" / "nothing-here-either")
