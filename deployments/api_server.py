@@ -84,7 +84,7 @@ class ApiServer:
         log_dir.mkdir(parents=True, exist_ok=True)
         sweep_empty_logs(log_dir)
         self.log_path = log_dir / f"{LOG_PREFIX}{os.getpid()}.log"
-        port = free_port(host=HOST)
+        port = free_port()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "deployments.api_server", "--port", str(port)], env=env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -30,7 +30,10 @@ def ephemeral_range(path: Path = RANGE_FILE) -> tuple[int, int]:
     return 32768, 60999
 
 
-def bindable(port: int, host: str = "127.0.0.1") -> bool:
+ANY = "0.0.0.0"  # a rendezvous store listens on every address: a port is free only if free on all
+
+
+def bindable(port: int, host: str = ANY) -> bool:
     with socket.socket() as s:
         try:
             s.bind((host, port))
@@ -45,7 +48,7 @@ def _kernel_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def free_port(span: int = 1, host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+def free_port(span: int = 1, host: str = ANY, rng: random.Random | None = None) -> int:
     """A port P with P .. P+span-1 free, below the ephemeral range; the kernel's choice (span 1)
     if none is found there."""
     low, _ = ephemeral_range()
