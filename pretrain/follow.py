@@ -4,7 +4,6 @@ terminal. Reads only; never takes the campaign's lock."""
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignRecord, CampaignStatus, StageStatus
 from pretrain.lock import read_holder
 from pretrain.train_progress import TrainingSnapshot, TrainingWatch, job_watch
+from trainer.process import pid_alive
 
 TITLE = "training"
 
@@ -26,13 +26,7 @@ def holder_alive(holder: dict) -> bool:
     pid = holder.get("pid")
     if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
         return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def running(record: CampaignRecord, workdir: Path) -> bool:

@@ -13,6 +13,7 @@ from pretrain.layout import CampaignLayout
 from pretrain.status import NoCampaign
 
 RUNS = "runs"  # the specs' default workdir is ./runs/{name}
+WORKDIR = "--workdir DIR (the campaign's workdir)"  # what to pass instead, by default
 
 
 def campaigns_here(here: Path) -> list[Path]:
@@ -23,9 +24,6 @@ def campaigns_here(here: Path) -> list[Path]:
     except OSError:  # no ./runs, or not readable
         pass
     return [p for p in candidates if CampaignLayout(p).ledger.is_file()]
-
-
-WORKDIR = "--workdir DIR (the campaign's workdir)"
 
 
 def pick_workdir(given: Path | None, here: Path | None = None, instead: str = WORKDIR) -> Path:

@@ -32,8 +32,8 @@ def free_ports(n: int, with_grpc: bool = False) -> list[int]:
     ports: list[int] = []
     rng = random.Random()
     while len(ports) < n:
-        p = rng.randrange(10000, 16000) if with_grpc else free_port()
-        if p in ports or (p + 10000) in ports or not bindable(p) or (with_grpc and not bindable(p + 10000)):
+        p = rng.randrange(10000, 16000) if with_grpc else free_port()  # free_port checked its own
+        if p in ports or (p + 10000) in ports or (with_grpc and not (bindable(p) and bindable(p + 10000))):
             continue
         ports.append(p)
     return ports
