@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,34 +32,47 @@ def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int =
 
 
 def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, zygote: Zygote | None = None,
-                **popen) -> subprocess.Popen:
+                node: int = 0, nodes: int = 1, endpoint: str | None = None, **popen) -> subprocess.Popen:
     """The job's node agent (``max_restarts``: in-job restarts of its ``nproc`` workers); with
     ``zygote`` it forks its workers, spares and saver from it, as in a campaign run (else each
-    is a fresh interpreter that imports torch)."""
+    is a fresh interpreter that imports torch). A job of ``nodes`` nodes: this is node ``node``
+    (node 0 hosts the rendezvous at ``endpoint``); its output goes to ``node<node>.log``."""
     job_path = write_job(job)
-    log = open(Path(job.job_dir) / "node0.log", "ab")
+    log = open(Path(job.job_dir) / f"node{node}.log", "ab")
     cmd = [sys.executable, "-m", "trainer.launch", str(job_path), "--nproc", str(nproc), "--rdzv-endpoint",
-           f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--rdzv-host", "--max-restarts", str(max_restarts),
-           *(["--zygote", zygote.path] if zygote is not None else [])]
+           endpoint or f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--max-restarts",
+           str(max_restarts), "--node", str(node), "--nnodes-min", str(nodes), "--nnodes-max", str(nodes),
+           *(["--rdzv-host"] if node == 0 else []), *(["--zygote", zygote.path] if zygote is not None else [])]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)
 
 
-def node_log(job: JobConfig) -> str:
-    return (Path(job.job_dir) / "node0.log").read_text(errors="replace")
+def node_log(job: JobConfig, nodes: int = 1) -> str:
+    return "\n".join((Path(job.job_dir) / f"node{n}.log").read_text(errors="replace") for n in range(nodes))
 
 
 def run_agent(job: JobConfig, timeout: float = 180, max_restarts: int = 0, nproc: int = 1,
               zygote: Zygote | None = None) -> int:
     """Run the job's agent to its end; returns its exit code. Nothing it started outlives this
     (what it forked from ``zygote`` ends with it: the orphan watchdog)."""
-    agent = start_agent(job, max_restarts, nproc, zygote, start_new_session=True)
+    return run_agents(job, timeout, max_restarts, nproc, zygote)
+
+
+def run_agents(job: JobConfig, timeout: float = 180, max_restarts: int = 0, nproc: int = 1,
+               zygote: Zygote | None = None, nodes: int = 1) -> int:
+    """Run the job on ``nodes`` node agents (of ``nproc`` workers each) to its end; the largest of
+    their exit codes. Nothing they started outlives this."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [start_agent(job, max_restarts, nproc, zygote, node=n, nodes=nodes, endpoint=endpoint,
+                          start_new_session=True) for n in range(nodes)]
     try:
-        return agent.wait(timeout)
+        deadline = time.monotonic() + timeout
+        return max(a.wait(max(0.0, deadline - time.monotonic())) for a in agents)
     finally:
-        try:
-            os.killpg(agent.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for agent in agents:
+            try:
+                os.killpg(agent.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def snapshot(ns: Path, step: int, rank: int = 0, world: int = 1, numel: int = 4) -> None:

@@ -92,11 +92,12 @@ def test_a_lost_node_that_passes_its_recheck_scales_the_job_back_up(prefect_harn
 
 def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_harness, prepared_data, tmp_path):
     """Two one-worker nodes pass the check before training; from step 5 one rank becomes a
-    straggler; a worker crash at step 8 restarts the job, the workers' node check after the
-    restart finds the straggler's node far above the median and excludes it, and training
-    finishes on the other node with the same global batch."""
+    straggler; a worker crash at step 8 restarts the job (the fast path, which keeps the
+    survivor instead, is off), the workers' node check after the restart finds the straggler's
+    node far above the median and excludes it, and training finishes on the other node with the
+    same global batch."""
     spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 4,
-                                         "rejoin_after_s": 0},
+                                         "rejoin_after_s": 0}, fault_tolerance={"fast_recovery_timeout_s": 0},
                       stages=[{"name": "main", "steps": 24, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
                       checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
                       chaos=[{"kind": "slow_worker", "rank": 1, "step": 5, "delay_s": 0.05},

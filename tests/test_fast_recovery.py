@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agents import node_log, run_agent
+from agents import node_log, run_agent, run_agents
 from conftest import seed_data, small_spec
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
@@ -150,3 +150,28 @@ def test_every_rank_goes_on_to_a_drill_once_one_saw_the_warm_spare_that_the_dril
     assert slow.wait_for_spare(lambda: None, drill=3, timeout_s=5.0)
     # a later drill with no warm spare: the wait gives up (the drill goes on, replaced cold)
     assert not slow.wait_for_spare(lambda: None, drill=4, timeout_s=0.2)
+
+
+def test_on_two_nodes_a_killed_worker_is_replaced_and_the_other_nodes_worker_keeps_running(prepared_data, tmp_path,
+                                                                                          clean_model, zygote):
+    """Two nodes of one worker each (torch's elastic agents, c10d rendezvous): rank 1, node 1's
+    worker, is SIGKILLed before step 6. Node 0's worker keeps its process and its state (no
+    full restart of the job: torch's agent alone would restart both), node 1's agent starts a
+    replacement that takes the state from the survivor, and the result is bitwise the run of
+    one node with two workers."""
+    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 6}])
+    assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2) == 0, node_log(job, nodes=2)
+    events = read_all(Path(job.job_dir) / EVENTS)
+    starts = {e["rank"]: e for e in by_kind(events, "start") if not e["epoch"]}
+    assert {starts[0]["node"], starts[1]["node"]} == {0, 1}
+    [rejoined] = by_kind(events, "rejoined")
+    assert (rejoined["rank"], rejoined["epoch"], rejoined["lost_ranks"], rejoined["pid"]) == (0, 1, [1], starts[0]["pid"])
+    [replacement] = [e for e in by_kind(events, "start") if e["epoch"]]
+    assert (replacement["rank"], replacement["node"]) == (1, starts[1]["node"])
+    assert not [e for e in by_kind(events, "start") if e["restart_count"]], node_log(job, nodes=2)  # no full restart
+    [rollback] = by_kind(events, "rollback")
+    assert (rollback["path"], rollback["source"], rollback["step"]) == ("replacement", "survivors", 5)
+    [incident] = incidents(events, read_all(Path(job.job_dir) / METRICS), 0)
+    assert (incident["cause"], incident["recovery_path"]) == ("worker_killed", "replacement")
+    model = final_model(job)
+    assert all(torch.equal(model[k], clean_model[k]) for k in model)

@@ -228,7 +228,8 @@ def run_node(args: argparse.Namespace) -> int:
             code = run_local(local_settings(job, args, ns), worker_starter(zygote, worker_args[3:]),
                              spares_wanted=lambda: detector.max_step >= 1)
         else:
-            code = run_elastic(args, job, zygote, worker_args)
+            fast = keeps_survivors(job, args.nproc * args.nnodes_max)
+            code = run_elastic(args, job, zygote, worker_args, job.fast_recovery_timeout_s if fast else 0.0)
     finally:
         cleanup()
     return 1 if code and saver is not None and saver.failed else code  # fail_job reported why
@@ -244,12 +245,17 @@ def worker_starter(zygote: Zygote | None, worker_argv: list[str]):
 
 
 def local_settings(job: JobConfig, args: argparse.Namespace, shm: Path | None = None) -> AgentSettings:
-    """Our own agent's settings for a job of one node: survivors of a lost worker are kept under
-    DDP with more than one worker over gloo (an FSDP model is sharded over the broken group; an
-    NCCL collective with a dead peer does not fail, it waits for the group's timeout), unless
-    ``fast_recovery_timeout_s`` is 0."""
+    """Our own agent's settings for a job of one node (``keeps_survivors``: the fast path)."""
     return AgentSettings(nproc=args.nproc, max_restarts=args.max_restarts, threads=args.threads, node=args.node,
                          port=host_port(args.rdzv_endpoint)[1], spares=job.spares_per_node,
-                         fast=args.nproc > 1 and job.parallelism == "ddp" and pick_backend(job.backend) == "gloo"
-                         and job.fast_recovery_timeout_s > 0,
-                         fast_timeout_s=job.fast_recovery_timeout_s, shm=None if shm is None else str(shm))
+                         fast=keeps_survivors(job, args.nproc), fast_timeout_s=job.fast_recovery_timeout_s,
+                         shm=None if shm is None else str(shm))
+
+
+def keeps_survivors(job: JobConfig, world: int) -> bool:
+    """Whether the survivors of a lost worker are kept (``world``: the most workers the job has):
+    under DDP over gloo with more than one worker (an FSDP model is sharded over the broken group;
+    an NCCL collective with a dead peer does not fail, it waits for the group's timeout), unless
+    ``fast_recovery_timeout_s`` is 0."""
+    return world > 1 and job.parallelism == "ddp" and pick_backend(job.backend) == "gloo" \
+        and job.fast_recovery_timeout_s > 0

@@ -105,9 +105,22 @@ def agreed_restart_count(store: dist.Store, me: Identity) -> Identity:
     """Torch counts restarts per agent, so a standby node's workers joining in a later round say 0
     where the others say 1 or more; the round's group prefix and the checks after a restart need
     one number: the largest, agreed through the round's (fresh) store."""
-    store.set(f"restart_count/{me.rank}", str(me.restart_count))
-    counts = [int(store.get(f"restart_count/{r}")) for r in range(me.world_size)]
-    return replace(me, restart_count=max(counts))
+    store.set(_restart_count_key(me.rank), str(me.restart_count))
+    store.wait([_restart_count_key(r) for r in range(me.world_size)])
+    return replace(me, restart_count=round_restart_count(store, me.world_size, me.restart_count))
+
+
+def _restart_count_key(rank: int) -> str:
+    return f"restart_count/{rank}"
+
+
+def round_restart_count(store: dist.Store, world_size: int, own: int) -> int:
+    """The restart count the round's ranks agreed on (``agreed_restart_count``); ``own`` (this
+    node's count) where the ranks did not publish theirs: the agents share one store and count alike."""
+    keys = [_restart_count_key(r) for r in range(world_size)]
+    if not store.check(keys):
+        return own
+    return max(int(store.get(key)) for key in keys)
 
 
 def join_group(base: dist.Store, backend: str, me: Identity, timeout_s: float) -> None:

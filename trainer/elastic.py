@@ -1,5 +1,6 @@
 """A job of several nodes: torch's elastic agent (c10d rendezvous, worker monitoring, in-job
-restarts) on each node, and *standby* nodes (``cluster.spare_nodes``).
+restarts; the survivors of a lost worker kept, ``trainer.elastic_survivors``) on each node, and
+*standby* nodes (``cluster.spare_nodes``).
 
 A standby node's agent waits until the job's workers start, then joins the job's rendezvous. The round
 is full (``max_nodes`` is the number of nodes in use), so torch keeps it in its redundancy list,
@@ -20,14 +21,15 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.config import JobConfig
-from trainer.dist import listening
+from trainer.dist import FAST_RECOVERY_ENV, listening
+from trainer.elastic_survivors import launch
 from trainer.events import EventKind
 from trainer.reporting import EVENTS, read_all
 from trainer.resilience.heartbeat import AGENT_ENV, heartbeat_dir
 from trainer.resilience.nodecheck import NODE_ENV
+from trainer.resilience.peers import NOTICE_ENV, WARM_SPARES_ENV
 from trainer.zygote import Zygote
 
 ENV_COMMAND = "/usr/bin/env"  # POSIX: runs a command with variables added to its environment (it execs it)
@@ -115,10 +117,15 @@ def _terminate(signum, frame) -> None:
     raise SignalException(f"agent {os.getpid()} got signal {signal.Signals(signum).name}", signal.Signals(signum))
 
 
-def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None, worker_args: list[str]) -> int:
-    """Torch's elastic agent for this node of a job of several nodes (``args``: ``trainer.launch``'s)."""
+def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None, worker_args: list[str],
+                fast_timeout_s: float = 0.0) -> int:
+    """Torch's elastic agent for this node of a job of several nodes (``args``: ``trainer.launch``'s),
+    keeping the survivors of a lost worker when ``fast_timeout_s`` > 0 (``trainer.elastic_survivors``)."""
     signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
-    env = {"OMP_NUM_THREADS": str(args.threads), NODE_ENV: str(args.node)}  # workers name their node (node check, events)
+    env = {"OMP_NUM_THREADS": str(args.threads), NODE_ENV: str(args.node),  # workers name their node (node check, events)
+           FAST_RECOVERY_ENV: str(int(fast_timeout_s > 0)), WARM_SPARES_ENV: "0",
+           # a lost node announces no epoch: its survivors leave for the full restart once its keep-alives lapse
+           NOTICE_ENV: str(args.node_timeout)}
     command = elastic_worker_command(zygote, worker_args, env)
     try:
         if args.standby and not wait_to_stand_by(job.job_dir, args.rdzv_endpoint):
@@ -128,14 +135,10 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
         print(f"standby node {args.node}: stopped by {err.sigval.name} before it was needed", file=sys.stderr, flush=True)
         return 128 + err.sigval
     fast_rendezvous_polls()
-    config = LaunchConfig(
-        min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc_per_node=args.nproc,
-        run_id=args.run_id, role="trainer", rdzv_endpoint=args.rdzv_endpoint, rdzv_backend="c10d",
-        rdzv_configs=rendezvous_configs(args), max_restarts=args.max_restarts, monitor_interval=0.2,
-        start_method="spawn",
-    )
     try:
-        elastic_launch(config, command[0])(*command[1:])
+        launch(min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc=args.nproc, run_id=args.run_id,
+               endpoint=args.rdzv_endpoint, rdzv_configs=rendezvous_configs(args), max_restarts=args.max_restarts,
+               command=command, fast_timeout_s=fast_timeout_s)
     except ChildFailedError as err:
         print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
         return 1

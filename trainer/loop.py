@@ -162,7 +162,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         beat("step", step)
 
     chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write, node=this_node(),
-                        before_loss=wait_for_spare if peers is not None and cfg.spares_per_node else None)
+                        before_loss=wait_for_spare if peers is not None and peers.warm_spares else None)
     spikes = spike_detector(cfg)
     windows_to_skip = skip_windows(cfg)
     accum = o.accum_for(info.world_size)

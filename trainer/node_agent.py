@@ -29,7 +29,7 @@ from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
 from trainer.process import wait_for_an_exit
 from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
-from trainer.resilience.peers import TAKEN, epoch_key, ready_key, spare_key
+from trainer.resilience.peers import TAKEN, WARM_SPARES_ENV, announce, not_ready, spare_key
 
 POLL_S = 0.05  # how often the spares, the ranks' ready keys and snapshot copies are looked at (exits wake the agent)
 STOP_GRACE_S = 30.0  # SIGTERM → SIGKILL, as torch's agent
@@ -86,7 +86,7 @@ class NodeAgent:
         env = {**os.environ, "OMP_NUM_THREADS": str(s.threads), NODE_ENV: str(s.node), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(s.port), "WORLD_SIZE": str(s.nproc), "LOCAL_WORLD_SIZE": str(s.nproc),
                "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(self.restart), FAST_RECOVERY_ENV: str(int(s.fast)),
-               AGENT_ENV: str(os.getpid())}
+               WARM_SPARES_ENV: str(s.spares if s.fast else 0), AGENT_ENV: str(os.getpid())}
         return env | {k: str(v) for k, v in extra.items()}
 
     def _start_worker(self, rank: int) -> subprocess.Popen:
@@ -122,11 +122,10 @@ class NodeAgent:
 
     def fast_recover(self, lost: list[int]) -> bool:
         """Replace the ``lost`` ranks while the others are kept; False: not done within the bound."""
-        t0, detected = time.monotonic(), time.time()
-        self.epoch += 1
+        t0 = time.monotonic()
         spare = self.spares.pop(0) if self.spares else None
-        record = {"lost": lost, "path": "spare" if spare else "replacement", "detected_at": detected}
-        self.store.set(epoch_key(self.restart, self.epoch), json.dumps(record))
+        path = "spare" if spare else "replacement"
+        self.epoch = announce(self.store, self.restart, lost, path, time.time())
         for rank in lost:
             if spare is not None:
                 self.store.add(TAKEN, 1)
@@ -134,18 +133,17 @@ class NodeAgent:
                 self.workers[rank], spare = spare.proc, None
             else:
                 self.workers[rank] = self._start_worker(rank)
-        print(f"rank(s) {lost} lost; the other workers are kept, epoch {self.epoch}: {record['path']}", flush=True)
-        ready = [ready_key(self.restart, self.epoch, r) for r in range(self.s.nproc)]
+        print(f"rank(s) {lost} lost; the other workers are kept, epoch {self.epoch}: {path}", flush=True)
         while time.monotonic() - t0 < self.s.fast_timeout_s:
             if any(p.poll() is not None for p in self.workers.values()):
                 print("a worker exited during the fast recovery: restarting every worker", file=sys.stderr, flush=True)
                 return False
-            if self.store.check(ready):
-                print(f"recovered in {time.monotonic() - t0:.2f} s ({record['path']})", flush=True)
+            if not not_ready(self.store, self.restart, self.epoch, self.s.nproc):
+                print(f"recovered in {time.monotonic() - t0:.2f} s ({path})", flush=True)
                 self.replenish_at = time.monotonic() + REPLENISH_DELAY_S
                 return True
             time.sleep(POLL_S)  # polls exit codes and the ranks' ready keys
-        late = [r for r, key in enumerate(ready) if not self.store.check([key])]
+        late = not_ready(self.store, self.restart, self.epoch, self.s.nproc)
         print(f"the fast recovery was not done within {self.s.fast_timeout_s:.1f} s (rank(s) {late} not restored "
               "in the new process group): restarting every worker", file=sys.stderr, flush=True)
         return False

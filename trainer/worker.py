@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         timeout_s = collective_timeout_s(cfg.hang_timeouts)
         fast = os.environ.get(FAST_RECOVERY_ENV) == "1"
-        store = connect_store(timeout_s) if fast else None
+        store = connect_store(timeout_s, me.rank) if fast else None  # rank 0 hosts a round's own store
         warm = None
         if args.spare is not None:
             warm = warm_up(cfg)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         heartbeat = Heartbeat(cfg.job_dir, me.local_rank, me.rank)
         heartbeat.beat("startup", 0)
         info = init_distributed(cfg.backend, timeout_s=timeout_s, me=me, base=store)
-        peers = Peers(store, me, info.backend, timeout_s) if fast else None
+        peers = Peers.from_env(store, me, info.backend, timeout_s) if fast else None
         train(cfg, info, shm_ns=args.shm, heartbeat=heartbeat, warm=warm, peers=peers)
     except BaseException as err:  # noqa: BLE001 - report every failure, then exit non-zero
         traceback.print_exc()

@@ -19,6 +19,7 @@ on its key in the store (``spare_key``) until the agent hands it a rank (``wait_
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -32,6 +33,7 @@ from trainer.dist import DistInfo, Identity, join_group
 from trainer.events import IN_PROCESS_SOURCES, EventKind
 
 NOTICE_S = 10.0  # after a failed collective, how long a survivor waits for the agent to announce a lost peer
+NOTICE_ENV = "PRETRAIN_PEER_NOTICE_S"  # set by an agent of several nodes: a lost node announces nothing
 
 
 def epoch_key(restart: int, epoch: int) -> str:
@@ -55,6 +57,22 @@ def drill_key(restart: int, drill: int) -> str:
 
 
 WARM, TAKEN = "fastrec/spares_warm", "fastrec/spares_taken"  # counters: spares that got warm, spares handed a rank
+WARM_SPARES_ENV = "PRETRAIN_WARM_SPARES"  # warm spares the worker's agent keeps per node (0: a lost rank starts cold)
+
+
+def announce(store: dist.Store, restart: int, lost: list[int], path: str, detected_at: float) -> int:
+    """An agent's announcement of a fast recovery: the next epoch of round ``restart`` (taken from a
+    counter in the store, so that agents of several nodes never announce the same epoch), the
+    global ranks ``lost`` and how they are replaced (``spare``, ``replacement``). The survivors,
+    on every node, wait for it (``Peers.announced``); returns the epoch."""
+    epoch = store.add(f"fastrec/attempt_{restart}/epochs", 1)
+    store.set(epoch_key(restart, epoch), json.dumps({"lost": lost, "path": path, "detected_at": detected_at}))
+    return epoch
+
+
+def not_ready(store: dist.Store, restart: int, epoch: int, world_size: int) -> list[int]:
+    """The ranks not yet restored in the epoch's new group (empty: the recovery is done)."""
+    return [r for r in range(world_size) if not store.check([ready_key(restart, epoch, r)])]
 
 
 def spares_available(store: dist.Store) -> int:
@@ -83,19 +101,27 @@ def may_be_peer_loss(err: BaseException) -> bool:
 class Peers:
     """A worker's link to the agent's store for fast recoveries."""
 
-    store: dist.Store  # the node agent's store (not a prefix of it)
+    store: dist.Store  # the job's store (the agent's or the round's; not a prefix of it)
     me: Identity
     backend: str
     timeout_s: float  # the process group's timeout
+    warm_spares: int = 0  # warm spares the agent keeps (a drill waits for one before it takes a worker away)
+    notice_s: float = NOTICE_S  # how long a survivor waits for the announcement of a lost peer
 
-    def announced(self, err: BaseException, notice_s: float = NOTICE_S) -> dict | None:
+    @classmethod
+    def from_env(cls, store: dist.Store, me: Identity, backend: str, timeout_s: float, env=os.environ) -> "Peers":
+        return cls(store, me, backend, timeout_s, int(env.get(WARM_SPARES_ENV) or 0),
+                   float(env.get(NOTICE_ENV) or NOTICE_S))
+
+    def announced(self, err: BaseException) -> dict | None:
         """After ``err`` in a collective: the agent's record of the next epoch, if it announces
-        one within ``notice_s`` (None: no peer was lost, the error is this worker's own)."""
+        one within ``notice_s`` (None: no peer was lost, or the whole node it ran on, or the error
+        is this worker's own)."""
         if not may_be_peer_loss(err):
             return None
         key = epoch_key(self.me.restart_count, self.me.epoch + 1)
         try:
-            self.store.wait([key], timedelta(seconds=notice_s))
+            self.store.wait([key], timedelta(seconds=self.notice_s))
         except dist.DistError:
             return None
         return json.loads(self.store.get(key))

@@ -1,0 +1,171 @@
+"""Survivors kept on a job of several nodes: torch's elastic agent, except for a lost worker.
+
+Torch's ``LocalElasticAgent`` restarts every worker of every node when one worker fails: its
+node's agent stops the others and starts a new rendezvous round, which the other nodes' agents
+see as a membership change and restart theirs. ``SurvivorsAgent`` keeps torch's agent for
+everything else — rendezvous, membership (a lost node, a standby, a scale-up), the full restart
+as a fallback, success and the exit barrier — and handles a worker that died while every other
+worker of its node is still running as the single-node agent does (``trainer.node_agent``,
+docs/recovery.md): it announces the next epoch in the job's store (the store the workers
+share across nodes: the rendezvous store, or the round's own store hosted by rank 0 when the
+job has standby nodes), starts a replacement for the lost rank in its place (the same command
+line torch started, forked from the zygote when there is one), and waits until every rank of
+the world — survivors on every node and the replacement — reports itself restored in the new
+process group. The other nodes' agents see nothing: their workers never died.
+
+If that is not done within ``fast_recovery_timeout_s``, the replacement or a local survivor
+exits meanwhile, or the lost rank hosted the round's store, the failure goes to torch's agent
+as it would have: a full restart. Fast recoveries count against ``max_restarts`` with torch's
+restarts, but never change the restart count the workers' group prefix is built from (the
+other nodes' agents, which did not restart, must agree on it).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+from trainer.dist import EPOCH_ENV, round_restart_count
+from trainer.node_agent import describe_exit
+from trainer.resilience.peers import announce, not_ready
+
+POLL_S = 0.05  # how often the ranks' ready keys and the local processes are looked at during a fast recovery
+MEMBERSHIP_LOOK_S = 0.5  # how often a fast recovery asks the rendezvous whether another node is restarting
+STORE_TIMEOUT_S = 5.0  # the job's store not reachable by then: no fast recovery (a full restart)
+
+
+class SurvivorsAgent(LocalElasticAgent):
+    """Torch's agent for one node of the job, keeping the survivors of a lost worker."""
+
+    def __init__(self, spec: WorkerSpec, fast_timeout_s: float, **kwargs):
+        super().__init__(spec=spec, **kwargs)
+        self.fast_timeout_s = fast_timeout_s
+        self.fast_recoveries = 0
+        self._peers_store: tuple[tuple[str, int], dist.TCPStore] | None = None
+
+    def _lost_with_survivors(self) -> dict[int, int]:
+        """Local ranks that died (their exit codes) while every other local worker still runs;
+        empty when nothing died, or when a worker finished or several outcomes mix (torch decides)."""
+        pc = self._pcontext
+        handlers, running = getattr(pc, "subprocess_handlers", None), getattr(pc, "_running_local_ranks", None)
+        if not handlers or running is None:  # not torch's subprocess context: torch decides
+            return {}
+        codes = {lr: handlers[lr].proc.poll() for lr in running}
+        lost = {lr: c for lr, c in codes.items() if c not in (None, 0)}
+        return lost if lost and all(c is None for lr, c in codes.items() if lr not in lost) else {}
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        lost = self._lost_with_survivors() if self.fast_timeout_s > 0 else {}
+        if lost:
+            if self._remaining_restarts - self.fast_recoveries <= 0:
+                self._remaining_restarts = 0  # fast recoveries spent the budget: torch's agent fails the job
+            else:
+                failures = {worker_group.workers[lr].global_rank: ProcessFailure(
+                    local_rank=lr, pid=self._pcontext.subprocess_handlers[lr].proc.pid, exitcode=code,
+                    error_file=self._pcontext.error_files[lr]) for lr, code in lost.items()}
+                recovered = self._recover_fast(worker_group, lost)
+                if recovered is True:
+                    self.fast_recoveries += 1
+                    return RunResult(state=WorkerState.HEALTHY)
+                if recovered is False:  # replacements started and failed: torch restarts every worker
+                    return RunResult(state=WorkerState.FAILED, failures=failures)
+        return super()._monitor_workers(worker_group)
+
+    def _job_store(self, env: dict[str, str]) -> dist.TCPStore | None:
+        where = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        if self._peers_store is None or self._peers_store[0] != where:
+            try:
+                self._peers_store = where, dist.TCPStore(*where, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+            except (dist.DistError, RuntimeError) as err:
+                print(f"no fast recovery: the job's store at {where[0]}:{where[1]} is not reachable ({err})",
+                      file=sys.stderr, flush=True)
+                return None
+        return self._peers_store[1]
+
+    def _recover_fast(self, worker_group: WorkerGroup, lost: dict[int, int]) -> bool | None:
+        """Replace the ``lost`` local ranks while every other worker is kept. None: not attempted
+        (torch's agent restarts every worker); False: attempted and not done in time."""
+        t0, detected = time.monotonic(), time.time()
+        pc, workers = self._pcontext, worker_group.workers
+        ranks = sorted(workers[lr].global_rank for lr in lost)
+        env = pc.envs[min(lost)]
+        world = int(env["WORLD_SIZE"])
+        if world < 2 or (env.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and 0 in ranks):
+            return None  # no survivor to keep; or rank 0 hosted the round's store, which went with it
+        store = self._job_store(env)
+        if store is None:
+            return None
+        try:
+            restart = round_restart_count(store, world, int(env["TORCHELASTIC_RESTART_COUNT"]))
+            epoch = announce(store, restart, ranks, "replacement", detected)
+        except (dist.DistError, RuntimeError) as err:
+            print(f"no fast recovery: the job's store failed ({err})", file=sys.stderr, flush=True)
+            return None
+        for lr in lost:
+            pc.envs[lr] = {**pc.envs[lr], EPOCH_ENV: str(epoch)}
+            handler = get_subprocess_handler(entrypoint=pc.entrypoint, args=pc.args[lr], env=pc.envs[lr],
+                                             stdout=pc.stdouts[lr], stderr=pc.stderrs[lr], local_rank_id=lr,
+                                             numa_options=getattr(pc, "_numa_options", None))
+            pc.subprocess_handlers[lr] = handler
+            workers[lr].id = handler.proc.pid
+        why = ", ".join(f"rank {workers[lr].global_rank}: {describe_exit(code)}" for lr, code in sorted(lost.items()))
+        print(f"worker failure ({why}); the other workers are kept, epoch {epoch}: replacement", flush=True)
+        local = [h.proc for h in pc.subprocess_handlers.values()]
+        rendezvous, next_look = worker_group.spec.rdzv_handler, 0.0
+        while time.monotonic() - t0 < self.fast_timeout_s:
+            if any(p.poll() is not None for p in local):
+                print("a worker exited during the fast recovery: restarting every worker", file=sys.stderr, flush=True)
+                return False
+            if time.monotonic() >= next_look:  # another node's agent restarting (its workers gave up): join it
+                next_look = time.monotonic() + MEMBERSHIP_LOOK_S
+                if rendezvous.num_nodes_waiting() > 0:
+                    print("another node restarts the job during the fast recovery: restarting every worker",
+                          file=sys.stderr, flush=True)
+                    return False
+            try:
+                late = not_ready(store, restart, epoch, world)
+            except (dist.DistError, RuntimeError):
+                late = list(range(world))  # the store is away for a moment: look again
+            if not late:
+                print(f"recovered in {time.monotonic() - t0:.2f} s (replacement)", flush=True)
+                return True
+            time.sleep(POLL_S)  # polls the local processes and the ranks' ready keys
+        print(f"the fast recovery was not done within {self.fast_timeout_s:.1f} s (rank(s) {late} not restored "
+              "in the new process group): restarting every worker", file=sys.stderr, flush=True)
+        return False
+
+
+def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint: str, rdzv_configs: dict,
+           max_restarts: int, command: list[str], fast_timeout_s: float, monitor_interval: float = 0.2) -> None:
+    """This node's part of the job (what ``torch.distributed.launcher.api.elastic_launch`` does,
+    with ``SurvivorsAgent``); raises ``ChildFailedError`` when the job failed."""
+    params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
+                                  max_nodes=max_nodes, **rdzv_configs)
+    spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=command[0], args=tuple(command[1:]),
+                      rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=max_restarts,
+                      monitor_interval=monitor_interval)
+    agent = SurvivorsAgent(spec, fast_timeout_s, logs_specs=DefaultLogsSpecs(), start_method="spawn")
+    shutdown_rendezvous = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name=command[0], failures=result.failures)
+    except ChildFailedError:
+        raise
+    except SignalException:
+        shutdown_rendezvous = False  # stopped by a signal: the rendezvous stays open for the other nodes (as torch's)
+        raise
+    finally:
+        if shutdown_rendezvous:
+            spec.rdzv_handler.shutdown()
