@@ -6,6 +6,7 @@ back to the full restart and the job still completes."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,9 @@ from conftest import seed_data, small_spec
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
 from trainer.config import JobConfig
-from trainer.dist import Identity
+from trainer.dist import Identity, round_restart_count
 from trainer.reporting import EVENTS, METRICS, read_all
-from trainer.resilience.peers import TAKEN, WARM, Peers, may_be_peer_loss
+from trainer.resilience.peers import TAKEN, WARM, CannotRejoin, Peers, arrive, arrive_as_replacement, may_be_peer_loss
 
 STEPS = 14
 
@@ -152,14 +153,55 @@ def test_every_rank_goes_on_to_a_drill_once_one_saw_the_warm_spare_that_the_dril
     assert not slow.wait_for_spare(lambda: None, drill=4, timeout_s=0.2)
 
 
-def test_on_two_nodes_a_killed_worker_is_replaced_and_the_other_nodes_worker_keeps_running(prepared_data, tmp_path,
-                                                                                          clean_model, zygote):
+def test_a_rank_that_never_arrives_ends_the_recovery_within_the_agents_bound():
+    """A second loss during a fast recovery (the replacement's node, another survivor): the ranks
+    that arrived give up after the agent's bound (then the fallback), instead of waiting in the
+    new group's set-up for the process group's timeout (minutes)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    me = Identity(0, 0, 2, restart_count=1, epoch=1)
+    t0 = time.monotonic()
+    with pytest.raises(CannotRejoin, match="within 0.3 s"):
+        arrive(store, me, 0.3)
+    assert time.monotonic() - t0 < 5
+    # the replacement of rank 1 arrives under the round's agreed restart count (a standby node's
+    # agent counts fewer restarts): rank 0 now meets it at once
+    for rank, count in ((0, 1), (1, 0)):
+        store.set(f"restart_count/{rank}", str(count))
+    joined = arrive_as_replacement(store, Identity(1, 0, 2, restart_count=0, epoch=1), 5.0)
+    assert joined.restart_count == 1
+    arrive(store, me, 5.0)
+
+
+@pytest.mark.parametrize("published, own, agreed", [
+    ({}, 2, 2),  # agents sharing their store count alike: nothing published, this node's count
+    ({0: "1"}, 0, 0),  # not every rank published: this node's count
+    ({0: "1", 1: "0"}, 0, 1),  # a standby node's agent counted 0 restarts, the round agreed on 1
+])
+def test_the_restart_count_a_recovery_uses_is_the_rounds(published, own, agreed):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for rank, count in published.items():
+        store.set(f"restart_count/{rank}", count)
+    assert round_restart_count(store, 2, own) == agreed
+
+
+ON_TWO_NODES = {  # the fault of rank 1 (node 1's worker) before step 6 → the incident's cause
+    "killed": ({"kind": "kill_worker", "rank": 1, "step": 6}, "worker_killed"),
+    "hung": ({"kind": "hang_worker", "rank": 1, "step": 6}, "hang"),
+}
+
+
+@pytest.mark.parametrize("fault", list(ON_TWO_NODES))
+def test_on_two_nodes_a_lost_worker_is_replaced_and_the_other_nodes_worker_keeps_running(fault, prepared_data,
+                                                                                        tmp_path, clean_model, zygote):
     """Two nodes of one worker each (torch's elastic agents, c10d rendezvous): rank 1, node 1's
-    worker, is SIGKILLed before step 6. Node 0's worker keeps its process and its state (no
-    full restart of the job: torch's agent alone would restart both), node 1's agent starts a
-    replacement that takes the state from the survivor, and the result is bitwise the run of
-    one node with two workers."""
-    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 6}])
+    worker, is SIGKILLed (or hangs, and its node's agent kills it: 3 s step timeout; node 0's
+    agent, whose worker waits in the step's collective, leaves it alone). Node 0's worker keeps
+    its process and its state (no full restart of the job: torch's agent alone would restart
+    both), node 1's agent starts a replacement that takes the state from the survivor, and the
+    result is bitwise the run of one node with two workers."""
+    drill, cause = ON_TWO_NODES[fault]
+    job = two_worker_job(tmp_path, prepared_data, [drill])
+    job = dataclasses.replace(job, hang_timeouts={**job.hang_timeouts, "step": 3.0})
     assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2) == 0, node_log(job, nodes=2)
     events = read_all(Path(job.job_dir) / EVENTS)
     starts = {e["rank"]: e for e in by_kind(events, "start") if not e["epoch"]}
@@ -172,6 +214,22 @@ def test_on_two_nodes_a_killed_worker_is_replaced_and_the_other_nodes_worker_kee
     [rollback] = by_kind(events, "rollback")
     assert (rollback["path"], rollback["source"], rollback["step"]) == ("replacement", "survivors", 5)
     [incident] = incidents(events, read_all(Path(job.job_dir) / METRICS), 0)
-    assert (incident["cause"], incident["recovery_path"]) == ("worker_killed", "replacement")
+    assert (incident["cause"], incident["recovery_path"]) == (cause, "replacement")
+    model = final_model(job)
+    assert all(torch.equal(model[k], clean_model[k]) for k in model)
+
+
+def test_on_two_nodes_a_fast_recovery_that_cannot_finish_falls_back_to_torchs_full_restart(prepared_data, tmp_path,
+                                                                                          clean_model, zygote):
+    """The replacement cannot be restored in time (the bound is 1 ms): node 1's agent hands the
+    failure to torch's agent, which restarts every worker of both nodes; the job completes, bitwise."""
+    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 5}],
+                         fast_recovery_timeout_s=0.001)
+    assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2) == 0, node_log(job, nodes=2)
+    assert "not restored in the new process group): restarting every worker" in node_log(job, nodes=2)
+    events = read_all(Path(job.job_dir) / EVENTS)
+    assert sorted(e["restart_count"] for e in by_kind(events, "start") if e["rank"] == 0 and not e["epoch"]) == [0, 1]
+    [incident] = incidents(events, read_all(Path(job.job_dir) / METRICS), 0)
+    assert (incident["cause"], incident["recovery_path"]) == ("worker_killed", "restart")
     model = final_model(job)
     assert all(torch.equal(model[k], clean_model[k]) for k in model)

@@ -145,25 +145,29 @@ def sleepers():
         proc.wait()
 
 
-WHO_HANGS = {  # name: per rank (heartbeat age s, waiting in a collective) → ranks killed, ranks kept
-    "one hung, the other waits for it in a collective": ([(10.0, False), (10.0, True)], [0], [1]),
-    "one hung, the other still within its timeout": ([(10.0, False), (0.1, True)], [0], [1]),
-    "both wait in a collective: the collective hangs": ([(10.0, True), (10.0, True)], [0, 1], []),
-    "both hung outside collectives": ([(10.0, False), (10.0, False)], [0, 1], []),
-    "one waits in a collective, its peer is not stalled yet": ([(10.0, True), (0.1, False)], [], []),
+WHO_HANGS = {  # name: per rank (heartbeat age s, waiting in a collective), grace for remote peers s → killed, kept
+    "one hung, the other waits for it in a collective": ([(10.0, False), (10.0, True)], 0.0, [0], [1]),
+    "one hung, the other still within its timeout": ([(10.0, False), (0.1, True)], 0.0, [0], [1]),
+    "both wait in a collective: the collective hangs": ([(10.0, True), (10.0, True)], 0.0, [0, 1], []),
+    "both hung outside collectives": ([(10.0, False), (10.0, False)], 0.0, [0, 1], []),
+    "one waits in a collective, its peer is not stalled yet": ([(10.0, True), (0.1, False)], 0.0, [], []),
+    # a node of a job of several nodes: a hung peer elsewhere is its own node's to kill first
+    "both wait in a collective, within the grace for remote peers": ([(10.0, True), (10.0, True)], 30.0, [], []),
+    "both wait in a collective, past the grace for remote peers": ([(10.0, True), (10.0, True)], 2.0, [0, 1], []),
+    "one hung here, the other waits: no grace for a local hang": ([(10.0, False), (10.0, True)], 30.0, [0], [1]),
 }
 
 
 @pytest.mark.parametrize("case", list(WHO_HANGS))
 def test_the_detector_kills_the_hung_rank_and_keeps_those_waiting_for_it(case, tmp_path, sleepers):
-    workers, killed, kept = WHO_HANGS[case]
+    workers, grace, killed, kept = WHO_HANGS[case]
     d = heartbeat_dir(tmp_path)
     d.mkdir()
     for rank, ((age, collective), proc) in enumerate(zip(workers, sleepers)):
         (d / f"agent{os.getpid()}-local{rank}.json").write_text(json.dumps(
             {"phase": "step", "step": 30, "rank": rank, "pid": proc.pid, "time": time.time() - age, "collective": collective}))
     found = []
-    HangDetector(tmp_path, {"step": 5.0}, found.append).scan()
+    HangDetector(tmp_path, {"step": 5.0}, found.append, remote_grace_s=grace).scan()
     assert [(e["ranks"], e["kept"]) for e in found] == ([(killed, kept)] if killed else [])
     for rank, proc in enumerate(sleepers):
         assert (proc.wait(30) == -9) if rank in killed else proc.poll() is None

@@ -144,11 +144,15 @@ def fail_job(job: JobConfig, node: int, message: str, saver_error_type: str | No
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def watch_workers(job: JobConfig, node: int, saver) -> HangDetector:
+REMOTE_GRACE_S = 5.0  # on several nodes: the node of a hung worker kills it first (HangDetector.remote_grace_s)
+
+
+def watch_workers(job: JobConfig, node: int, saver, several_nodes: bool = False) -> HangDetector:
     """Hang detection for this node's workers, and the agent-side chaos drills."""
     events = JsonLines(Path(job.job_dir) / EVENTS)
     report = lambda record: events.write({"source": "agent", "node": node, **record})  # noqa: E731
-    detector = HangDetector(job.job_dir, job.hang_timeouts, report, adaptive=AdaptiveTimeout(**job.hang_adaptive))
+    detector = HangDetector(job.job_dir, job.hang_timeouts, report, adaptive=AdaptiveTimeout(**job.hang_adaptive),
+                            remote_grace_s=REMOTE_GRACE_S if several_nodes else 0.0)
     for i, drill in enumerate(job.chaos):
         if isinstance(drill, NodeDrill) and drill.node == node:
             detector.observers.append(lambda step, i=i, d=drill: agent_drill(job, i, d, step, saver(), report))
@@ -222,7 +226,7 @@ def run_node(args: argparse.Namespace) -> int:
                              on_give_up=lambda message, error_type: fail_job(job, args.node, message, error_type),
                              zygote=zygote)
         worker_args += ["--shm", str(ns)]
-    detector = watch_workers(job, args.node, lambda: saver)
+    detector = watch_workers(job, args.node, lambda: saver, several_nodes=args.nnodes_max > 1)
     try:
         if args.nnodes_max == 1:
             code = run_local(local_settings(job, args, ns), worker_starter(zygote, worker_args[3:]),

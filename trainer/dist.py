@@ -54,7 +54,7 @@ class Identity:
 
 
 EPOCH_ENV = "PRETRAIN_EPOCH"  # set by the single-node agent for a replacement: the epoch it joins
-FAST_RECOVERY_ENV = "PRETRAIN_FAST_RECOVERY"  # "1": survivors of a lost peer rejoin (trainer.node_agent)
+FAST_RECOVERY_ENV = "PRETRAIN_FAST_RECOVERY"  # seconds a fast recovery may take (> 0: survivors of a lost peer rejoin)
 
 
 def pick_backend(requested: str) -> str:

@@ -123,7 +123,7 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
     keeping the survivors of a lost worker when ``fast_timeout_s`` > 0 (``trainer.elastic_survivors``)."""
     signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
     env = {"OMP_NUM_THREADS": str(args.threads), NODE_ENV: str(args.node),  # workers name their node (node check, events)
-           FAST_RECOVERY_ENV: str(int(fast_timeout_s > 0)), WARM_SPARES_ENV: "0",
+           FAST_RECOVERY_ENV: str(fast_timeout_s), WARM_SPARES_ENV: "0",
            # a lost node announces no epoch: its survivors leave for the full restart once its keep-alives lapse
            NOTICE_ENV: str(args.node_timeout)}
     command = elastic_worker_command(zygote, worker_args, env)

@@ -122,7 +122,7 @@ class SurvivorsAgent(LocalElasticAgent):
         why = ", ".join(f"rank {workers[lr].global_rank}: {describe_exit(code)}" for lr, code in sorted(lost.items()))
         print(f"worker failure ({why}); the other workers are kept, epoch {epoch}: replacement", flush=True)
         local = [h.proc for h in pc.subprocess_handlers.values()]
-        rendezvous, next_look = worker_group.spec.rdzv_handler, 0.0
+        rendezvous, next_look, late = worker_group.spec.rdzv_handler, 0.0, list(range(world))
         while time.monotonic() - t0 < self.fast_timeout_s:
             if any(p.poll() is not None for p in local):
                 print("a worker exited during the fast recovery: restarting every worker", file=sys.stderr, flush=True)

@@ -85,7 +85,7 @@ class NodeAgent:
         s = self.s
         env = {**os.environ, "OMP_NUM_THREADS": str(s.threads), NODE_ENV: str(s.node), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(s.port), "WORLD_SIZE": str(s.nproc), "LOCAL_WORLD_SIZE": str(s.nproc),
-               "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(self.restart), FAST_RECOVERY_ENV: str(int(s.fast)),
+               "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(self.restart), FAST_RECOVERY_ENV: str(s.fast_timeout_s if s.fast else 0),
                WARM_SPARES_ENV: str(s.spares if s.fast else 0), AGENT_ENV: str(os.getpid())}
         return env | {k: str(v) for k, v in extra.items()}
 

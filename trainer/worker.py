@@ -18,13 +18,13 @@ import torch
 
 from trainer.checkpoint.flash import finish_digests
 from trainer.config import JobConfig
-from trainer.dist import FAST_RECOVERY_ENV, Identity, connect_store, init_distributed, pick_backend, shutdown_and_exit
+from trainer.dist import Identity, connect_store, init_distributed, pick_backend, shutdown_and_exit
 from trainer.events import EventKind, error_event
 from trainer.loop import build_model, seed_everything, train
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.heartbeat import Heartbeat, collective_timeout_s
-from trainer.resilience.peers import Peers, wait_for_rank
+from trainer.resilience.peers import Peers, arrive_as_replacement, fast_recovery_bound_s, wait_for_rank
 
 DIGEST_WAIT_S = 10.0  # the longest a failing worker waits for the digest of the snapshot it copied
 
@@ -63,13 +63,15 @@ def main(argv: list[str] | None = None) -> None:
     code, me = 0, Identity.from_env()
     try:
         timeout_s = collective_timeout_s(cfg.hang_timeouts)
-        fast = os.environ.get(FAST_RECOVERY_ENV) == "1"
+        fast = fast_recovery_bound_s() > 0
         store = connect_store(timeout_s, me.rank) if fast else None  # rank 0 hosts a round's own store
         warm = None
         if args.spare is not None:
             warm = warm_up(cfg)
             JsonLines(Path(cfg.job_dir) / EVENTS).write({"event": EventKind.SPARE_READY, "spare": args.spare})
             me = wait_for_rank(store, args.spare)
+        if fast and me.epoch > 0:  # a replacement: it meets the survivors, or gives up with them
+            me = arrive_as_replacement(store, me, fast_recovery_bound_s())
             warm = placed(warm, cfg, me)
         heartbeat = Heartbeat(cfg.job_dir, me.local_rank, me.rank)
         heartbeat.beat("startup", 0)

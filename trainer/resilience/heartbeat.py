@@ -158,9 +158,13 @@ class HangDetector:
     """Runs in the node agent; ``on_event`` receives hang records (and may drive other drills)."""
 
     def __init__(self, job_dir: str | Path, timeouts: dict[str, float], on_event, interval: float = 0.5,
-                 adaptive: AdaptiveTimeout = FIXED):
+                 adaptive: AdaptiveTimeout = FIXED, remote_grace_s: float = 0.0):
+        # remote_grace_s: the node's workers have peers on other nodes, whose hang this node cannot
+        # see; when all of its workers wait in a collective, they are taken for hung only this much
+        # later than their timeout, so that the node of a hung peer kills it first (its death then
+        # fails the collective, and the workers waiting here are kept as survivors)
         self.dir, self.timeouts, self.on_event, self.interval = heartbeat_dir(job_dir), timeouts, on_event, interval
-        self.adaptive = adaptive
+        self.adaptive, self.remote_grace_s = adaptive, remote_grace_s
         self.prefix = f"agent{os.getpid()}-"
         self.stop = threading.Event()
         self.max_step = 0
@@ -171,7 +175,8 @@ class HangDetector:
         stalled ranks that are *not* waiting in a collective are the hung ones: they alone are
         killed, and the ranks waiting for them are kept (their collective then fails, and they
         rejoin with the lost ranks' replacements: ``trainer.resilience.peers``). If every rank
-        waits in a collective, the collective itself hangs: all are killed together."""
+        waits in a collective, the collective itself hangs: all are killed together (on a job of
+        several nodes, ``remote_grace_s`` later)."""
         now, stalled, live = time.time(), [], []
         for path in self.dir.glob(f"{self.prefix}local*.json"):
             try:
@@ -185,7 +190,8 @@ class HangDetector:
             limit = self.limit(hb)
             if limit and now - hb["time"] > limit:
                 stalled.append({**hb, "timeout_s": limit})
-        hung = [hb for hb in stalled if not hb.get("collective")] or (stalled if len(stalled) == len(live) else [])
+        waiting = [hb for hb in stalled if now - hb["time"] > hb["timeout_s"] + self.remote_grace_s]
+        hung = [hb for hb in stalled if not hb.get("collective")] or (waiting if len(waiting) == len(live) else [])
         if hung:
             first = min(hung, key=lambda hb: hb["time"])
             kept = sorted(set(live) - {hb["rank"] for hb in hung})  # the node's other workers, not killed

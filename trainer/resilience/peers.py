@@ -29,7 +29,7 @@ import torch.distributed as dist
 from trainer.checkpoint import state
 from trainer.checkpoint.state import Restored
 from trainer.config import JobConfig
-from trainer.dist import DistInfo, Identity, join_group
+from trainer.dist import FAST_RECOVERY_ENV, DistInfo, Identity, join_group, round_restart_count
 from trainer.events import IN_PROCESS_SOURCES, EventKind
 
 NOTICE_S = 10.0  # after a failed collective, how long a survivor waits for the agent to announce a lost peer
@@ -91,6 +91,34 @@ def wait_for_rank(store: dist.Store, spare: int) -> Identity:
             continue
 
 
+def fast_recovery_bound_s(env=os.environ) -> float:
+    """How long a fast recovery may take, as the worker's agent set it (0: survivors are not kept)."""
+    try:
+        return float(env.get(FAST_RECOVERY_ENV) or 0)
+    except ValueError:
+        return 0.0
+
+
+def arrive(store: dist.Store, me: Identity, bound_s: float) -> None:
+    """Before joining epoch ``me.epoch``'s group: until every rank of the world arrived (at most
+    ``bound_s``), so that a recovery that lost a second worker (or the replacement's node) ends in
+    the fallback within the agent's bound, not after the process group's timeout in its set-up."""
+    key = lambda rank: epoch_key(me.restart_count, me.epoch) + f"/arrived/rank_{rank}"  # noqa: E731
+    store.set(key(me.rank), "1")
+    try:
+        store.wait([key(r) for r in range(me.world_size)], timedelta(seconds=bound_s))
+    except dist.DistError as err:
+        raise CannotRejoin(f"not every rank arrived for the fast recovery within {bound_s:g} s: {err}") from None
+
+
+def arrive_as_replacement(store: dist.Store, me: Identity, bound_s: float) -> Identity:
+    """A replacement's ``arrive``, under the restart count the round's ranks agreed on (a standby
+    node's agent counts fewer restarts than the others: ``dist.agreed_restart_count``)."""
+    me = replace(me, restart_count=round_restart_count(store, me.world_size, me.restart_count))
+    arrive(store, me, bound_s)
+    return me
+
+
 def may_be_peer_loss(err: BaseException) -> bool:
     """Could ``err`` be a collective broken by a lost peer? (gloo raises a plain RuntimeError
     naming its transport; NCCL/store errors are DistErrors.) Anything else is the worker's own."""
@@ -107,11 +135,12 @@ class Peers:
     timeout_s: float  # the process group's timeout
     warm_spares: int = 0  # warm spares the agent keeps (a drill waits for one before it takes a worker away)
     notice_s: float = NOTICE_S  # how long a survivor waits for the announcement of a lost peer
+    bound_s: float = 30.0  # how long the agent gives a fast recovery (fault_tolerance.fast_recovery_timeout_s)
 
     @classmethod
     def from_env(cls, store: dist.Store, me: Identity, backend: str, timeout_s: float, env=os.environ) -> "Peers":
         return cls(store, me, backend, timeout_s, int(env.get(WARM_SPARES_ENV) or 0),
-                   float(env.get(NOTICE_ENV) or NOTICE_S))
+                   float(env.get(NOTICE_ENV) or NOTICE_S), fast_recovery_bound_s(env))
 
     def announced(self, err: BaseException) -> dict | None:
         """After ``err`` in a collective: the agent's record of the next epoch, if it announces
@@ -153,6 +182,7 @@ class Peers:
         """Leave the broken group; join the next epoch's, same rank, same world."""
         dist.destroy_process_group()
         self.me = replace(self.me, epoch=self.me.epoch + 1)
+        arrive(self.store, self.me, self.bound_s)
         join_group(self.store, self.backend, self.me, self.timeout_s)
         return self.me
 
