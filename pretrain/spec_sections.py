@@ -65,7 +65,8 @@ class ClusterSpec(Section):
     spares_per_node: int = Field(
         1, ge=0, description="Warm spare workers per node (a job of one node): started once training is under way, "
         "with torch imported and the model built; when a worker dies the others keep running and a spare takes its "
-        "rank (docs/recovery.md). 0: the lost worker is replaced by a cold start, the others still kept.")
+        "rank (docs/recovery.md). 0: the lost worker is replaced by a cold start, the others still kept (as on a job "
+        "of several nodes, whose agents keep no spares yet).")
     rejoin_after_s: float = Field(
         60.0, ge=0, description="A node lost during a job is health-checked again after this many seconds; if it passes, "
         "the job is stopped (the savers persist the newest snapshot) and relaunched on all nodes — the cluster scales "
@@ -234,7 +235,7 @@ class FaultToleranceSpec(Section):
     rollback_in_process: bool = Field(True, description="Roll a loss anomaly back inside the running workers (each restores the newest snapshot all ranks hold, in well under a second); false: restart the job's workers, which restore it on start-up (seconds).")
     node_check_threshold: float = Field(2.0, gt=1, description="A node whose health check is slower than this multiple of the median is excluded.")
     saver_max_failures: int = Field(5, ge=1, description="A node's checkpoint saver that fails this many times in a row (restarted with a backoff doubling from `saver_backoff_s` up to 60 s; training goes on on its memory snapshots meanwhile) fails the job with the saver's error.")
-    fast_recovery_timeout_s: float = Field(30.0, ge=0, description="When a worker of a one-node DDP job dies, the others are kept and a spare takes its rank (docs/recovery.md); if they are not all restored in a new process group within this many seconds, every worker is restarted instead (the full restart). 0: always the full restart.")
+    fast_recovery_timeout_s: float = Field(30.0, ge=0, description="When a worker of a DDP job over gloo dies, the others (on every node) are kept and a spare (one node) or a replacement its node's agent starts takes its rank (docs/recovery.md); if they are not all restored in a new process group within this many seconds, every worker is restarted instead (the full restart). 0: always the full restart.")
     saver_backoff_s: float = Field(1.0, gt=0, description="First wait before a failed checkpoint saver is restarted; doubles with each failure in a row (up to 60 s).")
 
 

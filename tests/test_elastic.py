@@ -121,6 +121,32 @@ def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_har
     assert all(m["consumed"] == 4 * s for s, m in final.items())
 
 
+def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_rounds_store(prefect_harness,
+                                                                                       prepared_data, tmp_path):
+    """A job with a standby node keeps its workers' store in rank 0 (a fresh one every round).
+    Rank 1 killed at step 8: node 1's agent replaces it through that store, rank 0 keeps its
+    process, the standby is not needed. Rank 0 killed at step 16: the store went with it, so
+    torch's agents restart every worker (the fallback; the new round may take the standby in). The run completes in its first attempt,
+    every sample trained on once."""
+    spec = standby_spec(tmp_path, chaos=[{"kind": "kill_worker", "rank": 1, "step": 8},
+                                         {"kind": "kill_worker", "rank": 0, "step": 16}])
+    seed_data(spec, prepared_data)
+    status = pretrain_campaign(spec=spec)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == 24 and stage["attempts"] == 1, stage
+    assert [(f["cause"], f["recovery_path"]) for f in stage["failures"]] == \
+        [("worker_killed", "replacement"), ("worker_killed", "restart")], stage["failures"]
+    job = spec.workdir_path / "jobs" / "main" / "attempt_000"
+    events = read_all(job / "events.jsonl")
+    [rejoined] = [e for e in events if e["event"] == "rejoined"]
+    [first0] = [e for e in events if e["event"] == "start" and e["rank"] == 0 and e["step"] == 0]
+    assert (rejoined["rank"], rejoined["pid"]) == (0, first0["pid"])
+    # the standby stood by through the fast recovery (the full restart's round may take it in)
+    assert {e["node"] for e in events if e["event"] == "start" and not e["restart_count"]} == {0, 1}
+    final = {m["step"]: m for m in read_all(job / "metrics.jsonl")}
+    assert sorted(final) == list(range(1, 25)) and all(m["consumed"] == 4 * s for s, m in final.items())
+
+
 def standby_spec(root, chaos=()):
     # node_timeout_s at its default (3): at 2 a live agent starved of CPU for about a second (the
     # suite on 2 cores) missed its keep-alive window, the standby saw a free place and joined the

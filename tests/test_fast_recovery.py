@@ -20,7 +20,8 @@ from pretrain.jobs import build_job
 from trainer.config import JobConfig
 from trainer.dist import Identity, round_restart_count
 from trainer.reporting import EVENTS, METRICS, read_all
-from trainer.resilience.peers import TAKEN, WARM, CannotRejoin, Peers, arrive, arrive_as_replacement, may_be_peer_loss
+from trainer.resilience.peers import (PEER_LOST_EXIT, TAKEN, WARM, CannotRejoin, Peers, arrive, arrive_as_replacement, exit_code,
+                                      may_be_peer_loss)
 
 STEPS = 14
 
@@ -233,3 +234,13 @@ def test_on_two_nodes_a_fast_recovery_that_cannot_finish_falls_back_to_torchs_fu
     assert (incident["cause"], incident["recovery_path"]) == ("worker_killed", "restart")
     model = final_model(job)
     assert all(torch.equal(model[k], clean_model[k]) for k in model)
+
+
+@pytest.mark.parametrize("err, fast, code", [
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12202: Connection reset"),
+     True, PEER_LOST_EXIT),  # a survivor whose lost peer nobody replaces (its node is gone): not to be replaced itself
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error"), False, 1),  # survivors not kept
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), True, 1),  # the worker's own failure: replaced
+])
+def test_a_survivor_left_without_a_recovery_says_so_in_its_exit_code(err, fast, code):
+    assert exit_code(err, fast) == code

@@ -29,7 +29,7 @@ from trainer.events import EventKind
 from trainer.reporting import EVENTS, read_all
 from trainer.resilience.heartbeat import AGENT_ENV, heartbeat_dir
 from trainer.resilience.nodecheck import NODE_ENV
-from trainer.resilience.peers import NOTICE_ENV, WARM_SPARES_ENV
+from trainer.resilience.peers import NOTICE_ENV, WARM_SPARES_ENV, notice_for_nodes
 from trainer.zygote import Zygote
 
 ENV_COMMAND = "/usr/bin/env"  # POSIX: runs a command with variables added to its environment (it execs it)
@@ -125,7 +125,7 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
     env = {"OMP_NUM_THREADS": str(args.threads), NODE_ENV: str(args.node),  # workers name their node (node check, events)
            FAST_RECOVERY_ENV: str(fast_timeout_s), WARM_SPARES_ENV: "0",
            # a lost node announces no epoch: its survivors leave for the full restart once its keep-alives lapse
-           NOTICE_ENV: str(args.node_timeout)}
+           NOTICE_ENV: str(notice_for_nodes(args.node_timeout))}
     command = elastic_worker_command(zygote, worker_args, env)
     try:
         if args.standby and not wait_to_stand_by(job.job_dir, args.rdzv_endpoint):

@@ -38,7 +38,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from trainer.dist import EPOCH_ENV, round_restart_count
 from trainer.node_agent import describe_exit
-from trainer.resilience.peers import announce, not_ready
+from trainer.resilience.peers import PEER_LOST_EXIT, announce, not_ready
 
 POLL_S = 0.05  # how often the ranks' ready keys and the local processes are looked at during a fast recovery
 MEMBERSHIP_LOOK_S = 0.5  # how often a fast recovery asks the rendezvous whether another node is restarting
@@ -63,6 +63,8 @@ class SurvivorsAgent(LocalElasticAgent):
             return {}
         codes = {lr: handlers[lr].proc.poll() for lr in running}
         lost = {lr: c for lr, c in codes.items() if c not in (None, 0)}
+        if PEER_LOST_EXIT in lost.values():  # a survivor of a loss nobody recovers (a lost node): torch restarts
+            return {}
         return lost if lost and all(c is None for lr, c in codes.items() if lr not in lost) else {}
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:

@@ -29,7 +29,7 @@ from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
 from trainer.process import wait_for_an_exit
 from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
-from trainer.resilience.peers import TAKEN, WARM_SPARES_ENV, announce, not_ready, spare_key
+from trainer.resilience.peers import PEER_LOST_EXIT, TAKEN, WARM_SPARES_ENV, announce, not_ready, spare_key
 
 POLL_S = 0.05  # how often the spares, the ranks' ready keys and snapshot copies are looked at (exits wake the agent)
 STOP_GRACE_S = 30.0  # SIGTERM → SIGKILL, as torch's agent
@@ -187,7 +187,9 @@ class NodeAgent:
                 print(f"worker failure ({why}); recovery {self.recoveries} of {self.s.max_restarts}", file=sys.stderr,
                       flush=True)
                 survivors = [c for r, c in codes.items() if r not in failed]
-                if not (self.s.fast and survivors and all(c is None for c in survivors) and self.fast_recover(failed)):
+                # a worker that left because a peer was lost with no recovery announced is not replaced
+                fast = self.s.fast and PEER_LOST_EXIT not in (codes[r] for r in failed)
+                if not (fast and survivors and all(c is None for c in survivors) and self.fast_recover(failed)):
                     self.full_restart()
             self.tend_spares()
             # woken by a worker's exit (its recovery starts at once), else every POLL_S to tend the spares

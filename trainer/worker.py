@@ -24,7 +24,7 @@ from trainer.loop import build_model, seed_everything, train
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.heartbeat import Heartbeat, collective_timeout_s
-from trainer.resilience.peers import Peers, arrive_as_replacement, fast_recovery_bound_s, wait_for_rank
+from trainer.resilience.peers import Peers, arrive_as_replacement, exit_code, fast_recovery_bound_s, wait_for_rank
 
 DIGEST_WAIT_S = 10.0  # the longest a failing worker waits for the digest of the snapshot it copied
 
@@ -60,10 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     threads = cfg.threads_per_worker or int(os.environ.get("OMP_NUM_THREADS") or 0)
     if threads:
         torch.set_num_threads(threads)
-    code, me = 0, Identity.from_env()
+    code, me, fast = 0, Identity.from_env(), fast_recovery_bound_s() > 0
     try:
         timeout_s = collective_timeout_s(cfg.hang_timeouts)
-        fast = fast_recovery_bound_s() > 0
         store = connect_store(timeout_s, me.rank) if fast else None  # rank 0 hosts a round's own store
         warm = None
         if args.spare is not None:
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         report = JsonLines(Path(cfg.job_dir) / EVENTS)
         report.write(error_event(err, rank=me.rank, traceback=traceback.format_exc()[-2000:]))
         finish_digests(DIGEST_WAIT_S)
-        code = 1
+        code = exit_code(err, fast)
     shutdown_and_exit(code)
 
 

@@ -34,6 +34,18 @@ from trainer.events import IN_PROCESS_SOURCES, EventKind
 
 NOTICE_S = 10.0  # after a failed collective, how long a survivor waits for the agent to announce a lost peer
 NOTICE_ENV = "PRETRAIN_PEER_NOTICE_S"  # set by an agent of several nodes: a lost node announces nothing
+# A worker's exit code when it left because a peer was lost and no recovery was announced (a
+# lost node, a recovery not attempted): its agent restarts every worker instead of replacing it
+# (it is not the cause; replacing it would wait for peers that are gone)
+PEER_LOST_EXIT = 75
+
+
+def notice_for_nodes(node_timeout_s: float) -> float:
+    """How long survivors on several nodes wait for an announcement: the lost worker's node
+    agent makes it within a monitor interval (0.2 s), a lost node never does. Half the node
+    timeout (at least 1 s): the rendezvous waits for the lost node's keep-alives to lapse anyway,
+    and most of the wait is spent meanwhile."""
+    return max(1.0, node_timeout_s / 2)
 
 
 def epoch_key(restart: int, epoch: int) -> str:
@@ -117,6 +129,12 @@ def arrive_as_replacement(store: dist.Store, me: Identity, bound_s: float) -> Id
     me = replace(me, restart_count=round_restart_count(store, me.world_size, me.restart_count))
     arrive(store, me, bound_s)
     return me
+
+
+def exit_code(err: BaseException, fast: bool) -> int:
+    """A failed worker's exit code: ``PEER_LOST_EXIT`` when it kept its survivors' part (``fast``)
+    and left because its collective broke with no recovery announced, else 1."""
+    return PEER_LOST_EXIT if fast and may_be_peer_loss(err) else 1
 
 
 def may_be_peer_loss(err: BaseException) -> bool:
