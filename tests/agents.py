@@ -32,7 +32,8 @@ def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int =
 
 
 def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, zygote: Zygote | None = None,
-                node: int = 0, nodes: int = 1, endpoint: str | None = None, **popen) -> subprocess.Popen:
+                node: int = 0, nodes: int = 1, endpoint: str | None = None, node_timeout: int = 3,
+                **popen) -> subprocess.Popen:
     """The job's node agent (``max_restarts``: in-job restarts of its ``nproc`` workers); with
     ``zygote`` it forks its workers, spares and saver from it, as in a campaign run (else each
     is a fresh interpreter that imports torch). A job of ``nodes`` nodes: this is node ``node``
@@ -42,6 +43,7 @@ def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, zygote: Z
     cmd = [sys.executable, "-m", "trainer.launch", str(job_path), "--nproc", str(nproc), "--rdzv-endpoint",
            endpoint or f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--max-restarts",
            str(max_restarts), "--node", str(node), "--nnodes-min", str(nodes), "--nnodes-max", str(nodes),
+           "--node-timeout", str(node_timeout),
            *(["--rdzv-host"] if node == 0 else []), *(["--zygote", zygote.path] if zygote is not None else [])]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)
 
@@ -58,12 +60,12 @@ def run_agent(job: JobConfig, timeout: float = 180, max_restarts: int = 0, nproc
 
 
 def run_agents(job: JobConfig, timeout: float = 180, max_restarts: int = 0, nproc: int = 1,
-               zygote: Zygote | None = None, nodes: int = 1) -> int:
+               zygote: Zygote | None = None, nodes: int = 1, node_timeout: int = 3) -> int:
     """Run the job on ``nodes`` node agents (of ``nproc`` workers each) to its end; the largest of
     their exit codes. Nothing they started outlives this."""
     endpoint = f"127.0.0.1:{free_port()}"
     agents = [start_agent(job, max_restarts, nproc, zygote, node=n, nodes=nodes, endpoint=endpoint,
-                          start_new_session=True) for n in range(nodes)]
+                          node_timeout=node_timeout, start_new_session=True) for n in range(nodes)]
     try:
         deadline = time.monotonic() + timeout
         return max(a.wait(max(0.0, deadline - time.monotonic())) for a in agents)

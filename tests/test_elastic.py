@@ -128,8 +128,10 @@ def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_round
     process, the standby is not needed. Rank 0 killed at step 16: the store went with it, so
     torch's agents restart every worker (the fallback; the new round may take the standby in). The run completes in its first attempt,
     every sample trained on once."""
+    # survivors wait node_timeout_s / 2 for the announcement: 4 s, so that a node agent starved of
+    # CPU for a second or two (the suite on 2 cores) still announces in time
     spec = standby_spec(tmp_path, chaos=[{"kind": "kill_worker", "rank": 1, "step": 8},
-                                         {"kind": "kill_worker", "rank": 0, "step": 16}])
+                                         {"kind": "kill_worker", "rank": 0, "step": 16}], node_timeout_s=8)
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
     stage = status["stages"][0]
@@ -147,12 +149,12 @@ def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_round
     assert sorted(final) == list(range(1, 25)) and all(m["consumed"] == 4 * s for s, m in final.items())
 
 
-def standby_spec(root, chaos=()):
+def standby_spec(root, chaos=(), **cluster):
     # node_timeout_s at its default (3): at 2 a live agent starved of CPU for about a second (the
     # suite on 2 cores) missed its keep-alive window, the standby saw a free place and joined the
     # wait list, and torch restarted the fault-free job to take it in
     return small_spec(root, cluster={"workers_per_node": 1, "nodes_min": 2, "nodes_max": 2, "spare_nodes": 1,
-                                     "max_restarts": 3},
+                                     "max_restarts": 3, **cluster},
                       stages=[{"name": "main", "steps": 24, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
                       checkpoint={"interval": 8, "memory_interval": 2, "keep": 3}, chaos=list(chaos))
 
