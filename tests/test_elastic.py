@@ -4,16 +4,21 @@ when the lost node passes its health check again, the job scales back up."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import threading
 
+import pytest
 import torch
 
 from conftest import assert_no_duplicate_metric_steps, final_model, seed_data, small_spec
 from flows.campaign import pretrain_campaign
 from pretrain.jobs import checkpoint_store
 from pretrain.ledger import Ledger
+from trainer.elastic import wait_to_stand_by
 from trainer.reporting import read_all
+from trainer.resilience.heartbeat import heartbeat_dir
 
 
 def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness, prepared_data, tmp_path):
@@ -126,8 +131,8 @@ def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_round
     """A job with a standby node keeps its workers' store in rank 0 (a fresh one every round).
     Rank 1 killed at step 8: node 1's agent replaces it through that store, rank 0 keeps its
     process, the standby is not needed. Rank 0 killed at step 16: the store went with it, so
-    torch's agents restart every worker (the fallback; the new round may take the standby in). The run completes in its first attempt,
-    every sample trained on once."""
+    torch's agents restart every worker (the fallback; the new round may take the standby in).
+    The run completes in its first attempt, every sample trained on once."""
     # survivors wait node_timeout_s / 2 for the announcement: 4 s, so that a node agent starved of
     # CPU for a second or two (the suite on 2 cores) still announces in time
     spec = standby_spec(tmp_path, chaos=[{"kind": "kill_worker", "rank": 1, "step": 8},
@@ -228,3 +233,43 @@ def test_a_fresh_interpreter_worker_gets_its_node_and_threads_in_its_own_environ
     probe = ["-c", "import os; print(os.environ['PRETRAIN_NODE'], os.environ['OMP_NUM_THREADS'])"]
     command = elastic_worker_command(None, probe, {"PRETRAIN_NODE": "3", "OMP_NUM_THREADS": "2"})
     assert subprocess.run(command, capture_output=True, text=True, timeout=60).stdout == "3 2\n"
+
+
+STAND_BY = {  # the job's rendezvous over time (not yet listening, up, gone; the first round formed) → stands by
+    "the rendezvous starts after the standby, then the first round forms": (["not yet", "up", "formed"], True),
+    "the rendezvous goes away before the first round formed": (["up", "gone"], False),
+    "the rendezvous never listens": (["not yet"], False),
+}
+
+
+@pytest.mark.parametrize("case", list(STAND_BY))
+def test_a_standby_waits_for_a_rendezvous_that_is_not_up_yet_and_leaves_one_that_went_away(case, tmp_path):
+    """On a loaded machine the standby node's agent can start before the first node's agent hosts
+    the rendezvous (CI: it took that for the job's end, left, and the job waited 10 minutes for
+    the place it should have filled)."""
+    phases, stands_by = STAND_BY[case]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    done = threading.Event()
+
+    def play():
+        for phase in phases:
+            if phase == "up":
+                listener.listen()
+            elif phase == "gone":
+                listener.close()
+            elif phase == "formed":
+                heartbeat_dir(tmp_path).mkdir(parents=True, exist_ok=True)
+                (heartbeat_dir(tmp_path) / "agent1-local0.json").write_text("{}")
+            if done.wait(0.3):  # each phase lasts a few of the standby's looks
+                return
+
+    player = threading.Thread(target=play)
+    player.start()
+    try:
+        assert wait_to_stand_by(tmp_path, f"127.0.0.1:{port}", poll_s=0.01, never_up_s=2.0) is stands_by
+    finally:
+        done.set()
+        player.join()
+        listener.close()

@@ -33,6 +33,7 @@ from trainer.resilience.peers import NOTICE_ENV, WARM_SPARES_ENV, notice_for_nod
 from trainer.zygote import Zygote
 
 ENV_COMMAND = "/usr/bin/env"  # POSIX: runs a command with variables added to its environment (it execs it)
+STANDBY_NEVER_UP_S = 300.0  # a standby whose job's rendezvous never listened by then leaves (the job failed to start)
 RENDEZVOUS_POLL_S = 0.1  # torch's rendezvous polls its store once a second while a round forms
 
 
@@ -90,15 +91,21 @@ def first_round_formed(job_dir: str | Path) -> bool:
     return any(heartbeat_dir(job_dir).glob("agent*-local*.json"))
 
 
-def wait_to_stand_by(job_dir: str | Path, endpoint: str, poll_s: float = 0.1) -> bool:
+def wait_to_stand_by(job_dir: str | Path, endpoint: str, poll_s: float = 0.1,
+                     never_up_s: float = STANDBY_NEVER_UP_S) -> bool:
     """A standby node joins once the job's own nodes formed their first round (True), so that it
     stands by instead of taking one of their places. False: the job's rendezvous went away first
-    (the job ended or failed before it started training)."""
-    checks = 0
+    (the job ended or failed before it started training), or never listened within ``never_up_s``.
+    A rendezvous not listening *yet* is not gone: on a loaded machine the standby may start
+    before the first node's agent (torch's import takes seconds) hosts it."""
+    checks, seen, deadline = 0, False, time.monotonic() + never_up_s
     while not first_round_formed(job_dir):
         checks += 1
-        if checks % 5 == 0 and not listening(*host_port(endpoint)):
-            return False
+        if checks % 5 == 0:
+            up = listening(*host_port(endpoint))
+            if (seen and not up) or (not seen and not up and time.monotonic() > deadline):
+                return False
+            seen = seen or up
         time.sleep(poll_s)  # polls for the workers' heartbeat files and, every 5th time, the rendezvous
     return True
 
