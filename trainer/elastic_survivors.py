@@ -52,7 +52,7 @@ class SurvivorsAgent(LocalElasticAgent):
         super().__init__(spec=spec, **kwargs)
         self.fast_timeout_s = fast_timeout_s
         self.fast_recoveries = 0
-        self._peers_store: tuple[tuple[str, int], dist.TCPStore] | None = None
+        self._peers_store: tuple[object, dist.TCPStore] | None = None  # (the round's process context, its store)
 
     def _lost_with_survivors(self) -> dict[int, int]:
         """Local ranks that died (their exit codes) while every other local worker still runs;
@@ -85,14 +85,17 @@ class SurvivorsAgent(LocalElasticAgent):
         return super()._monitor_workers(worker_group)
 
     def _job_store(self, env: dict[str, str]) -> dist.TCPStore | None:
+        """A client of the store this round's workers share (one per round: a round with standby
+        nodes has its own store, possibly at the same address as the last round's)."""
         where = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
-        if self._peers_store is None or self._peers_store[0] != where:
+        if self._peers_store is None or self._peers_store[0] is not self._pcontext:
             try:
-                self._peers_store = where, dist.TCPStore(*where, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+                store = dist.TCPStore(*where, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
             except (dist.DistError, RuntimeError) as err:
                 print(f"no fast recovery: the job's store at {where[0]}:{where[1]} is not reachable ({err})",
                       file=sys.stderr, flush=True)
                 return None
+            self._peers_store = self._pcontext, store
         return self._peers_store[1]
 
     def _recover_fast(self, worker_group: WorkerGroup, lost: dict[int, int]) -> bool | None:
