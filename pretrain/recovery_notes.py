@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from trainer.events import EventKind, replaced_workers
 
-TAKEN_BY = {"spare": "a warm spare took over", "replacement": "new worker processes took over (started cold: no warm spare was ready)"}
+TAKEN_BY = {"spare": "a warm spare took over",
+            "replacement": "new worker processes took over (no warm spare: none was ready, or none is kept on a job of "
+                           "several nodes)"}
 
 
 def _ranks(ranks) -> str:
