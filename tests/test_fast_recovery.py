@@ -245,3 +245,20 @@ def test_on_two_nodes_a_fast_recovery_that_cannot_finish_falls_back_to_torchs_fu
 ])
 def test_a_survivor_left_without_a_recovery_says_so_in_its_exit_code(err, fast, code):
     assert exit_code(err, fast) == code
+
+
+def test_on_two_nodes_workers_lost_on_both_at_once_are_recovered_by_one_full_restart(prepared_data, tmp_path,
+                                                                                    clean_model, zygote):
+    """Both nodes lose their worker at the same step: both agents announce a recovery (two epochs,
+    each waiting for a rank the other replaces). The agent that sees the other's announcement gives
+    up at once and torch's agents restart every worker, instead of both waiting out the bound;
+    the job completes, bitwise."""
+    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 0, "step": 6},
+                                                   {"kind": "kill_worker", "rank": 1, "step": 6}])
+    assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2) == 0, node_log(job, nodes=2)
+    log = node_log(job, nodes=2)
+    assert "the fast recovery was not done within" not in log, log  # nobody waited for the bound (30 s)
+    events = read_all(Path(job.job_dir) / EVENTS)
+    assert sorted(e["restart_count"] for e in by_kind(events, "start") if e["rank"] == 0 and not e["epoch"]) == [0, 1]
+    model = final_model(job)
+    assert all(torch.equal(model[k], clean_model[k]) for k in model)

@@ -38,7 +38,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from trainer.dist import EPOCH_ENV, round_restart_count
 from trainer.node_agent import describe_exit
-from trainer.resilience.peers import PEER_LOST_EXIT, announce, not_ready
+from trainer.resilience.peers import PEER_LOST_EXIT, announce, epochs_key, not_ready
 
 POLL_S = 0.05  # how often the ranks' ready keys and the local processes are looked at during a fast recovery
 MEMBERSHIP_LOOK_S = 0.5  # how often a fast recovery asks the rendezvous whether another node is restarting
@@ -140,8 +140,13 @@ class SurvivorsAgent(LocalElasticAgent):
                     return False
             try:
                 late = not_ready(store, restart, epoch, world)
+                concurrent = store.add(epochs_key(restart), 0) != epoch
             except (dist.DistError, RuntimeError):
-                late = list(range(world))  # the store is away for a moment: look again
+                late, concurrent = list(range(world)), False  # the store is away for a moment: look again
+            if concurrent:  # two nodes lost workers at once (or a collective hung everywhere): one round for all
+                print("another node announced a recovery at the same time: restarting every worker", file=sys.stderr,
+                      flush=True)
+                return False
             if not late:
                 print(f"recovered in {time.monotonic() - t0:.2f} s (replacement)", flush=True)
                 return True

@@ -72,12 +72,17 @@ WARM, TAKEN = "fastrec/spares_warm", "fastrec/spares_taken"  # counters: spares 
 WARM_SPARES_ENV = "PRETRAIN_WARM_SPARES"  # warm spares the worker's agent keeps per node (0: a lost rank starts cold)
 
 
+def epochs_key(restart: int) -> str:
+    """The counter of the epochs announced in round ``restart``."""
+    return f"fastrec/attempt_{restart}/epochs"
+
+
 def announce(store: dist.Store, restart: int, lost: list[int], path: str, detected_at: float) -> int:
     """An agent's announcement of a fast recovery: the next epoch of round ``restart`` (taken from a
     counter in the store, so that agents of several nodes never announce the same epoch), the
     global ranks ``lost`` and how they are replaced (``spare``, ``replacement``). The survivors,
     on every node, wait for it (``Peers.announced``); returns the epoch."""
-    epoch = store.add(f"fastrec/attempt_{restart}/epochs", 1)
+    epoch = store.add(epochs_key(restart), 1)
     store.set(epoch_key(restart, epoch), json.dumps({"lost": lost, "path": path, "detected_at": detected_at}))
     return epoch
 
