@@ -38,7 +38,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from trainer.dist import EPOCH_ENV, round_restart_count
 from trainer.node_agent import describe_exit
-from trainer.resilience.peers import PEER_LOST_EXIT, announce, epochs_key, not_ready
+from trainer.resilience.peers import PEER_LOST_EXIT, all_ready, announce, epochs_key, not_ready
 
 POLL_S = 0.05  # how often the ranks' ready keys and the local processes are looked at during a fast recovery
 MEMBERSHIP_LOOK_S = 0.5  # how often a fast recovery asks the rendezvous whether another node is restarting
@@ -127,7 +127,7 @@ class SurvivorsAgent(LocalElasticAgent):
         why = ", ".join(f"rank {workers[lr].global_rank}: {describe_exit(code)}" for lr, code in sorted(lost.items()))
         print(f"worker failure ({why}); the other workers are kept, epoch {epoch}: replacement", flush=True)
         local = [h.proc for h in pc.subprocess_handlers.values()]
-        rendezvous, next_look, late = worker_group.spec.rdzv_handler, 0.0, list(range(world))
+        rendezvous, next_look = worker_group.spec.rdzv_handler, 0.0
         while time.monotonic() - t0 < self.fast_timeout_s:
             if any(p.poll() is not None for p in local):
                 print("a worker exited during the fast recovery: restarting every worker", file=sys.stderr, flush=True)
@@ -139,18 +139,22 @@ class SurvivorsAgent(LocalElasticAgent):
                           file=sys.stderr, flush=True)
                     return False
             try:
-                late = not_ready(store, restart, epoch, world)
+                ready = all_ready(store, restart, epoch, world)
                 concurrent = store.add(epochs_key(restart), 0) != epoch
             except (dist.DistError, RuntimeError):
-                late, concurrent = list(range(world)), False  # the store is away for a moment: look again
+                ready, concurrent = False, False  # the store is away for a moment: look again
             if concurrent:  # two nodes lost workers at once (or a collective hung everywhere): one round for all
                 print("another node announced a recovery at the same time: restarting every worker", file=sys.stderr,
                       flush=True)
                 return False
-            if not late:
+            if ready:
                 print(f"recovered in {time.monotonic() - t0:.2f} s (replacement)", flush=True)
                 return True
             time.sleep(POLL_S)  # polls the local processes and the ranks' ready keys
+        try:
+            late = not_ready(store, restart, epoch, world)
+        except (dist.DistError, RuntimeError):
+            late = list(range(world))  # the store is gone: none of them is known to be restored
         print(f"the fast recovery was not done within {self.fast_timeout_s:.1f} s (rank(s) {late} not restored "
               "in the new process group): restarting every worker", file=sys.stderr, flush=True)
         return False

@@ -29,7 +29,7 @@ from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
 from trainer.process import wait_for_an_exit
 from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
-from trainer.resilience.peers import PEER_LOST_EXIT, TAKEN, WARM_SPARES_ENV, announce, not_ready, spare_key
+from trainer.resilience.peers import PEER_LOST_EXIT, TAKEN, WARM_SPARES_ENV, all_ready, announce, not_ready, spare_key
 
 POLL_S = 0.05  # how often the spares, the ranks' ready keys and snapshot copies are looked at (exits wake the agent)
 STOP_GRACE_S = 30.0  # SIGTERM → SIGKILL, as torch's agent
@@ -85,8 +85,9 @@ class NodeAgent:
         s = self.s
         env = {**os.environ, "OMP_NUM_THREADS": str(s.threads), NODE_ENV: str(s.node), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(s.port), "WORLD_SIZE": str(s.nproc), "LOCAL_WORLD_SIZE": str(s.nproc),
-               "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(self.restart), FAST_RECOVERY_ENV: str(s.fast_timeout_s if s.fast else 0),
-               WARM_SPARES_ENV: str(s.spares if s.fast else 0), AGENT_ENV: str(os.getpid())}
+               "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(self.restart),
+               FAST_RECOVERY_ENV: str(s.fast_timeout_s if s.fast else 0), WARM_SPARES_ENV: str(s.spares if s.fast else 0),
+               AGENT_ENV: str(os.getpid())}
         return env | {k: str(v) for k, v in extra.items()}
 
     def _start_worker(self, rank: int) -> subprocess.Popen:
@@ -138,7 +139,7 @@ class NodeAgent:
             if any(p.poll() is not None for p in self.workers.values()):
                 print("a worker exited during the fast recovery: restarting every worker", file=sys.stderr, flush=True)
                 return False
-            if not not_ready(self.store, self.restart, self.epoch, self.s.nproc):
+            if all_ready(self.store, self.restart, self.epoch, self.s.nproc):
                 print(f"recovered in {time.monotonic() - t0:.2f} s ({path})", flush=True)
                 self.replenish_at = time.monotonic() + REPLENISH_DELAY_S
                 return True

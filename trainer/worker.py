@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     threads = cfg.threads_per_worker or int(os.environ.get("OMP_NUM_THREADS") or 0)
     if threads:
         torch.set_num_threads(threads)
-    code, me, fast = 0, Identity.from_env(), fast_recovery_bound_s() > 0
+    code, me, bound_s = 0, Identity.from_env(), fast_recovery_bound_s()
+    fast = bound_s > 0
     try:
         timeout_s = collective_timeout_s(cfg.hang_timeouts)
         store = connect_store(timeout_s, me.rank) if fast else None  # rank 0 hosts a round's own store
@@ -69,9 +70,9 @@ def main(argv: list[str] | None = None) -> None:
             warm = warm_up(cfg)
             JsonLines(Path(cfg.job_dir) / EVENTS).write({"event": EventKind.SPARE_READY, "spare": args.spare})
             me = wait_for_rank(store, args.spare)
-        if fast and me.epoch > 0:  # a replacement: it meets the survivors, or gives up with them
-            me = arrive_as_replacement(store, me, fast_recovery_bound_s())
             warm = placed(warm, cfg, me)
+        if fast and me.epoch > 0:  # a replacement: it meets the survivors, or gives up with them
+            me = arrive_as_replacement(store, me, bound_s)
         heartbeat = Heartbeat(cfg.job_dir, me.local_rank, me.rank)
         heartbeat.beat("startup", 0)
         info = init_distributed(cfg.backend, timeout_s=timeout_s, me=me, base=store)

@@ -87,8 +87,13 @@ def announce(store: dist.Store, restart: int, lost: list[int], path: str, detect
     return epoch
 
 
+def all_ready(store: dist.Store, restart: int, epoch: int, world_size: int) -> bool:
+    """Whether every rank restored its state in the epoch's new group (one look at the store)."""
+    return store.check([ready_key(restart, epoch, r) for r in range(world_size)])
+
+
 def not_ready(store: dist.Store, restart: int, epoch: int, world_size: int) -> list[int]:
-    """The ranks not yet restored in the epoch's new group (empty: the recovery is done)."""
+    """The ranks not yet restored in the epoch's new group (what a fallback's message names)."""
     return [r for r in range(world_size) if not store.check([ready_key(restart, epoch, r)])]
 
 
