@@ -161,8 +161,10 @@ def standby_spec(root, chaos=(), **cluster):
     # node_timeout_s at its default (3): at 2 a live agent starved of CPU for about a second (the
     # suite on 2 cores) missed its keep-alive window, the standby saw a free place and joined the
     # wait list, and torch restarted the fault-free job to take it in
+    # node_check_threshold out of reach: on a loaded machine the check before training took a node
+    # for slow (4.4 × the median) and excluded it, and the job ran without a standby
     return small_spec(root, cluster={"workers_per_node": 1, "nodes_min": 2, "nodes_max": 2, "spare_nodes": 1,
-                                     "max_restarts": 3, **cluster},
+                                     "max_restarts": 3, **cluster}, fault_tolerance={"node_check_threshold": 1000},
                       stages=[{"name": "main", "steps": 24, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
                       checkpoint={"interval": 8, "memory_interval": 2, "keep": 3}, chaos=list(chaos))
 
