@@ -33,16 +33,18 @@ def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int =
 
 def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, zygote: Zygote | None = None,
                 node: int = 0, nodes: int = 1, endpoint: str | None = None, node_timeout: int = 3,
-                **popen) -> subprocess.Popen:
+                nodes_min: int | None = None, **popen) -> subprocess.Popen:
     """The job's node agent (``max_restarts``: in-job restarts of its ``nproc`` workers); with
     ``zygote`` it forks its workers, spares and saver from it, as in a campaign run (else each
-    is a fresh interpreter that imports torch). A job of ``nodes`` nodes: this is node ``node``
-    (node 0 hosts the rendezvous at ``endpoint``); its output goes to ``node<node>.log``."""
+    is a fresh interpreter that imports torch). A job of ``nodes`` nodes (it may run on
+    ``nodes_min``): this is node ``node`` (node 0 hosts the rendezvous at ``endpoint``); its output
+    goes to ``node<node>.log``."""
     job_path = write_job(job)
     log = open(Path(job.job_dir) / f"node{node}.log", "ab")
     cmd = [sys.executable, "-m", "trainer.launch", str(job_path), "--nproc", str(nproc), "--rdzv-endpoint",
            endpoint or f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--max-restarts",
-           str(max_restarts), "--node", str(node), "--nnodes-min", str(nodes), "--nnodes-max", str(nodes),
+           str(max_restarts), "--node", str(node), "--nnodes-min", str(nodes if nodes_min is None else nodes_min),
+           "--nnodes-max", str(nodes),
            "--node-timeout", str(node_timeout),
            *(["--rdzv-host"] if node == 0 else []), *(["--zygote", zygote.path] if zygote is not None else [])]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)

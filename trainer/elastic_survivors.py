@@ -38,6 +38,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from trainer.dist import EPOCH_ENV, round_restart_count
 from trainer.node_agent import describe_exit
+from trainer.rendezvous_store import RoundStoreAddress
 from trainer.resilience.peers import PEER_LOST_EXIT, all_ready, announce, epochs_key, not_ready
 
 POLL_S = 0.05  # how often the ranks' ready keys and the local processes are looked at during a fast recovery
@@ -166,8 +167,9 @@ def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint:
     with ``SurvivorsAgent``); raises ``ChildFailedError`` when the job failed."""
     params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
                                   max_nodes=max_nodes, **rdzv_configs)
+    rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params))
     spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=command[0], args=tuple(command[1:]),
-                      rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=max_restarts,
+                      rdzv_handler=rendezvous, max_restarts=max_restarts,
                       monitor_interval=monitor_interval)
     agent = SurvivorsAgent(spec, fast_timeout_s, logs_specs=DefaultLogsSpecs(), start_method="spawn")
     shutdown_rendezvous = True
