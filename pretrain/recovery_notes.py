@@ -8,8 +8,8 @@ from __future__ import annotations
 from trainer.events import EventKind, replaced_workers
 
 TAKEN_BY = {"spare": "a warm spare took over",
-            "replacement": "new worker processes took over (no warm spare: none was ready, or none is kept on a job of "
-                           "several nodes)"}
+            "replacement": "new worker processes took over (no warm spare: none was ready yet, or "
+                           "cluster.spares_per_node is 0)"}
 
 
 def _ranks(ranks) -> str:

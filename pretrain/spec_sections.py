@@ -63,10 +63,10 @@ class ClusterSpec(Section):
         "CPU for about a second at 2; with spare_nodes a standby then takes its place: a restart of the job).")
     max_restarts: int = Field(2, ge=0, description="In-job restarts by the elastic agent before the job counts as failed.")
     spares_per_node: int = Field(
-        1, ge=0, description="Warm spare workers per node (a job of one node): started once training is under way, "
-        "with torch imported and the model built; when a worker dies the others keep running and a spare takes its "
-        "rank (docs/recovery.md). 0: the lost worker is replaced by a cold start, the others still kept (as on a job "
-        "of several nodes, whose agents keep no spares yet).")
+        1, ge=0, description="Warm spare workers per node: started once training is under way, with torch imported "
+        "and the model built; when a worker dies the others keep running (on every node) and a spare of its node takes "
+        "its rank (docs/recovery.md). On a job of several nodes a full restart or a new rendezvous round starts the "
+        "node's spares anew. 0: the lost worker is replaced by a cold start, the others still kept.")
     rejoin_after_s: float = Field(
         60.0, ge=0, description="A node lost during a job is health-checked again after this many seconds; if it passes, "
         "the job is stopped (the savers persist the newest snapshot) and relaunched on all nodes — the cluster scales "

@@ -20,8 +20,8 @@ from pretrain.jobs import build_job
 from trainer.config import JobConfig
 from trainer.dist import Identity, round_restart_count
 from trainer.reporting import EVENTS, METRICS, read_all
-from trainer.resilience.peers import (PEER_LOST_EXIT, TAKEN, WARM, CannotRejoin, Peers, arrive, arrive_as_replacement, exit_code,
-                                      may_be_peer_loss)
+from trainer.resilience.peers import (PEER_LOST_EXIT, CannotRejoin, Peers, arrive, arrive_as_replacement, exit_code,
+                                      may_be_peer_loss, taken_key, warm_key)
 
 STEPS = 14
 
@@ -138,20 +138,22 @@ def test_only_a_broken_collective_makes_a_worker_wait_for_a_new_epoch(err, candi
     assert may_be_peer_loss(err) is candidate
 
 
-def test_every_rank_goes_on_to_a_drill_once_one_saw_the_warm_spare_that_the_drill_then_took():
-    """Before a drill takes a worker away, every rank waits for a warm spare. The rank the drill
-    takes may see it first, and the agent hands that spare over as soon as the rank dies: a
-    slower rank looking afterwards finds none, and must go on (the agent waits for it to rejoin)
-    instead of waiting for a spare that would only come after the recovery (CI: 30 s lost, then
-    a full restart)."""
+def test_every_rank_goes_on_to_a_drill_once_its_victim_saw_a_warm_spare_on_its_own_node():
+    """Before a drill takes a worker away, every rank waits until the victim saw a warm spare on
+    its own node (another node's spare cannot take its rank). The victim's loss takes the spare at
+    once: the others, who do not know the victim's node, follow the victim's word instead of
+    looking for a spare that would only come after the recovery (CI: 30 s lost, then a full
+    restart)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    doomed, slow = (Peers(store, Identity(r, r, 2, 0, 0), "gloo", 10.0) for r in (0, 1))
-    store.add(WARM, 1)
-    assert doomed.wait_for_spare(lambda: None, drill=3)
-    store.add(TAKEN, 1)  # the doomed rank died; the agent handed its rank to the spare
-    assert slow.wait_for_spare(lambda: None, drill=3, timeout_s=5.0)
-    # a later drill with no warm spare: the wait gives up (the drill goes on, replaced cold)
-    assert not slow.wait_for_spare(lambda: None, drill=4, timeout_s=0.2)
+    other, victim = (Peers(store, Identity(r, 0, 2, 0, 0), "gloo", 10.0, node=r) for r in (0, 1))
+    store.add(warm_key(0), 1)  # a spare on the other node only: the victim waits
+    assert not other.wait_for_spare(lambda: None, drill=3, victim=False, timeout_s=0.2)
+    assert victim.wait_for_spare(lambda: None, drill=3, victim=True, timeout_s=0.2)  # gave up: the drill goes on
+    assert other.wait_for_spare(lambda: None, drill=3, victim=False, timeout_s=0.2)  # and so does everyone
+    store.add(warm_key(1), 1)
+    assert victim.wait_for_spare(lambda: None, drill=4, victim=True, timeout_s=5.0)
+    store.add(taken_key(1), 1)  # the victim died; its agent handed its rank to the spare
+    assert other.wait_for_spare(lambda: None, drill=4, victim=False, timeout_s=5.0)
 
 
 def test_a_rank_that_never_arrives_ends_the_recovery_within_the_agents_bound():
@@ -185,9 +187,10 @@ def test_the_restart_count_a_recovery_uses_is_the_rounds(published, own, agreed)
     assert round_restart_count(store, 2, own) == agreed
 
 
-ON_TWO_NODES = {  # the fault of rank 1 (node 1's worker) before step 6 → the incident's cause
-    "killed": ({"kind": "kill_worker", "rank": 1, "step": 6}, "worker_killed"),
-    "hung": ({"kind": "hang_worker", "rank": 1, "step": 6}, "hang"),
+ON_TWO_NODES = {  # the fault of rank 1 (node 1's worker) before step 6, spares per node → cause, recovery path
+    "killed, warm spare": ({"kind": "kill_worker", "rank": 1, "step": 6}, 1, "worker_killed", "spare"),
+    "hung, warm spare": ({"kind": "hang_worker", "rank": 1, "step": 6}, 1, "hang", "spare"),
+    "killed, cold start": ({"kind": "kill_worker", "rank": 1, "step": 6}, 0, "worker_killed", "replacement"),
 }
 
 
@@ -198,10 +201,11 @@ def test_on_two_nodes_a_lost_worker_is_replaced_and_the_other_nodes_worker_keeps
     worker, is SIGKILLed (or hangs, and its node's agent kills it: 3 s step timeout; node 0's
     agent, whose worker waits in the step's collective, leaves it alone). Node 0's worker keeps
     its process and its state (no full restart of the job: torch's agent alone would restart
-    both), node 1's agent starts a replacement that takes the state from the survivor, and the
-    result is bitwise the run of one node with two workers."""
-    drill, cause = ON_TWO_NODES[fault]
-    job = two_worker_job(tmp_path, prepared_data, [drill])
+    both); node 1's warm spare, started before the fault, takes rank 1 (no spare: node 1's agent
+    starts a replacement), its state from the survivor; the result is bitwise the run of one node
+    with two workers."""
+    drill, spares, cause, path = ON_TWO_NODES[fault]
+    job = two_worker_job(tmp_path, prepared_data, [drill], spares_per_node=spares)
     job = dataclasses.replace(job, hang_timeouts={**job.hang_timeouts, "step": 3.0})
     # node timeout 10: survivors wait 5 s for the announcement (a node agent starved of CPU on a loaded machine)
     assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2, node_timeout=10) == 0, node_log(job, nodes=2)
@@ -214,9 +218,33 @@ def test_on_two_nodes_a_lost_worker_is_replaced_and_the_other_nodes_worker_keeps
     assert (replacement["rank"], replacement["node"]) == (1, starts[1]["node"])
     assert not [e for e in by_kind(events, "start") if e["restart_count"]], node_log(job, nodes=2)  # no full restart
     [rollback] = by_kind(events, "rollback")
-    assert (rollback["path"], rollback["source"], rollback["step"]) == ("replacement", "survivors", 5)
+    assert (rollback["path"], rollback["source"], rollback["step"]) == (path, "survivors", 5)
     [incident] = incidents(events, read_all(Path(job.job_dir) / METRICS), 0)
-    assert (incident["cause"], incident["recovery_path"]) == (cause, "replacement")
+    assert (incident["cause"], incident["recovery_path"]) == (cause, path)
+    warm = {e["pid"]: e["time"] for e in by_kind(events, "spare_ready")}
+    [kill] = [e for e in events if e["event"] in ("chaos", "hang")][:1]
+    assert (replacement["pid"] in warm and warm[replacement["pid"]] < kill["time"]) == bool(spares)
+    model = final_model(job)
+    assert all(torch.equal(model[k], clean_model[k]) for k in model)
+
+
+def test_on_two_nodes_a_warm_spare_is_started_again_for_the_next_fault(prepared_data, tmp_path, clean_model, zygote):
+    """Node 1 loses its worker twice (rank 1 before step 6, then its replacement before step 10):
+    each time a spare of node 1 that was warm before the fault takes the rank, node 0's worker
+    keeps its process throughout, and the run is bitwise the one-node run."""
+    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 6},
+                                                   {"kind": "kill_worker", "rank": 1, "step": 10}])
+    assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2) == 0, node_log(job, nodes=2)
+    events = read_all(Path(job.job_dir) / EVENTS)
+    starts = {e["rank"]: e for e in by_kind(events, "start") if not e["epoch"]}
+    assert [(e["rank"], e["pid"]) for e in by_kind(events, "rejoined")] == [(0, starts[0]["pid"])] * 2
+    replacements = [e for e in by_kind(events, "start") if e["epoch"]]
+    assert [(e["rank"], e["node"], e["epoch"]) for e in replacements] == [(1, starts[1]["node"], 1),
+                                                                          (1, starts[1]["node"], 2)]
+    warm = {e["pid"]: e["time"] for e in by_kind(events, "spare_ready")}
+    kills = by_kind(events, "chaos")
+    assert [warm.get(e["pid"], float("inf")) < kill["time"] for e, kill in zip(replacements, kills)] == [True, True]
+    assert [r["path"] for r in by_kind(events, "rollback")] == ["spare", "spare"]
     model = final_model(job)
     assert all(torch.equal(model[k], clean_model[k]) for k in model)
 

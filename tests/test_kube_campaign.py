@@ -106,13 +106,13 @@ def test_a_standby_pod_takes_a_lost_pods_place_and_the_world_keeps_its_size(pref
 
 
 def workers(api: double.KubeAPI) -> list[psutil.Process]:
-    """The training worker processes of the pods (not their agents, savers or the node check)."""
+    """The training worker processes of the pods (not their agents, savers, warm spares or the node check)."""
     found = []
     for pid in live_pids(api):
         with contextlib.suppress(psutil.Error):  # it ended meanwhile (e.g. a node check's pod)
             for child in psutil.Process(pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
-                    if "trainer.worker" in " ".join(child.cmdline()):
+                    if "trainer.worker" in (line := " ".join(child.cmdline())) and "--spare" not in line:
                         found.append(child)
     return found
 

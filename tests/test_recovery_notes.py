@@ -19,8 +19,8 @@ CASES = {
     "a warm spare took a lost rank": (SPARE, "rank 1 lost: a warm spare took over while the other workers kept "
                                              "running; training went on from step 29 (survivors) 0.07 s after the loss was noticed"),
     "no spare was ready": ({**SPARE, "path": "replacement", "lost_ranks": [0, 1], "seconds": None},
-                           "ranks [0, 1] lost: new worker processes took over (no warm spare: none was ready, or none "
-                           "is kept on a job of several nodes) while the other workers kept running; training went on "
+                           "ranks [0, 1] lost: new worker processes took over (no warm spare: none was ready yet, or "
+                           "cluster.spares_per_node is 0) while the other workers kept running; training went on "
                            "from step 29 (survivors)"),
     "a hang found": (HANG, "rank 0 hung (no progress in 'step' after step 59 for 3.2 s, timeout 3.0 s): killed, "
                            "rank 1 kept running"),

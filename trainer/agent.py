@@ -233,7 +233,8 @@ def run_node(args: argparse.Namespace) -> int:
                              spares_wanted=lambda: detector.max_step >= 1)
         else:
             fast = keeps_survivors(job, args.nproc * args.nnodes_max)
-            code = run_elastic(args, job, zygote, worker_args, job.fast_recovery_timeout_s if fast else 0.0)
+            code = run_elastic(args, job, zygote, worker_args, job.fast_recovery_timeout_s if fast else 0.0,
+                               spares_wanted=lambda: detector.max_step >= 1)
     finally:
         cleanup()
     return 1 if code and saver is not None and saver.failed else code  # fail_job reported why

@@ -125,12 +125,14 @@ def _terminate(signum, frame) -> None:
 
 
 def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None, worker_args: list[str],
-                fast_timeout_s: float = 0.0) -> int:
+                fast_timeout_s: float = 0.0, spares_wanted=lambda: True) -> int:
     """Torch's elastic agent for this node of a job of several nodes (``args``: ``trainer.launch``'s),
-    keeping the survivors of a lost worker when ``fast_timeout_s`` > 0 (``trainer.elastic_survivors``)."""
+    keeping the survivors of a lost worker when ``fast_timeout_s`` > 0 (``trainer.elastic_survivors``),
+    and ``job.spares_per_node`` warm spares once ``spares_wanted()``."""
+    spares = job.spares_per_node if fast_timeout_s > 0 else 0
     signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
     env = {"OMP_NUM_THREADS": str(args.threads), NODE_ENV: str(args.node),  # workers name their node (node check, events)
-           FAST_RECOVERY_ENV: str(fast_timeout_s), WARM_SPARES_ENV: "0",
+           FAST_RECOVERY_ENV: str(fast_timeout_s), WARM_SPARES_ENV: str(spares),
            # a lost node announces no epoch: its survivors leave for the full restart once its keep-alives lapse
            NOTICE_ENV: str(notice_for_nodes(args.node_timeout))}
     command = elastic_worker_command(zygote, worker_args, env)
@@ -145,7 +147,8 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
     try:
         launch(min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc=args.nproc, run_id=args.run_id,
                endpoint=args.rdzv_endpoint, rdzv_configs=rendezvous_configs(args), max_restarts=args.max_restarts,
-               command=command, fast_timeout_s=fast_timeout_s)
+               command=command, fast_timeout_s=fast_timeout_s, spares=spares, node=args.node,
+               spares_wanted=spares_wanted)
     except ChildFailedError as err:
         print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
         return 1

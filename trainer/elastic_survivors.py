@@ -22,6 +22,7 @@ other nodes' agents, which did not restart, must agree on it).
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -32,11 +33,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from trainer.dist import EPOCH_ENV, round_restart_count
+from trainer.dist import EPOCH_ENV, Identity, round_restart_count
+from trainer.elastic_spares import WarmSpares, start_process
 from trainer.node_agent import describe_exit
 from trainer.rendezvous_store import RoundStoreAddress
 from trainer.resilience.peers import PEER_LOST_EXIT, all_ready, announce, epochs_key, not_ready
@@ -49,11 +50,28 @@ STORE_TIMEOUT_S = 5.0  # the job's store not reachable by then: no fast recovery
 class SurvivorsAgent(LocalElasticAgent):
     """Torch's agent for one node of the job, keeping the survivors of a lost worker."""
 
-    def __init__(self, spec: WorkerSpec, fast_timeout_s: float, **kwargs):
+    def __init__(self, spec: WorkerSpec, fast_timeout_s: float, spares: int = 0, node: int = 0,
+                 spares_wanted=lambda: True, **kwargs):
         super().__init__(spec=spec, **kwargs)
         self.fast_timeout_s = fast_timeout_s
         self.fast_recoveries = 0
         self._peers_store: tuple[object, dist.TCPStore] | None = None  # (the round's process context, its store)
+        self.spares = WarmSpares(spares if fast_timeout_s > 0 else 0, node, spares_wanted)
+        self._worker_args = spec.args
+
+    def _start_workers(self, worker_group: WorkerGroup):
+        """Torch's start of the round's workers, telling them the round's number (``--round``): the
+        restart count their keys in the job's store are named by (torch's own count stays the same
+        in a round that only took a node in)."""
+        worker_group.spec.args = (*self._worker_args, "--round", str(self._round()))
+        return super()._start_workers(worker_group)
+
+    def _round(self) -> int:
+        return getattr(self._worker_group.spec.rdzv_handler, "round", 0)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self.spares.stop()  # a round's spares end with its workers (the next round has a new store)
+        super()._shutdown(death_sig, timeout)
 
     def _lost_with_survivors(self) -> dict[int, int]:
         """Local ranks that died (their exit codes) while every other local worker still runs;
@@ -69,6 +87,8 @@ class SurvivorsAgent(LocalElasticAgent):
         return lost if lost and all(c is None for lr, c in codes.items() if lr not in lost) else {}
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self.spares.wanted and self._pcontext is not None:
+            self.spares.tend(self._pcontext, self._job_store)
         lost = self._lost_with_survivors() if self.fast_timeout_s > 0 else {}
         if lost:
             if self._remaining_restarts - self.fast_recoveries <= 0:
@@ -113,20 +133,20 @@ class SurvivorsAgent(LocalElasticAgent):
         if store is None:
             return None
         try:
-            restart = round_restart_count(store, world, int(env["TORCHELASTIC_RESTART_COUNT"]))
-            epoch = announce(store, restart, ranks, "replacement", detected)
+            restart = round_restart_count(store, world, self._round())
+            path = "spare" if self.spares.ready(len(lost)) else "replacement"
+            epoch = announce(store, restart, ranks, path, detected)
         except (dist.DistError, RuntimeError) as err:
             print(f"no fast recovery: the job's store failed ({err})", file=sys.stderr, flush=True)
             return None
         for lr in lost:
             pc.envs[lr] = {**pc.envs[lr], EPOCH_ENV: str(epoch)}
-            handler = get_subprocess_handler(entrypoint=pc.entrypoint, args=pc.args[lr], env=pc.envs[lr],
-                                             stdout=pc.stdouts[lr], stderr=pc.stderrs[lr], local_rank_id=lr,
-                                             numa_options=getattr(pc, "_numa_options", None))
+            me = Identity(workers[lr].global_rank, lr, world, restart, epoch)
+            handler = self.spares.hand_over(store, me) or start_process(pc, lr)
             pc.subprocess_handlers[lr] = handler
             workers[lr].id = handler.proc.pid
         why = ", ".join(f"rank {workers[lr].global_rank}: {describe_exit(code)}" for lr, code in sorted(lost.items()))
-        print(f"worker failure ({why}); the other workers are kept, epoch {epoch}: replacement", flush=True)
+        print(f"worker failure ({why}); the other workers are kept, epoch {epoch}: {path}", flush=True)
         local = [h.proc for h in pc.subprocess_handlers.values()]
         rendezvous, next_look = worker_group.spec.rdzv_handler, 0.0
         while time.monotonic() - t0 < self.fast_timeout_s:
@@ -149,7 +169,8 @@ class SurvivorsAgent(LocalElasticAgent):
                       flush=True)
                 return False
             if ready:
-                print(f"recovered in {time.monotonic() - t0:.2f} s (replacement)", flush=True)
+                print(f"recovered in {time.monotonic() - t0:.2f} s ({path})", flush=True)
+                self.spares.replenish_later()
                 return True
             time.sleep(POLL_S)  # polls the local processes and the ranks' ready keys
         try:
@@ -162,16 +183,19 @@ class SurvivorsAgent(LocalElasticAgent):
 
 
 def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint: str, rdzv_configs: dict,
-           max_restarts: int, command: list[str], fast_timeout_s: float, monitor_interval: float = 0.2) -> None:
+           max_restarts: int, command: list[str], fast_timeout_s: float, spares: int = 0, node: int = 0,
+           spares_wanted=lambda: True, monitor_interval: float = 0.2) -> None:
     """This node's part of the job (what ``torch.distributed.launcher.api.elastic_launch`` does,
-    with ``SurvivorsAgent``); raises ``ChildFailedError`` when the job failed."""
+    with ``SurvivorsAgent`` keeping ``spares`` warm spares once ``spares_wanted()``); raises
+    ``ChildFailedError`` when the job failed."""
     params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
                                   max_nodes=max_nodes, **rdzv_configs)
     rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params))
     spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=command[0], args=tuple(command[1:]),
                       rdzv_handler=rendezvous, max_restarts=max_restarts,
                       monitor_interval=monitor_interval)
-    agent = SurvivorsAgent(spec, fast_timeout_s, logs_specs=DefaultLogsSpecs(), start_method="spawn")
+    agent = SurvivorsAgent(spec, fast_timeout_s, spares, node, spares_wanted, logs_specs=DefaultLogsSpecs(),
+                           start_method="spawn")
     shutdown_rendezvous = True
     try:
         result = agent.run()

@@ -155,10 +155,10 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     events = JsonLines(job_dir / EVENTS)
     metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
     beat = heartbeat.beat if heartbeat is not None else (lambda phase, step, collective=False: None)
-    def wait_for_spare(drill: int) -> None:
+    def wait_for_spare(drill: int, victim: bool) -> None:
         """Before a drill takes a worker away. Waiting is not a step (its time must not stretch
         the adapted step timeout); the step goes on after it (a hang in the drill is a step's)."""
-        peers.wait_for_spare(lambda: beat("startup", step), drill)
+        peers.wait_for_spare(lambda: beat("startup", step), drill, victim)
         beat("step", step)
 
     chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write, node=this_node(),

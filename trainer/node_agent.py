@@ -29,7 +29,7 @@ from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
 from trainer.process import wait_for_an_exit
 from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
-from trainer.resilience.peers import PEER_LOST_EXIT, TAKEN, WARM_SPARES_ENV, all_ready, announce, not_ready, spare_key
+from trainer.resilience.peers import PEER_LOST_EXIT, WARM_SPARES_ENV, all_ready, announce, not_ready, spare_key, taken_key
 
 POLL_S = 0.05  # how often the spares, the ranks' ready keys and snapshot copies are looked at (exits wake the agent)
 STOP_GRACE_S = 30.0  # SIGTERM → SIGKILL, as torch's agent
@@ -129,7 +129,7 @@ class NodeAgent:
         self.epoch = announce(self.store, self.restart, lost, path, time.time())
         for rank in lost:
             if spare is not None:
-                self.store.add(TAKEN, 1)
+                self.store.add(taken_key(self.s.node), 1)
                 self.store.set(spare_key(spare.id), json.dumps(asdict(self._identity(rank))))
                 self.workers[rank], spare = spare.proc, None
             else:

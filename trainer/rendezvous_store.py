@@ -12,8 +12,14 @@ address for later rounds (torch 2.13, ``DynamicRendezvousHandler.next_rendezvous
 - a node that was rank 0 in an earlier round and is not any more keeps its own address: its
   workers meet in a different store from the others' (each side waits for the other's ranks).
 
+And a round that only takes a node in (no worker failed) keeps torch's restart count, which names
+the workers' keys in that store (their process group's prefix, the fast recoveries' epochs): the
+new round's workers would read the last round's keys (a process group that hangs in its set-up).
+
 :class:`RoundStoreAddress` wraps the handler: after every round the rank-0 node writes its
-address again and every other node reads the round's, so all of a round's workers share one store.
+address again and every other node reads the round's, so all of a round's workers share one
+store; and the rank-0 node numbers the round (0, 1, … from a counter in the rendezvous's store),
+every node reads the number (``round``), and the workers name their keys by it.
 """
 
 from __future__ import annotations
@@ -21,17 +27,28 @@ from __future__ import annotations
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 
+ROUNDS_KEY = "pretrain/rounds"  # the counter, in the rendezvous's store (outside any round's prefix)
+ROUND_KEY = "pretrain/round"  # the round's number, in the round's part of it
+
+
 class RoundStoreAddress:
-    """A rendezvous handler (torch's, delegated to) that agrees on the store's address every round."""
+    """A rendezvous handler (torch's, delegated to) that agrees on the store's address and on the
+    round's number (``round``) every round."""
 
     def __init__(self, handler: RendezvousHandler):
         self._handler = handler
+        self.round = 0  # the last round's number, the same on every node
 
     def __getattr__(self, name: str):
         return getattr(self._handler, name)
 
     def next_rendezvous(self) -> RendezvousInfo:
         info = self._handler.next_rendezvous()
+        if info.rank == 0:  # the round's prefixed store: its underlying one is the rendezvous's, shared by all rounds
+            self.round = info.store.underlying_store.add(ROUNDS_KEY, 1) - 1
+            info.store.set(ROUND_KEY, str(self.round))
+        else:
+            self.round = int(info.store.get(ROUND_KEY))
         if not self._handler.use_agent_store:  # every round builds its own address already
             return info
         where = info.bootstrap_store_info

@@ -12,9 +12,11 @@ import argparse
 import os
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from trainer.checkpoint.flash import finish_digests
 from trainer.config import JobConfig
@@ -24,6 +26,7 @@ from trainer.loop import build_model, seed_everything, train
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.heartbeat import Heartbeat, collective_timeout_s
+from trainer.resilience.nodecheck import this_node
 from trainer.resilience.peers import Peers, arrive_as_replacement, exit_code, fast_recovery_bound_s, wait_for_rank
 
 DIGEST_WAIT_S = 10.0  # the longest a failing worker waits for the digest of the snapshot it copied
@@ -52,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("job", help="job config JSON")
     p.add_argument("--shm", help="the node's shared-memory snapshot directory (flash checkpoints)")
     p.add_argument("--spare", type=int, help="a warm spare: wait for the agent to hand over a lost rank (spare id)")
+    p.add_argument("--round", type=int, help="the rendezvous round under torch's agent: the restart count the "
+                   "worker's keys in the job's store are named by (torch's own count stays the same in a round that "
+                   "only took a node in)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     exit_when_orphaned()
     cfg = JobConfig.load(args.job)
@@ -61,15 +67,23 @@ def main(argv: list[str] | None = None) -> None:
     if threads:
         torch.set_num_threads(threads)
     code, me, bound_s = 0, Identity.from_env(), fast_recovery_bound_s()
+    if args.round is not None:
+        me = replace(me, restart_count=args.round)
     fast = bound_s > 0
     try:
         timeout_s = collective_timeout_s(cfg.hang_timeouts)
-        store = connect_store(timeout_s, me.rank) if fast else None  # rank 0 hosts a round's own store
+        # rank 0 hosts a round's own store; a spare (whose RANK is not its own yet) never does
+        store = connect_store(timeout_s, me.rank if args.spare is None else -1) if fast else None
         warm = None
         if args.spare is not None:
             warm = warm_up(cfg)
             JsonLines(Path(cfg.job_dir) / EVENTS).write({"event": EventKind.SPARE_READY, "spare": args.spare})
-            me = wait_for_rank(store, args.spare)
+            try:
+                me = wait_for_rank(store, args.spare, this_node())
+            except dist.DistError as err:  # the round's store went away (its rank 0 was lost): it was no rank yet
+                print(f"warm spare {args.spare}: the job's store went away before it took a rank ({err})",
+                      file=sys.stderr, flush=True)
+                shutdown_and_exit(1)
             warm = placed(warm, cfg, me)
         if fast and me.epoch > 0:  # a replacement: it meets the survivors, or gives up with them
             me = arrive_as_replacement(store, me, bound_s)

@@ -56,8 +56,9 @@ def reached_marker(job_dir: str | Path, index: int) -> Path:
 
 class WorkerChaos:
     def __init__(self, drills: list[Drill], job_dir: str | Path, rank: int, report, node: int = 0, before_loss=None):
-        """``before_loss(index)``: called by every rank at a ``kill_worker`` / ``hang_worker``
-        drill's step before it fires (waits for the node's warm spare; ``index``: the drill's)."""
+        """``before_loss(index, victim)``: called by every rank at a ``kill_worker`` / ``hang_worker``
+        drill's step before it fires (waits for the victim's node's warm spare; ``index``: the
+        drill's; ``victim``: whether this rank is the one the drill takes)."""
         self.drills: list[tuple[int, WorkerDrill]] = [(i, d) for i, d in enumerate(drills) if isinstance(d, WorkerDrill)]
         self.agent_drills: list[tuple[int, NodeDrill]] = [(i, d) for i, d in enumerate(drills)
                                                           if isinstance(d, NodeDrill) and d.node == node]
@@ -89,7 +90,7 @@ class WorkerChaos:
                 time.sleep(d.delay_s)  # a straggler, on purpose
             elif d.kind in ("kill_worker", "hang_worker"):
                 if d.step == step and self.before_loss is not None and not claimed(self.job_dir, i):
-                    self.before_loss(i)  # every rank, so none waits in a collective meanwhile
+                    self.before_loss(i, d.rank == self.rank)  # every rank, so none waits in a collective meanwhile
                 if not (self._due(d, step) and claim(self.job_dir, i)):
                     continue
                 self.report({"event": EventKind.CHAOS, "kind": d.kind, "rank": self.rank, "step": step})

@@ -31,6 +31,7 @@ from trainer.checkpoint.state import Restored
 from trainer.config import JobConfig
 from trainer.dist import FAST_RECOVERY_ENV, DistInfo, Identity, join_group, round_restart_count
 from trainer.events import IN_PROCESS_SOURCES, EventKind
+from trainer.resilience.nodecheck import NODE_ENV
 
 NOTICE_S = 10.0  # after a failed collective, how long a survivor waits for the agent to announce a lost peer
 NOTICE_ENV = "PRETRAIN_PEER_NOTICE_S"  # set by an agent of several nodes: a lost node announces nothing
@@ -68,7 +69,16 @@ def drill_key(restart: int, drill: int) -> str:
     return f"fastrec/attempt_{restart}/drill_{drill}/spare_seen"
 
 
-WARM, TAKEN = "fastrec/spares_warm", "fastrec/spares_taken"  # counters: spares that got warm, spares handed a rank
+def warm_key(node: int) -> str:
+    """Counter: the node's warm spares that got warm (reset by its agent when a round starts new ones)."""
+    return f"fastrec/node_{node}/spares_warm"
+
+
+def taken_key(node: int) -> str:
+    """Counter: the node's warm spares its agent handed a rank."""
+    return f"fastrec/node_{node}/spares_taken"
+
+
 WARM_SPARES_ENV = "PRETRAIN_WARM_SPARES"  # warm spares the worker's agent keeps per node (0: a lost rank starts cold)
 
 
@@ -97,14 +107,14 @@ def not_ready(store: dist.Store, restart: int, epoch: int, world_size: int) -> l
     return [r for r in range(world_size) if not store.check([ready_key(restart, epoch, r)])]
 
 
-def spares_available(store: dist.Store) -> int:
-    return store.add(WARM, 0) - store.add(TAKEN, 0)
+def spares_available(store: dist.Store, node: int) -> int:
+    return store.add(warm_key(node), 0) - store.add(taken_key(node), 0)
 
 
-def wait_for_rank(store: dist.Store, spare: int) -> Identity:
-    """Block (a warm spare) until the agent hands this process a lost rank."""
+def wait_for_rank(store: dist.Store, spare: int, node: int) -> Identity:
+    """Block (a warm spare of ``node``) until its agent hands this process a lost rank."""
     key = spare_key(spare)
-    store.add(WARM, 1)
+    store.add(warm_key(node), 1)
     while True:
         try:
             store.wait([key], timedelta(hours=1))
@@ -164,11 +174,12 @@ class Peers:
     warm_spares: int = 0  # warm spares the agent keeps (a drill waits for one before it takes a worker away)
     notice_s: float = NOTICE_S  # how long a survivor waits for the announcement of a lost peer
     bound_s: float = 30.0  # how long the agent gives a fast recovery (fault_tolerance.fast_recovery_timeout_s)
+    node: int = 0  # the node this worker runs on (its agent's spares)
 
     @classmethod
     def from_env(cls, store: dist.Store, me: Identity, backend: str, timeout_s: float, env=os.environ) -> "Peers":
         return cls(store, me, backend, timeout_s, int(env.get(WARM_SPARES_ENV) or 0),
-                   float(env.get(NOTICE_ENV) or NOTICE_S), fast_recovery_bound_s(env))
+                   float(env.get(NOTICE_ENV) or NOTICE_S), fast_recovery_bound_s(env), int(env.get(NODE_ENV) or 0))
 
     def announced(self, err: BaseException) -> dict | None:
         """After ``err`` in a collective: the agent's record of the next epoch, if it announces
@@ -183,21 +194,23 @@ class Peers:
             return None
         return json.loads(self.store.get(key))
 
-    def wait_for_spare(self, beat, drill: int, timeout_s: float = 120.0) -> bool:
-        """Before drill ``drill`` takes a worker away: until the node has a warm spare (a drill
-        rehearses the recovery the spec configures, not the start-up race of the first spare);
-        ``beat()`` keeps this worker's heartbeat fresh meanwhile. Every rank waits, and all go on
-        once one of them saw a warm spare (``drill_key``): the rank the drill takes away may see
-        it first, and its loss takes the spare before a slower rank looks again, which must not
-        then wait for a spare that will never come while the agent waits for it. True: a spare was
-        seen; False: given up after ``timeout_s`` (the drill goes on, its replacement starts cold)."""
-        seen = drill_key(self.me.restart_count, drill)
+    def wait_for_spare(self, beat, drill: int, victim: bool, timeout_s: float = 120.0) -> bool:
+        """Before drill ``drill`` takes a worker away: until the victim's node has a warm spare (a
+        drill rehearses the recovery the spec configures, not the start-up race of the first
+        spare); ``beat()`` keeps this worker's heartbeat fresh meanwhile. The ``victim`` (the rank
+        the drill takes) looks at its node's spares and lets every rank go on (``drill_key``);
+        the others wait for that: they do not know the victim's node, and its loss takes the spare
+        at once, so a rank looking for one afterwards would wait for a spare that comes only after
+        the recovery, while the agent waits for it to rejoin. True: the victim saw a spare or
+        gave up (after ``timeout_s``: the drill goes on, its replacement starts cold); False: this
+        rank gave up waiting for the victim."""
+        go = drill_key(self.me.restart_count, drill)
         deadline = time.monotonic() + timeout_s
         next_beat = 0.0
-        while not self.store.check([seen]):
-            if spares_available(self.store) >= 1:
-                self.store.set(seen, "1")
-                return True
+        while not self.store.check([go]):
+            if victim and (spares_available(self.store, self.node) >= 1 or time.monotonic() >= deadline):
+                self.store.set(go, "1")
+                break
             if time.monotonic() >= deadline:
                 return False
             if time.monotonic() >= next_beat:
