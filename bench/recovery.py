@@ -10,7 +10,7 @@ worker restarts, side by side; their medians are compared); the same
 NaN drill with ``rollback_in_process`` off (the workers restart: the old path, side by side);
 then a two-node campaign that loses a node (the world shrinks) and the same with a standby node
 (it takes the lost node's place); and four worker kills on two nodes of one worker each, fast
-path (the other node's worker kept, a replacement started by the lost worker's node) and full
+path (the other node's worker kept, a warm spare of the lost worker's node takes its rank) and full
 restart (torch's elastic agents restart both nodes) side by side. Prints, per fault, the recovery path, the
 detection-to-first-step recovery time and the time lost (recovery + steps redone), as recorded
 in the campaign ledger, and checks the worker kill's fast path against issue 16's targets
