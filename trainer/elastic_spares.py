@@ -13,17 +13,15 @@ drill's victim looks at before the drill takes it away.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
-from dataclasses import asdict
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, get_subprocess_handler
 
 from trainer.dist import Identity
 from trainer.node_agent import REPLENISH_DELAY_S
-from trainer.resilience.peers import spare_key, taken_key, warm_key
+from trainer.resilience.peers import hand_rank, taken_key, warm_key
 
 SPARE_IDS = 100_000  # spare ids per node: node n's spares are n × SPARE_IDS + 0, 1, …
 
@@ -45,10 +43,6 @@ class WarmSpares:
         self._round: object | None = None  # the process context of the round they serve
         self._counted = False  # the round's counters were reset
         self._next_id, self._start_after = 0, 0.0
-
-    @property
-    def wanted(self) -> bool:
-        return self.count > 0
 
     def ready(self, n: int) -> bool:
         """Whether ``n`` spares can be handed over now."""
@@ -84,8 +78,7 @@ class WarmSpares:
         while self.live:
             spare, handler = self.live.pop(0)
             if handler.proc.poll() is None:
-                store.add(taken_key(self.node), 1)
-                store.set(spare_key(spare), json.dumps(asdict(me)))
+                hand_rank(store, spare, self.node, me)
                 return handler
         return None
 

@@ -87,7 +87,7 @@ class SurvivorsAgent(LocalElasticAgent):
         return lost if lost and all(c is None for lr, c in codes.items() if lr not in lost) else {}
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        if self.spares.wanted and self._pcontext is not None:
+        if self._pcontext is not None:  # keeps none when spares_per_node is 0
             self.spares.tend(self._pcontext, self._job_store)
         lost = self._lost_with_survivors() if self.fast_timeout_s > 0 else {}
         if lost:

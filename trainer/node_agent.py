@@ -13,13 +13,12 @@ back to, …) it falls back to the full restart. Jobs of several nodes keep torc
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -29,7 +28,7 @@ from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
 from trainer.process import wait_for_an_exit
 from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
-from trainer.resilience.peers import PEER_LOST_EXIT, WARM_SPARES_ENV, all_ready, announce, not_ready, spare_key, taken_key
+from trainer.resilience.peers import PEER_LOST_EXIT, WARM_SPARES_ENV, all_ready, announce, hand_rank, not_ready
 
 POLL_S = 0.05  # how often the spares, the ranks' ready keys and snapshot copies are looked at (exits wake the agent)
 STOP_GRACE_S = 30.0  # SIGTERM → SIGKILL, as torch's agent
@@ -129,8 +128,7 @@ class NodeAgent:
         self.epoch = announce(self.store, self.restart, lost, path, time.time())
         for rank in lost:
             if spare is not None:
-                self.store.add(taken_key(self.s.node), 1)
-                self.store.set(spare_key(spare.id), json.dumps(asdict(self._identity(rank))))
+                hand_rank(self.store, spare.id, self.s.node, self._identity(rank))
                 self.workers[rank], spare = spare.proc, None
             else:
                 self.workers[rank] = self._start_worker(rank)

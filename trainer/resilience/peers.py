@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -109,6 +109,12 @@ def not_ready(store: dist.Store, restart: int, epoch: int, world_size: int) -> l
 
 def spares_available(store: dist.Store, node: int) -> int:
     return store.add(warm_key(node), 0) - store.add(taken_key(node), 0)
+
+
+def hand_rank(store: dist.Store, spare: int, node: int, me: Identity) -> None:
+    """An agent hands identity ``me`` to warm spare ``spare`` of ``node`` (``wait_for_rank``)."""
+    store.add(taken_key(node), 1)
+    store.set(spare_key(spare), json.dumps(asdict(me)))
 
 
 def wait_for_rank(store: dist.Store, spare: int, node: int) -> Identity:
