@@ -33,12 +33,13 @@ def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int =
 
 def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, zygote: Zygote | None = None,
                 node: int = 0, nodes: int = 1, endpoint: str | None = None, node_timeout: int = 3,
-                nodes_min: int | None = None, **popen) -> subprocess.Popen:
+                nodes_min: int | None = None, first_round_wait: float | None = None, **popen) -> subprocess.Popen:
     """The job's node agent (``max_restarts``: in-job restarts of its ``nproc`` workers); with
     ``zygote`` it forks its workers, spares and saver from it, as in a campaign run (else each
     is a fresh interpreter that imports torch). A job of ``nodes`` nodes (it may run on
     ``nodes_min``): this is node ``node`` (node 0 hosts the rendezvous at ``endpoint``); its output
-    goes to ``node<node>.log``."""
+    goes to ``node<node>.log``. ``first_round_wait``: seconds the first round waits for every node
+    (default: the agent's)."""
     job_path = write_job(job)
     log = open(Path(job.job_dir) / f"node{node}.log", "ab")
     cmd = [sys.executable, "-m", "trainer.launch", str(job_path), "--nproc", str(nproc), "--rdzv-endpoint",
@@ -46,6 +47,7 @@ def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, zygote: Z
            str(max_restarts), "--node", str(node), "--nnodes-min", str(nodes if nodes_min is None else nodes_min),
            "--nnodes-max", str(nodes),
            "--node-timeout", str(node_timeout),
+           *(["--first-round-wait", str(first_round_wait)] if first_round_wait is not None else []),
            *(["--rdzv-host"] if node == 0 else []), *(["--zygote", zygote.path] if zygote is not None else [])]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)
 

@@ -42,15 +42,11 @@ def s3_state_spec(tmp_path: Path, endpoint: str):
                                                    "s3_endpoint_url": endpoint, "s3_region": "us-east-1"})
 
 
-@pytest.fixture(params=["seaweed", "moto"])
-def endpoint(request, aws_env) -> str:
-    return request.getfixturevalue(request.param).endpoint
-
-
-def test_ledger_writers_racing_on_s3_lose_no_update(tmp_path, endpoint):
+def test_ledger_writers_racing_on_s3_lose_no_update(tmp_path, seaweed, aws_env):
     """Three writers (each its own Ledger, as several flows hold one) add restarts at once: every
-    increment lands, none is overwritten by a writer that read an older version."""
-    spec = s3_state_spec(tmp_path, endpoint)
+    increment lands, none is overwritten by a writer that read an older version. On SeaweedFS only:
+    moto_server's conditional writes are not atomic under concurrent requests (see test_lease)."""
+    spec = s3_state_spec(tmp_path, seaweed.endpoint)
     writers, each = 3, 4
     start = threading.Barrier(writers)
     errors: list[BaseException] = []

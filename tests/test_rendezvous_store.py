@@ -10,18 +10,27 @@ keeps torch's restart count, which named the workers' keys in that store: the ro
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
 
 from agents import node_log, start_agent
 from conftest import seed_data, small_spec
 from pretrain.jobs import build_job
 from pretrain.ports import free_port
+from trainer.elastic import rendezvous_configs
+from trainer.first_round import checked_in, gather_nodes
 from trainer.reporting import EVENTS, METRICS, read_all
+
+LAST_CALL_S = rendezvous_configs(argparse.Namespace(node_timeout=3, rdzv_host=False))["last_call_timeout"]
 
 
 def wait_until(condition, timeout_s: float, what: str) -> None:
@@ -35,7 +44,10 @@ def stop(agents: list[subprocess.Popen]) -> None:
     """As an orchestrator stops a job: SIGTERM to each agent's process group (it stops its
     workers and saver, and frees its shared memory), SIGKILL if one does not end."""
     for a in agents:
-        os.killpg(a.pid, signal.SIGTERM)
+        try:
+            os.killpg(a.pid, signal.SIGTERM)
+        except ProcessLookupError:  # it ended, and all it started with it
+            pass
     for a in agents:
         try:
             a.wait(60)
@@ -59,8 +71,9 @@ def test_a_node_late_at_the_start_joins_the_running_job_which_goes_on_with_both(
     job = build_job(spec, 0, 0, None)
     metrics = Path(job.job_dir) / METRICS
     endpoint = f"127.0.0.1:{free_port()}"
+    # first_round_wait 0: node 1 comes after the first round gave up waiting for it
     start = lambda node: start_agent(job, 3, 1, zygote, node=node, nodes=2, nodes_min=1,  # noqa: E731
-                                     endpoint=endpoint, start_new_session=True)
+                                     endpoint=endpoint, first_round_wait=0, start_new_session=True)
     agents = [start(0)]
     try:
         wait_until(lambda: metrics.exists() and len(read_all(metrics)) >= 3, 120, "node 0 trains alone")
@@ -84,3 +97,55 @@ def test_a_node_late_at_the_start_joins_the_running_job_which_goes_on_with_both(
     final = {m["step"]: m for m in rows}  # a step redone after the restart replaces its first row
     assert sorted(final) == list(range(1, max(final) + 1))
     assert all(m["consumed"] == 4 * step for step, m in final.items()), json.dumps(rows[-3:])
+
+
+def test_the_first_round_waits_for_a_node_that_starts_after_torchs_last_call(prepared_data, tmp_path, zygote):
+    """Node 1's agent starts more than torch's last call (5 s) after node 0's checked in: the job
+    still starts on both nodes at once (no restart to take the late node in), as launched."""
+    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3},
+                      stages=[{"name": "s", "steps": 6, "seq_len": 32, "micro_batch": 2}],
+                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2})
+    seed_data(spec, prepared_data)
+    job = build_job(spec, 0, 0, None)
+    metrics = Path(job.job_dir) / METRICS
+    endpoint, run_id = f"127.0.0.1:{free_port()}", Path(job.job_dir).name
+    start = lambda node: start_agent(job, 3, 1, zygote, node=node, nodes=2, nodes_min=1,  # noqa: E731
+                                     endpoint=endpoint, start_new_session=True)
+    agents = [start(0)]
+    try:
+        wait_until(lambda: checked_in(endpoint, run_id) >= 1, 120, "node 0's agent checks in")
+        # node 1 is late by more than the rendezvous's last call: the scenario itself, not a wait for a result
+        time.sleep(LAST_CALL_S + 1)
+        assert not metrics.exists(), "node 0 started the job alone"
+        agents.append(start(1))
+        assert [a.wait(180) for a in agents] == [0, 0], node_log(job, 2)
+    finally:
+        stop(agents)
+    rows = read_all(metrics)
+    assert [m["step"] for m in rows] == list(range(1, 7)) and {m["world_size"] for m in rows} == {2}, rows
+    starts = [e for e in read_all(Path(job.job_dir) / EVENTS) if e["event"] == "start"]
+    assert sorted((e["node"], e["restart_count"]) for e in starts) == [(0, 0), (1, 0)], starts
+    assert "waited" in node_log(job, 2)  # node 0 said why it started late
+
+
+@pytest.mark.parametrize("nodes, wait_s, late, expected", [
+    (2, 0.3, False, 1),  # the other node never comes: the first stops waiting and says so
+    (2, 30, True, 2),  # the other comes: both go on
+    (3, 0, False, 1),  # no wait asked for (it checks in all the same)
+    (1, 30, False, 1),  # a job of one node never waits
+])
+def test_gather_nodes(nodes, wait_s, late, expected, capfd):
+    port = free_port()
+    host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # as node 0's rendezvous handler hosts it
+    endpoint, results = f"127.0.0.1:{port}", {}
+    first = threading.Thread(target=lambda: results.update(first=gather_nodes(endpoint, "job", nodes, wait_s)))
+    first.start()
+    if late:
+        wait_until(lambda: checked_in(endpoint, "job") == 1, 30, "the first node checks in")
+        assert first.is_alive()
+        results["late"] = gather_nodes(endpoint, "job", nodes, wait_s, node=1)
+    first.join(60)
+    assert results["first"] == expected and results.get("late", expected) == expected
+    said = capfd.readouterr().err
+    assert (f"1 of the job's {nodes} nodes started" in said) == (nodes > 1 and wait_s > 0 and not late), said
+    del host

@@ -38,6 +38,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from trainer.dist import EPOCH_ENV, Identity, round_restart_count
 from trainer.elastic_spares import WarmSpares, start_process
+from trainer.first_round import gather_nodes
 from trainer.node_agent import describe_exit
 from trainer.rendezvous_store import RoundStoreAddress
 from trainer.resilience.peers import PEER_LOST_EXIT, all_ready, announce, epochs_key, not_ready
@@ -184,13 +185,15 @@ class SurvivorsAgent(LocalElasticAgent):
 
 def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint: str, rdzv_configs: dict,
            max_restarts: int, command: list[str], fast_timeout_s: float, spares: int = 0, node: int = 0,
-           spares_wanted=lambda: True, monitor_interval: float = 0.2) -> None:
+           spares_wanted=lambda: True, monitor_interval: float = 0.2, first_round_wait_s: float = 0.0) -> None:
     """This node's part of the job (what ``torch.distributed.launcher.api.elastic_launch`` does,
-    with ``SurvivorsAgent`` keeping ``spares`` warm spares once ``spares_wanted()``); raises
+    with ``SurvivorsAgent`` keeping ``spares`` warm spares once ``spares_wanted()``; the first
+    round waits up to ``first_round_wait_s`` for all ``max_nodes`` nodes); raises
     ``ChildFailedError`` when the job failed."""
     params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
                                   max_nodes=max_nodes, **rdzv_configs)
-    rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params))
+    rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params))  # (the host's store is up now)
+    gather_nodes(endpoint, run_id, max_nodes, first_round_wait_s, node)
     spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=command[0], args=tuple(command[1:]),
                       rdzv_handler=rendezvous, max_restarts=max_restarts,
                       monitor_interval=monitor_interval)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from trainer.agent import run_node
+from trainer.first_round import FIRST_ROUND_WAIT_S
 from trainer.process import exit_now
 
 
@@ -36,6 +37,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "waits there until a node is lost (a job of several nodes)")
     p.add_argument("--node-timeout", type=int, default=3,
                    help="seconds without a keep-alive after which the rendezvous drops a node (a job of several nodes)")
+    p.add_argument("--first-round-wait", type=float, default=FIRST_ROUND_WAIT_S,
+                   help="seconds the job's first rendezvous round waits for all --nnodes-max nodes to start "
+                        "(a job of several nodes; 0: only torch's last call)")
     args = p.parse_args(argv)
     if args.lock and args.lock_wait is None:
         p.error("--lock needs --lock-wait")

@@ -123,13 +123,15 @@ class NodeAgent:
     def fast_recover(self, lost: list[int]) -> bool:
         """Replace the ``lost`` ranks while the others are kept; False: not done within the bound."""
         t0 = time.monotonic()
-        spare = self.spares.pop(0) if self.spares else None
-        path = "spare" if spare else "replacement"
+        warm = [sp for sp in self.spares if sp.proc.poll() is None][:len(lost)]
+        self.spares = [sp for sp in self.spares if sp not in warm]
+        path = "spare" if len(warm) == len(lost) else "replacement"  # (replacement: one or more started cold)
         self.epoch = announce(self.store, self.restart, lost, path, time.time())
         for rank in lost:
-            if spare is not None:
+            if warm:
+                spare = warm.pop(0)
                 hand_rank(self.store, spare.id, self.s.node, self._identity(rank))
-                self.workers[rank], spare = spare.proc, None
+                self.workers[rank] = spare.proc
             else:
                 self.workers[rank] = self._start_worker(rank)
         print(f"rank(s) {lost} lost; the other workers are kept, epoch {self.epoch}: {path}", flush=True)
