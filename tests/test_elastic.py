@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,6 +243,35 @@ def test_a_fresh_interpreter_worker_gets_its_node_and_threads_in_its_own_environ
     probe = ["-c", "import os; print(os.environ['PRETRAIN_NODE'], os.environ['OMP_NUM_THREADS'])"]
     command = elastic_worker_command(None, probe, {"PRETRAIN_NODE": "3", "OMP_NUM_THREADS": "2"})
     assert subprocess.run(command, capture_output=True, text=True, timeout=60).stdout == "3 2\n"
+
+
+def test_a_fresh_interpreter_worker_whose_agent_died_while_it_started_ends():
+    """A worker (or warm spare) started without a zygote takes seconds to import torch; an agent
+    killed meanwhile (a node lost) must not leave it running as an orphan of init: it knows its
+    agent by name and ends. (A CI run left such a spare behind a killed pod.)"""
+    # the worker: still "starting" until the test says go, then its orphan watchdog, then work for a minute
+    worker = ["-c", "import sys, time; from trainer.process import exit_when_orphaned; sys.stdin.readline(); "
+                    "exit_when_orphaned(interval=0.05); print('watching', flush=True); time.sleep(60)"]
+    agent = ("import subprocess; from trainer.elastic import elastic_worker_command as c; "
+             f"p = subprocess.Popen(c(None, {worker!r}, {{}})); print(p.pid, flush=True)")
+    started = subprocess.Popen([sys.executable, "-c", agent], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pid = int(started.stdout.readline())
+    assert started.wait(60) == 0  # the agent is gone, its worker still starting
+    started.stdin.write("go\n")
+    started.stdin.flush()
+    assert started.stdout.readline() == "watching\n"
+    deadline = time.monotonic() + 30
+    while running(pid):
+        assert time.monotonic() < deadline, "the orphaned worker still runs"
+        time.sleep(0.05)  # polls the process's state
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (an orphan that ended may stay a zombie until init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 STAND_BY = {  # the job's rendezvous over time (not yet listening, up, gone; the first round formed) → stands by

@@ -26,6 +26,7 @@ from trainer.config import JobConfig
 from trainer.dist import FAST_RECOVERY_ENV, listening
 from trainer.elastic_survivors import launch
 from trainer.events import EventKind
+from trainer.process import PARENT_ENV
 from trainer.reporting import EVENTS, read_all
 from trainer.resilience.heartbeat import AGENT_ENV, heartbeat_dir
 from trainer.resilience.nodecheck import NODE_ENV
@@ -42,7 +43,8 @@ def elastic_worker_command(zygote: Zygote | None, worker_args: list[str], env: d
     environment (never to the agent's): forked from the zygote through ``trainer.zygote_exec``
     when there is one (no ``import torch`` at the job's start and at every restart); else
     ``python -u -m trainer.worker …`` in a fresh interpreter, started through ``env``."""
-    if zygote is None or not zygote.usable:
+    if zygote is None or not zygote.usable:  # (env execs python: this agent is its parent, named for its watchdog)
+        env = {**env, PARENT_ENV: str(os.getpid())}
         return [ENV_COMMAND, *(f"{k}={v}" for k, v in env.items()), sys.executable, *worker_args]
     env = {**env, AGENT_ENV: str(os.getpid())}  # its heartbeats name this agent, not the zygote (its parent)
     return [sys.executable, "-m", "trainer.zygote_exec", "--zygote", zygote.path, "--unbuffered",
