@@ -262,3 +262,12 @@ def _handler(api: KubeAPI):
             self.wfile.write(data)
 
     return Handler
+
+
+def point_at(api_client, host: str) -> None:
+    """Send ``api_client``'s calls to ``host`` from now on. The kubeconfig's token auth installs a
+    hook that copies the kubeconfig's server back into the configuration before every call
+    (``kubernetes.config.kube_config._set_config``): it goes too, else the calls still reach the
+    double's old port (CI: another test's server, started on it meanwhile, answered them)."""
+    api_client.configuration.refresh_api_key_hook = None
+    api_client.configuration.host = host

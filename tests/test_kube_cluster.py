@@ -285,11 +285,11 @@ def test_stop_with_the_api_gone_says_how_to_finish_the_teardown(prepared_data, t
         api.runner.unpullable.add("registry.example/never:pulled")  # no process: only the API's objects matter here
         cluster, job, path = launch(api, spec, prepared_data)
         handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
-    # the API's address from now on: a port held bound and never listening. The closed double's own port
-    # could be taken meanwhile by another test's API server, which would then answer the teardown (CI did).
+    # the API's address from now on: a port held bound and never listening (the closed double's own port
+    # could be taken meanwhile by another test's API server, which would then answer the teardown)
     with socket.socket() as gone:
         gone.bind(("127.0.0.1", 0))
-        handle.api.configuration.host = f"http://127.0.0.1:{gone.getsockname()[1]}"
+        double.point_at(handle.api, f"http://127.0.0.1:{gone.getsockname()[1]}")
         with pytest.raises(ClusterError, match=f"could not tear down Job default/{handle.name}.*kubectl -n default delete job"):
             handle.stop(grace_s=0)
     assert not [t for t in threading.enumerate() if t.name == f"kube-watch-{handle.name}"]  # no watcher outlives it

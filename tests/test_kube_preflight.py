@@ -57,7 +57,7 @@ def test_an_unreachable_api_says_where_it_looked(tmp_path):
     with double.KubeAPI(tmp_path) as api:
         client = _client(api)
     (port,) = free_ports(1)  # the double is closed: nothing listens here
-    client.configuration.host = f"http://127.0.0.1:{port}"
+    double.point_at(client, f"http://127.0.0.1:{port}")
     result = preflight(client, "default")
     assert not result.ok and "does not answer" in result.message() and f"127.0.0.1:{port}" in result.message()
     assert "KUBECONFIG" in result.message()
