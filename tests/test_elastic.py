@@ -77,7 +77,10 @@ def test_a_lost_node_that_passes_its_recheck_scales_the_job_back_up(prefect_harn
                                          "rejoin_after_s": 1},
                       stages=[{"name": "main", "steps": 600, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
                       checkpoint={"interval": 20, "memory_interval": 2, "keep": 2},
-                      chaos=[{"kind": "kill_node", "node": 1, "step": 10}])
+                      chaos=[{"kind": "kill_node", "node": 1, "step": 10}],
+                      # node_check_threshold out of reach: on a loaded machine the check after a restart took
+                      # node 0 for slow (2.19× the median in a CI run) and excluded it, one resize more
+                      fault_tolerance={"node_check_threshold": 1000})
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
