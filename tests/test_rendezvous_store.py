@@ -114,9 +114,11 @@ def test_the_first_round_waits_for_a_node_that_starts_after_torchs_last_call(pre
     agents = [start(0)]
     try:
         wait_until(lambda: checked_in(endpoint, run_id) >= 1, 120, "node 0's agent checks in")
-        # node 1 is late by more than the rendezvous's last call: the scenario itself, not a wait for a result
-        time.sleep(LAST_CALL_S + 1)
-        assert not metrics.exists(), "node 0 started the job alone"
+        # node 1 is late by more than the rendezvous's last call; meanwhile node 0 must not start the job alone
+        late_until = time.monotonic() + LAST_CALL_S + 1
+        while time.monotonic() < late_until:
+            assert not metrics.exists(), "node 0 started the job alone"
+            time.sleep(0.05)  # polls the condition until node 1 is that late
         agents.append(start(1))
         assert [a.wait(180) for a in agents] == [0, 0], node_log(job, 2)
     finally:
