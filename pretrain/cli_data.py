@@ -12,14 +12,18 @@ from rich.console import Console
 from pretrain.cli_errors import err, fail
 from pretrain.console_progress import ProgressDisplay, progress_display
 from pretrain.dataset.progress import PrepProgress
+from pretrain.interrupt import InterruptLatch, interrupt_latch
 
 data_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="Prepare a campaign's data set, or inspect a prepared one.")
 
 
-def show_on(display: ProgressDisplay):
-    """A ``ProgressCallback`` drawing preparation's snapshots on ``display``."""
+def show_on(display: ProgressDisplay, latch: InterruptLatch | None = None):
+    """A ``ProgressCallback`` drawing preparation's snapshots on ``display`` (and raising a Ctrl-C
+    that ``latch`` holds but that did not stop the work where it landed)."""
     def show(p: PrepProgress) -> None:
+        if latch is not None:
+            latch.check()
         fields = {"units": f"{p.units_done}/{p.units_total}"} if p.units_total else {}
         if p.tokens or p.documents:
             fields.update(documents=p.documents, tokens=p.tokens)
@@ -58,7 +62,8 @@ def prepare(
 
     display = progress_display("data", unit="B", rated=("tokens",), interval_s=interval)
     try:
-        summary = prepare_data_here(campaign, progress=show_on(display))
+        with interrupt_latch() as latch:
+            summary = prepare_data_here(campaign, progress=show_on(display, latch))
     except KeyboardInterrupt:
         display.close()
         err.print("interrupted: finished work units are kept; run the same command to resume", highlight=False)

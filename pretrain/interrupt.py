@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -159,6 +160,47 @@ def stop_on_signals(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) 
             signal.signal(s, handler)
         _CURRENT.reset(token)
 
+
+
+class InterruptLatch:
+    """Ctrl-C for a command that stops by ``KeyboardInterrupt`` (``pretrain data prepare``), made
+    sure to land: SIGINT raises it at once as Python's default handler does, and is remembered,
+    so that :meth:`check` (called at each progress report) raises it again if the first one hit a
+    finalizer or a callback whose exceptions Python ignores (then the interrupt was printed as
+    "Exception ignored" and the work went on to the end). Such an ignored interrupt is not printed:
+    the latch has it."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def _on_signal(self, signum, frame) -> None:
+        self.hit = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def interrupt_latch(latch: InterruptLatch | None = None) -> Iterator[InterruptLatch]:
+    """``latch`` (a new :class:`InterruptLatch` by default) for the block (main thread); SIGINT
+    ignored at start stays so."""
+    latch = latch or InterruptLatch()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield latch
+        return
+    previous, previous_hook = signal.signal(signal.SIGINT, latch._on_signal), sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not (latch.hit and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+            previous_hook(unraisable)
+    sys.unraisablehook = hook
+    try:
+        yield latch
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
 
 
 # what the stop at once needs before the infrastructure's SIGKILL lands: kill the job, record the

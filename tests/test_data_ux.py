@@ -26,6 +26,7 @@ from pretrain.data_inspect import InspectError, inspect_data_set, open_data_set
 from pretrain.dataset.prepare import prepare
 from pretrain.dataset.progress import PrepProgress
 from pretrain.layout import CampaignLayout
+from pretrain.interrupt import InterruptLatch, interrupt_latch
 from pretrain.ledger import Ledger
 from pretrain.spec_data import DataSpec
 from pretrain.tracking import Tracker
@@ -303,6 +304,30 @@ def test_cli_prepare_refuses_wrong_input_in_one_line_exit_2(prefect_harness, tmp
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(says) and also in last
     assert "Traceback" not in result.stderr + result.stdout
+
+
+class _CtrlCWhileFinalized:
+    """An object whose finalizer is running when Ctrl-C arrives (a CI run: the interrupt landed in
+    a finalizer, Python printed it as "Exception ignored" and `pretrain data prepare` went on to
+    the end, exit 0)."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops_at_the_next_progress_report(capsys):
+    lines = []
+    show = show_on(LineProgress("data", lines.append, interval_s=0), latch := InterruptLatch())
+    show(PrepProgress("scan"))
+    with interrupt_latch(latch):
+        _CtrlCWhileFinalized()  # collected at once: the interrupt is raised inside __del__ and ignored there
+        with pytest.raises(KeyboardInterrupt):
+            show(PrepProgress("tokenize"))
+    assert len(lines) == 1  # stopped before drawing anything more
+    assert "Traceback" not in capsys.readouterr().err  # the ignored interrupt is not printed at the user
+    with pytest.raises(KeyboardInterrupt):  # outside a finalizer it stops at once, as Python's own handler does
+        with interrupt_latch():
+            signal.raise_signal(signal.SIGINT)
 
 
 def test_ctrl_c_stops_cli_prepare_in_one_line_exit_130_and_the_same_command_resumes(prefect_harness, tmp_path):
