@@ -50,6 +50,8 @@ def gather_nodes(endpoint: str, run_id: str, nodes: int, timeout_s: float, node:
     arrived_key, all_key = _keys(run_id)
     store = _client(endpoint, timeout_s)
     arrived = store.add(arrived_key, 1)
+    print(f"{time.strftime('%H:%M:%S')} node {node}: checked in, {arrived} of the job's {nodes} nodes so far",
+          file=sys.stderr, flush=True)
     if arrived >= nodes:
         store.set(all_key, b"1")
         return arrived

@@ -24,6 +24,9 @@ every node reads the number (``round``), and the workers name their keys by it.
 
 from __future__ import annotations
 
+import sys
+import time
+
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 
@@ -43,7 +46,16 @@ class RoundStoreAddress:
         return getattr(self._handler, name)
 
     def next_rendezvous(self) -> RendezvousInfo:
+        asked = time.time()
         info = self._handler.next_rendezvous()
+        try:
+            return self._agree(info)
+        finally:
+            print(f"{time.strftime('%H:%M:%S', time.localtime(asked))} rendezvous: round {self.round}, this node rank "
+                  f"{info.rank} of {info.world_size} node(s), formed after {time.time() - asked:.1f} s",
+                  file=sys.stderr, flush=True)
+
+    def _agree(self, info: RendezvousInfo) -> RendezvousInfo:
         if info.rank == 0:  # the round's prefixed store: its underlying one is the rendezvous's, shared by all rounds
             self.round = info.store.underlying_store.add(ROUNDS_KEY, 1) - 1
             info.store.set(ROUND_KEY, str(self.round))
