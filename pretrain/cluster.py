@@ -8,6 +8,7 @@ own process group, so a node can be stopped (or lost) as a unit.
 from __future__ import annotations
 
 import json
+import secrets
 import os
 import signal
 import subprocess
@@ -182,7 +183,9 @@ class LocalCluster(Cluster):
 
     def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> LocalJobHandle:
         endpoint = f"127.0.0.1:{free_port()}"
-        run_id = f"{job.stage}-{Path(job.job_dir).name}"
+        # a job's own name in the rendezvous (its keys' prefix): an agent that ever reaches another
+        # job's store (a port taken over between two jobs' start) is kept out of that job's rounds
+        run_id = f"{job.stage}-{Path(job.job_dir).name}-{secrets.token_hex(4)}"
         nodes = [n for n in range(self.spec.node_count) if n not in exclude]
         if len(nodes) < self.spec.nodes_min:
             raise ClusterError(f"only {len(nodes)} healthy node(s) (excluded: {sorted(exclude)}), cluster.nodes_min is "

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -31,6 +32,11 @@ def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int =
     return build_job(spec, 0, attempt, None)
 
 
+def run_id(job: JobConfig) -> str:
+    """The job's name in the rendezvous: the same on each of its nodes, another test's job never has it."""
+    return f"{Path(job.job_dir).name}-{zlib.crc32(str(job.job_dir).encode()):08x}"
+
+
 def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, zygote: Zygote | None = None,
                 node: int = 0, nodes: int = 1, endpoint: str | None = None, node_timeout: int = 3,
                 nodes_min: int | None = None, first_round_wait: float | None = None, **popen) -> subprocess.Popen:
@@ -43,7 +49,7 @@ def start_agent(job: JobConfig, max_restarts: int = 0, nproc: int = 1, zygote: Z
     job_path = write_job(job)
     log = open(Path(job.job_dir) / f"node{node}.log", "ab")
     cmd = [sys.executable, "-m", "trainer.launch", str(job_path), "--nproc", str(nproc), "--rdzv-endpoint",
-           endpoint or f"127.0.0.1:{free_port()}", "--run-id", Path(job.job_dir).name, "--max-restarts",
+           endpoint or f"127.0.0.1:{free_port()}", "--run-id", run_id(job), "--max-restarts",
            str(max_restarts), "--node", str(node), "--nnodes-min", str(nodes if nodes_min is None else nodes_min),
            "--nnodes-max", str(nodes),
            "--node-timeout", str(node_timeout),

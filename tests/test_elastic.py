@@ -90,7 +90,9 @@ def test_a_lost_node_that_passes_its_recheck_scales_the_job_back_up(prefect_harn
 
     jobs = spec.workdir_path / "jobs" / "main"
     first, second = (read_all(jobs / f"attempt_00{i}" / "metrics.jsonl") for i in (0, 1))
-    assert {m["world_size"] for m in first} <= {2, 1} and first[0]["world_size"] == 2
+    # (on a loaded machine node 1's agent may miss the first round after all and join by a restart:
+    # node 0 starts alone; the check-in before the first round makes that rare, not impossible)
+    assert {m["world_size"] for m in first} <= {2, 1}
     assert {m["world_size"] for m in second} == {2}  # back to full size
     assert all(m["grad_accum"] == 2 for m in first if m["world_size"] == 1)  # same global batch alone
     resumed_at = min(m["step"] for m in second) - 1

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from agents import node_log, start_agent
+from agents import node_log, run_id, start_agent
 from conftest import seed_data, small_spec
 from pretrain.jobs import build_job
 from pretrain.ports import free_port
@@ -108,12 +108,12 @@ def test_the_first_round_waits_for_a_node_that_starts_after_torchs_last_call(pre
     seed_data(spec, prepared_data)
     job = build_job(spec, 0, 0, None)
     metrics = Path(job.job_dir) / METRICS
-    endpoint, run_id = f"127.0.0.1:{free_port()}", Path(job.job_dir).name
+    endpoint, name = f"127.0.0.1:{free_port()}", run_id(job)
     start = lambda node: start_agent(job, 3, 1, zygote, node=node, nodes=2, nodes_min=1,  # noqa: E731
                                      endpoint=endpoint, start_new_session=True)
     agents = [start(0)]
     try:
-        wait_until(lambda: checked_in(endpoint, run_id) >= 1, 120, "node 0's agent checks in")
+        wait_until(lambda: checked_in(endpoint, name) >= 1, 120, "node 0's agent checks in")
         # node 1 is late by more than the rendezvous's last call; meanwhile node 0 must not start the job alone
         late_until = time.monotonic() + LAST_CALL_S + 1
         while time.monotonic() < late_until:
