@@ -213,6 +213,7 @@ def test_a_standby_node_takes_a_lost_nodes_place_and_the_run_stays_bit_exact(pre
     after = [e for e in starts if e["step"] > 0]
     assert {e["node"] for e in after} == {0, 2} and {e["source"] for e in after} == {"memory"}, after
     assert all(e["step"] > 8 for e in after)  # newer than the checkpoint in storage
+    assert "checked in" not in (job / "node2.log").read_text()  # a standby is not one the first round waits for
     a, b = final_model(spec), final_model(clean)
     for k in a:
         assert torch.equal(a[k], b[k]), k

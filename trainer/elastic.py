@@ -150,7 +150,7 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
         launch(min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc=args.nproc, run_id=args.run_id,
                endpoint=args.rdzv_endpoint, rdzv_configs=rendezvous_configs(args), max_restarts=args.max_restarts,
                command=command, fast_timeout_s=fast_timeout_s, spares=spares, node=args.node,
-               spares_wanted=spares_wanted, first_round_wait_s=0.0 if args.standby else args.first_round_wait)
+               spares_wanted=spares_wanted, first_round_wait_s=None if args.standby else args.first_round_wait)
     except ChildFailedError as err:
         print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
         return 1

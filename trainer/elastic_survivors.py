@@ -185,15 +185,17 @@ class SurvivorsAgent(LocalElasticAgent):
 
 def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint: str, rdzv_configs: dict,
            max_restarts: int, command: list[str], fast_timeout_s: float, spares: int = 0, node: int = 0,
-           spares_wanted=lambda: True, monitor_interval: float = 0.2, first_round_wait_s: float = 0.0) -> None:
+           spares_wanted=lambda: True, monitor_interval: float = 0.2, first_round_wait_s: float | None = 0.0) -> None:
     """This node's part of the job (what ``torch.distributed.launcher.api.elastic_launch`` does,
     with ``SurvivorsAgent`` keeping ``spares`` warm spares once ``spares_wanted()``; the first
-    round waits up to ``first_round_wait_s`` for all ``max_nodes`` nodes); raises
+    round waits up to ``first_round_wait_s`` for all ``max_nodes`` nodes; None: a standby node,
+    which neither checks in nor waits); raises
     ``ChildFailedError`` when the job failed."""
     params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
                                   max_nodes=max_nodes, **rdzv_configs)
     rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params))  # (the host's store is up now)
-    gather_nodes(endpoint, run_id, max_nodes, first_round_wait_s, node)
+    if first_round_wait_s is not None:
+        gather_nodes(endpoint, run_id, max_nodes, first_round_wait_s, node)
     spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=command[0], args=tuple(command[1:]),
                       rdzv_handler=rendezvous, max_restarts=max_restarts,
                       monitor_interval=monitor_interval)
