@@ -8,8 +8,8 @@ own process group, so a node can be stopped (or lost) as a unit.
 from __future__ import annotations
 
 import json
-import secrets
 import os
+import secrets
 import signal
 import subprocess
 import sys

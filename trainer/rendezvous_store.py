@@ -48,12 +48,11 @@ class RoundStoreAddress:
     def next_rendezvous(self) -> RendezvousInfo:
         asked = time.time()
         info = self._handler.next_rendezvous()
-        try:
-            return self._agree(info)
-        finally:
-            print(f"{time.strftime('%H:%M:%S', time.localtime(asked))} rendezvous: round {self.round}, this node rank "
-                  f"{info.rank} of {info.world_size} node(s), formed after {time.time() - asked:.1f} s",
-                  file=sys.stderr, flush=True)
+        agreed = self._agree(info)
+        print(f"{time.strftime('%H:%M:%S', time.localtime(asked))} rendezvous: round {self.round}, this node rank "
+              f"{info.rank} of {info.world_size} node(s), formed after {time.time() - asked:.1f} s",
+              file=sys.stderr, flush=True)
+        return agreed
 
     def _agree(self, info: RendezvousInfo) -> RendezvousInfo:
         if info.rank == 0:  # the round's prefixed store: its underlying one is the rendezvous's, shared by all rounds
