@@ -25,8 +25,8 @@ from pretrain.console_progress import LineProgress, clock_time, human, progress_
 from pretrain.data_inspect import InspectError, inspect_data_set, open_data_set
 from pretrain.dataset.prepare import prepare
 from pretrain.dataset.progress import PrepProgress
-from pretrain.layout import CampaignLayout
 from pretrain.interrupt import InterruptLatch, interrupt_latch
+from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.spec_data import DataSpec
 from pretrain.tracking import Tracker
