@@ -40,12 +40,14 @@ from trainer.dist import EPOCH_ENV, Identity, round_restart_count
 from trainer.elastic_spares import WarmSpares, start_process
 from trainer.first_round import gather_nodes
 from trainer.node_agent import describe_exit
+from trainer.node_links import LostNode, NodeLinks
 from trainer.rendezvous_store import RoundStoreAddress
-from trainer.resilience.peers import PEER_LOST_EXIT, all_ready, announce, epochs_key, not_ready
+from trainer.resilience.peers import NODE_LOST_PATH, PEER_LOST_EXIT, all_ready, announce, epochs_key, not_ready
 
 POLL_S = 0.05  # how often the ranks' ready keys and the local processes are looked at during a fast recovery
 MEMBERSHIP_LOOK_S = 0.5  # how often a fast recovery asks the rendezvous whether another node is restarting
 STORE_TIMEOUT_S = 5.0  # the job's store not reachable by then: no fast recovery (a full restart)
+LEAVE_WAIT_S = 1.0  # after telling the workers that a node is gone: how long to wait for one of them to leave
 
 
 class SurvivorsAgent(LocalElasticAgent):
@@ -90,6 +92,8 @@ class SurvivorsAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._pcontext is not None:  # keeps none when spares_per_node is 0
             self.spares.tend(self._pcontext, self._job_store)
+            for node in worker_group.spec.rdzv_handler.links.take_lost():
+                self._node_lost(worker_group, node)
         lost = self._lost_with_survivors() if self.fast_timeout_s > 0 else {}
         if lost:
             if self._remaining_restarts - self.fast_recoveries <= 0:
@@ -105,6 +109,34 @@ class SurvivorsAgent(LocalElasticAgent):
                 if recovered is False:  # replacements started and failed: torch restarts every worker
                     return RunResult(state=WorkerState.FAILED, failures=failures)
         return super()._monitor_workers(worker_group)
+
+    def _node_lost(self, worker_group: WorkerGroup, lost: LostNode) -> None:
+        """Another node's agent is gone (``trainer.node_links``): out of the rendezvous with it, and
+        the survivors told to leave for the next round now (their broken collectives would wait
+        for an announcement the lost node never makes); waits (at most ``LEAVE_WAIT_S``) until a
+        local worker left, so that this look at the workers already sees it."""
+        rendezvous = worker_group.spec.rdzv_handler
+        evicted = lost.desc is not None and rendezvous.evict(lost.desc)
+        print(f"node {lost.node} (rank {lost.rank} of round {self._round()}) is gone: its agent's link closed; "
+              f"{'taken out of the rendezvous, ' if evicted else ''}the workers leave for a new round",
+              file=sys.stderr, flush=True)
+        pc = self._pcontext
+        env = pc.envs[0]
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and lost.rank == 0:
+            return  # the workers' store went with it: their collectives and the store fail them at once
+        store = self._job_store(env)
+        try:
+            if store is not None:
+                world = int(env["WORLD_SIZE"])
+                announce(store, round_restart_count(store, world, self._round()), [], NODE_LOST_PATH, lost.at)
+        except (dist.DistError, RuntimeError) as err:
+            print(f"could not tell the workers ({err}): they leave after their notice window", file=sys.stderr,
+                  flush=True)
+            return
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        procs = [h.proc for h in pc.subprocess_handlers.values()]
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(POLL_S / 5)  # polls the local workers' exits
 
     def _job_store(self, env: dict[str, str]) -> dist.TCPStore | None:
         """A client of the store this round's workers share (one per round: a round with standby
@@ -193,7 +225,7 @@ def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint:
     ``ChildFailedError`` when the job failed."""
     params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
                                   max_nodes=max_nodes, **rdzv_configs)
-    rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params))  # (the host's store is up now)
+    rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params), NodeLinks(node))  # (store up now)
     if first_round_wait_s is not None:
         gather_nodes(endpoint, run_id, max_nodes, first_round_wait_s, node)
     spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=command[0], args=tuple(command[1:]),
@@ -204,6 +236,7 @@ def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint:
     shutdown_rendezvous = True
     try:
         result = agent.run()
+        rendezvous.links.close()  # the job ended here: not a lost node to the others
         if result.is_failed():
             raise ChildFailedError(name=command[0], failures=result.failures)
     except ChildFailedError:

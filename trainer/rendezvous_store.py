@@ -19,28 +19,36 @@ new round's workers would read the last round's keys (a process group that hangs
 :class:`RoundStoreAddress` wraps the handler: after every round the rank-0 node writes its
 address again and every other node reads the round's, so all of a round's workers share one
 store; and the rank-0 node numbers the round (0, 1, … from a counter in the rendezvous's store),
-every node reads the number (``round``), and the workers name their keys by it.
+every node reads the number (``round``), and the workers name their keys by it. It also links
+the round's node agents (``trainer.node_links``) and takes a node whose agent is gone out of the
+rendezvous at once (``evict``) instead of after its keep-alives lapse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
+from datetime import timedelta
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+
+from trainer.node_links import NodeLinks
 
 
 ROUNDS_KEY = "pretrain/rounds"  # the counter, in the rendezvous's store (outside any round's prefix)
 ROUND_KEY = "pretrain/round"  # the round's number, in the round's part of it
+EVICT_TRIES = 5  # compare-and-set attempts to write the rendezvous state without a lost node (others write it too)
 
 
 class RoundStoreAddress:
     """A rendezvous handler (torch's, delegated to) that agrees on the store's address and on the
     round's number (``round``) every round."""
 
-    def __init__(self, handler: RendezvousHandler):
+    def __init__(self, handler: RendezvousHandler, links: NodeLinks | None = None):
         self._handler = handler
         self.round = 0  # the last round's number, the same on every node
+        self.links = links or NodeLinks()
 
     def __getattr__(self, name: str):
         return getattr(self._handler, name)
@@ -52,7 +60,40 @@ class RoundStoreAddress:
         print(f"{time.strftime('%H:%M:%S', time.localtime(asked))} rendezvous: round {self.round}, this node rank "
               f"{info.rank} of {info.world_size} node(s), formed after {time.time() - asked:.1f} s",
               file=sys.stderr, flush=True)
+        self.links.join_round(agreed.store, agreed.rank, agreed.world_size, self._node_desc())
         return agreed
+
+    def _node_desc(self) -> tuple | None:
+        """This node's identity in torch's rendezvous state (a private part of its handler)."""
+        node = getattr(self._handler, "_this_node", None)
+        return dataclasses.astuple(node) if dataclasses.is_dataclass(node) else None
+
+    def evict(self, desc: tuple) -> bool:
+        """Take the node ``desc`` (``_node_desc`` of its agent) out of the rendezvous now, as torch
+        does once its keep-alives lapse: its last keep-alive is written back a day older, and every
+        node's next look at the state removes it. Through torch's private state holder (checked
+        by ``tests/test_node_links.py`` against this torch); False where that is not possible."""
+        holder, lock = getattr(self._handler, "_state_holder", None), getattr(self._handler, "_heartbeat_lock", None)
+        if holder is None or lock is None:
+            return False
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+        node = _NodeDesc(*desc)
+        try:
+            with lock:  # the keep-alive thread syncs the same holder
+                for _ in range(EVICT_TRIES):
+                    holder.sync()
+                    beats = holder.state.last_heartbeats
+                    if node not in beats:
+                        return True
+                    beats[node] = beats[node] - timedelta(days=1)
+                    holder.mark_dirty()
+                    if holder.sync():
+                        return True
+        except (RendezvousError, RuntimeError, OSError) as err:
+            print(f"could not take the lost node out of the rendezvous ({type(err).__name__}: {err}): it leaves once "
+                  "its keep-alives lapse", file=sys.stderr, flush=True)
+        return False
 
     def _agree(self, info: RendezvousInfo) -> RendezvousInfo:
         if info.rank == 0:  # the round's prefixed store: its underlying one is the rendezvous's, shared by all rounds

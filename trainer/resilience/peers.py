@@ -39,6 +39,7 @@ NOTICE_ENV = "PRETRAIN_PEER_NOTICE_S"  # set by an agent of several nodes: a los
 # lost node, a recovery not attempted): its agent restarts every worker instead of replacing it
 # (it is not the cause; replacing it would wait for peers that are gone)
 PEER_LOST_EXIT = 75
+NODE_LOST_PATH = "node_lost"  # an epoch's path when an agent found another node gone: no recovery, survivors leave
 
 
 def notice_for_nodes(node_timeout_s: float) -> float:
@@ -190,15 +191,16 @@ class Peers:
     def announced(self, err: BaseException) -> dict | None:
         """After ``err`` in a collective: the agent's record of the next epoch, if it announces
         one within ``notice_s`` (None: no peer was lost, or the whole node it ran on, or the error
-        is this worker's own)."""
+        is this worker's own, or an agent found the lost peer's whole node gone)."""
         if not may_be_peer_loss(err):
             return None
         key = epoch_key(self.me.restart_count, self.me.epoch + 1)
         try:
             self.store.wait([key], timedelta(seconds=self.notice_s))
+            record = json.loads(self.store.get(key))
         except dist.DistError:
             return None
-        return json.loads(self.store.get(key))
+        return None if record.get("path") == NODE_LOST_PATH else record
 
     def wait_for_spare(self, beat, drill: int, victim: bool, timeout_s: float = 120.0) -> bool:
         """Before drill ``drill`` takes a worker away: until the victim's node has a warm spare (a

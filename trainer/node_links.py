@@ -1,0 +1,140 @@
+"""A lost node found as its agent's process goes away, not once its keep-alives have lapsed.
+
+Torch's rendezvous takes a node out of a round only when it missed ``node_timeout_s`` of
+keep-alives (one a second): until then a standby node cannot take the lost node's place, and the
+survivors wait for an announcement a lost node never makes (``peers.NOTICE_ENV``). A node is
+usually lost because its agent's process died (killed, its pod deleted, out of memory), and a
+process that dies closes its sockets at once. So each node agent of a round holds a TCP
+connection to the next one (the round's ranks in a ring: N connections for N nodes): a
+connection closed without a goodbye means that agent is gone, and its watcher reports it
+(``take_lost``) for the agent to take the node out of the rendezvous and tell the survivors to
+leave for the next round at once. A node cut off with its sockets left open (a machine powered
+off, a network partition) is still found by torch's keep-alives; so is one of two neighbours
+lost together (its watcher went with it).
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+LINKS_KEY = "pretrain/links"  # + /<rank>: where a round's node agent listens, in the round's part of the rendezvous store
+LINK_WAIT_S = 5.0  # how long an agent waits for the next rank's address (published as its round forms) and to connect
+BYE = b"B"  # sent before an agent closes its links on purpose (the job ended): not a loss
+
+
+@dataclass(frozen=True)
+class LostNode:
+    rank: int  # its rank in the round
+    node: int  # the job's node number (its agent's ``--node``)
+    desc: tuple | None  # its rendezvous identity (torch's node descriptor: addr, pid, local id), None if unknown
+    at: float  # when its connection closed (epoch seconds)
+
+
+class NodeLinks:
+    """This agent's end of the ring: a listener the previous rank connects to, a connection to the
+    next rank watched by a thread."""
+
+    def __init__(self, node: int = 0):
+        self.node = node
+        self._listener: socket.socket | None = None
+        self._accepted: list[socket.socket] = []
+        self._watched: socket.socket | None = None
+        self._lost: list[LostNode] = []
+        self._lock = threading.Lock()
+
+    def join_round(self, store: dist.Store, rank: int, world_size: int, desc: tuple | None) -> None:
+        """After a round formed: publish where this agent listens (``store``: the round's part of
+        the rendezvous store) and watch the next rank's agent. Without a link (the next rank never
+        published, or could not be reached), that node's loss is left to the keep-alives."""
+        self._unwatch()
+        if world_size < 2:
+            return
+        nxt = (rank + 1) % world_size
+        try:
+            host, port = self._serve()
+            store.set(f"{LINKS_KEY}/{rank}", json.dumps({"host": host, "port": port, "node": self.node,
+                                                         "desc": list(desc) if desc else None}))
+            store.wait([f"{LINKS_KEY}/{nxt}"], timedelta(seconds=LINK_WAIT_S))
+            peer = json.loads(store.get(f"{LINKS_KEY}/{nxt}"))
+            sock = socket.create_connection((peer["host"], int(peer["port"])), timeout=LINK_WAIT_S)
+        except (dist.DistError, OSError, ValueError, KeyError, TypeError) as err:
+            print(f"no link to the agent of rank {nxt}: its loss will be found by the rendezvous's keep-alives "
+                  f"({type(err).__name__}: {err})", file=sys.stderr, flush=True)
+            return
+        sock.settimeout(None)
+        self._watched = sock
+        lost = LostNode(nxt, int(peer.get("node", nxt)), tuple(peer["desc"]) if peer.get("desc") else None, 0.0)
+        threading.Thread(target=self._watch, args=(sock, lost), name="node-link", daemon=True).start()
+
+    def take_lost(self) -> list[LostNode]:
+        """The nodes found gone since the last call."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+        return lost
+
+    def close(self) -> None:
+        """The job ended here: say goodbye to the agent watching this one, so that it does not
+        take this agent's exit for a loss."""
+        self._unwatch()
+        with self._lock:
+            accepted, self._accepted = self._accepted, []
+        for sock in accepted:
+            try:
+                sock.sendall(BYE)
+            except OSError:
+                pass
+            sock.close()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def _serve(self) -> tuple[str, int]:
+        """Where this agent listens: at its host name, as torch's rendezvous names the node (the
+        address the other nodes reach its store at)."""
+        host = socket.getfqdn()
+        if self._listener is None:
+            self._listener = socket.create_server((host, 0))
+            threading.Thread(target=self._accept, args=(self._listener,), name="node-links", daemon=True).start()
+        return host, self._listener.getsockname()[1]
+
+    def _accept(self, listener: socket.socket) -> None:
+        """Holds the connections of the agents watching this one (they never send anything; one
+        that closed is let go when the next one comes)."""
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:  # closed: the job ended
+                return
+            with self._lock:
+                gone = select.select(self._accepted, [], [], 0)[0] if self._accepted else []
+                for old in gone:  # readable means closed: a watcher that moved to a new round
+                    old.close()
+                self._accepted = [s for s in self._accepted if s not in gone] + [sock]
+
+    def _watch(self, sock: socket.socket, lost: LostNode) -> None:
+        try:
+            data = sock.recv(1)
+        except OSError:
+            data = b""
+        if sock is not self._watched or data == BYE:  # let go on purpose (a new round), or the job ended there
+            return
+        with self._lock:
+            self._lost.append(LostNode(lost.rank, lost.node, lost.desc, time.time()))
+
+    def _unwatch(self) -> None:
+        sock, self._watched = self._watched, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes its watcher, which sees it is no longer the one watched
+            except OSError:
+                pass
+            sock.close()
