@@ -214,6 +214,9 @@ def test_a_standby_node_takes_a_lost_nodes_place_and_the_run_stays_bit_exact(pre
     assert {e["node"] for e in after} == {0, 2} and {e["source"] for e in after} == {"memory"}, after
     assert all(e["step"] > 8 for e in after)  # newer than the checkpoint in storage
     assert "checked in" not in (job / "node2.log").read_text()  # a standby is not one the first round waits for
+    # the survivor's agent found node 1 gone by its link (not after its keep-alives lapsed) and took it out of the round
+    said = (job / "node0.log").read_text()
+    assert "node 1 (rank" in said and "its agent's link closed; taken out of the rendezvous" in said, said[-3000:]
     a, b = final_model(spec), final_model(clean)
     for k in a:
         assert torch.equal(a[k], b[k]), k
