@@ -112,7 +112,7 @@ def main() -> None:
     checks += [Check("hang → found and first step after recovery, s (default settings)", h, 10.0, "<=",
                      "the default adapted step timeout (floor 5 s) is most of it") for h in hangs]
     checks += [Check("node loss → first step with a standby node, s (node_timeout_s 2)", s, 3.0, "<=",
-                     "the lost node's keep-alives lapsing (2 s) is most of it") for s in standby]
+                     "new workers on both nodes (forked, the state from the survivor's memory snapshot, one step) after the lost node's agent link closed; a node whose sockets stay open waits for its keep-alives to lapse (2 s)") for s in standby]
     if a.only != "nan":
         report(checks)
 
