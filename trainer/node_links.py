@@ -54,8 +54,10 @@ class NodeLinks:
     def join_round(self, store: dist.Store, rank: int, world_size: int, desc: tuple | None) -> None:
         """After a round formed: publish where this agent listens (``store``: the round's part of
         the rendezvous store) and watch the next rank's agent. Without a link (the next rank never
-        published, or could not be reached), that node's loss is left to the keep-alives."""
+        published, or could not be reached), that node's loss is left to the keep-alives. A loss
+        found in the last round and not taken yet is dropped: this round formed without it."""
         self._unwatch()
+        self.take_lost()
         if world_size < 2:
             return
         nxt = (rank + 1) % world_size
