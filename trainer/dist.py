@@ -69,10 +69,11 @@ def group_prefix(restart: int, epoch: int) -> str:
     return f"attempt_{restart}" if epoch == 0 else f"attempt_{restart}_epoch_{epoch}"
 
 
-def own_round_store() -> bool:
-    """Whether torch's elastic agent keeps its store to itself (``TORCHELASTIC_USE_AGENT_STORE=False``,
-    a job with standby nodes): rank 0 then hosts a fresh store for the round at MASTER_PORT."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False"
+def own_round_store(env=os.environ) -> bool:
+    """Whether torch's elastic agent keeps its store to itself (``TORCHELASTIC_USE_AGENT_STORE=False``
+    in a worker's environment ``env``: a job with standby nodes): rank 0 then hosts a fresh store
+    for the round at MASTER_PORT, and the store goes with it."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "False"
 
 
 def listening(host: str, port: int, timeout_s: float = 2.0) -> bool:

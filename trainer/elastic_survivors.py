@@ -36,7 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from trainer.dist import EPOCH_ENV, Identity, round_restart_count
+from trainer.dist import EPOCH_ENV, Identity, own_round_store, round_restart_count
 from trainer.elastic_spares import WarmSpares, start_process
 from trainer.first_round import gather_nodes
 from trainer.node_agent import describe_exit
@@ -122,13 +122,12 @@ class SurvivorsAgent(LocalElasticAgent):
               file=sys.stderr, flush=True)
         pc = self._pcontext
         env = pc.envs[0]
-        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and lost.rank == 0:
+        if own_round_store(env) and lost.rank == 0:
             return  # the workers' store went with it: their collectives and the store fail them at once
         store = self._job_store(env)
         try:
             if store is not None:
-                world = int(env["WORLD_SIZE"])
-                announce(store, round_restart_count(store, world, self._round()), [], NODE_LOST_PATH, lost.at)
+                announce(store, self._agreed_restart(store, env), [], NODE_LOST_PATH, lost.at)
         except (dist.DistError, RuntimeError) as err:
             print(f"could not tell the workers ({err}): they leave after their notice window", file=sys.stderr,
                   flush=True)
@@ -137,6 +136,10 @@ class SurvivorsAgent(LocalElasticAgent):
         procs = [h.proc for h in pc.subprocess_handlers.values()]
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
             time.sleep(POLL_S / 5)  # polls the local workers' exits
+
+    def _agreed_restart(self, store: dist.TCPStore, env: dict[str, str]) -> int:
+        """The restart count the round's ranks agreed on: their group prefix and epoch keys."""
+        return round_restart_count(store, int(env["WORLD_SIZE"]), self._round())
 
     def _job_store(self, env: dict[str, str]) -> dist.TCPStore | None:
         """A client of the store this round's workers share (one per round: a round with standby
@@ -160,13 +163,13 @@ class SurvivorsAgent(LocalElasticAgent):
         ranks = sorted(workers[lr].global_rank for lr in lost)
         env = pc.envs[min(lost)]
         world = int(env["WORLD_SIZE"])
-        if world < 2 or (env.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and 0 in ranks):
+        if world < 2 or (own_round_store(env) and 0 in ranks):
             return None  # no survivor to keep; or rank 0 hosted the round's store, which went with it
         store = self._job_store(env)
         if store is None:
             return None
         try:
-            restart = round_restart_count(store, world, self._round())
+            restart = self._agreed_restart(store, env)
             path = "spare" if self.spares.ready(len(lost)) else "replacement"
             epoch = announce(store, restart, ranks, path, detected)
         except (dist.DistError, RuntimeError) as err:

@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -130,7 +130,7 @@ class NodeLinks:
         if sock is not self._watched or data == BYE:  # let go on purpose (a new round), or the job ended there
             return
         with self._lock:
-            self._lost.append(LostNode(lost.rank, lost.node, lost.desc, time.time()))
+            self._lost.append(replace(lost, at=time.time()))
 
     def _unwatch(self) -> None:
         sock, self._watched = self._watched, None

@@ -91,7 +91,8 @@ def epochs_key(restart: int) -> str:
 def announce(store: dist.Store, restart: int, lost: list[int], path: str, detected_at: float) -> int:
     """An agent's announcement of a fast recovery: the next epoch of round ``restart`` (taken from a
     counter in the store, so that agents of several nodes never announce the same epoch), the
-    global ranks ``lost`` and how they are replaced (``spare``, ``replacement``). The survivors,
+    global ranks ``lost`` and how they are replaced (``spare``, ``replacement``; ``NODE_LOST_PATH``:
+    not at all, another node is gone and the survivors leave for a new round). The survivors,
     on every node, wait for it (``Peers.announced``); returns the epoch."""
     epoch = store.add(epochs_key(restart), 1)
     store.set(epoch_key(restart, epoch), json.dumps({"lost": lost, "path": path, "detected_at": detected_at}))
