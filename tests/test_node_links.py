@@ -128,6 +128,7 @@ def test_the_survivors_link_reports_the_lost_node_with_its_rendezvous_identity()
         joined.start()
         mine.join_round(round_store("round-1"), 0, 2, ("node-a", 5, 0))
         joined.join(30)
+        wait_until(lambda: theirs._accepted, 30, "their agent holds my link")  # accepted in a thread of its own
         theirs._listener.close()  # what a killed process's sockets do: closed, no goodbye
         for sock in theirs._accepted:
             sock.close()

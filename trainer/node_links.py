@@ -87,17 +87,13 @@ class NodeLinks:
         """The job ended here: say goodbye to the agent watching this one, so that it does not
         take this agent's exit for a loss."""
         self._unwatch()
-        with self._lock:
+        with self._lock:  # a connection accepted from here on is answered by _accept with a goodbye
             accepted, self._accepted = self._accepted, []
+            listener, self._listener = self._listener, None
         for sock in accepted:
-            try:
-                sock.sendall(BYE)
-            except OSError:
-                pass
-            sock.close()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+            _say_bye(sock)
+        if listener is not None:
+            listener.close()
 
     def _serve(self) -> tuple[str, int]:
         """Where this agent listens: at its host name, as torch's rendezvous names the node (the
@@ -117,6 +113,9 @@ class NodeLinks:
             except OSError:  # closed: the job ended
                 return
             with self._lock:
+                if listener is not self._listener:  # accepted as the job ended here (close took the others)
+                    _say_bye(sock)
+                    return
                 gone = select.select(self._accepted, [], [], 0)[0] if self._accepted else []
                 for old in gone:  # readable means closed: a watcher that moved to a new round
                     old.close()
@@ -140,3 +139,11 @@ class NodeLinks:
             except OSError:
                 pass
             sock.close()
+
+
+def _say_bye(sock: socket.socket) -> None:
+    try:
+        sock.sendall(BYE)
+    except OSError:
+        pass
+    sock.close()
