@@ -104,6 +104,13 @@ def test_a_killed_nodes_place_goes_to_a_standby_at_once_and_a_node_saying_goodby
     del host
 
 
+def killed(links: NodeLinks) -> None:
+    """What a killed agent's process does to its links: every socket closed, no goodbye."""
+    links._listener.close()
+    for sock in links._accepted + links._watched:
+        sock.close()
+
+
 def test_the_survivors_link_reports_the_lost_node_with_its_rendezvous_identity():
     port = free_port()
     host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
@@ -129,12 +136,40 @@ def test_the_survivors_link_reports_the_lost_node_with_its_rendezvous_identity()
         mine.join_round(round_store("round-1"), 0, 2, ("node-a", 5, 0))
         joined.join(30)
         wait_until(lambda: theirs._accepted, 30, "their agent holds my link")  # accepted in a thread of its own
-        theirs._listener.close()  # what a killed process's sockets do: closed, no goodbye
-        for sock in theirs._accepted:
-            sock.close()
+        killed(theirs)
         lost = wait_until(mine.take_lost, 30, "the lost node reported")
         assert [(n.rank, n.node, n.desc) for n in lost] == [(1, 1, ("node-b", 7, 2))]
         assert isinstance(lost[0], LostNode) and lost[0].at > 0
     finally:
         mine.close()
+    del host
+
+
+def test_two_neighbours_lost_together_are_both_reported_by_the_rank_before_them():
+    """Nodes lost together (a drained machine's pods, a rack) often hold consecutive ranks: the
+    rank before them watches both, so neither waits for its keep-alives to lapse."""
+    port = free_port()
+    host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    agents = [NodeLinks(node=n) for n in range(4)]
+    try:
+        joins = [threading.Thread(target=a.join_round,
+                                  args=(PrefixStore("round-0", TCPStore("127.0.0.1", port, is_master=False)), rank, 4,
+                                        (f"node-{rank}", 10 + rank, 0)))
+                 for rank, a in enumerate(agents)]
+        for t in joins:
+            t.start()
+        for t in joins:
+            t.join(30)
+        wait_until(lambda: sum(len(a._accepted) for a in agents) == sum(len(a._watched) for a in agents), 30,
+                   "every link held at both ends")
+        killed(agents[1])
+        killed(agents[2])
+        lost: list[LostNode] = []
+        wait_until(lambda: lost.extend(agents[0].take_lost()) or len(lost) == 2, 30, "both lost nodes reported")
+        assert sorted((n.rank, n.desc) for n in lost) == [(1, ("node-1", 11, 0)), (2, ("node-2", 12, 0))]
+        # the rank after them watches 0 and 1: it finds rank 1 too (the agents' evictions agree)
+        assert [n.rank for n in wait_until(agents[3].take_lost, 30, "rank 3 reports rank 1")] == [1]
+    finally:
+        for a in agents:
+            a.close()
     del host
