@@ -11,10 +11,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 from torch.distributed import PrefixStore, TCPStore
 
+from conftest import wait_for
 from pretrain.ports import free_port
 from trainer.node_links import LostNode, NodeLinks
 
@@ -62,14 +62,6 @@ class Node(subprocess.Popen):
     def tell(self, line: str) -> None:
         self.stdin.write(line + "\n")
         self.stdin.flush()
-
-
-def wait_until(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (found := condition()):
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)  # polls the condition
-    return found
 
 
 def formed(nodes: list[Node]) -> list[dict]:
@@ -127,7 +119,7 @@ def test_the_survivors_link_reports_the_lost_node_with_its_rendezvous_identity()
         joined.join(30)
         assert mine.take_lost() == [] and theirs.take_lost() == []
         theirs.close()  # node 1's agent ends the job: it says goodbye
-        wait_until(watchers_done, 30, "my link's watcher sees the goodbye")
+        wait_for(watchers_done, 30, "my link's watcher sees the goodbye")
         assert mine.take_lost() == []
 
         theirs = NodeLinks(node=1)
@@ -135,9 +127,9 @@ def test_the_survivors_link_reports_the_lost_node_with_its_rendezvous_identity()
         joined.start()
         mine.join_round(round_store("round-1"), 0, 2, ("node-a", 5, 0))
         joined.join(30)
-        wait_until(lambda: theirs._accepted, 30, "their agent holds my link")  # accepted in a thread of its own
+        wait_for(lambda: theirs._accepted, 30, "their agent holds my link")  # accepted in a thread of its own
         killed(theirs)
-        lost = wait_until(mine.take_lost, 30, "the lost node reported")
+        lost = wait_for(mine.take_lost, 30, "the lost node reported")
         assert [(n.rank, n.node, n.desc) for n in lost] == [(1, 1, ("node-b", 7, 2))]
         assert isinstance(lost[0], LostNode) and lost[0].at > 0
     finally:
@@ -160,15 +152,15 @@ def test_two_neighbours_lost_together_are_both_reported_by_the_rank_before_them(
             t.start()
         for t in joins:
             t.join(30)
-        wait_until(lambda: sum(len(a._accepted) for a in agents) == sum(len(a._watched) for a in agents), 30,
+        wait_for(lambda: sum(len(a._accepted) for a in agents) == sum(len(a._watched) for a in agents), 30,
                    "every link held at both ends")
         killed(agents[1])
         killed(agents[2])
         lost: list[LostNode] = []
-        wait_until(lambda: lost.extend(agents[0].take_lost()) or len(lost) == 2, 30, "both lost nodes reported")
+        wait_for(lambda: lost.extend(agents[0].take_lost()) or len(lost) == 2, 30, "both lost nodes reported")
         assert sorted((n.rank, n.desc) for n in lost) == [(1, ("node-1", 11, 0)), (2, ("node-2", 12, 0))]
         # the rank after them watches 0 and 1: it finds rank 1 too (the agents' evictions agree)
-        assert [n.rank for n in wait_until(agents[3].take_lost, 30, "rank 3 reports rank 1")] == [1]
+        assert [n.rank for n in wait_for(agents[3].take_lost, 30, "rank 3 reports rank 1")] == [1]
     finally:
         for a in agents:
             a.close()

@@ -23,7 +23,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from agents import node_log, run_id, start_agent
-from conftest import seed_data, small_spec
+from conftest import seed_data, small_spec, wait_for
 from pretrain.jobs import build_job
 from pretrain.ports import free_port
 from trainer.elastic import rendezvous_configs
@@ -31,13 +31,6 @@ from trainer.first_round import checked_in, gather_nodes
 from trainer.reporting import EVENTS, METRICS, read_all
 
 LAST_CALL_S = rendezvous_configs(argparse.Namespace(node_timeout=3, rdzv_host=False))["last_call_timeout"]
-
-
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)  # polls the condition
 
 
 def stop(agents: list[subprocess.Popen]) -> None:
@@ -76,10 +69,10 @@ def test_a_node_late_at_the_start_joins_the_running_job_which_goes_on_with_both(
                                      endpoint=endpoint, first_round_wait=0, start_new_session=True)
     agents = [start(0)]
     try:
-        wait_until(lambda: metrics.exists() and len(read_all(metrics)) >= 3, 120, "node 0 trains alone")
+        wait_for(lambda: metrics.exists() and len(read_all(metrics)) >= 3, 120, "node 0 trains alone")
         agents.append(start(1))
         together = lambda: [m for m in read_all(metrics) if m["world_size"] == 2]  # noqa: E731
-        wait_until(lambda: len(together()) >= 5 or any(a.poll() is not None for a in agents), 180,
+        wait_for(lambda: len(together()) >= 5 or any(a.poll() is not None for a in agents), 180,
                    "both nodes train")
         assert len(together()) >= 5, node_log(job, 2)
     finally:
@@ -113,7 +106,7 @@ def test_the_first_round_waits_for_a_node_that_starts_after_torchs_last_call(pre
                                      endpoint=endpoint, start_new_session=True)
     agents = [start(0)]
     try:
-        wait_until(lambda: checked_in(endpoint, name) >= 1, 120, "node 0's agent checks in")
+        wait_for(lambda: checked_in(endpoint, name) >= 1, 120, "node 0's agent checks in")
         # node 1 is late by more than the rendezvous's last call; meanwhile node 0 must not start the job alone
         late_until = time.monotonic() + LAST_CALL_S + 1
         while time.monotonic() < late_until:
@@ -143,7 +136,7 @@ def test_gather_nodes(nodes, wait_s, late, expected, capfd):
     first = threading.Thread(target=lambda: results.update(first=gather_nodes(endpoint, "job", nodes, wait_s)))
     first.start()
     if late:
-        wait_until(lambda: checked_in(endpoint, "job") == 1, 30, "the first node checks in")
+        wait_for(lambda: checked_in(endpoint, "job") == 1, 30, "the first node checks in")
         assert first.is_alive()
         results["late"] = gather_nodes(endpoint, "job", nodes, wait_s, node=1)
     first.join(60)

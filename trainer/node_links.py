@@ -100,7 +100,7 @@ class NodeLinks:
         return lost
 
     def close(self) -> None:
-        """The job ended here: say goodbye to the agent watching this one, so that it does not
+        """The job ended here: say goodbye to the agents watching this one, so that they do not
         take this agent's exit for a loss."""
         self._unwatch()
         with self._lock:  # a connection accepted from here on is answered by _accept with a goodbye
