@@ -20,20 +20,33 @@ from trainer.node_links import LostNode, NodeLinks
 
 # a keep-alive every 60 s, a node dead after 3 missed: torch alone would take a killed node out
 # after 120–180 s; the tests give the round 30 s
+# (argv: endpoint, node number, min and max nodes, last call in s, and slow_s: a survivor's agent on a
+# loaded machine, this node leaves its round slow_s after it found a node lost, the last to leave, then
+# takes slow_s more to join the next: meanwhile the rendezvous knows nothing of it)
 NODE = """
-import json, select, sys
+import json, select, sys, time
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import registry
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous, registry
 from trainer.node_links import NodeLinks
 from trainer.rendezvous_store import RoundStoreAddress
-params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="links", min_nodes=2, max_nodes=2,
-                              join_timeout=60, last_call_timeout=1, keep_alive_interval=60, keep_alive_max_attempt=3)
+min_nodes, max_nodes, last_call, slow_s = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
+params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="links", min_nodes=min_nodes,
+                              max_nodes=max_nodes, join_timeout=60, last_call_timeout=last_call, keep_alive_interval=60,
+                              keep_alive_max_attempt=3)
+join = dynamic_rendezvous._RendezvousJoinOp.__call__
+def slow_join(op, ctx, deadline, slowed=[]):
+    s = ctx.state
+    if s.round > 0 and not s.complete and ctx.node not in s.participants and ctx.node not in s.wait_list and not slowed:
+        slowed.append(time.sleep(slow_s))  # it left the last round and has not joined the next one yet
+    return join(op, ctx, deadline)
+dynamic_rendezvous._RendezvousJoinOp.__call__ = slow_join
 rdzv = RoundStoreAddress(registry.get_rendezvous_handler(params), NodeLinks(node=int(sys.argv[2])))
 info = rdzv.next_rendezvous()
 print(json.dumps({"rank": info.rank, "world": info.world_size}), flush=True)
 while not select.select([sys.stdin], [], [], 0.05)[0]:  # as a node agent looks at its workers and links
     for lost in rdzv.links.take_lost():  # as the agent does: out of the rendezvous with it, and a new round
         print(json.dumps({"evicted": rdzv.evict(lost.desc), "node": lost.node}), flush=True)
+        time.sleep(slow_s)
         info = rdzv.next_rendezvous()
         print(json.dumps({"rank": info.rank, "world": info.world_size}), flush=True)
 if sys.stdin.readline().strip() == "bye":
@@ -47,8 +60,10 @@ ROUND_S = 30  # how long a round may take to form here
 class Node(subprocess.Popen):
     """A node agent's rendezvous (``NODE``); its lines read with a bound."""
 
-    def __init__(self, endpoint: str, number: int):
-        super().__init__([sys.executable, "-c", NODE, endpoint, str(number)], stdin=subprocess.PIPE,
+    def __init__(self, endpoint: str, number: int, nodes: tuple[int, int] = (2, 2), last_call_s: float = 1,
+                 slow_s: float = 0):
+        super().__init__([sys.executable, "-c", NODE, endpoint, str(number), *map(str, nodes), str(last_call_s),
+                          str(slow_s)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [self.lines.put(line) for line in self.stdout], daemon=True).start()
@@ -164,4 +179,46 @@ def test_two_neighbours_lost_together_are_both_reported_by_the_rank_before_them(
     finally:
         for a in agents:
             a.close()
+    del host
+
+
+LONG_LAST_CALL_S = 50  # longer than a round may take here (ROUND_S): a round that waits for it fails the test
+
+
+def test_the_survivors_round_closes_once_every_other_node_is_back_not_after_the_last_call():
+    """A job that may shrink (nodes_min 1 of 2) loses a node and has no standby: torch's round would
+    wait its whole last call for late joiners; every node of the last round but the lost one is
+    back at once, so the round closes then."""
+    port = free_port()
+    host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{port}"
+    a, b = (Node(endpoint, n, nodes=(1, 2), last_call_s=LONG_LAST_CALL_S) for n in range(2))
+    try:
+        assert sorted(r["world"] for r in formed([a, b])) == [2, 2]
+        os.kill(b.pid, signal.SIGKILL)
+        assert a.said() == {"evicted": True, "node": 1}
+        assert a.said() == {"rank": 0, "world": 1}  # (within ROUND_S, far less than the last call)
+    finally:
+        for p in (a, b):
+            p.kill()
+    del host
+
+
+def test_a_survivor_slow_to_rejoin_is_waited_for_though_every_node_the_rendezvous_knows_is_in():
+    """Three nodes, one lost: the other two each find it and re-form. One of them is slow between
+    leaving the last round and joining the next (the rendezvous knows nothing of it meanwhile): the
+    round still waits for it, instead of closing with the first survivor alone."""
+    port = free_port()
+    host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{port}"
+    nodes = [Node(endpoint, n, nodes=(1, 3), last_call_s=LONG_LAST_CALL_S, slow_s=2 if n == 1 else 0) for n in range(3)]
+    a, b, c = nodes
+    try:
+        assert sorted(r["world"] for r in formed(nodes)) == [3, 3, 3]
+        os.kill(c.pid, signal.SIGKILL)
+        assert a.said() == b.said() == {"evicted": True, "node": 2}
+        assert sorted((r["rank"], r["world"]) for r in formed([a, b])) == [(0, 2), (1, 2)]
+    finally:
+        for p in nodes:
+            p.kill()
     del host

@@ -21,7 +21,9 @@ address again and every other node reads the round's, so all of a round's worker
 store; and the rank-0 node numbers the round (0, 1, … from a counter in the rendezvous's store),
 every node reads the number (``round``), and the workers name their keys by it. It also links
 the round's node agents (``trainer.node_links``) and takes a node whose agent is gone out of the
-rendezvous at once (``evict``) instead of after its keep-alives lapse.
+rendezvous at once (``evict``) instead of after its keep-alives lapse, and records it lost, so
+that the next round closes as soon as every other node of this one is back
+(``trainer.rendezvous_close``).
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ import sys
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 from trainer.node_links import NodeLinks
+from trainer.rendezvous_close import CloseWhenBack, lost_from, members, record_lost
 
 
 ROUNDS_KEY = "pretrain/rounds"  # the counter, in the rendezvous's store (outside any round's prefix)
@@ -49,13 +53,23 @@ class RoundStoreAddress:
         self._handler = handler
         self.round = 0  # the last round's number, the same on every node
         self.links = links or NodeLinks()
+        self._last: frozenset[tuple] = frozenset()  # the last round's nodes (torch's identities)
+        self._store = None  # the rendezvous's store (all rounds'), once a round formed
 
     def __getattr__(self, name: str):
         return getattr(self._handler, name)
 
     def next_rendezvous(self) -> RendezvousInfo:
         asked = time.time()
-        info = self._handler.next_rendezvous()
+        store, last_round = self._store, self.round
+        closer = CloseWhenBack(self._handler, self._last, lambda: lost_from(store, last_round)) \
+            if store is not None and self._last else None
+        try:
+            info = self._handler.next_rendezvous()
+        finally:
+            if closer is not None:
+                closer.stop()
+        self._store, self._last = info.store.underlying_store, members(self._handler)
         agreed = self._agree(info)
         print(f"{time.strftime('%H:%M:%S', time.localtime(asked))} rendezvous: round {self.round}, this node rank "
               f"{info.rank} of {info.world_size} node(s), formed after {time.time() - asked:.1f} s",
@@ -79,6 +93,7 @@ class RoundStoreAddress:
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
         node = _NodeDesc(*desc)
+        self._record_lost(desc)
         try:
             with lock:  # the keep-alive thread syncs the same holder
                 for _ in range(EVICT_TRIES):
@@ -94,6 +109,14 @@ class RoundStoreAddress:
             print(f"could not take the lost node out of the rendezvous ({type(err).__name__}: {err}): it leaves once "
                   "its keep-alives lapse", file=sys.stderr, flush=True)
         return False
+
+    def _record_lost(self, desc: tuple) -> None:
+        try:
+            if self._store is not None:
+                record_lost(self._store, self.round, desc)
+        except (dist.DistError, RuntimeError, OSError) as err:
+            print(f"could not record the lost node ({type(err).__name__}: {err}): the next round waits for its "
+                  "last call", file=sys.stderr, flush=True)
 
     def _agree(self, info: RendezvousInfo) -> RendezvousInfo:
         if info.rank == 0:  # the round's prefixed store: its underlying one is the rendezvous's, shared by all rounds

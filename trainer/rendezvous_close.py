@@ -1,0 +1,123 @@
+"""A round that re-forms after a lost node closes as soon as every other node of the last round is
+back, instead of after torch's last call.
+
+Torch's c10d rendezvous closes a round that has ``min_nodes`` but fewer than ``max_nodes``
+participants only when its *last call* (5 s here: ``trainer.elastic.rendezvous_configs``) for
+late joiners has passed. After a lost node with no standby to take its place, that wait is most of
+the recovery (the survivors are all back in ~0.1 s; the round has no one else to wait for). A
+node's loss found through the agents' links (``trainer.node_links``) is recorded in the
+rendezvous's store for the round it was lost from (``record_lost``); while the next round forms,
+each member of the last round watches the rendezvous state (``CloseWhenBack``) and moves the
+round's deadline to now once
+
+- every node of the last round is a participant again, except the nodes recorded lost, and
+- every node the rendezvous knows (its keep-alives: waiting, standing by, or not yet timed out)
+  is a participant too
+
+— so no node that is on its way is left out: a survivor between leaving the last round and
+joining the next is still expected; a node whose loss was not recorded (a machine powered off
+with its sockets open) keeps torch's last call. The deadline is written with the same
+compare-and-set as every change to torch's rendezvous state, through a state holder of its own
+(torch's private ``_BackendRendezvousStateHolder``: checked against this torch by
+``tests/test_rendezvous_close.py``); a torch without it keeps its last call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import threading
+from datetime import datetime, timezone
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousError
+
+LOST_KEY = "pretrain/lost"  # + /<round>/count and /<round>/<i>: the nodes lost from a round (their rendezvous identity)
+POLL_S = 0.05  # how often the rendezvous state is looked at while a round forms
+
+
+def record_lost(store: dist.Store, round_: int, desc: tuple) -> None:
+    """Note in the rendezvous's ``store`` that node ``desc`` (its rendezvous identity) was lost
+    from round ``round_``: the next round does not wait for it."""
+    i = store.add(f"{LOST_KEY}/{round_}/count", 1) - 1
+    store.set(f"{LOST_KEY}/{round_}/{i}", json.dumps(list(desc)))
+
+
+def lost_from(store: dist.Store, round_: int) -> set[tuple]:
+    """The nodes recorded lost from round ``round_`` (a record that cannot be read is skipped)."""
+    out = set()
+    for i in range(store.add(f"{LOST_KEY}/{round_}/count", 0)):
+        try:
+            out.add(tuple(json.loads(store.get(f"{LOST_KEY}/{round_}/{i}"))))
+        except (ValueError, TypeError, dist.DistError):
+            continue  # being written, or damaged: that node is waited for (torch's last call)
+    return out
+
+
+def members(handler) -> frozenset[tuple]:
+    """The participants of the round ``handler`` (torch's) last joined, as node identities."""
+    holder = getattr(handler, "_state_holder", None)
+    participants = getattr(getattr(holder, "state", None), "participants", None) or {}
+    return frozenset(dataclasses.astuple(n) for n in participants if dataclasses.is_dataclass(n))
+
+
+class CloseWhenBack:
+    """While ``handler`` (torch's) forms its next round: a thread that closes the round once every
+    node of the last round (``last``) but the ones lost (``lost()``) joined it, and no other
+    node the rendezvous knows is still to join. ``stop()`` when the handler returned."""
+
+    def __init__(self, handler, last: frozenset[tuple], lost):
+        self._holder = _own_holder(handler)
+        self._last, self._lost = last, lost
+        self._stopped = threading.Event()
+        self.closed_early = False
+        self._thread = threading.Thread(target=self._run, name="rendezvous-close", daemon=True)
+        if self._holder is not None and last:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.wait(POLL_S) and not self.closed_early:
+                self.closed_early = self._close_if_all_back()
+        except (RendezvousError, RuntimeError, OSError, ValueError) as err:
+            print(f"rendezvous: the round waits for its last call ({type(err).__name__}: {err})", file=sys.stderr,
+                  flush=True)
+
+    def _close_if_all_back(self) -> bool:
+        self._holder.sync()
+        state = self._holder.state
+        if state.closed or state.complete or state.deadline is None:
+            return False  # the last round not left by all yet, or the new one below min_nodes
+        joined = {dataclasses.astuple(n) for n in state.participants}
+        known = {dataclasses.astuple(n) for n in state.last_heartbeats}
+        if not known <= joined or not (self._last - self._lost()) <= joined:
+            return False
+        now = datetime.now(timezone.utc)
+        if state.deadline <= now:
+            return True  # due anyway
+        state.deadline = now
+        self._holder.mark_dirty()
+        if not self._holder.sync():
+            return False  # another node changed the state meanwhile: look again
+        print(f"rendezvous: every node of the last round but {len(self._last & self._lost())} lost is back: the round "
+              "closes without its last call", file=sys.stderr, flush=True)
+        return True
+
+
+def _own_holder(handler):
+    """A state holder of the rendezvous's state beside ``handler``'s (whose one its own thread
+    uses while the round forms), reading the backend on every look; None on a torch without one."""
+    holder = getattr(handler, "_state_holder", None)
+    backend, settings = getattr(holder, "_backend", None), getattr(holder, "_settings", None)
+    if backend is None or settings is None:
+        return None
+    try:
+        return type(holder)(backend, settings, cache_duration=0)
+    except TypeError:
+        return None
