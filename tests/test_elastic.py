@@ -48,6 +48,11 @@ def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness,
         assert m["consumed"] == 8 * step, step
     store = checkpoint_store(spec, "main")
     assert store.manifest(30).world_size == 2
+    # the two survivors took the state from the snapshot the last world's rank 0 (node 0, the first
+    # agent) left in node 0's shared memory, not from the older committed checkpoint
+    events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
+    shrunk = [e for e in events if e["event"] == "start" and e["world_size"] == 2]
+    assert shrunk and {e["source"] for e in shrunk} == {"memory"}, shrunk
 
 
 def test_node_check_excludes_a_slow_node(prefect_harness, prepared_data, tmp_path):

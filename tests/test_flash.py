@@ -196,6 +196,37 @@ def test_a_rank_reads_rank_0s_verified_snapshot_from_the_nodes_shared_memory(tmp
     assert rank1.load_local(0, 0, 4) is None  # its bytes no longer match the digest
 
 
+def test_a_world_that_changed_size_restores_the_last_worlds_rank_0_snapshot_from_memory(tmp_path):
+    """A node lost without a standby: the survivor's rank of the smaller world holds no snapshot of
+    its own world, but the last world's rank 0 left the replicated state and the global data
+    position in this node's shared memory. Restored from there (newer than the checkpoint), unless
+    it is older than the checkpoint or its bytes no longer match their digest."""
+    cfg = job(tmp_path)
+    model, opt = trained(cfg)
+    state.save(cfg, CPU0, step=10, consumed=20, model=model, optimizer=opt)
+    later, later_opt = trained(cfg, steps=3)
+    old_rank0 = dataclasses.replace(CPU0, world_size=2)
+    last_world = SnapshotStore(tmp_path / "shm", 0, 0, 2, capacity=snapshot_capacity(cfg, 0))
+    last_world.snapshot(14, state.training_state(cfg, old_rank0, step=14, consumed=28, model=later, optimizer=later_opt),
+                        persist=False)
+    last_world.flush()
+    now = SnapshotStore(tmp_path / "shm", 0, 0, 1, capacity=snapshot_capacity(cfg, 0))  # world 1 on the same node
+    assert now.sealed_steps() == {} and list(now.replicated_elsewhere()) == [14]
+    fresh, fresh_opt = build_model(cfg, torch.device("cpu"))
+    got = state.restore(cfg, CPU0, model=fresh, optimizer=fresh_opt, snapshots=now)
+    assert (got.source, got.step, got.consumed) == ("memory", 14, 28)
+    assert_same(fresh.state_dict(), later.state_dict())
+    assert_same(fresh_opt.state_dict()["state"], later_opt.state_dict()["state"])
+
+    state.save(cfg, CPU0, step=16, consumed=32, model=model, optimizer=opt)  # a newer checkpoint wins
+    fresh, fresh_opt = build_model(cfg, torch.device("cpu"))
+    assert state.restore(cfg, CPU0, model=fresh, optimizer=fresh_opt, snapshots=now).source == "checkpoint"
+
+    h = last_world.slots[0].header()
+    last_world.slots[0].mm[h["data_off"] + 5] ^= 0xFF  # damaged in shared memory
+    assert now.load_replicated(14) is None
+
+
 @pytest.mark.parametrize("fields, live, kept", [
     ({}, (7, 14), ("survivors", 7, 14)),                      # DDP: the survivors go on from the step they hold
     ({"model.dropout": 0.1}, (7, 14), None),                  # each rank's RNG shapes training: roll back

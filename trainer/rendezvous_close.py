@@ -19,7 +19,7 @@ joining the next is still expected; a node whose loss was not recorded (a machin
 with its sockets open) keeps torch's last call. The deadline is written with the same
 compare-and-set as every change to torch's rendezvous state, through a state holder of its own
 (torch's private ``_BackendRendezvousStateHolder``: checked against this torch by
-``tests/test_rendezvous_close.py``); a torch without it keeps its last call.
+``tests/test_node_links.py``); a torch without it keeps its last call.
 """
 
 from __future__ import annotations

@@ -131,6 +131,32 @@ class SnapshotStore:
                 slot.close()
         return None
 
+    def replicated_elsewhere(self) -> dict[int, Path]:
+        """step → slot file of each sealed snapshot on this node of another world size's rank 0
+        (the replicated state under DDP) — what a job that lost a node without a standby (or took
+        one in) left in this node's shared memory. Headers only."""
+        found: dict[int, Path] = {}
+        for path in sorted(self.ns.glob("rank*.slot*")):
+            h = read_header(path)
+            if h and h.get("state") == "ready" and h.get("digest") and h.get("rank") == 0 \
+                    and h.get("world_size") != self.world_size and isinstance(h.get("step"), int):
+                found.setdefault(h["step"], path)
+        return found
+
+    def load_replicated(self, step: int):
+        """The snapshot of ``step`` that ``replicated_elsewhere`` lists, copied out, if it still
+        matches its digest; else None."""
+        path = self.replicated_elsewhere().get(step)
+        if path is None:
+            return None
+        slot = Slot(path)
+        try:
+            with slot.lock(exclusive=False):
+                h = slot.verified()
+                return slot.read(h, clone=True) if h and h["step"] == step and h["rank"] == 0 else None
+        finally:
+            slot.close()
+
     def load(self, step: int):
         """This rank's snapshot of ``step`` (copied out of shared memory); call ``verify`` first."""
         slot = self.slots[self.sealed_steps()[step]]

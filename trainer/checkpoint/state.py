@@ -20,7 +20,7 @@ from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.flat import Layout, read_state, write_tensors
 from trainer.checkpoint.sharded import apply_sharded, load_full_state, localize
 from trainer.config import JobConfig
-from trainer.dist import DistInfo, all_gather_object, broadcast_object, local_world_size
+from trainer.dist import DistInfo, all_gather_object, broadcast_object, is_initialized, local_world_size
 from trainer.events import SURVIVORS
 
 MODEL_SHARD = ckpt.MODEL_SHARD
@@ -135,6 +135,20 @@ def newest_common_snapshot(snapshots: SnapshotStore, floor: int, fresh_ranks_all
     return None
 
 
+def adopted_snapshot(info: DistInfo, snapshots: SnapshotStore, floor: int) -> dict | None:
+    """After the world changed size (a node lost without a standby, or one taken in): the newest
+    snapshot (step ≥ ``floor``) of the last world's rank 0 — under DDP without dropout the
+    replicated model and optimizer, and the global data position — on any node of this world,
+    sent by the first rank that holds it to the others; None (every rank) if no node holds one."""
+    held = all_gather_object(sorted(s for s in snapshots.replicated_elsewhere() if s >= floor))
+    for step in sorted({s for steps in held for s in steps}, reverse=True):
+        holder = min(r for r, steps in enumerate(held) if step in steps)
+        snap = snapshots.load_replicated(step) if info.rank == holder else None
+        if broadcast_object(snap is not None, src=holder):
+            return _broadcast_state(info, snap, holder)
+    return None
+
+
 def any_rank_will_do(cfg: JobConfig) -> bool:
     """Can a rank that holds no state of its own take another rank's? Under DDP without dropout:
     the model and optimizer are replicated and a rank's RNG shapes nothing (with dropout it lives
@@ -168,6 +182,8 @@ def kept_by_survivors(cfg: JobConfig, info: DistInfo, live: tuple[int, int] | No
 def _broadcast_state(info: DistInfo, state: dict | None, src: int) -> dict:
     """Rank ``src``'s ``state`` on every rank: under gloo its tensors travel as one flat buffer
     (the snapshots' layout, ``trainer.checkpoint.flat``), not pickled one by one."""
+    if not is_initialized():
+        return state
     if info.backend != "gloo":
         return broadcast_object(state, src=src)
     layout, tensors = Layout.of(state) if info.rank == src else (None, [])
@@ -183,13 +199,22 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
     """Load the newest state of this stage: from shared memory if every rank holds a verified
     snapshot of a common step at least as new as storage's (under DDP without dropout, ranks of a
     node that replaced a lost one may hold none: they take rank 0's, the replicated state, and its
-    data position); else the newest complete checkpoint; else ``init_from``; else nothing. Rank 0
+    data position; after the world changed size, the last world's rank 0 snapshot where a node
+    holds one: ``adopted_snapshot``); else the newest complete checkpoint; else ``init_from``;
+    else nothing. Rank 0
     decides and broadcasts, so all ranks load the same step."""
     choice = None
     store = cfg.checkpoints()
     ref = store.latest_complete() if info.rank == 0 else None
     floor = broadcast_object(ref.step if ref else -1)
     found = newest_common_snapshot(snapshots, floor, any_rank_will_do(cfg)) if snapshots is not None else None
+    if found is None and snapshots is not None and any_rank_will_do(cfg):
+        adopted = adopted_snapshot(info, snapshots, floor)
+        if adopted is not None:  # every rank keeps its own RNG stream (unused: no dropout)
+            mine = {**adopted["rank"], "rng_cpu": torch.get_rng_state()}
+            mine.pop("rng_cuda", None)
+            _apply(cfg, info, adopted["shared"], mine, model, optimizer)
+            return Restored(int(adopted["shared"]["step"]), int(mine["consumed"]), "memory", str(snapshots.ns))
     if info.rank == 0:
         if found is not None:
             choice = ("memory", found)
