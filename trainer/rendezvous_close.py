@@ -7,7 +7,8 @@ late joiners has passed. After a lost node with no standby to take its place, th
 the recovery (the survivors are all back in ~0.1 s; the round has no one else to wait for). A
 node's loss found through the agents' links (``trainer.node_links``) is recorded in the
 rendezvous's store for the round it was lost from (``record_lost``); while the next round forms,
-each member of the last round watches the rendezvous state (``CloseWhenBack``) and moves the
+the last round's rank 0 and the agents that found a node lost (a few per job, whatever its size:
+each look reads the whole state) watch the rendezvous state (``CloseWhenBack``) and move the
 round's deadline to now once
 
 - every node of the last round is a participant again, except the nodes recorded lost, and
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousError
 
 LOST_KEY = "pretrain/lost"  # + /<round>/count and /<round>/<i>: the nodes lost from a round (their rendezvous identity)
-POLL_S = 0.05  # how often the rendezvous state is looked at while a round forms
+POLL_S = 0.1  # how often the rendezvous state is looked at while a round forms (as torch's own look, patched)
 
 
 def record_lost(store: dist.Store, round_: int, desc: tuple) -> None:

@@ -55,6 +55,7 @@ class RoundStoreAddress:
         self.links = links or NodeLinks()
         self._last: frozenset[tuple] = frozenset()  # the last round's nodes (torch's identities)
         self._store = None  # the rendezvous's store (all rounds'), once a round formed
+        self._closes = False  # whether this agent closes the next round early (``CloseWhenBack``)
 
     def __getattr__(self, name: str):
         return getattr(self._handler, name)
@@ -62,14 +63,15 @@ class RoundStoreAddress:
     def next_rendezvous(self) -> RendezvousInfo:
         asked = time.time()
         store, last_round = self._store, self.round
+        # (the last round's rank 0 and the agents that found a node lost: a few per job, not every agent)
         closer = CloseWhenBack(self._handler, self._last, lambda: lost_from(store, last_round)) \
-            if store is not None and self._last else None
+            if store is not None and self._last and self._closes else None
         try:
             info = self._handler.next_rendezvous()
         finally:
             if closer is not None:
                 closer.stop()
-        self._store, self._last = info.store.underlying_store, members(self._handler)
+        self._store, self._last, self._closes = info.store.underlying_store, members(self._handler), info.rank == 0
         agreed = self._agree(info)
         print(f"{time.strftime('%H:%M:%S', time.localtime(asked))} rendezvous: round {self.round}, this node rank "
               f"{info.rank} of {info.world_size} node(s), formed after {time.time() - asked:.1f} s",
@@ -114,6 +116,7 @@ class RoundStoreAddress:
         try:
             if self._store is not None:
                 record_lost(self._store, self.round, desc)
+                self._closes = True
         except (dist.DistError, RuntimeError, OSError) as err:
             print(f"could not record the lost node ({type(err).__name__}: {err}): the next round waits for its "
                   "last call", file=sys.stderr, flush=True)
