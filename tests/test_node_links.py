@@ -17,6 +17,7 @@ from torch.distributed import PrefixStore, TCPStore
 from conftest import wait_for
 from pretrain.ports import free_port
 from trainer.node_links import LostNode, NodeLinks
+from trainer.rendezvous_close import LOST_KEY, lost_from, record_lost
 
 # a keep-alive every 60 s, a node dead after 3 missed: torch alone would take a killed node out
 # after 120–180 s; the tests give the round 30 s
@@ -222,3 +223,17 @@ def test_a_survivor_slow_to_rejoin_is_waited_for_though_every_node_the_rendezvou
         for p in nodes:
             p.kill()
     del host
+
+
+def test_the_lost_nodes_of_a_round_are_read_back_and_a_damaged_record_is_skipped():
+    """A record that cannot be read (being written, damaged by hand) only means that node is waited
+    for (torch's last call): never a failed rendezvous."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    record_lost(store, 3, ("node-a", 11, 0))
+    record_lost(store, 3, ("node-b", 12, 0))
+    record_lost(store, 4, ("node-c", 13, 0))
+    store.set(f"{LOST_KEY}/3/1", "[not json")
+    store.add(f"{LOST_KEY}/3/count", 1)  # a record counted and never written
+    assert lost_from(store, 3) == {("node-a", 11, 0)}
+    assert lost_from(store, 4) == {("node-c", 13, 0)} and lost_from(store, 5) == set()

@@ -46,13 +46,16 @@ def record_lost(store: dist.Store, round_: int, desc: tuple) -> None:
 
 
 def lost_from(store: dist.Store, round_: int) -> set[tuple]:
-    """The nodes recorded lost from round ``round_`` (a record that cannot be read is skipped)."""
+    """The nodes recorded lost from round ``round_`` (a record that cannot be read, or is not
+    written yet, is skipped: the round waits for that node as torch would)."""
     out = set()
     for i in range(store.add(f"{LOST_KEY}/{round_}/count", 0)):
-        try:
-            out.add(tuple(json.loads(store.get(f"{LOST_KEY}/{round_}/{i}"))))
+        key = f"{LOST_KEY}/{round_}/{i}"
+        try:  # a record counted and not written yet (or never) is not waited for here: a get would wait
+            if store.check([key]):
+                out.add(tuple(json.loads(store.get(key))))
         except (ValueError, TypeError, dist.DistError):
-            continue  # being written, or damaged: that node is waited for (torch's last call)
+            continue  # damaged: that node is waited for (torch's last call)
     return out
 
 
