@@ -131,9 +131,10 @@ def kill_checks(kills: dict[str, list[float]], where: str) -> list[Check]:
     if fast is None or restart is None:
         return [Check(f"worker kill{where} recovered by both paths (seen: {sorted(kills)})", 0, 1, ">=",
                       "a run did not record the worker kill's recovery")]
-    why = ("on this model both paths are mostly the same fixed costs: the killed torch process's death (20–45 ms, "
-           "both wait for it), a new gloo group and one training step (~65 ms); a full restart forks its workers from "
-           "a zygote with torch imported and reads the snapshot from shared memory, so the kept survivors save ~100 ms")
+    why = ("on this model both paths are mostly the same fixed costs: the survivor learns of the loss only at its "
+           "step's all-reduce (40–60 ms after the kill; a full restart stops it at once), a new gloo group, the state "
+           "sent to the spare (~40 ms) and one training step (~70 ms); a full restart forks its workers from a zygote "
+           "with torch imported and reads the snapshot from shared memory, so the kept survivors save ~100 ms")
     if where:
         why = "a full restart of several nodes is torch's: every agent stops its workers and meets the others in a new rendezvous round"
     print(f"worker kills{where} recovered: {', '.join(f'{path} {sorted(times)}' for path, times in sorted(kills.items()))}")
