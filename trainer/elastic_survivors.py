@@ -240,6 +240,10 @@ def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint:
     try:
         result = agent.run()
         rendezvous.links.close()  # the job ended here: not a lost node to the others
+        if result is None:  # torch's agent left gracefully: this node stood by when the job's rendezvous closed
+            print(f"node {node}: the job ended while this node stood by (its place taken in the last round)",
+                  file=sys.stderr, flush=True)
+            return
         if result.is_failed():
             raise ChildFailedError(name=command[0], failures=result.failures)
     except ChildFailedError:
