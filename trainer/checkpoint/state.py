@@ -110,6 +110,14 @@ def _model_state(cfg: JobConfig, info: DistInfo, store: ckpt.CheckpointStore, st
     return load_full_state(store, step, map_location=info.device)
 
 
+def _with_own_rng(rank_state: dict) -> dict:
+    """Another rank's state (its data position, global) with this process's own RNG stream: for a
+    rank that holds no state of its own (unused under DDP without dropout)."""
+    mine = {**rank_state, "rng_cpu": torch.get_rng_state()}
+    mine.pop("rng_cuda", None)
+    return mine
+
+
 def _apply(cfg: JobConfig, info: DistInfo, model_state: dict, mine: dict, model, optimizer) -> None:
     _load_model(cfg, model_state, model, optimizer)
     torch.set_rng_state(mine["rng_cpu"])
@@ -201,8 +209,7 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
     node that replaced a lost one may hold none: they take rank 0's, the replicated state, and its
     data position; after the world changed size, the last world's rank 0 snapshot where a node
     holds one: ``adopted_snapshot``); else the newest complete checkpoint; else ``init_from``;
-    else nothing. Rank 0
-    decides and broadcasts, so all ranks load the same step."""
+    else nothing. Rank 0 decides and broadcasts, so all ranks load the same step."""
     choice = None
     store = cfg.checkpoints()
     ref = store.latest_complete() if info.rank == 0 else None
@@ -211,8 +218,7 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
     if found is None and snapshots is not None and any_rank_will_do(cfg):
         adopted = adopted_snapshot(info, snapshots, floor)
         if adopted is not None:  # every rank keeps its own RNG stream (unused: no dropout)
-            mine = {**adopted["rank"], "rng_cpu": torch.get_rng_state()}
-            mine.pop("rng_cuda", None)
+            mine = _with_own_rng(adopted["rank"])
             _apply(cfg, info, adopted["shared"], mine, model, optimizer)
             return Restored(int(adopted["shared"]["step"]), int(mine["consumed"]), "memory", str(snapshots.ns))
     if info.rank == 0:
@@ -237,8 +243,7 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
         if some_fresh:  # a fresh rank takes rank 0's data position, and keeps its own RNG stream (unused: no dropout)
             first = broadcast_object(mine if info.rank == 0 else None)
             if mine is None:
-                mine = {**first, "rng_cpu": torch.get_rng_state()}
-                mine.pop("rng_cuda", None)
+                mine = _with_own_rng(first)
         _apply(cfg, info, shared, mine, model, optimizer)
         return Restored(int(shared["step"]), int(mine["consumed"]), "memory", str(snapshots.ns))
     src, step = cfg.checkpoint_at(path)
@@ -250,8 +255,7 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
     if info.rank < world:
         mine = src.load_shard(step, ckpt.rank_shard_name(info.rank))
     else:  # the world grew: a new rank takes the (global) data position, and its own RNG stream
-        mine = {**src.load_shard(step, ckpt.rank_shard_name(0)), "rng_cpu": torch.get_rng_state()}
-        mine.pop("rng_cuda", None)
+        mine = _with_own_rng(src.load_shard(step, ckpt.rank_shard_name(0)))
     _apply(cfg, info, state, mine, model, optimizer)
     return Restored(int(state["step"]), int(mine["consumed"]), source, path)
 
