@@ -147,10 +147,11 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
         return 128 + err.sigval
     fast_rendezvous_polls()
     try:
-        launch(min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc=args.nproc, run_id=args.run_id,
-               endpoint=args.rdzv_endpoint, rdzv_configs=rendezvous_configs(args), max_restarts=args.max_restarts,
-               command=command, fast_timeout_s=fast_timeout_s, spares=spares, node=args.node,
-               spares_wanted=spares_wanted, first_round_wait_s=None if args.standby else args.first_round_wait)
+        trained = launch(min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc=args.nproc, run_id=args.run_id,
+                         endpoint=args.rdzv_endpoint, rdzv_configs=rendezvous_configs(args),
+                         max_restarts=args.max_restarts, command=command, fast_timeout_s=fast_timeout_s, spares=spares,
+                         node=args.node, spares_wanted=spares_wanted,
+                         first_round_wait_s=None if args.standby else args.first_round_wait)
     except ChildFailedError as err:
         print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
         return 1
@@ -163,4 +164,9 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
                   file=sys.stderr, flush=True)
             return 0
         raise
+    if not trained:  # the rendezvous closed while this node stood by
+        print(f"standby node {args.node}: the job ended without needing it" if args.standby and not
+              ran_workers(job.job_dir, args.node) else
+              f"node {args.node}: the job ended while this node stood by (its place taken in a later round)",
+              file=sys.stderr, flush=True)
     return 0

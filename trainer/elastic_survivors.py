@@ -220,12 +220,13 @@ class SurvivorsAgent(LocalElasticAgent):
 
 def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint: str, rdzv_configs: dict,
            max_restarts: int, command: list[str], fast_timeout_s: float, spares: int = 0, node: int = 0,
-           spares_wanted=lambda: True, monitor_interval: float = 0.2, first_round_wait_s: float | None = 0.0) -> None:
+           spares_wanted=lambda: True, monitor_interval: float = 0.2, first_round_wait_s: float | None = 0.0) -> bool:
     """This node's part of the job (what ``torch.distributed.launcher.api.elastic_launch`` does,
     with ``SurvivorsAgent`` keeping ``spares`` warm spares once ``spares_wanted()``; the first
     round waits up to ``first_round_wait_s`` for all ``max_nodes`` nodes; None: a standby node,
     which neither checks in nor waits); raises
-    ``ChildFailedError`` when the job failed."""
+    ``ChildFailedError`` when the job failed; False when this node stood by as the job ended (torch's
+    agent left the closed rendezvous gracefully), else True."""
     params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
                                   max_nodes=max_nodes, **rdzv_configs)
     rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params), NodeLinks(node))  # (store up now)
@@ -241,11 +242,10 @@ def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint:
         result = agent.run()
         rendezvous.links.close()  # the job ended here: not a lost node to the others
         if result is None:  # torch's agent left gracefully: this node stood by when the job's rendezvous closed
-            print(f"node {node}: the job ended while this node stood by (its place taken in the last round)",
-                  file=sys.stderr, flush=True)
-            return
+            return False
         if result.is_failed():
             raise ChildFailedError(name=command[0], failures=result.failures)
+        return True
     except ChildFailedError:
         raise
     except SignalException:
