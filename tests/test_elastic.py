@@ -74,15 +74,18 @@ def test_node_check_excludes_a_slow_node(prefect_harness, prepared_data, tmp_pat
 
 
 def test_a_lost_node_that_passes_its_recheck_scales_the_job_back_up(prefect_harness, prepared_data, tmp_path):
-    """Node 1 of 2 is killed; a second later it is health-checked again, passes, and the job is
+    """Node 1 of 2 is killed; half a second later it is health-checked again, passes, and the job is
     stopped (the saver persists the newest snapshot) and relaunched on both nodes. Across the
     world sizes (2 → 1, if the survivor got to train alone meanwhile → 2 workers) the global
     batch stays 4 and every sample position is trained on exactly once."""
     spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3,
-                                         "rejoin_after_s": 1},
+                                         "rejoin_after_s": 0.5},
                       stages=[{"name": "main", "steps": 600, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
                       checkpoint={"interval": 20, "memory_interval": 2, "keep": 2},
-                      chaos=[{"kind": "kill_node", "node": 1, "step": 10}],
+                      # the survivor alone is slowed (10 ms a step): its ~590 steps (7 ms each idle) outlast the
+                      # loss's detection and the re-check also under load (in a CI run it finished first, no resize)
+                      chaos=[{"kind": "kill_node", "node": 1, "step": 10},
+                             {"kind": "slow_worker", "rank": 0, "step": 12, "delay_s": 0.01}],
                       # node_check_threshold out of reach: on a loaded machine the check after a restart took
                       # node 0 for slow (2.19× the median in a CI run) and excluded it, one resize more
                       fault_tolerance={"node_check_threshold": 1000})
