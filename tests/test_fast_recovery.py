@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -166,13 +167,19 @@ def test_a_rank_that_never_arrives_ends_the_recovery_within_the_agents_bound():
     with pytest.raises(CannotRejoin, match="within 0.3 s"):
         arrive(store, me, 0.3)
     assert time.monotonic() - t0 < 5
+    # rank 0 gave up and left: rank 1, arriving later, does not take it for arrived
+    with pytest.raises(CannotRejoin):
+        arrive(store, Identity(1, 0, 2, restart_count=1, epoch=1), 0.3)
     # the replacement of rank 1 arrives under the round's agreed restart count (a standby node's
-    # agent counts fewer restarts): rank 0 now meets it at once
+    # agent counts fewer restarts): rank 0 meets it
     for rank, count in ((0, 1), (1, 0)):
         store.set(f"restart_count/{rank}", str(count))
-    joined = arrive_as_replacement(store, Identity(1, 0, 2, restart_count=0, epoch=1), 5.0)
+    with ThreadPoolExecutor(1) as pool:
+        other = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # one client per process, as workers have
+        survivor = pool.submit(arrive, other, me, 10.0)
+        joined = arrive_as_replacement(store, Identity(1, 0, 2, restart_count=0, epoch=1), 10.0)
+        survivor.result()
     assert joined.restart_count == 1
-    arrive(store, me, 5.0)
 
 
 @pytest.mark.parametrize("published, own, agreed", [

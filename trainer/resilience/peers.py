@@ -148,6 +148,10 @@ def arrive(store: dist.Store, me: Identity, bound_s: float) -> None:
     try:
         store.wait([key(r) for r in range(me.world_size)], timedelta(seconds=bound_s))
     except dist.DistError as err:
+        try:  # a rank that comes later must not take this one, which leaves now, for arrived
+            store.delete_key(key(me.rank))
+        except (dist.DistError, RuntimeError):
+            pass  # the store is gone too: nobody can arrive
         raise CannotRejoin(f"not every rank arrived for the fast recovery within {bound_s:g} s: {err}") from None
 
 
