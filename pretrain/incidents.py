@@ -84,6 +84,25 @@ def began_at(window: list[dict], detected: float) -> float:
     return min([e["time"] for e in stopping(window)] + stalled + [detected])
 
 
+def round_nodes(events: list[dict], restart_count: int) -> set:
+    """The nodes whose workers started in round ``restart_count`` of the job."""
+    return {e.get("node") for e in events if e["event"] == EventKind.START and not e.get("epoch")
+            and e.get("restart_count") == restart_count}
+
+
+def standby_took_over(events: list[dict], cur: dict, window: list[dict]) -> bool:
+    """Whether the restart at ``cur`` (rank 0's start) took a standby node in for a lost one: the
+    orchestrator saw the loss and said so, or (when the new round formed before the orchestrator's
+    next look) the round holds a node the round before did not, after a node was lost."""
+    if any(e["event"] == EventKind.NODE_LOST and e.get("standby") for e in window):
+        return True
+    count = cur.get("restart_count")
+    earlier = [e.get("restart_count") for e in events if e["event"] == EventKind.START
+               and isinstance(e.get("restart_count"), int) and isinstance(count, int) and e["restart_count"] < count]
+    return (bool(earlier) and cause_of(window) == "node_lost"
+            and bool(round_nodes(events, count) - round_nodes(events, max(earlier))))
+
+
 def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dict]:
     """One record per in-job recovery (a restart of the workers, or an in-process rollback:
     ``recovery_path``) and per saver restart seen in a job's streams."""
@@ -103,7 +122,7 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
         recovery = (resumed - detected) if resumed else None
         redone = max(0, reached - cur["step"])
         path = cur.get("path", "in_process") if cur["event"] == EventKind.ROLLBACK else \
-            "spare_node" if any(e["event"] == EventKind.NODE_LOST and e.get("standby") for e in window) else "restart"
+            "spare_node" if standby_took_over(events, cur, window) else "restart"
         action = {"in_process": f"roll back in process to {cur['source']} step {cur['step']}",
                   "restart": f"restart workers from {cur['source']} step {cur['step']}",
                   "spare_node": f"restart workers with a standby node for the lost one, from {cur['source']} step {cur['step']}"}.get(

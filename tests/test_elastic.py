@@ -167,8 +167,12 @@ def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_round
     job = spec.workdir_path / "jobs" / "main" / "attempt_000"
     events = read_all(job / "events.jsonl")
     rejoined = [e for e in events if e["event"] == "rejoined"]
-    starts0 = {e["restart_count"]: e for e in events if e["event"] == "start" and e["rank"] == 0}
-    assert [(e["rank"], e["pid"]) for e in rejoined] == [(0, starts0[0]["pid"]), (0, starts0[1]["pid"])]
+    starts0 = [e for e in events if e["event"] == "start" and e["rank"] == 0]
+    # rank 0 rejoined both times in the process it started in (after the restart: that round's; under
+    # load a round more may come between, when an agent starved of CPU missed its keep-alive)
+    kept = [[s["pid"] for s in starts0 if s["time"] < e["time"]][-1] for e in rejoined]
+    assert [(e["rank"], e["pid"]) for e in rejoined] == [(0, kept[0]), (0, kept[1])]
+    assert kept[0] == starts0[0]["pid"] != kept[1]
     # the standby stood by through the fast recovery (the full restart's round may take it in)
     assert {e["node"] for e in events if e["event"] == "start" and not e["restart_count"]} == {0, 1}
     final = {m["step"]: m for m in read_all(job / "metrics.jsonl")}

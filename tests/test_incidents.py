@@ -107,3 +107,22 @@ def test_a_lost_node_says_whether_a_standby_node_took_its_place(standby, path):
     [incident] = incidents(events, metrics, 0)
     assert (incident["cause"], incident["recovery_path"], incident["recovery_s"]) == ("node_lost", path, 2.5)
     assert ("standby node" in incident["action"]) == (path == "spare_node")
+
+
+@pytest.mark.parametrize("drill, nodes_after, path", [
+    ("kill_node", (0, 2), "spare_node"),  # the standby (node 2) trains in the lost node's place
+    ("kill_node", (0,), "restart"),  # no standby: the world shrank
+    ("kill_worker", (0, 2), "restart"),  # a worker lost, not a node: the full restart merely took the standby in
+])
+def test_a_standby_that_took_a_lost_nodes_place_before_the_orchestrator_looked_is_named(drill, nodes_after, path):
+    """The new round can form before the orchestrator's next look at the nodes: its ``node_lost``
+    event comes after the restart. The round's nodes say that a standby took the lost one's place."""
+    events = [*({"event": "start", "rank": r, "node": r, "epoch": 0, "restart_count": 0, "time": 0.0, "step": 0,
+                 "source": "scratch"} for r in (0, 1)),
+              {"event": "chaos", "kind": drill, "node": 1, "rank": 1, "time": 10.0},
+              *({"event": "start", "rank": r, "node": n, "epoch": 0, "restart_count": 1, "time": 10.8, "step": 10,
+                 "source": "memory"} for r, n in enumerate(nodes_after)),
+              {"event": "node_lost", "node": 1, "time": 11.0, "standby": True, "source": "orchestrator"}]
+    metrics = [{"step": s, "time": float(s), "step_time": 1.0} for s in range(1, 11)] + [{"step": 11, "time": 11.5, "step_time": 1.0}]
+    [incident] = incidents(events, metrics, 0)
+    assert incident["recovery_path"] == path
