@@ -255,6 +255,40 @@ print(slept, holder._cache_duration)
     assert out.stdout.split() == ["[0.1]", "0.1"], out.stdout
 
 
+def test_a_node_waiting_for_a_round_that_filled_up_without_it_stands_by():
+    """Torch leaves such a node on its wait list, and the participants' agents restart their workers
+    again and again to take it in (``trainer.elastic.stand_by_when_round_full``): it moves to the
+    redundancy list instead. Every other case is torch's own decision. Checked in a fresh
+    interpreter against this torch's join operation."""
+    probe = """
+from datetime import timedelta
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings, RendezvousTimeout, _NodeDesc, _RendezvousContext, _RendezvousJoinOp, _RendezvousState)
+from trainer.elastic import stand_by_when_round_full
+a, b, me = (_NodeDesc("h", pid, 0) for pid in (1, 2, 3))
+settings = RendezvousSettings("run", 1, 2, RendezvousTimeout(), timedelta(seconds=1), 3)
+def state(participants, wait=(), redundant=(), complete=True, closed=False):
+    s = _RendezvousState()
+    s.participants, s.wait_list, s.redundancy_list = {n: 0 for n in participants}, set(wait), set(redundant)
+    s.complete, s.closed = complete, closed
+    return s
+cases = [state([a, b], wait=[me]),  # the round filled up without it: leaves the wait list
+         state([a, b]),  # then: torch's redundancy list
+         state([a], wait=[me]),  # a free place: it waits for the next round (torch)
+         state([a, b], wait=[me], closed=True),  # the job ended (torch)
+         state([a, b], redundant=[me])]  # already standing by (torch)
+stand_by_when_round_full()
+stand_by_when_round_full()  # idempotent
+far = 1e12
+print(" ".join(_RendezvousJoinOp()(_RendezvousContext(me, s, settings), far).name for s in cases))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["REMOVE_FROM_WAIT_LIST", "ADD_TO_REDUNDANCY_LIST", "SYNC", "ERROR_CLOSED",
+                                  "SYNC"], out.stdout
+
+
 def test_a_fresh_interpreter_worker_gets_its_node_and_threads_in_its_own_environment():
     """Without a zygote (a Kubernetes pod's agent) torch's agent starts each worker as a fresh
     interpreter: the node index and thread count reach the worker through its command (``env``),

@@ -149,8 +149,7 @@ REMOTE_GRACE_S = 5.0  # on several nodes: the node of a hung worker kills it fir
 
 def watch_workers(job: JobConfig, node: int, saver, several_nodes: bool = False) -> HangDetector:
     """Hang detection for this node's workers, and the agent-side chaos drills."""
-    events = JsonLines(Path(job.job_dir) / EVENTS)
-    report = lambda record: events.write({"source": "agent", "node": node, **record})  # noqa: E731
+    report = agent_report(job, node)
     detector = HangDetector(job.job_dir, job.hang_timeouts, report, adaptive=AdaptiveTimeout(**job.hang_adaptive),
                             remote_grace_s=REMOTE_GRACE_S if several_nodes else 0.0)
     for i, drill in enumerate(job.chaos):
@@ -158,6 +157,12 @@ def watch_workers(job: JobConfig, node: int, saver, several_nodes: bool = False)
             detector.observers.append(lambda step, i=i, d=drill: agent_drill(job, i, d, step, saver(), report))
     detector.observers.append(lambda step: leave_if_excluded(job, node, report, saver()))
     return detector.start()
+
+
+def agent_report(job: JobConfig, node: int):
+    """How this node's agent writes an event to the job's stream."""
+    events = JsonLines(Path(job.job_dir) / EVENTS)
+    return lambda record: events.write({"source": "agent", "node": node, **record})
 
 
 def stop_node(job: JobConfig, saver=None) -> None:
@@ -234,7 +239,8 @@ def run_node(args: argparse.Namespace) -> int:
         else:
             fast = keeps_survivors(job, args.nproc * args.nnodes_max)
             code = run_elastic(args, job, zygote, worker_args, job.fast_recovery_timeout_s if fast else 0.0,
-                               spares_wanted=lambda: detector.max_step >= 1)
+                               spares_wanted=lambda: detector.max_step >= 1,
+                               before_round=lambda: leave_if_excluded(job, args.node, agent_report(job, args.node), saver))
     finally:
         cleanup()
     return 1 if code and saver is not None and saver.failed else code  # fail_job reported why

@@ -87,6 +87,34 @@ def fast_rendezvous_polls(poll_s: float = RENDEZVOUS_POLL_S) -> None:
     holder.__init__ = fresher
 
 
+def stand_by_when_round_full() -> None:
+    """Make a node that waits for a round which filled up without it stand by quietly, as a
+    standby does. Torch's rendezvous puts a node joining while a participant of the last round
+    restarts on its wait list; if the others fill the next round (``max_nodes``) first, it stays
+    on that list, and every participant's agent, seeing a node waiting, restarts its workers to
+    take it in, forming the same full round again: a loop, seen after a full restart with a
+    standby node (three nodes racing for two places on 2 busy cores: six rounds in 4 s, until the
+    waiting node happened to win a place). Such a node now leaves the wait list, and torch's next
+    look puts it on its redundancy list. In this process only (a node agent); a torch without
+    this join operation keeps its own (``tests/test_elastic.py`` checks this one's)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    op, action = getattr(rdzv, "_RendezvousJoinOp", None), getattr(rdzv, "_Action", None)
+    if op is None or action is None or getattr(op.__call__, "stands_by", False):
+        return
+    join = op.__call__
+
+    def call(self, ctx, deadline):
+        state = ctx.state
+        if (not state.closed and state.complete and ctx.node in state.wait_list
+                and ctx.node not in state.participants and len(state.participants) >= ctx.settings.max_nodes):
+            return action.REMOVE_FROM_WAIT_LIST  # the next look: ADD_TO_REDUNDANCY_LIST
+        return join(self, ctx, deadline)
+
+    call.stands_by = True
+    op.__call__ = call
+
+
 def first_round_formed(job_dir: str | Path) -> bool:
     """Whether the job's nodes formed their first round: a worker of it started (its heartbeat
     file exists, however short it lived)."""
@@ -127,10 +155,11 @@ def _terminate(signum, frame) -> None:
 
 
 def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None, worker_args: list[str],
-                fast_timeout_s: float = 0.0, spares_wanted=lambda: True) -> int:
+                fast_timeout_s: float = 0.0, spares_wanted=lambda: True, before_round=lambda: None) -> int:
     """Torch's elastic agent for this node of a job of several nodes (``args``: ``trainer.launch``'s),
     keeping the survivors of a lost worker when ``fast_timeout_s`` > 0 (``trainer.elastic_survivors``),
-    and ``job.spares_per_node`` warm spares once ``spares_wanted()``."""
+    and ``job.spares_per_node`` warm spares once ``spares_wanted()``; ``before_round()`` runs before this
+    node joins each rendezvous round."""
     spares = job.spares_per_node if fast_timeout_s > 0 else 0
     signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
     env = {"OMP_NUM_THREADS": str(args.threads), NODE_ENV: str(args.node),  # workers name their node (node check, events)
@@ -146,11 +175,12 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
         print(f"standby node {args.node}: stopped by {err.sigval.name} before it was needed", file=sys.stderr, flush=True)
         return 128 + err.sigval
     fast_rendezvous_polls()
+    stand_by_when_round_full()
     try:
         trained = launch(min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc=args.nproc, run_id=args.run_id,
                          endpoint=args.rdzv_endpoint, rdzv_configs=rendezvous_configs(args),
                          max_restarts=args.max_restarts, command=command, fast_timeout_s=fast_timeout_s, spares=spares,
-                         node=args.node, spares_wanted=spares_wanted,
+                         node=args.node, spares_wanted=spares_wanted, before_round=before_round,
                          first_round_wait_s=None if args.standby else args.first_round_wait)
     except ChildFailedError as err:
         print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)

@@ -54,8 +54,9 @@ class SurvivorsAgent(LocalElasticAgent):
     """Torch's agent for one node of the job, keeping the survivors of a lost worker."""
 
     def __init__(self, spec: WorkerSpec, fast_timeout_s: float, spares: int = 0, node: int = 0,
-                 spares_wanted=lambda: True, **kwargs):
+                 spares_wanted=lambda: True, before_round=lambda: None, **kwargs):
         super().__init__(spec=spec, **kwargs)
+        self.before_round = before_round  # called before this node joins a rendezvous round (it may end the node)
         self.fast_timeout_s = fast_timeout_s
         self.fast_recoveries = 0
         self._peers_store: tuple[object, dist.TCPStore] | None = None  # (the round's process context, its store)
@@ -68,6 +69,12 @@ class SurvivorsAgent(LocalElasticAgent):
         in a round that only took a node in)."""
         worker_group.spec.args = (*self._worker_args, "--round", str(self._round()))
         return super()._start_workers(worker_group)
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """Torch's rendezvous, after ``before_round()``: a node the workers' check excluded leaves
+        before it joins the next round (once in, its loss would stall the round's rank assignment)."""
+        self.before_round()
+        super()._rendezvous(worker_group)
 
     def _round(self) -> int:
         return getattr(self._worker_group.spec.rdzv_handler, "round", 0)
@@ -220,12 +227,13 @@ class SurvivorsAgent(LocalElasticAgent):
 
 def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint: str, rdzv_configs: dict,
            max_restarts: int, command: list[str], fast_timeout_s: float, spares: int = 0, node: int = 0,
-           spares_wanted=lambda: True, monitor_interval: float = 0.2, first_round_wait_s: float | None = 0.0) -> bool:
+           spares_wanted=lambda: True, monitor_interval: float = 0.2, first_round_wait_s: float | None = 0.0,
+           before_round=lambda: None) -> bool:
     """This node's part of the job (what ``torch.distributed.launcher.api.elastic_launch`` does,
     with ``SurvivorsAgent`` keeping ``spares`` warm spares once ``spares_wanted()``; the first
     round waits up to ``first_round_wait_s`` for all ``max_nodes`` nodes; None: a standby node,
     which neither checks in nor waits); raises
-    ``ChildFailedError`` when the job failed; False when this node stood by as the job ended (torch's
+    ``ChildFailedError`` when the job failed; ``before_round()`` runs before every round this node joins; False when this node stood by as the job ended (torch's
     agent left the closed rendezvous gracefully), else True."""
     params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
                                   max_nodes=max_nodes, **rdzv_configs)
@@ -235,8 +243,8 @@ def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint:
     spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=command[0], args=tuple(command[1:]),
                       rdzv_handler=rendezvous, max_restarts=max_restarts,
                       monitor_interval=monitor_interval)
-    agent = SurvivorsAgent(spec, fast_timeout_s, spares, node, spares_wanted, logs_specs=DefaultLogsSpecs(),
-                           start_method="spawn")
+    agent = SurvivorsAgent(spec, fast_timeout_s, spares, node, spares_wanted, before_round,
+                           logs_specs=DefaultLogsSpecs(), start_method="spawn")
     shutdown_rendezvous = True
     try:
         result = agent.run()
