@@ -17,23 +17,28 @@ from torch.distributed import PrefixStore, TCPStore
 from conftest import wait_for
 from pretrain.ports import free_port
 from trainer.node_links import LostNode, NodeLinks
-from trainer.rendezvous_close import LOST_KEY, lost_from, record_lost
+from trainer.rendezvous_close import EXPIRED, LOST_KEY, lost_from, record_lost
 
-# a keep-alive every 60 s, a node dead after 3 missed: torch alone would take a killed node out
-# after 120–180 s; the tests give the round 30 s
-# (argv: endpoint, node number, min and max nodes, last call in s, and slow_s: a survivor's agent on a
+# a keep-alive every 60 s (unless told), a node dead after 3 missed: torch alone would take a killed node
+# out after 120–180 s; the tests give the round 30 s
+# (argv: endpoint, node number, min and max nodes, last call in s, slow_s: a survivor's agent on a
 # loaded machine, this node leaves its round slow_s after it found a node lost, the last to leave, then
-# takes slow_s more to join the next: meanwhile the rendezvous knows nothing of it)
+# takes slow_s more to join the next: meanwhile the rendezvous knows nothing of it; and the keep-alive
+# interval in whole seconds: torch reads it as an int)
 NODE = """
 import json, select, sys, time
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous, registry
 from trainer.node_links import NodeLinks
 from trainer.rendezvous_store import RoundStoreAddress
+from trainer.rendezvous_close import record_expired_nodes
 min_nodes, max_nodes, last_call, slow_s = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
 params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="links", min_nodes=min_nodes,
-                              max_nodes=max_nodes, join_timeout=60, last_call_timeout=last_call, keep_alive_interval=60,
-                              keep_alive_max_attempt=3)
+                              max_nodes=max_nodes, join_timeout=60, last_call_timeout=last_call,
+                              keep_alive_interval=int(sys.argv[7]), keep_alive_max_attempt=3)
+from trainer.elastic import fast_rendezvous_polls
+fast_rendezvous_polls()  # as a node agent does: looks every 0.1 s,
+record_expired_nodes()  # and records the nodes torch drops
 join = dynamic_rendezvous._RendezvousJoinOp.__call__
 def slow_join(op, ctx, deadline, slowed=[]):
     s = ctx.state
@@ -44,13 +49,19 @@ dynamic_rendezvous._RendezvousJoinOp.__call__ = slow_join
 rdzv = RoundStoreAddress(registry.get_rendezvous_handler(params), NodeLinks(node=int(sys.argv[2])))
 info = rdzv.next_rendezvous()
 print(json.dumps({"rank": info.rank, "world": info.world_size}), flush=True)
-while not select.select([sys.stdin], [], [], 0.05)[0]:  # as a node agent looks at its workers and links
-    for lost in rdzv.links.take_lost():  # as the agent does: out of the rendezvous with it, and a new round
-        print(json.dumps({"evicted": rdzv.evict(lost.desc), "node": lost.node}), flush=True)
-        time.sleep(slow_s)
-        info = rdzv.next_rendezvous()
-        print(json.dumps({"rank": info.rank, "world": info.world_size}), flush=True)
-if sys.stdin.readline().strip() == "bye":
+while True:
+    while not select.select([sys.stdin], [], [], 0.05)[0]:  # as a node agent looks at its workers and links
+        for lost in rdzv.links.take_lost():  # as the agent does: out of the rendezvous with it, and a new round
+            print(json.dumps({"evicted": rdzv.evict(lost.desc), "node": lost.node}), flush=True)
+            time.sleep(slow_s)
+            info = rdzv.next_rendezvous()
+            print(json.dumps({"rank": info.rank, "world": info.world_size}), flush=True)
+    line = sys.stdin.readline().strip()
+    if line != "again":  # "again": a new round, as the agent's restart after its workers' hang was found
+        break
+    info = rdzv.next_rendezvous()
+    print(json.dumps({"rank": info.rank, "world": info.world_size}), flush=True)
+if line == "bye":
     rdzv.links.close()
 """
 
@@ -62,9 +73,9 @@ class Node(subprocess.Popen):
     """A node agent's rendezvous (``NODE``); its lines read with a bound."""
 
     def __init__(self, endpoint: str, number: int, nodes: tuple[int, int] = (2, 2), last_call_s: float = 1,
-                 slow_s: float = 0):
+                 slow_s: float = 0, keep_alive_s: int = 60):
         super().__init__([sys.executable, "-c", NODE, endpoint, str(number), *map(str, nodes), str(last_call_s),
-                          str(slow_s)], stdin=subprocess.PIPE,
+                          str(slow_s), str(keep_alive_s)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [self.lines.put(line) for line in self.stdout], daemon=True).start()
@@ -203,6 +214,29 @@ def test_the_survivors_round_closes_once_every_other_node_is_back_not_after_the_
         for p in (a, b):
             p.kill()
     del host
+
+
+def test_a_frozen_node_is_not_waited_for_once_its_keep_alives_lapsed():
+    """A node whose sockets stay open (frozen here; a machine powered off, cut off) closes no link.
+    Once its keep-alives lapse torch drops it, and the agent whose look did so records it: the
+    survivor's next round (after its workers' hang was found) closes at once, not after the last
+    call. The frozen node is the last round's rank 0, the one that would have closed it."""
+    port = free_port()
+    host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{port}"
+    nodes = [Node(endpoint, n, nodes=(1, 2), last_call_s=LONG_LAST_CALL_S, keep_alive_s=1) for n in range(2)]
+    try:
+        ranks = [r["rank"] for r in formed(nodes)]
+        frozen, survivor = nodes[ranks.index(0)], nodes[ranks.index(1)]
+        os.kill(frozen.pid, signal.SIGSTOP)
+        wait_for(lambda: lost_from(host, EXPIRED), ROUND_S, "the frozen node recorded dropped")
+        [(_, pid, _)] = lost_from(host, EXPIRED)  # its rendezvous identity: host, agent process, local id
+        assert pid == frozen.pid
+        survivor.tell("again")
+        assert survivor.said() == {"rank": 0, "world": 1}  # (within ROUND_S, far less than the last call)
+    finally:
+        for p in nodes:
+            p.kill()
 
 
 def test_a_survivor_slow_to_rejoin_is_waited_for_though_every_node_the_rendezvous_knows_is_in():

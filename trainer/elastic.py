@@ -27,6 +27,7 @@ from trainer.dist import FAST_RECOVERY_ENV, listening
 from trainer.elastic_survivors import launch
 from trainer.events import EventKind
 from trainer.process import PARENT_ENV
+from trainer.rendezvous_close import record_expired_nodes
 from trainer.reporting import EVENTS, read_all
 from trainer.resilience.heartbeat import AGENT_ENV, heartbeat_dir
 from trainer.resilience.nodecheck import NODE_ENV
@@ -176,6 +177,7 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
         return 128 + err.sigval
     fast_rendezvous_polls()
     stand_by_when_round_full()
+    record_expired_nodes()
     try:
         trained = launch(min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc=args.nproc, run_id=args.run_id,
                          endpoint=args.rdzv_endpoint, rdzv_configs=rendezvous_configs(args),

@@ -16,8 +16,11 @@ round's deadline to now once
   is a participant too
 
 — so no node that is on its way is left out: a survivor between leaving the last round and
-joining the next is still expected; a node whose loss was not recorded (a machine powered off
-with its sockets open) keeps torch's last call. The deadline is written with the same
+joining the next is still expected. A node whose sockets stay open (a machine powered off, cut
+off by the network, its agent frozen) closes no link; once its keep-alives lapse, torch's
+rendezvous drops it from its state, and the agent whose look did so records it (``EXPIRED``,
+``record_expired_nodes``): the round does not wait for it either. A node dropped by torch never
+comes back under the same identity (its agent's process id is part of it). The deadline is written with the same
 compare-and-set as every change to torch's rendezvous state, through a state holder of its own
 (torch's private ``_BackendRendezvousStateHolder``: checked against this torch by
 ``tests/test_node_links.py``); a torch without it keeps its last call.
@@ -36,18 +39,20 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 
 LOST_KEY = "pretrain/lost"  # + /<round>/count and /<round>/<i>: the nodes lost from a round (their rendezvous identity)
 POLL_S = 0.1  # how often the rendezvous state is looked at while a round forms (as torch's own look, patched)
+EXPIRED = "expired"  # in place of a round: the nodes whose keep-alives lapsed, in any round of the job
 
 
-def record_lost(store: dist.Store, round_: int, desc: tuple) -> None:
+def record_lost(store: dist.Store, round_: int | str, desc: tuple) -> None:
     """Note in the rendezvous's ``store`` that node ``desc`` (its rendezvous identity) was lost
-    from round ``round_``: the next round does not wait for it."""
+    from round ``round_`` (``EXPIRED``: torch dropped it, its keep-alives lapsed): the next round
+    does not wait for it."""
     i = store.add(f"{LOST_KEY}/{round_}/count", 1) - 1
     store.set(f"{LOST_KEY}/{round_}/{i}", json.dumps(list(desc)))
 
 
-def lost_from(store: dist.Store, round_: int) -> set[tuple]:
-    """The nodes recorded lost from round ``round_`` (a record that cannot be read, or is not
-    written yet, is skipped: the round waits for that node as torch would)."""
+def lost_from(store: dist.Store, round_: int | str) -> set[tuple]:
+    """The nodes recorded lost from round ``round_`` (or ``EXPIRED``; a record that cannot be read,
+    or is not written yet, is skipped: the round waits for that node as torch would)."""
     out = set()
     for i in range(store.add(f"{LOST_KEY}/{round_}/count", 0)):
         key = f"{LOST_KEY}/{round_}/{i}"
@@ -57,6 +62,35 @@ def lost_from(store: dist.Store, round_: int) -> set[tuple]:
         except (ValueError, TypeError, dist.DistError):
             continue  # damaged: that node is waited for (torch's last call)
     return out
+
+
+def record_expired_nodes() -> None:
+    """Make torch's rendezvous, in this process (a node agent), record every node its look at the
+    state finds dead (its keep-alives lapsed) in the rendezvous's store (``EXPIRED``) as it drops
+    it. Through torch's private state holder (its ``_sanitize`` and the dead nodes it lists;
+    checked against this torch by ``tests/test_node_links.py``); a torch without them records
+    nothing, and such a node keeps its last call."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    holder = getattr(rdzv, "_BackendRendezvousStateHolder", None)
+    sanitize = getattr(holder, "_sanitize", None)
+    if sanitize is None or getattr(sanitize, "records_expired", False):
+        return
+
+    def _sanitize(self) -> None:
+        sanitize(self)
+        dead = {dataclasses.astuple(n) for n in getattr(self, "_dead_nodes", None) or () if dataclasses.is_dataclass(n)}
+        recorded = self.__dict__.setdefault("_pretrain_recorded", set())
+        store = getattr(getattr(self, "_backend", None), "_store", None)
+        for desc in sorted(dead - recorded) if store is not None else ():
+            try:
+                record_lost(store, EXPIRED, desc)
+                recorded.add(desc)
+            except (dist.DistError, RuntimeError):
+                return  # the store is away for a moment: the next look records it
+
+    _sanitize.records_expired = True
+    holder._sanitize = _sanitize
 
 
 def members(handler) -> frozenset[tuple]:

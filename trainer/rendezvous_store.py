@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 from trainer.node_links import NodeLinks
-from trainer.rendezvous_close import CloseWhenBack, lost_from, members, record_lost
+from trainer.rendezvous_close import EXPIRED, CloseWhenBack, lost_from, members, record_lost
 
 
 ROUNDS_KEY = "pretrain/rounds"  # the counter, in the rendezvous's store (outside any round's prefix)
@@ -64,8 +64,8 @@ class RoundStoreAddress:
         asked = time.time()
         store, last_round = self._store, self.round
         # (the last round's rank 0 and the agents that found a node lost: a few per job, not every agent)
-        closer = CloseWhenBack(self._handler, self._last, lambda: lost_from(store, last_round)) \
-            if store is not None and self._last and self._closes else None
+        closer = CloseWhenBack(self._handler, self._last, lambda: lost_from(store, last_round) | lost_from(store, EXPIRED)) \
+            if store is not None and self._last and (self._closes or self._lost_expired(store)) else None
         try:
             info = self._handler.next_rendezvous()
         finally:
@@ -78,6 +78,14 @@ class RoundStoreAddress:
               file=sys.stderr, flush=True)
         self.links.join_round(agreed.store, agreed.rank, agreed.world_size, self._node_desc())
         return agreed
+
+    def _lost_expired(self, store) -> bool:
+        """Whether a node of the last round is recorded dropped by torch (its keep-alives lapsed):
+        then this agent closes the next round early too (the last round's rank 0 may be that node)."""
+        try:
+            return bool(self._last & lost_from(store, EXPIRED))
+        except (dist.DistError, RuntimeError):
+            return False
 
     def _node_desc(self) -> tuple | None:
         """This node's identity in torch's rendezvous state (a private part of its handler)."""
