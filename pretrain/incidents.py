@@ -97,10 +97,11 @@ def standby_took_over(events: list[dict], cur: dict, window: list[dict]) -> bool
     if any(e["event"] == EventKind.NODE_LOST and e.get("standby") for e in window):
         return True
     count = cur.get("restart_count")
-    earlier = [e.get("restart_count") for e in events if e["event"] == EventKind.START
-               and isinstance(e.get("restart_count"), int) and isinstance(count, int) and e["restart_count"] < count]
-    return (bool(earlier) and cause_of(window) == "node_lost"
-            and bool(round_nodes(events, count) - round_nodes(events, max(earlier))))
+    if not isinstance(count, int) or cause_of(window) != "node_lost":
+        return False
+    earlier = [e["restart_count"] for e in events if e["event"] == EventKind.START
+               and isinstance(e.get("restart_count"), int) and e["restart_count"] < count]
+    return bool(earlier) and bool(round_nodes(events, count) - round_nodes(events, max(earlier)))
 
 
 def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dict]:
