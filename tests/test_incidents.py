@@ -123,6 +123,7 @@ def test_a_standby_that_took_a_lost_nodes_place_before_the_orchestrator_looked_i
               *({"event": "start", "rank": r, "node": n, "epoch": 0, "restart_count": 1, "time": 10.8, "step": 10,
                  "source": "memory"} for r, n in enumerate(nodes_after)),
               {"event": "node_lost", "node": 1, "time": 11.0, "standby": True, "source": "orchestrator"}]
-    metrics = [{"step": s, "time": float(s), "step_time": 1.0} for s in range(1, 11)] + [{"step": 11, "time": 11.5, "step_time": 1.0}]
+    metrics = [{"step": s, "time": float(s), "step_time": 1.0} for s in range(1, 11)] + \
+        [{"step": 11, "time": 11.5, "step_time": 1.0}]
     [incident] = incidents(events, metrics, 0)
     assert incident["recovery_path"] == path

@@ -30,13 +30,13 @@ import json, select, sys, time
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous, registry
 from trainer.node_links import NodeLinks
+from trainer.elastic import fast_rendezvous_polls
 from trainer.rendezvous_store import RoundStoreAddress
 from trainer.rendezvous_close import record_expired_nodes
 min_nodes, max_nodes, last_call, slow_s = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
 params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="links", min_nodes=min_nodes,
                               max_nodes=max_nodes, join_timeout=60, last_call_timeout=last_call,
                               keep_alive_interval=int(sys.argv[7]), keep_alive_max_attempt=3)
-from trainer.elastic import fast_rendezvous_polls
 fast_rendezvous_polls()  # as a node agent does: looks every 0.1 s,
 record_expired_nodes()  # and records the nodes torch drops
 join = dynamic_rendezvous._RendezvousJoinOp.__call__

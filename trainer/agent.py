@@ -232,6 +232,7 @@ def run_node(args: argparse.Namespace) -> int:
                              zygote=zygote)
         worker_args += ["--shm", str(ns)]
     detector = watch_workers(job, args.node, lambda: saver, several_nodes=args.nnodes_max > 1)
+    report = agent_report(job, args.node)
     try:
         if args.nnodes_max == 1:
             code = run_local(local_settings(job, args, ns), worker_starter(zygote, worker_args[3:]),
@@ -240,7 +241,7 @@ def run_node(args: argparse.Namespace) -> int:
             fast = keeps_survivors(job, args.nproc * args.nnodes_max)
             code = run_elastic(args, job, zygote, worker_args, job.fast_recovery_timeout_s if fast else 0.0,
                                spares_wanted=lambda: detector.max_step >= 1,
-                               before_round=lambda: leave_if_excluded(job, args.node, agent_report(job, args.node), saver))
+                               before_round=lambda: leave_if_excluded(job, args.node, report, saver))
     finally:
         cleanup()
     return 1 if code and saver is not None and saver.failed else code  # fail_job reported why

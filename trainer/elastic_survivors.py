@@ -232,9 +232,9 @@ def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint:
     """This node's part of the job (what ``torch.distributed.launcher.api.elastic_launch`` does,
     with ``SurvivorsAgent`` keeping ``spares`` warm spares once ``spares_wanted()``; the first
     round waits up to ``first_round_wait_s`` for all ``max_nodes`` nodes; None: a standby node,
-    which neither checks in nor waits); raises
-    ``ChildFailedError`` when the job failed; ``before_round()`` runs before every round this node joins; False when this node stood by as the job ended (torch's
-    agent left the closed rendezvous gracefully), else True."""
+    which neither checks in nor waits; ``before_round()`` runs before every round this node joins);
+    raises ``ChildFailedError`` when the job failed; False when this node stood by as the job ended
+    (torch's agent left the closed rendezvous gracefully), else True."""
     params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
                                   max_nodes=max_nodes, **rdzv_configs)
     rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params), NodeLinks(node))  # (store up now)

@@ -20,10 +20,10 @@ joining the next is still expected. A node whose sockets stay open (a machine po
 off by the network, its agent frozen) closes no link; once its keep-alives lapse, torch's
 rendezvous drops it from its state, and the agent whose look did so records it (``EXPIRED``,
 ``record_expired_nodes``): the round does not wait for it either. A node dropped by torch never
-comes back under the same identity (its agent's process id is part of it). The deadline is written with the same
-compare-and-set as every change to torch's rendezvous state, through a state holder of its own
-(torch's private ``_BackendRendezvousStateHolder``: checked against this torch by
-``tests/test_node_links.py``); a torch without it keeps its last call.
+comes back under the same identity (its agent's process id is part of it). The deadline is
+written with the same compare-and-set as every change to torch's rendezvous state, through a
+state holder of its own (torch's private ``_BackendRendezvousStateHolder``: checked against this
+torch by ``tests/test_node_links.py``); a torch without it keeps its last call.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ class RoundStoreAddress:
         asked = time.time()
         store, last_round = self._store, self.round
         # (the last round's rank 0 and the agents that found a node lost: a few per job, not every agent)
-        closer = CloseWhenBack(self._handler, self._last, lambda: lost_from(store, last_round) | lost_from(store, EXPIRED)) \
+        lost = lambda: lost_from(store, last_round) | lost_from(store, EXPIRED)  # noqa: E731 - read on every look
+        closer = CloseWhenBack(self._handler, self._last, lost) \
             if store is not None and self._last and (self._closes or self._lost_expired(store)) else None
         try:
             info = self._handler.next_rendezvous()
