@@ -25,8 +25,12 @@ from pretrain.ports import free_port
 from pretrain.settings import PretrainSettings
 from pretrain.spec_sections import ClusterSpec
 from trainer.config import STANDBY_NODE_ENV, JobConfig
+from trainer.liveness import LIVENESS_INTERVAL_S, silent_for
+from trainer.resilience.heartbeat import worker_pids
 from trainer.resilience.node_judgement import judge_nodes
 from trainer.zygote import Zygote, ZygoteProcess, current_zygote, spawn
+
+DONE_SILENT_S = 3 * LIVENESS_INTERVAL_S  # after the job succeeded on a node: how long another may be silent
 
 
 class ClusterError(RuntimeError):
@@ -98,13 +102,45 @@ class LocalJobHandle(JobHandle):
     nodes_min: int = 1
     nodes: list[int] | None = None  # the node index of each process (None: 0, 1, …)
     spare_nodes: int = 0
+    job_dir: Path | None = None  # where the agents' liveness files are (``trainer.liveness``); None: not looked at
+    silent_after_s: float = 0.0  # a running node whose agent was silent this long is stopped: lost (0: never)
+    _notices: list[str] = field(default_factory=list, repr=False)
+    _next_look: float = field(default=0.0, repr=False)
 
     def lost_nodes(self) -> dict[int, int]:
-        """node index → exit code of nodes that failed."""
+        """node index → exit code of nodes that failed (or were stopped after going silent)."""
+        self._stop_silent_nodes()
         ids = self.nodes or list(range(len(self.procs)))
         return {ids[i]: p.returncode for i, p in enumerate(self.procs) if p.poll() not in (None, 0)}
 
+    def new_notices(self) -> list[str]:
+        out, self._notices = self._notices, []
+        return out
+
+    def _stop_silent_nodes(self) -> None:
+        """A frozen node neither exits nor closes its sockets: the others go on without it once the
+        rendezvous drops it, and the job would wait for its exit for ever. One silent longer than
+        ``silent_after_s`` (``DONE_SILENT_S`` once another node finished the job) is killed (agent,
+        process group, workers): a lost node like any other."""
+        if self.job_dir is None or self.silent_after_s <= 0 or time.monotonic() < self._next_look:
+            return
+        self._next_look = time.monotonic() + LIVENESS_INTERVAL_S
+        # once a node finished the job, the others are only leaving: a few missed beats is frozen
+        bound = min(self.silent_after_s, DONE_SILENT_S) if any(p.poll() == 0 for p in self.procs) else self.silent_after_s
+        ids = self.nodes or list(range(len(self.procs)))
+        for node, proc in zip(ids, self.procs):
+            silent = silent_for(self.job_dir, node, proc.pid) if proc.poll() is None else None
+            if silent is None or silent < bound:
+                continue
+            for pid in worker_pids(self.job_dir, proc.pid):  # forked by the zygote: not in the agent's group
+                _kill(pid, signal.SIGKILL, group=False)
+            _kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            self._notices.append(f"node {node} gave no sign of life for {silent:.0f}s (frozen, or cut off): stopped it; "
+                                 "the other nodes train on without it")
+
     def poll(self) -> int | None:
+        self._stop_silent_nodes()
         codes = [p.poll() for p in self.procs]
         if any(c is None for c in codes):
             alive = sum(c in (None, 0) for c in codes)
@@ -121,10 +157,7 @@ class LocalJobHandle(JobHandle):
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for p in self.procs:
                 if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
+                    _kill(p.pid, sig)
             deadline = time.monotonic() + grace_s
             for p in self.procs:
                 try:
@@ -134,10 +167,15 @@ class LocalJobHandle(JobHandle):
             if all(p.poll() is not None for p in self.procs):
                 break
         for p in self.procs:  # workers live in the agents' process groups; none may outlive them
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill(p.pid, signal.SIGKILL)
+
+
+def _kill(pid: int, sig: int, group: bool = True) -> None:
+    """Signal a process (``group``: its process group, which it leads) that may be gone already."""
+    try:
+        os.killpg(pid, sig) if group else os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 @dataclass
@@ -211,7 +249,8 @@ class LocalCluster(Cluster):
                 procs.append(self._spawn("trainer.launch", argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          new_session=True, env=env))
             logs.append(log)
-        return LocalJobHandle(procs, logs, self.spec.nodes_min, nodes=nodes, spare_nodes=len(nodes) - len(in_use))
+        return LocalJobHandle(procs, logs, self.spec.nodes_min, nodes=nodes, spare_nodes=len(nodes) - len(in_use),
+                              job_dir=Path(job.job_dir), silent_after_s=self.settings.node_silent_s)
 
 
 def not_runnable(spec: ClusterSpec, env: Mapping[str, str] | None = None) -> str | None:

@@ -52,8 +52,8 @@ def cause_of(events: list[dict], exit_code: int | None = None) -> str:
         if e["event"] == EventKind.NODE_LOST:
             return "node_lost"
     for e in events:
-        if e["event"] == EventKind.CHAOS and e["kind"] in ("kill_worker", "kill_node"):
-            return "node_lost" if e["kind"] == "kill_node" else "worker_killed"
+        if e["event"] == EventKind.CHAOS and e["kind"] in ("kill_worker", "kill_node", "freeze_node"):
+            return "worker_killed" if e["kind"] == "kill_worker" else "node_lost"
     if exit_code is not None and exit_code < 0:
         return f"signal:{signal.Signals(-exit_code).name}"
     return "worker_failure" if exit_code is None else f"worker_failure:exit_{exit_code}"
@@ -68,11 +68,15 @@ def stopping(window: list[dict]) -> list[dict]:
     return [e for e in window if not (e["event"] == EventKind.CHAOS and e.get("kind") in NOT_STOPPING)]
 
 
+# drills whose injection is not their detection: a hung worker or a frozen node is found later
+# (the hang detector; the rendezvous dropping the node once its keep-alives lapse)
+SILENT = ("hang_worker", "freeze_node")
+
+
 def detected_at(window: list[dict], default: float) -> float:
-    """When the fault was found: its first record, except the injection of a hang (a
-    ``hang_worker`` drill fires when the worker stops, not when the hang is detected) and drills
-    that do not stop training."""
-    found = [e["time"] for e in stopping(window) if not (e["event"] == EventKind.CHAOS and e.get("kind") == "hang_worker")]
+    """When the fault was found: its first record, except the injection of a silent fault
+    (``SILENT``) and drills that do not stop training."""
+    found = [e["time"] for e in stopping(window) if not (e["event"] == EventKind.CHAOS and e.get("kind") in SILENT)]
     return min(found or [e["time"] for e in window] or [default])
 
 

@@ -64,6 +64,11 @@ class PretrainSettings(BaseSettings):
     node_lock_wait_s: float = Field(
         30.0, gt=0, description="A node agent waits this long for its predecessor on the node (a dying agent of "
         "the previous launch) to let go of the node's lock.")
+    node_silent_s: float = Field(
+        20.0, ge=0, description="On the local cluster, a node whose agent gave no sign of life (its liveness file, "
+        "refreshed every second) for this long is stopped and counts as lost: a frozen node neither exits nor "
+        "closes its sockets. Its rendezvous drops it sooner (cluster.node_timeout_s); this only ends the process "
+        "the job would otherwise wait for. 0: never.")
     lease_ttl_s: float = Field(
         60.0, gt=0, description="A campaign whose state is on shared storage (`checkpoint.state_uri`) is held by a "
         "lease its run renews every third of this; a run that died loses it this long (plus the margin) after.")

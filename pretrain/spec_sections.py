@@ -283,12 +283,17 @@ class KillNode(_NodeDrill):
     kind: Literal["kill_node"] = Field(description="Kill the whole node (agent, workers, saver) at `step`: training goes on without it (elastic) and it rejoins after `cluster.rejoin_after_s`.")
 
 
+class FreezeNode(_NodeDrill):
+    kind: Literal["freeze_node"] = Field(description="Freeze the whole node (SIGSTOP to agent, workers, saver) at `step`, as a hung machine: nothing exits and no socket closes. The rendezvous drops it once its keep-alives lapse (`cluster.node_timeout_s`) and training goes on without it; the orchestrator stops it for good once its agent has been silent for `PRETRAIN_NODE_SILENT_S` (local cluster).")
+
+
 class CorruptCheckpoint(_Drill):
     kind: Literal["corrupt_checkpoint"] = Field(description="Flip one byte of the model state of the checkpoint persisted at `step` (silent storage corruption: the validation gate must catch it).")
 
 
 DRILL_KINDS = {m.model_fields["kind"].annotation.__args__[0]: m for m in
-               (KillWorker, HangWorker, NanLoss, LossSpike, SlowWorker, KillSaver, KillNode, CorruptCheckpoint)}
+               (KillWorker, HangWorker, NanLoss, LossSpike, SlowWorker, KillSaver, KillNode, FreezeNode,
+                CorruptCheckpoint)}
 
 
 def _drill_kind(value) -> str | None:

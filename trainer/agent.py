@@ -30,6 +30,7 @@ from trainer.config import JobConfig, NodeDrill
 from trainer.dist import pick_backend
 from trainer.elastic import host_port, run_elastic
 from trainer.events import EventKind
+from trainer.liveness import NodeLiveness
 from trainer.node_agent import AgentSettings, run_local
 from trainer.process import exit_when_orphaned
 from trainer.reporting import EVENTS, JsonLines
@@ -175,6 +176,17 @@ def stop_node(job: JobConfig, saver=None) -> None:
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
+def freeze_node(job: JobConfig, saver=None) -> None:
+    """The whole node stops where it is, as a hung machine: workers, saver and agent get SIGSTOP
+    (their sockets stay open, nothing exits); only the orchestrator's look at the agent's
+    liveness file (``trainer.liveness``) ends it."""
+    for pid in worker_pids(job.job_dir):
+        os.kill(pid, signal.SIGSTOP)
+    if saver is not None:
+        saver.proc.send_signal(signal.SIGSTOP)
+    os.killpg(os.getpgid(0), signal.SIGSTOP)
+
+
 def leave_if_excluded(job: JobConfig, node: int, report, saver=None) -> None:
     """The workers' node check after a restart excluded this node: stop it, so the other
     nodes' agents re-form the job without it (the orchestrator re-checks it later)."""
@@ -192,6 +204,8 @@ def agent_drill(job: JobConfig, index: int, drill: NodeDrill, step: int, saver, 
         saver.proc.kill()
     elif drill.kind == "kill_node":
         stop_node(job, saver)
+    elif drill.kind == "freeze_node":
+        freeze_node(job, saver)
 
 
 def sweep_shared_memory(job: JobConfig, node: int) -> None:
@@ -219,6 +233,7 @@ def run_node(args: argparse.Namespace) -> int:
             shutil.rmtree(ns, ignore_errors=True)
 
     exit_when_orphaned(on_orphan=cleanup)
+    liveness = NodeLiveness(job.job_dir, args.node).start()  # whoever started this node sees it is not frozen
     if args.lock:
         hold_lock(args.lock, timeout_s=args.lock_wait)
     worker_args = ["-u", "-m", "trainer.worker", args.job]
@@ -243,6 +258,7 @@ def run_node(args: argparse.Namespace) -> int:
                                spares_wanted=lambda: detector.max_step >= 1,
                                before_round=lambda: leave_if_excluded(job, args.node, report, saver))
     finally:
+        liveness.stop()
         cleanup()
     return 1 if code and saver is not None and saver.failed else code  # fail_job reported why
 

@@ -77,7 +77,7 @@ class SlowWorker(WorkerDrill):
 
 @dataclass(frozen=True)
 class NodeDrill(Drill):
-    """kill_saver, kill_node (fired by the node's agent)."""
+    """kill_saver, kill_node, freeze_node (fired by the node's agent)."""
 
     node: int  # the node's index
 
@@ -89,7 +89,8 @@ class CorruptCheckpoint(Drill):
 
 DRILLS: dict[str, type[Drill]] = {
     "kill_worker": WorkerDrill, "hang_worker": WorkerDrill, "nan_loss": WorkerDrill, "loss_spike": LossSpike,
-    "slow_worker": SlowWorker, "kill_saver": NodeDrill, "kill_node": NodeDrill, "corrupt_checkpoint": CorruptCheckpoint,
+    "slow_worker": SlowWorker, "kill_saver": NodeDrill, "kill_node": NodeDrill, "freeze_node": NodeDrill,
+    "corrupt_checkpoint": CorruptCheckpoint,
 }
 
 

@@ -28,7 +28,7 @@ from trainer.elastic_survivors import launch
 from trainer.events import EventKind
 from trainer.process import PARENT_ENV
 from trainer.rendezvous_close import record_expired_nodes
-from trainer.reporting import EVENTS, read_all
+from trainer.reporting import EVENTS, JsonLines, read_all
 from trainer.resilience.heartbeat import AGENT_ENV, heartbeat_dir
 from trainer.resilience.nodecheck import NODE_ENV
 from trainer.resilience.peers import NOTICE_ENV, WARM_SPARES_ENV, notice_for_nodes
@@ -177,7 +177,10 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
         return 128 + err.sigval
     fast_rendezvous_polls()
     stand_by_when_round_full()
-    record_expired_nodes()
+    events = JsonLines(Path(job.job_dir) / EVENTS)
+    record_expired_nodes(on_expired=lambda desc: events.write({
+        "event": EventKind.NODE_LOST, "source": "rendezvous", "agent_node": args.node, "standby": False,
+        "identity": ":".join(map(str, desc)), "reason": f"no keep-alive for {args.node_timeout}s"}))
     try:
         trained = launch(min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc=args.nproc, run_id=args.run_id,
                          endpoint=args.rdzv_endpoint, rdzv_configs=rendezvous_configs(args),

@@ -99,8 +99,13 @@ class SurvivorsAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._pcontext is not None:  # keeps none when spares_per_node is 0
             self.spares.tend(self._pcontext, self._job_store)
-            for node in worker_group.spec.rdzv_handler.links.take_lost():
-                self._node_lost(worker_group, node)
+            rendezvous = worker_group.spec.rdzv_handler
+            stuck = [node for node in [*rendezvous.links.take_lost(), *rendezvous.take_expired()]
+                     if not self._node_lost(worker_group, node)]
+            if any(node.silent for node in stuck):  # its sockets are open: a collective with it never fails
+                print("the workers are stuck in a collective with the silent node: restarting them", file=sys.stderr,
+                      flush=True)
+                return RunResult(state=WorkerState.UNHEALTHY)
         lost = self._lost_with_survivors() if self.fast_timeout_s > 0 else {}
         if lost:
             if self._remaining_restarts - self.fast_recoveries <= 0:
@@ -117,20 +122,26 @@ class SurvivorsAgent(LocalElasticAgent):
                     return RunResult(state=WorkerState.FAILED, failures=failures)
         return super()._monitor_workers(worker_group)
 
-    def _node_lost(self, worker_group: WorkerGroup, lost: LostNode) -> None:
-        """Another node's agent is gone (``trainer.node_links``): out of the rendezvous with it, and
+    def _node_lost(self, worker_group: WorkerGroup, lost: LostNode) -> bool:
+        """Another node's agent is gone (``trainer.node_links``) or silent (torch's rendezvous dropped
+        it: ``RoundStoreAddress.take_expired``): out of the rendezvous with it, and
         the survivors told to leave for the next round now (their broken collectives would wait
         for an announcement the lost node never makes); waits (at most ``LEAVE_WAIT_S``) until a
-        local worker left, so that this look at the workers already sees it."""
+        local worker left, so that this look at the workers already sees it. False: none left; a
+        silent node's survivors are not told (they wait in a collective with it that never fails,
+        its sockets being open): False at once, for the agent to restart them."""
         rendezvous = worker_group.spec.rdzv_handler
         evicted = lost.desc is not None and rendezvous.evict(lost.desc)
-        print(f"node {lost.node} (rank {lost.rank} of round {self._round()}) is gone: its agent's link closed; "
+        how = "its keep-alives lapsed (frozen, or cut off)" if lost.silent else "its agent's link closed"
+        print(f"node {lost.node} (rank {lost.rank} of round {self._round()}) is gone: {how}; "
               f"{'taken out of the rendezvous, ' if evicted else ''}the workers leave for a new round",
               file=sys.stderr, flush=True)
         pc = self._pcontext
         env = pc.envs[0]
+        if lost.silent:
+            return False
         if own_round_store(env) and lost.rank == 0:
-            return  # the workers' store went with it: their collectives and the store fail them at once
+            return True  # the workers' store went with it: their collectives and the store fail them at once
         store = self._job_store(env)
         try:
             if store is not None:
@@ -138,11 +149,12 @@ class SurvivorsAgent(LocalElasticAgent):
         except (dist.DistError, RuntimeError) as err:
             print(f"could not tell the workers ({err}): they leave after their notice window", file=sys.stderr,
                   flush=True)
-            return
+            return False
         deadline = time.monotonic() + LEAVE_WAIT_S
         procs = [h.proc for h in pc.subprocess_handlers.values()]
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
             time.sleep(POLL_S / 5)  # polls the local workers' exits
+        return any(p.poll() is not None for p in procs)
 
     def _agreed_restart(self, store: dist.TCPStore, env: dict[str, str]) -> int:
         """The restart count the round's ranks agreed on: their group prefix and epoch keys."""

@@ -30,7 +30,9 @@ class EventKind(StrEnum):
     NODE_CHECK = "node_check"
     NODE_EXCLUDED = "node_excluded"
     SHM_SWEPT = "shm_swept"
-    NODE_LOST = "node_lost"  # written by the orchestrator: node, exit_code, standby (a standby node takes its place)
+    # by the orchestrator: node, exit_code, standby (a standby node takes its place); by a node agent whose
+    # rendezvous dropped a silent participant (source "rendezvous"): identity, agent_node
+    NODE_LOST = "node_lost"
     NODE_RECHECK = "node_recheck"  # written by the orchestrator
 
 

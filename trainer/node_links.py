@@ -40,6 +40,7 @@ class LostNode:
     node: int  # the job's node number (its agent's ``--node``)
     desc: tuple | None  # its rendezvous identity (torch's node descriptor: addr, pid, local id), None if unknown
     at: float  # when its connection closed (epoch seconds)
+    silent: bool = False  # found by the rendezvous (its keep-alives lapsed), not by a closed link: its sockets may be open
 
 
 class NodeLinks:

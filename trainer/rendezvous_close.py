@@ -64,12 +64,15 @@ def lost_from(store: dist.Store, round_: int | str) -> set[tuple]:
     return out
 
 
-def record_expired_nodes() -> None:
+def record_expired_nodes(on_expired=None) -> None:
     """Make torch's rendezvous, in this process (a node agent), record every node its look at the
     state finds dead (its keep-alives lapsed) in the rendezvous's store (``EXPIRED``) as it drops
-    it. Through torch's private state holder (its ``_sanitize`` and the dead nodes it lists;
-    checked against this torch by ``tests/test_node_links.py``); a torch without them records
-    nothing, and such a node keeps its last call."""
+    it. ``on_expired(desc)`` is called for each such node that was a participant of the round and
+    was not found lost through its links already (``record_lost`` for that round): a node that
+    went silent, found only now. Through torch's private state holder (its ``_sanitize`` and the
+    dead nodes it lists; checked against this torch by ``tests/test_node_links.py``); a torch
+    without them records nothing, and such a node keeps its last call. Installed once per process
+    (one node agent), with the first caller's ``on_expired``."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
 
     holder = getattr(rdzv, "_BackendRendezvousStateHolder", None)
@@ -78,26 +81,34 @@ def record_expired_nodes() -> None:
         return
 
     def _sanitize(self) -> None:
+        state = getattr(self, "_state", None)
+        was_in = {dataclasses.astuple(n) for n in getattr(state, "participants", None) or () if dataclasses.is_dataclass(n)}
         sanitize(self)
         dead = {dataclasses.astuple(n) for n in getattr(self, "_dead_nodes", None) or () if dataclasses.is_dataclass(n)}
         recorded = self.__dict__.setdefault("_pretrain_recorded", set())
         store = getattr(getattr(self, "_backend", None), "_store", None)
         for desc in sorted(dead - recorded) if store is not None else ():
             try:
+                silent = desc in was_in and desc not in lost_from(store, getattr(state, "round", -1))
                 record_lost(store, EXPIRED, desc)
                 recorded.add(desc)
             except (dist.DistError, RuntimeError):
                 return  # the store is away for a moment: the next look records it
+            if silent and on_expired is not None:
+                try:
+                    on_expired(desc)
+                except OSError as err:  # the job's event stream cannot be written: the rendezvous goes on
+                    print(f"rendezvous: node {desc} dropped, not recorded ({err})", file=sys.stderr, flush=True)
 
     _sanitize.records_expired = True
     holder._sanitize = _sanitize
 
 
-def members(handler) -> frozenset[tuple]:
-    """The participants of the round ``handler`` (torch's) last joined, as node identities."""
+def members(handler) -> dict[tuple, int]:
+    """The participants of the round ``handler`` (torch's) last joined: node identity → its rank."""
     holder = getattr(handler, "_state_holder", None)
     participants = getattr(getattr(holder, "state", None), "participants", None) or {}
-    return frozenset(dataclasses.astuple(n) for n in participants if dataclasses.is_dataclass(n))
+    return {dataclasses.astuple(n): r for n, r in participants.items() if dataclasses.is_dataclass(n)}
 
 
 class CloseWhenBack:

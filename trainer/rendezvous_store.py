@@ -29,6 +29,7 @@ that the next round closes as soon as every other node of this one is back
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from datetime import timedelta
@@ -36,12 +37,13 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
-from trainer.node_links import NodeLinks
+from trainer.node_links import LINKS_KEY, LostNode, NodeLinks
 from trainer.rendezvous_close import EXPIRED, CloseWhenBack, lost_from, members, record_lost
 
 
 ROUNDS_KEY = "pretrain/rounds"  # the counter, in the rendezvous's store (outside any round's prefix)
 ROUND_KEY = "pretrain/round"  # the round's number, in the round's part of it
+EXPIRED_LOOK_S = 0.5  # how often an agent looks for nodes of its round that the rendezvous dropped
 EVICT_TRIES = 5  # compare-and-set attempts to write the rendezvous state without a lost node (others write it too)
 
 
@@ -56,6 +58,10 @@ class RoundStoreAddress:
         self._last: frozenset[tuple] = frozenset()  # the last round's nodes (torch's identities)
         self._store = None  # the rendezvous's store (all rounds'), once a round formed
         self._closes = False  # whether this agent closes the next round early (``CloseWhenBack``)
+        self._ranks: dict[tuple, int] = {}  # the last round's nodes → their ranks
+        self._round_store = None  # the last round's part of the store (the agents' links: their node numbers)
+        self._expired_seen: set[tuple] = set()  # nodes of the last round already reported dropped
+        self._next_expired_look = 0.0
 
     def __getattr__(self, name: str):
         return getattr(self._handler, name)
@@ -72,8 +78,10 @@ class RoundStoreAddress:
         finally:
             if closer is not None:
                 closer.stop()
-        self._store, self._last, self._closes = info.store.underlying_store, members(self._handler), info.rank == 0
+        self._ranks = members(self._handler)
+        self._store, self._last, self._closes = info.store.underlying_store, frozenset(self._ranks), info.rank == 0
         agreed = self._agree(info)
+        self._round_store, self._expired_seen = agreed.store, set()
         print(f"{time.strftime('%H:%M:%S', time.localtime(asked))} rendezvous: round {self.round}, this node rank "
               f"{info.rank} of {info.world_size} node(s), formed after {time.time() - asked:.1f} s",
               file=sys.stderr, flush=True)
@@ -87,6 +95,30 @@ class RoundStoreAddress:
             return bool(self._last & lost_from(store, EXPIRED))
         except (dist.DistError, RuntimeError):
             return False
+
+    def take_expired(self) -> list[LostNode]:
+        """The nodes of the last round that torch's rendezvous dropped since the last call (their
+        keep-alives lapsed: frozen, powered off, cut off; recorded by ``record_expired_nodes``,
+        in whichever agent's look dropped them), except those already found through their links.
+        The store is looked at every ``EXPIRED_LOOK_S`` at most."""
+        now = time.monotonic()
+        if self._store is None or now < self._next_expired_look:
+            return []
+        self._next_expired_look = now + EXPIRED_LOOK_S
+        try:
+            gone = (self._last & lost_from(self._store, EXPIRED)) - lost_from(self._store, self.round) - self._expired_seen
+        except (dist.DistError, RuntimeError):
+            return []  # the store is away for a moment: the next look
+        self._expired_seen |= gone
+        return [LostNode(self._ranks[d], self._node_of(self._ranks[d]), d, time.time(), silent=True) for d in sorted(gone)]
+
+    def _node_of(self, rank: int) -> int:
+        """The node number of the last round's ``rank`` (its links' record; -1 if unknown)."""
+        key = f"{LINKS_KEY}/{rank}"
+        try:
+            return int(json.loads(self._round_store.get(key))["node"]) if self._round_store.check([key]) else -1
+        except (dist.DistError, RuntimeError, ValueError, KeyError, TypeError):
+            return -1
 
     def _node_desc(self) -> tuple | None:
         """This node's identity in torch's rendezvous state (a private part of its handler)."""

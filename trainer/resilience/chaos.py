@@ -68,12 +68,12 @@ class WorkerChaos:
 
     def wait_for_agent_drills(self, step: int) -> None:
         """At an agent-side drill's step on this worker's node: wait until the agent has fired it
-        (``kill_node``: for good, the agent kills this process)."""
+        (``kill_node``, ``freeze_node``: for good, the agent kills or stops this process)."""
         for i, d in self.agent_drills:
             if step >= d.step and not claimed(self.job_dir, i):
                 reached_marker(self.job_dir, i).parent.mkdir(parents=True, exist_ok=True)
                 reached_marker(self.job_dir, i).touch()
-                while d.kind == "kill_node" or not claimed(self.job_dir, i):
+                while d.kind in ("kill_node", "freeze_node") or not claimed(self.job_dir, i):
                     threading.Event().wait(0.02)
 
     def _due(self, d: WorkerDrill, step: int) -> bool:
