@@ -8,14 +8,16 @@ and the loss turns NaN (rolled back in process); four worker kills recovered by 
 the same four with the fast path off (``fault_tolerance.fast_recovery_timeout_s: 0``: every
 worker restarts, side by side; their medians are compared); the same
 NaN drill with ``rollback_in_process`` off (the workers restart: the old path, side by side);
-then a two-node campaign that loses a node (the world shrinks) and the same with a standby node
-(it takes the lost node's place); and four worker kills on two nodes of one worker each, fast
+then a two-node campaign that loses a node (the world shrinks), the same with a standby node
+(it takes the lost node's place) and one whose node freezes (its sockets stay open: found once its
+keep-alives lapse); and four worker kills on two nodes of one worker each, fast
 path (the other node's worker kept, a warm spare of the lost worker's node takes its rank) and full
 restart (torch's elastic agents restart both nodes) side by side. Prints, per fault, the recovery path, the
 detection-to-first-step recovery time and the time lost (recovery + steps redone), as recorded
 in the campaign ledger, and checks the worker kill's fast path against issue 16's targets
 (≤ 1.0 s, ≤ 0.5 × the full restart in the same run) and the node loss with a standby node
-(``cluster.spare_nodes``) against ≤ 3 s, and without one (the world shrinks) against ≤ 3 s too. ``--only nan`` / ``--only kill`` / ``--only node`` /
+(``cluster.spare_nodes``) against ≤ 3 s, and without one (the world shrinks, a node killed or
+frozen: the freeze to the first step, keep-alive window included) against ≤ 3 s too. ``--only nan`` / ``--only kill`` / ``--only node`` /
 ``--only nodes-kill``: those two runs alone (a quick comparison).
 """
 
@@ -76,6 +78,8 @@ def main() -> None:
         spec(root / "two-nodes", model, {"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3}, lose_node),
         spec(root / "two-nodes-standby", model, {"workers_per_node": 1, "nodes_min": 2, "nodes_max": 2, "spare_nodes": 1,
                                                  "node_timeout_s": 2, "max_restarts": 3}, lose_node),
+        spec(root / "two-nodes-frozen", model, {"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "node_timeout_s": 2,
+                                                "max_restarts": 3}, [{"kind": "freeze_node", "node": 1, "step": 20}]),
     ]
     runs = [
         spec(root / "nan-in-process", model, one_node, nan),
@@ -96,6 +100,7 @@ def main() -> None:
     hangs: list[float] = []  # detection_s + recovery_s of each hang
     standby: list[float] = []  # kill → first step of a node loss recovered with a standby node
     shrunk: list[float] = []  # kill → first step of a node loss without a standby (the world shrinks)
+    frozen: list[float] = []  # freeze → first step (the keep-alive window, the restart without it)
     for s in runs:
         status = pretrain_campaign(spec=s)
         for f in status["stages"][0]["failures"]:
@@ -108,7 +113,10 @@ def main() -> None:
             if f["cause"] == "node_lost" and f.get("recovery_path") == "spare_node" and f.get("recovery_s") is not None:
                 standby.append(f["recovery_s"])
             if f["cause"] == "node_lost" and f.get("recovery_path") == "restart" and f.get("recovery_s") is not None:
-                shrunk.append(f["recovery_s"])
+                if any(d.kind == "freeze_node" for d in s.chaos):
+                    frozen.append(round(f.get("detection_s", 0.0) + f["recovery_s"], 2))
+                else:
+                    shrunk.append(f["recovery_s"])
     print(f"reference: {DLROVER}")
     checks = [] if a.only in ("nan", "node", "nodes-kill") else kill_checks(kills.get(1, {}), "")
     checks += kill_checks(kills.get(2, {}), " on two nodes") if a.only in (None, "nodes-kill") else []
@@ -118,6 +126,8 @@ def main() -> None:
                      "new workers on both nodes (forked, the state from the survivor's memory snapshot, one step) after the lost node's agent link closed; a node whose sockets stay open waits for its keep-alives to lapse (2 s)") for s in standby]
     checks += [Check("node loss without a standby → first step, s (the world shrinks)", s, 3.0, "<=",
                      "the survivors' round closes once every other node of the last one is back (not after torch's 5 s last call), the state from the last world's rank-0 memory snapshot") for s in shrunk]
+    checks += [Check("frozen node without a standby → first step, s (node_timeout_s 2, from the freeze)", s, 3.0, "<=",
+                     "its sockets stay open: found when its keep-alives lapse (2 s after its last one, which may precede the freeze by up to 1 s), then the survivors restart without it") for s in frozen]
     if a.only != "nan":
         report(checks)
 

@@ -43,7 +43,7 @@ from trainer.rendezvous_close import EXPIRED, CloseWhenBack, lost_from, members,
 
 ROUNDS_KEY = "pretrain/rounds"  # the counter, in the rendezvous's store (outside any round's prefix)
 ROUND_KEY = "pretrain/round"  # the round's number, in the round's part of it
-EXPIRED_LOOK_S = 0.5  # how often an agent looks for nodes of its round that the rendezvous dropped
+EXPIRED_LOOK_S = 0.2  # how often an agent looks for nodes of its round that the rendezvous dropped
 EVICT_TRIES = 5  # compare-and-set attempts to write the rendezvous state without a lost node (others write it too)
 
 
