@@ -76,6 +76,15 @@ class KubernetesSpec(Section):
         "collectives), or a quantity such as '8Gi'.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the training pods must run on.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Taints the training pods tolerate.")
+    unreachable_eviction_s: int = Field(
+        30, ge=0, description="A training pod on a Kubernetes node that stopped reporting (taints "
+        "node.kubernetes.io/not-ready and unreachable: the machine hung, powered off or cut off) is evicted after this "
+        "many seconds, Kubernetes' default being 300: the job then counts it a lost node and can end. A toleration "
+        "of yours for either taint wins.")
+    node_silent_s: int = Field(
+        30, ge=0, description="The training container's liveness probe: a node agent that gave no sign of life (its "
+        "liveness file, refreshed every second) for this long is stopped by the kubelet, and its pod counts as a lost "
+        "node (a frozen agent neither exits nor closes its sockets). 0: no probe.")
     priority_class_name: str | None = Field(
         None, pattern=DNS_SUBDOMAIN, description="PriorityClass of the training pods (preemption order); empty: the cluster default.")
     env: dict[str, str] = Field(

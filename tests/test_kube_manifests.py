@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from pretrain.kube.manifests import (CONFIG_EXIT_CODES, NEWEST_K8S, OLDEST_K8S, 
                                      object_name, stage_launch)
 from pretrain.spec import SpecError, parse_spec
 from pretrain.spec_kube import quantity_bytes
+from trainer.liveness import NodeLiveness, liveness_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "s3cr3t-value-never-rendered"
@@ -66,7 +68,7 @@ def test_a_stage_is_a_headless_service_and_an_indexed_job_of_one_pod_per_node():
     limits = pod["containers"][0]["resources"]["limits"]
     assert limits == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "2"}
     assert pod["nodeSelector"] == {"gpu": "h100"} and pod["imagePullSecrets"] == [{"name": "regcred"}]
-    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["tolerations"][0] == {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
     assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("pretrain-trainer", "training")
 
 
@@ -238,3 +240,42 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch):
         assert done.exit_code == 2, done.output
         assert match in " ".join(done.output.split()) and "Traceback" not in done.output
         assert "kind: Job" not in done.output
+
+
+def test_the_liveness_probe_fails_only_for_an_agent_silent_too_long(tmp_path):
+    """The probe's own command, run as the kubelet would (in the container's environment): a fresh
+    liveness file or none yet passes, one older than node_silent_s fails and says why."""
+    launch = stage_launch(k8s_spec(top={"workdir": str(tmp_path)}, node_silent_s=20), "main", attempt=1)
+    container = launch.job_manifest()["spec"]["template"]["spec"]["containers"][0]
+    probe = container["livenessProbe"]
+    assert probe["failureThreshold"] == 1 and probe["periodSeconds"] <= 5
+
+    def run_probe(index: int) -> subprocess.CompletedProcess:
+        env = {**os.environ, "JOB_COMPLETION_INDEX": str(index), "PYTHONPATH": str(Path(__file__).parents[1])}
+        sh, flag, check = probe["exec"]["command"]  # the image's python: this test's
+        return subprocess.run([sh, flag, check.replace("exec python ", f"exec {sys.executable} ", 1)], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    assert run_probe(1).returncode == 0  # the agent has not written its file yet: starting, not silent
+    NodeLiveness(launch.job.job_dir, 1).start().stop()
+    assert run_probe(1).returncode == 0
+    old = time.time() - 21
+    os.utime(liveness_path(launch.job.job_dir, 1), (old, old))
+    silent = run_probe(1)
+    assert silent.returncode == 1 and "node 1: its agent gave no sign of life for 21s" in silent.stdout
+    assert run_probe(0).returncode == 0  # each pod judges its own node
+    assert "livenessProbe" not in stage_launch(k8s_spec(node_silent_s=0), "main").job_manifest()[
+        "spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("own, expected", [
+    ([], {"node.kubernetes.io/not-ready": 45, "node.kubernetes.io/unreachable": 45}),
+    ([{"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "toleration_seconds": 600}],
+     {"node.kubernetes.io/not-ready": 45, "node.kubernetes.io/unreachable": 600}),  # the user's own wins
+])
+def test_pods_leave_a_node_that_stopped_reporting_sooner_than_kubernetes_default(own, expected):
+    launch = stage_launch(k8s_spec(unreachable_eviction_s=45, tolerations=own), "main")
+    tolerations = launch.job_manifest()["spec"]["template"]["spec"]["tolerations"]
+    assert {t["key"]: t["tolerationSeconds"] for t in tolerations if t.get("key", "").startswith("node.kubernetes.io/")} \
+        == expected
+    assert_valid(launch.manifests())

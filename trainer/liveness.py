@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -50,16 +51,31 @@ class NodeLiveness:
                 pass  # the job directory is away for a moment (or gone at the job's end): the next beat tries again
 
 
-def silent_for(job_dir: str | Path, node: int, pid: int, now: float | None = None) -> float | None:
-    """Seconds since node ``node``'s agent (process ``pid``) last refreshed its liveness file;
-    None when there is no file of that process to judge by (not written yet, from another
-    process, or damaged: such a node is never taken for silent)."""
+def silent_for(job_dir: str | Path, node: int, pid: int | None, now: float | None = None) -> float | None:
+    """Seconds since node ``node``'s agent (process ``pid``; None: whichever wrote it) last
+    refreshed its liveness file; None when there is no file of that process to judge by (not
+    written yet, from another process, or damaged: such a node is never taken for silent)."""
     path = liveness_path(job_dir, node)
     try:
         record = json.loads(path.read_text())
         mtime = path.stat().st_mtime
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or record.get("pid") != pid:
+    if not isinstance(record, dict) or (pid is not None and record.get("pid") != pid):
         return None
     return max(0.0, (time.time() if now is None else now) - mtime)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.liveness JOB_DIR NODE SILENT_S``: exit 1 when node NODE's agent has
+    been silent for SILENT_S seconds or more (a Kubernetes liveness probe), else 0."""
+    job_dir, node, limit = (sys.argv[1:] if argv is None else argv)
+    silent = silent_for(job_dir, int(node), pid=None)
+    if silent is not None and silent >= float(limit):
+        print(f"node {node}: its agent gave no sign of life for {silent:.0f}s ({liveness_path(job_dir, int(node))})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

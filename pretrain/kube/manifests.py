@@ -25,6 +25,7 @@ NAME_MAX = 52  # pods are <job>-<index>-<5 chars>; hostnames <job>-<index> stay 
 SHM_BASE = 256 << 20  # room on /dev/shm for the collectives besides the snapshots
 CONFIG_EXIT_CODES = [2, 78, 126, 127]  # usage error (argparse), EX_CONFIG, not executable, not found: never retried
 LABEL = "pretrain.io"
+UNREACHABLE_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")  # a node that stopped reporting
 
 
 def _digest(*parts: str, n: int = 8) -> str:
@@ -172,6 +173,23 @@ class Launch:
             mounts.append({"name": "workdir", "mountPath": str(self.spec.workdir_path)})
         return volumes, mounts
 
+    def liveness_probe(self) -> dict:
+        """The agent's liveness file (``trainer.liveness``) checked every 5 s: one older than
+        ``node_silent_s`` stops the container (a file not written yet is no failure)."""
+        check = (f'exec python -m trainer.liveness {shlex.quote(str(self.job.job_dir))} "$JOB_COMPLETION_INDEX" '
+                 f"{self.kube.node_silent_s}")
+        return {"exec": {"command": ["sh", "-c", check]}, "periodSeconds": 5, "timeoutSeconds": 10,
+                "failureThreshold": 1}
+
+    def tolerations(self) -> list[dict]:
+        """The spec's tolerations, and a shorter stay on a node that stopped reporting
+        (``unreachable_eviction_s``) unless they name those taints."""
+        own = [{_camel(f): v for f, v in t.model_dump(exclude_none=True).items()} for t in self.kube.tolerations]
+        named = {t.get("key") for t in own}
+        return own + [{"key": key, "operator": "Exists", "effect": "NoExecute",
+                       "tolerationSeconds": self.kube.unreachable_eviction_s}
+                      for key in UNREACHABLE_TAINTS if key not in named]
+
     def service(self) -> dict:
         return {"apiVersion": "v1", "kind": "Service", "metadata": self.metadata(self.name),
                 "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
@@ -196,11 +214,12 @@ class Launch:
                                "command": self.command(), "env": self.env(), "resources": self.resources(),
                                "volumeMounts": mounts,
                                "ports": [{"name": "rdzv", "containerPort": self.port, "protocol": "TCP"}]}]}
+        if k.node_silent_s:
+            pod["containers"][0]["livenessProbe"] = self.liveness_probe()
         optional = {"serviceAccountName": k.service_account_name, "priorityClassName": k.priority_class_name,
                     "nodeSelector": dict(k.node_selector) or None,
                     "imagePullSecrets": [{"name": s} for s in k.image_pull_secrets] or None,
-                    "tolerations": [{_camel(f): v for f, v in t.model_dump(exclude_none=True).items()}
-                                    for t in k.tolerations] or None}
+                    "tolerations": self.tolerations() or None}
         pod.update({key: v for key, v in optional.items() if v is not None})
         if self.avoid_hosts:
             pod["affinity"] = avoid_hosts_affinity(self.avoid_hosts)
