@@ -108,10 +108,34 @@ def standby_took_over(events: list[dict], cur: dict, window: list[dict]) -> bool
     return bool(earlier) and bool(round_nodes(events, count) - round_nodes(events, max(earlier)))
 
 
+def late_losses(events: list[dict]) -> list[int]:
+    """Positions in ``events`` (sorted by time) of the orchestrator's ``node_lost`` records written
+    after a round had already gone on without that node (found by the agents' links or the
+    rendezvous first; a frozen node is stopped, and so recorded, only after it went silent for
+    ``PRETRAIN_NODE_SILENT_S``): not a fault of the recovery they fall before."""
+    starts = sorted((e for e in events if e["event"] == EventKind.START and e.get("rank") == 0 and not e.get("epoch")
+                     and isinstance(e.get("restart_count"), int)), key=lambda e: e["time"])
+    rounds = {s["restart_count"]: round_nodes(events, s["restart_count"]) for s in starts}
+    late = []
+    for i, e in enumerate(events):
+        if e["event"] != EventKind.NODE_LOST or e.get("source") != "orchestrator" or "node" not in e:
+            continue
+        seen = False
+        for s in (s for s in starts if s["time"] < e["time"]):
+            if e["node"] in rounds[s["restart_count"]]:
+                seen = True
+            elif seen:  # a round without it started before this record
+                late.append(i)
+                break
+    return late
+
+
 def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dict]:
     """One record per in-job recovery (a restart of the workers, or an in-process rollback:
     ``recovery_path``) and per saver restart seen in a job's streams."""
     events = sorted(events, key=lambda e: e["time"])
+    late = set(late_losses(events))
+    faults = [e for i, e in enumerate(events) if e["event"] in FAULT_EVENTS and i not in late]
     step_time = statistics.median([m["step_time"] for m in metrics]) if metrics else 0.0
     # where training went on after a fault: a restart of the workers, or an in-process rollback
     # (a replacement joining kept workers starts in a later epoch: rank 0's rollback event marks that recovery)
@@ -119,7 +143,7 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
               or e["event"] == EventKind.ROLLBACK]
     out = []
     for prev, cur in zip(points, points[1:]):
-        window = [e for e in events if prev["time"] < e["time"] <= cur["time"] and e["event"] in FAULT_EVENTS]
+        window = [e for e in faults if prev["time"] < e["time"] <= cur["time"]]
         detected = detected_at(window, default=cur["time"])
         detection = detected - began_at(window, detected)  # a hang stalls training until it is found
         reached = max((m["step"] for m in metrics if prev["time"] <= m["time"] <= detected), default=cur["step"])

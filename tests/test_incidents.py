@@ -127,3 +127,22 @@ def test_a_standby_that_took_a_lost_nodes_place_before_the_orchestrator_looked_i
         [{"step": 11, "time": 11.5, "step_time": 1.0}]
     [incident] = incidents(events, metrics, 0)
     assert incident["recovery_path"] == path
+
+
+def test_a_frozen_node_found_by_the_rendezvous_and_stopped_later_is_one_incident_not_two_causes():
+    """A node freezes at 10 s; the rendezvous drops it at 12 s and the survivor restarts; the
+    orchestrator stops the silent node (and says so) at 30 s, after a worker kill at 29 s: the
+    freeze is found at the drop, and the later kill keeps its own cause and time."""
+    start = {"event": "start", "rank": 0, "node": 0, "epoch": 0, "source": "memory"}
+    events = [{**start, "rank": 1, "node": 1, "restart_count": 0, "time": 0.0, "step": 0},
+              {**start, "restart_count": 0, "time": 0.0, "step": 0},
+              {"event": "chaos", "kind": "freeze_node", "node": 1, "time": 10.0},
+              {"event": "node_lost", "source": "rendezvous", "identity": "h:7:0", "standby": False, "time": 12.0},
+              {**start, "restart_count": 1, "time": 12.5, "step": 9},
+              {"event": "chaos", "kind": "kill_worker", "rank": 0, "time": 29.0},
+              {"event": "node_lost", "source": "orchestrator", "node": 1, "exit_code": -9, "standby": False, "time": 30.0},
+              {**start, "restart_count": 2, "time": 30.5, "step": 27}]
+    metrics = [{"step": s, "time": float(s), "step_time": 1.0} for s in range(1, 31)]
+    first, second = incidents(events, metrics, 0)
+    assert (first["cause"], first["detected_at"], first["detection_s"]) == ("node_lost", 12.0, 2.0)
+    assert (second["cause"], second["detected_at"]) == ("worker_killed", 29.0)
