@@ -56,7 +56,17 @@ while True:
             time.sleep(slow_s)
             info = rdzv.next_rendezvous()
             print(json.dumps({"rank": info.rank, "world": info.world_size}), flush=True)
+        for silent in rdzv.take_expired():  # as the agent does (then it restarts its workers)
+            print(json.dumps({"silent": silent.node, "rank": silent.rank}), flush=True)
     line = sys.stdin.readline().strip()
+    if line == "finished":  # as the agent does before it waits for the others at the job's end
+        rdzv.record_finished()
+        print(json.dumps({"finished": True}), flush=True)
+        continue
+    if line == "look":  # a look for silent nodes now
+        rdzv._next_expired_look = 0
+        print(json.dumps({"looked": [n.node for n in rdzv.take_expired()]}), flush=True)
+        continue
     if line != "again":  # "again": a new round, as the agent's restart after its workers' hang was found
         break
     info = rdzv.next_rendezvous()
@@ -234,6 +244,29 @@ def test_a_frozen_node_is_not_waited_for_once_its_keep_alives_lapsed():
         assert pid == frozen.pid
         survivor.tell("again")
         assert survivor.said() == {"rank": 0, "world": 1}  # (within ROUND_S, far less than the last call)
+    finally:
+        for p in nodes:
+            p.kill()
+
+
+def test_a_silent_node_of_the_round_is_reported_once_but_not_one_that_finished_the_job():
+    """Two of three nodes stop sending keep-alives: one frozen, one that finished the job and waits
+    for the others (torch's exit barrier). The third reports the frozen one alone, once."""
+    port = free_port()
+    host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{port}"
+    nodes = [Node(endpoint, n, nodes=(1, 3), last_call_s=LONG_LAST_CALL_S, keep_alive_s=1) for n in range(3)]
+    survivor, finished, frozen = nodes
+    try:
+        ranks = {n: r["rank"] for n, r in enumerate(formed(nodes))}
+        finished.tell("finished")
+        assert finished.said() == {"finished": True}
+        for node in (finished, frozen):
+            os.kill(node.pid, signal.SIGSTOP)
+        assert survivor.said() == {"silent": 2, "rank": ranks[2]}
+        wait_for(lambda: len(lost_from(host, EXPIRED)) == 2, ROUND_S, "both nodes dropped by the rendezvous")
+        survivor.tell("look")
+        assert survivor.said() == {"looked": []}  # the frozen one reported already; the finished one never
     finally:
         for p in nodes:
             p.kill()

@@ -79,6 +79,14 @@ class SurvivorsAgent(LocalElasticAgent):
     def _round(self) -> int:
         return getattr(self._worker_group.spec.rdzv_handler, "round", 0)
 
+    def _exit_barrier(self) -> None:
+        """Torch's wait for the other nodes at the job's end, once this node said it finished: its
+        keep-alives may lapse meanwhile, and a finished node is not a silent one."""
+        record = getattr(self._worker_group.spec.rdzv_handler, "record_finished", None)
+        if record is not None:
+            record()
+        super()._exit_barrier()
+
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         self.spares.stop()  # a round's spares end with its workers (the next round has a new store)
         super()._shutdown(death_sig, timeout)

@@ -43,6 +43,7 @@ from trainer.rendezvous_close import EXPIRED, CloseWhenBack, lost_from, members,
 
 ROUNDS_KEY = "pretrain/rounds"  # the counter, in the rendezvous's store (outside any round's prefix)
 ROUND_KEY = "pretrain/round"  # the round's number, in the round's part of it
+FINISHED_KEY = "pretrain/finished"  # + /<round>/<node identity>: the node's workers finished the job
 EXPIRED_LOOK_S = 0.2  # how often an agent looks for nodes of its round that the rendezvous dropped
 EVICT_TRIES = 5  # compare-and-set attempts to write the rendezvous state without a lost node (others write it too)
 
@@ -99,7 +100,9 @@ class RoundStoreAddress:
     def take_expired(self) -> list[LostNode]:
         """The nodes of the last round that torch's rendezvous dropped since the last call (their
         keep-alives lapsed: frozen, powered off, cut off; recorded by ``record_expired_nodes``,
-        in whichever agent's look dropped them), except those already found through their links.
+        in whichever agent's look dropped them), except those already found through their links
+        and those that finished the job (``record_finished``: waiting for the others, they may send
+        no keep-alive).
         The store is looked at every ``EXPIRED_LOOK_S`` at most."""
         now = time.monotonic()
         if self._store is None or now < self._next_expired_look:
@@ -107,10 +110,23 @@ class RoundStoreAddress:
         self._next_expired_look = now + EXPIRED_LOOK_S
         try:
             gone = (self._last & lost_from(self._store, EXPIRED)) - lost_from(self._store, self.round) - self._expired_seen
+            gone = {d for d in gone if not self._store.check([self._finished_key(d)])}  # at the job's end: not silent
         except (dist.DistError, RuntimeError):
             return []  # the store is away for a moment: the next look
         self._expired_seen |= gone
         return [LostNode(self._ranks[d], self._node_of(self._ranks[d]), d, time.time(), silent=True) for d in sorted(gone)]
+
+    def record_finished(self) -> None:
+        """Note in the rendezvous's store that this node's workers finished the job."""
+        desc = self._node_desc()
+        try:
+            if self._store is not None and desc is not None:
+                self._store.set(self._finished_key(desc), "1")
+        except (dist.DistError, RuntimeError) as err:
+            print(f"could not record that this node finished ({err})", file=sys.stderr, flush=True)
+
+    def _finished_key(self, desc: tuple) -> str:
+        return f"{FINISHED_KEY}/{self.round}/{':'.join(map(str, desc))}"
 
     def _node_of(self, rank: int) -> int:
         """The node number of the last round's ``rank`` (its links' record; -1 if unknown)."""
