@@ -106,7 +106,9 @@ class SurvivorsAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._pcontext is not None:  # keeps none when spares_per_node is 0
-            self.spares.tend(self._pcontext, self._job_store)
+            handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+            if all(h.proc.poll() is None for h in handlers.values()):  # (a worker that ended: the round ends, and
+                self.spares.tend(self._pcontext, self._job_store)  # the store its rank 0 hosted may have gone)
             rendezvous = worker_group.spec.rdzv_handler
             stuck = [node for node in [*rendezvous.links.take_lost(), *rendezvous.take_expired()]
                      if not self._node_lost(worker_group, node)]
