@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 from conftest import seed_data, small_spec, wait_for
 from flows.campaign import pretrain_campaign
 from pretrain.cluster import LocalJobHandle
@@ -110,3 +112,13 @@ def test_a_frozen_node_is_dropped_then_stopped_and_the_stage_completes(prefect_h
     agent = json.loads(liveness_path(job_dir, 1).read_text())["pid"]
     workers = [json.loads(p.read_text())["pid"] for p in heartbeat_dir(job_dir).glob(f"agent{agent}-local*.json")]
     assert workers and not any(pid_alive(p) for p in [agent, *workers])
+    wait_for(lambda: not of_job(job_dir), 30, "no process of the job left (the frozen node's saver)")
+
+
+def of_job(job_dir) -> list[psutil.Process]:
+    """The live processes whose command line names the job's directory (agents, workers, savers)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.info["status"] != psutil.STATUS_ZOMBIE and str(job_dir) in " ".join(p.info["cmdline"] or ()):
+            found.append(p)
+    return found

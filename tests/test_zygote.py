@@ -247,6 +247,41 @@ def test_a_client_gone_stops_the_children_it_asked_for(zygote, probe_env, tmp_pa
     wait_for(lambda: gone([child]), 30, "the child of a client that died to be stopped")
 
 
+@pytest.mark.parametrize("client_gone", [True, False])
+def test_a_stopped_child_does_not_outlive_the_zygote(probe_env, client_gone):
+    """The campaign ends (the zygote stops) while a child is stopped (a frozen node's saver), its
+    client (the agent) killed just before or not: the child ends too, never left behind stopped
+    with a SIGTERM pending for ever."""
+    with Zygote.start(preload=["trainer.process"], env=probe_env) as z:
+        assert z.spawn("platform", stdout=subprocess.DEVNULL).wait(120) == 0  # ready before the client connects
+        client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import signal
+            from trainer.zygote import Zygote
+            child = Zygote.connect({z.path!r}).spawn("zprobe", ["sleep"], env={probe_env!r})
+            print(child.pid, flush=True)
+            signal.pause()
+        """)], stdout=subprocess.PIPE, text=True, env=probe_env)
+        child = int(client.stdout.readline())
+        os.kill(child, signal.SIGSTOP)
+        wait_for(lambda: psutil.Process(child).status() == psutil.STATUS_STOPPED, 30, "the child stopped")
+        if client_gone:
+            client.kill()
+            wait_for(lambda: sigterm_pending(child), 30, "the zygote to send the child its SIGTERM")
+            assert not gone([child])  # within its grace (STOP_GRACE_S): stopped, its SIGTERM pending
+    try:
+        wait_for(lambda: gone([child]), 30, "the stopped child to end with the zygote")
+    finally:
+        client.kill()
+        client.wait()
+
+
+def sigterm_pending(pid: int) -> bool:
+    """Whether ``pid`` has a SIGTERM pending (Linux: its /proc status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    pending = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask & (1 << (signal.SIGTERM - 1)) for mask in pending)
+
+
 def test_a_killed_zygote_falls_back_to_popen_saying_so_once(probe_env, tmp_path):
     said = []
     z = Zygote.start(preload=["trainer.process"], env=probe_env, log=said.append)

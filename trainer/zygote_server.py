@@ -87,6 +87,15 @@ def signal_child(pid: int, child: Child, sig: int) -> None:
         pass
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP; Linux: its /proc state; elsewhere False)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def set_cmdline(args: list[str]) -> None:
     """Show ``args`` as this process's command line (``ps``, psutil: a forked agent reads as
     ``python -m trainer.launch ...``, not as the zygote), as far as the zygote's argv memory
@@ -208,7 +217,9 @@ class Server:
                     signal_child(pid, child, signal.SIGKILL)
                     child.kill_at = None
         for pid, child in self.children.items():  # the owner is gone (or stops us): so is every child's reason to live
-            signal_child(pid, child, signal.SIGTERM)
+            # one told to go already (its client gone) is in a grace this zygote cannot wait out, and a stopped one (a
+            # frozen node's) would keep a SIGTERM pending for ever: SIGKILL
+            signal_child(pid, child, signal.SIGKILL if child.kill_at is not None or stopped(pid) else signal.SIGTERM)
 
     def drain_wakeups(self) -> None:
         try:
