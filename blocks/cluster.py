@@ -121,6 +121,8 @@ class KubernetesCluster(_ElasticJob):
     shm_size: str = _kube("shm_size", "Shared memory size")
     node_selector: dict[str, str] = _kube("node_selector", "Node selector")
     tolerations: list[Toleration] = _kube("tolerations", "Tolerations")
+    unreachable_eviction_s: int = _kube("unreachable_eviction_s", "Eviction from an unreachable node (s)")
+    node_silent_s: int = _kube("node_silent_s", "Silent node agent limit (s)")
     priority_class_name: Optional[str] = _kube("priority_class_name", "Priority class")
     env: dict[str, str] = _kube("env", "Environment")
     secret_env: dict[str, SecretKeyRef] = _kube("secret_env", "Environment from Secrets")

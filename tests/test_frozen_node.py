@@ -92,9 +92,7 @@ def test_a_frozen_node_is_dropped_then_stopped_and_the_stage_completes(prefect_h
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 30 and stage["attempts"] == 1, status
     failure = stage["failures"][0]
-    # found when the rendezvous dropped it (its keep-alives lapsed), not when it froze
     assert failure["cause"] == "node_lost" and failure["recovery_path"] == "restart", failure
-    assert failure["detection_s"] >= 1.0, failure
 
     job_dir = spec.workdir_path / "jobs" / "main" / "attempt_000"
     metrics = read_all(job_dir / "metrics.jsonl")
@@ -108,6 +106,9 @@ def test_a_frozen_node_is_dropped_then_stopped_and_the_stage_completes(prefect_h
     dropped = [e["time"] for e in events if e["event"] == "node_lost" and e["source"] == "rendezvous"]
     again = [e["time"] for e in events if e["event"] == "start" and e.get("restart_count") == 1]
     assert len(dropped) == 1 and again and dropped[0] < again[0] < dropped[0] + 5, (dropped, again)
+    # found when the rendezvous dropped it (its keep-alives lapsed), not when it froze
+    frozen_at = next(e["time"] for e in events if e["event"] == "chaos" and e["kind"] == "freeze_node")
+    assert failure["detected_at"] == dropped[0] and failure["detection_s"] == round(dropped[0] - frozen_at, 2) > 0
     # nothing of the frozen node is left stopped behind: its agent and its worker are gone
     agent = json.loads(liveness_path(job_dir, 1).read_text())["pid"]
     workers = [json.loads(p.read_text())["pid"] for p in heartbeat_dir(job_dir).glob(f"agent{agent}-local*.json")]
