@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from pretrain.layout import CampaignLayout
 from pretrain.ports import free_port
@@ -55,6 +56,7 @@ class JobHandle(ABC):
         return {}
 
     spare_nodes: int = 0  # standby nodes started with the job: a node lost while one stands by is replaced, the world kept
+    silent: Mapping[int, float] = MappingProxyType({})  # nodes stopped because they went silent (frozen) → seconds
     notices: tuple[str, ...] = ()  # what start() did besides starting, for the flow run's logs (e.g. adopted a live job)
 
     def new_notices(self) -> list[str]:
@@ -104,6 +106,7 @@ class LocalJobHandle(JobHandle):
     spare_nodes: int = 0
     job_dir: Path | None = None  # where the agents' liveness files are (``trainer.liveness``); None: not looked at
     silent_after_s: float = 0.0  # a running node whose agent was silent this long is stopped: lost (0: never)
+    silent: dict[int, float] = field(default_factory=dict)
     _notices: list[str] = field(default_factory=list, repr=False)
     _next_look: float = field(default=0.0, repr=False)
 
@@ -136,8 +139,10 @@ class LocalJobHandle(JobHandle):
                 _kill(pid, signal.SIGKILL, group=False)
             _kill(proc.pid, signal.SIGKILL)
             proc.wait()
-            self._notices.append(f"node {node} gave no sign of life for {silent:.0f}s (frozen, or cut off): stopped it; "
-                                 "the other nodes train on without it")
+            self.silent[node] = round(silent, 1)
+            others = any(p.poll() is None for p in self.procs)
+            self._notices.append(f"node {node} gave no sign of life for {silent:.0f}s (frozen, or cut off): stopped it"
+                                 + ("; the other nodes train on without it" if others else ""))
 
     def poll(self) -> int | None:
         self._stop_silent_nodes()

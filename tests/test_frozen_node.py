@@ -123,3 +123,23 @@ def of_job(job_dir) -> list[psutil.Process]:
         if p.info["status"] != psutil.STATUS_ZOMBIE and str(job_dir) in " ".join(p.info["cmdline"] or ()):
             found.append(p)
     return found
+
+
+def test_a_frozen_single_node_job_is_stopped_and_relaunched_from_its_last_checkpoint(prefect_harness, prepared_data,
+                                                                                      tmp_path, monkeypatch):
+    """A job of one node freezes: it is stopped once silent, its failure named a lost node, and the
+    next attempt resumes from the newest good checkpoint."""
+    monkeypatch.setenv("PRETRAIN_NODE_SILENT_S", "3")
+    spec = small_spec(tmp_path, stages=[{"name": "main", "steps": 12, "seq_len": 32, "micro_batch": 2, "warmup_steps": 2}],
+                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
+                      chaos=[{"kind": "freeze_node", "node": 0, "step": 6}])
+    seed_data(spec, prepared_data)
+    status = pretrain_campaign(spec=spec)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == 12 and stage["attempts"] == 2, status
+    [failure] = [f for f in stage["failures"] if not f.get("in_job")]
+    assert failure["cause"] == "node_lost", failure  # not a worker failure, not a signal
+    events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
+    [lost] = [e for e in events if e["event"] == "node_lost"]
+    assert (lost["node"], lost["exit_code"], lost["silent_s"] >= 3) == (0, -signal.SIGKILL, True), lost
+    assert stage["good_checkpoint"]["step"] == 12
