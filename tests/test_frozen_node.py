@@ -17,7 +17,7 @@ import psutil
 from conftest import seed_data, small_spec, wait_for
 from flows.campaign import pretrain_campaign
 from pretrain.cluster import LocalJobHandle
-from trainer.liveness import liveness_path, silent_for
+from trainer.liveness import NodeLiveness, liveness_path, silent_for
 from trainer.process import pid_alive
 from trainer.reporting import read_all
 from trainer.resilience.heartbeat import heartbeat_dir
@@ -63,6 +63,13 @@ def test_a_node_still_running_after_the_job_ended_elsewhere_is_stopped_once_it_m
         assert handle.poll() == 0 and handle.lost_nodes() == {1: -signal.SIGKILL}
     finally:
         handle.stop(grace_s=1)
+
+
+def test_a_liveness_file_that_cannot_be_written_does_not_stop_the_node(tmp_path, capsys):
+    (tmp_path / "job").write_text("not a directory")
+    NodeLiveness(tmp_path / "job", 0).start().stop()
+    assert "no liveness file" in capsys.readouterr().err
+    assert silent_for(tmp_path / "job", 0, pid=None) is None
 
 
 def test_a_liveness_file_of_another_process_or_damaged_is_never_taken_for_silence(tmp_path):

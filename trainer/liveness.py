@@ -36,7 +36,14 @@ class NodeLiveness:
         self._thread = threading.Thread(target=self._run, name="node-liveness", daemon=True)
 
     def start(self) -> "NodeLiveness":
-        atomic_write_json(self.path, {"pid": os.getpid(), "started": time.time()})
+        """Write the file and refresh it from now on; a file that cannot be written (a read-only
+        job directory) is said once and does not stop the node: it is then never taken for silent."""
+        try:
+            atomic_write_json(self.path, {"pid": os.getpid(), "started": time.time()})
+        except OSError as err:
+            print(f"no liveness file ({err}): a frozen node is found only by the rendezvous", file=sys.stderr,
+                  flush=True)
+            return self
         self._thread.start()
         return self
 
