@@ -27,6 +27,7 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec_sections import ClusterSpec
 from trainer.config import STANDBY_NODE_ENV, JobConfig
 from trainer.liveness import LIVENESS_INTERVAL_S, silent_for
+from trainer.process import signal_process
 from trainer.resilience.heartbeat import worker_pids
 from trainer.resilience.node_judgement import judge_nodes
 from trainer.zygote import Zygote, ZygoteProcess, current_zygote, spawn
@@ -136,8 +137,8 @@ class LocalJobHandle(JobHandle):
             if silent is None or silent < bound:
                 continue
             for pid in worker_pids(self.job_dir, proc.pid):  # forked by the zygote: not in the agent's group
-                _kill(pid, signal.SIGKILL, group=False)
-            _kill(proc.pid, signal.SIGKILL)
+                signal_process(pid, signal.SIGKILL)
+            signal_process(proc.pid, signal.SIGKILL, group=True)
             proc.wait()
             self.silent[node] = round(silent, 1)
             others = any(p.poll() is None for p in self.procs)
@@ -162,7 +163,7 @@ class LocalJobHandle(JobHandle):
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for p in self.procs:
                 if p.poll() is None:
-                    _kill(p.pid, sig)
+                    signal_process(p.pid, sig, group=True)
             deadline = time.monotonic() + grace_s
             for p in self.procs:
                 try:
@@ -172,15 +173,7 @@ class LocalJobHandle(JobHandle):
             if all(p.poll() is not None for p in self.procs):
                 break
         for p in self.procs:  # workers live in the agents' process groups; none may outlive them
-            _kill(p.pid, signal.SIGKILL)
-
-
-def _kill(pid: int, sig: int, group: bool = True) -> None:
-    """Signal a process (``group``: its process group, which it leads) that may be gone already."""
-    try:
-        os.killpg(pid, sig) if group else os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+            signal_process(p.pid, signal.SIGKILL, group=True)
 
 
 @dataclass

@@ -22,6 +22,15 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def signal_process(pid: int, sig: int, group: bool = False) -> None:
+    """Send ``sig`` to process ``pid`` (``group``: to the process group it leads), which may be gone
+    already (or its pid taken by another user's process): then nothing happens."""
+    try:
+        os.killpg(pid, sig) if group else os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def exit_fd(proc) -> tuple[int | None, bool]:
     """A descriptor that turns readable when ``proc`` exits, and whether the caller must close it:
     a ``ZygoteProcess``'s connection to its zygote (the zygote writes the exit status there), a

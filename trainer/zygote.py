@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainer.process import PARENT_ENV, child_env
+from trainer.process import PARENT_ENV, child_env, signal_process
 from trainer.zygote_server import HEADER
 
 # torch._inductor.config: what torch.use_deterministic_algorithms imports (every CPU worker calls
@@ -134,10 +134,7 @@ class ZygoteProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # as Popen: never signal a pid that may have been reused
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+            signal_process(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -33,7 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from trainer.process import exit_now
+from trainer.process import exit_now, signal_process
 
 HEADER = struct.Struct("!I")  # request: its JSON's length, then the JSON; three fds ride on the first bytes
 STOP_GRACE_S = 10.0  # a child whose client is gone: SIGTERM, then SIGKILL after this long
@@ -81,10 +81,7 @@ def send(conn: socket.socket | None, message: dict) -> None:
 
 
 def signal_child(pid: int, child: Child, sig: int) -> None:
-    try:
-        os.killpg(pid, sig) if child.own_group else os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_process(pid, sig, group=child.own_group)
 
 
 def stopped(pid: int) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.events import EventKind
-from trainer.process import pid_alive
+from trainer.process import pid_alive, signal_process
 
 
 def heartbeat_dir(job_dir: str | Path) -> Path:
@@ -199,10 +199,7 @@ class HangDetector:
                            "step": first["step"], "stalled_s": round(now - first["time"], 1),
                            "timeout_s": round(first["timeout_s"], 2), "stalled_since": first["time"], "kept": kept})
             for hb in hung:
-                try:
-                    os.kill(hb["pid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                signal_process(hb["pid"], signal.SIGKILL)
         for observe in self.observers:
             observe(self.max_step)
 
