@@ -169,22 +169,23 @@ def agent_report(job: JobConfig, node: int):
 def stop_node(job: JobConfig, saver=None) -> None:
     """The whole node at once: workers, saver (``saver``: its SaverProcess; forked by the zygote
     it is not in this agent's process group), agent."""
-    for pid in worker_pids(job.job_dir):
-        os.kill(pid, signal.SIGKILL)
-    if saver is not None:
-        saver.proc.kill()
-    os.killpg(os.getpgid(0), signal.SIGKILL)
+    signal_node(job, signal.SIGKILL, saver)
 
 
 def freeze_node(job: JobConfig, saver=None) -> None:
     """The whole node stops where it is, as a hung machine: workers, saver and agent get SIGSTOP
     (their sockets stay open, nothing exits); only the orchestrator's look at the agent's
     liveness file (``trainer.liveness``) ends it."""
+    signal_node(job, signal.SIGSTOP, saver)
+
+
+def signal_node(job: JobConfig, sig: int, saver=None) -> None:
+    """``sig`` to this node's workers, its saver and this agent's process group, in that order."""
     for pid in worker_pids(job.job_dir):
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, sig)
     if saver is not None:
-        saver.proc.send_signal(signal.SIGSTOP)
-    os.killpg(os.getpgid(0), signal.SIGSTOP)
+        saver.proc.send_signal(sig)
+    os.killpg(os.getpgid(0), sig)
 
 
 def leave_if_excluded(job: JobConfig, node: int, report, saver=None) -> None:
