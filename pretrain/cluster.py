@@ -114,8 +114,10 @@ class LocalJobHandle(JobHandle):
     def lost_nodes(self) -> dict[int, int]:
         """node index → exit code of nodes that failed (or were stopped after going silent)."""
         self._stop_silent_nodes()
-        ids = self.nodes or list(range(len(self.procs)))
-        return {ids[i]: p.returncode for i, p in enumerate(self.procs) if p.poll() not in (None, 0)}
+        return {node: p.returncode for node, p in zip(self._node_ids(), self.procs) if p.poll() not in (None, 0)}
+
+    def _node_ids(self) -> list[int]:
+        return self.nodes or list(range(len(self.procs)))
 
     def new_notices(self) -> list[str]:
         out, self._notices = self._notices, []
@@ -131,8 +133,7 @@ class LocalJobHandle(JobHandle):
         self._next_look = time.monotonic() + LIVENESS_INTERVAL_S
         # once a node finished the job, the others are only leaving: a few missed beats is frozen
         bound = min(self.silent_after_s, DONE_SILENT_S) if any(p.poll() == 0 for p in self.procs) else self.silent_after_s
-        ids = self.nodes or list(range(len(self.procs)))
-        for node, proc in zip(ids, self.procs):
+        for node, proc in zip(self._node_ids(), self.procs):
             silent = silent_for(self.job_dir, node, proc.pid) if proc.poll() is None else None
             if silent is None or silent < bound:
                 continue

@@ -196,8 +196,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                         rejoin.lost(node)
                     logger.warning("stage %s: node %d lost (exit %s); training continues %s", job.stage, node, exit_code,
                                    "with a standby node in its place" if replaced else "on the others")
-                    events.write({"event": EventKind.NODE_LOST, "node": node, "exit_code": exit_code, "standby": replaced,
-                                  "source": "orchestrator", **silent_for(handle, node)})
+                    events.write(node_lost(handle, node, exit_code, standby=replaced))
             for notice in handle.new_notices():
                 logger.warning("stage %s attempt %d: %s", job.stage, attempt, notice)
             forwarder.pump()
@@ -208,8 +207,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                     handle.stop(grace_s=settings.scale_up_grace_s)  # the savers persist the newest snapshot on the way out
                     code = handle.poll()
         for node in set(handle.silent) - set(lost):  # stopped as the job ended (a job of one node: its failure)
-            events.write({"event": EventKind.NODE_LOST, "node": node, "exit_code": handle.lost_nodes().get(node),
-                          "standby": False, "source": "orchestrator", **silent_for(handle, node)})
+            events.write(node_lost(handle, node, handle.lost_nodes().get(node), standby=False))
         if code and not (interrupted or paused) and stop is not None and stop.requested.is_set():
             interrupted = True  # killed at once by the operator's second signal before a pause began: no job failure
         forwarder.drain(timeout_s=settings.mlflow_drain_s)
@@ -236,9 +234,11 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
     return result
 
 
-def silent_for(handle, node: int) -> dict:
-    """What a node-lost record adds for a node the handle stopped because it went silent."""
-    return {"silent_s": handle.silent[node]} if node in handle.silent else {}
+def node_lost(handle, node: int, exit_code: int | None, standby: bool) -> dict:
+    """The orchestrator's record of a lost node (``standby``: a standby node takes its place), with
+    how long it had been silent when the handle stopped it for that."""
+    return {"event": EventKind.NODE_LOST, "node": node, "exit_code": exit_code, "standby": standby,
+            "source": "orchestrator", **({"silent_s": handle.silent[node]} if node in handle.silent else {})}
 
 
 __all__ = ["JobResult", "adoptable_launch", "run_training_job"]
