@@ -56,10 +56,9 @@ class RoundStoreAddress:
         self._handler = handler
         self.round = 0  # the last round's number, the same on every node
         self.links = links or NodeLinks()
-        self._last: frozenset[tuple] = frozenset()  # the last round's nodes (torch's identities)
         self._store = None  # the rendezvous's store (all rounds'), once a round formed
         self._closes = False  # whether this agent closes the next round early (``CloseWhenBack``)
-        self._ranks: dict[tuple, int] = {}  # the last round's nodes → their ranks
+        self._ranks: dict[tuple, int] = {}  # the last round's nodes (torch's identities) → their ranks
         self._round_store = None  # the last round's part of the store (the agents' links: their node numbers)
         self._expired_seen: set[tuple] = set()  # nodes of the last round already reported dropped
         self._next_expired_look = 0.0
@@ -72,15 +71,16 @@ class RoundStoreAddress:
         store, last_round = self._store, self.round
         # (the last round's rank 0 and the agents that found a node lost: a few per job, not every agent)
         lost = lambda: lost_from(store, last_round) | lost_from(store, EXPIRED)  # noqa: E731 - read on every look
-        closer = CloseWhenBack(self._handler, self._last, lost) \
-            if store is not None and self._last and (self._closes or self._lost_expired(store)) else None
+        last = frozenset(self._ranks)
+        closer = CloseWhenBack(self._handler, last, lost) \
+            if store is not None and last and (self._closes or self._expired_of_last(store)) else None
         try:
             info = self._handler.next_rendezvous()
         finally:
             if closer is not None:
                 closer.stop()
         self._ranks = members(self._handler)
-        self._store, self._last, self._closes = info.store.underlying_store, frozenset(self._ranks), info.rank == 0
+        self._store, self._closes = info.store.underlying_store, info.rank == 0
         agreed = self._agree(info)
         self._round_store, self._expired_seen = agreed.store, set()
         print(f"{time.strftime('%H:%M:%S', time.localtime(asked))} rendezvous: round {self.round}, this node rank "
@@ -89,13 +89,14 @@ class RoundStoreAddress:
         self.links.join_round(agreed.store, agreed.rank, agreed.world_size, self._node_desc())
         return agreed
 
-    def _lost_expired(self, store) -> bool:
-        """Whether a node of the last round is recorded dropped by torch (its keep-alives lapsed):
-        then this agent closes the next round early too (the last round's rank 0 may be that node)."""
+    def _expired_of_last(self, store) -> set[tuple]:
+        """The nodes of the last round recorded dropped by torch (their keep-alives lapsed); any:
+        this agent closes the next round early too (the last round's rank 0 may be one of them).
+        Empty while the store cannot be read."""
         try:
-            return bool(self._last & lost_from(store, EXPIRED))
+            return self._ranks.keys() & lost_from(store, EXPIRED)
         except (dist.DistError, RuntimeError):
-            return False
+            return set()
 
     def take_expired(self) -> list[LostNode]:
         """The nodes of the last round that torch's rendezvous dropped since the last call (their
@@ -108,9 +109,12 @@ class RoundStoreAddress:
         if self._store is None or now < self._next_expired_look:
             return []
         self._next_expired_look = now + EXPIRED_LOOK_S
+        gone = self._expired_of_last(self._store) - self._expired_seen
+        if not gone:
+            return []
         try:
-            gone = (self._last & lost_from(self._store, EXPIRED)) - lost_from(self._store, self.round) - self._expired_seen
-            gone = {d for d in gone if not self._store.check([self._finished_key(d)])}  # at the job's end: not silent
+            gone = {d for d in gone - lost_from(self._store, self.round)
+                    if not self._store.check([self._finished_key(d)])}  # at the job's end: not silent
         except (dist.DistError, RuntimeError):
             return []  # the store is away for a moment: the next look
         self._expired_seen |= gone
