@@ -231,15 +231,8 @@ def test_the_owner_killed_leaves_no_forked_process(probe_env, tmp_path):
 
 
 def test_a_client_gone_stops_the_children_it_asked_for(zygote, probe_env, tmp_path):
-    client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import signal
-        from trainer.zygote import Zygote
-        child = Zygote.connect({zygote.path!r}).spawn("zprobe", ["sleep"], env={probe_env!r})
-        print(child.pid, flush=True)
-        signal.pause()
-    """)], stdout=subprocess.PIPE, text=True, env=probe_env)
+    client, child = sleeping_child_of_a_client(zygote, probe_env)
     try:
-        child = int(client.stdout.readline())
         assert not gone([child])
     finally:
         client.kill()
@@ -254,14 +247,7 @@ def test_a_stopped_child_does_not_outlive_the_zygote(probe_env, client_gone):
     with a SIGTERM pending for ever."""
     with Zygote.start(preload=["trainer.process"], env=probe_env) as z:
         assert z.spawn("platform", stdout=subprocess.DEVNULL).wait(120) == 0  # ready before the client connects
-        client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-            import signal
-            from trainer.zygote import Zygote
-            child = Zygote.connect({z.path!r}).spawn("zprobe", ["sleep"], env={probe_env!r})
-            print(child.pid, flush=True)
-            signal.pause()
-        """)], stdout=subprocess.PIPE, text=True, env=probe_env)
-        child = int(client.stdout.readline())
+        client, child = sleeping_child_of_a_client(z, probe_env)
         os.kill(child, signal.SIGSTOP)
         wait_for(lambda: psutil.Process(child).status() == psutil.STATUS_STOPPED, 30, "the child stopped")
         if client_gone:
@@ -273,6 +259,18 @@ def test_a_stopped_child_does_not_outlive_the_zygote(probe_env, client_gone):
     finally:
         client.kill()
         client.wait()
+
+
+def sleeping_child_of_a_client(zygote: Zygote, probe_env) -> tuple[subprocess.Popen, int]:
+    """Another process (as a node agent) that asked ``zygote`` for a sleeping child: (it, the child's pid)."""
+    client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import signal
+        from trainer.zygote import Zygote
+        child = Zygote.connect({zygote.path!r}).spawn("zprobe", ["sleep"], env={probe_env!r})
+        print(child.pid, flush=True)
+        signal.pause()
+    """)], stdout=subprocess.PIPE, text=True, env=probe_env)
+    return client, int(client.stdout.readline())
 
 
 def sigterm_pending(pid: int) -> bool:
