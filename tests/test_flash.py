@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -70,16 +71,30 @@ def test_snapshot_round_trip_is_bit_exact(tmp_path):
     assert_same(store.load(7), st)
 
 
-def test_busy_slot_skips_the_snapshot_and_keeps_the_older_one(tmp_path):
+@pytest.mark.parametrize("flags, held, persist, expected", [
+    # steps 5 (slot 0) and 10 (slot 1) taken with ``flags`` (persist?); ``held``: slots a reader holds
+    ((False, False), {0}, False, {5: 0, 15: 1}),  # the saver persists 5: 15 replaces 10, 5 stays whole
+    ((False, False), {0}, True, {5: 0, 15: 1}),
+    ((False, True), {0}, False, {5: 0, 10: 1}),  # 10 is for the saver to persist: 15 is skipped
+    ((False, True), {0}, True, {5: 0, 15: 1}),  # a newer step to persist replaces it
+    ((False, False), {0, 1}, False, {5: 0, 10: 1}),  # both read: skipped, neither torn
+    ((False, False), {1}, False, {15: 0, 10: 1}),  # the older one free: taken, as always
+], ids=["older-held", "older-held-persist", "newest-pending", "newest-pending-newer", "both-held", "newest-held"])
+def test_a_snapshot_goes_where_it_tears_nothing_and_takes_nothing_from_the_saver(tmp_path, flags, held, persist, expected):
+    """While a reader (the saver persisting, a peer restoring) holds the older slot, the next
+    snapshot replaces the newest one instead of being skipped, so memory snapshots stay fresh
+    through a slow persist; one complete snapshot (the held one) remains throughout."""
     store = SnapshotStore(tmp_path / "shm", 0, 0, 1, capacity=1 << 16)
-    for step in (5, 10):
-        store.snapshot(step, {"w": torch.full((8,), float(step))}, persist=False)
+    for step, flag in zip((5, 10), flags):
+        store.snapshot(step, {"w": torch.full((8,), float(step))}, persist=flag)
     assert store.sealed_steps() == {5: 0, 10: 1}
-    with store.slots[0].lock(exclusive=False):  # e.g. the saver persisting step 5
-        assert store.snapshot(15, {"w": torch.full((8,), 15.0)}, persist=False) is None
-    assert store.sealed_steps() == {5: 0, 10: 1}
-    assert store.snapshot(15, {"w": torch.full((8,), 15.0)}, persist=False) is not None
-    assert store.sealed_steps() == {15: 0, 10: 1}
+    with contextlib.ExitStack() as readers:
+        for i in held:
+            readers.enter_context(store.slots[i].lock(exclusive=False))
+        taken = store.snapshot(15, {"w": torch.full((8,), 15.0)}, persist=persist)
+    assert (taken is None) == (15 not in expected)
+    assert store.sealed_steps() == expected
+    assert all(store.verify(step) and store.load(step)["w"][0] == step for step in expected)
 
 
 def test_flush_waits_for_every_snapshot_still_sealing_not_only_the_last(tmp_path, monkeypatch):

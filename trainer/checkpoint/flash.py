@@ -1,14 +1,17 @@
 """Flash checkpoints, worker side: a blocking copy into shared memory, nothing more.
 
-Each local rank owns two slots and alternates between them, so the newest complete snapshot is
-never overwritten while the next one is copied. After the copy a background thread computes
+Each local rank owns two slots and alternates between them, so a complete snapshot always
+remains while the next one is copied. After the copy a background thread computes
 the slot's xxh3-128 digest (off the training path; the shards in storage carry sha256). The
 node's saver (``trainer.saver``) persists snapshots flagged ``persist`` and commits them; the
 worker never writes storage itself.
 
-Policy when the slot to write is busy (the saver is still persisting it, or its digest is
-still being computed): the snapshot is **skipped** (reported as such), never waited for and
-never allowed to tear the older snapshot.
+Policy when the older slot is busy (the saver is persisting it, or a peer reads it): the
+snapshot goes into the newest slot instead, since the busy one is a complete snapshot its
+reader holds — so memory snapshots stay fresh while a slow persist runs, instead of aging by
+one interval per snapshot skipped — unless the newest slot is busy too or holds a snapshot
+flagged for persisting and this one is not (the saver has yet to take it). Then the snapshot is
+**skipped** (reported as such), never waited for and never allowed to tear a snapshot.
 """
 
 from __future__ import annotations
@@ -64,17 +67,31 @@ class SnapshotStore:
         steps = [(h["step"], i) for i, s in enumerate(self.slots) if (h := s.header()) and h.get("state") == "ready"]
         return max(steps)[1] if steps else None
 
-    def snapshot(self, step: int, state, persist: bool, wait: bool = False) -> float | None:
-        """Copy ``state`` into the older slot; returns the blocking seconds, or None if the slot
-        was busy and ``wait`` is False (the snapshot is skipped)."""
-        t0 = time.perf_counter()
+    def _targets(self, persist: bool, wait: bool) -> list[Slot]:
+        """The slots a snapshot may go into, in turn: the older one; if it turns out busy (and
+        the snapshot is not to be waited for), the newest, when the older one is complete (its
+        reader holds it: one complete snapshot stays) and the newest is not a snapshot flagged
+        for persisting that this one, not flagged, would take from the saver."""
         newest = self._newest()
-        target = self.slots[0 if newest is None else 1 - newest]
-        with target.lock(exclusive=True, blocking=wait) as held:
-            if not held:
-                return None
-            target.write(state, {"step": step, "rank": self.rank, "world_size": self.world_size,
-                                 "pid": os.getpid(), "persist": persist, "time": time.time()})
+        if newest is None:
+            return [self.slots[0]]
+        older, latest = self.slots[1 - newest], self.slots[newest]
+        if wait or not ((h := older.header()) and h.get("state") == "ready"):
+            return [older]
+        return [older] if (latest.header() or {}).get("persist") and not persist else [older, latest]
+
+    def snapshot(self, step: int, state, persist: bool, wait: bool = False) -> float | None:
+        """Copy ``state`` into the older slot (or the newest, see the module's policy); returns
+        the blocking seconds, or None if no slot was free and ``wait`` is False (skipped)."""
+        t0 = time.perf_counter()
+        for target in self._targets(persist, wait):
+            with target.lock(exclusive=True, blocking=wait) as held:
+                if held:
+                    target.write(state, {"step": step, "rank": self.rank, "world_size": self.world_size,
+                                         "pid": os.getpid(), "persist": persist, "time": time.time()})
+                    break
+        else:
+            return None
         blocked = time.perf_counter() - t0
         digest = threading.Thread(target=self._seal, args=(target, step), name=DIGEST_THREAD, daemon=True)
         digest.start()
