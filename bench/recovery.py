@@ -15,7 +15,7 @@ path (the other node's worker kept, a warm spare of the lost worker's node takes
 restart (torch's elastic agents restart both nodes) side by side. Prints, per fault, the recovery path, the
 detection-to-first-step recovery time and the time lost (recovery + steps redone), as recorded
 in the campaign ledger, and checks the worker kill's fast path against issue 16's targets
-(≤ 1.0 s, ≤ 0.5 × the full restart in the same run) and the node loss with a standby node
+(≤ 1.0 s, ≤ 0.5 × the full restart in the same run), the NaN rolled back in process (≤ 0.5 s), the node loss with a standby node
 (``cluster.spare_nodes``) against ≤ 3 s, and without one (the world shrinks, a node killed or
 frozen: the freeze to the first step, keep-alive window included) against ≤ 3 s too. ``--only nan`` / ``--only kill`` / ``--only node`` /
 ``--only nodes-kill``: those two runs alone (a quick comparison).
@@ -101,6 +101,7 @@ def main() -> None:
     standby: list[float] = []  # kill → first step of a node loss recovered with a standby node
     shrunk: list[float] = []  # kill → first step of a node loss without a standby (the world shrinks)
     frozen: list[float] = []  # freeze → first step (the keep-alive window, the restart without it)
+    nans: list[float] = []  # anomaly found → first step of a NaN rolled back in the live workers
     for s in runs:
         status = pretrain_campaign(spec=s)
         for f in status["stages"][0]["failures"]:
@@ -108,6 +109,8 @@ def main() -> None:
                   f"{f.get('steps_redone', 0):>12d} {f['time_lost_s']:>11.2f}")
             if f["cause"] == "worker_killed" and f.get("recovery_s") is not None:
                 kills.setdefault(s.cluster.nodes_max, {}).setdefault(f["recovery_path"], []).append(f["recovery_s"])
+            if f["cause"] == "nonfinite_loss" and f.get("recovery_path") == "in_process" and f.get("recovery_s") is not None:
+                nans.append(f["recovery_s"])
             if f["cause"] == "hang" and f.get("recovery_s") is not None:
                 hangs.append(f.get("detection_s", 0.0) + f["recovery_s"])
             if f["cause"] == "node_lost" and f.get("recovery_path") == "spare_node" and f.get("recovery_s") is not None:
@@ -120,6 +123,8 @@ def main() -> None:
     print(f"reference: {DLROVER}")
     checks = [] if a.only in ("nan", "node", "nodes-kill") else kill_checks(kills.get(1, {}), "")
     checks += kill_checks(kills.get(2, {}), " on two nodes") if a.only in (None, "nodes-kill") else []
+    checks += [Check("NaN loss → rolled back in process, first step, s", s, 0.5, "<=",
+                     "the workers restore the newest memory snapshot every rank holds, then one step") for s in nans]
     checks += [Check("hang → found and first step after recovery, s (default settings)", h, 10.0, "<=",
                      "the default adapted step timeout (floor 5 s) is most of it") for h in hangs]
     checks += [Check("node loss → first step with a standby node, s (node_timeout_s 2)", s, 3.0, "<=",
@@ -128,8 +133,7 @@ def main() -> None:
                      "the survivors' round closes once every other node of the last one is back (not after torch's 5 s last call), the state from the last world's rank-0 memory snapshot") for s in shrunk]
     checks += [Check("frozen node without a standby → first step, s (node_timeout_s 2, from the freeze)", s, 3.0, "<=",
                      "its sockets stay open: found when its keep-alives lapse (2 s after its last one, which may precede the freeze by up to 1 s), then the survivors restart without it") for s in frozen]
-    if a.only != "nan":
-        report(checks)
+    report(checks)
 
 
 def kill_checks(kills: dict[str, list[float]], where: str) -> list[Check]:
