@@ -9,6 +9,7 @@ import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from agents import node_log, run_agent, run_agents
 from conftest import seed_data, small_spec
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
+from pretrain.ports import free_port
 from trainer.config import JobConfig
 from trainer.dist import Identity, round_restart_count
 from trainer.reporting import EVENTS, METRICS, read_all
@@ -299,3 +301,26 @@ def test_on_two_nodes_workers_lost_on_both_at_once_are_recovered_by_one_full_res
     assert sorted(e["restart_count"] for e in by_kind(events, "start") if e["rank"] == 0 and not e["epoch"]) == [0, 1]
     model = final_model(job)
     assert all(torch.equal(model[k], clean_model[k]) for k in model)
+
+
+def test_a_store_that_went_with_its_rank_0_is_given_up_at_once_not_after_torchs_connect_retries(monkeypatch, capfd):
+    """The round of a job with standby nodes has its store in its rank 0 worker: when that node
+    is lost and a local worker's exit is seen first (its collective failed), the agent looks for
+    the store to recover fast. Torch's client retries a refused connection until its timeout and
+    again after a backoff (13 s, found by a Kubernetes campaign test, the survivors stuck in the
+    meantime); a store nothing listens at is given up without it (a full restart follows), and a
+    live one is reached with the store timeout for its operations."""
+    from trainer.elastic_survivors import STORE_TIMEOUT_S, SurvivorsAgent
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    live = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    agent = SimpleNamespace(_peers_store=None, _pcontext=object())
+    store = SurvivorsAgent._job_store(agent, live)
+    store.set("k", "v")
+    assert server.get("k") == b"v" and store.timeout.total_seconds() == STORE_TIMEOUT_S
+    assert SurvivorsAgent._job_store(agent, live) is store  # one client per round
+
+    gone = {**live, "MASTER_PORT": str(free_port())}
+    monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: pytest.fail("a client was made for a store nobody serves"))
+    assert SurvivorsAgent._job_store(SimpleNamespace(_peers_store=None, _pcontext=object()), gone) is None
+    assert f"no fast recovery: the job's store at 127.0.0.1:{gone['MASTER_PORT']} is not reachable" in capfd.readouterr().err

@@ -36,7 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from trainer.dist import EPOCH_ENV, Identity, own_round_store, round_restart_count
+from trainer.dist import EPOCH_ENV, Identity, listening, own_round_store, round_restart_count
 from trainer.elastic_spares import WarmSpares, start_process
 from trainer.first_round import gather_nodes
 from trainer.node_agent import describe_exit
@@ -46,7 +46,11 @@ from trainer.resilience.peers import NODE_LOST_PATH, PEER_LOST_EXIT, all_ready, 
 
 POLL_S = 0.05  # how often the ranks' ready keys and the local processes are looked at during a fast recovery
 MEMBERSHIP_LOOK_S = 0.5  # how often a fast recovery asks the rendezvous whether another node is restarting
-STORE_TIMEOUT_S = 5.0  # the job's store not reachable by then: no fast recovery (a full restart)
+STORE_TIMEOUT_S = 5.0  # the job's store not answering by then: no fast recovery (a full restart)
+# Connecting to it: a store that went with its host (the rank 0 worker of a round with standby
+# nodes) refuses at once, but torch's client retries a refused connection until its timeout, and
+# then again with a backoff (13 s with 5 s, while the survivors wait in a collective that failed).
+CONNECT_TIMEOUT_S = 1.0
 LEAVE_WAIT_S = 1.0  # after telling the workers that a node is gone: how long to wait for one of them to leave
 
 
@@ -176,7 +180,10 @@ class SurvivorsAgent(LocalElasticAgent):
         where = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
         if self._peers_store is None or self._peers_store[0] is not self._pcontext:
             try:
-                store = dist.TCPStore(*where, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+                if not listening(*where, timeout_s=CONNECT_TIMEOUT_S):  # e.g. it went with the rank 0 that hosted it
+                    raise RuntimeError("nothing accepts a connection there")
+                store = dist.TCPStore(*where, is_master=False, timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
+                store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
             except (dist.DistError, RuntimeError) as err:
                 print(f"no fast recovery: the job's store at {where[0]}:{where[1]} is not reachable ({err})",
                       file=sys.stderr, flush=True)
