@@ -24,11 +24,16 @@
   and the other's clients talking to the wrong store), so give each launch its own port.
 - Phase and containerStatuses follow the process (Running; Succeeded/Failed with exitCode,
   reason Completed/Error/OOMKilled); deleting a pod kills its process group (SIGTERM, SIGKILL
-  after the grace period, capped at :attr:`PodRunner.max_grace_s`); logs are the process output.
+  after the grace period, capped at :attr:`PodRunner.max_grace_s`), then the rest of its process
+  tree (as a PID namespace ends with its first process); logs are the process output.
+- An exec ``livenessProbe`` runs as the kubelet runs it (period, timeout, failure threshold;
+  ``sh``'s ``python`` is the image's); failing, it stops the container as a deletion does, so
+  it ends with 137 if it ignores SIGTERM (a stopped process) and nothing else records why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
@@ -38,6 +43,8 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+
+import psutil
 
 from kube_jobs import pod_index
 from kube_objects import KubeError
@@ -153,11 +160,18 @@ class PodRunner:
         thread.start()
 
     def _stop(self, proc: subprocess.Popen, grace: float) -> None:
+        """SIGTERM to the container's process group, SIGKILL after ``grace``; then the rest of
+        the container (processes in sessions of their own, e.g. torch's workers) goes, as the
+        kernel ends a PID namespace whose first process ended."""
+        rest = _descendants(proc)
         _kill(proc, signal.SIGTERM)
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
             _kill(proc, signal.SIGKILL)
+        for p in rest:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
     def _run(self, pod: dict) -> None:
         meta, spec = pod["metadata"], pod["spec"]
@@ -211,6 +225,10 @@ class PodRunner:
                 phase="Running", podIP=ip, podIPs=[{"ip": ip}], hostIP="127.0.0.1", hostIPs=[{"ip": "127.0.0.1"}],
                 startTime=started, conditions=_ready_conditions(s, True, ""),
                 containerStatuses=[_container_status(container, {"running": {"startedAt": started}}, True, proc.pid)]))
+            probe = container.get("livenessProbe") or {}
+            if "exec" in probe:
+                grace = min(self.max_grace_s, spec.get("terminationGracePeriodSeconds", 30))
+                self._spawn(self._probe, proc, probe, env, log.parent, grace)
             code = proc.wait()
             with self._lock:
                 oom = uid in self._oom
@@ -225,6 +243,30 @@ class PodRunner:
                 gone = uid in self._deleting
             if gone:
                 self.store.remove("pods", ns, name)
+
+    def _probe(self, proc: subprocess.Popen, probe: dict, env: dict[str, str], cwd: Path, grace: float) -> None:
+        """The kubelet's exec liveness probe: its command every ``periodSeconds`` (after
+        ``initialDelaySeconds``) in the container's environment; a run that fails or outlasts
+        ``timeoutSeconds`` is a failure, and ``failureThreshold`` of them in a row stop the
+        container as a deletion does (SIGTERM, SIGKILL after the grace period)."""
+        argv = list(probe["exec"]["command"])
+        argv[0] = self.executables.get(argv[0], argv[0])
+        failures, wait = 0, probe.get("initialDelaySeconds", 0)
+        while not self._closed:
+            try:
+                proc.wait(wait)
+                return  # the container ended
+            except subprocess.TimeoutExpired:
+                wait = probe.get("periodSeconds", 10)
+            try:
+                ok = subprocess.run(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, timeout=probe.get("timeoutSeconds", 1)).returncode == 0
+            except subprocess.TimeoutExpired:
+                ok = False
+            failures = 0 if ok else failures + 1
+            if failures >= probe.get("failureThreshold", 3):
+                self._stop(proc, grace)
+                return
 
     def _terminated(self, pod, container, ip, code, reason, message, started, pid=0) -> None:
         state = {"terminated": {"exitCode": code, "reason": reason, "startedAt": started, "finishedAt": now(),
@@ -289,6 +331,13 @@ class PodRunner:
             proc.wait()
         for thread in list(self._threads):
             thread.join(10)
+
+
+def _descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _kill(proc: subprocess.Popen, sig: int) -> None:

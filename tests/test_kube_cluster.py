@@ -105,6 +105,37 @@ def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(kube_api,
     assert live_pids(kube_api) == []
 
 
+def test_a_frozen_pod_is_stopped_by_its_liveness_probe_and_named_a_lost_node(kube_api, prepared_data, tmp_path):
+    """freeze_node on Kubernetes: every process of node 1's pod stops (sockets open, nothing
+    exits). The rendezvous drops it and node 0 trains on; the pod's liveness probe finds its
+    agent's liveness file silent past ``kubernetes.node_silent_s`` and the kubelet kills it (137,
+    nothing in the pod's status says why): the handle names it a frozen node, lost, not a worker
+    failure, and nothing of it is left stopped behind."""
+    from test_frozen_node import of_job
+
+    spec = kube_spec(tmp_path / "w", steps=100, max_restarts=2, cluster={"node_timeout_s": 2},
+                     chaos=[{"kind": "freeze_node", "node": 1, "step": 4}], node_silent_s=2)
+    cluster, job, path = launch(kube_api, spec, prepared_data)
+    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    try:
+        lost = wait_for(handle.lost_nodes, 90, "the frozen pod stopped by its liveness probe")
+        assert lost == {1: 137}, handle.verdicts()
+        verdict = handle.verdicts()[1]
+        assert verdict.cause == "node_lost" and "stopped by its liveness probe" in verdict.message, verdict
+        assert handle.silent[1] >= 2
+        notices = handle.new_notices()
+        assert [n for n in notices if "node 1 gave no sign of life" in n and "liveness probe" in n], notices
+        assert handle.new_notices() == []  # said once
+        assert handle.wait(timeout=120) == 0  # node 0 finished the stage alone
+        final = {m["step"]: m for m in read_all(handle.job_dir / "metrics.jsonl")}
+        assert sorted(final) == list(range(1, 101)) and final[100]["world_size"] == 1
+    finally:
+        handle.stop(grace_s=2)
+    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
+    assert live_pids(kube_api) == []
+    wait_for(lambda: not of_job(handle.job_dir), 30, "no process of the job left")
+
+
 def test_an_unpullable_image_fails_fast_as_a_configuration_error(kube_api, prepared_data, tmp_path):
     spec = kube_spec(tmp_path / "w", image="registry.example/pretrain:missing")
     kube_api.runner.unpullable.add("registry.example/pretrain:missing")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pretrain.kube.pods import CONFIG_EXIT, LOST_EXIT, pod_verdict
+from pretrain.kube.pods import CONFIG_EXIT, LOST_EXIT, frozen, pod_verdict, probe_stopped
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 T0 = "2027-01-15T08:00:00Z"
@@ -68,3 +68,26 @@ def test_pod_verdicts(obj, deleted, state, cause, code, words):
 def test_a_pod_without_status_or_index_is_pending_and_nodeless():
     v = pod_verdict({"metadata": {"name": "p"}}, NOW, 30)
     assert (v.state, v.index) == ("pending", None)
+
+
+KILLED = {"exitCode": 137, "reason": "Error", "finishedAt": "2027-01-15T08:00:40Z"}  # 40 s after NOW
+
+
+@pytest.mark.parametrize("terminated, last_sign, limit, silent", [
+    (KILLED, NOW, 30, 40.0),  # silent 40 s when SIGKILLed, the probe's limit 30 s: the probe stopped a frozen agent
+    (KILLED, NOW + 10, 30, 30.0),  # exactly at the limit
+    (KILLED, NOW + 10.5, 30, 29.5),  # finishedAt is whole seconds: half a second short still counts
+    (KILLED, NOW + 20, 30, None),  # still giving signs of life 20 s before: SIGKILLed for another reason
+    (KILLED, None, 30, None),  # no liveness file: nothing to judge by
+    (KILLED, NOW, 0, None),  # no probe in the pods
+    ({**KILLED, "exitCode": 1}, NOW, 30, None),  # an exit of its own, however quiet before
+    ({**KILLED, "reason": "OOMKilled"}, NOW, 30, None),  # the kernel's OOM killer, not the probe
+], ids=["frozen", "at-limit", "rounding", "alive", "no-file", "no-probe", "own-exit", "oom"])
+def test_a_container_killed_after_its_agent_fell_silent_was_stopped_by_its_liveness_probe(terminated, last_sign, limit, silent):
+    obj = pod("Failed", terminated=terminated)
+    v = pod_verdict(obj, NOW + 60, unschedulable_after_s=30)
+    assert probe_stopped(v, obj, last_sign, limit) == silent
+    if silent is not None:
+        lost = frozen(v, silent)
+        assert (lost.cause, lost.exit_code, lost.index, lost.fatal) == ("node_lost", 137, 1, False)
+        assert "liveness probe" in lost.message and "frozen" in lost.message

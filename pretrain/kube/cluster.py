@@ -127,7 +127,8 @@ class KubernetesCluster(Cluster):
             live = batch.read_namespaced_job(name, ns)
         self._own_service(core, ns, name, live.metadata.uid)
         handle = KubeJobHandle(self.api, ns, name, selector(labels), healthy, c.nodes_min, Path(job.job_dir),
-                               self.unschedulable_after_s, adopted=adopted, spare_nodes=healthy - nodes)
+                               self.unschedulable_after_s, adopted=adopted, spare_nodes=healthy - nodes,
+                               silent_after_s=launch.kube.node_silent_s)
         handle.notices = tuple([f"adopted the live Job {ns}/{name} of this launch"] * adopted + [
             f"deleted Job {ns}/{r} of an earlier launch of this stage (its orchestrator is gone; this launch "
             "resumes from the newest good checkpoint)" for r in retired] + avoid_notices)

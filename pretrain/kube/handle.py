@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from pretrain.cluster import ClusterError, JobHandle
-from pretrain.kube.pods import CONFIG_EXIT, PodVerdict, pod_verdict
+from pretrain.kube.pods import CONFIG_EXIT, PodVerdict, frozen, pod_verdict, probe_stopped
 from trainer.events import EventKind
+from trainer.liveness import liveness_path
 from trainer.reporting import EVENTS, JsonLines
 
 WATCH_S = 2  # each watch request's server-side timeout: how soon the thread notices it should stop
@@ -31,13 +32,17 @@ ERROR_TYPES = {"kube_config": ("KubeConfigError", []), "node_lost": ("PodLost", 
 
 class KubeJobHandle(JobHandle):
     def __init__(self, api, namespace: str, name: str, selector: str, nodes: int, nodes_min: int, job_dir: Path,
-                 unschedulable_after_s: float, adopted: bool = False, spare_nodes: int = 0):
+                 unschedulable_after_s: float, adopted: bool = False, spare_nodes: int = 0, silent_after_s: float = 0.0):
+        """``silent_after_s``: the pods' liveness probe limit (``kubernetes.node_silent_s``; 0: none)."""
         self.api, self.namespace, self.name, self.selector = api, namespace, name, selector
         self.nodes, self.nodes_min, self.job_dir = nodes, nodes_min, Path(job_dir)  # nodes: the standby pods' included
         self._spares = spare_nodes  # the standby pods: the highest indices
         self._unplaced: dict[int, str] = {}  # standby indices whose pod cannot run → why (the job goes on without them)
         self._told = 0  # unplaced standby pods already named by new_notices()
         self.unschedulable_after_s = unschedulable_after_s
+        self.silent_after_s = silent_after_s
+        self.silent: dict[int, float] = {}  # nodes whose liveness probe stopped them (frozen) → seconds silent
+        self._frozen_told: set[int] = set()
         self.adopted = adopted  # the Job existed (an earlier flow process started it)
         self.logs = [self.job_dir / f"node{i}.log" for i in range(nodes)]
         self.watch_errors: list[str] = []  # API trouble the watcher retried through
@@ -114,8 +119,23 @@ class KubeJobHandle(JobHandle):
         now = time.time()
         with self._lock:
             pods = sorted(self._pods.values(), key=lambda t: t[0])
-        return [v for _, pod, deleted in pods
+        return [self._probed(v, pod) for _, pod, deleted in pods
                 if (v := pod_verdict(pod, now, self.unschedulable_after_s, deleted)).index is not None]
+
+    def _probed(self, v: PodVerdict, pod: dict) -> PodVerdict:
+        """A pod its liveness probe stopped (its agent's liveness file in the job directory had
+        aged past the limit when it was SIGKILLed) is a frozen node: lost, not a worker failure."""
+        if v.state != "failed" or not self.silent_after_s:
+            return v
+        try:
+            last = liveness_path(self.job_dir, v.index).stat().st_mtime
+        except OSError:
+            return v  # no file (not written, or the job directory is not shared): judged by its exit code alone
+        silent = probe_stopped(v, pod, last, self.silent_after_s)
+        if silent is None:
+            return v
+        self.silent.setdefault(v.index, silent)
+        return frozen(v, silent)
 
     @property
     def spare_nodes(self) -> int:
@@ -140,8 +160,12 @@ class KubeJobHandle(JobHandle):
     def new_notices(self) -> list[str]:
         fresh = list(self._unplaced.items())[self._told:]
         self._told += len(fresh)
+        stopped = sorted(set(self.silent) - self._frozen_told)
+        self._frozen_told.update(stopped)
         return [f"standby node {index} cannot run ({why.split(' — ')[0]}): the job goes on without it; free room on the "
-                "cluster for it or lower cluster.spare_nodes" for index, why in fresh]
+                "cluster for it or lower cluster.spare_nodes" for index, why in fresh] + [
+                f"node {node} gave no sign of life for {self.silent[node]:.0f}s (frozen, or cut off): its liveness probe "
+                "stopped its pod" for node in stopped]
 
     def lost_nodes(self) -> dict[int, int]:
         """Nodes with a pod that failed (index → its exit code), even if the Job replaced the pod

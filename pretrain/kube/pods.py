@@ -9,7 +9,7 @@ was deleted, evicted, preempted or its node went away — the node is gone, not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from pretrain.kube.manifests import CONFIG_EXIT_CODES
@@ -109,3 +109,24 @@ def pod_verdict(pod: dict, now: float, unschedulable_after_s: float, deleted: bo
     if status.get("phase") == "Running":
         return verdict("running")
     return verdict("pending")
+
+
+def probe_stopped(v: PodVerdict, pod: dict, last_sign_of_life: float | None, silent_limit_s: float) -> float | None:
+    """How long node ``v``'s agent had been silent when its container was SIGKILLed (exit 137,
+    no other reason known: a ``worker_failure`` verdict), if that is at least ``silent_limit_s`` (the liveness probe's limit, ``kubernetes.node_silent_s``):
+    the probe stopped a frozen node (its agent's liveness file, last refreshed at
+    ``last_sign_of_life``, had aged past the limit). None for anything else — a file never
+    written, or a kill while the agent still gave signs of life (finishedAt has 1 s resolution)."""
+    if not silent_limit_s or last_sign_of_life is None or v.cause != "worker_failure" or v.exit_code != LOST_EXIT:
+        return None
+    states = [s.get("state") or {} for s in (pod.get("status") or {}).get("containerStatuses") or []]
+    finished = next((_time(s["terminated"].get("finishedAt")) for s in states if s.get("terminated")), None)
+    if finished is None or finished + 1 - last_sign_of_life < silent_limit_s:
+        return None
+    return round(max(0.0, finished - last_sign_of_life), 1)
+
+
+def frozen(v: PodVerdict, silent_s: float) -> PodVerdict:
+    """``v`` as the lost node it was: its liveness probe stopped it after ``silent_s`` of silence."""
+    return replace(v, cause="node_lost", message=f"pod {v.name} was stopped by its liveness probe: its agent gave no "
+                   f"sign of life for {silent_s:.0f}s (frozen: a hung process or machine)")
