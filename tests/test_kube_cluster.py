@@ -20,7 +20,7 @@ import kube_api as double
 from pretrain.ports import free_port
 from pretrain.incidents import NON_RETRYABLE, cause_of
 from pretrain.jobs import build_job, write_job
-from pretrain.cluster import ClusterError
+from pretrain.cluster import DONE_SILENT_S, ClusterError
 from pretrain.kube.client import KubeUnavailable, api_client
 from pretrain.kube.cluster import KubernetesCluster
 from pretrain.kube.handle import KubeJobHandle
@@ -105,28 +105,34 @@ def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(kube_api,
     assert live_pids(kube_api) == []
 
 
-def test_a_frozen_pod_is_stopped_by_its_liveness_probe_and_named_a_lost_node(kube_api, prepared_data, tmp_path):
+@pytest.mark.parametrize("node_silent_s, slow, stopped, verdict", [
+    # the survivor's steps slowed (0.2 s each, from step 5: after the freeze) so the probe acts while it trains
+    (2, [{"kind": "slow_worker", "rank": 0, "step": 5, "delay_s": 0.2}], "its liveness probe stopped its pod",
+     "stopped by its liveness probe"),
+    (0, [], "deleted its pod", "was deleted"),  # no probe: the pod goes once the job finished on node 0
+], ids=["liveness-probe", "job-done"])
+def test_a_frozen_pod_is_stopped_and_named_a_lost_node(kube_api, prepared_data, tmp_path, node_silent_s, slow, stopped,
+                                                       verdict):
     """freeze_node on Kubernetes: every process of node 1's pod stops (sockets open, nothing
-    exits). The rendezvous drops it and node 0 trains on; the pod's liveness probe finds its
+    exits). The rendezvous drops it and node 0 trains on. The pod's liveness probe finds its
     agent's liveness file silent past ``kubernetes.node_silent_s`` and the kubelet kills it (137,
-    nothing in the pod's status says why): the handle names it a frozen node, lost, not a worker
-    failure, and nothing of it is left stopped behind."""
+    nothing in the pod's status says why), or, without a probe, the handle deletes it once the
+    job finished on node 0 and the agent missed a few beats: either way a frozen node, lost (not
+    a worker failure), and nothing of it is left stopped behind."""
     from test_frozen_node import of_job
 
     spec = kube_spec(tmp_path / "w", steps=100, max_restarts=2, cluster={"node_timeout_s": 2},
-                     chaos=[{"kind": "freeze_node", "node": 1, "step": 4}], node_silent_s=2)
+                     chaos=[{"kind": "freeze_node", "node": 1, "step": 4}, *slow], node_silent_s=node_silent_s)
     cluster, job, path = launch(kube_api, spec, prepared_data)
     handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
     try:
-        lost = wait_for(handle.lost_nodes, 90, "the frozen pod stopped by its liveness probe")
-        assert lost == {1: 137}, handle.verdicts()
-        verdict = handle.verdicts()[1]
-        assert verdict.cause == "node_lost" and "stopped by its liveness probe" in verdict.message, verdict
-        assert handle.silent[1] >= 2
-        notices = handle.new_notices()
-        assert [n for n in notices if "node 1 gave no sign of life" in n and "liveness probe" in n], notices
-        assert handle.new_notices() == []  # said once
         assert handle.wait(timeout=120) == 0  # node 0 finished the stage alone
+        assert handle.lost_nodes() == {1: 137}, handle.verdicts()
+        assert handle.verdicts()[1].cause == "node_lost" and verdict in handle.verdicts()[1].message, handle.verdicts()
+        assert handle.silent[1] >= (node_silent_s or DONE_SILENT_S) - 1  # finishedAt: whole seconds
+        notices = handle.new_notices()
+        assert [n for n in notices if "node 1 gave no sign of life" in n and stopped in n], notices
+        assert handle.new_notices() == []  # said once
         final = {m["step"]: m for m in read_all(handle.job_dir / "metrics.jsonl")}
         assert sorted(final) == list(range(1, 101)) and final[100]["world_size"] == 1
     finally:

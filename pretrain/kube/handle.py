@@ -17,10 +17,10 @@ import threading
 import time
 from pathlib import Path
 
-from pretrain.cluster import ClusterError, JobHandle
+from pretrain.cluster import DONE_SILENT_S, ClusterError, JobHandle
 from pretrain.kube.pods import CONFIG_EXIT, PodVerdict, frozen, pod_verdict, probe_stopped
 from trainer.events import EventKind
-from trainer.liveness import liveness_path
+from trainer.liveness import liveness_path, silent_for
 from trainer.reporting import EVENTS, JsonLines
 
 WATCH_S = 2  # each watch request's server-side timeout: how soon the thread notices it should stop
@@ -41,8 +41,8 @@ class KubeJobHandle(JobHandle):
         self._told = 0  # unplaced standby pods already named by new_notices()
         self.unschedulable_after_s = unschedulable_after_s
         self.silent_after_s = silent_after_s
-        self.silent: dict[int, float] = {}  # nodes whose liveness probe stopped them (frozen) → seconds silent
-        self._frozen_told: set[int] = set()
+        self.silent: dict[int, float] = {}  # nodes stopped because they went silent (frozen) → seconds silent
+        self._silent_notices: list[str] = []
         self.adopted = adopted  # the Job existed (an earlier flow process started it)
         self.logs = [self.job_dir / f"node{i}.log" for i in range(nodes)]
         self.watch_errors: list[str] = []  # API trouble the watcher retried through
@@ -134,8 +134,32 @@ class KubeJobHandle(JobHandle):
         silent = probe_stopped(v, pod, last, self.silent_after_s)
         if silent is None:
             return v
-        self.silent.setdefault(v.index, silent)
+        self._stopped_silent(v.index, silent, "its liveness probe stopped its pod")
         return frozen(v, silent)
+
+    def _stopped_silent(self, node: int, silent: float, how: str) -> None:
+        if node not in self.silent:
+            self.silent[node] = silent
+            self._silent_notices.append(f"node {node} gave no sign of life for {silent:.0f}s (frozen, or cut off): {how}")
+
+    def _delete_silent_after_done(self, verdicts: dict[int, PodVerdict]) -> None:
+        """Once a node finished the job the others are only leaving: a running pod whose agent
+        missed a few beats (``DONE_SILENT_S``) is frozen, and is deleted at once rather than left
+        to its liveness probe and the kubelet's grace period (a minute with the defaults)."""
+        from kubernetes import client
+        from urllib3.exceptions import HTTPError
+
+        if self._stopped or not any(v.state == "succeeded" for v in verdicts.values()):
+            return
+        for v in verdicts.values():
+            silent = silent_for(self.job_dir, v.index, None) if v.state == "running" and v.index not in self.silent else None
+            if silent is None or silent < DONE_SILENT_S:
+                continue
+            try:
+                client.CoreV1Api(self.api).delete_namespaced_pod(v.name, self.namespace, grace_period_seconds=0)
+            except (client.ApiException, HTTPError, OSError):
+                continue  # the next poll tries again
+            self._stopped_silent(v.index, round(silent, 1), f"deleted its pod {v.name} (the job finished on another node)")
 
     @property
     def spare_nodes(self) -> int:
@@ -160,12 +184,9 @@ class KubeJobHandle(JobHandle):
     def new_notices(self) -> list[str]:
         fresh = list(self._unplaced.items())[self._told:]
         self._told += len(fresh)
-        stopped = sorted(set(self.silent) - self._frozen_told)
-        self._frozen_told.update(stopped)
+        told, self._silent_notices = self._silent_notices, []
         return [f"standby node {index} cannot run ({why.split(' — ')[0]}): the job goes on without it; free room on the "
-                "cluster for it or lower cluster.spare_nodes" for index, why in fresh] + [
-                f"node {node} gave no sign of life for {self.silent[node]:.0f}s (frozen, or cut off): its liveness probe "
-                "stopped its pod" for node in stopped]
+                "cluster for it or lower cluster.spare_nodes" for index, why in fresh] + told
 
     def lost_nodes(self) -> dict[int, int]:
         """Nodes with a pod that failed (index → its exit code), even if the Job replaced the pod
@@ -180,6 +201,7 @@ class KubeJobHandle(JobHandle):
 
     def poll(self) -> int | None:
         verdicts = self.verdicts()
+        self._delete_silent_after_done(verdicts)
         failed = [v for v in verdicts.values() if v.state == "failed"]
         for v in verdicts.values():
             if v.state in ("failed", "succeeded"):
