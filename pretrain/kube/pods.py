@@ -113,10 +113,11 @@ def pod_verdict(pod: dict, now: float, unschedulable_after_s: float, deleted: bo
 
 def probe_stopped(v: PodVerdict, pod: dict, last_sign_of_life: float | None, silent_limit_s: float) -> float | None:
     """How long node ``v``'s agent had been silent when its container was SIGKILLed (exit 137,
-    no other reason known: a ``worker_failure`` verdict), if that is at least ``silent_limit_s`` (the liveness probe's limit, ``kubernetes.node_silent_s``):
-    the probe stopped a frozen node (its agent's liveness file, last refreshed at
-    ``last_sign_of_life``, had aged past the limit). None for anything else — a file never
-    written, or a kill while the agent still gave signs of life (finishedAt has 1 s resolution)."""
+    no other reason known: a ``worker_failure`` verdict), if that is at least ``silent_limit_s``
+    (the liveness probe's limit, ``kubernetes.node_silent_s``): the probe stopped a frozen node
+    (its agent's liveness file, last refreshed at ``last_sign_of_life``, had aged past the limit).
+    None for anything else — a file never written, or a kill while the agent still gave signs of
+    life (finishedAt has 1 s resolution)."""
     if not silent_limit_s or last_sign_of_life is None or v.cause != "worker_failure" or v.exit_code != LOST_EXIT:
         return None
     states = [s.get("state") or {} for s in (pod.get("status") or {}).get("containerStatuses") or []]

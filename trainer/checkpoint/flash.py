@@ -10,7 +10,7 @@ Policy when the older slot is busy (the saver is persisting it, or a peer reads 
 snapshot goes into the newest slot instead, since the busy one is a complete snapshot its
 reader holds — so memory snapshots stay fresh while a slow persist runs, instead of aging by
 one interval per snapshot skipped — unless the newest slot is busy too or holds a snapshot
-flagged for persisting and this one is not (the saver has yet to take it). Then the snapshot is
+flagged for persisting and this one is not (the saver may not have taken it yet). Then it is
 **skipped** (reported as such), never waited for and never allowed to tear a snapshot.
 """
 
