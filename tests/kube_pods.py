@@ -321,12 +321,17 @@ class PodRunner:
         return re.sub(pattern, lambda m: self.address(ns, m[2], m[1]), text)
 
     def close(self) -> None:
-        """Kill every pod process group and wait for the runner's threads."""
+        """Kill every pod's processes (its group and the rest of its tree) and wait for the
+        runner's threads."""
         with self._lock:
             self._closed = True
             procs = list(self._procs.values())
+        rest = [p for proc in procs if proc.poll() is None for p in _descendants(proc)]
         for proc in procs:
             _kill(proc, signal.SIGKILL)
+        for p in rest:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
         for proc in procs:
             proc.wait()
         for thread in list(self._threads):

@@ -6,6 +6,9 @@ back to the full restart and the job still completes."""
 from __future__ import annotations
 
 import dataclasses
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -314,7 +317,7 @@ def test_a_store_that_went_with_its_rank_0_is_given_up_at_once_not_after_torchs_
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     live = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
-    agent = SimpleNamespace(_peers_store=None, _pcontext=object())
+    agent = SimpleNamespace(_peers_store=None, _pcontext=object(), _store_retry_at=0.0)
     store = SurvivorsAgent._job_store(agent, live)
     store.set("k", "v")
     assert server.get("k") == b"v" and store.timeout.total_seconds() == STORE_TIMEOUT_S
@@ -322,5 +325,34 @@ def test_a_store_that_went_with_its_rank_0_is_given_up_at_once_not_after_torchs_
 
     gone = {**live, "MASTER_PORT": str(free_port())}
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: pytest.fail("a client was made for a store nobody serves"))
-    assert SurvivorsAgent._job_store(SimpleNamespace(_peers_store=None, _pcontext=object()), gone) is None
+    asked = SimpleNamespace(_peers_store=None, _pcontext=object(), _store_retry_at=0.0)
+    assert SurvivorsAgent._job_store(asked, gone) is None
     assert f"no fast recovery: the job's store at 127.0.0.1:{gone['MASTER_PORT']} is not reachable" in capfd.readouterr().err
+    assert SurvivorsAgent._job_store(asked, gone) is None and capfd.readouterr().err == ""  # not asked again at once
+
+
+FROZEN_STORE = """
+import sys, threading
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_store_whose_host_is_frozen_is_given_up_not_waited_for_for_ever():
+    """A frozen host's kernel still accepts connections but nothing answers torch's handshake,
+    which waits for ever (an agent's look at its workers stuck for good, found by the Kubernetes
+    frozen-pod test when the frozen pod's agent hosted the workers' store)."""
+    from trainer.elastic_survivors import job_store_client
+
+    host = subprocess.Popen([sys.executable, "-c", FROZEN_STORE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        job_store_client("127.0.0.1", port).set("k", "v")  # answered while it runs
+        host.send_signal(signal.SIGSTOP)
+        with pytest.raises(RuntimeError, match="did not answer"):
+            job_store_client("127.0.0.1", port)
+    finally:
+        host.kill()
+        host.wait()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -51,6 +52,36 @@ STORE_TIMEOUT_S = 5.0  # the job's store not answering by then: no fast recovery
 # nodes) refuses at once, but torch's client retries a refused connection until its timeout, and
 # then again with a backoff (13 s with 5 s, while the survivors wait in a collective that failed).
 CONNECT_TIMEOUT_S = 1.0
+STORE_RETRY_S = 5.0  # a job store found unreachable is asked again after this long
+
+
+def job_store_client(host: str, port: int) -> dist.TCPStore:
+    """A client of the job's store at ``host:port``, or DistError/RuntimeError within a few
+    seconds. A store that went with its host refuses at once (checked first: torch's client
+    retries a refused connection). A frozen host (its process stopped) still accepts the
+    connection in its kernel but never answers the client's handshake, for which torch waits for
+    ever: the client is made in a thread given ``3 × CONNECT_TIMEOUT_S`` (a thread left waiting
+    ends when the frozen host is stopped for good and its socket closes)."""
+    if not listening(host, port, timeout_s=CONNECT_TIMEOUT_S):  # e.g. it went with the rank 0 that hosted it
+        raise RuntimeError("nothing accepts a connection there")
+    made: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            made["store"] = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
+        except (dist.DistError, RuntimeError) as err:
+            made["error"] = err
+
+    thread = threading.Thread(target=connect, name="job-store-connect", daemon=True)
+    thread.start()
+    thread.join(3 * CONNECT_TIMEOUT_S)
+    if "error" in made:
+        raise made["error"]
+    if "store" not in made:
+        raise RuntimeError(f"it accepted the connection but did not answer in {3 * CONNECT_TIMEOUT_S:.0f}s (its host is frozen?)")
+    store = made["store"]
+    store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+    return store
 LEAVE_WAIT_S = 1.0  # after telling the workers that a node is gone: how long to wait for one of them to leave
 
 
@@ -64,6 +95,7 @@ class SurvivorsAgent(LocalElasticAgent):
         self.fast_timeout_s = fast_timeout_s
         self.fast_recoveries = 0
         self._peers_store: tuple[object, dist.TCPStore] | None = None  # (the round's process context, its store)
+        self._store_retry_at = 0.0  # monotonic time before which an unreachable job store is not asked again
         self.spares = WarmSpares(spares if fast_timeout_s > 0 else 0, node, spares_wanted)
         self._worker_args = spec.args
 
@@ -179,12 +211,12 @@ class SurvivorsAgent(LocalElasticAgent):
         nodes has its own store, possibly at the same address as the last round's)."""
         where = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
         if self._peers_store is None or self._peers_store[0] is not self._pcontext:
+            if time.monotonic() < self._store_retry_at:
+                return None  # unreachable a moment ago: not asked at every look
             try:
-                if not listening(*where, timeout_s=CONNECT_TIMEOUT_S):  # e.g. it went with the rank 0 that hosted it
-                    raise RuntimeError("nothing accepts a connection there")
-                store = dist.TCPStore(*where, is_master=False, timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
-                store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+                store = job_store_client(*where)
             except (dist.DistError, RuntimeError) as err:
+                self._store_retry_at = time.monotonic() + STORE_RETRY_S
                 print(f"no fast recovery: the job's store at {where[0]}:{where[1]} is not reachable ({err})",
                       file=sys.stderr, flush=True)
                 return None
