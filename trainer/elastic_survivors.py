@@ -53,6 +53,7 @@ STORE_TIMEOUT_S = 5.0  # the job's store not answering by then: no fast recovery
 # then again with a backoff (13 s with 5 s, while the survivors wait in a collective that failed).
 CONNECT_TIMEOUT_S = 1.0
 STORE_RETRY_S = 5.0  # a job store found unreachable is asked again after this long
+LEAVE_WAIT_S = 1.0  # after telling the workers that a node is gone: how long to wait for one of them to leave
 
 
 def job_store_client(host: str, port: int) -> dist.TCPStore:
@@ -82,7 +83,6 @@ def job_store_client(host: str, port: int) -> dist.TCPStore:
     store = made["store"]
     store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
     return store
-LEAVE_WAIT_S = 1.0  # after telling the workers that a node is gone: how long to wait for one of them to leave
 
 
 class SurvivorsAgent(LocalElasticAgent):

@@ -20,7 +20,7 @@ from pathlib import Path
 from pretrain.cluster import DONE_SILENT_S, ClusterError, JobHandle
 from pretrain.kube.pods import CONFIG_EXIT, PodVerdict, frozen, pod_verdict, probe_stopped
 from trainer.events import EventKind
-from trainer.liveness import liveness_path, silent_for
+from trainer.liveness import silent_for
 from trainer.reporting import EVENTS, JsonLines
 
 WATCH_S = 2  # each watch request's server-side timeout: how soon the thread notices it should stop
@@ -127,11 +127,10 @@ class KubeJobHandle(JobHandle):
         aged past the limit when it was SIGKILLed) is a frozen node: lost, not a worker failure."""
         if v.state != "failed" or not self.silent_after_s:
             return v
-        try:
-            last = liveness_path(self.job_dir, v.index).stat().st_mtime
-        except OSError:
-            return v  # no file (not written, or the job directory is not shared): judged by its exit code alone
-        silent = probe_stopped(v, pod, last, self.silent_after_s)
+        now = time.time()
+        # no file (not written, the job directory not shared) or a damaged one: judged by its exit code alone
+        silent_now = silent_for(self.job_dir, v.index, None, now=now)
+        silent = None if silent_now is None else probe_stopped(v, pod, now - silent_now, self.silent_after_s)
         if silent is None:
             return v
         self._stopped_silent(v.index, silent, "its liveness probe stopped its pod")
