@@ -165,6 +165,33 @@ def seed_data(spec: CampaignSpec, prepared: Path, own_store: bool = True) -> Non
     Ledger.open(spec).set_data(data_record({**read_manifest(copy), "location": str(copy)}))
 
 
+def run_to_completion(spec: CampaignSpec, prepared: Path, attempts: int | None = None) -> dict:
+    """Seed the campaign's data, run it in this process and return its first stage's status,
+    failing the test unless the campaign completed with every step of that stage done (in
+    ``attempts`` attempts, where given)."""
+    from flows.campaign import pretrain_campaign
+
+    seed_data(spec, prepared)
+    status = pretrain_campaign(spec=spec)
+    stage = status["stages"][0]
+    assert status["status"] == "completed" and stage["steps_done"] == spec.stages[0].steps, status
+    assert attempts is None or stage["attempts"] == attempts, stage
+    return stage
+
+
+def kept_trajectory(rows: list[dict], steps: int, global_batch: int | None = None) -> dict[int, dict]:
+    """The last metrics row of each step (a step redone after a restart replaces its first row),
+    failing the test unless steps 1..``steps`` are all there and (``global_batch``) step s trained
+    on the sample positions [global_batch·(s−1), global_batch·s): the global batch kept through
+    every recovery, no sample twice, none skipped."""
+    final = {m["step"]: m for m in rows}
+    assert sorted(final) == list(range(1, steps + 1)), sorted(final)
+    if global_batch is not None:
+        wrong = {s: m["consumed"] for s, m in final.items() if m["consumed"] != global_batch * s}
+        assert not wrong, f"steps whose consumed count is not {global_batch} × step: {wrong}"
+    return final
+
+
 def campaign_data_dir(spec: CampaignSpec) -> Path:
     """The local directory of the data set the campaign's ledger records."""
     from pretrain.campaign_data import campaign_data

@@ -8,13 +8,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_no_duplicate_metric_steps, final_model, seed_data, small_spec
+from conftest import (assert_no_duplicate_metric_steps, final_model, kept_trajectory, run_to_completion, seed_data,
+                      small_spec, wait_for)
 from flows.campaign import pretrain_campaign
 from pretrain.jobs import checkpoint_store
 from pretrain.ledger import Ledger
@@ -29,23 +29,17 @@ def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness,
                       stages=[{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
                       checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
                       chaos=[{"kind": "kill_node", "node": 1, "step": 12}])
-    seed_data(spec, prepared_data)
-    status = pretrain_campaign(spec=spec)
+    stage = run_to_completion(spec, prepared_data, attempts=1)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
-    stage = status["stages"][0]
-    assert status["status"] == "completed" and stage["steps_done"] == 30 and stage["attempts"] == 1
     causes = [f["cause"] for f in stage["failures"]]
     assert causes[0] == "node_lost" and "saver_failure" not in causes, stage["failures"]
 
     metrics = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "metrics.jsonl")
-    final = {m["step"]: m for m in metrics}  # the last record of each step is the trajectory kept
-    assert sorted(final) == list(range(1, 31))
+    final = kept_trajectory(metrics, 30, global_batch=8)  # 8 = 2 × 4 × 1 = 2 × 2 × 2
     assert {final[1]["world_size"], final[30]["world_size"]} == {4, 2}
     # the node died at step 12, however loaded the machine: no step from 12 on ran on 4 workers
     assert not [m["step"] for m in metrics if m["step"] >= 12 and m["world_size"] == 4]
-    assert (final[1]["grad_accum"], final[30]["grad_accum"]) == (1, 2)  # global batch 8 = 2 × 4 × 1 = 2 × 2 × 2
-    for step, m in final.items():  # step s trained on sample positions [8(s-1), 8s): none twice, none skipped
-        assert m["consumed"] == 8 * step, step
+    assert (final[1]["grad_accum"], final[30]["grad_accum"]) == (1, 2)
     store = checkpoint_store(spec, "main")
     assert store.manifest(30).world_size == 2
     # the two survivors took the state from the snapshot the last world's rank 0 (node 0, the first
@@ -89,12 +83,9 @@ def test_a_lost_node_that_passes_its_recheck_scales_the_job_back_up(prefect_harn
                       # node_check_threshold out of reach: on a loaded machine the check after a restart took
                       # node 0 for slow (2.19× the median in a CI run) and excluded it, one resize more
                       fault_tolerance={"node_check_threshold": 1000})
-    seed_data(spec, prepared_data)
-    status = pretrain_campaign(spec=spec)
+    stage = run_to_completion(spec, prepared_data, attempts=2)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
-    stage = status["stages"][0]
-    assert status["status"] == "completed" and stage["steps_done"] == 600
-    assert [r["nodes_back"] for r in stage["resizes"]] == [[1]] and stage["attempts"] == 2
+    assert [r["nodes_back"] for r in stage["resizes"]] == [[1]]
 
     jobs = spec.workdir_path / "jobs" / "main"
     first, second = (read_all(jobs / f"attempt_00{i}" / "metrics.jsonl") for i in (0, 1))
@@ -104,10 +95,7 @@ def test_a_lost_node_that_passes_its_recheck_scales_the_job_back_up(prefect_harn
     assert {m["world_size"] for m in second} == {2}  # back to full size
     assert all(m["grad_accum"] == 2 for m in first if m["world_size"] == 1)  # same global batch alone
     resumed_at = min(m["step"] for m in second) - 1
-    final = {m["step"]: m for m in first if m["step"] <= resumed_at} | {m["step"]: m for m in second}
-    assert sorted(final) == list(range(1, 601))
-    for step, m in final.items():  # global batch 4: step s trained on positions [4(s-1), 4s)
-        assert m["consumed"] == 4 * step, step
+    kept_trajectory([m for m in first if m["step"] <= resumed_at] + second, 600, global_batch=4)
 
 
 def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_harness, prepared_data, tmp_path):
@@ -122,11 +110,8 @@ def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_har
                       checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
                       chaos=[{"kind": "slow_worker", "rank": 1, "step": 5, "delay_s": 0.05},
                              {"kind": "kill_worker", "rank": 0, "step": 8}])
-    seed_data(spec, prepared_data)
-    status = pretrain_campaign(spec=spec)
+    stage = run_to_completion(spec, prepared_data, attempts=1)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
-    stage = status["stages"][0]
-    assert status["status"] == "completed" and stage["steps_done"] == 24 and stage["attempts"] == 1
     assert Ledger.open(spec).reload().cluster.excluded == []  # both passed before training
 
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
@@ -138,9 +123,8 @@ def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_har
     assert any(e["event"] == "node_excluded" and e["node"] == slow["node"] for e in events)
     assert "node_check" in [f["cause"] for f in stage["failures"]]
     metrics = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "metrics.jsonl")
-    final = {m["step"]: m for m in metrics}
+    final = kept_trajectory(metrics, 24, global_batch=4)
     assert (final[24]["world_size"], final[24]["grad_accum"]) == (1, 2)
-    assert all(m["consumed"] == 4 * s for s, m in final.items())
 
 
 def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_rounds_store(prefect_harness,
@@ -157,10 +141,7 @@ def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_round
     spec = standby_spec(tmp_path, chaos=[{"kind": "kill_worker", "rank": 1, "step": 8},
                                          {"kind": "kill_worker", "rank": 0, "step": 16},
                                          {"kind": "kill_worker", "rank": 1, "step": 20}], node_timeout_s=8)
-    seed_data(spec, prepared_data)
-    status = pretrain_campaign(spec=spec)
-    stage = status["stages"][0]
-    assert status["status"] == "completed" and stage["steps_done"] == 24 and stage["attempts"] == 1, stage
+    stage = run_to_completion(spec, prepared_data, attempts=1)
     assert [(f["cause"], f["recovery_path"]) for f in stage["failures"]] == \
         [("worker_killed", "spare"), ("worker_killed", "restart"), ("worker_killed", "spare")], \
         stage["failures"]
@@ -175,8 +156,7 @@ def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_round
     assert kept[0] == starts0[0]["pid"] != kept[1]
     # the standby stood by through the fast recovery (the full restart's round may take it in)
     assert {e["node"] for e in events if e["event"] == "start" and not e["restart_count"]} == {0, 1}
-    final = {m["step"]: m for m in read_all(job / "metrics.jsonl")}
-    assert sorted(final) == list(range(1, 25)) and all(m["consumed"] == 4 * s for s, m in final.items())
+    kept_trajectory(read_all(job / "metrics.jsonl"), 24, global_batch=4)
 
 
 def standby_spec(root, chaos=(), **cluster):
@@ -208,18 +188,13 @@ def test_a_standby_node_takes_a_lost_nodes_place_and_the_run_stays_bit_exact(pre
     assert "standby node 2: the job ended" in log and "Traceback" not in log, log[-3000:]
 
     spec = standby_spec(tmp_path / "faulted", chaos=[{"kind": "kill_node", "node": 1, "step": 12}])
-    seed_data(spec, prepared_data)
-    status = pretrain_campaign(spec=spec)
-    stage = status["stages"][0]
-    assert status["status"] == "completed" and stage["steps_done"] == 24 and stage["attempts"] == 1, stage
+    stage = run_to_completion(spec, prepared_data, attempts=1)
     lost = [f for f in stage["failures"] if f["cause"] == "node_lost"]
     assert [f["recovery_path"] for f in lost] == ["spare_node"], stage["failures"]
     job = spec.workdir_path / "jobs" / "main" / "attempt_000"
     metrics = read_all(job / "metrics.jsonl")
-    final = {m["step"]: m for m in metrics}
-    assert sorted(final) == list(range(1, 25)) and {m["world_size"] for m in metrics} == {2}
-    for step, m in final.items():
-        assert m["consumed"] == 4 * step, step  # global batch 4 = 2 workers × 2, none twice, none skipped
+    kept_trajectory(metrics, 24, global_batch=4)  # 2 workers × 2
+    assert {m["world_size"] for m in metrics} == {2}
     starts = [e for e in read_all(job / "events.jsonl") if e["event"] == "start"]
     assert {e["node"] for e in starts if e["step"] == 0} == {0, 1}  # the standby waited out the first round
     after = [e for e in starts if e["step"] > 0]
@@ -315,10 +290,7 @@ def test_a_fresh_interpreter_worker_whose_agent_died_while_it_started_ends():
     started.stdin.write("go\n")
     started.stdin.flush()
     assert started.stdout.readline() == "watching\n"
-    deadline = time.monotonic() + 30
-    while running(pid):
-        assert time.monotonic() < deadline, "the orphaned worker still runs"
-        time.sleep(0.05)  # polls the process's state
+    wait_for(lambda: not running(pid), 30, "the orphaned worker to end")
 
 
 def running(pid: int) -> bool:

@@ -14,8 +14,7 @@ import time
 
 import psutil
 
-from conftest import seed_data, small_spec, wait_for
-from flows.campaign import pretrain_campaign
+from conftest import kept_trajectory, run_to_completion, small_spec, wait_for
 from pretrain.cluster import LocalJobHandle
 from trainer.liveness import NodeLiveness, liveness_path, silent_for
 from trainer.process import pid_alive
@@ -94,19 +93,13 @@ def test_a_frozen_node_is_dropped_then_stopped_and_the_stage_completes(prefect_h
                       stages=[{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
                       checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
                       chaos=[{"kind": "freeze_node", "node": 1, "step": 10}])
-    seed_data(spec, prepared_data)
-    status = pretrain_campaign(spec=spec)
-    stage = status["stages"][0]
-    assert status["status"] == "completed" and stage["steps_done"] == 30 and stage["attempts"] == 1, status
+    stage = run_to_completion(spec, prepared_data, attempts=1)
     failure = stage["failures"][0]
     assert failure["cause"] == "node_lost" and failure["recovery_path"] == "restart", failure
 
     job_dir = spec.workdir_path / "jobs" / "main" / "attempt_000"
     metrics = read_all(job_dir / "metrics.jsonl")
-    final = {m["step"]: m for m in metrics}
-    assert sorted(final) == list(range(1, 31)) and final[30]["world_size"] == 1
-    for step, m in final.items():  # the global batch kept, every sample position trained on once
-        assert m["consumed"] == 4 * step, step
+    assert kept_trajectory(metrics, 30, global_batch=4)[30]["world_size"] == 1
     events = read_all(job_dir / "events.jsonl")
     # the survivor went on as soon as the rendezvous dropped the frozen node (its process is stopped 8 s
     # after its last sign of life, or once the job ended on the other node)
@@ -140,10 +133,7 @@ def test_a_frozen_single_node_job_is_stopped_and_relaunched_from_its_last_checkp
     spec = small_spec(tmp_path, stages=[{"name": "main", "steps": 12, "seq_len": 32, "micro_batch": 2, "warmup_steps": 2}],
                       checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
                       chaos=[{"kind": "freeze_node", "node": 0, "step": 6}])
-    seed_data(spec, prepared_data)
-    status = pretrain_campaign(spec=spec)
-    stage = status["stages"][0]
-    assert status["status"] == "completed" and stage["steps_done"] == 12 and stage["attempts"] == 2, status
+    stage = run_to_completion(spec, prepared_data, attempts=2)
     [failure] = [f for f in stage["failures"] if not f.get("in_job")]
     assert failure["cause"] == "node_lost", failure  # not a worker failure, not a signal
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")

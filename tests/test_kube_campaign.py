@@ -13,7 +13,7 @@ import psutil
 from kubernetes import client
 
 import kube_api as double
-from conftest import seed_data, wait_for
+from conftest import kept_trajectory, run_to_completion, seed_data, wait_for
 from pretrain.kube.pods import INDEX
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
@@ -70,8 +70,7 @@ def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(p
     assert status["status"] == "completed" and stage["steps_done"] == 200 and stage["attempts"] == 1, status
     assert [f["cause"] for f in stage["failures"]][:1] == ["node_lost"], stage["failures"]
     metrics = read_all(spec.workdir_path / "jobs" / "s" / "attempt_000" / "metrics.jsonl")
-    final = {m["step"]: m for m in metrics}
-    assert sorted(final) == list(range(1, 201)) and final[200]["world_size"] == 1  # node 0 finished alone
+    assert kept_trajectory(metrics, 200)[200]["world_size"] == 1  # node 0 finished alone
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
     assert live_pids(kube_api) == []
 
@@ -82,22 +81,16 @@ def test_a_standby_pod_takes_a_lost_pods_place_and_the_world_keeps_its_size(pref
     dies at step 12 the standby joins the next round in its place: ``nodes_min`` is 2, so without
     it the job would fail and be relaunched; with it the stage completes in its first attempt,
     every step on 2 workers, every sample once, and the Job's pods all end."""
-    from flows.campaign import pretrain_campaign
-
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))
     spec = kube_spec(tmp_path / "w", steps=24, max_restarts=3,
                      cluster={"nodes_min": 2, "nodes_max": 2, "spare_nodes": 1},
                      chaos=[{"kind": "kill_node", "node": 1, "step": 12}])
-    seed_data(spec, prepared_data)
-    status = pretrain_campaign(spec=spec)
-    stage = status["stages"][0]
-    assert status["status"] == "completed" and stage["steps_done"] == 24 and stage["attempts"] == 1, stage
+    stage = run_to_completion(spec, prepared_data, attempts=1)
     assert [f["recovery_path"] for f in stage["failures"] if f["cause"] == "node_lost"] == ["spare_node"], stage["failures"]
     job = spec.workdir_path / "jobs" / "s" / "attempt_000"
     metrics = read_all(job / "metrics.jsonl")
-    final = {m["step"]: m for m in metrics}
-    assert sorted(final) == list(range(1, 25)) and {m["world_size"] for m in metrics} == {2}
-    assert all(m["consumed"] == 4 * step for step, m in final.items())  # global batch 4 = 2 workers × 2, none twice
+    kept_trajectory(metrics, 24, global_batch=4)  # 2 workers × 2
+    assert {m["world_size"] for m in metrics} == {2}
     starts = [e for e in read_all(job / "events.jsonl") if e["event"] == "start"]
     assert {e["node"] for e in starts if e["step"] == 0} == {0, 1}  # the standby pod waited out the first round
     assert {e["node"] for e in starts if e["step"] > 0} == {0, 2}

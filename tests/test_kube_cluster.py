@@ -15,7 +15,7 @@ import psutil
 import pytest
 from kubernetes import client
 
-from conftest import seed_data, small_spec, wait_for
+from conftest import kept_trajectory, seed_data, small_spec, wait_for
 import kube_api as double
 from pretrain.ports import free_port
 from pretrain.incidents import NON_RETRYABLE, cause_of
@@ -133,8 +133,7 @@ def test_a_frozen_pod_is_stopped_and_named_a_lost_node(kube_api, prepared_data, 
         notices = handle.new_notices()
         assert [n for n in notices if "node 1 gave no sign of life" in n and stopped in n], notices
         assert handle.new_notices() == []  # said once
-        final = {m["step"]: m for m in read_all(handle.job_dir / "metrics.jsonl")}
-        assert sorted(final) == list(range(1, 101)) and final[100]["world_size"] == 1
+        assert kept_trajectory(read_all(handle.job_dir / "metrics.jsonl"), 100)[100]["world_size"] == 1
     finally:
         handle.stop(grace_s=2)
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}

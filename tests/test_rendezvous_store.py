@@ -11,7 +11,6 @@ keeps torch's restart count, which named the workers' keys in that store: the ro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from agents import node_log, run_id, start_agent
-from conftest import seed_data, small_spec, wait_for
+from conftest import kept_trajectory, seed_data, small_spec, wait_for
 from pretrain.jobs import build_job
 from pretrain.ports import free_port
 from trainer.elastic import rendezvous_configs
@@ -87,9 +86,7 @@ def test_a_node_late_at_the_start_joins_the_running_job_which_goes_on_with_both(
         if e["world_size"] == 2 and not e["epoch"]:
             rounds.setdefault(e["restart_count"], set()).add(e["node"])
     assert rounds and min(rounds) >= 1 and all(nodes == {0, 1} for nodes in rounds.values()), starts
-    final = {m["step"]: m for m in rows}  # a step redone after the restart replaces its first row
-    assert sorted(final) == list(range(1, max(final) + 1))
-    assert all(m["consumed"] == 4 * step for step, m in final.items()), json.dumps(rows[-3:])
+    kept_trajectory(rows, max(m["step"] for m in rows), global_batch=4)
 
 
 def test_the_first_round_waits_for_a_node_that_starts_after_torchs_last_call(prepared_data, tmp_path, zygote):
