@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from tokenizers import Tokenizer
 
@@ -142,6 +143,68 @@ def test_a_run_killed_mid_preparation_resumes_at_unfinished_units_with_an_identi
     clean = prepare(data, tmp_path / "clean", work=tmp_path / "clean-work", **QUIET)
     assert resumed["fingerprint"] == clean["fingerprint"]
     assert data_set_bytes(resumed["location"]) == data_set_bytes(clean["location"])  # manifest and shards
+
+
+def test_a_worker_that_dies_mid_preparation_is_a_clear_error_and_the_next_run_reuses_what_finished(tmp_path):
+    """A tokenizing worker killed (as the kernel's OOM killer would) fails the run with what to
+    lower; the units finished before it are kept, and the next run reuses them."""
+    jsonl_corpus(tmp_path / "corpus", files=2, per_file=120)
+    data = spec([str(tmp_path / "corpus/*.jsonl")], workers=2)
+    killed = []
+
+    def kill_a_worker(p):
+        if p.phase == "tokenize" and p.units_done == 2 and not killed:
+            servers = [c for c in psutil.Process().children() if "multiprocessing.forkserver" in " ".join(c.cmdline())]
+            workers = [w for server in servers for w in server.children()]
+            workers[0].kill()
+            killed.append(workers[0].pid)
+
+    with pytest.raises(DataPrepError, match="worker process died .*lower data.workers or data.unit_bytes"):
+        prepare(data, tmp_path / "data", work=tmp_path / "work", log=lambda *_: None, progress=kill_a_worker)
+    assert killed
+    finished = [p for p in (tmp_path / "work" / "units").iterdir() if not p.name.startswith(".")]
+    assert len(finished) >= 2
+    logged: list[str] = []
+    resumed = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
+    assert any("finished earlier are reused" in line for line in logged), logged
+    assert read_manifest(resumed["location"])["fingerprint"] == resumed["fingerprint"]
+
+
+UNGUARDED = """
+import sys
+from pathlib import Path
+from pretrain.dataset.prepare import prepare
+from pretrain.spec_data import DataSpec
+
+prepare(DataSpec.model_validate_json(sys.argv[1]), sys.argv[2], work=Path(sys.argv[3]), log=lambda *_: None)
+print("prepared")
+"""
+
+
+def test_a_script_without_a_main_check_is_told_to_add_one(tmp_path):
+    """Python's multiprocessing runs the calling script again in each worker: a script that calls
+    preparation at its top level makes every worker fail at its start. The error says so and how
+    to fix it (not "out of memory")."""
+    jsonl_corpus(tmp_path / "corpus", files=1, per_file=60)
+    data = spec([str(tmp_path / "corpus/*.jsonl")], workers=2)
+    script = tmp_path / "prep.py"
+    script.write_text(UNGUARDED)
+    proc = subprocess.run([sys.executable, str(script), data.model_dump_json(), str(tmp_path / "data"),
+                           str(tmp_path / "work")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0 and "prepared" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("pretrain.dataset.errors.DataPrepError: the data preparation worker processes ended "
+                           "before they could start"), proc.stderr[-2000:]
+    assert str(script) in last and 'if __name__ == "__main__":' in last and "memory" not in last
+
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(UNGUARDED.replace("\nprepare(", '\nif __name__ == "__main__":\n    prepare(')
+                       .replace('\nprint("prepared")', '\n    print("prepared")'))
+    done = subprocess.run([sys.executable, str(guarded), data.model_dump_json(), str(tmp_path / "data"),
+                           str(tmp_path / "work")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout == "prepared\n", done.stderr[-2000:]
 
 
 def test_with_a_given_tokenizer_a_changed_file_re_tokenizes_only_its_units(tmp_path):

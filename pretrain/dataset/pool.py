@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ class _WorkerState:
 _state: _WorkerState | None = None  # one per worker process, set by _init_worker (not used in the parent)
 
 
-def _init_worker(tokenizer_json: str, dtype: str, data_json: str, s3_options: dict | None) -> None:
+def _init_worker(started, tokenizer_json: str, dtype: str, data_json: str, s3_options: dict | None) -> None:
     global _state
     # Ctrl-C reaches the whole process group: the parent stops the pool (the units in flight
     # finish and stay recorded); a worker interrupted mid-unit would only print a traceback
@@ -57,6 +58,7 @@ def _init_worker(tokenizer_json: str, dtype: str, data_json: str, s3_options: di
     from tokenizers import Tokenizer
 
     _state = _WorkerState(Tokenizer.from_str(tokenizer_json), dtype, DataSpec.model_validate_json(data_json), s3_options)
+    started.set()
 
 
 def tokenize_unit(job: UnitJob, state: _WorkerState | None = None) -> UnitResult:
@@ -119,8 +121,9 @@ def run_units(jobs: list[UnitJob], *, workers: int, tokenizer_json: str, dtype: 
     # threaded, never from this possibly threaded process), so no worker imports them again
     ctx.set_forkserver_preload(["pretrain.dataset.pool"])
     n = max(1, min(workers, len(jobs)))
+    started = ctx.Event()  # set by the first worker that is ready: one that dies later is not a failed start
     pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
-                               initargs=(tokenizer_json, dtype, data.model_dump_json(), s3_options))
+                               initargs=(started, tokenizer_json, dtype, data.model_dump_json(), s3_options))
     try:
         queue = iter(enumerate(jobs))
         pending: dict = {}
@@ -134,7 +137,34 @@ def run_units(jobs: list[UnitJob], *, workers: int, tokenizer_json: str, dtype: 
                 i = pending.pop(fut)
                 done(i, fut.result())
     except BrokenProcessPool:
-        raise DataPrepError("a data preparation worker process died (out of memory?): lower data.workers or "
-                            "data.unit_bytes and run again; finished work units are kept") from None
+        raise _pool_broke(started.is_set()) from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _pool_broke(started: bool) -> DataPrepError:
+    """What to tell the user when a worker process died: while working (memory, most likely), or
+    before any was ready."""
+    if started:
+        return DataPrepError("a data preparation worker process died (out of memory?): lower data.workers or "
+                             "data.unit_bytes and run again; finished work units are kept")
+    script = _unguarded_script()
+    if script:
+        return DataPrepError(f"the data preparation worker processes ended before they could start: each one runs "
+                             f"{script} again first (Python's multiprocessing does), which calls this again; put "
+                             "that script's own work under `if __name__ == \"__main__\":` and run it again")
+    return DataPrepError("the data preparation worker processes ended before they could start; the error they "
+                         "printed above says why")
+
+
+def _unguarded_script() -> str | None:
+    """The script this process runs (``python script.py``, not ``-m``) when its text has no
+    ``__main__`` check, or None."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None:
+        return None
+    try:
+        return None if "__main__" in Path(path).read_text(errors="replace") else path
+    except OSError:
+        return None
