@@ -46,6 +46,13 @@ def _garbage(s: CheckpointStore, key: str) -> None:
     s.storage.put_bytes(key, b"\xff\x00 not json")
 
 
+def _a_directory(s: CheckpointStore, key: str) -> None:
+    """The key's file replaced by a directory (a hand-made mess: `mkdir` where a file was)."""
+    path = s.storage.local_path(key)
+    path.unlink()
+    path.mkdir()
+
+
 M8, NODE8 = f"{step_name(8)}/{MANIFEST}", f"{step_name(8)}/node_model.json"
 # damage → (key damaged, how, what a reader reports about step 8)
 CHECKPOINT_DAMAGE = {
@@ -59,6 +66,7 @@ CHECKPOINT_DAMAGE = {
                             "'/etc/passwd'"),
     "shard name with /": (M8, _edit_manifest(lambda m: m["files"].update({"a/b.pt": m["files"]["model.pt"]})), "'a/b.pt'"),
     "manifest of another step": (M8, _edit_manifest(lambda m: m.update(step=m["step"] + 1)), "it says step"),
+    "manifest is a directory": (M8, _a_directory, "a directory, not a file"),
     "truncated node record": (NODE8, _truncate, "not valid JSON"),
     "node record without shards": (NODE8, lambda s, k: s.storage.put_bytes(k, b'{"world_size": 1}'), "'shards'"),
 }
@@ -96,7 +104,7 @@ def test_a_damaged_verdict_makes_the_step_unjudged_again(tmp_path):
     assert s.latest_good() is None
 
 
-POINTER_DAMAGE = {"truncated": _truncate, "not JSON": _garbage,
+POINTER_DAMAGE = {"truncated": _truncate, "not JSON": _garbage, "a directory": _a_directory,
                   "no step": lambda s, k: s.storage.put_bytes(k, b'{"dir": "step_00000008"}'),
                   "step and dir disagree": lambda s, k: s.storage.put_bytes(k, b'{"step": 8, "dir": "step_00000004"}')}
 
@@ -168,9 +176,12 @@ def damage_of(campaign):
         s.storage.put_bytes(key, data)
 
 
-STATUS_DAMAGE = {**{k: v for k, v in CHECKPOINT_DAMAGE.items() if k in ("truncated manifest", "files is a list")},
+STATUS_DAMAGE = {**{k: v for k, v in CHECKPOINT_DAMAGE.items()
+                    if k in ("truncated manifest", "files is a list", "manifest is a directory")},
                  "latest pointer": (POINTER, _truncate, "damaged"), "good pointer": (GOOD, _truncate, "ignored"),
-                 "verdict": (f"{step_name(8)}/verdict.json", _truncate, "unjudged again")}
+                 "latest pointer is a directory": (POINTER, _a_directory, "a directory, not a file"),
+                 "verdict": (f"{step_name(8)}/verdict.json", _truncate, "unjudged again"),
+                 "verdict is a directory": (f"{step_name(8)}/verdict.json", _a_directory, "a directory, not a file")}
 
 
 @pytest.mark.parametrize("damage", list(STATUS_DAMAGE))

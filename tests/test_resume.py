@@ -132,7 +132,7 @@ def test_stage_fails_clearly_after_max_attempts(prefect_harness, prepared_data, 
 
 def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path):
     """The real CLI on a terminal (it shows the live training bar), killed with SIGKILL after the
-    first checkpoint, then the same command again."""
+    first checkpoint, its ``latest`` pointer replaced by a directory, then the same command again."""
     spec = slow_spec(tmp_path / "wd", prepared_data)
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
@@ -160,6 +160,9 @@ def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path)
     assert 0 < killed_at < 40
     # nothing the killed CLI started outlives it: each process notices its parent is gone and stops
     assert_all_exit(started)
+    pointer = ckpt_dir(spec) / ckpt.POINTER  # and its pointer is a mess: a directory where the file was
+    pointer.unlink()
+    pointer.mkdir()
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     status = campaign_status(spec.workdir_path)
@@ -169,4 +172,6 @@ def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path)
     assert starts[0]["source"] == "checkpoint" and starts[0]["step"] >= killed_at
     first_job = read_all(spec.workdir_path / "jobs" / "main" / "attempt_001" / "events.jsonl")
     assert min(e["step"] for e in first_job if e["event"] == "start") > 0  # never from step 0
+    assert ckpt.CheckpointStore.open(ckpt_dir(spec)).pointer_problems() == []  # written anew,
+    assert list(ckpt_dir(spec).glob(f"{ckpt.POINTER}.not-a-file-*"))  # the directory moved aside
     assert_mlflow_steps_unique(spec)

@@ -20,6 +20,7 @@ from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 from trainer.storage.s3 import S3Storage
 from trainer.storage import (
     LocalStorage,
+    NotAFile,
     NotFound,
     StorageError,
     open_storage,
@@ -137,6 +138,23 @@ def test_local_writes_are_atomic_and_hide_temporaries(tmp_path):
     assert store.list() == ["k"] and store.get_bytes("k") == b"v1"
     assert store.local_path("a/b") == tmp_path / "root" / "a" / "b"
     assert store.url == (tmp_path / "root").as_uri()
+
+
+@pytest.mark.parametrize("write", ["put_bytes", "put_stream"])
+def test_a_directory_where_a_key_belongs_is_reported_then_moved_aside_by_the_next_write(tmp_path, write):
+    store = LocalStorage(tmp_path / "root")
+    (tmp_path / "root" / "k").mkdir(parents=True)
+    (tmp_path / "root" / "k" / "kept").write_text("someone's files")
+
+    with pytest.raises(NotAFile, match="is a directory"):
+        store.get_bytes("k")
+    with pytest.raises(NotAFile):
+        store.size("k")
+    {"put_bytes": lambda: store.put_bytes("k", b"v"), "put_stream": lambda: store.put_stream("k", lambda f: f.write(b"v"))}[write]()
+
+    assert store.get_bytes("k") == b"v"
+    (aside,) = [p for p in (tmp_path / "root").iterdir() if p.name.startswith("k.not-a-file-")]
+    assert (aside / "kept").read_text() == "someone's files"  # moved, never deleted
 
 
 # --- URLs, secrets, credentials ----------------------------------------------------------

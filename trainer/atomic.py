@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(path: Path) -> None:
@@ -18,6 +22,18 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_moving_aside(tmp: Path, path: Path) -> None:
+    """``os.replace(tmp, path)``; a directory squatting on ``path`` (a hand-made mess, never one of
+    ours) is first renamed to ``<name>.not-a-file-<time>`` beside it: kept, never deleted."""
+    try:
+        os.replace(tmp, path)
+    except IsADirectoryError:
+        aside = path.with_name(f"{path.name}.not-a-file-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+        os.rename(path, aside)
+        log.warning("%s was a directory where a file belongs: moved it to %s and wrote the file", path, aside.name)
+        os.replace(tmp, path)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> str:
@@ -30,7 +46,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> str:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_moving_aside(tmp, path)
     finally:  # a failed write (disk full, I/O error) leaves no temporary behind
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from trainer.checkpoint import records
 from trainer.checkpoint.records import DamagedRecord, Manifest
-from trainer.storage import NotFound, Storage, open_storage
+from trainer.storage import NotAFile, NotFound, Storage, open_storage
 
 if TYPE_CHECKING:  # torch is imported where shards are written or read: `pretrain status` lists checkpoints without it
     import torch
@@ -148,6 +148,8 @@ class CheckpointStore:
             data = self.storage.get_bytes(key)
         except NotFound:
             return None
+        except NotAFile:
+            raise records.DamagedRecord(key, "a directory, not a file") from None
         return parse(key, data)
 
     def read_json(self, key: str) -> dict | None:
@@ -292,6 +294,9 @@ class CheckpointStore:
                 size = self.storage.size(key)
             except NotFound:
                 problems.append(f"{name}/{fname}: missing")
+                continue
+            except NotAFile:
+                problems.append(f"{name}/{fname}: a directory, not a file")
                 continue
             if size != entry.bytes:
                 problems.append(f"{name}/{fname}: {size} bytes, manifest says {entry.bytes}")

@@ -6,8 +6,8 @@ Keys are "/"-separated paths relative to the storage root; writes are atomic (a 
 old object or the complete new one).
 """
 
-from trainer.storage.base import MiB, NotFound, PreconditionFailed, Storage, StorageError, check_key
+from trainer.storage.base import MiB, NotAFile, NotFound, PreconditionFailed, Storage, StorageError, check_key
 from trainer.storage.local import LocalStorage
 from trainer.storage.url import open_storage
 
-__all__ = ["LocalStorage", "MiB", "NotFound", "PreconditionFailed", "Storage", "StorageError", "check_key", "open_storage"]
+__all__ = ["LocalStorage", "MiB", "NotAFile", "NotFound", "PreconditionFailed", "Storage", "StorageError", "check_key", "open_storage"]

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from trainer.atomic import fsync_dir
+from trainer.atomic import fsync_dir, replace_moving_aside
 
 MiB = 1 << 20
 _TMP_MARK = ".tmp-"  # temporaries are ".<name>.tmp-<pid>..." next to their target
@@ -28,6 +28,11 @@ class StorageError(RuntimeError):
 
 class NotFound(StorageError):
     """The key does not exist."""
+
+
+class NotAFile(StorageError):
+    """The key's name is taken by something that is not an object (a directory on a local disk):
+    damage of that key, for its reader to report; the next write of the key moves it aside."""
 
 
 class PreconditionFailed(StorageError):
@@ -62,9 +67,9 @@ def _mkdirs(directory: Path) -> None:
         fsync_dir(d.parent)
 
 
-def _write_local_atomic(dst: str | Path, write, publish=os.replace) -> None:
+def _write_local_atomic(dst: str | Path, write, publish=replace_moving_aside) -> None:
     """Call ``write(tmp)`` to fill a temporary next to ``dst``, then fsync, ``publish(tmp, dst)``
-    (a rename; ``os.link`` to fail if ``dst`` exists), fsync dir."""
+    (a rename, moving a directory squatting on ``dst`` aside; ``os.link`` to fail if ``dst`` exists), fsync dir."""
     dst = Path(dst).absolute()
     _mkdirs(dst.parent)
     tmp = dst.with_name(f".{dst.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")

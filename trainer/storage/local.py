@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 from trainer.atomic import atomic_write_bytes, fsync_dir
-from trainer.storage.base import (_TMP_MARK, MiB, NotFound, PreconditionFailed, Storage, StorageError, _dir_prefix,
+from trainer.storage.base import (_TMP_MARK, MiB, NotAFile, NotFound, PreconditionFailed, Storage, StorageError, _dir_prefix,
                                   _mkdirs, _write_local_atomic, check_key)
 
 
@@ -40,6 +40,8 @@ class LocalStorage(Storage):
 
     def _file(self, key: str) -> Path:
         path = self._path(key)
+        if path.is_dir():
+            raise NotAFile(f"{path} is a directory, not a file")
         if not path.is_file():
             raise NotFound(f"{self.url}: key {key!r} does not exist")
         return path
@@ -61,8 +63,10 @@ class LocalStorage(Storage):
     def get_bytes(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError):
             raise NotFound(f"{self.url}: key {key!r} does not exist") from None
+        except IsADirectoryError:
+            raise NotAFile(f"{self._path(key)} is a directory, not a file") from None
 
     def get_versioned(self, key: str) -> tuple[bytes, str]:
         data = self.get_bytes(key)
