@@ -52,7 +52,7 @@ def run(
         campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
         if why := not_runnable(campaign.cluster):
             raise SpecError(why)
-    _exit_if_ledger_damaged(campaign.workdir_path)
+    _exit_if_ledger_refuses(campaign)
     from deployments.live_progress import training_display
     from deployments.local_run import run_campaign_here
     from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce
@@ -135,13 +135,17 @@ def status(
         render(st)
 
 
-def _exit_if_ledger_damaged(workdir: Path) -> None:
-    """A damaged ledger stops ``run`` before anything starts: exit 2 saying how to recover."""
+def _exit_if_ledger_refuses(campaign) -> None:
+    """A damaged ledger (or one written by a newer release) stops ``run`` before anything starts,
+    as does the ledger of a campaign started from another spec: exit 2, one line saying what to
+    do, nothing written. (A spec with block references is hashed as resolved: the flow checks it.)"""
     from pretrain.layout import CampaignLayout
-    from pretrain.ledger import Ledger, LedgerError
+    from pretrain.ledger import CampaignMismatch, Ledger, LedgerError
 
-    with refused(LedgerError):  # damaged, or written by a newer release
-        Ledger.read(CampaignLayout(workdir))
+    with refused(LedgerError, CampaignMismatch):
+        ledger = Ledger.read(CampaignLayout(campaign.workdir_path))
+        if ledger is not None and not campaign.blocks.model_dump(exclude_defaults=True):
+            ledger.refuse_other_spec(campaign)
 
 
 @app.command("recover-ledger")

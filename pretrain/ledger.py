@@ -88,6 +88,12 @@ def _read_with_bytes(path: Path) -> tuple[bytes, CampaignRecord] | None:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raise LedgerDamaged(f"{path} is damaged (a directory, not a file). {_recovery(path)}") from None
+    except NotADirectoryError:
+        raise LedgerError(f"{path.parent} is a file, not a directory: give the campaign's workdir") from None
+    except OSError as err:
+        raise LedgerError(f"cannot read {path}: {err.strerror or err}") from None
     try:
         return data, _parse(path, data)
     except LedgerDamaged as err:
@@ -254,8 +260,8 @@ class Ledger:
         return self.record
 
     def mutate(self, change: Callable[[CampaignRecord], object]) -> CampaignRecord:
-        """Re-read the file, apply ``change(record)``, write it back (the bytes read, which were
-        just validated, become ``.prev``)."""
+        """Re-read the file, apply ``change(record)``, write it back if it changed (the bytes read,
+        which were just validated, become ``.prev``)."""
         if self.remote is not None:  # conditional writes: a lost race re-reads and re-applies ``change``
             self.record = self.remote.update(change, self.record)
             return self.record
@@ -264,8 +270,10 @@ class Ledger:
             current = None
             if read is not None:
                 current, self.record = read
+            before = self.record.model_copy(deep=True)
             change(self.record)
-            self._write(current)
+            if read is None or self.record != before:  # a change that changes nothing writes nothing
+                self._write(current)
         return self.record
 
     def stage(self, name: str) -> StageRecord:

@@ -38,6 +38,7 @@ DAMAGE = {
     "stage without status": (_edit(lambda d: d["stages"]["warmup"].pop("status")), "'status'"),
     "attempts a string": (_edit(lambda d: d["stages"]["main"].update(attempts="2")), "'attempts'"),
     "verdict without verdict": (_edit(lambda d: d["stages"]["main"]["verdicts"].append({"step": 4})), "'verdict'"),
+    "a directory": (lambda p: (p.unlink(), p.mkdir()), "a directory, not a file"),
 }
 
 
@@ -70,6 +71,15 @@ def test_every_save_keeps_the_previous_generation(spec):
     Ledger.open(spec).set_status(CampaignStatus.COMPLETED)
     assert layout.ledger.with_name("ledger.json.prev").read_bytes() == before
     assert json.loads(layout.ledger.read_text())["status"] == "completed"
+
+
+def test_an_update_that_changes_nothing_keeps_both_generations(spec):
+    """(A run refused before it started has its failure hook look at the ledger: nothing to record.)"""
+    layout = CampaignLayout(spec.workdir_path)
+    prev = layout.ledger.with_name("ledger.json.prev")
+    before = (layout.ledger.read_bytes(), prev.read_bytes())
+    Ledger.open(spec).mutate(lambda r: None)
+    assert (layout.ledger.read_bytes(), prev.read_bytes()) == before
 
 
 def test_two_threads_updating_the_ledger_lose_no_update(spec):
@@ -111,6 +121,31 @@ def test_status_and_run_refuse_a_damaged_ledger_and_recover_ledger_restores_it(s
     (aside,) = root.glob("ledger.json.damaged-*")  # kept, never deleted
     assert str(aside) in proc.stdout and json.loads((root / "ledger.json").read_text())["status"] == "new"
     assert pretrain_cli("status", "--workdir", str(root)).returncode == 0
+
+
+def test_a_run_of_another_spec_is_refused_in_one_line_and_writes_nothing(spec, tmp_path):
+    root = spec.workdir_path
+    other = spec.model_dump(mode="json")
+    other["stages"][0]["steps"] += 1  # a typo in the spec, or the wrong spec for this workdir
+    spec_file = tmp_path / "other.yaml"
+    spec_file.write_text(yaml.safe_dump(other))
+    before = {p.name: p.read_bytes() for p in root.iterdir()}
+
+    proc = pretrain_cli("run", str(spec_file), "--workdir", str(root))
+
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert "resume it with its original spec" in proc.stderr and "Flow run" not in proc.stderr + proc.stdout
+    assert {p.name: p.read_bytes() for p in root.iterdir()} == before  # both generations kept as they were
+
+
+def test_a_workdir_that_is_a_file_is_one_line_in_every_command(tmp_path):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a campaign")
+    for args in (("status",), ("status", "--json"), ("report",), ("recover-ledger",), ("run",)):
+        proc = pretrain_cli(*args, "--workdir", str(afile))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, (args, proc.stderr)
+        assert "not a directory" in proc.stderr, (args, proc.stderr)
+    assert afile.read_text() == "not a campaign"
 
 
 def test_without_an_intact_previous_generation_the_error_says_what_to_do(spec):
