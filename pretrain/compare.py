@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
+from sqlalchemy.exc import SQLAlchemyError
 from mlflow.tracking import MlflowClient
 
 from pretrain.layout import CampaignLayout
@@ -193,6 +194,9 @@ def compare(labels: list[str], tracking_uri: str) -> list[CampaignSummary]:
             target = resolve(label, tracking_uri)
             uri = target.tracking_uri
             out.append(summarize(target))
+        except SQLAlchemyError as err:  # a damaged or foreign sqlite file where the store should be
+            raise CompareError(f"{label}: the MLflow store at {redact(uri)} cannot be read ({describe_error(err, 160)}): "
+                               "is it an MLflow database? Give the campaigns' store with --tracking-uri") from None
         except (MlflowException, OSError) as err:
             if transient(err):  # unreachable, timing out, failing on its side
                 raise CompareError(f"{label}: MLflow at {redact(uri)} cannot be reached ({describe_error(err, 160)}); "

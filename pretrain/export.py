@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint_info import CheckpointInfo, describe
+from pretrain.checkpoint_info import CheckpointInfo, CheckpointInfoError, describe
 from pretrain.dataset.tokenizer import EOT
 from pretrain.evaluation import require_valid
 from pretrain.export_target import PROVENANCE, check_out
@@ -82,6 +82,14 @@ def _json(path: Path, obj: dict) -> None:
     _write(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+def _tokenizer_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:  # gone, a directory where the file belongs, no permission
+        raise CheckpointInfoError(f"cannot read the data set's tokenizer {path} ({err.strerror or err}): give the data "
+                                  "set the checkpoint was trained on with --data-dir, or prepare it again") from None
+
+
 def write_hf_dir(tmp: Path, info: CheckpointInfo) -> None:
     """Fill ``tmp`` with the weights, configs, tokenizer and a provenance record."""
     from safetensors.torch import save_file
@@ -94,7 +102,7 @@ def write_hf_dir(tmp: Path, info: CheckpointInfo) -> None:
         os.fsync(f.fileno())
     _json(tmp / "config.json", hf_config(cfg, eot_id))
     _json(tmp / "generation_config.json", {"bos_token_id": eot_id, "eos_token_id": eot_id})
-    _write(tmp / "tokenizer.json", (info.data_dir / data.get("tokenizer", "tokenizer.json")).read_bytes())
+    _write(tmp / "tokenizer.json", _tokenizer_bytes(info.data_dir / data.get("tokenizer", "tokenizer.json")))
     special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
     _json(tmp / "special_tokens_map.json", special)
     _json(tmp / "tokenizer_config.json", {**special, "tokenizer_class": "PreTrainedTokenizerFast",

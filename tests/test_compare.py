@@ -160,6 +160,10 @@ def test_what_cannot_be_compared_says_why_and_what_to_do(prepared_data, tmp_path
     with pytest.raises(CompareError, match="no MLflow store at .*give their store with --tracking-uri"):
         compare(["lr-high"], f"sqlite:///{store}")
     assert not store.exists()  # not created by looking
+    garbage = tmp_path / "mlflow.db"  # damaged, or some other file under that name
+    garbage.write_bytes(b"\x00garbage, not sqlite" * 200)
+    with pytest.raises(CompareError, match="store at .* cannot be read .*is it an MLflow database"):
+        compare(["lr-high"], f"sqlite:///{garbage}")
     shutil.copyfile(_tracking_template(prepared_data), store)
     tracker = Tracker(f"sqlite:///{store}", "pretrain", tmp_path / "mlartifacts")
     for campaign_id in ("one", "two"):  # two campaigns of one name (different workdirs)

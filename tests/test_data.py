@@ -76,12 +76,17 @@ def test_data_groups_are_packed_separately_and_mixed_in_exact_proportions(tmp_pa
     lambda t: t.replace(b'"version": 2', b'"version": 7'),  # written by a newer release
     lambda t: t.replace(b'"file": "train_00000.bin"', b'"file": "../../etc/passwd"'),  # a shard outside the set
     lambda t: t.replace(b'"fingerprint"', b'"fingerprunt"'),  # version 2 without its fingerprint
-], ids=["truncated", "not utf-8", "a list", "no splits", "newer version", "shard outside", "no fingerprint"])
+    None,  # a directory where the file belongs
+], ids=["truncated", "not utf-8", "a list", "no splits", "newer version", "shard outside", "no fingerprint", "a directory"])
 def test_a_damaged_data_manifest_is_a_clear_error_and_preparation_redoes_it(tmp_path, damage):
     spec = DataSpec(sources=["{stdlib}/json/*.py"], max_bytes=50_000, tokenizer={"vocab_size": 300})
     out = Path(prepare(spec, tmp_path / "data", work=tmp_path / "work", log=lambda *_: None)["location"])
     manifest = out / "manifest.json"
-    manifest.write_bytes(damage(manifest.read_bytes()))
+    if damage is None:
+        manifest.unlink()
+        manifest.mkdir()
+    else:
+        manifest.write_bytes(damage(manifest.read_bytes()))
     with pytest.raises(DataError) as raised:  # what a worker, the gate or the evaluation would read
         read_manifest(out)
     assert str(manifest) in str(raised.value)

@@ -3,6 +3,7 @@ GPT2LMHeadModel with the same logits, tokens and greedy continuation as our mode
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,21 @@ def test_export_refuses_a_corrupted_checkpoint_and_replaces_atomically(trained_c
     export_checkpoint(ref.location, out, overwrite=True)
     assert not (out / "stale.txt").exists() and (out / WEIGHTS).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "out"]
+
+
+def test_a_tokenizer_that_cannot_be_read_is_one_line_naming_it(trained_checkpoint, tmp_path):
+    spec, ref = trained_checkpoint
+    data = tmp_path / "data"
+    shutil.copytree(campaign_data_dir(spec), data)
+    tokenizer = data / read_manifest(data).get("tokenizer", "tokenizer.json")
+    tokenizer.unlink()
+    tokenizer.mkdir()  # a directory where the file belongs
+
+    proc = pretrain_cli("export", ref.location, str(tmp_path / "out"), "--data-dir", str(data))
+
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"cannot read the data set's tokenizer {tokenizer}" in proc.stderr and "--data-dir" in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def _files(root: Path) -> set[str]:

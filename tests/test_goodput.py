@@ -108,6 +108,7 @@ def test_damaged_job_streams_are_skipped_not_fatal(tmp_path):
     (job / "metrics.jsonl").write_bytes(b'{"time": 6, "step": 1, "step_time": 1.0}\n\x00\x00garbage\n{"step": "x"}\n')
     (job / "events.jsonl").write_bytes(b"[1, 2]\n")
     (tmp_path / "jobs" / "main" / "attempt_notanumber").mkdir()
+    (tmp_path / "jobs" / "main" / "attempt_001" / "events.jsonl").mkdir(parents=True)  # a directory, not a stream
     spans = [{"kind": "run", "start": 0.0, "end": 10.0}, {"kind": "stage", "stage": "main", "start": 0.0, "end": 10.0}]
     stage = goodput_report(_ledger(tmp_path, spans), CampaignLayout(tmp_path))["stages"]["main"]
     assert stage["parts_s"]["productive"] == 1.0 and sum(stage["parts_s"].values()) == pytest.approx(10.0)

@@ -30,10 +30,16 @@ def replace_moving_aside(tmp: Path, path: Path) -> None:
     try:
         os.replace(tmp, path)
     except IsADirectoryError:
-        aside = path.with_name(f"{path.name}.not-a-file-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
-        os.rename(path, aside)
-        log.warning("%s was a directory where a file belongs: moved it to %s and wrote the file", path, aside.name)
+        move_aside(path)
         os.replace(tmp, path)
+
+
+def move_aside(path: Path) -> Path:
+    """Rename the directory at ``path`` (where a file belongs) to ``<name>.not-a-file-<time>``."""
+    aside = path.with_name(f"{path.name}.not-a-file-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    os.rename(path, aside)
+    log.warning("%s was a directory where a file belongs: moved it to %s", path, aside.name)
+    return aside
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> str:

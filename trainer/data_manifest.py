@@ -95,8 +95,13 @@ def read_manifest(data_dir: str | Path) -> dict:
     path = Path(data_dir) / MANIFEST
     try:
         raw = path.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise DataError(f"no data manifest at {path}: run data preparation first (`pretrain run` does)") from None
+    except IsADirectoryError:
+        raise DataError(f"{path} is damaged (a directory, not a file): run data preparation again "
+                        "(`pretrain run` redoes it)") from None
+    except OSError as err:  # no permission, an I/O error
+        raise DataError(f"cannot read the data manifest {path} ({err.strerror or err})") from None
     return load_manifest(raw, str(path))
 
 

@@ -59,8 +59,10 @@ def read_new_lines(path: str | Path, offset: int, final: bool = False) -> NewLin
         with open(path, "rb") as f:
             f.seek(offset)
             chunk = f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return NewLines([], offset)
+    except IsADirectoryError:  # a hand-made mess where the stream belongs: nothing to read, one damage
+        return NewLines([], offset, 1)
     end = len(chunk) if final else chunk.rfind(b"\n") + 1
     lines = [line for line in chunk[:end].split(b"\n") if line.strip()]
     records = [r for r in map(_parse, lines) if r is not None]

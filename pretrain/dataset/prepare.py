@@ -22,9 +22,9 @@ from pretrain.dataset.tokenizer import LoadedTokenizer, load_tokenizer
 from pretrain.dataset.upload import Uploader
 from pretrain.dataset.unitcache import UnitResult, clear_stale_temporaries, prune, read_unit_result, unit_dir_name
 from pretrain.spec_data import DataSpec
-from trainer.atomic import atomic_write_bytes
+from trainer.atomic import atomic_write_bytes, move_aside
 from trainer.data_manifest import MANIFEST, SKIP_REASONS, TOKENIZER_FILE, DamagedManifest, encode_manifest, parse_manifest
-from trainer.storage import NotFound, StorageError, open_storage
+from trainer.storage import NotAFile, NotFound, StorageError, open_storage
 from trainer.resilience.diskfull import describe, is_disk_full
 
 
@@ -37,6 +37,9 @@ def _existing(target, location: str, log) -> dict | None:
     try:
         raw = target.get_bytes(MANIFEST)
     except NotFound:
+        return None
+    except NotAFile as err:  # moved aside when the new manifest is written
+        log(f"{location}/{MANIFEST} is damaged ({err}); preparing it again")
         return None
     except StorageError as err:
         raise DataPrepError(f"cannot read data sets under {location}: {err}") from None
@@ -212,7 +215,9 @@ def _write_data_set(data, sources, flat, units, results, tok: LoadedTokenizer, f
     """Tokenizer, shards and (last) the manifest into ``out`` (each but the manifest handed to
     ``uploader`` once written, for an S3 data set); returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # a damaged one: uncommit before touching shards
+    if (out / MANIFEST).is_dir():  # a damaged one: uncommit before touching shards
+        move_aside(out / MANIFEST)
+    (out / MANIFEST).unlink(missing_ok=True)
     itemsize = 2 if tok.dtype == "uint16" else 4
     need = sum((r.tokens + r.documents) * itemsize for _, r in results) + len(tok.json)
     assembled = [AssembledUnit(i, flat[i].group, flat[i].weight, p, r)
