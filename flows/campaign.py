@@ -180,7 +180,7 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     logger = get_run_logger()
     ledger = Ledger.open(spec)
     spec = spec.with_tracking_uri(ledger.record.mlflow.tracking_uri)  # its own store, from whichever directory it resumes
-    ledger.begin_run(flow_run.get_id())
+    ledger.begin_run(flow_run.get_id(), spec)
     logger.info("campaign %s in %s (spec %s)", spec.name, spec.workdir_path, spec.spec_hash())
     parent_run_id = open_campaign_run(spec, ledger)
     link_mlflow_run(spec, tracker_for(spec).experiment_id, parent_run_id)

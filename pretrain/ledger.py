@@ -285,10 +285,17 @@ class Ledger:
 
     # the campaign
 
-    def begin_run(self, flow_run: str) -> None:
-        """A run of the campaign flow starts working on it."""
+    def begin_run(self, flow_run: str, spec: CampaignSpec | None = None) -> None:
+        """A run of the campaign flow starts working on it (from ``spec``'s workdir: a campaign moved
+        or copied elsewhere records where its stages' checkpoints are now)."""
         def change(r: CampaignRecord) -> None:
             r.status, r.invocations, r.flow_run = CampaignStatus.RUNNING, r.invocations + 1, flow_run
+            for name, stage in r.stages.items() if spec is not None else ():
+                old, new = stage.checkpoints, redact(checkpoint_location(spec, name))
+                for ref in (stage.good_checkpoint, stage.final_checkpoint):
+                    if ref is not None and old != new and ref.path.startswith(old + "/"):
+                        ref.path = new + ref.path[len(old):]
+                stage.checkpoints = new
         self.mutate(change)
 
     def set_status(self, status: CampaignStatus) -> None:

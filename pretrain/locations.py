@@ -4,6 +4,8 @@ without importing the job builder (``pretrain.jobs``) that depends on them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pretrain.layout import CampaignLayout
 from pretrain.spec import CampaignSpec
 
@@ -11,6 +13,17 @@ from pretrain.spec import CampaignSpec
 def checkpoint_location(spec: CampaignSpec, stage: str) -> str:
     uri = spec.checkpoint.uri
     return f"{uri.rstrip('/')}/{stage}" if uri else str(CampaignLayout(spec.workdir_path).ckpt_dir(stage))
+
+
+def recorded_checkpoints(layout: CampaignLayout, stage: str, recorded: str) -> tuple[str, str | None]:
+    """Where to read the checkpoints of ``stage`` that the ledger records at ``recorded``, and a
+    note when the campaign was moved or copied: the default place of another directory
+    (``<old workdir>/checkpoints/<stage>``) is read in this workdir instead."""
+    here, path = layout.ckpt_dir(stage), Path(recorded)
+    if "://" in recorded or path == here or path.parts[-2:] != ("checkpoints", stage) or not here.is_dir():
+        return recorded, None
+    return str(here), (f"the ledger records this stage's checkpoints in {path.parent.parent}: the campaign was moved or "
+                       f"copied from there; those in {layout.root} are shown (the next `pretrain run` records the new place)")
 
 
 def s3_options(endpoint_url: str | None = None, region: str | None = None) -> dict:

@@ -10,6 +10,7 @@ from pathlib import Path
 from pretrain.goodput import ALL, DESCRIPTIONS
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
+from pretrain.locations import recorded_checkpoints
 from pretrain.redact import redact, redact_tree
 from pretrain.status import campaign_status
 from trainer.checkpoint.store import GOOD, CheckpointStore
@@ -21,12 +22,14 @@ def checkpoint_rows(workdir: str | Path, s3_credentials: dict | None = None) -> 
     """One row per stored checkpoint of every stage, oldest first: its verdict (good / bad /
     unvalidated), whether it is the stage's good checkpoint, and its evaluation loss if evaluated
     (anything credential-shaped redacted). ``s3_credentials``: S3 client arguments for the reads."""
-    ledger = Ledger.read(CampaignLayout(Path(workdir)))
+    layout = CampaignLayout(Path(workdir).expanduser().resolve())
+    ledger = Ledger.read(layout)
     if ledger is None:
         return []
     rows = []
     for name, stage in ledger.record.stages.items():
-        store = CheckpointStore.open(stage.checkpoints, {**ledger.record.storage_options, **(s3_credentials or {})})
+        where, _ = recorded_checkpoints(layout, name, stage.checkpoints)
+        store = CheckpointStore.open(where, {**ledger.record.storage_options, **(s3_credentials or {})})
         good = store.read_pointer(GOOD)
         evaluated = stage.eval or {}
         for step in sorted(store.committed_steps()):

@@ -10,6 +10,7 @@ from rich.table import Table
 from pretrain.goodput import ALL, goodput_report
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
+from pretrain.locations import recorded_checkpoints
 from pretrain.redact import redact_tree
 from trainer.checkpoint.store import CheckpointStore
 
@@ -30,7 +31,8 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, liv
     goodput = goodput_report(r, layout, live=live)
     stages = []
     for name, s in r.stages.items():
-        store = CheckpointStore.open(s.checkpoints, {**r.storage_options, **(s3_credentials or {})})
+        where, moved = recorded_checkpoints(layout, name, s.checkpoints)
+        store = CheckpointStore.open(where, {**r.storage_options, **(s3_credentials or {})})
         latest, good = store.latest_complete(), store.latest_good()
         entries = s.model_dump(mode="json", include={"verdicts", "resizes", "rewinds", "failures", "resumes"})
         stages.append({
@@ -40,7 +42,7 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, liv
             "good_checkpoint": good.to_dict() if good else None,
             "bad_checkpoints": [v for v in entries["verdicts"] if v["verdict"] == "bad"],
             "attempts": s.attempts, "restarts": s.restarts, "resizes": entries["resizes"],
-            "rewinds": entries["rewinds"], "problems": store.record_problems(),
+            "rewinds": entries["rewinds"], "problems": [moved] * bool(moved) + store.record_problems(),
             "failures": entries["failures"], "resumes": entries["resumes"], "mlflow_run_id": s.mlflow_run_id, "eval": s.eval,
             "goodput": goodput["stages"][name],
         })

@@ -4,16 +4,19 @@ the previous generation (ledger.json.prev), which `pretrain recover-ledger` rest
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import pretrain_cli, small_spec
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger, LedgerDamaged, LedgerError, recover_ledger
-from pretrain.ledger_schema import CampaignStatus, Failure, StageStatus
+from pretrain.ledger_schema import CampaignStatus, CheckpointRef, Failure, StageStatus
 from pretrain.status import campaign_status
+from trainer.checkpoint.store import CheckpointStore, rank_shard_name
 
 
 def _truncate(path):
@@ -244,3 +247,26 @@ def test_a_resumed_job_span_continues_the_open_span_of_its_dead_process(spec):
     [adopted, fresh] = Ledger.open(spec).record.spans
     assert adopted.start == dead.start and adopted.end is not None and adopted.attempt == 0
     assert fresh.attempt == 1 and fresh.start >= adopted.start and fresh.end is not None
+
+
+def test_a_moved_campaign_shows_its_checkpoints_and_its_next_run_records_the_new_place(spec, tmp_path):
+    store = CheckpointStore.open(CampaignLayout(spec.workdir_path).ckpt_dir("main"))
+    shards = [store.write_shard(4, "model.pt", {"w": torch.zeros(2)}), store.write_shard(4, rank_shard_name(0), {})]
+    store.write_node_record(4, "model", 1, shards)
+    store.commit(4, shards, {"stage": "main", "world_size": 1})
+    store.set_verdict(4, {"verdict": "good", "problems": []})
+    Ledger.open(spec).mutate(lambda r: setattr(r.stages["main"], "good_checkpoint",
+                                               CheckpointRef(step=4, path=store.ref(4).location)))
+    moved = tmp_path / "elsewhere" / "c1"
+    shutil.move(spec.workdir_path, moved)  # to a bigger disk, say
+
+    def main_stage() -> dict:
+        return next(s for s in campaign_status(moved)["stages"] if s["name"] == "main")
+    assert main_stage()["steps_done"] == 4 and "moved or copied" in main_stage()["problems"][0]
+
+    Ledger.read(CampaignLayout(moved)).begin_run("after-the-move", spec.with_workdir(moved))
+    record = Ledger.read(CampaignLayout(moved)).record.stages["main"]
+    assert record.checkpoints == str(moved / "checkpoints" / "main")
+    assert record.good_checkpoint.path == str(moved / "checkpoints" / "main" / "step_00000004")  # what init_from takes
+    assert main_stage()["steps_done"] == 4 and main_stage()["problems"] == []
+
