@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREF
 LOG_PREFIX = "pretrain-api-server-"  # + the CLI's pid + .log, in Prefect's home
 LOG_TAIL_LINES = 15
 STOP_TIMEOUT_S = 10.0
+MAX_RESTARTS = 5  # a server that keeps dying after this many restarts is left down (the run then fails)
 
 
 class ApiServerError(RuntimeError):
@@ -65,31 +67,66 @@ class ApiServer:
     def __init__(self, log_dir: Path | None = None) -> None:
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+        self.port: int | None = None
         self.log_dir = log_dir
         self.log_path: Path | None = None
+        self.restarts = 0
+        self._watching = False
+        self.keeper: threading.Thread | None = None
+        self._lock = threading.Lock()  # a restart and ``stop`` never interleave
 
     def start(self, timeout_s: float, attempts: int = 3) -> str:
         """Launch the server and wait until it answers; its API URL."""
         self.launch()
         return self.wait_ready(timeout_s, attempts)
 
-    def launch(self) -> None:
+    def launch(self, port: int | None = None) -> None:
         """Start the server process and return at once (the caller may do other work meanwhile:
-        the server takes seconds to answer); ``wait_ready`` waits for it."""
+        the server takes seconds to answer); ``wait_ready`` waits for it. ``port``: a restart's
+        (the same URL, its log appended to), else a free one."""
         from prefect.settings import get_current_settings
 
         settings = get_current_settings()
         env = child_env({**os.environ, **SERVER_ENV, **settings.to_environment_variables(exclude_unset=True)})
         log_dir = Path(self.log_dir or settings.home)
         log_dir.mkdir(parents=True, exist_ok=True)
-        sweep_empty_logs(log_dir)
+        if port is None:
+            sweep_empty_logs(log_dir)
         self.log_path = log_dir / f"{LOG_PREFIX}{os.getpid()}.log"
-        port = free_port()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "deployments.api_server", "--port", str(port)], env=env,
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        self.port = port or free_port()
+        with open(self.log_path, "ab" if port else "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "deployments.api_server", "--port", str(self.port)],
+                                         env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
-        self.url = f"http://{HOST}:{port}/api"
+        self.url = f"http://{HOST}:{self.port}/api"
+
+    def keep_alive(self, notice: Callable[[str], None], timeout_s: float) -> None:
+        """Restart the server on its port whenever it exits before ``stop`` (killed, out of memory),
+        up to ``MAX_RESTARTS`` times: Prefect's clients retry a refused connection for about a
+        minute, so the run goes on as if nothing happened. ``notice`` tells the user."""
+        self._watching = True
+        self.keeper = threading.Thread(target=self._watch, args=(notice, timeout_s), name="api-server-keeper", daemon=True)
+        self.keeper.start()
+
+    def _watch(self, notice: Callable[[str], None], timeout_s: float) -> None:
+        while (proc := self.proc) is not None:
+            code = proc.wait()
+            with self._lock:
+                if not self._watching or self.proc is not proc:
+                    return
+                if self.restarts >= MAX_RESTARTS:
+                    notice(f"the local Prefect API server exited ({_exit_cause(code)}) after {self.restarts} restart(s): "
+                           f"not restarting it again; training goes on, the run fails at its next state change. Its "
+                           f"log: {self.log_path}")
+                    return
+                self.restarts += 1
+                notice(f"the local Prefect API server exited ({_exit_cause(code)}): restarting it on port {self.port}; "
+                       "the run goes on (its log: " + str(self.log_path) + ")")
+                self.launch(self.port)
+            if self._healthy(timeout_s):
+                notice("the local Prefect API server is back")
+            elif (proc := self.proc) is not None and proc.poll() is None:
+                proc.kill()  # not answering: the next round restarts it
 
     def wait_ready(self, timeout_s: float, attempts: int = 3) -> str:
         """The API URL once the launched server answers; a server that exits or does not answer
@@ -117,7 +154,7 @@ class ApiServer:
     def _healthy(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2) as client:
-            while time.monotonic() < deadline and self.proc.poll() is None:
+            while time.monotonic() < deadline and (proc := self.proc) is not None and proc.poll() is None:
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
                         return True
@@ -129,7 +166,9 @@ class ApiServer:
     def stop(self, timeout_s: float = STOP_TIMEOUT_S, keep_log: bool = False) -> None:
         """SIGTERM (uvicorn shuts down cleanly), then SIGKILL to its whole group (idempotent); its
         log goes unless ``keep_log`` or it holds something."""
-        proc, self.proc = self.proc, None
+        with self._lock:
+            self._watching = False
+            proc, self.proc = self.proc, None
         if proc is None:
             return
         if proc.poll() is None:
@@ -145,6 +184,10 @@ class ApiServer:
         proc.wait()
         if not keep_log and self.log_path is not None and self.log_path.exists() and not self.log_path.stat().st_size:
             self.log_path.unlink(missing_ok=True)
+
+
+def _exit_cause(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
 
 
 def drain_prefect_workers() -> None:
@@ -184,11 +227,13 @@ def _prefect_queues_drained() -> Iterator[None]:
 
 
 @contextmanager
-def api_server_for_this_run(while_starting: Callable[[], object] | None = None) -> Iterator[ApiServer | None]:
+def api_server_for_this_run(while_starting: Callable[[], object] | None = None,
+                            notice: Callable[[str], None] | None = None) -> Iterator[ApiServer | None]:
     """Point Prefect at a server owned by this process for the block, if Prefect would otherwise
     start its ephemeral one; a configured ``PREFECT_API_URL`` is used as it is (yields None). The
     logs and events the block queued are sent before it ends, while the server is up.
-    ``while_starting`` (e.g. importing the flow, ~5 s) runs while the server starts (~6 s)."""
+    ``while_starting`` (e.g. importing the flow, ~5 s) runs while the server starts (~6 s). A
+    server that exits meanwhile is restarted on its port, ``notice`` (default: stderr) saying so."""
     from prefect.context import _temporary_global_settings_context, get_settings_context
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
@@ -205,6 +250,8 @@ def api_server_for_this_run(while_starting: Callable[[], object] | None = None) 
         if while_starting is not None:
             while_starting()
         url = server.wait_ready(settings.server.ephemeral.startup_timeout_seconds)
+        server.keep_alive(notice or (lambda msg: print(msg, file=sys.stderr, flush=True)),
+                          settings.server.ephemeral.startup_timeout_seconds)
         # this context and the process-global one: Prefect's log and event workers run in
         # threads of their own, which see the global settings
         with temporary_settings(updates={PREFECT_API_URL: url}), \

@@ -4,9 +4,11 @@ goes to its own log, not to the user's terminal; a failed start says why from th
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
+from conftest import wait_for
 from deployments.api_server import ApiServer, ApiServerError
 
 
@@ -35,6 +37,30 @@ def test_a_server_that_ran_cleanly_leaves_no_log_behind(tmp_path, capfd):
     assert list(tmp_path.iterdir()) == []
     out, err = capfd.readouterr()
     assert out + err == ""
+
+
+def test_a_server_killed_under_a_run_is_restarted_on_its_port_and_prefect_s_client_carries_on(tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    server = ApiServer(log_dir=tmp_path)
+    url = server.start(timeout_s=60)
+    notices: list[str] = []
+    server.keep_alive(notices.append, 60)
+    first = server.proc
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+            before = client.hello().status_code
+            os.kill(first.pid, signal.SIGKILL)  # killed mid-run: OOM killer, a stray `pkill python`
+            after = client.hello().status_code  # retried until the restarted server answers
+        assert before == after == 200
+        wait_for(lambda: "the local Prefect API server is back" in notices, 60, "the restart's notice")
+        assert server.url == url and server.proc.pid != first.pid
+        assert "exited (killed by SIGKILL): restarting it on port" in notices[0]
+    finally:
+        server.stop()
+    server.keeper.join(30)
+    assert not server.keeper.is_alive() and server.proc is None and server.restarts == 1  # a stop is not a death
 
 
 def test_empty_logs_of_gone_runs_are_swept_and_others_kept(tmp_path):
