@@ -14,53 +14,13 @@ out of the terminal's reach, and stopped last.
 from __future__ import annotations
 
 import importlib
-import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from deployments.api_server import api_server_for_this_run
+from deployments.console import console_without_tracebacks
 from pretrain.budget import PauseRequest, current_pause, pausing
-from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce, StopRequest, stop_on_signals, supervise
+from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce, stop_on_signals, supervise
 from pretrain.spec import CampaignSpec
-
-
-class _NoInterruptTraceback(logging.Formatter):
-    """An operator's stop is not an error: Prefect logs the exception of every task and flow it
-    ends with its traceback. On the console, once a stop is asked for, show only the message
-    (the interruption itself, or what the terminal's Ctrl-C broke on the way, e.g. a validation
-    process in its process group); Prefect's API logs keep the tracebacks."""
-
-    def __init__(self, inner: logging.Formatter | None, stop: StopRequest):
-        super().__init__()
-        self.inner, self.stop = inner or logging.Formatter(), stop
-
-    def format(self, record: logging.LogRecord) -> str:
-        if record.exc_info and (self.stop.requested.is_set() or isinstance(record.exc_info[1], CampaignInterrupted)):
-            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
-        return self.inner.format(record)
-
-
-@contextmanager
-def _quiet_interrupt_tracebacks(stop: StopRequest) -> Iterator[None]:
-    from prefect.logging.handlers import PrefectConsoleHandler
-
-    handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
-    formatters = [h.formatter for h in handlers]
-    for h in handlers:
-        h.setFormatter(_NoInterruptTraceback(h.formatter, stop))
-    try:
-        yield
-    except StoppedAtOnce:
-        raise  # kept: the flow thread goes on logging until the process exits
-    except BaseException:
-        _set_formatters(handlers, formatters)
-        raise
-    _set_formatters(handlers, formatters)
-
-
-def _set_formatters(handlers: list[logging.Handler], formatters: list[logging.Formatter | None]) -> None:
-    for h, f in zip(handlers, formatters):
-        h.setFormatter(f)
 
 
 def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict:
@@ -74,7 +34,7 @@ def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict
     grace_s = spec.resume.grace_period_s
     with stop_on_signals() as stop, pausing(pause), \
             api_server_for_this_run(while_starting=lambda: importlib.import_module("flows.campaign"), notice=notice), \
-            _quiet_interrupt_tracebacks(stop):
+            console_without_tracebacks():
         from flows.campaign import pretrain_campaign
 
         stop.raise_if_requested("before the campaign started")

@@ -130,6 +130,26 @@ def test_stage_fails_clearly_after_max_attempts(prefect_harness, prepared_data, 
     assert found["pretrain.stage.failed"]["payload"]["cause"] == "data"
 
 
+def test_a_campaign_that_fails_for_good_says_why_without_a_traceback(prepared_data, tmp_path):
+    """`pretrain run` of a stage that cannot start (windows longer than the data): the user reads
+    what failed, where its logs are and what to do; Prefect's tracebacks stay in the run's logs."""
+    spec = small_spec(tmp_path / "wd", model={"n_layer": 1, "n_head": 1, "d_model": 8, "max_seq_len": 65536},
+                      stages=[{"name": "main", "steps": 5, "seq_len": 60000}], resume={"max_attempts": 1},
+                      cluster={"workers_per_node": 1, "max_restarts": 0},
+                      checkpoint={"interval": 4, "memory_interval": 0, "keep": 2})
+    seed_data(spec, prepared_data)
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "run", str(spec_file)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+
+    shown = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in shown, shown[-4000:]
+    assert "campaign failed: stage main stopped at step 0/5 after 1 attempt(s)" in proc.stderr, proc.stderr[-3000:]
+    assert "no window of 60001 tokens" in shown and "run the same command again" in proc.stderr.lower()
+
+
 def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path):
     """The real CLI on a terminal (it shows the live training bar), killed with SIGKILL after the
     first checkpoint, its ``latest`` pointer replaced by a directory, then the same command again."""

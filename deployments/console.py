@@ -1,0 +1,54 @@
+"""What ``pretrain run`` and ``pretrain data prepare`` show of Prefect's logs on the console.
+
+Prefect logs the exception of every task and flow run it ends with its traceback. The CLI says
+what failed and what to do in its own last lines (a stage that failed for good, a refused
+workdir, an operator's stop), so on the console each such record shows its message only; the
+tracebacks stay in the flow run's logs (the Prefect UI, ``prefect flow-run logs ID``), and
+``PREFECT_LOGGING_LEVEL=DEBUG`` shows them on the console too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from pretrain.interrupt import StoppedAtOnce
+
+
+class MessageOnly(logging.Formatter):
+    """``inner``'s format, without the exception's traceback (unless Prefect logs at DEBUG)."""
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info and not logging.getLogger("prefect").isEnabledFor(logging.DEBUG):
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+        return self.inner.format(record)
+
+
+@contextmanager
+def console_without_tracebacks() -> Iterator[None]:
+    """Prefect's console handlers show messages only for the block. Left so on ``StoppedAtOnce``:
+    the flow thread goes on logging until the process exits."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    formatters = [h.formatter for h in handlers]
+    for h in handlers:
+        h.setFormatter(MessageOnly(h.formatter))
+    try:
+        yield
+    except StoppedAtOnce:
+        raise
+    except BaseException:
+        _restore(handlers, formatters)
+        raise
+    _restore(handlers, formatters)
+
+
+def _restore(handlers: list[logging.Handler], formatters: list[logging.Formatter | None]) -> None:
+    for h, f in zip(handlers, formatters):
+        h.setFormatter(f)
