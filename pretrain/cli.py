@@ -271,7 +271,7 @@ def export(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it is an earlier export (has pretrain.json); anything else is refused."),
 ) -> None:
     """Export a checkpoint as a Hugging Face GPT-2 model directory (safetensors, config, tokenizer)."""
-    from pretrain.export_target import check_out
+    from pretrain.export_target import ExportRefused, check_out
 
     try:  # a wrong OUT is refused before the checkpoint is read
         check_out(out.expanduser().absolute(), checkpoint, overwrite)
@@ -281,7 +281,13 @@ def export(
 
     info = _describe(checkpoint, data_dir, spec, s3_endpoint_url, s3_region)
     with _checkpoint_errors():
-        path = export_model(info, out, overwrite=overwrite)
+        try:
+            path = export_model(info, out, overwrite=overwrite)
+        except ExportRefused:
+            raise  # its own message
+        except OSError as e:  # no such parent, not writable, a file on the way, disk full
+            raise fail(f"cannot write the export to {out}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}; "
+                       "give a writable directory") from None
     sys.stdout.write(f"exported step {info.step} of {info.location} to {path}\n")
 
 

@@ -29,6 +29,8 @@ def compare(
     from pretrain.tracking_store import shared_tracking_uri
 
     uri = tracking_uri or shared_tracking_uri()
+    if png is not None:
+        _refuse_png_target(png)
     with refused(CompareError):
         summaries = gather(campaigns, uri)
     if png is not None:
@@ -44,3 +46,19 @@ def compare(
     Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(shown)
     if png is not None:
         sys.stdout.write(f"eval loss vs tokens: {png}\n")
+
+
+def _refuse_png_target(png: Path) -> None:
+    """Exit 2 before anything is read if ``--png`` would replace a file that is not a picture of
+    ours (a typo naming the spec or the notes), or names no PNG."""
+    from pretrain.cli_errors import fail
+
+    if png.suffix.lower() != ".png":
+        raise fail(f"--png {png}: give a path ending in .png")
+    try:
+        head = png.read_bytes()[:8] if png.exists() else None
+    except OSError as err:
+        raise fail(f"--png {png}: {err.strerror or err}") from None
+    if head is not None and head != b"\x89PNG\r\n\x1a\n":
+        raise fail(f"--png {png} exists and is not a PNG: give a new path (nothing was overwritten)")
+

@@ -133,6 +133,14 @@ def test_cli_prints_the_table_json_and_a_png(pair, tmp_path):
     rows = json.loads(as_json.stdout)
     assert [r["campaign"] for r in rows] == list(LRS) and rows[0]["tokens_seen"] == TOKENS
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert runner.invoke(app, ["compare", *workdirs, "--png", str(png)]).exit_code == 0  # ours: replaced
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text("name: mine\n")
+    for typo, says in ((spec_file, "ending in .png"), (spec_file.with_suffix(".png"), "is not a PNG")):
+        if typo.suffix == ".png":
+            typo.write_text("name: mine\n")
+        refused = runner.invoke(app, ["compare", *workdirs, "--png", str(typo)])
+        assert refused.exit_code == 2 and says in refused.output and typo.read_text() == "name: mine\n", refused.output
     missing = runner.invoke(app, ["compare", str(tmp_path), "--tracking-uri", f"sqlite:///{pair[0]}/mlflow.db"])
     assert missing.exit_code == 2 and "holds no campaign" in missing.output and "Traceback" not in missing.output
 

@@ -94,6 +94,16 @@ def test_a_tokenizer_that_cannot_be_read_is_one_line_naming_it(trained_checkpoin
     assert not (tmp_path / "out").exists()
 
 
+def test_an_export_to_where_nothing_can_be_written_is_one_line(trained_checkpoint, tmp_path):
+    _, ref = trained_checkpoint
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt" / "hf", Path("/proc/no-such-dir/hf")):  # a file on the way; not writable
+        proc = pretrain_cli("export", ref.location, str(out))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"cannot write the export to {out}" in proc.stderr and "writable directory" in proc.stderr, proc.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
