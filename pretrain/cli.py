@@ -234,6 +234,10 @@ def eval_checkpoint(
     info = _describe(checkpoint, data_dir, spec, s3_endpoint_url, s3_region, seq_len)
     if run_id:  # a wrong run fails before the evaluation, not after
         from mlflow.exceptions import MlflowException
+
+        from pretrain.cli_errors import fail_fast_on_mlflow
+
+        fail_fast_on_mlflow()
         from mlflow.tracking import MlflowClient
 
         try:

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pretrain.cli_errors import refused
+from pretrain.cli_errors import fail_fast_on_mlflow, refused
 
 
 def compare(
@@ -28,6 +28,7 @@ def compare(
     from pretrain.compare_view import plot_eval_loss, table
     from pretrain.tracking_store import shared_tracking_uri
 
+    fail_fast_on_mlflow()
     uri = tracking_uri or shared_tracking_uri()
     if png is not None:
         _refuse_png_target(png)

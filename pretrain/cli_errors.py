@@ -25,3 +25,14 @@ def refused(*errors: type[BaseException], code: int = 2) -> Iterator[None]:
         yield
     except errors as e:
         raise fail(str(e), code) from None
+
+
+def fail_fast_on_mlflow() -> None:
+    """For a command a person waits on: an MLflow server that is away is an error after ~10 s
+    (2 retries), not after MLflow's default ~4 minutes of silent retries. A user's own
+    ``MLFLOW_HTTP_REQUEST_*`` settings win. (Not for ``pretrain run``: training keeps its steps
+    and retries with backoff for as long as MLflow is away.)"""
+    import os
+
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")

@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from conftest import _tracking_template, seed_data, small_spec
+from conftest import _tracking_template, pretrain_cli, seed_data, small_spec
 from flows.campaign import pretrain_campaign
 from flows.compare import ARTIFACT_KEY, compare_campaigns
 from mlflow_server import MlflowServer
@@ -160,6 +160,12 @@ def test_an_mlflow_server_that_is_away_is_one_line_saying_so(monkeypatch):
     away = f"http://127.0.0.1:{free_ports(1)[0]}"
     with pytest.raises(CompareError, match=f"lr-high: MLflow at {away} cannot be reached.*start it, or give the right --tracking-uri"):
         compare(["lr-high"], away)
+
+
+def test_the_command_gives_up_on_an_mlflow_that_is_away_in_seconds_not_minutes():
+    away = f"http://127.0.0.1:{free_ports(1)[0]}"
+    proc = pretrain_cli("compare", "lr-high", "--tracking-uri", away, timeout=90)  # MLflow's own default: ~4 min
+    assert proc.returncode == 2 and "cannot be reached" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_what_cannot_be_compared_says_why_and_what_to_do(prepared_data, tmp_path):
