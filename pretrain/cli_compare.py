@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pretrain.cli_errors import fail_fast_on_mlflow, refused
+from pretrain.cli_errors import describe, fail_fast_on_mlflow, refused
 
 
 def compare(
@@ -36,7 +36,10 @@ def compare(
         summaries = gather(campaigns, uri)
     if png is not None:
         with refused(RuntimeError, OSError):
-            plot_eval_loss(summaries, png)
+            try:
+                plot_eval_loss(summaries, png)
+            except OSError as e:
+                raise OSError(f"cannot write --png {png}: {describe(e)}") from None
     if as_json:
         sys.stdout.write(json.dumps([s.to_json() for s in summaries], indent=2) + "\n")
         return

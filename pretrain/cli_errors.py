@@ -20,11 +20,19 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 @contextmanager
 def refused(*errors: type[BaseException], code: int = 2) -> Iterator[None]:
-    """Any of ``errors`` raised inside ends the command: ``error: <it>``, exit ``code``."""
+    """Any of ``errors`` raised inside ends the command: ``error: <it>``, exit ``code`` (an
+    operating system's error as ``<file>: <what>``, not ``[Errno N] …``)."""
     try:
         yield
     except errors as e:
-        raise fail(str(e), code) from None
+        raise fail(describe(e), code) from None
+
+
+def describe(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror and str(e).startswith("[Errno"):
+        where = " → ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+        return f"{where}: {e.strerror}" if where else e.strerror
+    return str(e)
 
 
 def fail_fast_on_mlflow() -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pretrain.cli_errors import refused
+from pretrain.cli_errors import describe, refused
 
 
 def report(
@@ -23,6 +23,11 @@ def report(
 
     with refused(NoCampaign, LedgerError, OSError):
         workdir = pick_workdir(workdir)
-        files = write_report_files(workdir, out or Path(workdir) / "report")
+        target = out or Path(workdir) / "report"
+        try:
+            files = write_report_files(workdir, target)
+        except (FileExistsError, NotADirectoryError, PermissionError, FileNotFoundError) as e:
+            raise OSError(f"cannot write the report to {target}: {describe(e)}; give --out a directory that can be "
+                          "written") from None
     for what, path in files.items():
         typer.echo(f"{what}: {path}")

@@ -188,6 +188,12 @@ def test_report_command_writes_the_pictures_and_a_page(drilled, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "pretrain.cli", "report", "--workdir", str(tmp_path / "none")],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "no campaign in" in missing.stderr and "Traceback" not in missing.stderr
+    (tmp_path / "notes.txt").write_text("mine")
+    onto_a_file = subprocess.run([sys.executable, "-m", "pretrain.cli", "report", "--workdir", str(spec.workdir_path),
+                                  "--out", str(tmp_path / "notes.txt")], capture_output=True, text=True, timeout=180)
+    assert onto_a_file.returncode == 2 and "Traceback" not in onto_a_file.stderr, onto_a_file.stderr
+    assert "cannot write the report to" in onto_a_file.stderr and "[Errno" not in onto_a_file.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_hang_is_detected_by_the_heartbeat_monitor(drilled):
