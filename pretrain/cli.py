@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from pretrain.cli_errors import err, fail, refused
+from pretrain.cli_errors import describe, err, fail, refused
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Fault-tolerant LLM pre-training campaigns orchestrated by Prefect.")
@@ -290,8 +290,7 @@ def export(
         except ExportRefused:
             raise  # its own message
         except OSError as e:  # no such parent, not writable, a file on the way, disk full
-            raise fail(f"cannot write the export to {out}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}; "
-                       "give a writable directory") from None
+            raise fail(f"cannot write the export to {out}: {describe(e)}; give a writable directory") from None
     sys.stdout.write(f"exported step {info.step} of {info.location} to {path}\n")
 
 

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pretrain.cli_errors import describe, fail_fast_on_mlflow, refused
+from pretrain.cli_errors import describe, fail, fail_fast_on_mlflow, refused
 
 
 def compare(
@@ -55,14 +55,12 @@ def compare(
 def _refuse_png_target(png: Path) -> None:
     """Exit 2 before anything is read if ``--png`` would replace a file that is not a picture of
     ours (a typo naming the spec or the notes), or names no PNG."""
-    from pretrain.cli_errors import fail
-
     if png.suffix.lower() != ".png":
         raise fail(f"--png {png}: give a path ending in .png")
     try:
         head = png.read_bytes()[:8] if png.exists() else None
     except OSError as err:
-        raise fail(f"--png {png}: {err.strerror or err}") from None
+        raise fail(f"--png {png}: {describe(err)}") from None
     if head is not None and head != b"\x89PNG\r\n\x1a\n":
         raise fail(f"--png {png} exists and is not a PNG: give a new path (nothing was overwritten)")
 

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
-from sqlalchemy.exc import SQLAlchemyError
 from mlflow.tracking import MlflowClient
+from sqlalchemy.exc import SQLAlchemyError
 
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger, LedgerError

@@ -42,7 +42,7 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, liv
             "good_checkpoint": good.to_dict() if good else None,
             "bad_checkpoints": [v for v in entries["verdicts"] if v["verdict"] == "bad"],
             "attempts": s.attempts, "restarts": s.restarts, "resizes": entries["resizes"],
-            "rewinds": entries["rewinds"], "problems": [moved] * bool(moved) + store.record_problems(),
+            "rewinds": entries["rewinds"], "problems": ([moved] if moved else []) + store.record_problems(),
             "failures": entries["failures"], "resumes": entries["resumes"], "mlflow_run_id": s.mlflow_run_id, "eval": s.eval,
             "goodput": goodput["stages"][name],
         })

@@ -38,10 +38,14 @@ class LocalStorage(Storage):
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
 
+    @staticmethod
+    def _not_a_file(path: Path) -> NotAFile:
+        return NotAFile(f"{path} is a directory, not a file")
+
     def _file(self, key: str) -> Path:
         path = self._path(key)
         if path.is_dir():
-            raise NotAFile(f"{path} is a directory, not a file")
+            raise self._not_a_file(path)
         if not path.is_file():
             raise NotFound(f"{self.url}: key {key!r} does not exist")
         return path
@@ -66,7 +70,7 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError):
             raise NotFound(f"{self.url}: key {key!r} does not exist") from None
         except IsADirectoryError:
-            raise NotAFile(f"{self._path(key)} is a directory, not a file") from None
+            raise self._not_a_file(self._path(key)) from None
 
     def get_versioned(self, key: str) -> tuple[bytes, str]:
         data = self.get_bytes(key)
