@@ -24,6 +24,7 @@ from pretrain.layout import CampaignLayout  # noqa: E402
 from pretrain.spec import CampaignSpec, parse_spec  # noqa: E402
 from prefect_server import on_prefect_server, prefect_server  # noqa: E402,F401 - a real server, on request
 
+HARNESS_DATABASE = "prefect-test.db"  # the name Prefect's test harness gives its server's database
 TRACKING_STORE = "mlflow.db"  # a campaign's store in its workdir (seed_data) or a test's (own_tracking_store)
 DATA = {"sources": ["{stdlib}/json/*.py"], "max_bytes": 200_000, "tokenizer": {"vocab_size": 512}, "val_fraction": 0.2}
 
@@ -50,6 +51,22 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# Files that start the same costly session fixture (a real `prefect server start`, ~10 CPU-s)
+# run in one worker process, as one unit of `--dist loadfile`, so it starts once, not per process.
+SHARED_FIXTURE_FILES = {"test_prefect_server.py": "prefect-server", "test_blocks.py": "prefect-server"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileSharingFixtures(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_FIXTURE_FILES.get(path.rsplit("/", 1)[-1], path)
+
+    return LoadFileSharingFixtures(config, log) if config.getoption("dist") == "loadfile" else None
 
 
 def made_once(tmp_path_factory, name: str, make) -> Path:
@@ -93,17 +110,45 @@ def own_tracking_store(tmp_path_factory, monkeypatch, migrated_tracking_store) -
     return uri
 
 
+def _migrate_prefect_database(path: Path) -> None:
+    from prefect.server.database.dependencies import provide_database_interface, temporary_database_interface
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    with temporary_database_interface(), temporary_settings({PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{path}"}):
+        run_coro_as_sync(provide_database_interface().create_db())
+
+
 @pytest.fixture(scope="session")
-def prefect_harness(zygote):
+def migrated_prefect_database(tmp_path_factory) -> Path:
+    """An empty Prefect server database with its tables made, once for the whole session: a
+    server migrates a new database on start (~5 CPU-s), which every xdist process's harness
+    would otherwise pay. Treat it as read-only; copy it."""
+    return made_once(tmp_path_factory, "prefect.db", _migrate_prefect_database)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(zygote, migrated_prefect_database):
+    import tempfile
+
+    import prefect.testing.utilities as harness
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
+
+    def database_dir() -> str:  # the harness's own temporary directory, its database already migrated
+        path = tempfile.mkdtemp()
+        shutil.copyfile(migrated_prefect_database, Path(path) / HARNESS_DATABASE)
+        return path
 
     # No flow-run heartbeats in-process: their thread sleeps in 1 s ticks, so every (sub)flow
     # run's exit waited up to 1 s for it (≈ 9 per campaign). Nothing here tests them; the
     # worker tests on a real server run flows in their own processes with the defaults. The
-    # server's start-up (its database migrations) took over 60 s with the machine loaded ×8.
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), prefect_test_harness(server_startup_timeout=180):
-        yield
+    # server's start-up took over 60 s with the machine loaded ×8.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(harness, "mkdtemp", database_dir)  # where the harness puts its HARNESS_DATABASE
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), \
+                harness.prefect_test_harness(server_startup_timeout=180):
+            patch.undo()
+            yield
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 class PrefectServer(_Server):
     name = "prefect server"
 
-    def __init__(self, home: Path):
-        self.home = home
+    def __init__(self, home: Path, database: Path | None = None):
+        """``database``: a migrated, empty server database to start from (copied; the server
+        migrates a new one on start, seconds of CPU)."""
+        self.home, self.database = home, database
         self.log_path = home / "server.log"
         self.workers: list[subprocess.Popen] = []
         self._pick_port()
@@ -48,6 +51,8 @@ class PrefectServer(_Server):
         """Start the server and wait for ``/api/health``; a port taken between picking it and
         binding it (other processes share this machine) means another try on a new port."""
         self.home.mkdir(parents=True, exist_ok=True)
+        if self.database is not None and not (self.home / "prefect.db").exists():  # the default database's place
+            shutil.copyfile(self.database, self.home / "prefect.db")
         env = self.env(PREFECT_UI_ENABLED="false", PREFECT_SERVER_LOGGING_LEVEL="WARNING")
         env.pop("PREFECT_API_URL")
 
@@ -118,10 +123,10 @@ class PrefectServer(_Server):
 
 
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
+def prefect_server(tmp_path_factory, migrated_prefect_database):
     """One real Prefect server for the test session, started only if a test asks for it; killed at
     the end (its database is thrown away: a graceful stop waited up to 10 s for open connections)."""
-    server = PrefectServer(tmp_path_factory.mktemp("prefect-home")).start()
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-home"), migrated_prefect_database).start()
     yield server
     server.kill()
 

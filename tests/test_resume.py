@@ -130,9 +130,11 @@ def test_stage_fails_clearly_after_max_attempts(prefect_harness, prepared_data, 
     assert found["pretrain.stage.failed"]["payload"]["cause"] == "data"
 
 
-def test_a_campaign_that_fails_for_good_says_why_without_a_traceback(prepared_data, tmp_path):
+def test_a_campaign_that_fails_for_good_says_why_without_a_traceback(prefect_harness, prepared_data, tmp_path):
     """`pretrain run` of a stage that cannot start (windows longer than the data): the user reads
-    what failed, where its logs are and what to do; Prefect's tracebacks stay in the run's logs."""
+    what failed, where its logs are and what to do; Prefect's tracebacks stay in the run's logs.
+    (It talks to the session's Prefect API, as with a configured server: the CLI's own server is
+    the next test's.)"""
     spec = small_spec(tmp_path / "wd", model={"n_layer": 1, "n_head": 1, "d_model": 8, "max_seq_len": 65536},
                       stages=[{"name": "main", "steps": 5, "seq_len": 60000}], resume={"max_attempts": 1},
                       cluster={"workers_per_node": 1, "max_restarts": 0},
@@ -142,7 +144,8 @@ def test_a_campaign_that_fails_for_good_says_why_without_a_traceback(prepared_da
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
 
     proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "run", str(spec_file)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+                          text=True, timeout=300, env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                                                       "PREFECT_API_URL": PREFECT_API_URL.value()})
 
     shown = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in shown, shown[-4000:]
@@ -150,9 +153,11 @@ def test_a_campaign_that_fails_for_good_says_why_without_a_traceback(prepared_da
     assert "no window of 60001 tokens" in shown and "run the same command again" in proc.stderr.lower()
 
 
-def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path):
-    """The real CLI on a terminal (it shows the live training bar), killed with SIGKILL after the
-    first checkpoint, its ``latest`` pointer replaced by a directory, then the same command again."""
+def test_killed_campaign_process_resumes_when_run_again(prefect_harness, prepared_data, tmp_path):
+    """The real CLI on a terminal (it shows the live training bar), with its own Prefect API server,
+    killed with SIGKILL after the first checkpoint, its ``latest`` pointer replaced by a directory,
+    then the same command again (on the session's Prefect API: a server of its own costs seconds of
+    CPU, and the first run's is what this test is about)."""
     spec = slow_spec(tmp_path / "wd", prepared_data)
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
@@ -183,7 +188,8 @@ def test_killed_campaign_process_resumes_when_run_again(prepared_data, tmp_path)
     pointer = ckpt_dir(spec) / ckpt.POINTER  # and its pointer is a mess: a directory where the file was
     pointer.unlink()
     pointer.mkdir()
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    second = subprocess.run(cmd, capture_output=True, text=True, env={**env, "PREFECT_API_URL": PREFECT_API_URL.value()},
+                            timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     status = campaign_status(spec.workdir_path)
     stage = status["stages"][0]
