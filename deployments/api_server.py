@@ -232,8 +232,9 @@ def api_server_for_this_run(while_starting: Callable[[], object] | None = None,
     """Point Prefect at a server owned by this process for the block, if Prefect would otherwise
     start its ephemeral one; a configured ``PREFECT_API_URL`` is used as it is (yields None). The
     logs and events the block queued are sent before it ends, while the server is up.
-    ``while_starting`` (e.g. importing the flow, ~5 s) runs while the server starts (~6 s). A
-    server that exits meanwhile is restarted on its port, ``notice`` (default: stderr) saying so."""
+    ``while_starting`` (e.g. importing the flow, ~5 s) runs while the server starts (~6 s).
+    ``notice`` (default: stderr) says that it starts (the seconds before the flow's first line),
+    and when a server that exited meanwhile is restarted on its port."""
     from prefect.context import _temporary_global_settings_context, get_settings_context
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
@@ -244,14 +245,16 @@ def api_server_for_this_run(while_starting: Callable[[], object] | None = None,
         with _prefect_queues_drained():
             yield None
         return
+    notice = notice or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    notice("starting a local Prefect API server for this run (a few seconds; set PREFECT_API_URL to use a Prefect "
+           "server of yours)")
     server = ApiServer()
     try:
         server.launch()
         if while_starting is not None:
             while_starting()
         url = server.wait_ready(settings.server.ephemeral.startup_timeout_seconds)
-        server.keep_alive(notice or (lambda msg: print(msg, file=sys.stderr, flush=True)),
-                          settings.server.ephemeral.startup_timeout_seconds)
+        server.keep_alive(notice, settings.server.ephemeral.startup_timeout_seconds)
         # this context and the process-global one: Prefect's log and event workers run in
         # threads of their own, which see the global settings
         with temporary_settings(updates={PREFECT_API_URL: url}), \

@@ -151,6 +151,7 @@ def test_a_campaign_that_fails_for_good_says_why_without_a_traceback(prefect_har
     assert proc.returncode == 1 and "Traceback" not in shown, shown[-4000:]
     assert "campaign failed: stage main stopped at step 0/5 after 1 attempt(s)" in proc.stderr, proc.stderr[-3000:]
     assert "no window of 60001 tokens" in shown and "run the same command again" in proc.stderr.lower()
+    assert "local Prefect API server" not in shown  # the configured one serves
 
 
 def test_killed_campaign_process_resumes_when_run_again(prefect_harness, prepared_data, tmp_path):
@@ -181,6 +182,7 @@ def test_killed_campaign_process_resumes_when_run_again(prefect_harness, prepare
         first.wait()
         terminal.close()
     assert "Traceback" not in terminal.text()
+    assert "starting a local Prefect API server for this run" in terminal.text()  # the first seconds say why
     killed_at = ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
     assert 0 < killed_at < 40
     # nothing the killed CLI started outlives it: each process notices its parent is gone and stops
