@@ -165,7 +165,10 @@ def recover_ledger(
 
 
 # ---- one checkpoint: eval / export ---------------------------------------------------------
-_CHECKPOINT = typer.Argument(..., help="A checkpoint: <stage location>/step_XXXXXXXX, a local directory or an s3:// URL.")
+_CHECKPOINT_HELP = ("A checkpoint: <stage location>/step_XXXXXXXX, a local directory or an s3:// URL; or a campaign's "
+                    "workdir: its newest good checkpoint")
+_WORKDIR = typer.Option(None, "--workdir", "-w", help="A campaign's workdir: take its newest good checkpoint (as giving "
+                        "the workdir for CHECKPOINT).")
 _DATA_DIR = typer.Option(None, "--data-dir", help="Prepared data set (tokenizer, val split); default: the one the checkpoint records.")
 _SPEC = typer.Option(None, "--spec", help="Campaign spec YAML: model, data dir and S3 options for checkpoints that do not record them.")
 _S3_ENDPOINT = typer.Option(None, "--s3-endpoint-url", help="S3-compatible endpoint (MinIO, SeaweedFS…); credentials from the AWS environment.")
@@ -190,6 +193,21 @@ def _checkpoint_errors():
         raise fail(str(e)) from None
 
 
+def _checkpoint_of(checkpoint: str | None, workdir: Path | None) -> str:
+    """The checkpoint a command means: ``checkpoint``, unless it (or ``workdir``) names a campaign's
+    workdir, or neither is given (the campaign here): then that campaign's newest good checkpoint."""
+    from pretrain.ledger import LedgerError
+    from pretrain.status import NoCampaign
+    from pretrain.workdir_lookup import good_checkpoint, is_campaign_workdir
+
+    if checkpoint is not None and workdir is not None:
+        raise fail(f"give a checkpoint or --workdir, not both ({checkpoint} and --workdir {workdir})")
+    if checkpoint is not None and not is_campaign_workdir(checkpoint):
+        return checkpoint
+    with refused(NoCampaign, LedgerError):
+        return good_checkpoint(Path(checkpoint) if checkpoint is not None else workdir)
+
+
 def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_len=None):
     """The checkpoint's CheckpointInfo, from its manifest and the options given."""
     from pretrain.checkpoint_info import describe, spec_overrides
@@ -205,9 +223,9 @@ def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_l
 
 @app.command("eval")
 def eval_checkpoint(
-    checkpoint: Optional[str] = typer.Argument(None, help="A checkpoint: <stage location>/step_XXXXXXXX, a local "
-                                               "directory or an s3:// URL (default: the newest good one of the "
+    checkpoint: Optional[str] = typer.Argument(None, help=f"{_CHECKPOINT_HELP} (default: the newest good one of the "
                                                "campaign in ./runs, where `pretrain run` puts it)."),
+    workdir: Optional[Path] = _WORKDIR,
     data_dir: Optional[Path] = _DATA_DIR,
     spec: Optional[str] = _SPEC,
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per evaluation window; default: the stage's training seq_len."),
@@ -224,13 +242,7 @@ def eval_checkpoint(
 
     if tracking_uri and not run_id:
         raise fail("--tracking-uri needs --run-id (the run to log the metrics to)")
-    if checkpoint is None:
-        from pretrain.ledger import LedgerError
-        from pretrain.status import NoCampaign
-        from pretrain.workdir_lookup import good_checkpoint_here
-
-        with refused(NoCampaign, LedgerError):
-            checkpoint = good_checkpoint_here()
+    checkpoint = _checkpoint_of(checkpoint, workdir)
     info = _describe(checkpoint, data_dir, spec, s3_endpoint_url, s3_region, seq_len)
     if run_id:  # a wrong run fails before the evaluation, not after
         from mlflow.exceptions import MlflowException
@@ -266,8 +278,9 @@ def eval_checkpoint(
 
 @app.command("export")
 def export(
-    checkpoint: str = _CHECKPOINT,
-    out: Path = typer.Argument(..., help="Directory to create (written atomically)."),
+    checkpoint: Optional[str] = typer.Argument(None, help=f"{_CHECKPOINT_HELP}. With --workdir, give OUT alone."),
+    out: Optional[Path] = typer.Argument(None, help="Directory to create (written atomically)."),
+    workdir: Optional[Path] = _WORKDIR,
     data_dir: Optional[Path] = _DATA_DIR,
     spec: Optional[str] = _SPEC,
     s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
@@ -277,6 +290,11 @@ def export(
     """Export a checkpoint as a Hugging Face GPT-2 model directory (safetensors, config, tokenizer)."""
     from pretrain.export_target import ExportRefused, check_out
 
+    if out is None and workdir is not None and checkpoint is not None:  # `pretrain export OUT --workdir DIR`
+        checkpoint, out = None, Path(checkpoint)
+    if out is None:
+        raise fail("give the directory to export to: pretrain export CHECKPOINT OUT, or pretrain export OUT --workdir DIR")
+    checkpoint = _checkpoint_of(checkpoint, workdir)
     try:  # a wrong OUT is refused before the checkpoint is read
         check_out(out.expanduser().absolute(), checkpoint, overwrite)
     except FileExistsError as e:

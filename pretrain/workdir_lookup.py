@@ -41,15 +41,28 @@ def pick_workdir(given: Path | None, here: Path | None = None, instead: str = WO
     raise NoCampaign(f"{len(found)} campaigns here ({names}): pass {instead}")
 
 
-def good_checkpoint_here(here: Path | None = None) -> str:
-    """Where the campaign here ended up: the good checkpoint of its last stage that has one
-    (``pretrain eval`` without a checkpoint). ``NoCampaign`` if there is none to take."""
-    from pretrain.ledger import Ledger
+def is_campaign_workdir(location: str) -> bool:
+    """Whether ``location`` (given where a checkpoint is asked for) is a campaign's workdir."""
+    return "://" not in location and CampaignLayout(Path(location)).ledger.is_file()
 
-    workdir = pick_workdir(None, here, instead="a checkpoint (<stage location>/step_XXXXXXXX)")
-    ledger = Ledger.read(CampaignLayout(workdir))  # LedgerError if damaged: the caller reports it
-    good = [s.good_checkpoint for s in ledger.record.stages.values() if s.good_checkpoint] if ledger else []
-    if not good:
-        raise NoCampaign(f"the campaign in {workdir} has no good checkpoint yet: pass a checkpoint "
-                         "(<stage location>/step_XXXXXXXX)")
-    return good[-1].path
+
+def good_checkpoint(workdir: Path | None = None, here: Path | None = None) -> str:
+    """Where the campaign ended up: the newest good checkpoint of its last stage that has one
+    (``pretrain eval`` / ``export`` given a workdir, or none and run where ``pretrain run`` ran),
+    in the workdir's own ``checkpoints/`` when the campaign was moved or copied. ``NoCampaign``
+    if there is none to take."""
+    from pretrain.ledger import Ledger
+    from pretrain.locations import recorded_checkpoints
+
+    instead = "a checkpoint (<stage location>/step_XXXXXXXX)"
+    workdir = pick_workdir(workdir, here, instead=instead).expanduser().resolve()  # as the ledger records it
+    layout = CampaignLayout(workdir)
+    if not layout.ledger.is_file():
+        raise NoCampaign(f"{workdir} holds no campaign (no ledger.json): give a campaign's workdir or {instead}")
+    ledger = Ledger.read(layout)  # LedgerError if damaged: the caller reports it
+    stages = [(n, s) for n, s in ledger.record.stages.items() if s.good_checkpoint] if ledger else []
+    if not stages:
+        raise NoCampaign(f"the campaign in {workdir} has no good checkpoint yet: pass {instead}")
+    name, stage = stages[-1]
+    where, moved = recorded_checkpoints(layout, name, stage.checkpoints)
+    return str(Path(where) / Path(stage.good_checkpoint.path).name) if moved else stage.good_checkpoint.path

@@ -143,3 +143,36 @@ def test_export_overwrite_only_replaces_an_earlier_export(trained_checkpoint, tm
     else:
         assert proc.returncode == 0, proc.stderr
         assert (tmp_path / out / WEIGHTS).is_file() and _files(tmp_path) >= before
+
+
+def test_eval_and_export_take_a_campaigns_workdir_and_its_newest_good_checkpoint(trained_checkpoint, tmp_path):
+    """As `status` and `report` do, `eval` and `export` take the campaign's workdir (for the
+    checkpoint, or --workdir): its newest good checkpoint, read from the workdir's own
+    checkpoints when the campaign was copied from elsewhere."""
+    import json
+
+    from pretrain.layout import CampaignLayout
+    from pretrain.ledger import Ledger
+    from pretrain.ledger_schema import Verdict
+
+    spec, ref = trained_checkpoint
+    copy = tmp_path / "copied"
+    shutil.copytree(spec.workdir_path, copy)
+    ledger = Ledger.read(CampaignLayout(copy))
+    stage = spec.stages[0].name
+    nothing = pretrain_cli("eval", str(copy))
+    assert nothing.returncode == 2 and "has no good checkpoint yet" in nothing.stderr, nothing.stderr
+    ledger.record_verdict(stage, Verdict(step=ref.step, path=ref.location, verdict="good"))  # the original's place
+    own = str(copy / "checkpoints" / stage / Path(ref.location).name)
+    for args in ((str(copy),), ("--workdir", str(copy))):
+        shown = pretrain_cli("eval", *args, "--json", "--max-batches", "1")
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["checkpoint"] == own
+    both = pretrain_cli("eval", str(copy), "--workdir", str(copy))
+    assert both.returncode == 2 and "not both" in both.stderr
+    done = pretrain_cli("export", str(tmp_path / "out"), "--workdir", str(copy))
+    assert done.returncode == 0, done.stderr
+    assert f"of {own} to" in done.stdout and (tmp_path / "out" / WEIGHTS).is_file()
+    missing = pretrain_cli("export", str(tmp_path / "out2"))
+    assert missing.returncode == 2 and "give the directory to export to" in missing.stderr
+    assert "Traceback" not in missing.stderr + both.stderr + nothing.stderr
