@@ -8,12 +8,14 @@ files in :mod:`pretrain.specfile`.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import string
+import typing
 from pathlib import Path
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from pretrain.credentials import Credentials
 from pretrain.spec_data import DataSpec
@@ -195,9 +197,39 @@ def _format_error(err: ValidationError, source: str) -> str:
             lines.append(f"  {'.'.join([*map(str, e['loc']), problem.field])}: {problem}")
             continue
         path = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"  {path}: {e['msg']}")
+        lines.append(f"  {path}: {e['msg']}{_did_you_mean(e['loc']) if e['type'] == 'extra_forbidden' else ''}")
     lines.append("Fix the field(s) above; `pretrain spec-schema` lists every field with its description.")
     return "\n".join(lines)
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models a field's type holds (``X``, ``list[X]``, ``X | None``, a union of drills)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _tagged(model: type[BaseModel], tag: str) -> bool:
+    """Whether ``tag`` is the value of one of ``model``'s literal fields (a union member's tag in an error's loc)."""
+    return any(tag in typing.get_args(f.annotation) for f in model.model_fields.values()
+               if typing.get_origin(f.annotation) is typing.Literal)
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """`` (did you mean 'n_layer'?)`` for an unknown field whose name is close to one of the
+    section's fields (a typo), else nothing."""
+    models: list[type[BaseModel]] = [CampaignSpec]
+    for part in loc[:-1]:
+        if isinstance(part, int):  # a list's index
+            continue
+        holders = [m for m in models if part in m.model_fields]
+        if holders:
+            models = _models_in(holders[0].model_fields[part].annotation)
+        else:  # a union member's tag, e.g. chaos.0.kill_worker.factor
+            models = [m for m in models if _tagged(m, str(part))]
+    names = sorted({n for m in models for n in m.model_fields})
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.75) if loc else []
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def parse_spec(data: object, source: str = "<dict>") -> CampaignSpec:

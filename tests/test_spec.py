@@ -157,6 +157,23 @@ def test_more_invalid_values_name_the_field(body, field, reason):
     assert "S3cr3tV4lue" not in str(err.value)  # the error message does not repeat a secret
 
 
+@pytest.mark.parametrize("body, line", [
+    ({"model": {"n_layers": 2}}, "model.n_layers: Extra inputs are not permitted (did you mean 'n_layer'?)"),
+    ({"stages": [{"name": "a", "step": 5}]}, "stages.0.step: Extra inputs are not permitted (did you mean 'steps'?)"),
+    ({"cluster": {"worker_per_node": 2}}, "cluster.worker_per_node: Extra inputs are not permitted (did you mean 'workers_per_node'?)"),
+    ({"chaos": [{"kind": "kill_worker", "stepp": 3}]}, "chaos.0.kill_worker.stepp: Extra inputs are not permitted (did you mean 'step'?)"),
+    ({"trackin": {}}, "trackin: Extra inputs are not permitted (did you mean 'tracking'?)"),
+    ({"checkpoint": {"intervall": 5}}, "checkpoint.intervall: Extra inputs are not permitted (did you mean 'interval'?)"),
+    # nothing close: no guess
+    ({"model": {"colour": "red"}}, "model.colour: Extra inputs are not permitted\n"),
+    ({"chaos": [{"kind": "kill_node", "rank": 1}]}, "chaos.0.kill_node.rank: Extra inputs are not permitted\n"),
+])
+def test_a_misspelt_field_is_named_with_the_field_it_is_close_to(body, line):
+    with pytest.raises(SpecError) as err:
+        parse_spec(body, "x.yaml")
+    assert f"  {line}" in str(err.value), str(err.value)
+
+
 def test_chaos_rank_is_checked_against_the_block_cluster_only_after_resolution():
     # a cluster block may give more workers than the inline default: judged once it is resolved
     parse_spec({"chaos": [{"kind": "kill_worker", "rank": 5}], "blocks": {"cluster": "local-process-cluster/big"}})
