@@ -9,6 +9,7 @@ import dataclasses
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from agents import node_log, run_agent, run_agents
-from conftest import seed_data, small_spec
+from conftest import seed_data, small_spec, wait_for
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
 from pretrain.ports import free_port
@@ -356,3 +357,7 @@ def test_a_store_whose_host_is_frozen_is_given_up_not_waited_for_for_ever():
     finally:
         host.kill()
         host.wait()
+    # the client left waiting for the handshake ends once the host is gone for good (its last
+    # words, torch's "Connection reset by peer", said here: after the test they reached the terminal)
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name == "job-store-connect"], 30,
+             "the abandoned connection attempt to end")
