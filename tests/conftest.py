@@ -111,12 +111,17 @@ def own_tracking_store(tmp_path_factory, monkeypatch, migrated_tracking_store) -
 
 
 def _migrate_prefect_database(path: Path) -> None:
-    from prefect.server.database.dependencies import provide_database_interface, temporary_database_interface
-    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
-    from prefect.utilities.asyncutils import run_coro_as_sync
+    """Prefect's own ``prefect server database upgrade``, in a process of its own: the server
+    keeps sqlite in WAL mode, and only the last connection's close writes the WAL back into the
+    file (migrated in this process, the file alone lacked the last ten tables)."""
+    import subprocess
+    import sys
 
-    with temporary_database_interface(), temporary_settings({PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{path}"}):
-        run_coro_as_sync(provide_database_interface().create_db())
+    env = {**os.environ, "PREFECT_HOME": str(path.parent / ".prefect-home"),
+           "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{path}"}
+    done = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and not Path(f"{path}-wal").exists(), done.stdout + done.stderr
 
 
 @pytest.fixture(scope="session")
