@@ -14,6 +14,9 @@ import psutil
 import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# tests call some Prefect tasks directly, outside a flow (find_resume_point, the stage evaluation):
+# their logs stay local, which is all a test wants; Prefect warned once per such call
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 # the `pretrain run` processes of the CLI tests start their own Prefect API server: its 20 s
 # default start-up timeout ran out with the machine loaded ×8 (the campaign then fails at once)
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
