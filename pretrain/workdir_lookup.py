@@ -16,6 +16,11 @@ RUNS = "runs"  # the specs' default workdir is ./runs/{name}
 WORKDIR = "--workdir DIR (the campaign's workdir)"  # what to pass instead, by default
 
 
+def is_campaign_workdir(location: str) -> bool:
+    """Whether ``location`` (a path, or where a checkpoint is asked for: a URL) is a campaign's workdir."""
+    return "://" not in location and CampaignLayout(Path(location)).ledger.is_file()
+
+
 def campaigns_here(here: Path) -> list[Path]:
     """The campaign workdirs (a ledger inside) at ``here`` and under ``here/runs``."""
     candidates = [here]
@@ -23,7 +28,7 @@ def campaigns_here(here: Path) -> list[Path]:
         candidates += sorted(p for p in (here / RUNS).iterdir() if p.is_dir())
     except OSError:  # no ./runs, or not readable
         pass
-    return [p for p in candidates if CampaignLayout(p).ledger.is_file()]
+    return [p for p in candidates if is_campaign_workdir(str(p))]
 
 
 def pick_workdir(given: Path | None, here: Path | None = None, instead: str = WORKDIR) -> Path:
@@ -39,11 +44,6 @@ def pick_workdir(given: Path | None, here: Path | None = None, instead: str = WO
         raise NoCampaign(f"no campaign in {here} or {here / RUNS}/*: pass {instead}")
     names = ", ".join(str(p.relative_to(here)) if p != here else "." for p in found)
     raise NoCampaign(f"{len(found)} campaigns here ({names}): pass {instead}")
-
-
-def is_campaign_workdir(location: str) -> bool:
-    """Whether ``location`` (given where a checkpoint is asked for) is a campaign's workdir."""
-    return "://" not in location and CampaignLayout(Path(location)).ledger.is_file()
 
 
 def good_checkpoint(workdir: Path | None = None, here: Path | None = None) -> str:

@@ -330,6 +330,14 @@ def trained_checkpoint(prepared_data, tmp_path_factory):
     return spec, save_checkpoint(spec)
 
 
+def session_api_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process (a CLI) that talks to the session's Prefect API (the
+    harness's), as with a user's configured ``PREFECT_API_URL``, with ``extra`` set."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, **extra, "PREFECT_API_URL": PREFECT_API_URL.value()}
+
+
 def pretrain_cli(*args: str, timeout: float = 180):
     """Run the ``pretrain`` command line in a fresh process."""
     import subprocess

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import s3_servers
 import yaml
-from conftest import DATA, pretrain_cli, small_spec, wait_for
+from conftest import DATA, pretrain_cli, session_api_env, small_spec, wait_for
 from mlflow.tracking import MlflowClient
 from rich.console import Console
 from s3_servers import BUCKET, aws_env  # noqa: F401 - a fixture
@@ -252,10 +252,8 @@ def test_an_mlflow_refusal_never_fails_data_preparation(prefect_harness, tmp_pat
 # ---- pretrain data prepare ------------------------------------------------------------------
 def data_cli(*args: str) -> subprocess.CompletedProcess:
     """``pretrain data ...`` in a fresh process on the session's Prefect server (no server of its own)."""
-    from prefect.settings import PREFECT_API_URL
-
     return subprocess.run([sys.executable, "-m", "pretrain.cli", "data", *args], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()})
+                          timeout=180, env=session_api_env())
 
 
 def write_spec(tmp_path: Path, data: dict) -> str:
@@ -334,11 +332,10 @@ def test_ctrl_c_stops_cli_prepare_in_one_line_exit_130_and_the_same_command_resu
     corpus = jsonl_corpus(tmp_path, files=4, records=200, field="text", repeat=40)
     spec_file = write_spec(tmp_path, {"sources": [str(corpus / "*.jsonl")], "tokenizer": {"vocab_size": 300},
                                       "unit_bytes": 4096, "workers": 1})
-    from prefect.settings import PREFECT_API_URL
 
     proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "data", "prepare", spec_file], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()})
+                            env=session_api_env())
     units = tmp_path / "wd" / "data" / ".work" / "units"
     try:
         wait_for(lambda: proc.poll() is not None or (units.is_dir() and any(

@@ -345,7 +345,7 @@ def test_a_store_whose_host_is_frozen_is_given_up_not_waited_for_for_ever():
     """A frozen host's kernel still accepts connections but nothing answers torch's handshake,
     which waits for ever (an agent's look at its workers stuck for good, found by the Kubernetes
     frozen-pod test when the frozen pod's agent hosted the workers' store)."""
-    from trainer.elastic_survivors import job_store_client
+    from trainer.elastic_survivors import CONNECT_THREAD, job_store_client
 
     host = subprocess.Popen([sys.executable, "-c", FROZEN_STORE], stdout=subprocess.PIPE, text=True)
     try:
@@ -359,5 +359,5 @@ def test_a_store_whose_host_is_frozen_is_given_up_not_waited_for_for_ever():
         host.wait()
     # the client left waiting for the handshake ends once the host is gone for good (its last
     # words, torch's "Connection reset by peer", said here: after the test they reached the terminal)
-    wait_for(lambda: not [t for t in threading.enumerate() if t.name == "job-store-connect"], 30,
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name == CONNECT_THREAD], 30,
              "the abandoned connection attempt to end")

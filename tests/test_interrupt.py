@@ -14,9 +14,8 @@ from pathlib import Path
 import psutil
 import yaml
 from mlflow.tracking import MlflowClient
-from prefect.settings import PREFECT_API_URL
 
-from conftest import seed_data, small_spec, wait_for
+from conftest import seed_data, session_api_env, small_spec, wait_for
 from pretrain.interrupt import CampaignInterrupted, current_stop, stop_on_signals
 from pretrain.status import campaign_status
 from test_resume import SLOW_MODEL, assert_all_exit, assert_mlflow_steps_unique, ckpt_dir
@@ -81,7 +80,7 @@ class Cli:
         spec_file = tmp_path / "spec.yaml"
         spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
         self.cmd = [sys.executable, "-m", "pretrain.cli", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
-        self.env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": PREFECT_API_URL.value()}
+        self.env = session_api_env(PREFECT_SERVER_ANALYTICS_ENABLED="false")
         self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=self.env,

@@ -14,7 +14,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
-from conftest import assert_no_duplicate_metric_steps, campaign_events, run_campaign_while, seed_data, small_spec, wait_for, worker_processes
+from conftest import (assert_no_duplicate_metric_steps, campaign_events, run_campaign_while, seed_data, session_api_env, small_spec,
+                      wait_for, worker_processes)
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
 from pretrain.status import campaign_status
@@ -144,8 +145,7 @@ def test_a_campaign_that_fails_for_good_says_why_without_a_traceback(prefect_har
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
 
     proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "run", str(spec_file)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                                                       "PREFECT_API_URL": PREFECT_API_URL.value()})
+                          text=True, timeout=300, env=session_api_env(PREFECT_SERVER_ANALYTICS_ENABLED="false"))
 
     shown = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in shown, shown[-4000:]
@@ -190,7 +190,7 @@ def test_killed_campaign_process_resumes_when_run_again(prefect_harness, prepare
     pointer = ckpt_dir(spec) / ckpt.POINTER  # and its pointer is a mess: a directory where the file was
     pointer.unlink()
     pointer.mkdir()
-    second = subprocess.run(cmd, capture_output=True, text=True, env={**env, "PREFECT_API_URL": PREFECT_API_URL.value()},
+    second = subprocess.run(cmd, capture_output=True, text=True, env=session_api_env(PREFECT_SERVER_ANALYTICS_ENABLED="false"),
                             timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     status = campaign_status(spec.workdir_path)

@@ -54,6 +54,7 @@ STORE_TIMEOUT_S = 5.0  # the job's store not answering by then: no fast recovery
 CONNECT_TIMEOUT_S = 1.0
 STORE_RETRY_S = 5.0  # a job store found unreachable is asked again after this long
 LEAVE_WAIT_S = 1.0  # after telling the workers that a node is gone: how long to wait for one of them to leave
+CONNECT_THREAD = "job-store-connect"  # the thread job_store_client makes its client in (left waiting on a frozen host)
 
 
 def job_store_client(host: str, port: int) -> dist.TCPStore:
@@ -73,7 +74,7 @@ def job_store_client(host: str, port: int) -> dist.TCPStore:
         except (dist.DistError, RuntimeError) as err:
             made["error"] = err
 
-    thread = threading.Thread(target=connect, name="job-store-connect", daemon=True)
+    thread = threading.Thread(target=connect, name=CONNECT_THREAD, daemon=True)
     thread.start()
     thread.join(3 * CONNECT_TIMEOUT_S)
     if "error" in made:
