@@ -71,6 +71,28 @@ def test_snapshot_round_trip_is_bit_exact(tmp_path):
     assert_same(store.load(7), st)
 
 
+def test_every_snapshot_into_a_slot_reads_back_exactly_as_its_layout_stays_or_changes(tmp_path):
+    """A slot copies a state laid out as its last one into the views it made then: each later
+    snapshot must still read back bit-exact, whether only the values changed, the layout record
+    grew past a page (the data moves), the state grew (the slot is remapped) or shrank again."""
+    cfg = job(tmp_path)
+    slot = Slot(tmp_path / "slot", capacity=1 << 16)  # too small for the state: the first write grows it
+    firsts = set()
+    for step, change in enumerate(["first", "values", "long record", "larger state", "values", "smaller again"]):
+        model, opt = trained(cfg, steps=2 + step)  # new values every time
+        st = state.training_state(cfg, CPU0, step=step, consumed=step, model=model, optimizer=opt)
+        if change == "long record":
+            st["note"] = "x" * 5000  # the layout record grows past a page: the data region starts later
+        if change == "larger state":
+            st["extra"] = torch.randn(1 << 16)
+        slot.write(st, {"step": step})
+        back = slot.read(slot.header())
+        assert_same(back, st)
+        firsts.add(next(iter(back["shared"]["model"].values())).flatten()[0].item())
+    assert len(firsts) == 6  # every snapshot's values were new, so a stale copy could not pass
+    slot.close()
+
+
 @pytest.mark.parametrize("flags, held, persist, expected", [
     # steps 5 (slot 0) and 10 (slot 1) taken with ``flags`` (persist?); ``held``: slots a reader holds
     ((False, False), {0}, False, {5: 0, 15: 1}),  # the saver persists 5: 15 replaces 10, 5 stays whole

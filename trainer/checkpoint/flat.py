@@ -57,11 +57,19 @@ class Layout:
     skeleton: object
     entries: list[dict]  # dtype, shape, offset, nbytes
     data_bytes: int
+    signature: tuple = ()  # (dtype, shape) of each tensor, in order: what ``entries`` follow from
+    entries_json: bytes = b""  # ``entries`` encoded once, for every later state of the same signature
 
     @classmethod
-    def of(cls, state) -> tuple["Layout", list[torch.Tensor]]:
+    def of(cls, state, like: "Layout | None" = None) -> tuple["Layout", list[torch.Tensor]]:
+        """The layout of ``state`` and its tensors in layout order. ``like``: the layout of an
+        earlier state; when this one's tensors have the same dtypes and shapes (every snapshot of
+        a training run does) its entries are reused, not computed and encoded again."""
         tensors: list[torch.Tensor] = []
         skeleton = flatten(state, tensors)
+        signature = tuple((t.dtype, t.shape) for t in tensors)
+        if like is not None and like.signature == signature:
+            return cls(skeleton, like.entries, like.data_bytes, signature, like.entries_json), tensors
         entries, offset = [], 0
         for t in tensors:
             dtype = str(t.dtype).removeprefix("torch.")
@@ -70,10 +78,12 @@ class Layout:
             nbytes = t.numel() * t.element_size()
             entries.append({"dtype": dtype, "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
             offset = _align(offset + nbytes)
-        return cls(skeleton, entries, offset), tensors
+        return cls(skeleton, entries, offset, signature, json.dumps(entries).encode()), tensors
 
     def to_json(self) -> bytes:
-        return json.dumps({"skeleton": self.skeleton, "entries": self.entries, "data_bytes": self.data_bytes}).encode()
+        entries = self.entries_json or json.dumps(self.entries).encode()
+        return b'{"skeleton": %s, "entries": %s, "data_bytes": %d}' % (json.dumps(self.skeleton).encode(), entries,
+                                                                        self.data_bytes)
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Layout":
@@ -81,22 +91,32 @@ class Layout:
         return cls(d["skeleton"], d["entries"], d["data_bytes"])
 
 
-def write_tensors(buf: memoryview, layout: Layout, tensors: list[torch.Tensor]) -> None:
-    """Copy every tensor into ``buf`` (the data region) at its offset: the blocking part of a save."""
-    for t, e in zip(tensors, layout.entries):
+def views(buf: memoryview, layout: Layout) -> list[torch.Tensor]:
+    """A tensor over ``buf`` (the data region) where each of ``layout``'s tensors lies (an empty
+    tensor of its shape where it has no bytes). They hold ``buf``'s memory while they live."""
+    out = []
+    for e in layout.entries:
+        dtype = _DTYPES[e["dtype"]]
         if e["nbytes"]:
-            dst = torch.frombuffer(buf, dtype=torch.uint8, count=e["nbytes"], offset=e["offset"])
-            dst.view(t.dtype).view(t.shape).copy_(t.detach())
+            out.append(torch.frombuffer(buf, dtype=torch.uint8, count=e["nbytes"], offset=e["offset"]).view(dtype).view(e["shape"]))
+        else:
+            out.append(torch.empty(e["shape"], dtype=dtype))
+    return out
+
+
+def copy_into(destinations: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """Copy each tensor into its destination (``views``): the blocking part of a save."""
+    with torch.no_grad():
+        for dst, t in zip(destinations, tensors):
+            dst.copy_(t)
+
+
+def write_tensors(buf: memoryview, layout: Layout, tensors: list[torch.Tensor]) -> None:
+    """Copy every tensor into ``buf`` (the data region) at its offset."""
+    copy_into(views(buf, layout), tensors)
 
 
 def read_state(buf: memoryview, layout: Layout, clone: bool = True):
     """The state stored in ``buf``; views into ``buf`` unless ``clone``."""
-    tensors = []
-    for e in layout.entries:
-        dtype = _DTYPES[e["dtype"]]
-        if e["nbytes"]:
-            t = torch.frombuffer(buf, dtype=torch.uint8, count=e["nbytes"], offset=e["offset"]).view(dtype).view(e["shape"])
-        else:
-            t = torch.empty(e["shape"], dtype=dtype)
-        tensors.append(t.clone() if clone else t)
-    return unflatten(layout.skeleton, tensors)
+    tensors = views(buf, layout)
+    return unflatten(layout.skeleton, [t.clone() for t in tensors] if clone else tensors)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from trainer.checkpoint.flat import Layout, read_state, write_tensors
+from trainer.checkpoint.flat import Layout, copy_into, read_state, views
 
 HEADER_BYTES = 4096
 MAGIC = b"PTSNAP01"
@@ -80,6 +80,7 @@ class Slot:
         self.path = Path(path)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self.mm: mmap.mmap | None = None
+        self._written: tuple[Layout, int, list] | None = None  # the last write's layout, data offset, views
         self._map()
         if capacity > self.size:
             self.grow(capacity)
@@ -89,6 +90,7 @@ class Slot:
         return os.fstat(self.fd).st_size
 
     def _map(self) -> None:
+        self._written = None  # its views hold the old mapping
         if self.mm is not None:
             self.mm.close()
         self.mm = mmap.mmap(self.fd, self.size) if self.size else None
@@ -108,6 +110,7 @@ class Slot:
         np.frombuffer(self.mm, dtype=np.uint8)[::PAGE] = 0
 
     def close(self) -> None:
+        self._written = None
         if self.mm is not None:
             try:
                 self.mm.close()
@@ -144,15 +147,18 @@ class Slot:
 
     # ---- content -----------------------------------------------------------------------
     def write(self, state, header: dict) -> None:
-        """Copy ``state`` in (caller holds the exclusive lock). Grows the slot if needed."""
-        layout, tensors = Layout.of(state)
+        """Copy ``state`` in (caller holds the exclusive lock). Grows the slot if needed. A state
+        laid out as the last one written (every snapshot of a run) is copied into the same views."""
+        layout, tensors = Layout.of(state, like=self._written[0] if self._written else None)
         meta = layout.to_json()
         data_off = _page_align(HEADER_BYTES + len(meta))
         if data_off + layout.data_bytes > self.size:
             self.grow(data_off + layout.data_bytes)
+        if not (self._written and self._written[0].entries is layout.entries and self._written[1] == data_off):
+            self._written = (layout, data_off, views(memoryview(self.mm)[data_off : data_off + layout.data_bytes], layout))
         self.set_header({**header, "state": "writing"})
         self.mm[HEADER_BYTES : HEADER_BYTES + len(meta)] = meta
-        write_tensors(memoryview(self.mm)[data_off : data_off + layout.data_bytes], layout, tensors)
+        copy_into(self._written[2], tensors)
         self.set_header({**header, "state": "ready", "meta_len": len(meta), "data_off": data_off,
                          "data_len": layout.data_bytes, "digest": None})
 
