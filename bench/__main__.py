@@ -88,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        kept = document.parse(a.out.read_text()) if a.out.is_file() else {}
+        text = a.out.read_text() if a.out.is_file() else ""
     except (OSError, UnicodeDecodeError):
-        kept = {}  # an unreadable document is written anew
+        text = ""  # an unreadable document is written anew
+    kept, after = document.parse(text), document.afterword(text)
     facts_line = machine.one_line(machine.facts(ROOT))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     sections: list[document.Section | document.Kept] = []
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(run_one(b, a.quick, facts_line, log))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python -m bench", *(["--quick"] if a.quick else []), *([f"--only {a.only}"] if wanted else [])])
-    document.write(a.out, sections, command=command, machine=facts_line)
+    document.write(a.out, sections, command=command, machine=facts_line, after=after)
     log(f"wrote {a.out}")
     return 1 if any(isinstance(s, document.Section) and s.status.startswith("failed") for s in sections) else 0
 

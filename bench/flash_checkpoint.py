@@ -55,6 +55,11 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(out)
 
 
+def dur(seconds: float) -> str:
+    """Seconds as ``  2.709 s``, or in milliseconds below 0.1 s (a small state's snapshot)."""
+    return f"{seconds:7.3f} s" if seconds >= 0.1 else f"{seconds * 1e3:6.2f} ms"
+
+
 def dcp_async(model, opt, where: Path, repeats: int) -> tuple[float, float]:
     """Median seconds until ``async_save`` returns (training blocked) and until its future
     resolves (durable), for the model + optimizer state dicts, one process (no_dist)."""
@@ -143,19 +148,19 @@ def main() -> None:
         saver = Saver(shm / "warm", 1, cfg.checkpoints(), keep=1, events=None)
         persist = timed(lambda: saver.persist(newest), 1)
 
-        print(f"{'blocking save: direct (torch.save+fsync)':46s} {direct:7.3f} s")
-        print(f"{'blocking save: flash (copy to shared memory)':46s} {flash:7.3f} s   → {direct / flash:5.1f}× less blocking")
-        print(f"{'  raw memcpy of the same bytes (the floor)':46s} {memcpy:7.3f} s   (flash = {flash / memcpy:4.2f}× memcpy)")
-        print(f"{'  first copy into untouched shared memory':46s} {first_cold:7.3f} s   ({first_cold / flash:4.1f}× a steady copy)")
-        print(f"{'blocking save: torch DCP async_save (staging)':46s} {dcp_blocked:7.3f} s   "
+        print(f"{'blocking save: direct (torch.save+fsync)':46s} {dur(direct)}")
+        print(f"{'blocking save: flash (copy to shared memory)':46s} {dur(flash)}   → {direct / flash:5.1f}× less blocking")
+        print(f"{'  raw memcpy of the same bytes (the floor)':46s} {dur(memcpy)}   (flash = {flash / memcpy:4.2f}× memcpy)")
+        print(f"{'  first copy into untouched shared memory':46s} {dur(first_cold)}   ({first_cold / flash:4.1f}× a steady copy)")
+        print(f"{'blocking save: torch DCP async_save (staging)':46s} {dur(dcp_blocked)}   "
               f"(flash = {flash / dcp_blocked:4.2f}× DCP async)")
-        print(f"{'to durable: direct':46s} {direct:7.3f} s")
-        print(f"{'to durable: DCP async_save (future resolved)':46s} {dcp_durable:7.3f} s")
-        print(f"{'to durable: flash (blocking + saver persist)':46s} {flash + persist:7.3f} s")
-        print(f"{'restore: torch.load + load_state_dict':46s} {disk_restore:7.3f} s")
-        print(f"{'restore: shared memory (incl. digest check)':46s} {mem_restore:7.3f} s   → {disk_restore / mem_restore:5.1f}× faster")
-        print(f"{'  of which xxh3 digest check':46s} {verify:7.3f} s")
-        print(f"{'saver persist (background, fsynced)':46s} {persist:7.3f} s")
+        print(f"{'to durable: direct':46s} {dur(direct)}")
+        print(f"{'to durable: DCP async_save (future resolved)':46s} {dur(dcp_durable)}")
+        print(f"{'to durable: flash (blocking + saver persist)':46s} {dur(flash + persist)}")
+        print(f"{'restore: torch.load + load_state_dict':46s} {dur(disk_restore)}")
+        print(f"{'restore: shared memory (incl. digest check)':46s} {dur(mem_restore)}   → {disk_restore / mem_restore:5.1f}× faster")
+        print(f"{'  of which xxh3 digest check':46s} {dur(verify)}")
+        print(f"{'saver persist (background, fsynced)':46s} {dur(persist)}")
         report([Check("flash blocking / DCP async_save blocking", round(flash / dcp_blocked, 3), 1.0, "<=",
                       "flash copies the whole state into shared memory, DCP stages into private memory it may reuse")],
                state_gib=round(nbytes / 2**30, 3))

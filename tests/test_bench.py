@@ -67,13 +67,15 @@ def test_a_kept_section_survives_and_a_damaged_document_is_written_anew(tmp_path
 def test_python_m_bench_quick_writes_a_well_formed_section_and_keeps_the_others(tmp_path):
     out = tmp_path / "benchmarks.md"
     out.write_text(document.Section(name="data_prep", title="Data preparation (earlier run)", command="c", machine="m",
-                                    mode="full", wall_s=9, output="kept table\n").render())
+                                    mode="full", wall_s=9, output="kept table\n").render()
+                   + "\n## The test suite's CPU\n\nwritten by hand\n")
     done = run_bench("--quick", "--only", "gpu", "--out", str(out))
     assert done.returncode == 0, done.stderr
     text = out.read_text()
     sections = document.parse(text)
     assert set(sections) == {"data_prep", "gpu"}  # the other benchmarks were not run and had no section
     assert "kept table" in sections["data_prep"].text
+    assert text.endswith("<!-- /bench:gpu -->\n\n## The test suite's CPU\n\nwritten by hand\n")  # prose after the sections stays
     gpu = sections["gpu"]
     assert gpu.status == "skipped: no CUDA device" and gpu.mode == "quick"
     assert "## GPU" in gpu.text and "`python bench/gpu.py --steps 6" in gpu.text
