@@ -106,8 +106,8 @@ def why_missed(stage: dict, faults: int, step_s: float) -> str:
     losses = sorted(((c, parts.get(c, 0.0)) for c in ALL if c != "productive"), key=lambda x: -x[1])
     return (f"{faults} faults cost {cost:.0f} s ({cost / wall if wall else 0:.1%} of the stage: detection, recovery, "
             f"recomputation); the largest losses: {', '.join(f'{c} {x:.0f} s' for c, x in losses[:3])} — on a "
-            f"{step_s:.2f} s step a snapshot's blocking copy and a restart's process start-up weigh far more than on "
-            "a real-size step")
+            f"{step_s:.2f} s step a snapshot's blocking copy and each step's bookkeeping weigh far more than on a "
+            "real-size step")
 
 
 if __name__ == "__main__":
