@@ -1,10 +1,10 @@
 """Data preparation at scale (pretrain.dataset): versioned data sets, determinism across worker
-counts, resuming after a kill, incremental re-runs, deduplication, weights, wide vocabularies,
-an S3 root and the bad-input errors. Real files, real worker processes, a real S3 server."""
+counts, resuming after a kill, incremental re-runs, deduplication, weights, wide vocabularies and
+every source format. Real files, real worker processes. Bad input and damaged files:
+test_dataset_bad_input.py; an S3 root: test_dataset_s3.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,44 +16,14 @@ import psutil
 import pytest
 from tokenizers import Tokenizer
 
+from corpora import QUIET, data_set_bytes, docs, jsonl_corpus, spec, wide_tokenizer, write_jsonl
 from pretrain.dataset.errors import DataPrepError
 from pretrain.dataset.prepare import prepare
-from pretrain.spec_data import DataSpec
 from trainer.atomic import sha256_file
 from trainer.data import TokenWindows, read_manifest
 from trainer.data_manifest import MANIFEST
 
-
 ROOT = Path(__file__).resolve().parent.parent
-QUIET = {"log": lambda *_: None}
-
-
-def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)))
-    return path
-
-
-def docs(n: int, seed: int = 0, words: int = 40) -> list[str]:
-    """``n`` distinct, code-like documents (deterministic)."""
-    rng = np.random.default_rng(seed)
-    vocab = ["def", "return", "self", "value", "import", "json", "for", "in", "if", "else", "(", ")", ":", "x", "y"]
-    return [f"# doc {seed}-{i}\n" + " ".join(rng.choice(vocab, size=words)) for i in range(n)]
-
-
-def jsonl_corpus(root: Path, files: int = 3, per_file: int = 60) -> list[Path]:
-    return [write_jsonl(root / f"part{k}.jsonl", docs(per_file, seed=k)) for k in range(files)]
-
-
-def spec(sources, **over) -> DataSpec:
-    body = {"sources": sources, "tokenizer": {"vocab_size": 300}, "val_fraction": 0.1, "shard_tokens": 4096,
-            "unit_bytes": 4096, "workers": 1}
-    body.update(over)
-    return DataSpec.model_validate(body)
-
-
-def data_set_bytes(location: str | Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(Path(location).iterdir())}
 
 
 def test_a_prepared_data_set_is_versioned_complete_and_reused_never_rewritten(tmp_path):
@@ -81,7 +51,6 @@ def test_a_prepared_data_set_is_versioned_complete_and_reused_never_rewritten(tm
     changed = prepare(data.model_copy(update={"val_fraction": 0.3}), tmp_path / "data", work=tmp_path / "work", **QUIET)
     assert changed["fingerprint"] != m["fingerprint"] and Path(changed["location"]).parent == location.parent
     assert {p.name: p.stat().st_mtime_ns for p in location.iterdir()} == before  # the old set stays as it was
-
 
 def test_the_data_set_is_byte_identical_for_any_number_of_workers(tmp_path):
     corpus = jsonl_corpus(tmp_path / "corpus")
@@ -116,7 +85,6 @@ if __name__ == "__main__":
     prepare(data, sys.argv[2], work=Path(sys.argv[3]), log=lambda *_: None, progress=stop_at_unit)
 """
 
-
 def test_a_run_killed_mid_preparation_resumes_at_unfinished_units_with_an_identical_manifest(tmp_path):
     jsonl_corpus(tmp_path / "corpus", files=2, per_file=120)
     data = spec([str(tmp_path / "corpus/*.jsonl")])
@@ -143,7 +111,6 @@ def test_a_run_killed_mid_preparation_resumes_at_unfinished_units_with_an_identi
     clean = prepare(data, tmp_path / "clean", work=tmp_path / "clean-work", **QUIET)
     assert resumed["fingerprint"] == clean["fingerprint"]
     assert data_set_bytes(resumed["location"]) == data_set_bytes(clean["location"])  # manifest and shards
-
 
 def test_a_worker_that_dies_mid_preparation_is_a_clear_error_and_the_next_run_reuses_what_finished(tmp_path):
     """A tokenizing worker killed (as the kernel's OOM killer would) fails the run with what to
@@ -180,7 +147,6 @@ prepare(DataSpec.model_validate_json(sys.argv[1]), sys.argv[2], work=Path(sys.ar
 print("prepared")
 """
 
-
 def test_a_script_without_a_main_check_is_told_to_add_one(tmp_path):
     """Python's multiprocessing runs the calling script again in each worker: a script that calls
     preparation at its top level makes every worker fail at its start. The error says so and how
@@ -208,7 +174,6 @@ def test_a_script_without_a_main_check_is_told_to_add_one(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0 and done.stdout == "prepared\n", done.stderr[-2000:]
 
-
 def test_with_a_given_tokenizer_a_changed_file_re_tokenizes_only_its_units(tmp_path):
     files = jsonl_corpus(tmp_path / "corpus", files=3, per_file=40)
     first = prepare(spec([str(tmp_path / "corpus/*.jsonl")]), tmp_path / "seed", work=tmp_path / "seedwork", **QUIET)
@@ -228,7 +193,6 @@ def test_with_a_given_tokenizer_a_changed_file_re_tokenizes_only_its_units(tmp_p
     assert changed_units and after["tokenizer_sha256"] == before["tokenizer_sha256"]
     assert len(list((tmp_path / "work" / "units").iterdir())) == total  # the changed file's old units are gone
 
-
 def test_a_trained_tokenizer_says_a_changed_corpus_re_tokenizes_everything(tmp_path):
     files = jsonl_corpus(tmp_path / "corpus", files=2, per_file=30)
     data = spec([str(tmp_path / "corpus/*.jsonl")])
@@ -237,7 +201,6 @@ def test_a_trained_tokenizer_says_a_changed_corpus_re_tokenizes_everything(tmp_p
     logged: list[str] = []
     prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
     assert any("trained on a sample of the corpus" in line and "tokenizer.path" in line for line in logged), logged
-
 
 def test_exact_duplicate_documents_are_dropped_first_wins_and_counted(tmp_path):
     texts = docs(50)
@@ -248,7 +211,6 @@ def test_exact_duplicate_documents_are_dropped_first_wins_and_counted(tmp_path):
     assert by_uri[str(a)]["skipped"]["duplicate"] == 5 and by_uri[str(a)]["documents"] == 50
     assert by_uri[str(b)]["skipped"]["duplicate"] == 20 and by_uri[str(b)]["documents"] == 10
     assert m["skipped"]["duplicate"] == 25 and sum(m["documents"].values()) == 60
-
 
 @pytest.mark.parametrize("weight, low, high", [(2.0, 2.0, 2.0), (3.0, 3.0, 3.0), (0.5, 0.3, 0.7), (1.5, 1.3, 1.7)])
 def test_a_source_weight_repeats_its_train_documents_and_never_its_val_documents(tmp_path, weight, low, high):
@@ -261,22 +223,6 @@ def test_a_source_weight_repeats_its_train_documents_and_never_its_val_documents
     again = prepare(spec([{"path": str(corpus), "weight": weight}]), tmp_path / "again", work=tmp_path / "w2", **QUIET)
     assert data_set_bytes(again["location"]) == data_set_bytes(weighted["location"])  # the chosen share is fixed
 
-
-def wide_tokenizer(path: Path, vocab: int = 70_000) -> Path:
-    """A byte-level tokenizer whose separator id is above 65535 (so shards must be uint32)."""
-    from tokenizers import decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    ids = {ch: i for i, ch in enumerate(alphabet)}
-    ids.update({f"filler{i}": len(ids) + i for i in range(vocab - len(ids) - 1)})
-    tok = Tokenizer(models.BPE(vocab=ids, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
-    tok.save(str(path))
-    return path
-
-
 def test_a_vocabulary_above_65536_gives_uint32_shards_with_the_separator_intact(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", docs(20))
     tokenizer = wide_tokenizer(tmp_path / "wide.json")
@@ -285,46 +231,6 @@ def test_a_vocabulary_above_65536_gives_uint32_shards_with_the_separator_intact(
     tokens = np.fromfile(Path(m["location"]) / m["splits"]["train"][0]["file"], dtype="uint32")
     assert (tokens == 69_999).sum() == m["documents"]["train"] and tokens[-1] == 69_999
     assert len(TokenWindows(m["location"], "train", 16)) > 0
-
-
-@pytest.mark.parametrize("files, message", [
-    ({"a.txt": b"", "b.txt": b"  \n"}, r"gave no documents \(2 file\(s\); skipped: 2 empty\)"),
-    ({"a.bin": b"\x00\x01\x02" * 100}, r"gave no documents \(1 file\(s\); skipped: 1 binary\)"),
-    ({"one.txt": b"just one document"}, r"gave 1 distinct document\(s\); need at least 2"),
-], ids=["empty", "binary", "one document"])
-def test_a_corpus_without_enough_documents_is_a_clear_error_and_no_data_set(tmp_path, files, message):
-    for name, raw in files.items():
-        (tmp_path / "corpus").mkdir(exist_ok=True)
-        (tmp_path / "corpus" / name).write_bytes(raw)
-    with pytest.raises(DataPrepError, match=message):
-        prepare(spec([str(tmp_path / "corpus/*")]), tmp_path / "data", work=tmp_path / "w", **QUIET)
-    assert not list((tmp_path / "data").glob(f"*/{MANIFEST}"))
-
-
-def test_a_bad_jsonl_line_in_a_worker_stops_preparation_naming_file_and_line(tmp_path):
-    corpus = write_jsonl(tmp_path / "c.jsonl", docs(30))
-    with open(corpus, "a") as f:
-        f.write("{not json\n")
-    with pytest.raises(ValueError, match=rf"{corpus}.*line 31"):
-        prepare(spec([str(corpus)], tokenizer={"path": str(wide_tokenizer(tmp_path / "t.json", 1000))}),
-                tmp_path / "data", work=tmp_path / "w", **QUIET)
-    skipped = prepare(spec([str(corpus)], on_bad_record="skip"), tmp_path / "data", work=tmp_path / "w", **QUIET)
-    assert skipped["skipped"]["bad_record"] == 1 and sum(skipped["documents"].values()) == 30
-
-
-def test_data_prep_that_fills_the_disk_leaves_no_data_set_and_a_retry_after_freeing_space_works(tmp_path):
-    from tmpfs import resize_tmpfs, small_tmpfs
-
-    data = spec(["{stdlib}/json/*.py"], tokenizer={"vocab_size": 400}, val_fraction=0.2, shard_tokens=2048)
-    with small_tmpfs(tmp_path / "fs", "32k") as fs:
-        with pytest.raises(DataPrepError, match=rf"no space left on {fs} \(tmpfs.*Free space there"):
-            prepare(data, fs / "data", work=tmp_path / "work", **QUIET)
-        assert not list((fs / "data").glob(f"*/{MANIFEST}"))
-        assert [p for p in (fs / "data").rglob("*") if p.is_file()] == []  # no shard, no temporary left
-        resize_tmpfs(fs, "4m")  # the operator frees space
-        m = prepare(data, fs / "data", work=tmp_path / "work", **QUIET)
-        assert m["reused"] is False and read_manifest(m["location"])["fingerprint"] == m["fingerprint"]
-
 
 def test_every_source_format_yields_the_same_documents(tmp_path):
     """The same documents as JSONL, JSONL.gz, JSONL.zst and Parquet: every copy after the first is
@@ -346,66 +252,6 @@ def test_every_source_format_yields_the_same_documents(tmp_path):
     assert [(s["format"], s["documents"], s["skipped"]["duplicate"]) for s in m["sources"]] == [
         ("jsonl", 40, 0), ("jsonl", 0, 40), ("jsonl", 0, 40), ("parquet", 0, 40)]
 
-
-def test_a_damaged_unit_result_is_tokenized_again_never_trusted(tmp_path):
-    jsonl_corpus(tmp_path / "corpus", files=1, per_file=80)
-    data = spec([str(tmp_path / "corpus/*.jsonl")])
-    prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
-    units = sorted(p for p in (tmp_path / "work" / "units").iterdir())
-    tokens = units[0] / "tokens.bin"
-    tokens.write_bytes(tokens.read_bytes()[:-2])  # a torn write on a file system without atomic rename
-    logged: list[str] = []
-    other = data.model_copy(update={"shard_tokens": 1000})  # a new data set from the same units
-    m = prepare(other, tmp_path / "data", work=tmp_path / "work", log=logged.append)
-    assert any(line.startswith(f"tokenizing 1 of {len(units)} work unit") for line in logged), logged
-    clean = prepare(other, tmp_path / "clean", work=tmp_path / "clean-work", **QUIET)
-    assert data_set_bytes(m["location"]) == data_set_bytes(clean["location"])
-
-
-@pytest.mark.parametrize("make, eos, message", [
-    (lambda p: p / "missing.json", "<|endoftext|>", r"tokenizer.path '.*missing.json' cannot be read .*fix the path"),
-    (lambda p: (p / "t.json").write_text("{not a tokenizer") and p / "t.json", "<|endoftext|>",
-     r"is not a Hugging Face tokenizer.json"),
-    (lambda p: wide_tokenizer(p / "t.json", 1000), "</s>", r"has no token '</s>' to separate documents: set tokenizer.eos_token"),
-], ids=["missing", "not a tokenizer", "no separator"])
-def test_a_given_tokenizer_that_cannot_serve_is_a_clear_error(tmp_path, make, eos, message):
-    corpus = write_jsonl(tmp_path / "c.jsonl", docs(10))
-    data = spec([str(corpus)], tokenizer={"path": str(make(tmp_path)), "eos_token": eos})
-    with pytest.raises(DataPrepError, match=message):
-        prepare(data, tmp_path / "data", work=tmp_path / "w", **QUIET)
-
-
-def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
-    jsonl_corpus(tmp_path / "corpus", files=1, per_file=40)
-    data = spec([str(tmp_path / "corpus/*.jsonl")])
-    first = prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
-    cached = tmp_path / "work" / "tokenizers" / f"{first['fingerprint']}.json"
-    cached.write_bytes(cached.read_bytes()[:100])  # torn
-    manifest = Path(first["location"]) / MANIFEST
-    before = manifest.read_bytes()
-    manifest.unlink()  # the data set is prepared again, from the cache
-    logged: list[str] = []
-    again = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
-    assert any(f"{cached} is damaged; training the tokenizer again" in line for line in logged), logged
-    assert again["reused"] is False and manifest.read_bytes() == before
-
-
-def test_a_failing_progress_display_never_stops_preparation(tmp_path):
-    write_jsonl(tmp_path / "c.jsonl", docs(30))
-    calls: list[str] = []
-
-    def broken(p):
-        calls.append(p.phase)
-        raise ConnectionError("the Prefect server went away")
-
-    logged: list[str] = []
-    m = prepare(spec([str(tmp_path / "c.jsonl")]), tmp_path / "data", work=tmp_path / "w", log=logged.append,
-                progress=broken)
-    assert read_manifest(m["location"])["fingerprint"] == m["fingerprint"] and calls == ["scan"]
-    assert [line for line in logged if "progress reporting failed" in line] == [
-        "progress reporting failed (ConnectionError: the Prefect server went away); data preparation goes on without it"]
-
-
 @pytest.mark.parametrize("batches", [
     [[5, 3, 5, 1], [3, 7, 7], [], [1, 2, 3, 4, 5, 6, 7, 8]],
     [[2**64 - 1, 0, 2**64 - 1], [0]],
@@ -425,20 +271,3 @@ def test_the_dedup_hash_set_agrees_with_a_python_set(batches):
         assert len(hs) == len(reference)
     sizes = [len(b) for b in hs.blocks]
     assert sizes == sorted(sizes, reverse=True)
-
-
-@pytest.mark.parametrize("damage", [
-    lambda p: p.unlink(),
-    lambda p: p.write_bytes(p.read_bytes()[:-2]),
-], ids=["shard deleted", "shard truncated"])
-def test_a_data_set_with_a_missing_or_truncated_shard_is_prepared_again_not_reused(tmp_path, damage):
-    jsonl_corpus(tmp_path / "corpus", files=1, per_file=60)
-    data = spec([str(tmp_path / "corpus/*.jsonl")])
-    first = prepare(data, tmp_path / "data", work=tmp_path / "work", **QUIET)
-    before = data_set_bytes(first["location"])
-    shard = Path(first["location"]) / first["splits"]["train"][0]["file"]
-    damage(shard)
-    logged: list[str] = []
-    again = prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
-    assert again["reused"] is False and data_set_bytes(again["location"]) == before
-    assert any(f"is damaged ({shard.name} " in line and "preparing it again" in line for line in logged), logged

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import s3_servers
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
-from test_dataset import QUIET, data_set_bytes, docs, jsonl_corpus, spec, wide_tokenizer, write_jsonl
+from corpora import QUIET, data_set_bytes, docs, jsonl_corpus, spec, wide_tokenizer, write_jsonl
 
 from pretrain.dataset.errors import DataPrepError
 from pretrain.dataset.prepare import prepare
