@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedServer  # noqa: E402  (creates BUCKET)
 
-from trainer.checkpoint.store import CheckpointStore, _HashingWriter  # noqa: E402
+from trainer.checkpoint.hashing import HashingWriter  # noqa: E402
+from trainer.checkpoint.store import CheckpointStore  # noqa: E402
 from trainer.storage.s3 import S3Storage  # noqa: E402
 
 BENCH = {"title": "Persisting a shard to S3: staged vs streamed", "order": 20,
@@ -38,7 +39,7 @@ def staged(store: CheckpointStore, key: str, obj: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix="bench-stage-")
     try:
         with os.fdopen(fd, "wb") as f, ThreadPoolExecutor(1) as pool:
-            torch.save(obj, _HashingWriter(f, pool))
+            torch.save(obj, HashingWriter(f, pool))
             f.flush()
             os.fsync(f.fileno())
         store.storage.put_file(key, tmp)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.checkpoint import records
+from trainer.checkpoint.hashing import HashingWriter
 from trainer.checkpoint.records import DamagedRecord, Manifest
 from trainer.storage import NotAFile, NotFound, Storage, open_storage
 
@@ -93,31 +94,6 @@ class CheckpointRef:
         return {"step": self.step, "path": self.location}
 
 
-class _HashingWriter:
-    """A file wrapper that hashes and counts what ``torch.save`` streams through it. A large
-    chunk (a tensor's bytes) is hashed on a helper thread while it is written — both release
-    the GIL — and ``write`` returns only when both are done, so the caller may reuse its buffer."""
-
-    PARALLEL_MIN = 1 << 20
-
-    def __init__(self, f, pool: ThreadPoolExecutor):
-        self.f, self.pool, self.sha, self.bytes = f, pool, hashlib.sha256(), 0
-
-    def write(self, b) -> int:
-        self.bytes += len(b)
-        if len(b) < self.PARALLEL_MIN:
-            self.sha.update(b)
-            return self.f.write(b)
-        hashed = self.pool.submit(self.sha.update, b)
-        try:
-            return self.f.write(b)
-        finally:
-            hashed.result()
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 class CheckpointStore:
     """One stage's checkpoints in a :class:`Storage`."""
 
@@ -171,10 +147,10 @@ class CheckpointStore:
         import torch
 
         with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
-            written: list[_HashingWriter] = []
+            written: list[HashingWriter] = []
 
             def write(f) -> None:
-                written.append(out := _HashingWriter(f, pool))
+                written.append(out := HashingWriter(f, pool))
                 torch.save(obj, out)
 
             self.storage.put_stream(f"{step_name(step)}/{name}", write)
