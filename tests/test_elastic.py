@@ -279,18 +279,22 @@ def test_a_fresh_interpreter_worker_whose_agent_died_while_it_started_ends():
     """A worker (or warm spare) started without a zygote takes seconds to import torch; an agent
     killed meanwhile (a node lost) must not leave it running as an orphan of init: it knows its
     agent by name and ends. (A CI run left such a spare behind a killed pod.)"""
-    # the worker: still "starting" until the test says go, then its orphan watchdog, then work for a minute
-    worker = ["-c", "import sys, time; from trainer.process import exit_when_orphaned; sys.stdin.readline(); "
-                    "exit_when_orphaned(interval=0.05); print('watching', flush=True); time.sleep(60)"]
+    # the worker: still "starting" until the test says go, then its orphan watchdog, then "work" until the
+    # test closes its end of stdin (so a watchdog that fails leaves no process behind once the test ends)
+    worker = ["-c", "import sys; from trainer.process import exit_when_orphaned; sys.stdin.readline(); "
+                    "exit_when_orphaned(interval=0.05); print('watching', flush=True); sys.stdin.readline()"]
     agent = ("import subprocess; from trainer.elastic import elastic_worker_command as c; "
              f"p = subprocess.Popen(c(None, {worker!r}, {{}})); print(p.pid, flush=True)")
     started = subprocess.Popen([sys.executable, "-c", agent], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     pid = int(started.stdout.readline())
     assert started.wait(60) == 0  # the agent is gone, its worker still starting
-    started.stdin.write("go\n")
-    started.stdin.flush()
-    assert started.stdout.readline() == "watching\n"
-    wait_for(lambda: not running(pid), 30, "the orphaned worker to end")
+    try:
+        started.stdin.write("go\n")
+        started.stdin.flush()
+        assert started.stdout.readline() == "watching\n"
+        wait_for(lambda: not running(pid), 30, "the orphaned worker to end")
+    finally:
+        started.stdin.close()
 
 
 def running(pid: int) -> bool:
