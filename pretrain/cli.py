@@ -136,13 +136,15 @@ def status(
 
 
 def _exit_if_ledger_refuses(campaign) -> None:
-    """A damaged ledger (or one written by a newer release) stops ``run`` before anything starts,
-    as does the ledger of a campaign started from another spec: exit 2, one line saying what to
-    do, nothing written. (A spec with block references is hashed as resolved: the flow checks it.)"""
-    from pretrain.layout import CampaignLayout
+    """A workdir that cannot be made or written, a damaged ledger (or one written by a newer
+    release) stop ``run`` before anything starts, as does the ledger of a campaign started from
+    another spec: exit 2, one line saying what to do, nothing written. (A spec with block
+    references is hashed as resolved: the flow checks it.)"""
+    from pretrain.layout import CampaignLayout, UnusableWorkdir, ensure_workdir
     from pretrain.ledger import CampaignMismatch, Ledger, LedgerError
 
-    with refused(LedgerError, CampaignMismatch):
+    with refused(LedgerError, CampaignMismatch, UnusableWorkdir):
+        ensure_workdir(campaign.workdir_path)
         ledger = Ledger.read(CampaignLayout(campaign.workdir_path))
         if ledger is not None and not campaign.blocks.model_dump(exclude_defaults=True):
             ledger.refuse_other_spec(campaign)

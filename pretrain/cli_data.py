@@ -84,13 +84,14 @@ def prepare(
 
 def _refuse_before_starting(campaign) -> None:
     """What the flow would refuse and this process can tell at once, before the Prefect API server
-    and the flow start (~10 s): a local workdir that holds a campaign of another spec, local
-    sources that match no file. Sources on S3, a ledger at ``checkpoint.state_uri`` and settings
+    and the flow start (~10 s): a workdir that cannot be made or written, one that holds a
+    campaign of another spec, local sources that match no file. Sources on S3, a ledger at ``checkpoint.state_uri`` and settings
     from blocks are the flow's to check (credentials, network)."""
     from pretrain.corpus.files import expand_sources
-    from pretrain.layout import CampaignLayout
+    from pretrain.layout import CampaignLayout, ensure_workdir
     from pretrain.ledger import Ledger
 
+    ensure_workdir(campaign.workdir_path)  # UnusableWorkdir is a ValueError
     if any(campaign.blocks.model_dump().values()):
         return
     if campaign.checkpoint.state_uri is None and (ledger := Ledger.read(CampaignLayout(campaign.workdir_path))):

@@ -2,8 +2,32 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+
+class UnusableWorkdir(ValueError):
+    """The campaign's workdir cannot be made or written; the message says why and what to give."""
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The file that stands where ``path`` or one of its parent directories should be, if any."""
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+
+
+def ensure_workdir(path: Path) -> None:
+    """Make the campaign's workdir (and its parents) if it is missing; raise
+    :class:`UnusableWorkdir` if it cannot hold the campaign's state, before anything starts."""
+    what = "give a directory you can write to (--workdir DIR, or the spec's workdir)"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UnusableWorkdir(f"{file_in_the_way(path) or path} is a file, not a directory: {what}") from None
+    except OSError as err:
+        raise UnusableWorkdir(f"cannot make the workdir {path}: {err.strerror or err}; {what}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UnusableWorkdir(f"cannot write in the workdir {path} (permission denied): {what}")
 
 
 @dataclass(frozen=True)

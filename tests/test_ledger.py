@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from typer.testing import CliRunner
 
 from conftest import pretrain_cli, small_spec
+from pretrain.cli import app
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger, LedgerDamaged, LedgerError, recover_ledger
 from pretrain.ledger_schema import CampaignStatus, CheckpointRef, Failure, StageStatus
@@ -149,6 +151,22 @@ def test_a_workdir_that_is_a_file_is_one_line_in_every_command(tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, (args, proc.stderr)
         assert "not a directory" in proc.stderr, (args, proc.stderr)
     assert afile.read_text() == "not a campaign"
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda tmp: (tmp / "notes.txt").write_text("x") and tmp / "notes.txt" / "campaign", "{tmp}/notes.txt is a file, not a directory"),
+    (lambda tmp: Path("/proc") / f"pretrain-{tmp.name}", "cannot make the workdir /proc/pretrain-"),
+], ids=["under a file", "cannot be made"])
+def test_run_and_data_prepare_refuse_a_workdir_they_cannot_use_before_anything_starts(tmp_path, make, says):
+    """Not ~10 s later from inside the flow as "campaign failed: [Errno 2] …": one line naming
+    what is in the way and what to give, before the Prefect API server or the flow starts."""
+    workdir = make(tmp_path)
+    for args in (["run"], ["data", "prepare"]):
+        done = CliRunner().invoke(app, [*args, "--workdir", str(workdir)])
+        text = " ".join(done.output.split())
+        assert done.exit_code == 2 and "Traceback" not in text, (args, done.output)
+        assert says.format(tmp=tmp_path) in text and "give a directory you can write to" in text, (args, text)
+        assert "Prefect API server" not in text and "Flow run" not in text, (args, text)  # nothing started
 
 
 def test_without_an_intact_previous_generation_the_error_says_what_to_do(spec):
