@@ -236,7 +236,7 @@ def api_server_for_this_run(while_starting: Callable[[], object] | None = None,
     ``notice`` (default: stderr) says that it starts (the seconds before the flow's first line),
     and when a server that exited meanwhile is restarted on its port."""
     from prefect.context import _temporary_global_settings_context, get_settings_context
-    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, get_current_settings, temporary_settings
 
     settings = get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
@@ -256,8 +256,9 @@ def api_server_for_this_run(while_starting: Callable[[], object] | None = None,
         url = server.wait_ready(settings.server.ephemeral.startup_timeout_seconds)
         server.keep_alive(notice, settings.server.ephemeral.startup_timeout_seconds)
         # this context and the process-global one: Prefect's log and event workers run in
-        # threads of their own, which see the global settings
-        with temporary_settings(updates={PREFECT_API_URL: url}), \
+        # threads of their own, which see the global settings. No UI URL: this server serves
+        # none, and Prefect would print a "View at <url>" for each flow run that answers 404
+        with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_UI_URL: ""}), \
                 _temporary_global_settings_context(get_settings_context()), _prefect_queues_drained():
             yield server
     finally:

@@ -183,6 +183,7 @@ def test_killed_campaign_process_resumes_when_run_again(prefect_harness, prepare
         terminal.close()
     assert "Traceback" not in terminal.text()
     assert "starting a local Prefect API server for this run" in terminal.text()  # the first seconds say why
+    assert "Beginning flow run" in terminal.text() and "View at" not in terminal.text()  # that server has no UI to link
     killed_at = ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
     assert 0 < killed_at < 40
     # nothing the killed CLI started outlives it: each process notices its parent is gone and stops
