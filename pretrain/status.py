@@ -18,6 +18,8 @@ from trainer.checkpoint.store import CheckpointStore
 class NoCampaign(FileNotFoundError):
     pass
 
+NO_MLFLOW_RUN = "MLflow: no run yet (the campaign has not opened its MLflow run)"
+
 
 def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, live: bool = False) -> dict:
     """Where the campaign in ``workdir`` stands (anything credential-shaped redacted).
@@ -80,8 +82,9 @@ def render(status: dict, console: Console | None = None) -> None:
     if (status.get("goodput") or {}).get("known"):
         for note in status["goodput"]["missing"]:
             console.print(f"goodput: {note}", highlight=False, markup=False)
-    console.print(f"MLflow: parent run {status['mlflow']['parent_run_id']} in experiment "
-                  f"'{status['mlflow']['experiment']}' — {status['mlflow']['ui_command']}")
+    mlflow = status["mlflow"]
+    console.print(f"MLflow: parent run {mlflow['parent_run_id']} in experiment '{mlflow['experiment']}' — "
+                  f"{mlflow['ui_command']}" if mlflow["parent_run_id"] else NO_MLFLOW_RUN)
     if reg := status.get("registered_model"):
         console.print(f"Model: {reg['uri']} (version {reg['version']}, from {reg['checkpoint']})")
 

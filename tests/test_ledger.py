@@ -169,6 +169,15 @@ def test_run_and_data_prepare_refuse_a_workdir_they_cannot_use_before_anything_s
         assert "Prefect API server" not in text and "Flow run" not in text, (args, text)  # nothing started
 
 
+def test_a_campaign_without_an_mlflow_run_yet_says_so_in_status_and_report(spec):
+    """A campaign stopped (or looked at) before it opened its MLflow run: not 'parent run None'."""
+    done = CliRunner().invoke(app, ["status", "--workdir", str(spec.workdir_path)])
+    assert done.exit_code == 0 and "MLflow: no run yet" in done.output and "None" not in done.output, done.output
+    done = CliRunner().invoke(app, ["report", "--workdir", str(spec.workdir_path)])
+    page = (spec.workdir_path / "report" / "report.html").read_text()
+    assert done.exit_code == 0 and "MLflow: no run yet" in page and "None" not in page, done.output
+
+
 def test_without_an_intact_previous_generation_the_error_says_what_to_do(spec):
     layout = CampaignLayout(spec.workdir_path)
     _truncate(layout.ledger)
