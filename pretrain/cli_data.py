@@ -85,8 +85,8 @@ def prepare(
 def _refuse_before_starting(campaign) -> None:
     """What the flow would refuse and this process can tell at once, before the Prefect API server
     and the flow start (~10 s): a workdir that cannot be made or written, one that holds a
-    campaign of another spec, local sources that match no file. Sources on S3, a ledger at ``checkpoint.state_uri`` and settings
-    from blocks are the flow's to check (credentials, network)."""
+    campaign of another spec, local sources that match no file. Sources on S3, a ledger at
+    ``checkpoint.state_uri`` and settings from blocks are the flow's to check (credentials, network)."""
     from pretrain.corpus.files import expand_sources
     from pretrain.layout import CampaignLayout, ensure_workdir
     from pretrain.ledger import Ledger

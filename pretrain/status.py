@@ -18,6 +18,7 @@ from trainer.checkpoint.store import CheckpointStore
 class NoCampaign(FileNotFoundError):
     pass
 
+
 NO_MLFLOW_RUN = "MLflow: no run yet (the campaign has not opened its MLflow run)"
 
 
