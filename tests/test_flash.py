@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from trainer.checkpoint.flash import SnapshotStore, copies_in_flight
 from trainer.checkpoint.shm import ShmTooSmall, Slot
 from trainer.config import JobConfig
 from trainer.dist import DistInfo
-from trainer.loop import build_model, open_snapshots, snapshot_capacity
+from trainer.loop import build_model, checkpoint, open_snapshots, snapshot_capacity
 from trainer.node_agent import AgentSettings, NodeAgent
 from trainer.reporting import JsonLines, read_all
 
@@ -91,6 +92,36 @@ def test_every_snapshot_into_a_slot_reads_back_exactly_as_its_layout_stays_or_ch
         firsts.add(next(iter(back["shared"]["model"].values())).flatten()[0].item())
     assert len(firsts) == 6  # every snapshot's values were new, so a stale copy could not pass
     slot.close()
+
+
+def test_a_snapshots_blocking_time_counts_gathering_the_state_not_only_the_copy(tmp_path, monkeypatch):
+    """Training waits while the state dict is gathered (model, optimizer, RNG) as well as while it
+    is copied: the time a checkpoint reports (goodput's checkpoint blocking) holds both."""
+    cfg = dataclasses.replace(job(tmp_path), memory_interval=2, ckpt_interval=10)
+    model, opt = trained(cfg)
+    spent = {"gather": 0.0, "copy": 0.0}
+    gather, copy = state.training_state, SnapshotStore.snapshot
+
+    def timed_gather(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return gather(*args, **kwargs)
+        finally:
+            spent["gather"] += time.perf_counter() - t0
+
+    def timed_copy(self, *args, **kwargs):
+        blocked = copy(self, *args, **kwargs)
+        spent["copy"] += blocked
+        return blocked
+
+    monkeypatch.setattr(state, "training_state", timed_gather)
+    monkeypatch.setattr(SnapshotStore, "snapshot", timed_copy)
+    store = SnapshotStore(tmp_path / "shm", 0, 0, 1, capacity=1 << 20)
+    events = JsonLines(tmp_path / "events.jsonl")
+    assert checkpoint(cfg, CPU0, store, events, step=3, consumed=3, model=model, optimizer=opt) is None  # none due
+    blocked = checkpoint(cfg, CPU0, store, events, step=4, consumed=4, model=model, optimizer=opt)
+    assert spent["gather"] > 0 and spent["copy"] > 0 and blocked >= spent["gather"] + spent["copy"]
+    store.flush()
 
 
 @pytest.mark.parametrize("flags, held, persist, expected", [

@@ -29,7 +29,8 @@ from trainer.resilience.rollback import roll_back, skip_windows
 
 def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, step: int, consumed: int,
                model, optimizer, loss: float | None = None) -> float | None:
-    """Take the checkpoint due at ``step``, if any; returns the seconds training was blocked."""
+    """Take the checkpoint due at ``step``, if any; returns the seconds training was blocked (the
+    state gathered and saved, or copied into shared memory), None if no checkpoint was due."""
     last = step == cfg.optim.steps
     persist = step % cfg.ckpt_interval == 0 or last
     if snapshots is None:
@@ -42,11 +43,11 @@ def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, 
         return time.perf_counter() - t0
     if not (persist or step % cfg.memory_interval == 0):
         return None
+    t0 = time.perf_counter()  # training waits for the state dict to be gathered as well as copied
     st = state.training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer, loss=loss)
-    blocked = snapshots.snapshot(step, st, persist=persist, wait=last)
-    if blocked is None:
+    if snapshots.snapshot(step, st, persist=persist, wait=last) is None:
         events.write({"event": EventKind.SNAPSHOT_SKIPPED, "rank": info.rank, "step": step, "reason": "slot busy"})
-    return blocked
+    return time.perf_counter() - t0
 
 
 def seed_everything(seed: int, device: torch.device) -> None:
