@@ -23,7 +23,7 @@ def compare(
     png: Optional[Path] = typer.Option(None, "--png", help="Also write a PNG of eval loss against tokens seen for all of them."),
 ) -> None:
     """Compare campaigns: tokens seen, final and best eval loss, goodput, wall time, restarts,
-    rollbacks, checkpoint stall, and the parameters that differ."""
+    rollbacks, checkpoint blocking, and the parameters that differ."""
     from pretrain.compare import CompareError, compare as gather
     from pretrain.compare_view import plot_eval_loss, table
     from pretrain.tracking_store import shared_tracking_uri

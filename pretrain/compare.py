@@ -1,5 +1,5 @@
 """Campaigns side by side, read from MLflow: tokens seen, eval loss, goodput, wall time, restarts,
-rollbacks, checkpoint stall and the parameters that differ (``pretrain compare``, the
+rollbacks, checkpoint blocking and the parameters that differ (``pretrain compare``, the
 ``compare-campaigns`` flow).
 
 A campaign is named by its workdir (its ledger says which store and run), its MLflow campaign
