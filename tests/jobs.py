@@ -1,14 +1,21 @@
 """A small job config for trainer-level tests, filled from a spec exactly as the orchestrator
-fills it (``pretrain.jobs.job_config``): the spec is the one source of every default."""
+fills it (``pretrain.jobs.job_config``): the spec is the one source of every default; a model
+trained a few steps on it, and a bit-exact comparison of training states."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from pretrain.jobs import job_config
 from pretrain.spec import parse_spec
 from trainer.config import JobConfig
+from trainer.dist import DistInfo
+from trainer.loop import build_model
+
+CPU0 = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torch.device("cpu"), backend="gloo")
 
 
 def tiny_job(root: Path, *, parallelism: str = "ddp", vocab_size: int = 64, max_seq_len: int = 32, steps: int = 20,
@@ -28,3 +35,29 @@ def tiny_job(root: Path, *, parallelism: str = "ddp", vocab_size: int = 64, max_
     root = Path(root)
     return dataclasses.replace(job, data_dir=str(root / "data"), ckpt_dir=str(root / "ckpt"), job_dir=str(root / "job"),
                                optim=dataclasses.replace(job.optim, global_batch=0), threads_per_worker=0, **changes)
+
+
+def trained(cfg: JobConfig, steps: int = 2):
+    """A model and optimizer with real AdamW state."""
+    torch.manual_seed(0)
+    model, opt = build_model(cfg, torch.device("cpu"))
+    for _ in range(steps):
+        model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b

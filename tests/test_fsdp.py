@@ -27,7 +27,8 @@ from trainer.data import read_manifest
 from trainer.evaluate import evaluate, validate
 from trainer.loop import build_model
 from trainer.reporting import read_all
-from test_flash import CPU0, assert_same, start_saver
+from jobs import CPU0, assert_same
+from test_flash import start_saver
 
 RANKS = Path(__file__).with_name("fsdp_ranks.py")
 

@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from conftest import seed_data, small_spec
+from jobs import CPU0
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
 from trainer.config import JobConfig, drill_from_dict
-from trainer.dist import DistInfo
 from trainer.loop import train
 from trainer.reporting import EVENTS, METRICS, read_all
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips
 
-CPU0 = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torch.device("cpu"), backend="gloo")
 
 
 def direct_job(root: Path, prepared_data: Path, **fields) -> JobConfig:

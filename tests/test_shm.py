@@ -1,5 +1,6 @@
 """Shared memory: leaked snapshot directories are swept, the capacity check covers the whole
-node, and a full shared-memory file system is the clear ShmTooSmall (or the fallback)."""
+node, a full shared-memory file system is the clear ShmTooSmall (or the fallback), and a slot
+reads back every snapshot written into it."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import torch
 
 from agents import agent_job, node_log, start_agent
 from conftest import wait_for
-from jobs import tiny_job
+from jobs import CPU0, assert_same, tiny_job, trained
 from tmpfs import small_tmpfs
-from trainer.checkpoint import shmdirs
+from trainer.checkpoint import shmdirs, state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.shm import ShmTooSmall, Slot, slot_paths
 from trainer.config import JobConfig
@@ -176,3 +177,25 @@ def test_enospc_while_allocating_a_slot_is_shm_too_small_or_the_fallback(tmp_pat
             SnapshotStore(ns, 0, 0, 1, capacity=3 << 20)
         assert open_snapshots(ddp_job(tmp_path, shm_fallback=True), info, 3 << 20, str(ns), events) is None
         assert read_all(tmp_path / "job" / EVENTS)[-1]["event"] == "shm_fallback"
+
+
+def test_every_snapshot_into_a_slot_reads_back_exactly_as_its_layout_stays_or_changes(tmp_path):
+    """A slot copies a state laid out as its last one into the views it made then: each later
+    snapshot must still read back bit-exact, whether only the values changed, the layout record
+    grew past a page (the data moves), the state grew (the slot is remapped) or shrank again."""
+    cfg = tiny_job(tmp_path)
+    slot = Slot(tmp_path / "slot", capacity=1 << 16)  # too small for the state: the first write grows it
+    firsts = set()
+    for step, change in enumerate(["first", "values", "long record", "larger state", "values", "smaller again"]):
+        model, opt = trained(cfg, steps=2 + step)  # new values every time
+        st = state.training_state(cfg, CPU0, step=step, consumed=step, model=model, optimizer=opt)
+        if change == "long record":
+            st["note"] = "x" * 5000  # the layout record grows past a page: the data region starts later
+        if change == "larger state":
+            st["extra"] = torch.randn(1 << 16)
+        slot.write(st, {"step": step})
+        back = slot.read(slot.header())
+        assert_same(back, st)
+        firsts.add(next(iter(back["shared"]["model"].values())).flatten()[0].item())
+    assert len(firsts) == 6  # every snapshot's values were new, so a stale copy could not pass
+    slot.close()
