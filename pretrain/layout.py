@@ -11,9 +11,10 @@ class UnusableWorkdir(ValueError):
     """The campaign's workdir cannot be made or written; the message says why and what to give."""
 
 
-def file_in_the_way(path: Path) -> Path | None:
-    """The file that stands where ``path`` or one of its parent directories should be, if any."""
-    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+def a_file_in_the_way(path: Path) -> str:
+    """Says which file stands where the directory ``path`` (or one of its parents) should be."""
+    blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+    return f"{blocking} is a file, not a directory"
 
 
 def ensure_workdir(path: Path) -> None:
@@ -23,7 +24,7 @@ def ensure_workdir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise UnusableWorkdir(f"{file_in_the_way(path) or path} is a file, not a directory: {what}") from None
+        raise UnusableWorkdir(f"{a_file_in_the_way(path)}: {what}") from None
     except OSError as err:
         raise UnusableWorkdir(f"cannot make the workdir {path}: {err.strerror or err}; {what}") from None
     if not os.access(path, os.W_OK | os.X_OK):

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from pretrain.locations import checkpoint_location, storage_options
 from pretrain.guard import held, state_storage
-from pretrain.layout import CampaignLayout, file_in_the_way
+from pretrain.layout import CampaignLayout, a_file_in_the_way
 from pretrain.ledger_remote import RemoteLedger
 from pretrain.lock import updating
 from pretrain.ledger_schema import (LEDGER_VERSION, CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord,
@@ -91,8 +91,7 @@ def _read_with_bytes(path: Path) -> tuple[bytes, CampaignRecord] | None:
     except IsADirectoryError:
         raise LedgerDamaged(f"{path} is damaged (a directory, not a file). {_recovery(path)}") from None
     except NotADirectoryError:
-        raise LedgerError(f"{file_in_the_way(path.parent) or path.parent} is a file, not a directory: "
-                          "give the campaign's workdir") from None
+        raise LedgerError(f"{a_file_in_the_way(path.parent)}: give the campaign's workdir") from None
     except OSError as err:
         raise LedgerError(f"cannot read {path}: {err.strerror or err}") from None
     try:
