@@ -4,7 +4,9 @@ Prefect logs the exception of every task and flow run it ends with its traceback
 what failed and what to do in its own last lines (a stage that failed for good, a refused
 workdir, an operator's stop), so on the console each such record shows its message only; the
 tracebacks stay in the flow run's logs (the Prefect UI, ``prefect flow-run logs ID``), and
-``PREFECT_LOGGING_LEVEL=DEBUG`` shows them on the console too.
+``PREFECT_LOGGING_LEVEL=DEBUG`` shows them on the console too. MLflow's notes about its own
+bookkeeping when it creates a sqlite store ("Creating initial MLflow database tables...") are left
+out as well; its warnings and errors show.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pretrain.interrupt import StoppedAtOnce
+from pretrain.log_levels import loggers_at
+
+STORE_SETUP_LOGGERS = ("mlflow.store.db.utils",)  # INFO lines while MLflow creates or upgrades its tables
 
 
 class MessageOnly(logging.Formatter):
@@ -30,9 +35,17 @@ class MessageOnly(logging.Formatter):
 
 
 @contextmanager
-def console_without_tracebacks() -> Iterator[None]:
-    """Prefect's console handlers show messages only for the block. Left so on ``StoppedAtOnce``:
-    the flow thread goes on logging until the process exits."""
+def quiet_console() -> Iterator[None]:
+    """For the block: Prefect's console handlers show messages only, MLflow's store setup notes
+    are not shown. The handlers are left so on ``StoppedAtOnce``: the flow thread goes on logging
+    until the process exits."""
+    with loggers_at(logging.WARNING, STORE_SETUP_LOGGERS):
+        with _messages_only():
+            yield
+
+
+@contextmanager
+def _messages_only() -> Iterator[None]:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]

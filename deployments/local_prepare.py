@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 
 from deployments.api_server import api_server_for_this_run
-from deployments.console import console_without_tracebacks
+from deployments.console import quiet_console
 from pretrain.dataset.progress import ProgressCallback
 from pretrain.spec import CampaignSpec
 
@@ -16,7 +16,7 @@ def prepare_data_here(spec: CampaignSpec, progress: ProgressCallback | None = No
     """Prepare (or reuse) the campaign's data set in this process; returns the flow's summary.
     Raises what the flow raised (a bad data section, a busy campaign, Ctrl-C)."""
     with api_server_for_this_run(while_starting=lambda: importlib.import_module("flows.prepare_data")), \
-            console_without_tracebacks():
+            quiet_console():
         from flows.prepare_data import prepare_data
 
         return prepare_data(spec=spec, progress=progress)

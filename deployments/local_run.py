@@ -17,7 +17,7 @@ import importlib
 from collections.abc import Callable
 
 from deployments.api_server import api_server_for_this_run
-from deployments.console import console_without_tracebacks
+from deployments.console import quiet_console
 from pretrain.budget import PauseRequest, current_pause, pausing
 from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce, stop_on_signals, supervise
 from pretrain.spec import CampaignSpec
@@ -34,7 +34,7 @@ def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict
     grace_s = spec.resume.grace_period_s
     with stop_on_signals() as stop, pausing(pause), \
             api_server_for_this_run(while_starting=lambda: importlib.import_module("flows.campaign"), notice=notice), \
-            console_without_tracebacks():
+            quiet_console():
         from flows.campaign import pretrain_campaign
 
         stop.raise_if_requested("before the campaign started")

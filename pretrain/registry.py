@@ -28,6 +28,7 @@ from mlflow.tracking import MlflowClient
 
 from pretrain.checkpoint_info import CheckpointInfo
 from pretrain.export import export_model
+from pretrain.log_levels import loggers_at
 from pretrain.tracking import flatten, logged_at
 
 TAG_CHECKPOINT = "pretrain.checkpoint"
@@ -68,16 +69,11 @@ def quiet_model_saving() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
-    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
-    levels = [lg.level for lg in loggers]
     hf_logging.disable_progress_bar()
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
     try:
-        yield
+        with loggers_at(logging.ERROR, QUIET_LOGGERS):
+            yield
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
         if bars:
             hf_logging.enable_progress_bar()
 

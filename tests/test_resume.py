@@ -158,8 +158,10 @@ def test_killed_campaign_process_resumes_when_run_again(prefect_harness, prepare
     """The real CLI on a terminal (it shows the live training bar), with its own Prefect API server,
     killed with SIGKILL after the first checkpoint, its ``latest`` pointer replaced by a directory,
     then the same command again (on the session's Prefect API: a server of its own costs seconds of
-    CPU, and the first run's is what this test is about)."""
-    spec = slow_spec(tmp_path / "wd", prepared_data)
+    CPU, and the first run's is what this test is about). Its MLflow store is new, as a first
+    campaign's is."""
+    spec = slow_spec(tmp_path / "wd", prepared_data,
+                     tracking={"register_model": False, "uri": f"sqlite:///{tmp_path / 'new-store.db'}"})
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     cmd = [sys.executable, "-m", "pretrain.cli", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
@@ -184,6 +186,8 @@ def test_killed_campaign_process_resumes_when_run_again(prefect_harness, prepare
     assert "Traceback" not in terminal.text()
     assert "starting a local Prefect API server for this run" in terminal.text()  # the first seconds say why
     assert "Beginning flow run" in terminal.text() and "View at" not in terminal.text()  # that server has no UI to link
+    assert "Creating initial MLflow database tables" not in terminal.text()  # MLflow's bookkeeping, not shown
+    assert (tmp_path / "new-store.db").is_file()
     killed_at = ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
     assert 0 < killed_at < 40
     # nothing the killed CLI started outlives it: each process notices its parent is gone and stops
