@@ -52,11 +52,15 @@ def run(
         campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
         if why := not_runnable(campaign.cluster):
             raise SpecError(why)
-    _exit_if_ledger_refuses(campaign)
+    from pretrain.layout import UnusableWorkdir
+    from pretrain.ledger import CampaignMismatch, LedgerError
+    from pretrain.before_start import refuse_before_starting
+
+    with refused(LedgerError, CampaignMismatch, UnusableWorkdir):
+        refuse_before_starting(campaign)
     from deployments.live_progress import training_display
     from deployments.local_run import run_campaign_here
     from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce
-    from pretrain.ledger import CampaignMismatch, LedgerError
     from pretrain.status import render
 
     try:
@@ -133,21 +137,6 @@ def status(
         sys.stdout.write(json.dumps(st, indent=2) + "\n")
     else:
         render(st)
-
-
-def _exit_if_ledger_refuses(campaign) -> None:
-    """A workdir that cannot be made or written, a damaged ledger (or one written by a newer
-    release) stop ``run`` before anything starts, as does the ledger of a campaign started from
-    another spec: exit 2, one line saying what to do, nothing written. (A spec with block
-    references is hashed as resolved: the flow checks it.)"""
-    from pretrain.layout import CampaignLayout, UnusableWorkdir, ensure_workdir
-    from pretrain.ledger import CampaignMismatch, Ledger, LedgerError
-
-    with refused(LedgerError, CampaignMismatch, UnusableWorkdir):
-        ensure_workdir(campaign.workdir_path)
-        ledger = Ledger.read(CampaignLayout(campaign.workdir_path))
-        if ledger is not None and not campaign.blocks.model_dump(exclude_defaults=True):
-            ledger.refuse_other_spec(campaign)
 
 
 @app.command("recover-ledger")

@@ -53,9 +53,10 @@ def prepare(
     from pretrain.data_identity import DataChanged
     from pretrain.ledger import CampaignMismatch, LedgerError
     from pretrain.lock import CampaignBusy
+    from pretrain.before_start import refuse_before_starting
 
     try:
-        _refuse_before_starting(campaign)
+        refuse_before_starting(campaign, sources=True)
     except (ValueError, CampaignMismatch, LedgerError) as e:
         raise fail(str(e))
     from deployments.local_prepare import prepare_data_here
@@ -80,24 +81,6 @@ def prepare(
     from pretrain.data_inspect import render_summary
 
     render_summary(_stats(campaign, summary), out())
-
-
-def _refuse_before_starting(campaign) -> None:
-    """What the flow would refuse and this process can tell at once, before the Prefect API server
-    and the flow start (~10 s): a workdir that cannot be made or written, one that holds a
-    campaign of another spec, local sources that match no file. Sources on S3, a ledger at
-    ``checkpoint.state_uri`` and settings from blocks are the flow's to check (credentials, network)."""
-    from pretrain.corpus.files import expand_sources
-    from pretrain.layout import CampaignLayout, ensure_workdir
-    from pretrain.ledger import Ledger
-
-    ensure_workdir(campaign.workdir_path)  # UnusableWorkdir is a ValueError
-    if any(campaign.blocks.model_dump().values()):
-        return
-    if campaign.checkpoint.state_uri is None and (ledger := Ledger.read(CampaignLayout(campaign.workdir_path))):
-        ledger.refuse_other_spec(campaign)
-    if not any(s.path.startswith("s3://") for specs in campaign.data.groups().values() for s in specs):
-        expand_sources(campaign.data)
 
 
 def _stats(campaign, summary: dict) -> dict:
