@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from pretrain.cli_errors import err, fail
+from pretrain.cli_errors import err, fail, refused
 from pretrain.console_progress import ProgressDisplay, progress_display
 from pretrain.dataset.progress import PrepProgress
 from pretrain.interrupt import InterruptLatch, interrupt_latch
@@ -100,19 +100,27 @@ def _stats(campaign, summary: dict) -> dict:
 
 @data_app.command("inspect")
 def inspect(
-    location: str = typer.Argument(..., help="A prepared data set: its directory (with manifest.json) or s3:// URL."),
+    location: Optional[str] = typer.Argument(None, help="A prepared data set (its directory with manifest.json, or s3:// URL), or a campaign's workdir: its data set. Default: the campaign run here."),
     windows: int = typer.Option(3, "--windows", min=0, help="Random train windows to decode."),
     tokens: int = typer.Option(64, "--tokens", min=1, help="Tokens per decoded window."),
     seed: int = typer.Option(0, "--seed", help="Seed choosing the windows."),
     s3_endpoint_url: Optional[str] = typer.Option(None, "--s3-endpoint-url", help="S3-compatible endpoint; credentials from the AWS environment."),
     s3_region: Optional[str] = typer.Option(None, "--s3-region", help="S3 region."),
+    all_sources: bool = typer.Option(False, "--all-sources", help="One row per source file (default: the first 20, the others summed)."),
 ) -> None:
     """Print a data set's stats (documents, tokens, sources, skips, duplicates, tokenizer, fingerprint) and decode a few random train windows."""
-    from pretrain.data_inspect import InspectError, inspect_data_set
+    from pretrain.data_inspect import SOURCE_ROWS, InspectError, inspect_data_set
+    from pretrain.ledger import LedgerError
     from pretrain.locations import s3_options
+    from pretrain.status import NoCampaign
+    from pretrain.workdir_lookup import campaign_data_set, is_campaign_workdir
 
+    if location is None or is_campaign_workdir(location):
+        with refused(NoCampaign, LedgerError):
+            location = campaign_data_set(Path(location) if location else None)
     try:
         inspect_data_set(location, out(), windows=windows, window_tokens=tokens, seed=seed,
+                         source_rows=None if all_sources else SOURCE_ROWS,
                          s3_options=s3_options(s3_endpoint_url, s3_region))
     except InspectError as e:
         raise fail(str(e))

@@ -5,6 +5,7 @@ with its own tokenizer, to see what training will read. Local directories and s3
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from rich.table import Table
 from pretrain.console_progress import human
 from trainer.data_manifest import MANIFEST, SKIP_REASONS, TOKENIZER_FILE, DamagedManifest, parse_manifest
 from trainer.storage import NotFound, Storage, StorageError, open_storage
+
+
+SOURCE_ROWS = 20  # sources listed one per row by default; the others are summed in one row
 
 
 class InspectError(ValueError):
@@ -85,13 +89,14 @@ def open_data_set(location: str, s3_options: dict | None = None) -> DataSet:
     return DataSet(location, storage, manifest)
 
 
-def _skips(counts: dict | None) -> str:
-    counts = counts or {}
+def _skips(counts) -> str:
+    counts = counts if isinstance(counts, dict) else {}
     return ", ".join(f"{k} {counts[k]}" for k in SKIP_REASONS if counts.get(k)) or "none"
 
 
-def render_summary(m: dict, out: Console) -> None:
-    """The stats of a manifest (or the summary prepare() returns: the manifest without shards)."""
+def render_summary(m: dict, out: Console, source_rows: int | None = SOURCE_ROWS) -> None:
+    """The stats of a manifest (or the summary prepare() returns: the manifest without shards):
+    its first ``source_rows`` sources one per row (None: all), the others summed in one row."""
     head = f"data set {m.get('location') or ''}".rstrip()
     out.print(f"{head}: fingerprint {m.get('fingerprint', '?')}, manifest v{m.get('version', 1)}"
               + (", reused" if m.get("reused") else "") + (f", created {m['created']}" if m.get("created") else ""),
@@ -113,15 +118,39 @@ def render_summary(m: dict, out: Console) -> None:
             table.add_row(g, *(f"{per_split.get(s, 0):,}" for s in m.get("tokens") or {}))
         out.print(table)
     if sources := m.get("sources"):
-        table = Table("format", "group", "units", "documents", "tokens", "skipped", title="sources")
-        table.add_column("source", overflow="fold")  # whole paths (copy-paste), wrapped if they must
-        for s in sources:
-            table.add_row(str(s.get("format", "")), str(s.get("group", "")), str(s.get("units", "")),
-                          f"{s.get('documents', 0):,}", f"{s.get('tokens', 0):,}", _skips(s.get("skipped")), str(s.get("uri")))
-        out.print(table)
+        out.print(_sources_table(sources, source_rows))
     if "skipped" in m:
         out.print(f"skipped: {_skips(m['skipped'])} (duplicates are exact repeats of an earlier document)",
                   highlight=False, markup=False)
+
+
+def _sources_table(sources: list, rows: int | None) -> Table:
+    """One row per source (a hand-edited manifest's odd values shown as they are), the sources
+    after the first ``rows`` summed in one."""
+    table = Table("format", "group", "units", "documents", "tokens", "skipped", title="sources")
+    table.add_column("source", overflow="fold")  # whole paths (copy-paste), wrapped if they must
+    sources = [s for s in sources if isinstance(s, dict)]
+    shown, rest = (sources, []) if rows is None else (sources[:rows], sources[rows:])
+    for s in shown:
+        table.add_row(str(s.get("format", "")), str(s.get("group", "")), str(s.get("units", "")),
+                      _count(s.get("documents", 0)), _count(s.get("tokens", 0)), _skips(s.get("skipped")), str(s.get("uri")))
+    if rest:  # a corpus of thousands of files: their sums, not a screen per file
+        total = {k: sum(v for s in rest if _is_count(v := s.get(k))) for k in ("units", "documents", "tokens")}
+        skipped = Counter()
+        for s in rest:
+            if isinstance(s.get("skipped"), dict):
+                skipped.update({k: v for k, v in s["skipped"].items() if _is_count(v)})
+        table.add_row("", "", *(_count(total[k]) for k in total), _skips(dict(skipped)),
+                      f"… and {len(rest):,} more sources (`pretrain data inspect --all-sources` lists each)")
+    return table
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _count(v) -> str:
+    return f"{v:,}" if _is_count(v) else str(v)
 
 
 def check_shards(ds: DataSet) -> list[str]:
@@ -159,11 +188,11 @@ def random_windows(ds: DataSet, count: int, tokens: int, seed: int) -> list[tupl
 
 
 def inspect_data_set(location: str, out: Console, *, windows: int = 3, window_tokens: int = 64, seed: int = 0,
-                     s3_options: dict | None = None) -> None:
+                     s3_options: dict | None = None, source_rows: int | None = SOURCE_ROWS) -> None:
     """Print the stats of the data set at ``location`` and ``windows`` decoded windows; a damaged
     or incomplete data set is an :class:`InspectError` after the stats, naming its files."""
     ds = open_data_set(location, s3_options)
-    render_summary({"location": ds.location, **ds.manifest}, out)
+    render_summary({"location": ds.location, **ds.manifest}, out, source_rows)
     if problems := check_shards(ds):
         raise InspectError("the data set is damaged: " + "; ".join(problems)
                            + ": prepare it again (`pretrain data prepare SPEC`)")

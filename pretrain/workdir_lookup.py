@@ -3,6 +3,7 @@ here, in the specs' default workdir ``./runs/{name}`` (or the current directory,
 
     pretrain run           # ./runs/tiny
     pretrain status        # finds ./runs/tiny; with several campaigns here it lists them
+    pretrain data inspect  # its data set
 """
 
 from __future__ import annotations
@@ -66,3 +67,23 @@ def good_checkpoint(workdir: Path | None = None, here: Path | None = None) -> st
     name, stage = stages[-1]
     where, moved = recorded_checkpoints(layout, name, stage.checkpoints)
     return str(Path(where) / Path(stage.good_checkpoint.path).name) if moved else stage.good_checkpoint.path
+
+
+def campaign_data_set(workdir: Path | None = None, here: Path | None = None) -> str:
+    """The data set the campaign trains on (``pretrain data inspect`` given a workdir, or none and
+    run where ``pretrain run`` ran): the location its ledger records, or the same data set in the
+    workdir's own ``data/`` when the campaign was moved or copied. ``NoCampaign`` if it has none yet."""
+    from pretrain.ledger import Ledger
+
+    instead = "a data set (its directory with manifest.json, or s3:// URL)"
+    workdir = pick_workdir(workdir, here, instead=instead).expanduser().resolve()
+    layout = CampaignLayout(workdir)
+    ledger = Ledger.read(layout)  # LedgerError if damaged: the caller reports it
+    if ledger is None:
+        raise NoCampaign(f"{workdir} holds no campaign (no ledger.json): give a campaign's workdir or {instead}")
+    data = ledger.record.data
+    if data is None or not (data.location or data.fingerprint):
+        raise NoCampaign(f"the campaign in {workdir} has no data set yet: `pretrain data prepare` makes it")
+    recorded = data.location or str(layout.data_dir)  # none: the release before's flat <workdir>/data
+    own = layout.data_dir / data.fingerprint if data.location and data.fingerprint else layout.data_dir
+    return str(own) if "://" not in recorded and own.is_dir() else recorded  # own: also moved or copied here
