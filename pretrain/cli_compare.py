@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pretrain.cli_errors import describe, fail, fail_fast_on_mlflow, refused
+from pretrain.cli_errors import describe, err, fail, fail_fast_on_mlflow, refused
 
 
 def compare(
@@ -42,6 +42,7 @@ def compare(
                 raise OSError(f"cannot write --png {png}: {describe(e)}") from None
     if as_json:
         sys.stdout.write(json.dumps([s.to_json() for s in summaries], indent=2) + "\n")
+        _print_notes(summaries)
         return
     header, rows = table(summaries)
     shown = Table(*header, title="campaigns compared")
@@ -50,6 +51,15 @@ def compare(
     Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(shown)
     if png is not None:
         sys.stdout.write(f"eval loss vs tokens: {png}\n")
+    _print_notes(summaries)
+
+
+def _print_notes(summaries) -> None:
+    from pretrain.compare import same_campaign_notes
+
+    sys.stdout.flush()  # after what stdout shows, on a terminal too
+    for note in same_campaign_notes(summaries):
+        err.print(f"note: {note}", highlight=False)
 
 
 def _refuse_png_target(png: Path) -> None:

@@ -204,3 +204,15 @@ def compare(labels: list[str], tracking_uri: str) -> list[CampaignSummary]:
             raise CompareError(f"{label}: cannot read it from MLflow at {redact(uri)} ({describe_error(err, 160)}); "
                                "check the run id and the store (--tracking-uri)") from None
     return out
+
+
+def same_campaign_notes(summaries: list[CampaignSummary]) -> list[str]:
+    """A note for each campaign named more than once (its workdir and its run id, or a workdir
+    and a copy of it: a copied workdir keeps its campaign's id and MLflow runs)."""
+    labels: dict[tuple[str, str], list[str]] = {}
+    for s in summaries:
+        labels.setdefault((s.tracking_uri, s.run_id), []).append(s.label)
+    return [f"{', '.join(named[:-1])} and {named[-1]} are the same campaign (MLflow run {run_id}): a workdir "
+            "copied from another keeps its campaign and its MLflow runs" for (_, run_id), named in labels.items()
+            if len(named) > 1]
+

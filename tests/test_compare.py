@@ -143,6 +143,12 @@ def test_cli_prints_the_table_json_and_a_png(pair, tmp_path):
             typo.write_text("name: mine\n")
         refused = runner.invoke(app, ["compare", *workdirs, "--png", str(typo)])
         assert refused.exit_code == 2 and says in refused.output and typo.read_text() == "name: mine\n", refused.output
+    copy = tmp_path / "copy"
+    shutil.copytree(workdirs[0], copy)
+    twice = runner.invoke(app, ["compare", workdirs[0], str(copy), workdirs[1]])
+    assert twice.exit_code == 0 and f"{workdirs[0]} and {copy} are the same campaign (MLflow run" in twice.output
+    [note] = [line for line in twice.output.splitlines() if line.startswith("note:")]
+    assert workdirs[1] not in note  # the other one is not
     missing = runner.invoke(app, ["compare", str(tmp_path), "--tracking-uri", f"sqlite:///{pair[0]}/mlflow.db"])
     assert missing.exit_code == 2 and "holds no campaign" in missing.output and "Traceback" not in missing.output
 
