@@ -47,21 +47,30 @@ def pick_workdir(given: Path | None, here: Path | None = None, instead: str = WO
     raise NoCampaign(f"{len(found)} campaigns here ({names}): pass {instead}")
 
 
+def _campaign(workdir: Path | None, here: Path | None, instead: str):
+    """(workdir as the ledger records it, its layout, its ledger) of the campaign a command means;
+    ``NoCampaign`` saying to give ``instead`` when there is none, ``LedgerError`` if its ledger is
+    damaged (the caller reports it)."""
+    from pretrain.ledger import Ledger
+
+    workdir = pick_workdir(workdir, here, instead=instead).expanduser().resolve()
+    layout = CampaignLayout(workdir)
+    ledger = Ledger.read(layout)
+    if ledger is None:
+        raise NoCampaign(f"{workdir} holds no campaign (no ledger.json): give a campaign's workdir or {instead}")
+    return workdir, layout, ledger
+
+
 def good_checkpoint(workdir: Path | None = None, here: Path | None = None) -> str:
     """Where the campaign ended up: the newest good checkpoint of its last stage that has one
     (``pretrain eval`` / ``export`` given a workdir, or none and run where ``pretrain run`` ran),
     in the workdir's own ``checkpoints/`` when the campaign was moved or copied. ``NoCampaign``
     if there is none to take."""
-    from pretrain.ledger import Ledger
     from pretrain.locations import recorded_checkpoints
 
     instead = "a checkpoint (<stage location>/step_XXXXXXXX)"
-    workdir = pick_workdir(workdir, here, instead=instead).expanduser().resolve()  # as the ledger records it
-    layout = CampaignLayout(workdir)
-    if not layout.ledger.is_file():
-        raise NoCampaign(f"{workdir} holds no campaign (no ledger.json): give a campaign's workdir or {instead}")
-    ledger = Ledger.read(layout)  # LedgerError if damaged: the caller reports it
-    stages = [(n, s) for n, s in ledger.record.stages.items() if s.good_checkpoint] if ledger else []
+    workdir, layout, ledger = _campaign(workdir, here, instead)
+    stages = [(n, s) for n, s in ledger.record.stages.items() if s.good_checkpoint]
     if not stages:
         raise NoCampaign(f"the campaign in {workdir} has no good checkpoint yet: pass {instead}")
     name, stage = stages[-1]
@@ -73,14 +82,8 @@ def campaign_data_set(workdir: Path | None = None, here: Path | None = None) -> 
     """The data set the campaign trains on (``pretrain data inspect`` given a workdir, or none and
     run where ``pretrain run`` ran): the location its ledger records, or the same data set in the
     workdir's own ``data/`` when the campaign was moved or copied. ``NoCampaign`` if it has none yet."""
-    from pretrain.ledger import Ledger
-
     instead = "a data set (its directory with manifest.json, or s3:// URL)"
-    workdir = pick_workdir(workdir, here, instead=instead).expanduser().resolve()
-    layout = CampaignLayout(workdir)
-    ledger = Ledger.read(layout)  # LedgerError if damaged: the caller reports it
-    if ledger is None:
-        raise NoCampaign(f"{workdir} holds no campaign (no ledger.json): give a campaign's workdir or {instead}")
+    workdir, layout, ledger = _campaign(workdir, here, instead)
     data = ledger.record.data
     if data is None or not (data.location or data.fingerprint):
         raise NoCampaign(f"the campaign in {workdir} has no data set yet: `pretrain data prepare` makes it")
