@@ -117,21 +117,29 @@ class Tracker:
                                        order_by=["attributes.start_time ASC"])
         return runs[0].info.run_id if runs else None
 
-    def _ensure(self, tags: dict[str, str], name: str, params: dict[str, str], extra_tags: dict[str, str]) -> str:
+    def _ensure(self, tags: dict[str, str], name: str, params: dict[str, str], extra_tags: dict[str, str],
+                current: dict[str, str] | None = None) -> str:
+        """The run with ``tags``, created with ``extra_tags`` and ``params`` if there is none; the
+        ``current`` tags are set on a found run too (what may have changed since it was created)."""
         run_id = self._find(tags)
         if run_id is None:
-            run = self.client.create_run(self.experiment_id, run_name=name, tags=redact_mapping({**tags, **extra_tags}))
+            run = self.client.create_run(self.experiment_id, run_name=name,
+                                         tags=redact_mapping({**tags, **extra_tags, **(current or {})}))
             run_id = run.info.run_id
             items = [Param(k, v) for k, v in params.items()]
             for i in range(0, len(items), 90):
                 self.client.log_batch(run_id, params=items[i : i + 90])
         else:
             self.client.update_run(run_id, status="RUNNING")
+            if current:
+                self.set_tags(run_id, current)
         return run_id
 
     def campaign_run(self, campaign_id: str, name: str, spec_hash: str, params: dict, workdir: Path | None = None) -> str:
+        """The campaign's run; its ``pretrain.workdir`` tag says where the campaign ran last (a
+        moved campaign's new place: ``pretrain compare RUN_ID`` reads the ledger there)."""
         return self._ensure({TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "campaign"}, name, flatten(params),
-                            {TAG_CAMPAIGN: name, TAG_SPEC_HASH: spec_hash, **({TAG_WORKDIR: str(workdir)} if workdir else {})})
+                            {TAG_CAMPAIGN: name, TAG_SPEC_HASH: spec_hash}, {TAG_WORKDIR: str(workdir)} if workdir else None)
 
     def stage_run(self, campaign_id: str, parent_run_id: str, campaign: str, stage: str, params: dict) -> str:
         return self._ensure({TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "stage", TAG_STAGE: stage},

@@ -16,7 +16,7 @@ from prefect import flow
 
 from conftest import assert_no_duplicate_metric_steps, small_spec, wait_for
 from mlflow_server import MlflowServer
-from pretrain.tracking import Backoff, MetricsForwarder, Tracker, describe_error, transient
+from pretrain.tracking import TAG_WORKDIR, Backoff, MetricsForwarder, Tracker, describe_error, transient
 from pretrain.ledger import Ledger
 from tasks.checkpoints import record_verdict, sync_verdicts
 from tasks.evaluation import log_evaluation
@@ -61,6 +61,15 @@ def history(client, run_id, key="loss"):
 def runs(tracker, stage="main"):
     parent = tracker.campaign_run("c1", "t", "hash", {})
     return parent, tracker.stage_run("c1", parent, "t", stage, {})
+
+
+def test_a_moved_campaign_s_run_is_found_again_and_says_where_it_ran_last(tmp_path, own_tracking_store):
+    tracker = Tracker(own_tracking_store, "e", tmp_path / "artifacts")
+    first = tracker.campaign_run("c1", "t", "hash", {"lr": 0.1}, workdir=tmp_path / "old")
+    again = tracker.campaign_run("c1", "t", "hash", {"lr": 0.1}, workdir=tmp_path / "new")
+    assert again == first
+    run = tracker.client.get_run(first)
+    assert run.data.tags[TAG_WORKDIR] == str(tmp_path / "new") and run.data.params == {"lr": "0.1"}
 
 
 def test_damaged_lines_are_skipped_and_a_line_being_written_is_forwarded_once_complete(tmp_path, own_tracking_store):
