@@ -142,7 +142,7 @@ def summarize(target: Target) -> CampaignSummary:
     if tags.get(TAG_ROLE) != "campaign":
         raise CompareError(f"{target.label}: MLflow run {target.run_id} is not a campaign's run (tag {TAG_ROLE} is "
                            f"{tags.get(TAG_ROLE)!r}); give the campaign run's id (its stage runs are nested under it)")
-    record = target.record or _ledger_of(tags.get(TAG_WORKDIR), tags.get(TAG_CAMPAIGN_ID))
+    record = target.record or ledger_of(tags.get(TAG_WORKDIR), tags.get(TAG_CAMPAIGN_ID))
     tokens, evals = _history(client, run.info.run_id, "tokens_seen"), _history(client, run.info.run_id, EVAL_LOSS)
     stages = client.search_runs([run.info.experiment_id], filter_string=(
         f"tags.`{TAG_CAMPAIGN_ID}` = '{tags.get(TAG_CAMPAIGN_ID)}' AND tags.`{TAG_ROLE}` = 'stage'"))
@@ -174,7 +174,7 @@ def _count(metrics: dict, counters: dict, key: str) -> int | None:
     return counters.get(key)
 
 
-def _ledger_of(workdir: str | None, campaign_id: str | None) -> CampaignRecord | None:
+def ledger_of(workdir: str | None, campaign_id: str | None) -> CampaignRecord | None:
     """The ledger of the campaign run's workdir, if it is readable here and is that campaign's."""
     if not workdir:
         return None

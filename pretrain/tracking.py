@@ -141,6 +141,11 @@ class Tracker:
         return self._ensure({TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "campaign"}, name, flatten(params),
                             {TAG_CAMPAIGN: name, TAG_SPEC_HASH: spec_hash}, {TAG_WORKDIR: str(workdir)} if workdir else None)
 
+    def last_workdir(self, campaign_id: str) -> str | None:
+        """Where the campaign's run says the campaign ran last (None: no run yet, or no tag)."""
+        run_id = self._find({TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "campaign"})
+        return self.client.get_run(run_id).data.tags.get(TAG_WORKDIR) if run_id else None
+
     def stage_run(self, campaign_id: str, parent_run_id: str, campaign: str, stage: str, params: dict) -> str:
         return self._ensure({TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "stage", TAG_STAGE: stage},
                             f"{campaign}/{stage}", flatten(params, "stage."),

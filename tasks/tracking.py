@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from prefect import task
+from pathlib import Path
+
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.compare import ledger_counters
+from pretrain.compare import ledger_counters, ledger_of
 from pretrain.data_input import log_data_set
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
@@ -33,12 +35,25 @@ def tracker_for(spec: CampaignSpec) -> Tracker:
     return Tracker(uri, spec.tracking.experiment, artifact_root(uri, CampaignLayout(spec.workdir_path).mlflow_artifacts))
 
 
+def copy_warning(tracker: Tracker, campaign_id: str, workdir: Path) -> str | None:
+    """What to tell a user running a copy of a campaign's workdir while the workdir it was copied
+    from still holds the campaign: both go on in the same MLflow runs."""
+    last = tracker.last_workdir(campaign_id)
+    if not last or Path(last).resolve() == Path(workdir).resolve() or ledger_of(last, campaign_id) is None:
+        return None  # the first run, the same place, or a campaign moved here
+    return (f"{workdir} and {last} hold the same campaign (id {campaign_id}; one is a copy of the other): runs "
+            "of either log into the same MLflow runs; for a campaign of its own, start one in an empty workdir")
+
+
 @task(name="open-campaign-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
 def open_campaign_run(spec: CampaignSpec, ledger: Ledger) -> str:
     params = spec.model_dump(mode="json", exclude={"stages"})
     params["stages"] = ",".join(f"{s.name}:{s.steps}" for s in spec.stages)
-    run_id = tracker_for(spec).campaign_run(ledger.record.campaign_id, spec.name, spec.spec_hash(), params,
-                                            workdir=spec.workdir_path)
+    tracker = tracker_for(spec)
+    if warning := copy_warning(tracker, ledger.record.campaign_id, spec.workdir_path):
+        get_run_logger().warning(warning)
+    run_id = tracker.campaign_run(ledger.record.campaign_id, spec.name, spec.spec_hash(), params,
+                                  workdir=spec.workdir_path)
     ledger.set_parent_run(run_id)
     return run_id
 

@@ -5,6 +5,7 @@ step still reaches MLflow exactly once."""
 from __future__ import annotations
 
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -70,6 +71,22 @@ def test_a_moved_campaign_s_run_is_found_again_and_says_where_it_ran_last(tmp_pa
     assert again == first
     run = tracker.client.get_run(first)
     assert run.data.tags[TAG_WORKDIR] == str(tmp_path / "new") and run.data.params == {"lr": "0.1"}
+
+
+def test_running_a_copy_of_a_workdir_that_still_holds_its_campaign_says_so_a_move_does_not(tmp_path, own_tracking_store):
+    from tasks.tracking import copy_warning
+
+    original, copy = tmp_path / "a", tmp_path / "b"
+    ledger = Ledger.open(small_spec(original))
+    ledger.save()
+    cid, tracker = ledger.record.campaign_id, Tracker(own_tracking_store, "e", tmp_path / "artifacts")
+    assert copy_warning(tracker, cid, original) is None  # no run yet
+    tracker.campaign_run(cid, "t", "hash", {}, workdir=original)
+    assert copy_warning(tracker, cid, original) is None
+    shutil.copytree(original, copy)
+    assert f"{copy} and {original} hold the same campaign" in copy_warning(tracker, cid, copy)
+    shutil.rmtree(original)  # so it was a move
+    assert copy_warning(tracker, cid, copy) is None
 
 
 def test_damaged_lines_are_skipped_and_a_line_being_written_is_forwarded_once_complete(tmp_path, own_tracking_store):
