@@ -118,13 +118,13 @@ def render_summary(m: dict, out: Console, source_rows: int | None = SOURCE_ROWS)
             table.add_row(g, *(f"{per_split.get(s, 0):,}" for s in m.get("tokens") or {}))
         out.print(table)
     if sources := m.get("sources"):
-        out.print(_sources_table(sources, source_rows))
+        out.print(_sources_table(sources, source_rows, str(m.get("location") or "LOCATION")))
     if "skipped" in m:
         out.print(f"skipped: {_skips(m['skipped'])} (duplicates are exact repeats of an earlier document)",
                   highlight=False, markup=False)
 
 
-def _sources_table(sources: list, rows: int | None) -> Table:
+def _sources_table(sources: list, rows: int | None, location: str) -> Table:
     """One row per source (a hand-edited manifest's odd values shown as they are), the sources
     after the first ``rows`` summed in one."""
     table = Table("format", "group", "units", "documents", "tokens", "skipped", title="sources")
@@ -141,7 +141,7 @@ def _sources_table(sources: list, rows: int | None) -> Table:
             if isinstance(s.get("skipped"), dict):
                 skipped.update({k: v for k, v in s["skipped"].items() if _is_count(v)})
         table.add_row("", "", *(_count(total[k]) for k in total), _skips(dict(skipped)),
-                      f"… and {len(rest):,} more sources (`pretrain data inspect --all-sources` lists each)")
+                      f"… and {len(rest):,} more sources (`pretrain data inspect {location} --all-sources` lists each)")
     return table
 
 

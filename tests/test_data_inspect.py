@@ -25,11 +25,11 @@ def test_a_corpus_of_many_files_lists_twenty_and_sums_the_others_in_one_row():
     sources = [{"uri": f"s3://corpus/part-{i:05d}.jsonl", "format": "jsonl", "group": "all", "units": 1,
                 "documents": 10 + i, "tokens": 1000 * (i + 1), "skipped": {"duplicate": i % 2}} for i in range(25)]
     sources += ["not a source", {"uri": "hand-edited", "tokens": "many", "skipped": [1]}]  # a damaged manifest's
-    manifest = {"fingerprint": "f", "tokens": {"train": 1, "val": 1}, "sources": sources}
+    manifest = {"location": "/data/f", "fingerprint": "f", "tokens": {"train": 1, "val": 1}, "sources": sources}
     text = shown(manifest)
     assert [f"part-{i:05d}" in text for i in range(25)] == [True] * SOURCE_ROWS + [False] * 5
     rest = sources[SOURCE_ROWS:25]
-    assert "… and 6 more sources" in text and f"{sum(s['tokens'] for s in rest):,}" in text
+    assert "… and 6 more sources (`pretrain data inspect /data/f --all-sources` lists each)" in text and f"{sum(s['tokens'] for s in rest):,}" in text
     assert f"duplicate {sum(s['skipped']['duplicate'] for s in rest)}" in text and "hand-edited" not in text
     every = shown(manifest, source_rows=None)
     assert all(f"part-{i:05d}" in every for i in range(25)) and "hand-edited" in every and "more sources" not in every
