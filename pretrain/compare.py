@@ -215,4 +215,3 @@ def same_campaign_notes(summaries: list[CampaignSummary]) -> list[str]:
     return [f"{', '.join(named[:-1])} and {named[-1]} are the same campaign (MLflow run {run_id}): a workdir "
             "copied from another keeps its campaign and its MLflow runs" for (_, run_id), named in labels.items()
             if len(named) > 1]
-
