@@ -42,6 +42,7 @@ from pretrain.budget import PauseRequest, current_pause, deadline, pausing
 from pretrain.credentials import mlflow_auth
 from pretrain.interrupt import (CampaignInterrupted, StopRequest, StoppedAtOnce, current_stop, pause_on_termination,
                                 pause_window_s, supervise)
+from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignStatus, SpanKind, StageStatus
 from pretrain.guard import campaign_guard
@@ -50,11 +51,11 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from pretrain.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_goodput, publish_reports
-from tasks.checkpoints import sync_verdicts
 from tasks.events import campaign_completed
 from tasks.hooks import CAMPAIGN_HOOKS
 from tasks.registry import register_final_model
-from tasks.tracking import finish_run, open_campaign_run, tracker_for
+from tasks.mlflow_sync import sync_to_mlflow
+from tasks.tracking import open_campaign_run, tracker_for
 from trainer.zygote import zygote_running
 
 
@@ -182,8 +183,11 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     spec = spec.with_tracking_uri(ledger.record.mlflow.tracking_uri)  # its own store, from whichever directory it resumes
     ledger.begin_run(flow_run.get_id(), spec)
     logger.info("campaign %s in %s (spec %s)", spec.name, spec.workdir_path, spec.spec_hash())
-    parent_run_id = open_campaign_run(spec, ledger)
-    link_mlflow_run(spec, tracker_for(spec).experiment_id, parent_run_id)
+    parent_run_id = open_campaign_run(spec, ledger)  # None: MLflow away, training does not wait for it
+    if parent_run_id:
+        link_mlflow_run(spec, tracker_for(spec).experiment_id, parent_run_id)
+        if ledger.reload().mlflow.behind:  # an earlier run's outage: MLflow catches up now
+            sync_to_mlflow(spec)
     with ledger.timed(SpanKind.DATA_PREPARATION):
         prepare_data(spec)
     stop_point("after preparing the data")
@@ -211,20 +215,32 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
             with ledger.timed(SpanKind.VALIDATION_EVAL, stage.name):
                 validate_checkpoint(spec, stage.name, final["path"])
                 evaluate(spec, stage.name, final["path"], final["step"])
-            sync_verdicts(spec, stage.name)  # what an MLflow outage kept from the stage run
-            finish_run(spec, ledger.reload().stages[stage.name].mlflow_run_id, "FINISHED")
             ledger.set_stage_status(stage.name, StageStatus.COMPLETED)
+            # to MLflow: the stage's verdicts, evaluation and end; all it lacks if it was away
+            parent_run_id = linked_after_sync(spec, i, parent_run_id)
         publish_reports(spec)
         init_from = final["path"]
     stop_point("before registering the final model")
+    if spec.tracking.register_model:  # the registry needs the campaign run
+        parent_run_id = linked_after_sync(spec, None, parent_run_id)
     with ledger.timed(SpanKind.REGISTRATION):
         register_final_model(spec)  # after every stage is completed: a failure here is the campaign's alone
     ledger.set_status(CampaignStatus.COMPLETED)
-    finish_run(spec, parent_run_id, "FINISHED")
+    parent_run_id = linked_after_sync(spec, None, parent_run_id)  # the campaign run ends
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options(), live=True)
     publish_reports(spec, status, publish_goodput(spec, status, parent_run_id))
     campaign_completed(spec, status)
     return status
+
+
+def linked_after_sync(spec: CampaignSpec, stage_index: int | None, parent_run_id: str | None) -> str | None:
+    """``sync_to_mlflow`` (best effort); the campaign run's id after it (None: none open yet),
+    linked from Prefect if it was opened now."""
+    sync_to_mlflow(spec, stage_index)
+    opened = Ledger.read(CampaignLayout(spec.workdir_path)).record.mlflow.parent_run_id
+    if opened and opened != parent_run_id:
+        link_mlflow_run(spec, tracker_for(spec).experiment_id, opened)
+    return opened
 
 
 def _next_stage(spec: CampaignSpec, ledger: Ledger) -> tuple[str, int]:

@@ -13,7 +13,7 @@ from pretrain.spec import CampaignSpec
 from pretrain.tracking import describe_error
 from tasks.data import prepare_dataset
 from tasks.data_progress import PrepArtifact, fan_out
-from tasks.tracking import log_data_set_input
+from tasks.tracking import log_data_set_input, tracker_for
 
 
 @flow(name="prepare-data", log_prints=True)
@@ -34,8 +34,10 @@ def prepare_data(spec: CampaignSpec | None = None, spec_path: str | None = None,
     summary = record.to_json()
     if run_id := ledger.record.mlflow.parent_run_id:
         spec = spec.with_tracking_uri(ledger.record.mlflow.tracking_uri)  # the campaign's store, from any directory
-        state = log_data_set_input(spec, run_id, summary, return_state=True)
-        if state.is_failed():
+        away = tracker_for(spec).away()  # one quick request: MLflow's own retries take minutes
+        state = None if away else log_data_set_input(spec, run_id, summary, return_state=True)
+        if away or state.is_failed():
             logger.warning("the data set is not logged to MLflow run %s (%s); the campaign goes on, and the next "
-                           "run of this flow logs it", run_id, describe_error(state.result(raise_on_failure=False)))
+                           "run of this flow logs it", run_id,
+                           f"MLflow does not answer: {away}" if away else describe_error(state.result(raise_on_failure=False)))
     return summary

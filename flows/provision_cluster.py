@@ -3,14 +3,15 @@ then the node health check on every node)."""
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import ClusterRecord
 from pretrain.spec import CampaignSpec
+from pretrain.tracking import describe_error, transient
 from tasks.cluster import check_kubernetes, check_nodes
-from tasks.tracking import tracker_for
+from tasks.tracking import log_node_check, tracker_for
 
 
 @flow(name="provision-cluster")
@@ -23,9 +24,14 @@ def provision_cluster(spec: CampaignSpec) -> dict:
     info = ClusterRecord(kind=spec.cluster.kind, nodes=spec.cluster.nodes_in_use(len(check["excluded"])),
                          workers_per_node=spec.cluster.workers_per_node, excluded=check["excluded"], health=check["rows"])
     ledger.set_cluster(info)
-    run_id = ledger.record.mlflow.parent_run_id
-    if run_id:
+    if run_id := ledger.record.mlflow.parent_run_id:
         tracker = tracker_for(spec)
-        tracker.client.log_dict(run_id, check["rows"], "node_check.json")
-        tracker.set_tags(run_id, {"cluster.excluded_nodes": ",".join(map(str, check["excluded"])) or "none"})
+        try:
+            tracker.check()  # one quick request: MLflow's own retries take minutes
+            log_node_check(tracker, run_id, check["rows"], check["excluded"])
+        except Exception as err:  # noqa: BLE001 - MLflow is a view of the ledger, which holds the check
+            if not transient(err):
+                raise
+            get_run_logger().warning("the node check is not logged to MLflow run %s (%s); it is in the ledger, "
+                                     "and the campaign goes on", run_id, describe_error(err))
     return info

@@ -46,8 +46,7 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
     logger = get_run_logger()
     stage = spec.stages[stage_index]
     ledger = Ledger.open(spec)
-    stage_run_id = open_stage_run(spec, ledger, stage_index)
-    parent_run_id = ledger.record.mlflow.parent_run_id
+    open_stage_run(spec, ledger, stage_index)  # while MLflow is away, the job's metrics forwarder opens them
     ledger.set_stage_status(stage.name, StageStatus.RUNNING)
     last, budget, pause, paused = None, Budget.of(spec.resume.max_attempts), current_pause(), None
     while True:
@@ -74,7 +73,7 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
                         f"checkpoint step {point['step']}" if point else (init_from or "scratch"))
             if attempt:
                 stage_relaunched(spec, stage.name, attempt, _step(point))
-        last = run_job(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id, ledger, adopted is not None)
+        last = run_job(spec, stage_index, attempt, init_from, ledger, adopted is not None)
         decision = after_job(last, attempt, budget)
         budget = decision.budget
         if decision.action is Action.PAUSE:
@@ -106,14 +105,16 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
     return point
 
 
-def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None, stage_run_id: str,
-            parent_run_id: str, ledger: Ledger, adopt: bool = False) -> JobResult:
+def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None, ledger: Ledger,
+            adopt: bool = False) -> JobResult:
     """Run one launch of the stage's job (the gate judging alongside) and record its in-job
     resumes, restarts and recovered failures. ``adopt``: take back the launch's live job (its
     span, opened by the flow process that died, goes on)."""
     logger, stage = get_run_logger(), spec.stages[stage_index].name
     settings = PretrainSettings.from_env()  # once per launch, for the job, its polling and the gate
-    exclude = ledger.reload().excluded_nodes()
+    record = ledger.reload()  # the MLflow runs: None while none could be opened (MLflow away)
+    exclude, stage_run_id, parent_run_id = record.excluded_nodes(), record.stages[stage].mlflow_run_id, \
+        record.mlflow.parent_run_id
     with ledger.timed(SpanKind.JOB, stage, attempt, resume=adopt):
         job = run_training_job.submit(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id,
                                       spec.step_offset(stage_index), exclude, settings, adopt)

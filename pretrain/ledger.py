@@ -304,6 +304,9 @@ class Ledger:
     def set_parent_run(self, run_id: str) -> None:
         self.mutate(lambda r: setattr(r.mlflow, "parent_run_id", run_id))
 
+    def set_mlflow_behind(self, behind: bool) -> None:
+        self.mutate(lambda r: setattr(r.mlflow, "behind", behind))
+
     def set_data(self, data: DataRecord) -> None:
         self.mutate(lambda r: setattr(r, "data", data))
 

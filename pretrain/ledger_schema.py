@@ -13,7 +13,7 @@ import time
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_serializer
 
 LEDGER_VERSION = 2  # what this release writes; it reads every version up to it
 
@@ -214,6 +214,16 @@ class MlflowRecord(BaseModel):
     tracking_uri: StrictStr  # redacted
     experiment: StrictStr
     parent_run_id: str | None = None
+    # MLflow misses some of what the ledger and the jobs' files hold (it was away): the next sync
+    # that finds it answering sends it (``tasks.mlflow_sync``). Written only while true.
+    behind: StrictBool = False
+
+    @model_serializer(mode="wrap")
+    def _behind_only_while_true(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if not out.get("behind"):
+            out.pop("behind", None)
+        return out
 
 
 class ClusterRecord(BaseModel):

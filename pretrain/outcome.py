@@ -7,6 +7,7 @@ still ends failed (or crashed) in Prefect, and that hook must not re-label it.""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from pretrain.interrupt import StopRequest
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import OPEN_STAGES, CampaignRecord, CampaignStatus, RunEnd, StageStatus
-from pretrain.tracking import Tracker
+from pretrain.tracking import Tracker, describe_error, transient
 
 # how each way of ending shows in MLflow: a cancel (Prefect) or an interrupt (Ctrl-C / SIGTERM to
 # `pretrain run`) is a deliberate kill; a crash of the infrastructure (lost process, OOM kill)
@@ -78,14 +79,24 @@ def _stands(record: CampaignRecord, flow_run: str) -> bool:
 def _end_runs(layout: CampaignLayout, record: CampaignRecord, stages: list[str], state: str, cause: str,
               mlflow_status: str) -> None:
     """End the MLflow runs of ``stages`` and the campaign's with ``mlflow_status``, tagged with
-    how and why."""
+    how and why. MLflow away (one quick request says so; or a request fails on its side): the
+    ledger says ``mlflow.behind`` — a pause or a stop never waits on MLflow (the next run sets the
+    runs running again)."""
     run_ids = [record.stages[n].mlflow_run_id for n in stages] + [record.mlflow.parent_run_id]
     run_ids = [r for r in run_ids if r]
     if run_ids:
         tracker = Tracker(record.mlflow.tracking_uri, record.mlflow.experiment, layout.mlflow_artifacts)
-        for run_id in run_ids:
-            tracker.set_tags(run_id, {TAG_END_STATE: state, TAG_END_CAUSE: cause[:5000]})
-            tracker.finish(run_id, mlflow_status)
+        try:
+            tracker.check()
+            for run_id in run_ids:
+                tracker.set_tags(run_id, {TAG_END_STATE: state, TAG_END_CAUSE: cause[:5000]})
+                tracker.finish(run_id, mlflow_status)
+        except Exception as err:  # noqa: BLE001 - the ledger holds how the run ended
+            if not transient(err):
+                raise
+            Ledger.read(layout).set_mlflow_behind(True)
+            logging.getLogger(__name__).warning("the MLflow runs are not ended %s (%s); the ledger says how the run "
+                                                "ended", state, describe_error(err))
 
 
 def record_pause(workdir: str | Path, flow_run: str, stage: str, step: int, reason: str) -> CampaignRecord:

@@ -12,7 +12,7 @@ from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.locations import recorded_checkpoints
 from pretrain.redact import redact, redact_tree
-from pretrain.status import NO_MLFLOW_RUN, campaign_status
+from pretrain.status import MLFLOW_BEHIND, NO_MLFLOW_RUN, campaign_status
 from trainer.checkpoint.store import GOOD, CheckpointStore
 
 NODE_CHECK_COLUMNS = ("node", "local_rank", "matmul_s", "relative", "allreduce_MBps", "excluded", "error")
@@ -96,6 +96,8 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, sta
              f"- MLflow: parent run `{status['mlflow']['parent_run_id']}` in experiment "
              f"`{status['mlflow']['experiment']}` (`{status['mlflow']['ui_command']}`)"
              if status["mlflow"]["parent_run_id"] else f"- {NO_MLFLOW_RUN}"]
+    if status["mlflow"].get("behind"):
+        lines.append(f"- {MLFLOW_BEHIND}")
     if end is not None and end.cause and status["status"] != "completed":
         lines.append(f"- ended {end.state.lower()}: {end.cause}")
     lines += ["", "## Stages", ""]

@@ -20,6 +20,8 @@ class NoCampaign(FileNotFoundError):
 
 
 NO_MLFLOW_RUN = "MLflow: no run yet (the campaign has not opened its MLflow run)"
+MLFLOW_BEHIND = ("MLflow is behind the campaign (it was away): what its runs lack is sent when the campaign next "
+                 "finds it answering — `pretrain run` of this campaign again (finished stages are skipped)")
 
 
 def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, live: bool = False) -> dict:
@@ -86,6 +88,8 @@ def render(status: dict, console: Console | None = None) -> None:
     mlflow = status["mlflow"]
     console.print(f"MLflow: parent run {mlflow['parent_run_id']} in experiment '{mlflow['experiment']}' — "
                   f"{mlflow['ui_command']}" if mlflow["parent_run_id"] else NO_MLFLOW_RUN)
+    if mlflow.get("behind"):
+        console.print(MLFLOW_BEHIND)
     if reg := status.get("registered_model"):
         console.print(f"Model: {reg['uri']} (version {reg['version']}, from {reg['checkpoint']})")
 

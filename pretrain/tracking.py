@@ -20,6 +20,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
+from pretrain.mlflow_health import MlflowAway, mlflow_away
 from pretrain.redact import redact, redact_mapping, redact_value
 from pretrain.settings import PretrainSettings
 from pretrain.tracking_store import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
@@ -39,6 +40,7 @@ STAGE_METRICS = {"loss": "loss", "lr": "lr", "grad_norm": "grad_norm", "step_tim
 CAMPAIGN_METRICS = ("loss", "lr", "tokens_seen")  # also on the campaign run, at campaign steps
 METRIC_KEYS = tuple(STAGE_METRICS)
 _BATCH = 900  # log_batch accepts at most 1000 metrics
+QUIET_S = 60.0  # while MLflow stays away, the forwarder says so at most once in this time
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
@@ -151,6 +153,15 @@ class Tracker:
                             f"{campaign}/{stage}", flatten(params, "stage."),
                             {MLFLOW_PARENT_RUN_ID: parent_run_id, TAG_CAMPAIGN: campaign, MLFLOW_RUN_NAME: f"{campaign}/{stage}"})
 
+    def away(self) -> str | None:
+        """Why MLflow cannot be used now (one quick request), or None (:mod:`pretrain.mlflow_health`)."""
+        return mlflow_away(self.tracking_uri, self.client)
+
+    def check(self) -> None:
+        """Raise :class:`MlflowAway` at once (one quick request) if MLflow does not answer now."""
+        if why := self.away():
+            raise MlflowAway(f"MLflow at {redact(self.tracking_uri)} does not answer ({why})")
+
     def max_step(self, run_id: str, key: str = "loss") -> int:
         history = self.client.get_metric_history(run_id, key)
         return max((m.step for m in history), default=-1)
@@ -186,7 +197,8 @@ def describe_error(err: BaseException, limit: int = 300) -> str:
     """One line for a log: the error's type and the start of its first line, with anything
     credential-shaped masked (:func:`pretrain.redact.redact`)."""
     text = redact((str(err).strip().splitlines() or [""])[0])
-    return f"{type(err).__name__}: {text[:limit]}{'…' if len(text) > limit else ''}"
+    text = f"{text[:limit]}{'…' if len(text) > limit else ''}"
+    return text if isinstance(err, MlflowAway) else f"{type(err).__name__}: {text}"  # it says what it is
 
 
 def forwarder_backoff(settings: PretrainSettings) -> Backoff:
@@ -204,15 +216,17 @@ class MetricsForwarder:
     (campaign step = ``step_offset`` + stage step), skipping steps either run already has.
 
     Telemetry never stops training: while MLflow is away, what was read waits here and ``pump``
-    retries with backoff, logging one line per failed try; once MLflow answers, everything
-    catches up. No step reaches a run twice: steps a run already holds are skipped, and a retried
-    batch repeats identical metrics (step, value, timestamp), which MLflow stores once. Damaged
+    retries with backoff, saying so in one line (again at most once a minute; while its server
+    does not answer, each try is one quick request: :meth:`Tracker.away`); once MLflow answers,
+    everything catches up. Runs not opened yet (MLflow was away when the stage started: ids
+    None) are opened by ``open_runs`` first. No step reaches a run twice: steps a run already
+    holds are skipped, and a retried batch repeats identical metrics (step, value, timestamp), which MLflow stores once. Damaged
     lines of the job's files are skipped and counted (``damaged``)."""
 
     tracker: Tracker
     path: Path
-    stage_run_id: str
-    parent_run_id: str
+    stage_run_id: str | None
+    parent_run_id: str | None
     step_offset: int
     events_path: Path | None = None  # checkpoint events become tags naming the checkpoint
     log: Callable[[str], None] = _log_warning  # one line per problem (outage, damaged lines)
@@ -225,6 +239,9 @@ class MetricsForwarder:
     pending_tags: dict[str, str] = field(default_factory=dict)  # not yet on the stage run
     _logged: dict[str, int] | None = field(default=None, repr=False)  # run id → its highest step; None: not asked
     tokens_offset: int | None = None  # tokens seen before this stage (None: read from the campaign run once MLflow answers)
+    open_runs: Callable[[], tuple[str, str]] | None = None  # opens (campaign run, stage run) when an id is None
+    last_error: BaseException | None = field(default=None, repr=False)  # of the last failed try
+    _quiet_until: float = field(default=0.0, repr=False)  # no line about a failed try before then
 
     def pump(self, final: bool = False) -> int:
         """Read what the job wrote since the last call and forward it (``final``: the job has
@@ -236,26 +253,39 @@ class MetricsForwarder:
         try:
             sent = self._send()
         except Exception as err:  # noqa: BLE001 - whatever tracking fails with, training goes on
+            self.last_error = err
             delay = self.backoff.failed()
-            self.log(f"MLflow tracking failed ({describe_error(err)}); {len(self.pending)} step(s) wait here, "
-                     f"next try in {delay:.0f}s; training goes on")
+            if time.monotonic() >= self._quiet_until:  # the first failure, then at most one line a minute
+                self._quiet_until = time.monotonic() + QUIET_S
+                self.log(f"MLflow tracking failed ({describe_error(err)}); {len(self.pending)} step(s) wait here, "
+                         f"next try in {delay:.0f}s; training goes on")
             return 0
         if self.backoff.failures:
             self.log(f"MLflow tracking works again: caught up to step {self.last_step}")
+        self.last_error = None
         self.backoff.succeeded()
+        self._quiet_until = 0.0
         return sent
 
+    def send_all(self) -> int:
+        """Read the whole of the job's (ended) files and send what the runs lack now; raises
+        what MLflow fails with. For a catch-up after the job (``tasks.mlflow_sync``)."""
+        self._read(final=True)
+        return self._send() if self.pending or self.pending_tags else 0
+
     def drain(self, timeout_s: float) -> bool:
-        """After the job: forward the rest, retrying while MLflow is away for up to ``timeout_s``.
-        Returns whether everything is in MLflow; if not, says once where the rest still is."""
+        """After the job: forward the rest, retrying while MLflow is away for up to ``timeout_s``
+        (not while its server does not answer at all: a later sync sends the rest). Returns
+        whether everything is in MLflow; if not, says once where the rest still is."""
         deadline = time.monotonic() + timeout_s
         self.pump(final=True)
-        while (self.pending or self.pending_tags) and time.monotonic() + self._wait() < deadline:
+        while (self.pending or self.pending_tags) and time.monotonic() + self._wait() < deadline \
+                and not isinstance(self.last_error, MlflowAway):
             time.sleep(self._wait())  # the backoff's own delay before the next try
             self.pump(final=True)
         if self.pending or self.pending_tags:
-            self.log(f"MLflow tracking: {len(self.pending)} step(s) not sent after {timeout_s:.0f}s of retries; "
-                     f"they remain in {self.path}")
+            self.log(f"MLflow tracking: {len(self.pending)} step(s) not sent yet; they remain in {self.path}, and "
+                     "reach MLflow when the campaign next finds it answering (a stage's end, its next run)")
             return False
         return True
 
@@ -286,6 +316,12 @@ class MetricsForwarder:
             self.log(f"skipped {n} damaged line(s) of {path} ({self.damaged} so far in this job)")
 
     def _send(self) -> int:
+        if self.backoff.failures or self.stage_run_id is None or self.parent_run_id is None:
+            self.tracker.check()  # one quick request, not MLflow's minutes of retries
+        if self.stage_run_id is None or self.parent_run_id is None:
+            if self.open_runs is None:
+                raise ValueError("the stage's MLflow runs are not known and cannot be opened here")
+            self.parent_run_id, self.stage_run_id = self.open_runs()
         if self._logged is None:  # asked once MLflow answers, not when the job starts
             self._logged = {run: self.tracker.max_step(run) for run in (self.stage_run_id, self.parent_run_id)}
             self.last_step = max(self.last_step, self._logged[self.stage_run_id])

@@ -71,6 +71,7 @@ def publish_goodput(spec: CampaignSpec, status: dict, run_id: str | None) -> dic
     if run_id:
         try:
             tracker = tracker_for(spec)
+            tracker.check()  # one quick request: MLflow's own retries would take minutes
             tracker.log_values(run_id, goodput_metrics(goodput["campaign"]), step=0)
             tracker.client.log_dict(run_id, goodput, "goodput.json")
             for png in pictures:

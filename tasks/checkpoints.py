@@ -13,7 +13,7 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import describe_error, transient
 from tasks.events import checkpoint_verdict
-from tasks.tracking import MLFLOW_RETRIES, tracker_for
+from tasks.tracking import tracker_for
 
 
 @task(name="judge-checkpoints", cache_policy=NO_CACHE)
@@ -50,8 +50,9 @@ def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
     run_id = ledger.stage(stage).mlflow_run_id
     if run_id:
         try:
+            tracker_for(spec).check()  # one quick request: the gate never waits MLflow's minutes of retries
             verdicts_to_mlflow(spec, run_id, [record])
-        except Exception as e:  # noqa: BLE001 - MLflow is a view: the verdict stands; sync_verdicts catches up
+        except Exception as e:  # noqa: BLE001 - MLflow is a view: the verdict stands; the stage's end sends it
             if not transient(e):
                 raise
             get_run_logger().warning("stage %s: MLflow did not take the verdict of checkpoint %d (%s); it is sent "
@@ -71,15 +72,6 @@ def verdicts_to_mlflow(spec: CampaignSpec, run_id: str, records: list[dict]) -> 
         tracker.set_tags(run_id, tags)
     if by_step := {record["step"]: record["metrics"] for record in records if record.get("metrics")}:
         tracker.log_values_at_steps(run_id, by_step)
-
-
-@task(name="sync-verdicts-to-mlflow", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
-def sync_verdicts(spec: CampaignSpec, stage: str) -> None:
-    """Send every verdict the ledger holds for the stage to its MLflow run: what an MLflow outage
-    during training kept from it arrives now."""
-    s = Ledger.open(spec).stage(stage)
-    if s.mlflow_run_id and s.verdicts:
-        verdicts_to_mlflow(spec, s.mlflow_run_id, [v.model_dump(mode="json") for v in s.verdicts])
 
 
 def judge_pending(spec: CampaignSpec, stage_index: int, settings: PretrainSettings | None = None) -> list[dict]:

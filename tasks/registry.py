@@ -12,7 +12,7 @@ from pretrain.ledger import Ledger
 from pretrain.redact import redact
 from pretrain.registry import register_checkpoint
 from pretrain.spec import CampaignSpec
-from tasks.tracking import MLFLOW_RETRIES
+from tasks.tracking import MLFLOW_RETRIES, open_runs_now, tracker_for
 
 
 @task(name="register-final-model", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
@@ -30,6 +30,9 @@ def register_final_model(spec: CampaignSpec) -> dict | None:
                        "(finished stages are skipped)")
         return None
     ledger = Ledger.open(spec)
+    tracker_for(spec).check()  # while MLflow is away, this task's retries wait (not MLflow's minutes per request)
+    if ledger.record.mlflow.parent_run_id is None:  # away since the campaign began: the model belongs to its run
+        open_runs_now(spec, ledger)
     last = ledger.stage(spec.stages[-1].name)
     good, evaluation = last.good_checkpoint, last.eval or {}
     info = describe(good.path, **spec_overrides(spec))  # the spec also covers checkpoints without a record

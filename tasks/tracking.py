@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.compare import ledger_counters, ledger_of
+from pretrain.compare import ledger_of
 from pretrain.data_input import log_data_set
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
+from pretrain.mlflow_health import MlflowAway
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import Tracker, transient
 from pretrain.tracking_store import artifact_root
@@ -45,48 +47,63 @@ def copy_warning(tracker: Tracker, campaign_id: str, workdir: Path) -> str | Non
             "of either log into the same MLflow runs; for a campaign of its own, start one in an empty workdir")
 
 
-@task(name="open-campaign-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
-def open_campaign_run(spec: CampaignSpec, ledger: Ledger) -> str:
-    params = spec.model_dump(mode="json", exclude={"stages"})
-    params["stages"] = ",".join(f"{s.name}:{s.steps}" for s in spec.stages)
+def open_runs_now(spec: CampaignSpec, ledger: Ledger, stage_index: int | None = None,
+                  log: Callable[[str], None] | None = None) -> tuple[str, str | None]:
+    """Open (or reattach to and set running) the campaign's run — for a stage (``stage_index``)
+    only if the ledger has none — and the stage's; both recorded in the ledger: ``(campaign run,
+    stage run or None)``. MLflow must answer (:class:`MlflowAway` at once if it does not).
+    ``log``: where a copy of the campaign is said."""
     tracker = tracker_for(spec)
-    if warning := copy_warning(tracker, ledger.record.campaign_id, spec.workdir_path):
-        get_run_logger().warning(warning)
-    run_id = tracker.campaign_run(ledger.record.campaign_id, spec.name, spec.spec_hash(), params,
-                                  workdir=spec.workdir_path)
-    ledger.set_parent_run(run_id)
-    return run_id
+    tracker.check()
+    campaign_id, parent = ledger.record.campaign_id, ledger.reload().mlflow.parent_run_id
+    if stage_index is None or parent is None:
+        if log is not None and (warning := copy_warning(tracker, campaign_id, spec.workdir_path)):
+            log(warning)
+        params = spec.model_dump(mode="json", exclude={"stages"})
+        params["stages"] = ",".join(f"{s.name}:{s.steps}" for s in spec.stages)
+        parent = tracker.campaign_run(campaign_id, spec.name, spec.spec_hash(), params, workdir=spec.workdir_path)
+        ledger.set_parent_run(parent)
+    if stage_index is None:
+        return parent, None
+    stage = spec.stages[stage_index]
+    run_id = tracker.stage_run(campaign_id, parent, spec.name, stage.name, stage.model_dump(mode="json"))
+    ledger.set_stage_run(stage.name, run_id)
+    return parent, run_id
+
+
+def _training_goes_on(ledger: Ledger, err: MlflowAway, what: str) -> None:
+    said = ledger.reload().mlflow.behind  # an outage already told (this run, or one before it): info only
+    ledger.set_mlflow_behind(True)
+    (get_run_logger().info if said else get_run_logger().warning)("%s; training goes on: %s once it answers", err, what)
+
+
+@task(name="open-campaign-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
+def open_campaign_run(spec: CampaignSpec, ledger: Ledger) -> str | None:
+    """The campaign's run; None while MLflow does not answer (training does not wait: the runs
+    are opened, and what they missed logged, once it answers — :mod:`tasks.mlflow_sync`)."""
+    try:
+        return open_runs_now(spec, ledger, log=get_run_logger().warning)[0]
+    except MlflowAway as err:
+        _training_goes_on(ledger, err, "the campaign's MLflow runs are opened")
+        return None
 
 
 @task(name="open-stage-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
-def open_stage_run(spec: CampaignSpec, ledger: Ledger, stage_index: int) -> str:
-    stage = spec.stages[stage_index]
-    run_id = tracker_for(spec).stage_run(ledger.record.campaign_id, ledger.record.mlflow.parent_run_id,
-                                         spec.name, stage.name, stage.model_dump(mode="json"))
-    ledger.set_stage_run(stage.name, run_id)
-    return run_id
+def open_stage_run(spec: CampaignSpec, ledger: Ledger, stage_index: int) -> tuple[str | None, str | None]:
+    """``(campaign run, stage run)``; while MLflow does not answer, what the ledger holds (None
+    for a run never opened: the metrics forwarder opens it once MLflow answers)."""
+    try:
+        return open_runs_now(spec, ledger, stage_index)
+    except MlflowAway as err:
+        _training_goes_on(ledger, err, "the stage's steps wait in its metrics.jsonl and reach MLflow")
+        record = ledger.reload()
+        return record.mlflow.parent_run_id, record.stages[spec.stages[stage_index].name].mlflow_run_id
 
 
-@task(name="finish-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
-def finish_run(spec: CampaignSpec, run_id: str, status: str) -> None:
-    """End the run; the campaign's own run first gets the ledger's restarts and rollbacks as
-    metrics at the campaign's last step (``pretrain compare`` reads them)."""
-    tracker = tracker_for(spec)
-    ledger = Ledger.read(CampaignLayout(spec.workdir_path))
-    if ledger is not None and run_id == ledger.record.mlflow.parent_run_id:
-        tracker.log_values(run_id, {k: float(v) for k, v in ledger_counters(ledger.record).items()},
-                           spec.step_offset(len(spec.stages)))
-    tracker.finish(run_id, status)
-
-
-@task(name="log-evaluation-to-runs", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
-def log_stage_evaluation(spec: CampaignSpec, stage_run_id: str | None, parent_run_id: str, metrics: dict,
-                         step: int, campaign_step: int) -> None:
-    """A stage's evaluation at ``step`` to its run, and at ``campaign_step`` to the campaign's."""
-    tracker = tracker_for(spec)
-    if stage_run_id:
-        tracker.log_values(stage_run_id, metrics, step)
-    tracker.log_values(parent_run_id, metrics, campaign_step)
+def log_node_check(tracker: Tracker, run_id: str, rows: list[dict], excluded: list[int]) -> None:
+    """The node health check on the campaign run: its rows as an artifact, the excluded nodes as a tag."""
+    tracker.client.log_dict(run_id, rows, "node_check.json")
+    tracker.set_tags(run_id, {"cluster.excluded_nodes": ",".join(map(str, excluded)) or "none"})
 
 
 @task(name="log-data-set-input", cache_policy=NO_CACHE, **MLFLOW_RETRIES)

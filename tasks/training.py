@@ -25,7 +25,7 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import MetricsForwarder, forwarder_backoff
 from tasks.training_progress import StageProgress
-from tasks.tracking import tracker_for
+from tasks.tracking import open_runs_now, tracker_for
 from trainer.config import JobConfig
 from trainer.events import EventKind
 from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
@@ -136,7 +136,7 @@ def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: 
 
 @task(name="run-training-job", cache_policy=NO_CACHE)
 def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None,
-                     stage_run_id: str, parent_run_id: str, step_offset: int, exclude: list[int] = (),
+                     stage_run_id: str | None, parent_run_id: str | None, step_offset: int, exclude: list[int] = (),
                      settings: PretrainSettings | None = None, adopt: bool = False) -> JobResult:
     """Start the stage's job on the cluster and wait for it, streaming metrics to MLflow. An
     operator's stop (``pretrain.interrupt``) stops the job with a save at breakpoint and raises
@@ -164,7 +164,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                 spec.cluster.nodes_in_use(len(exclude)), spec.cluster.workers_per_node, job.job_dir)
     forwarder = MetricsForwarder(tracker_for(spec), Path(job.job_dir) / METRICS, stage_run_id, parent_run_id,
                                  step_offset, events_path=Path(job.job_dir) / EVENTS, log=logger.warning,
-                                 backoff=forwarder_backoff(settings))
+                                 backoff=forwarder_backoff(settings),
+                                 open_runs=lambda: open_runs_now(spec, Ledger.open(spec), stage_index))
     progress = StageProgress(spec, stage_index, attempt, logger, settings)
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
@@ -210,7 +211,8 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
             events.write(node_lost(handle, node, handle.lost_nodes().get(node), standby=False))
         if code and not (interrupted or paused) and stop is not None and stop.requested.is_set():
             interrupted = True  # killed at once by the operator's second signal before a pause began: no job failure
-        forwarder.drain(timeout_s=settings.mlflow_drain_s)
+        if not forwarder.drain(timeout_s=settings.mlflow_drain_s):
+            Ledger.open(spec).set_mlflow_behind(True)  # a later sync sends the rest (tasks.mlflow_sync)
         progress.update(final=True)
     finally:
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left

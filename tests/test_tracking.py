@@ -19,7 +19,8 @@ from conftest import assert_no_duplicate_metric_steps, small_spec, wait_for
 from mlflow_server import MlflowServer
 from pretrain.tracking import TAG_WORKDIR, Backoff, MetricsForwarder, Tracker, describe_error, transient
 from pretrain.ledger import Ledger
-from tasks.checkpoints import record_verdict, sync_verdicts
+from tasks.checkpoints import record_verdict
+from tasks.mlflow_sync import sync_stage_end
 from tasks.evaluation import log_evaluation
 from trainer.reporting import JsonLines, read_all, read_new_lines
 
@@ -175,8 +176,8 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlfl
     assert fwd.drain(timeout_s=60)
     assert other.drain(timeout_s=60)
     assert any("works again" in m for m in logged)
-    in_flow(sync_verdicts, spec, "warmup")  # the stage's end sends what the outage kept from MLflow
-    in_flow(sync_verdicts, spec, "warmup")  # twice: still one value per step
+    sync_stage_end(spec, Ledger.open(spec), 0)  # the stage's end sends what the outage kept from MLflow
+    sync_stage_end(spec, Ledger.open(spec), 0)  # twice: still one value per step
 
     client = MlflowClient(mlflow_server.uri)
     assert history(client, stage) == [1, 2, 3, 4, 5, 6, 7]
