@@ -19,6 +19,9 @@ from pretrain.interrupt import StoppedAtOnce
 from pretrain.log_levels import loggers_at
 
 STORE_SETUP_LOGGERS = ("mlflow.store.db.utils",)  # INFO lines while MLflow creates or upgrades its tables
+# a WARNING per retry of MLflow's HTTP client ("Retrying (Retry(total=6, ...)) after connection broken
+# by ..."): the campaign's own lines say that MLflow is away and what happens meanwhile
+RETRY_LOGGERS = ("urllib3.connectionpool",)
 
 
 class MessageOnly(logging.Formatter):
@@ -37,9 +40,9 @@ class MessageOnly(logging.Formatter):
 @contextmanager
 def quiet_console() -> Iterator[None]:
     """For the block: Prefect's console handlers show messages only, MLflow's store setup notes
-    are not shown. The handlers are left so on ``StoppedAtOnce``: the flow thread goes on logging
+    and its HTTP client's retry notes are not shown. The handlers are left so on ``StoppedAtOnce``: the flow thread goes on logging
     until the process exits."""
-    with loggers_at(logging.WARNING, STORE_SETUP_LOGGERS):
+    with loggers_at(logging.WARNING, STORE_SETUP_LOGGERS), loggers_at(logging.ERROR, RETRY_LOGGERS):
         with _messages_only():
             yield
 

@@ -55,8 +55,11 @@ def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
         except Exception as e:  # noqa: BLE001 - MLflow is a view: the verdict stands; the stage's end sends it
             if not transient(e):
                 raise
-            get_run_logger().warning("stage %s: MLflow did not take the verdict of checkpoint %d (%s); it is sent "
-                                     "again when the stage ends", stage, record["step"], describe_error(e))
+            said = ledger.reload().mlflow.behind  # this outage was told already: info only
+            ledger.set_mlflow_behind(True)
+            (get_run_logger().info if said else get_run_logger().warning)(
+                "stage %s: MLflow did not take the verdict of checkpoint %d (%s); it is sent again when the stage "
+                "ends", stage, record["step"], describe_error(e))
 
 
 def verdicts_to_mlflow(spec: CampaignSpec, run_id: str, records: list[dict]) -> None:

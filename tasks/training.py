@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from pretrain.budget import current_pause
 from pretrain.cluster import recheck_nodes
 from pretrain.cluster_factory import make_cluster
+from pretrain.forwarder_thread import ForwarderThread
 from pretrain.interrupt import CampaignInterrupted, current_stop
 from pretrain.guard import job_lease
 from pretrain.jobs import build_job, threads_per_worker, write_job
@@ -166,6 +167,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                                  step_offset, events_path=Path(job.job_dir) / EVENTS, log=logger.warning,
                                  backoff=forwarder_backoff(settings),
                                  open_runs=lambda: open_runs_now(spec, Ledger.open(spec), stage_index))
+    forwarding = ForwarderThread(forwarder, settings.job_poll_s, settings.mlflow_drain_s).start()  # never in this loop's way
     progress = StageProgress(spec, stage_index, attempt, logger, settings)
     started = time.time()
     rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
@@ -200,7 +202,6 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                     events.write(node_lost(handle, node, exit_code, standby=replaced))
             for notice in handle.new_notices():
                 logger.warning("stage %s attempt %d: %s", job.stage, attempt, notice)
-            forwarder.pump()
             progress.update()
             if code is None and (due := rejoin.due()):
                 scaled_up = try_scale_up(spec, job.stage, due, rejoin, events, logger, settings)
@@ -211,10 +212,11 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
             events.write(node_lost(handle, node, handle.lost_nodes().get(node), standby=False))
         if code and not (interrupted or paused) and stop is not None and stop.requested.is_set():
             interrupted = True  # killed at once by the operator's second signal before a pause began: no job failure
-        if not forwarder.drain(timeout_s=settings.mlflow_drain_s):
+        if not forwarding.finish():
             Ledger.open(spec).set_mlflow_behind(True)  # a later sync sends the rest (tasks.mlflow_sync)
         progress.update(final=True)
     finally:
+        forwarding.stop()  # on any error: it drains on its own, nobody waits for it
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left
         if forget_job is not None:
             forget_job()

@@ -5,6 +5,7 @@ opened and hold every step once, with what they missed (data set input, node che
 from __future__ import annotations
 
 import logging
+import socket
 import re
 
 import pytest
@@ -141,3 +142,22 @@ def test_a_run_ending_while_mlflow_is_away_is_recorded_without_waiting_on_it(tmp
     record = close_campaign(spec.workdir_path, "failed", "a worker crashed", "flow-run-1")
     assert record.status == "failed" and record.end.cause == "a worker crashed"
     assert Ledger.open(spec).record.mlflow.behind  # the runs' end is MLflow's to catch up with
+
+
+def test_the_job_loop_never_waits_on_an_mlflow_that_hangs(tmp_path, monkeypatch):
+    """A server that takes connections and never answers: MLflow's client would wait minutes
+    (a 120 s timeout, 7 retries) — in the forwarder's own thread, not in the job's loop."""
+    from pretrain.forwarder_thread import ForwarderThread
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the thread left behind ends soon after the test
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with socket.create_server(("127.0.0.1", 0)) as hole:  # listens, never accepts: every request hangs
+        logged: list[str] = []
+        metrics = tmp_path / "metrics.jsonl"
+        records(metrics, [1, 2])
+        fwd = MetricsForwarder(Tracker(f"http://127.0.0.1:{hole.getsockname()[1]}", "e", tmp_path), metrics,
+                               "run-a", "run-b", 0, log=logged.append, backoff=Backoff(initial_s=0.1, max_s=0.2))
+        forwarding = ForwarderThread(fwd, poll_s=0.05, drain_s=0.2, margin_s=0.5).start()
+        wait_for(lambda: fwd.offset > 0, 30, "the forwarder to read the steps and ask MLflow")
+        assert forwarding.finish() is False  # the caller goes on; the request still hangs in the thread
+        assert "MLflow is away (timed out)" in logged[-1] and str(metrics) in logged[-1]
