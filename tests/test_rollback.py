@@ -35,6 +35,16 @@ def final_model(cfg: JobConfig) -> dict:
     return store.load_shard(store.read_pointer(), "model.pt")["model"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Both runs on one intra-op thread: with several, a busy machine may have the math library
+    use fewer threads in one run than in the other — another order of summation, other bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def rolled_back(prepared_data, tmp_path_factory):
     cfg = direct_job(tmp_path_factory.mktemp("nan"), prepared_data,
