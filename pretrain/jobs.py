@@ -65,8 +65,9 @@ def job_config(spec: CampaignSpec, stage_index: int, attempt: int, init_from: st
         hang_timeouts={"startup": ft.startup_timeout_s, "step": ft.step_timeout_s, "checkpoint": ft.checkpoint_timeout_s},
         hang_adaptive={"factor": ft.hang_timeout_factor, "floor_s": ft.hang_timeout_floor_s, "warmup": ft.hang_warmup_steps},
         spike={"window": ft.spike_window, "zscore": ft.spike_zscore, "min_steps": ft.spike_min_steps},
-        max_rollbacks=ft.max_rollbacks, rollback_in_process=ft.rollback_in_process, attempt=attempt, saver_max_failures=ft.saver_max_failures,
-        saver_backoff_s=ft.saver_backoff_s, spares_per_node=c.spares_per_node, fast_recovery_timeout_s=ft.fast_recovery_timeout_s,
+        max_rollbacks=ft.max_rollbacks, rollback_in_process=ft.rollback_in_process, attempt=attempt,
+        saver_max_failures=ft.saver_max_failures, saver_backoff_s=ft.saver_backoff_s, saver_outage_s=ft.storage_outage_s,
+        spares_per_node=c.spares_per_node, fast_recovery_timeout_s=ft.fast_recovery_timeout_s,
         skip=[[w.start, w.end] for w in spec.skip_samples if w.stage == stage.name],
         mixture=dict(stage.mixture), node_check_threshold=ft.node_check_threshold, nodes_min=c.nodes_min,
         chaos=[drill_from_dict(d.model_dump(exclude={"stage"})) for d in spec.chaos

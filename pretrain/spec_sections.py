@@ -237,6 +237,7 @@ class FaultToleranceSpec(Section):
     saver_max_failures: int = Field(5, ge=1, description="A node's checkpoint saver that fails this many times in a row (restarted with a backoff doubling from `saver_backoff_s` up to 60 s; training goes on on its memory snapshots meanwhile) fails the job with the saver's error.")
     fast_recovery_timeout_s: float = Field(30.0, ge=0, description="When a worker of a DDP job over gloo dies, the others (on every node) are kept and a spare (one node) or a replacement its node's agent starts takes its rank (docs/recovery.md); if they are not all restored in a new process group within this many seconds, every worker is restarted instead (the full restart). 0: always the full restart.")
     saver_backoff_s: float = Field(1.0, gt=0, description="First wait before a failed checkpoint saver is restarted; doubles with each failure in a row (up to 60 s).")
+    storage_outage_s: float = Field(600.0, gt=0, description="How long the checkpoint storage may stay unreachable (S3 down, timing out, failing on its side) while a job trains: its savers are restarted meanwhile without counting toward `saver_max_failures`, training goes on on memory snapshots, and the newest one is persisted once the storage answers; unreachable longer, the job fails with the storage's error.")
 
 
 # ---- chaos drills: one model per kind, each with only its own fields (``kind`` picks the model) ----

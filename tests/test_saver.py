@@ -4,14 +4,22 @@ commit fencing (a saver of a superseded job writes nothing)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import uuid
 from pathlib import Path
 
-from agents import agent_job, node_log, run_agent, snapshot
+from agents import agent_job, node_log, run_agent, snapshot, start_agent
+from conftest import wait_for
+import s3_servers
+from s3_servers import BUCKET
 from pretrain.incidents import cause_of
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import fence
 from trainer.checkpoint.saver import Saver
 from trainer.reporting import EVENTS, JsonLines, read_all
+
+seaweed_factory, aws_env = s3_servers.seaweed_factory, s3_servers.aws_env
 
 
 def test_a_saver_that_keeps_failing_is_restarted_a_bounded_number_of_times_then_fails_the_job(prepared_data, tmp_path):
@@ -64,3 +72,31 @@ def test_a_superseded_committer_writes_no_manifest_even_with_every_shard_in_plac
     committer.commit_ready()
     assert location.manifest(6) is None and location.read_pointer() is None
     assert committer.pending == {}
+
+
+def test_checkpoint_storage_away_for_a_while_does_not_fail_the_job(prepared_data, tmp_path, seaweed_factory, aws_env):
+    """S3 down while a job trains: its saver fails more often than ``saver_max_failures`` allows,
+    yet the job trains on (on memory snapshots) and persists again once S3 is back."""
+    server = seaweed_factory()
+    job = agent_job(tmp_path, prepared_data, steps=100_000, shm_dir=str(tmp_path / "shm"),
+                    uri=f"s3://{BUCKET}/away/{uuid.uuid4().hex[:8]}", s3_endpoint_url=server.endpoint)
+    job = dataclasses.replace(job, saver_max_failures=2, saver_backoff_s=0.05,
+                              storage_options={**job.storage_options, "max_attempts": 1})  # each try fails at once
+    events = Path(job.job_dir) / EVENTS
+    agent = start_agent(job, start_new_session=True)
+    try:
+        store = job.checkpoints()
+        wait_for(lambda: store.read_pointer() or agent.poll() is not None, 180, "a first committed checkpoint")
+        first = store.read_pointer()
+        server.stop()
+        wait_for(lambda: sum(e["event"] == "saver_start" for e in read_all(events)) > 3 or agent.poll() is not None,
+                 180, "the saver to fail more often than saver_max_failures while S3 is down")
+        assert agent.poll() is None, node_log(job)  # not failed: the job trains on
+        assert "checkpoint storage unreachable" in node_log(job) and "training goes on" in node_log(job)
+        server.start()
+        wait_for(lambda: (store.read_pointer() or 0) > first or agent.poll() is not None, 180,
+                 "a checkpoint persisted once S3 is back")
+        assert agent.poll() is None and store.read_pointer() > first, node_log(job)
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()

@@ -23,6 +23,7 @@ from trainer.storage import (
     NotAFile,
     NotFound,
     StorageError,
+    StorageUnreachable,
     open_storage,
 )
 
@@ -314,3 +315,26 @@ def test_endpoint_gone_mid_upload_fails_clearly_and_boundedly(moto_factory, tmp_
         with pytest.raises(StorageError) as info:
             call()
         assert not isinstance(info.value, NotFound) and server.endpoint in str(info.value)
+
+
+@pytest.mark.parametrize("error, unreachable", [
+    ({"Code": "SlowDown"}, True),  # throttled: the same request later
+    ({"Code": "InternalError"}, True),
+    ({"Code": "ServiceUnavailable"}, True),
+    ({"Code": "502"}, True),
+    ({"Code": "AccessDenied"}, False),  # refusals: retrying changes nothing
+    ({"Code": "NoSuchBucket"}, False),
+    ({"Code": "InvalidRequest"}, False),
+])
+def test_an_s3_error_says_whether_the_storage_may_answer_later(error, unreachable):
+    from botocore.exceptions import ClientError
+
+    err = open_storage(f"s3://{BUCKET}/x", endpoint_url="http://127.0.0.1:9")._error(
+        "upload", "k", ClientError({"Error": {**error, "Message": "m"}}, "PutObject"))
+    assert isinstance(err, StorageError) and isinstance(err, StorageUnreachable) is unreachable
+
+
+def test_an_endpoint_that_does_not_answer_is_unreachable_storage():
+    with pytest.raises(StorageUnreachable, match="check that the S3 endpoint http://127.0.0.1:9 is up"):
+        open_storage(f"s3://{BUCKET}/x", endpoint_url="http://127.0.0.1:9", max_attempts=1, region="us-east-1",
+                     access_key=ACCESS_KEY, secret_key=SECRET_KEY).put_bytes("k", b"1")

@@ -37,6 +37,7 @@ from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.chaos import claim, reached_marker
 from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, worker_pids
 from trainer.resilience.nodecheck import exclusion_marker
+from trainer.storage.base import StorageUnreachable
 from trainer.zygote import Zygote, spawn
 
 
@@ -65,17 +66,22 @@ class SaverProcess:
     """The node's checkpoint saver, kept alive for the agent's lifetime: restarted if it dies,
     after a backoff that doubles with each failure in a row (up to ``BACKOFF_CAP_S``); after
     ``max_failures`` failures in a row — none of them persisted a step — it is given up and
-    ``on_give_up(message, error_type)`` is called with the saver's last error and its class."""
+    ``on_give_up(message, error_type)`` is called with the saver's last error and its class.
+    Failures because the storage cannot be reached (``StorageUnreachable``: S3 away for a while)
+    are not counted: training goes on on its memory snapshots and the saver is restarted until
+    the storage has been away ``outage_s``; then it is given up as well."""
 
     BACKOFF_CAP_S = 60.0
 
     def __init__(self, ns: Path, nproc: int, job_path: str, max_failures: int = 5, backoff_s: float = 1.0,
-                 on_give_up=None, zygote: Zygote | None = None):
+                 on_give_up=None, zygote: Zygote | None = None, outage_s: float = 600.0):
         self.argv = ["--ns", str(ns), "--nproc", str(nproc), "--job", job_path, "--agent", str(os.getpid())]
         self.zygote = zygote
-        self.ns, self.max_failures, self.on_give_up = ns, max_failures, on_give_up
+        self.ns, self.max_failures, self.on_give_up, self.outage_s = ns, max_failures, on_give_up, outage_s
         self.closing = threading.Event()
         self.restarts, self.backoff = 0, Backoff(backoff_s, self.BACKOFF_CAP_S)
+        self.refusals = 0  # failures in a row other than the storage being away
+        self.away_since: float | None = None  # the storage unreachable at each failure since then
         self.failed: str | None = None  # the message, once given up
         self._start()
         threading.Thread(target=self._watch, name="saver-watch", daemon=True).start()
@@ -111,19 +117,38 @@ class SaverProcess:
                 return
             if self._persisted_since_start():  # it did its work before dying: not a failure in a row
                 self.backoff.succeeded()
-            delay, failures = self.backoff.failed(), self.backoff.failures
+                self.refusals, self.away_since = 0, None
+            delay = self.backoff.failed()
             error, error_type = self.last_error(code)
-            if failures >= self.max_failures:
-                self.failed = f"checkpoint saver failed {failures} times in a row; last error: {error}"
+            if self._gives_up(error, error_type):
                 if self.on_give_up is not None:
                     self.on_give_up(self.failed, error_type)
                 return
-            print(f"checkpoint saver failed ({error}); restarting it in {delay:.1f} s "
-                  f"(failure {failures} of {self.max_failures} in a row)", file=sys.stderr, flush=True)
+            if self.away_since is not None:
+                print(f"checkpoint storage unreachable ({error}); training goes on on memory snapshots; restarting "
+                      f"the saver in {delay:.1f} s (the job fails if the storage stays away {self.outage_s:.0f} s)",
+                      file=sys.stderr, flush=True)
+            else:
+                print(f"checkpoint saver failed ({error}); restarting it in {delay:.1f} s "
+                      f"(failure {self.refusals} of {self.max_failures} in a row)", file=sys.stderr, flush=True)
             if self.closing.wait(delay):
                 return
             self.restarts += 1
             self._start()
+
+    def _gives_up(self, error: str, error_type: str | None) -> bool:
+        """Count this failure; whether it is one too many (then ``failed`` says why)."""
+        if error_type == StorageUnreachable.__name__:
+            self.away_since = self.away_since if self.away_since is not None else time.monotonic()
+            away_s = time.monotonic() - self.away_since
+            if away_s >= self.outage_s:
+                self.failed = (f"checkpoint storage unreachable for {away_s:.0f} s (fault_tolerance.storage_outage_s: "
+                               f"{self.outage_s:.0f}); last error: {error}")
+            return self.failed is not None
+        self.refusals, self.away_since = self.refusals + 1, None
+        if self.refusals >= self.max_failures:
+            self.failed = f"checkpoint saver failed {self.refusals} times in a row; last error: {error}"
+        return self.failed is not None
 
     def close(self, timeout_s: float = 120) -> None:
         """Let the saver finish (including a save at breakpoint), then stop it."""
@@ -244,6 +269,7 @@ def run_node(args: argparse.Namespace) -> int:
         sweep_shared_memory(job, args.node)
         ns = shmdirs.create(job.shm_dir, job.job_dir)
         saver = SaverProcess(ns, args.nproc, args.job, job.saver_max_failures, job.saver_backoff_s,
+                             outage_s=job.saver_outage_s,
                              on_give_up=lambda message, error_type: fail_job(job, args.node, message, error_type),
                              zygote=zygote)
         worker_args += ["--shm", str(ns)]

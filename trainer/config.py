@@ -141,6 +141,7 @@ class JobConfig:
     # fast recovery under the single-node agent (trainer.node_agent); defaults for a job file of the release before
     spares_per_node: int = 1  # warm spare workers kept per node (0: a lost worker is replaced by a cold start)
     fast_recovery_timeout_s: float = 30.0  # a lost worker not replaced (all ranks restored) by then: full restart; 0: always
+    saver_outage_s: float = 600.0  # checkpoint storage unreachable this long (the saver retried meanwhile): the job fails
 
     def checkpoints(self):
         """This stage's checkpoint store (local directory or S3 prefix)."""

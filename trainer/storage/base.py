@@ -26,6 +26,11 @@ class StorageError(RuntimeError):
     """A storage operation failed; the message names the URL, what failed and what to do."""
 
 
+class StorageUnreachable(StorageError):
+    """The storage cannot be reached now (no connection, a timeout, an error on its side): worth
+    retrying later, unlike a refusal (credentials, a missing bucket, a full disk)."""
+
+
 class NotFound(StorageError):
     """The key does not exist."""
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from trainer.storage.base import (MiB, NotFound, PreconditionFailed, Storage, StorageError, _dir_prefix,
-                                  _write_local_atomic, check_key)
+from trainer.storage.base import (MiB, NotFound, PreconditionFailed, Storage, StorageError, StorageUnreachable,
+                                  _dir_prefix, _write_local_atomic, check_key)
 from trainer.storage.streaming import pipe_to
 
 _AUTH_CODES = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403",
@@ -30,6 +30,8 @@ class ObjectInfo:
 # A conditional request that lost: 412, or 409 when AWS sees two conditional writes of one key
 # in flight at once (the other one may still win).
 _CONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+# the server's own trouble (or too many requests): the same request may succeed later
+_SERVER_SIDE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling"}
 
 
 class S3Storage(Storage):
@@ -126,7 +128,10 @@ class S3Storage(Storage):
         else:
             hint = "check the S3 server and retry"
         msg = f"S3 {op} of {where} failed ({detail}); {hint}"
-        return StorageError(msg.replace(self._secret_key, "***") if self._secret_key else msg)
+        away = isinstance(exc, (ConnectionError, HTTPClientError)) or code in _SERVER_SIDE_CODES \
+            or (code or "").startswith("5")
+        msg = msg.replace(self._secret_key, "***") if self._secret_key else msg
+        return StorageUnreachable(msg) if away else StorageError(msg)
 
     def _call(self, op: str, key: str, fn, *args, **kwargs):
         from boto3.exceptions import Boto3Error
