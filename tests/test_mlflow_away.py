@@ -4,16 +4,19 @@ opened and hold every step once, with what they missed (data set input, node che
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import re
 
 import pytest
 from mlflow.tracking import MlflowClient
+from rich.console import Console
 
 from conftest import assert_no_duplicate_metric_steps, small_spec, seed_data, wait_for
 from mlflow_server import MlflowServer
 from pretrain.ledger import Ledger
+from pretrain.status import campaign_status, render
 from pretrain.tracking import METRIC_KEYS, Backoff, MetricsForwarder, Tracker
 from s3_servers import free_ports
 from test_tracking import history, records
@@ -90,6 +93,9 @@ def test_a_campaign_completes_while_mlflow_is_away_and_its_next_run_catches_mlfl
     away = [w for w in warnings_of_runs if "does not answer" in w]
     assert away and "training goes on" in away[0] and not any("Traceback" in w for w in warnings_of_runs)
     assert sum("training goes on:" in w for w in warnings_of_runs) == 1  # told once, not at every stage and sync
+    console = Console(record=True, width=200, file=io.StringIO())
+    render(campaign_status(spec.workdir_path), console)  # what `pretrain status` prints
+    assert "MLflow is behind the campaign (it was away)" in console.export_text()
 
     server.start(template=migrated_tracking_store)
     try:
