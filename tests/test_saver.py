@@ -8,6 +8,9 @@ import os
 import signal
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from agents import agent_job, node_log, run_agent, snapshot, start_agent
 from conftest import wait_for
@@ -16,6 +19,7 @@ from s3_servers import BUCKET
 from pretrain.incidents import cause_of
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import fence
+from trainer.agent import SaverProcess
 from trainer.checkpoint.saver import Saver
 from trainer.reporting import EVENTS, JsonLines, read_all
 
@@ -100,3 +104,18 @@ def test_checkpoint_storage_away_for_a_while_does_not_fail_the_job(prepared_data
     finally:
         os.killpg(agent.pid, signal.SIGKILL)
         agent.wait()
+
+
+@pytest.mark.parametrize("failures, max_failures, outage_s, gives_up_at, says", [
+    (["StorageUnreachable"] * 20, 2, 600.0, None, None),  # S3 away a while: never counted as failures in a row
+    (["StorageUnreachable"], 2, 0.0, 1, "checkpoint storage unreachable for"),  # ... until it stays away too long
+    (["NotADirectoryError"] * 3, 2, 600.0, 2, "checkpoint saver failed 2 times in a row"),
+    (["NotADirectoryError", "StorageUnreachable", "NotADirectoryError"], 2, 600.0, 3, "failed 2 times in a row"),
+    ([None, None], 2, 600.0, 2, "failed 2 times in a row"),  # killed without an error file
+])
+def test_the_saver_watch_counts_refusals_and_gives_an_unreachable_storage_time(failures, max_failures, outage_s,
+                                                                                gives_up_at, says):
+    watch = SimpleNamespace(max_failures=max_failures, outage_s=outage_s, refusals=0, away_since=None, failed=None)
+    at = next((i for i, kind in enumerate(failures, 1) if SaverProcess._gives_up(watch, "the error", kind)), None)
+    assert at == gives_up_at  # the watch stops at its first give-up, as the agent's does
+    assert (says is None) == (watch.failed is None) and (says is None or says in watch.failed)
