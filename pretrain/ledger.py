@@ -25,8 +25,7 @@ from pretrain.ledger_remote import RemoteLedger
 from pretrain.lock import updating
 from pretrain.ledger_schema import (LEDGER_VERSION, CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord,
                                     DataRecord, Failure, MlflowRecord, Resize, Resume, Rewind, Span, SpanKind, StageRecord,
-                                    StageStatus, Verdict,
-                                    describe_problem, new_stage)
+                                    StageStatus, Verdict, describe_problem, new_stage)
 from pretrain.redact import redact, redact_tree
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes, atomic_write_json
@@ -46,8 +45,8 @@ class LedgerDamaged(LedgerError):
 
 
 class LedgerDiskFull(RuntimeError):
-    """The ledger could not be written: its file system is full (the campaign fails, saying what to
-    free). The file on disk is the previous, intact one."""
+    """The ledger could not be written: its file system is full (the campaign fails, saying what
+    to free; the file on disk is the previous, intact one)."""
 
 
 class LedgerNewer(LedgerError):
@@ -178,8 +177,7 @@ class Ledger:
 
     @classmethod
     def of_spec(cls, spec: CampaignSpec) -> "Ledger | None":
-        """The campaign's ledger where its state lives (the workdir, or ``checkpoint.state_uri``);
-        None if it has none yet."""
+        """The campaign's ledger where its state lives (workdir, ``checkpoint.state_uri``); None: none yet."""
         return cls._load(spec, _remote(spec))
 
     @classmethod
@@ -284,7 +282,6 @@ class Ledger:
         return self.mutate(lambda r: change(r.stages[name])).stages[name]
 
     # the campaign
-
     def begin_run(self, flow_run: str, spec: CampaignSpec | None = None) -> None:
         """A run of the campaign flow starts working on it (from ``spec``'s workdir: a campaign moved
         or copied elsewhere records where its stages' checkpoints are now)."""
@@ -304,7 +301,7 @@ class Ledger:
     def set_parent_run(self, run_id: str) -> None:
         self.mutate(lambda r: setattr(r.mlflow, "parent_run_id", run_id))
 
-    def set_mlflow_behind(self, behind: bool) -> None:
+    def set_mlflow_behind(self, behind: bool) -> None:  # MLflow lacks some of what the workdir holds
         self.mutate(lambda r: setattr(r.mlflow, "behind", behind))
 
     def set_data(self, data: DataRecord) -> None:
@@ -349,7 +346,6 @@ class Ledger:
         self.mutate(close)
 
     # a stage
-
     def set_stage_status(self, stage: str, status: StageStatus, final_checkpoint: CheckpointRef | None = None) -> StageRecord:
         def change(s: StageRecord) -> None:
             s.status = status
