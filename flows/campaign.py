@@ -42,7 +42,6 @@ from pretrain.budget import PauseRequest, current_pause, deadline, pausing
 from pretrain.credentials import mlflow_auth
 from pretrain.interrupt import (CampaignInterrupted, StopRequest, StoppedAtOnce, current_stop, pause_on_termination,
                                 pause_window_s, supervise)
-from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignStatus, SpanKind, StageStatus
 from pretrain.guard import campaign_guard
@@ -237,7 +236,7 @@ def linked_after_sync(spec: CampaignSpec, stage_index: int | None, parent_run_id
     """``sync_to_mlflow`` (best effort); the campaign run's id after it (None: none open yet),
     linked from Prefect if it was opened now."""
     sync_to_mlflow(spec, stage_index)
-    opened = Ledger.read(CampaignLayout(spec.workdir_path)).record.mlflow.parent_run_id
+    opened = Ledger.open(spec).record.mlflow.parent_run_id  # where the campaign's state lives (state_uri too)
     if opened and opened != parent_run_id:
         link_mlflow_run(spec, tracker_for(spec).experiment_id, opened)
     return opened

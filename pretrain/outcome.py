@@ -94,7 +94,8 @@ def _end_runs(layout: CampaignLayout, record: CampaignRecord, stages: list[str],
         except Exception as err:  # noqa: BLE001 - the ledger holds how the run ended
             if not transient(err):
                 raise
-            Ledger.read(layout).set_mlflow_behind(True)
+            if (ledger := Ledger.read(layout)) is not None:
+                ledger.set_mlflow_behind(True)
             logging.getLogger(__name__).warning("the MLflow runs are not ended %s (%s); the ledger says how the run "
                                                 "ended", state, describe_error(err))
 
