@@ -50,7 +50,9 @@ def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(p
     from flows.campaign import pretrain_campaign
 
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))
-    spec = kube_spec(tmp_path / "w", steps=STEPS_LEFT_ALONE, max_restarts=2)  # rejoin_after_s 60: the survivor finishes alone
+    # rejoin_after_s 0: the survivor finishes alone (with the default 60 s, a busy machine once had
+    # node 1 rejoin first, in a second attempt)
+    spec = kube_spec(tmp_path / "w", steps=STEPS_LEFT_ALONE, max_restarts=2, cluster={"rejoin_after_s": 0})
     seed_data(spec, prepared_data)
     deleted: list[str] = []
     done = threading.Event()
