@@ -13,7 +13,7 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import describe_error, transient
 from tasks.events import checkpoint_verdict
-from tasks.tracking import tracker_for
+from tasks.tracking import mark_mlflow_behind, tracker_for
 
 
 @task(name="judge-checkpoints", cache_policy=NO_CACHE)
@@ -55,11 +55,8 @@ def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
         except Exception as e:  # noqa: BLE001 - MLflow is a view: the verdict stands; the stage's end sends it
             if not transient(e):
                 raise
-            said = ledger.reload().mlflow.behind  # this outage was told already: info only
-            ledger.set_mlflow_behind(True)
-            (get_run_logger().info if said else get_run_logger().warning)(
-                "stage %s: MLflow did not take the verdict of checkpoint %d (%s); it is sent again when the stage "
-                "ends", stage, record["step"], describe_error(e))
+            mark_mlflow_behind(ledger, "stage %s: MLflow did not take the verdict of checkpoint %d (%s); it is sent "
+                               "again when the stage ends", stage, record["step"], describe_error(e))
 
 
 def verdicts_to_mlflow(spec: CampaignSpec, run_id: str, records: list[dict]) -> None:

@@ -24,7 +24,7 @@ from pretrain.ledger_schema import CampaignStatus, StageStatus
 from pretrain.spec import CampaignSpec
 from pretrain.tracking import MetricsForwarder, Tracker, describe_error, transient
 from tasks.checkpoints import verdicts_to_mlflow
-from tasks.tracking import log_node_check, open_runs_now, tracker_for
+from tasks.tracking import log_node_check, mark_mlflow_behind, open_runs_now, tracker_for
 from trainer.reporting import EVENTS, METRICS
 
 
@@ -107,10 +107,7 @@ def sync_to_mlflow(spec: CampaignSpec, stage_index: int | None = None) -> bool:
             finish_campaign_run(spec, ledger)
         return True
     except Exception as err:  # noqa: BLE001 - MLflow is a view of the workdir: the campaign goes on
-        said = ledger.reload().mlflow.behind  # this outage was told already: once is enough for the console
-        ledger.set_mlflow_behind(True)
-        how = "is away" if transient(err) else "refused an update"
-        (logger.info if said else logger.warning)(
-            "MLflow %s (%s); the campaign goes on, and what its runs lack is sent when it answers (a stage's end, "
-            "the campaign's end, its next run)", how, describe_error(err))
+        mark_mlflow_behind(ledger, "MLflow %s (%s); the campaign goes on, and what its runs lack is sent when it "
+                           "answers (a stage's end, the campaign's end, its next run)",
+                           "is away" if transient(err) else "refused an update", describe_error(err))
         return False

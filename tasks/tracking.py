@@ -71,10 +71,17 @@ def open_runs_now(spec: CampaignSpec, ledger: Ledger, stage_index: int | None = 
     return parent, run_id
 
 
-def _training_goes_on(ledger: Ledger, err: MlflowAway, what: str) -> None:
-    said = ledger.reload().mlflow.behind  # an outage already told (this run, or one before it): info only
+def mark_mlflow_behind(ledger: Ledger, message: str, *args) -> None:
+    """The ledger says MLflow is behind; ``message`` is logged as a warning the first time, as info
+    while the outage was already told (this run, or one before it): one warning per outage."""
+    said = ledger.reload().mlflow.behind
     ledger.set_mlflow_behind(True)
-    (get_run_logger().info if said else get_run_logger().warning)("%s; training goes on: %s once it answers", err, what)
+    logger = get_run_logger()
+    (logger.info if said else logger.warning)(message, *args)
+
+
+def _training_goes_on(ledger: Ledger, err: MlflowAway, what: str) -> None:
+    mark_mlflow_behind(ledger, "%s; training goes on: %s once it answers", err, what)
 
 
 @task(name="open-campaign-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
@@ -89,15 +96,13 @@ def open_campaign_run(spec: CampaignSpec, ledger: Ledger) -> str | None:
 
 
 @task(name="open-stage-run", cache_policy=NO_CACHE, **MLFLOW_RETRIES)
-def open_stage_run(spec: CampaignSpec, ledger: Ledger, stage_index: int) -> tuple[str | None, str | None]:
-    """``(campaign run, stage run)``; while MLflow does not answer, what the ledger holds (None
-    for a run never opened: the metrics forwarder opens it once MLflow answers)."""
+def open_stage_run(spec: CampaignSpec, ledger: Ledger, stage_index: int) -> None:
+    """The stage's run (and the campaign's, if it has none), recorded in the ledger; while MLflow
+    does not answer, nothing: the job's metrics forwarder opens them once it answers."""
     try:
-        return open_runs_now(spec, ledger, stage_index)
+        open_runs_now(spec, ledger, stage_index)
     except MlflowAway as err:
         _training_goes_on(ledger, err, "the stage's steps wait in its metrics.jsonl and reach MLflow")
-        record = ledger.reload()
-        return record.mlflow.parent_run_id, record.stages[spec.stages[stage_index].name].mlflow_run_id
 
 
 def log_node_check(tracker: Tracker, run_id: str, rows: list[dict], excluded: list[int]) -> None:
