@@ -115,7 +115,7 @@ def subflows_without_heartbeats():
 def _run_stoppable(spec: CampaignSpec, stop: StopRequest) -> dict:
     stop.flow_run = flow_run.get_id()
     here = contextvars.copy_context()
-    stop.recorder = lambda cause, warn: here.run(record_interrupt, spec.workdir_path, stop, stop.describe(cause), warn)
+    stop.recorder = lambda cause, warn: here.run(record_interrupt, spec, stop, stop.describe(cause), warn)
     try:
         return run_campaign(spec, stop)
     except Exception as e:
@@ -157,7 +157,7 @@ def record_interrupted(spec: CampaignSpec, stop: StopRequest, error: Exception) 
     interrupted = error if isinstance(error, CampaignInterrupted) else \
         CampaignInterrupted(f"campaign interrupted by {stop.name} ({first_line})", stop.signum)
     logger = get_run_logger()
-    record_interrupt(spec.workdir_path, stop, str(interrupted), logger.warning)
+    record_interrupt(spec, stop, str(interrupted), logger.warning)
     logger.warning("%s; run the same command again to resume", interrupted)
     return interrupted
 
@@ -254,7 +254,7 @@ def paused(spec: CampaignSpec, stage: str, step: int, reason: str) -> dict:
     stop = current_stop()
     if stop is not None and stop.signum is not None and reason == f"{stop.name} received":
         reason = stop.describe(reason)  # a signal's pause: "cancelled from Prefect (SIGTERM from its worker)"
-    record = record_pause(spec.workdir_path, flow_run.get_id(), stage, step, reason)
+    record = record_pause(spec, flow_run.get_id(), stage, step, reason)
     get_run_logger().info("campaign %s %s; run it again to continue", spec.name, record.end.cause)
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options())
     publish_reports(spec, status)

@@ -1,7 +1,8 @@
 """What ``pretrain run`` and ``pretrain data prepare`` refuse before they start anything (their
 Prefect API server and the flow: ~10 s), from this machine alone: a workdir that cannot be made
 or written, a damaged local ledger (or one of a newer release), the ledger of a campaign started
-from another spec, and (``data prepare``) local sources that match no file.
+from another spec (or, for a campaign whose state is at ``checkpoint.state_uri``, any ledger but
+a copy of that campaign's), and (``data prepare``) local sources that match no file.
 
 Left to the flow, which has what it takes: a workdir decided by a storage block, a ledger at
 ``checkpoint.state_uri`` (credentials, network), sources on S3, and the spec hash of a spec with
@@ -11,7 +12,8 @@ block references (it is hashed as resolved).
 from __future__ import annotations
 
 from pretrain.layout import CampaignLayout, ensure_workdir
-from pretrain.ledger import Ledger
+from pretrain.ledger import Ledger, ledger_location
+from pretrain.ledger_remote import refuse_foreign_workdir
 from pretrain.spec import CampaignSpec
 
 
@@ -22,9 +24,11 @@ def refuse_before_starting(campaign: CampaignSpec, sources: bool = False) -> Non
     blocks = campaign.blocks
     if blocks.storage is None:  # else the block decides the workdir: the spec's is not used
         ensure_workdir(campaign.workdir_path)
-        if campaign.checkpoint.state_uri is None and (ledger := Ledger.read(CampaignLayout(campaign.workdir_path))):
-            if not blocks.any():
-                ledger.refuse_other_spec(campaign)
+        layout = CampaignLayout(campaign.workdir_path)
+        if campaign.checkpoint.state_uri is not None:  # the workdir keeps a copy of that campaign's ledger, or nothing
+            refuse_foreign_workdir(layout.ledger, ledger_location(campaign))
+        elif (ledger := Ledger.read(layout)) and not blocks.any():
+            ledger.refuse_other_spec(campaign)
     if sources and not any(s.path.startswith("s3://") for group in campaign.data.groups().values() for s in group):
         from pretrain.corpus.files import expand_sources
 

@@ -144,7 +144,7 @@ def recover_ledger(
     workdir: Path = typer.Option(..., "--workdir", "-w", help="The campaign's workdir."),
 ) -> None:
     """Replace a damaged ledger.json with its intact previous generation (the damaged one is kept)."""
-    from pretrain.ledger import LedgerError, recover_ledger as recover
+    from pretrain.ledger_file import LedgerError, recover_ledger as recover
     from pretrain.lock import CampaignBusy, campaign_lock
 
     with refused(LedgerError, CampaignBusy):

@@ -3,29 +3,30 @@
 It records what the orchestrator decided and observed (stages done, attempts, restarts,
 failures with causes and time lost, MLflow run ids). Checkpoints themselves are the truth for
 training progress; the ledger never claims a step that storage does not hold.
+
+A campaign whose state is on shared storage (``checkpoint.state_uri``) keeps its ledger there;
+its workdir holds a read-only copy, rewritten after each change (``copy_of`` names the original),
+so that whatever reads a workdir (``pretrain status``, reports, pictures) reads that campaign too.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
-
-from pydantic import ValidationError
 
 from pretrain.locations import checkpoint_location, storage_options
 from pretrain.guard import held, state_storage
-from pretrain.layout import CampaignLayout, a_file_in_the_way
-from pretrain.ledger_remote import RemoteLedger
+from pretrain.layout import CampaignLayout
+from pretrain.ledger_file import LedgerDamaged, LedgerError, _parse, _prev, _read, _read_with_bytes
+from pretrain.ledger_remote import RemoteLedger, keep_copy, refuse_foreign_workdir
 from pretrain.lock import updating
-from pretrain.ledger_schema import (LEDGER_VERSION, CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord,
-                                    DataRecord, Failure, MlflowRecord, Resize, Resume, Rewind, Span, SpanKind, StageRecord,
-                                    StageStatus, Verdict, describe_problem, new_stage)
+from pretrain.ledger_schema import (CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord, DataRecord, Failure,
+                                    MlflowRecord, Resize, Resume, Rewind, Span, SpanKind, StageRecord, StageStatus,
+                                    Verdict, new_stage)
 from pretrain.redact import redact, redact_tree
 from pretrain.spec import CampaignSpec
 from trainer.atomic import atomic_write_bytes, atomic_write_json
@@ -36,107 +37,9 @@ class CampaignMismatch(RuntimeError):
     """The workdir belongs to a campaign with a different spec."""
 
 
-class LedgerError(RuntimeError):
-    """The ledger cannot be used or recovered as asked; the message says what to do."""
-
-
-class LedgerDamaged(LedgerError):
-    """``ledger.json`` cannot be read; the message names it and how to recover."""
-
-
 class LedgerDiskFull(RuntimeError):
     """The ledger could not be written: its file system is full (the campaign fails, saying what
     to free; the file on disk is the previous, intact one)."""
-
-
-class LedgerNewer(LedgerError):
-    """``ledger.json`` was written by a newer release, in a version of the file this one does not know."""
-
-
-def _parse(path: Path | str, data: bytes) -> CampaignRecord:
-    try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise LedgerDamaged(f"{path} is damaged (not valid JSON: {err})") from None
-    if not isinstance(obj, dict):
-        raise LedgerDamaged(f"{path} is damaged (a JSON {type(obj).__name__}, not a JSON object)")
-    version = obj.get("version", 1)
-    if isinstance(version, int) and not isinstance(version, bool) and version > LEDGER_VERSION:
-        raise LedgerNewer(f"{path} was written by a newer prefect-pretrain (ledger version {version}; this release "
-                          f"reads up to {LEDGER_VERSION}): run the campaign with that release, or upgrade this one")
-    try:
-        return CampaignRecord.model_validate(obj)
-    except ValidationError as err:
-        problems = "; ".join(describe_problem(e) for e in err.errors()[:3])
-        raise LedgerDamaged(f"{path} is damaged ({problems})") from None
-
-
-def _prev(path: Path) -> Path:
-    return path.with_name(path.name + ".prev")
-
-
-def _read(path: Path) -> CampaignRecord | None:
-    """The ledger at ``path``; None if there is none; LedgerDamaged saying how to recover."""
-    read = _read_with_bytes(path)
-    return None if read is None else read[1]
-
-
-def _read_with_bytes(path: Path) -> tuple[bytes, CampaignRecord] | None:
-    """The ledger's bytes and what they say (the bytes become ``.prev`` on the next write)."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except IsADirectoryError:
-        raise LedgerDamaged(f"{path} is damaged (a directory, not a file). {_recovery(path)}") from None
-    except NotADirectoryError:
-        raise LedgerError(f"{a_file_in_the_way(path.parent)}: give the campaign's workdir") from None
-    except OSError as err:
-        raise LedgerError(f"cannot read {path}: {err.strerror or err}") from None
-    try:
-        return data, _parse(path, data)
-    except LedgerDamaged as err:
-        raise LedgerDamaged(f"{err}. {_recovery(path)}") from None
-
-
-def _recovery(path: Path) -> str:
-    """How to get a usable ledger back, depending on its previous generation."""
-    prev = _prev(path)
-    try:
-        saved = _parse(prev, prev.read_bytes())
-    except (OSError, LedgerError) as err:
-        why = "it does not exist" if isinstance(err, FileNotFoundError) else str(err)
-        return (f"There is no intact previous generation ({prev}: {why}). Move the damaged file aside "
-                f"(mv {path} {path}.damaged) and run the campaign again with its spec: training resumes from "
-                "its checkpoints; the ledger's history (attempts, failures, verdicts) starts anew")
-    return (f"The previous generation {prev} is intact (campaign {saved.campaign!r}, status {saved.status.value!r}): "
-            f"restore it with `pretrain recover-ledger --workdir {path.parent}` (the damaged file is kept as "
-            f"{path.name}.damaged-<time>), then run the same command again")
-
-
-def recover_ledger(workdir: str | Path) -> Path:
-    """Replace a damaged ``ledger.json`` with its intact previous generation; the damaged file is
-    moved aside (``ledger.json.damaged-<time>``), never deleted. Returns where it went. Raises
-    :class:`LedgerError` when there is nothing to recover, :class:`LedgerDamaged` when the
-    previous generation is not intact either. Hold the campaign lock while calling it."""
-    path = CampaignLayout(Path(workdir).expanduser().resolve()).ledger
-    try:
-        intact = _read(path) is not None
-    except LedgerDamaged:
-        intact = None
-    if intact is not None:
-        raise LedgerError(f"{path} is intact: nothing to recover" if intact else
-                          f"{path} does not exist: no campaign to recover in {path.parent}")
-    prev = _prev(path)
-    try:
-        data = prev.read_bytes()
-        _parse(prev, data)
-    except (OSError, LedgerDamaged):
-        raise LedgerDamaged(f"{path} is damaged. {_recovery(path)}") from None
-    aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
-    os.replace(path, aside)
-    atomic_write_bytes(path, data)
-    return aside
 
 
 def _parse_remote(where: str, data: bytes) -> CampaignRecord:
@@ -157,6 +60,12 @@ def _remote(spec: CampaignSpec) -> RemoteLedger | None:
         return None
     mine = held(spec)
     return RemoteLedger(state_storage(spec), parse=_parse_remote, guard=mine.check if mine else None)
+
+
+def ledger_location(spec: CampaignSpec) -> str | None:
+    """Where the ledger of a campaign whose state is on shared storage is (None: its workdir)."""
+    remote = _remote(spec)
+    return remote.where if remote else None
 
 
 @dataclass
@@ -186,12 +95,18 @@ class Ledger:
         if remote is None:
             return cls.read(layout)
         record = remote.load()
-        return None if record is None else cls(layout, record, remote)
+        if record is None:
+            return None
+        ledger = cls(layout, record, remote)
+        keep_copy(layout.ledger, record, remote.where)
+        return ledger
 
     @classmethod
     def open(cls, spec: CampaignSpec) -> "Ledger":
         """The campaign's ledger, created on first use; refuses a workdir of another spec."""
         layout, remote = CampaignLayout(spec.workdir_path), _remote(spec)
+        if remote is not None:
+            refuse_foreign_workdir(layout.ledger, remote.where)
         ledger = cls._load(spec, remote)
         if ledger is None:
             ledger = cls(layout, CampaignRecord(
@@ -226,6 +141,7 @@ class Ledger:
                 for name in type(mine).model_fields:
                     setattr(r, name, getattr(mine.model_copy(deep=True), name))
             self.record = self.remote.update(overwrite, mine)
+            keep_copy(self.layout.ledger, self.record, self.remote.where)
             return
         path = self.layout.ledger
         try:
@@ -262,12 +178,16 @@ class Ledger:
         which were just validated, become ``.prev``)."""
         if self.remote is not None:  # conditional writes: a lost race re-reads and re-applies ``change``
             self.record = self.remote.update(change, self.record)
+            keep_copy(self.layout.ledger, self.record, self.remote.where)
             return self.record
         with updating(self.layout.ledger):
             read = _read_with_bytes(self.layout.ledger)
             current = None
             if read is not None:
                 current, self.record = read
+            if self.record.copy_of:
+                raise LedgerError(f"{self.layout.ledger} is a read-only copy of the campaign's ledger {self.record.copy_of}: "
+                                  "run the campaign with its spec (its `checkpoint.state_uri`) to change it")
             before = self.record.model_copy(deep=True)
             change(self.record)
             if read is None or self.record != before:  # a change that changes nothing writes nothing

@@ -9,17 +9,27 @@ the write is refused with an error that says why; nothing is overwritten blindly
 
 Objects on S3 do not tear (a PUT is all or nothing), so unlike the local file there is no
 ``.prev`` generation: a damaged object is a foreign write, reported naming it and what to do.
+
+Each write counts up the record's ``revision``. The workdir of the run keeps a read-only copy
+(:func:`keep_copy`, ``copy_of`` naming the object) that readers of a workdir read; a slower
+thread's older revision never replaces a newer copy.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
+from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
+from pretrain.ledger_file import LedgerError, _read
 from pretrain.ledger_schema import CampaignRecord
+from pretrain.lock import updating
+from trainer.atomic import atomic_write_json
 from trainer.storage import NotFound, PreconditionFailed, Storage
 
 LEDGER_KEY = "ledger.json"
@@ -62,6 +72,7 @@ class RemoteLedger:
             read = self._get()
             record = read[1] if read is not None else fresh.model_copy(deep=True)
             change(record)
+            record.revision, record.copy_of = (read[1].revision if read is not None else fresh.revision) + 1, None
             body = json.dumps(record.to_json(), indent=2).encode()
             if self.guard is not None:
                 self.guard()
@@ -77,3 +88,37 @@ class RemoteLedger:
             f"the ledger {self.where} changed under each of {self.tries} tries to write it: other processes keep "
             "writing it. Only the run that holds the campaign's lease writes its ledger: check that no other "
             "run of this campaign (or a tool writing its state) is running, then run again")
+
+
+def keep_copy(path: Path, record: CampaignRecord, where: str) -> None:
+    """Write ``record`` of the ledger object ``where`` as the workdir's read-only copy at ``path``,
+    unless the copy there is of a newer revision. The copy is a convenience for readers: a workdir
+    that is gone or cannot be written is logged, never raised (the object is the ledger)."""
+    if not path.parent.is_dir():
+        return
+    copy = record.model_copy(update={"copy_of": where})
+    try:
+        with updating(path):
+            with suppress(LedgerError):  # a damaged copy is replaced
+                held = _read(path)
+                if held is not None and held.copy_of == where and held.revision > record.revision:
+                    return
+            atomic_write_json(path, copy.to_json(), sort_keys=False)
+    except OSError as err:
+        logging.getLogger(__name__).warning("could not update %s, the workdir's copy of the campaign's ledger %s (%s): "
+                                            "`pretrain status` there may show an older state", path, where, err)
+
+
+def refuse_foreign_workdir(path: Path, where: str) -> None:
+    """:class:`LedgerError` if the workdir's ledger file ``path`` is not a copy of ``where``: a
+    campaign kept in that workdir, or the copy of another campaign's ledger, is never overwritten."""
+    try:
+        held = _read(path)
+    except LedgerError as err:
+        raise LedgerError(f"{err}. (This campaign's ledger is {where}; its workdir only keeps a copy of it.)") from None
+    if held is None or held.copy_of == where:
+        return
+    whose = (f"keeps a copy of the ledger {held.copy_of}" if held.copy_of else
+             f"holds the ledger of campaign {held.campaign!r}, kept in that workdir")
+    raise LedgerError(f"{path.parent} {whose}; this campaign's ledger is {where}: give this campaign a workdir of "
+                      "its own (--workdir pointing to an empty directory)")

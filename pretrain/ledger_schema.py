@@ -272,6 +272,10 @@ class CampaignRecord(BaseModel):
     registered_model: dict | None = None
     end: RunEnd | None = None
     spans: list[Span] = Field(default_factory=list)  # timed spans (runs, stages, jobs, ...); none before this release
+    # a ledger on shared storage (``checkpoint.state_uri``) counts its writes; the workdir keeps a
+    # read-only copy of it naming where it is a copy of (``copy_of``). Neither is written while unset.
+    revision: StrictInt = 0
+    copy_of: StrictStr | None = None
 
     def interrupted(self, flow_run: str) -> bool:
         """The ledger records ``flow_run`` as interrupted by the operator."""
@@ -285,7 +289,11 @@ class CampaignRecord(BaseModel):
         return list(self.cluster.health) if self.cluster else []
 
     def to_json(self) -> dict:
-        return self.model_dump(mode="json")
+        out = self.model_dump(mode="json")
+        for key, unset in (("revision", 0), ("copy_of", None)):
+            if out.get(key) == unset:
+                out.pop(key, None)
+        return out
 
 
 def new_stage(steps: int, checkpoints: str) -> StageRecord:

@@ -1,7 +1,7 @@
 """Record how a campaign run ended — failed, crashed, cancelled, interrupted or paused — in its ledger and
 MLflow runs, with the cause. Called by the campaign flow's state hooks, possibly in another
 process than the one that ran the campaign (Prefect runs cancellation hooks in the worker after
-the flow-run process is gone), so it needs nothing but the workdir; and by ``pretrain run``
+the flow-run process is gone), so it needs nothing but the spec (the run's parameters); and by ``pretrain run``
 when Ctrl-C / SIGTERM stopped it. An interruption stands once recorded: the interrupted flow
 still ends failed (or crashed) in Prefect, and that hook must not re-label it."""
 
@@ -15,6 +15,7 @@ from pretrain.interrupt import StopRequest
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import OPEN_STAGES, CampaignRecord, CampaignStatus, RunEnd, StageStatus
+from pretrain.spec import CampaignSpec
 from pretrain.tracking import Tracker, describe_error, transient
 
 # how each way of ending shows in MLflow: a cancel (Prefect) or an interrupt (Ctrl-C / SIGTERM to
@@ -32,7 +33,7 @@ TAG_END_CAUSE = "pretrain.end_cause"
 ENDED_STAGES = (*OPEN_STAGES, StageStatus.FAILED)
 
 
-def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str) -> CampaignRecord | None:
+def close_campaign(spec: CampaignSpec, outcome: str, cause: str, flow_run: str) -> CampaignRecord | None:
     """Mark the campaign and the stages it was working on ``outcome`` with ``cause``, and end its
     MLflow runs with the matching status — if ``flow_run`` is the run the ledger says is running it
     (a run refused before it started, e.g. because another run holds the campaign, changes
@@ -40,8 +41,7 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
     says how the run ended (None: not a run of this campaign)."""
     if outcome not in MLFLOW_STATUS:
         raise ValueError(f"outcome must be one of {sorted(MLFLOW_STATUS)}, got {outcome!r}")
-    layout = CampaignLayout(Path(workdir))
-    ledger = Ledger.read(layout)
+    ledger = Ledger.of_spec(spec)
     if ledger is None:
         return None
     if _stands(ledger.record, flow_run):
@@ -64,7 +64,7 @@ def close_campaign(workdir: str | Path, outcome: str, cause: str, flow_run: str)
     record = ledger.mutate(change)
     if not ours:
         return record if _stands(record, flow_run) else None
-    _end_runs(layout, record, open_stages, outcome, cause, MLFLOW_STATUS[outcome])
+    _end_runs(ledger, open_stages, outcome, cause, MLFLOW_STATUS[outcome])
     return record
 
 
@@ -76,16 +76,16 @@ def _stands(record: CampaignRecord, flow_run: str) -> bool:
         and record.end.state == CampaignStatus.PAUSED)
 
 
-def _end_runs(layout: CampaignLayout, record: CampaignRecord, stages: list[str], state: str, cause: str,
-              mlflow_status: str) -> None:
+def _end_runs(ledger: Ledger, stages: list[str], state: str, cause: str, mlflow_status: str) -> None:
     """End the MLflow runs of ``stages`` and the campaign's with ``mlflow_status``, tagged with
     how and why. MLflow away (one quick request says so; or a request fails on its side): the
     ledger says ``mlflow.behind`` — a pause or a stop never waits on MLflow (the next run sets the
     runs running again)."""
+    record = ledger.record
     run_ids = [record.stages[n].mlflow_run_id for n in stages] + [record.mlflow.parent_run_id]
     run_ids = [r for r in run_ids if r]
     if run_ids:
-        tracker = Tracker(record.mlflow.tracking_uri, record.mlflow.experiment, layout.mlflow_artifacts)
+        tracker = Tracker(record.mlflow.tracking_uri, record.mlflow.experiment, ledger.layout.mlflow_artifacts)
         try:
             tracker.check()
             for run_id in run_ids:
@@ -94,18 +94,16 @@ def _end_runs(layout: CampaignLayout, record: CampaignRecord, stages: list[str],
         except Exception as err:  # noqa: BLE001 - the ledger holds how the run ended
             if not transient(err):
                 raise
-            if (ledger := Ledger.read(layout)) is not None:
-                ledger.set_mlflow_behind(True)
+            ledger.set_mlflow_behind(True)
             logging.getLogger(__name__).warning("the MLflow runs are not ended %s (%s); the ledger says how the run "
                                                 "ended", state, describe_error(err))
 
 
-def record_pause(workdir: str | Path, flow_run: str, stage: str, step: int, reason: str) -> CampaignRecord:
+def record_pause(spec: CampaignSpec, flow_run: str, stage: str, step: int, reason: str) -> CampaignRecord:
     """Record the campaign *paused at ``stage`` step ``step``* (its newest good checkpoint; 0:
     none yet) by run ``flow_run``, because ``reason``; its MLflow runs are left *scheduled* (the
     next run sets them running again and goes on)."""
-    layout = CampaignLayout(Path(workdir))
-    ledger = Ledger.read(layout)
+    ledger = Ledger.of_spec(spec)
     cause = f"paused at {stage} step {step}: {reason}"
 
     def change(r: CampaignRecord) -> None:
@@ -119,11 +117,11 @@ def record_pause(workdir: str | Path, flow_run: str, stage: str, step: int, reas
 
     record = ledger.mutate(change)
     if record.status == CampaignStatus.PAUSED:
-        _end_runs(layout, record, [stage], CampaignStatus.PAUSED.value, cause, MLFLOW_PAUSED)
+        _end_runs(ledger, [stage], CampaignStatus.PAUSED.value, cause, MLFLOW_PAUSED)
     return record
 
 
-def record_interrupt(workdir: str | Path, stop: StopRequest, cause: str, warn) -> None:
+def record_interrupt(spec: CampaignSpec, stop: StopRequest, cause: str, warn) -> None:
     """Record the run ``stop`` belongs to as interrupted, once (the flow and a second signal's
     stop at once may both try). A failure to record (MLflow unreachable) is reported through
     ``warn``, never raised: the stop goes on, and the next run resumes all the same."""
@@ -132,9 +130,9 @@ def record_interrupt(workdir: str | Path, stop: StopRequest, cause: str, warn) -
 
     def record() -> None:
         try:
-            close_campaign(workdir, "interrupted", cause, stop.flow_run)
+            close_campaign(spec, "interrupted", cause, stop.flow_run)
         except Exception as e:  # noqa: BLE001 - reported; the stop must not fail on it
-            warn(f"could not record the interruption in {workdir}: {e}")
+            warn(f"could not record the interruption in {spec.workdir_path}: {e}")
 
     stop.record_once(record)
 

@@ -12,7 +12,7 @@ from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.locations import recorded_checkpoints
 from pretrain.redact import redact, redact_tree
-from pretrain.status import MLFLOW_BEHIND, NO_MLFLOW_RUN, campaign_status
+from pretrain.status import MLFLOW_BEHIND, NO_MLFLOW_RUN, STATE_ELSEWHERE, campaign_status
 from trainer.checkpoint.store import GOOD, CheckpointStore
 
 NODE_CHECK_COLUMNS = ("node", "local_rank", "matmul_s", "relative", "allreduce_MBps", "excluded", "error")
@@ -98,6 +98,8 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, sta
              if status["mlflow"]["parent_run_id"] else f"- {NO_MLFLOW_RUN}"]
     if status["mlflow"].get("behind"):
         lines.append(f"- {MLFLOW_BEHIND}")
+    if status.get("ledger_copy_of"):
+        lines.append(f"- {STATE_ELSEWHERE.format(status['ledger_copy_of'])}")
     if end is not None and end.cause and status["status"] != "completed":
         lines.append(f"- ended {end.state.lower()}: {end.cause}")
     lines += ["", "## Stages", ""]

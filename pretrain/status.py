@@ -23,6 +23,9 @@ NO_MLFLOW_RUN = "MLflow: no run yet (the campaign has not opened its MLflow run)
 MLFLOW_BEHIND = ("MLflow is behind the campaign (it was away): what its runs lack is sent when the campaign next "
                  "finds it answering — `pretrain run` of this campaign again (finished stages are skipped)")
 
+STATE_ELSEWHERE = ("State: the campaign's ledger is {} (`checkpoint.state_uri`); this workdir keeps a copy, as "
+                   "last read or written from here (a run from another workdir may have gone further)")
+
 
 def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, live: bool = False) -> dict:
     """Where the campaign in ``workdir`` stands (anything credential-shaped redacted).
@@ -54,7 +57,7 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, liv
     uri = r.mlflow.tracking_uri
     return redact_tree({
         "campaign": r.campaign, "campaign_id": r.campaign_id, "workdir": str(layout.root),
-        "status": r.status.value, "spec_hash": r.spec_hash, "invocations": r.invocations,
+        "status": r.status.value, "spec_hash": r.spec_hash, "invocations": r.invocations, "ledger_copy_of": r.copy_of,
         "data": r.data.to_json() if r.data else None, "stages": stages, "goodput": goodput["campaign"], "registered_model": r.registered_model,
         "mlflow": {**r.mlflow.model_dump(mode="json"), "ui_command": f"mlflow ui --backend-store-uri {uri}"
                    if uri.startswith("sqlite:") else f"open {uri}"},
@@ -90,6 +93,8 @@ def render(status: dict, console: Console | None = None) -> None:
                   f"{mlflow['ui_command']}" if mlflow["parent_run_id"] else NO_MLFLOW_RUN)
     if mlflow.get("behind"):
         console.print(MLFLOW_BEHIND)
+    if status.get("ledger_copy_of"):
+        console.print(STATE_ELSEWHERE.format(status["ledger_copy_of"]), highlight=False, markup=False)
     if reg := status.get("registered_model"):
         console.print(f"Model: {reg['uri']} (version {reg['version']}, from {reg['checkpoint']})")
 

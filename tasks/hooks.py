@@ -38,7 +38,7 @@ def _record(flow_run, state, outcome: str) -> CampaignSpec | None:
     try:
         cause = (state.message or outcome) if state is not None else outcome
         with mlflow_auth(spec.credentials):
-            record = close_campaign(spec.workdir_path, outcome, cause, str(flow_run.id))
+            record = close_campaign(spec, outcome, cause, str(flow_run.id))
         if record is None:
             logger.info("campaign hook: this run never started campaign %s; leaving its ledger alone", spec.name)
             return None

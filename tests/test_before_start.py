@@ -3,6 +3,8 @@ and what they leave to the flow."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import small_spec
 
@@ -10,7 +12,8 @@ from pretrain.spec import parse_spec
 
 from pretrain.corpus.files import CorpusError
 from pretrain.layout import UnusableWorkdir
-from pretrain.ledger import CampaignMismatch, Ledger, LedgerError
+from pretrain.layout import CampaignLayout
+from pretrain.ledger import CampaignMismatch, Ledger, LedgerError, ledger_location
 from pretrain.before_start import refuse_before_starting
 
 OTHER_MODEL = {"n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 64}
@@ -30,6 +33,17 @@ def a_file(workdir):
     workdir.write_text("not a directory")
 
 
+STATE_ON_S3 = {"state_uri": "s3://bucket/campaign", "s3_endpoint_url": "http://127.0.0.1:9"}  # (never asked)
+
+
+def a_copy(workdir):
+    spec = small_spec(workdir, checkpoint=STATE_ON_S3)
+    workdir.mkdir(parents=True)
+    copy = Ledger(CampaignLayout(workdir), Ledger.open(small_spec(workdir)).record)
+    copy.record.copy_of = ledger_location(spec)
+    (workdir / "ledger.json").write_text(json.dumps(copy.record.to_json()))
+
+
 CASES = {  # name: (what is in the workdir, spec sections, check sources, refused with, workdir made)
     "an empty workdir is made": (None, {}, False, None, True),
     "a file where the workdir should be": (a_file, {}, False, UnusableWorkdir, False),
@@ -37,8 +51,11 @@ CASES = {  # name: (what is in the workdir, spec sections, check sources, refuse
     "another spec's campaign, spec with a block (hashed as resolved: the flow checks)":
         (started_by_another_spec, {"blocks": {"tracking": "mlflow-tracking/team"}}, False, None, True),
     "a damaged ledger": (damaged, {}, False, LedgerError, True),
-    "a damaged local ledger, the ledger kept at state_uri (the flow reads that one)":
-        (damaged, {"checkpoint": {"state_uri": "s3://bucket/campaign"}}, False, None, True),
+    "a damaged ledger file in the workdir of a campaign kept at state_uri (it may be another campaign's)":
+        (damaged, {"checkpoint": STATE_ON_S3}, False, LedgerError, True),
+    "a campaign kept in the workdir, the spec's state at state_uri": (started_by_another_spec,
+                                                                     {"checkpoint": STATE_ON_S3}, False, LedgerError, True),
+    "the workdir's copy of the ledger kept at state_uri": (a_copy, {"checkpoint": STATE_ON_S3}, False, None, True),
     "a storage block decides the workdir: the spec's is not made":
         (None, {"blocks": {"storage": "local-campaign-storage/shared"}}, False, None, False),
     "local sources that match nothing (data prepare)":

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from conftest import pretrain_cli, small_spec
 from pretrain.cli import app
 from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger, LedgerDamaged, LedgerError, recover_ledger
+from pretrain.ledger import Ledger, LedgerDamaged, LedgerError
+from pretrain.ledger_file import recover_ledger
 from pretrain.ledger_schema import CampaignStatus, CheckpointRef, Failure, StageStatus
 from pretrain.status import campaign_status
 from trainer.checkpoint.store import CheckpointStore, rank_shard_name

@@ -145,7 +145,7 @@ def test_a_run_ending_while_mlflow_is_away_is_recorded_without_waiting_on_it(tmp
     ledger = Ledger.open(spec)
     ledger.set_parent_run("run-of-the-campaign")
     ledger.begin_run("flow-run-1", spec)
-    record = close_campaign(spec.workdir_path, "failed", "a worker crashed", "flow-run-1")
+    record = close_campaign(spec, "failed", "a worker crashed", "flow-run-1")
     assert record.status == "failed" and record.end.cause == "a worker crashed"
     assert Ledger.open(spec).record.mlflow.behind  # the runs' end is MLflow's to catch up with
 

@@ -17,9 +17,9 @@ from conftest import seed_data, small_spec, wait_for
 from flows.campaign import pretrain_campaign
 from pretrain.budget import PauseRequest, pausing
 from pretrain.cli import app
+from pretrain.jobs import checkpoint_store
 from test_chaos import final_model
-from test_resume import SLOW_MODEL, assert_mlflow_steps_unique, ckpt_dir
-from trainer.checkpoint import store as ckpt
+from test_resume import SLOW_MODEL, assert_mlflow_steps_unique
 
 STEPS = 60  # ~0.1 s a step: the budget runs out well before the stage's end, even on a loaded machine
 
@@ -32,12 +32,12 @@ def pause_spec(path, prepared_data):
 
 
 def run_until_budget_ends_after_first_checkpoint(spec) -> dict:
-    """Run the campaign with a budget far off that runs out (now) once the first checkpoint is
-    committed: the deadline, not a request, makes it pause."""
+    """Run the campaign with a budget far off that runs out (now) once the first checkpoint of
+    its stage ``main`` is committed: the deadline, not a request, makes it pause."""
     pause = PauseRequest(deadline=time.time() + 3600)
     with pausing(pause), ThreadPoolExecutor(1) as pool:
         run = pool.submit(contextvars.copy_context().run, pretrain_campaign, spec=spec)
-        wait_for(lambda: ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer() or run.done(), 240, "the first checkpoint")
+        wait_for(lambda: checkpoint_store(spec, "main").read_pointer() or run.done(), 240, "the first checkpoint")
         pause.deadline = time.time()
         return run.result(timeout=300)
 
