@@ -120,7 +120,7 @@ class PauseRequest:
     updates the margin from measurements), or at once once :meth:`ask` was called."""
 
     deadline: float | None = None  # epoch seconds; None: no time budget
-    margin_s: float = UNMEASURED_MARGIN_S
+    margin_s: float | None = None  # None: nothing measured yet (the unmeasured margin, at most half the budget)
     started: float = field(default_factory=time.time)  # when the budget started counting
     asked: str | None = None  # why a pause was asked for outside the budget (the first reason stands)
 
@@ -139,9 +139,10 @@ class PauseRequest:
         """Why the campaign must pause now (None: it may go on)."""
         if self.asked:
             return self.asked
-        if self.deadline is not None and (now or time.time()) >= self.deadline - self.margin_s:
+        kept = self.margin_s if self.margin_s is not None else margin_s([], [], self.budget_s)
+        if self.deadline is not None and (now or time.time()) >= self.deadline - kept:
             end = datetime.fromtimestamp(self.deadline).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
-            return f"the run's time budget ends at {end} ({self.margin_s:.0f}s kept for the final checkpoint)"
+            return f"the run's time budget ends at {end} ({kept:.0f}s kept for the final checkpoint)"
         return None
 
 

@@ -114,6 +114,14 @@ def test_the_pause_is_due_at_the_deadline_less_the_margin(deadline_in_s, margin,
         assert "time budget ends at" in why and f"{margin}s kept for the final checkpoint" in why
 
 
+def test_a_short_first_budget_trains_before_anything_is_measured():
+    """Before the first stage launches nothing is measured: a 60 s budget keeps 30 s (half of
+    it), not the 300 s of an unmeasured campaign, which paused every such run at once."""
+    pause = PauseRequest(deadline=NOW.timestamp() + 60, started=NOW.timestamp())
+    assert pause.due(NOW.timestamp() + 29) is None
+    assert "30s kept for the final checkpoint" in pause.due(NOW.timestamp() + 30)
+
+
 def test_a_job_stopped_to_pause_is_no_failure_and_costs_no_attempt():
     decision = after_job(failed(PAUSED), 1, Budget(1, 1))
     assert (decision.action, decision.failure, decision.budget) == (Action.PAUSE, None, Budget(1, 1))
