@@ -6,12 +6,14 @@ workdir, an operator's stop), so on the console each such record shows its messa
 tracebacks stay in the flow run's logs (the Prefect UI, ``prefect flow-run logs ID``), and
 ``PREFECT_LOGGING_LEVEL=DEBUG`` shows them on the console too. MLflow's notes about its own
 bookkeeping when it creates a sqlite store ("Creating initial MLflow database tables...") are left
-out as well; its warnings and errors show.
+out as well; its warnings and errors show. While the Prefect API is away, its background clients'
+notes show once a minute (:class:`OutageNotes`), not every few seconds.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -22,6 +24,32 @@ STORE_SETUP_LOGGERS = ("mlflow.store.db.utils",)  # INFO lines while MLflow crea
 # a WARNING per retry of MLflow's HTTP client ("Retrying (Retry(total=6, ...)) after connection broken
 # by ..."): the campaign's own lines say that MLflow is away and what happens meanwhile
 RETRY_LOGGERS = ("urllib3.connectionpool",)
+# what Prefect's background clients log while its API is away: a WARNING every ~7 s from the events
+# client's reconnects, an ERROR with a whole event's repr for each event the worker drops
+REPEATS_S = 60.0
+DROPPED_EVENT = "Service 'EventsWorker' failed to process item"
+
+
+class OutageNotes(logging.Filter):
+    """While the Prefect API is away: each of its background clients' notes once, then at most once
+    a minute (``REPEATS_S``); a dropped event in one line instead of its repr."""
+
+    def __init__(self, clock=time.monotonic):
+        super().__init__()
+        self.clock, self.shown = clock, {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(("prefect.events", "prefect._internal.concurrency")):
+            return True
+        message = record.getMessage()
+        if message.startswith(DROPPED_EVENT):
+            record.msg, record.args = "Prefect's events worker dropped an event it could not send (the API is away)", ()
+            message = record.msg
+        key, now = (record.name, message[:60]), self.clock()
+        if now - self.shown.get(key, -REPEATS_S) < REPEATS_S:
+            return False
+        self.shown[key] = now
+        return True
 
 
 class MessageOnly(logging.Formatter):
@@ -52,19 +80,21 @@ def _messages_only() -> Iterator[None]:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
-    formatters = [h.formatter for h in handlers]
+    formatters, notes = [h.formatter for h in handlers], OutageNotes()
     for h in handlers:
         h.setFormatter(MessageOnly(h.formatter))
+        h.addFilter(notes)
     try:
         yield
     except StoppedAtOnce:
         raise
     except BaseException:
-        _restore(handlers, formatters)
+        _restore(handlers, formatters, notes)
         raise
-    _restore(handlers, formatters)
+    _restore(handlers, formatters, notes)
 
 
-def _restore(handlers: list[logging.Handler], formatters: list[logging.Formatter | None]) -> None:
+def _restore(handlers: list[logging.Handler], formatters: list[logging.Formatter | None], notes: OutageNotes) -> None:
     for h, f in zip(handlers, formatters):
         h.setFormatter(f)
+        h.removeFilter(notes)

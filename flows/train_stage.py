@@ -25,8 +25,10 @@ from tasks.training import JobResult, adoptable_launch, run_training_job
 
 
 def _finished(future, poll_s: float) -> bool:
+    """The job's task ended: its thread's own future says so, without asking the Prefect API
+    (which may be away meanwhile: the task, the gate's tasks and training go on without it)."""
     future.wait(timeout=poll_s)  # then the gate judges what was committed meanwhile
-    return future.state.is_final()
+    return future.wrapped_future.done()
 
 
 class StageFailed(RuntimeError):

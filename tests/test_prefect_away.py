@@ -1,0 +1,86 @@
+"""The Prefect API going away while a stage trains (a server restarting, a network cut) never
+stops training: the job, the gate's tasks and the stage's loop go on without it, and the
+campaign completes once it answers again. The outage is a proxy in front of the test's real
+server switched off and on (tests/tcp_proxy.py). Prefect's client retries once instead of five
+times (~2 s instead of about a minute of backoff) and the stage polls its job every 0.5 s, so
+an outage of 5 s shows what a longer one does."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import pytest
+from conftest import seed_data, small_spec, wait_for
+from tcp_proxy import SwitchableProxy
+
+from deployments.console import OutageNotes
+from flows.campaign import pretrain_campaign
+from pretrain.jobs import checkpoint_store
+from test_resume import SLOW_MODEL
+
+STEPS = 160  # 50–100 ms a step: the outage (5 s from the first checkpoint) ends well before the stage does
+OUTAGE_S = 5.0
+
+
+def test_a_prefect_api_away_mid_stage_never_stops_training(prefect_harness, prepared_data, tmp_path, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    stage = {"name": "main", "steps": STEPS, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5,
+             "lr": 3.0e-4, "min_lr": 1.0e-4}  # a learning rate low enough not to overfit the tiny data set
+    spec = small_spec(tmp_path, model=SLOW_MODEL, checkpoint={"interval": 10, "memory_interval": 5, "keep": 3},
+                      stages=[stage])
+    seed_data(spec, prepared_data)
+    monkeypatch.setenv("PRETRAIN_GATE_POLL_S", "0.5")
+    server = urlsplit(PREFECT_API_URL.value())
+    proxy = SwitchableProxy((server.hostname, server.port))
+    store = checkpoint_store(spec, "main")
+    try:
+        with temporary_settings({PREFECT_API_URL: f"{proxy.url}{server.path}", PREFECT_CLIENT_MAX_RETRIES: 1}), \
+                ThreadPoolExecutor(1) as pool:
+            run = pool.submit(contextvars.copy_context().run, pretrain_campaign, spec=spec)
+            away_from = wait_for(lambda: store.read_pointer() or run.done(), 240, "the first checkpoint")
+            proxy.down()
+            back_at = time.monotonic() + OUTAGE_S
+            wait_for(lambda: time.monotonic() > back_at and (store.read_pointer() or 0) >= away_from + 20 or run.done(),
+                     120, "checkpoints committed while the API is away")
+            trained_while_away = (store.read_pointer() or 0) - away_from
+            proxy.up()
+            status = run.result(timeout=300)
+    finally:
+        proxy.close()
+    [stage] = status["stages"]
+    assert trained_while_away >= 20
+    assert (status["status"], stage["status"], stage["attempts"], stage["failures"]) == ("completed", "completed", 1, [])
+    assert stage["good_checkpoint"]["step"] == STEPS and stage["bad_checkpoints"] == []
+
+
+def _record(name: str, message: str, level=logging.WARNING) -> logging.LogRecord:
+    return logging.makeLogRecord({"name": name, "msg": message, "levelno": level})
+
+
+RECONNECT = ("prefect.events.clients", "Unable to connect to 'ws://127.0.0.1:4200/api/events/in'. Please check ...")
+DROPPED = ("prefect._internal.concurrency", "Service 'EventsWorker' failed to process item Event(occurred=..., "
+           "event='pretrain.checkpoint.good', resource=... 3 kB of it ...)")
+
+
+@pytest.mark.parametrize("notes, shown", [  # (seconds since the outage began, logger and message) → shown?
+    ([(0, RECONNECT), (7, RECONNECT), (14, RECONNECT)], [True, False, False]),  # every ~7 s: once
+    ([(0, RECONNECT), (61, RECONNECT)], [True, True]),  # and again after a minute
+    ([(0, RECONNECT), (1, DROPPED), (2, DROPPED)], [True, True, False]),  # each kind once
+    ([(0, ("prefect.flow_runs", "stage main: checkpoint 40 is good"))] * 3, [True, True, True]),  # the campaign's own
+])
+def test_prefect_s_outage_notes_show_once_a_minute(notes, shown):
+    now = [0.0]
+    notes_filter = OutageNotes(clock=lambda: now[0])
+    seen = []
+    for at, (name, message) in notes:
+        now[0] = at
+        record = _record(name, message)
+        seen.append(notes_filter.filter(record))
+        if name.endswith("concurrency"):
+            assert "Event(" not in record.getMessage() and "dropped an event" in record.getMessage()
+    assert seen == shown
