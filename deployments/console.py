@@ -25,7 +25,9 @@ STORE_SETUP_LOGGERS = ("mlflow.store.db.utils",)  # INFO lines while MLflow crea
 # by ..."): the campaign's own lines say that MLflow is away and what happens meanwhile
 RETRY_LOGGERS = ("urllib3.connectionpool",)
 # what Prefect's background clients log while its API is away: a WARNING every ~7 s from the events
-# client's reconnects, an ERROR with a whole event's repr for each event the worker drops
+# client's reconnects, an ERROR with a whole event's repr for each event the worker drops (its
+# logger has a console handler of its own)
+OUTAGE_LOGGERS = ("prefect.events.clients", "prefect._internal.concurrency")
 REPEATS_S = 60.0
 DROPPED_EVENT = "Service 'EventsWorker' failed to process item"
 
@@ -39,8 +41,6 @@ class OutageNotes(logging.Filter):
         self.clock, self.shown = clock, {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith(("prefect.events", "prefect._internal.concurrency")):
-            return True
         message = record.getMessage()
         if message.startswith(DROPPED_EVENT):
             record.msg, record.args = "Prefect's events worker dropped an event it could not send (the API is away)", ()
@@ -83,7 +83,8 @@ def _messages_only() -> Iterator[None]:
     formatters, notes = [h.formatter for h in handlers], OutageNotes()
     for h in handlers:
         h.setFormatter(MessageOnly(h.formatter))
-        h.addFilter(notes)
+    for name in OUTAGE_LOGGERS:
+        logging.getLogger(name).addFilter(notes)
     try:
         yield
     except StoppedAtOnce:
@@ -97,4 +98,5 @@ def _messages_only() -> Iterator[None]:
 def _restore(handlers: list[logging.Handler], formatters: list[logging.Formatter | None], notes: OutageNotes) -> None:
     for h, f in zip(handlers, formatters):
         h.setFormatter(f)
-        h.removeFilter(notes)
+    for name in OUTAGE_LOGGERS:
+        logging.getLogger(name).removeFilter(notes)

@@ -231,10 +231,19 @@ def goodput_report(record: CampaignRecord, layout: CampaignLayout, now: float | 
         job_spans = {s.attempt: (s.start, end) for s, end in spans if s.kind == SpanKind.JOB and s.stage == name}
         intervals = step_intervals(jobs) + fault_intervals(
             jobs, [f.model_dump(mode="json") for f in stage.failures], job_spans)
-        intervals += [("provisioning", start, j.first_step_at() or end) for a, (start, end) in job_spans.items()
-                      for j in [next((x for x in jobs if x.attempt == a), JobStreams(a))]]
+        found = {j.attempt: j for j in jobs}
+        # a launch whose records are not here (written in another workdir, or lost with the disk of a
+        # run that died; not the newest launch, whose job may not have written anything yet): its
+        # time is not known to be provisioning, it counts as idle
+        lost = sorted(a for a, (_, end) in job_spans.items() if a not in found and (a < max(job_spans) or end < now))
+        intervals += [("provisioning", start, found.get(a, JobStreams(a)).first_step_at() or end)
+                      for a, (start, end) in job_spans.items()
+                      if a in found or a not in lost]
         windows = [(s.start, end) for s, end in spans if s.kind == SpanKind.STAGE and s.stage == name]
         missing = list(no_spans) or ([] if windows else [f"stage {name!r} has not started in a measured run"])
+        if lost:
+            missing.append(f"stage {name!r}: no records of job attempt(s) {', '.join(map(str, lost))} in "
+                           f"{layout.root / 'jobs' / name} (another workdir's, or lost): their time counts as idle")
         stages[name] = _of(windows, intervals + ledger_intervals, missing).to_json()
         all_intervals += intervals
     runs = [(s.start, end) for s, end in spans if s.kind == SpanKind.RUN]

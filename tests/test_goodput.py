@@ -114,6 +114,27 @@ def test_damaged_job_streams_are_skipped_not_fatal(tmp_path):
     assert stage["parts_s"]["productive"] == 1.0 and sum(stage["parts_s"].values()) == pytest.approx(10.0)
 
 
+def test_a_launch_whose_records_are_lost_counts_as_idle_not_provisioning(tmp_path):
+    """The orchestrator's disk was lost at 20 with job 0 (launched at 4) on it; a run from another
+    workdir launched job 1 at 60, stepping from 62. Job 0's span never closed (its run died)."""
+    job1 = tmp_path / "jobs" / "main" / "attempt_001"
+    _lines(job1 / "events.jsonl", [{"time": 61.0, "event": "start", "rank": 0, "step": 3, "source": "checkpoint"}])
+    _lines(job1 / "metrics.jsonl", [_step(62.0, 4), _step(63.0, 5)])
+    spans = [{"kind": "run", "start": 0.0}, {"kind": "stage", "stage": "main", "start": 3.0},
+             {"kind": "job", "stage": "main", "attempt": 0, "start": 4.0},
+             {"kind": "run", "start": 58.0}, {"kind": "stage", "stage": "main", "start": 59.0},
+             {"kind": "job", "stage": "main", "attempt": 1, "start": 60.0}]
+    stage = goodput_report(_ledger(tmp_path, spans, status="running"), CampaignLayout(tmp_path), now=64.0)["stages"]["main"]
+    assert stage["parts_s"]["provisioning"] == pytest.approx(61.0 - 60.0)  # job 1's launch only
+    assert stage["parts_s"]["productive"] == pytest.approx(2.0)
+    assert stage["parts_s"]["idle"] == pytest.approx(61.0 - 2.0 - 1.0)
+    assert [m for m in stage["missing"] if "no records of job attempt(s) 0 in" in m and "counts as idle" in m]
+    fresh = [{"kind": "run", "start": 0.0}, {"kind": "stage", "stage": "main", "start": 0.0},
+             {"kind": "job", "stage": "main", "attempt": 2, "start": 63.5}]  # just launched: nothing written yet
+    stage = goodput_report(_ledger(tmp_path, fresh, status="running"), CampaignLayout(tmp_path), now=64.0)["stages"]["main"]
+    assert stage["parts_s"]["provisioning"] == pytest.approx(0.5) and stage["missing"] == []
+
+
 def test_open_spans_end_now_while_running_and_at_the_last_known_time_after_a_crash(tmp_path):
     spans = [{"kind": "run", "start": 0.0}, {"kind": "data_preparation", "start": 1.0, "end": 3.0}]
     running = goodput_report(_ledger(tmp_path, spans, status="running"), CampaignLayout(tmp_path), now=50.0)

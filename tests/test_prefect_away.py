@@ -3,7 +3,8 @@ stops training: the job, the gate's tasks and the stage's loop go on without it,
 campaign completes once it answers again. The outage is a proxy in front of the test's real
 server switched off and on (tests/tcp_proxy.py). Prefect's client retries once instead of five
 times (~2 s instead of about a minute of backoff) and the stage polls its job every 0.5 s, so
-an outage of 5 s shows what a longer one does."""
+an outage of 5 s shows what a longer one does. On ``pretrain run``'s console Prefect's own notes
+of the outage show once a minute (table-driven)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from conftest import seed_data, small_spec, wait_for
 from tcp_proxy import SwitchableProxy
 
-from deployments.console import OutageNotes
+from deployments.console import OutageNotes, quiet_console
 from flows.campaign import pretrain_campaign
 from pretrain.jobs import checkpoint_store
 from test_resume import SLOW_MODEL
@@ -71,7 +72,6 @@ DROPPED = ("prefect._internal.concurrency", "Service 'EventsWorker' failed to pr
     ([(0, RECONNECT), (7, RECONNECT), (14, RECONNECT)], [True, False, False]),  # every ~7 s: once
     ([(0, RECONNECT), (61, RECONNECT)], [True, True]),  # and again after a minute
     ([(0, RECONNECT), (1, DROPPED), (2, DROPPED)], [True, True, False]),  # each kind once
-    ([(0, ("prefect.flow_runs", "stage main: checkpoint 40 is good"))] * 3, [True, True, True]),  # the campaign's own
 ])
 def test_prefect_s_outage_notes_show_once_a_minute(notes, shown):
     now = [0.0]
@@ -84,3 +84,24 @@ def test_prefect_s_outage_notes_show_once_a_minute(notes, shown):
         if name.endswith("concurrency"):
             assert "Event(" not in record.getMessage() and "dropped an event" in record.getMessage()
     assert seen == shown
+
+
+def test_pretrain_run_s_console_shows_the_outage_notes_once_and_the_campaign_s_own_lines_all():
+    seen: list[str] = []
+    shown = logging.Handler()
+    shown.emit = lambda record: seen.append(record.getMessage())
+    loggers = [logging.getLogger(name) for name in (RECONNECT[0], DROPPED[0], "pretrain.test")]
+    for logger in loggers:
+        logger.addHandler(shown)
+    try:
+        with quiet_console():
+            for _ in range(3):
+                logging.getLogger(RECONNECT[0]).warning(RECONNECT[1])
+                logging.getLogger(DROPPED[0]).error(DROPPED[1])
+                logging.getLogger("pretrain.test").warning("stage main: checkpoint 40 is good")
+        logging.getLogger(DROPPED[0]).error(DROPPED[1])  # after the run: as Prefect logs it
+    finally:
+        for logger in loggers:
+            logger.removeHandler(shown)
+    assert [m[:24] for m in seen] == ["Unable to connect to 'ws", "Prefect's events worker ", "stage main: checkpoint 4",
+                                      "stage main: checkpoint 4", "stage main: checkpoint 4", DROPPED[1][:24]]
