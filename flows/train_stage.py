@@ -28,7 +28,8 @@ def _finished(future, poll_s: float) -> bool:
     """The job's task ended: its thread's own future says so, without asking the Prefect API
     (which may be away meanwhile: the task, the gate's tasks and training go on without it)."""
     future.wait(timeout=poll_s)  # then the gate judges what was committed meanwhile
-    return future.wrapped_future.done()
+    own = getattr(future, "wrapped_future", None)  # (a task runner whose futures have none: ask the API)
+    return own.done() if own is not None else future.state.is_final()
 
 
 class StageFailed(RuntimeError):
