@@ -15,6 +15,7 @@ from pretrain.layout import CampaignLayout, a_file_in_the_way
 from pretrain.ledger_schema import LEDGER_VERSION, CampaignRecord, describe_problem
 from trainer.atomic import atomic_write_bytes
 
+
 class LedgerError(RuntimeError):
     """The ledger cannot be used or recovered as asked; the message says what to do."""
 
