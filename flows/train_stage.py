@@ -17,6 +17,7 @@ from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
 from pretrain.policy import Action, Budget, after_job, before_launch, stage_end
 from pretrain.settings import PretrainSettings
+from pretrain.prefect_api import wait_for_api
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import find_resume_point, judge_pending
 from tasks.events import job_restarts, stage_failed, stage_relaunched
@@ -45,7 +46,23 @@ def _step(point: dict | None) -> int | None:
 def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = None) -> dict:
     """Returns the stage's final checkpoint ``{"step", "path"}``; or, when the run's time budget
     is spent (``pretrain.budget``), its newest good checkpoint with ``paused`` (why), the stage
-    recorded *paused* (None: nothing good yet)."""
+    recorded *paused* (None: nothing good yet). Its end waits for a Prefect API that is away
+    (``PRETRAIN_PREFECT_OUTAGE_S``): the job trained on without it, and the end is a request to it."""
+    try:
+        result = _train_stage(spec, stage_index, init_from)
+    except Exception:
+        _wait_for_api(spec, stage_index)
+        raise
+    _wait_for_api(spec, stage_index)
+    return result
+
+
+def _wait_for_api(spec: CampaignSpec, stage_index: int) -> None:
+    wait_for_api(get_run_logger(), PretrainSettings.from_env().prefect_outage_s,
+                 f"the end of stage {spec.stages[stage_index].name} (its job has ended)")
+
+
+def _train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None) -> dict:
     logger = get_run_logger()
     stage = spec.stages[stage_index]
     ledger = Ledger.open(spec)

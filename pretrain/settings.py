@@ -33,6 +33,10 @@ class PretrainSettings(BaseSettings):
     gate_min_bytes_per_s: float = Field(
         20 * 2**20, gt=0, description="… plus the checkpoints' bytes at this rate, twice (every shard is hashed, "
         "then loaded).")
+    prefect_outage_s: float = Field(
+        600.0, ge=0, description="A stage whose job ended while the Prefect API does not answer waits this long for "
+        "it before the stage's flow run ends (its end is a request to the API); then the run fails and the same "
+        "command resumes.")
     job_poll_s: float = Field(
         1.0, gt=0, description="How often the training task looks at its job: exit codes, lost nodes, new metrics.")
     stop_grace_s: float = Field(
