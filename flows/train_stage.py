@@ -17,10 +17,10 @@ from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
 from pretrain.policy import Action, Budget, after_job, before_launch, stage_end
 from pretrain.settings import PretrainSettings
-from pretrain.prefect_api import wait_for_api
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import find_resume_point, judge_pending
 from tasks.events import job_restarts, stage_failed, stage_relaunched
+from tasks.prefect_api import wait_for_api
 from tasks.tracking import open_stage_run
 from tasks.training import JobResult, adoptable_launch, run_training_job
 
