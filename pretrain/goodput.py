@@ -237,8 +237,7 @@ def goodput_report(record: CampaignRecord, layout: CampaignLayout, now: float | 
         # time is not known to be provisioning, it counts as idle
         lost = sorted(a for a, (_, end) in job_spans.items() if a not in found and (a < max(job_spans) or end < now))
         intervals += [("provisioning", start, found.get(a, JobStreams(a)).first_step_at() or end)
-                      for a, (start, end) in job_spans.items()
-                      if a in found or a not in lost]
+                      for a, (start, end) in job_spans.items() if a not in lost]
         windows = [(s.start, end) for s, end in spans if s.kind == SpanKind.STAGE and s.stage == name]
         missing = list(no_spans) or ([] if windows else [f"stage {name!r} has not started in a measured run"])
         if lost:

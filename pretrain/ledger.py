@@ -152,8 +152,12 @@ class Ledger:
         self._write(current)
 
     def _write(self, current: bytes | None) -> None:
-        """Keep ``current`` (the intact file's bytes, None: none) as ``.prev``, then write the record."""
+        """Keep ``current`` (the intact file's bytes, None: none) as ``.prev``, then write the record;
+        never over the workdir's read-only copy of a ledger on shared storage."""
         path = self.layout.ledger
+        if self.record.copy_of:
+            raise LedgerError(f"{path} is a read-only copy of the campaign's ledger {self.record.copy_of}: "
+                              "run the campaign with its spec (its `checkpoint.state_uri`) to change it")
         try:
             if current is not None:
                 atomic_write_bytes(_prev(path), current)
@@ -185,9 +189,6 @@ class Ledger:
             current = None
             if read is not None:
                 current, self.record = read
-            if self.record.copy_of:
-                raise LedgerError(f"{self.layout.ledger} is a read-only copy of the campaign's ledger {self.record.copy_of}: "
-                                  "run the campaign with its spec (its `checkpoint.state_uri`) to change it")
             before = self.record.model_copy(deep=True)
             change(self.record)
             if read is None or self.record != before:  # a change that changes nothing writes nothing

@@ -90,6 +90,8 @@ def test_the_workdirs_copy_follows_the_ledger_and_refuses_changes(shared):
     assert copy.record.stages["warmup"].status == StageStatus.COMPLETED
     with pytest.raises(LedgerError, match="read-only copy .* run the campaign with its spec"):
         copy.set_status("failed")
+    with pytest.raises(LedgerError, match="read-only copy"):
+        copy.save()
     assert "copy_of" not in (shared.workdir_path.parent / "shared" / "state" / "ledger.json").read_text()
 
 
