@@ -343,3 +343,28 @@ def test_a_standby_waits_for_a_rendezvous_that_is_not_up_yet_and_leaves_one_that
         done.set()
         player.join()
         listener.close()
+
+
+def test_torchs_agent_starts_workers_that_write_to_the_agents_streams_and_leave_no_directories(tmp_path, monkeypatch,
+                                                                                             capfd):
+    """Every launch of torch's agent on a node made a ``torchelastic_*`` directory (one per round
+    and rank under it) in the machine's temporary directory and never removed it: ~1,300 were
+    left by one day of test runs here. The workers' output goes to the agent's own streams (the
+    job's launcher keeps them), a failure is still reported with its exit code, and nothing is
+    written to disk."""
+    from torch.distributed.elastic.multiprocessing import start_processes
+
+    from trainer.elastic_survivors import ConsoleLogs
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where torch's default would put its directories
+    code = "import sys; print('out', sys.argv[1]); print('err', sys.argv[1], file=sys.stderr); sys.exit(int(sys.argv[1]))"
+    envs = {0: {"PATH": "/usr/bin:/bin"}, 1: {"PATH": "/usr/bin:/bin"}}
+    ctx = start_processes("w", sys.executable, {0: ("-c", code, "0"), 1: ("-c", code, "3")}, envs, ConsoleLogs())
+    result = None
+    while result is None:
+        result = ctx.wait(timeout=30, period=0.05)
+    ctx.close()
+    assert {rank: f.exitcode for rank, f in result.failures.items()} == {1: 3}
+    out, err = capfd.readouterr()
+    assert sorted(out.split("\n")[:2]) == ["out 0", "out 3"] and {"err 0", "err 3"} <= set(err.splitlines())
+    assert list(tmp_path.iterdir()) == []

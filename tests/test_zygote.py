@@ -204,7 +204,7 @@ def gone(pids: list[int]) -> bool:
     return not any(running(pid) for pid in pids)
 
 
-def test_the_owner_killed_leaves_no_forked_process(probe_env, tmp_path):
+def test_the_owner_killed_leaves_no_forked_process_and_no_directory(probe_env, tmp_path):
     owner = tmp_path / "owner.py"
     owner.write_text(textwrap.dedent("""
         import json, os, sys, signal
@@ -217,17 +217,20 @@ def test_the_owner_killed_leaves_no_forked_process(probe_env, tmp_path):
         os.close(w)
         worker = int(os.fdopen(r).readline())
         print(json.dumps([z._server.pid, agent.pid, worker, plain.pid]), flush=True)
+        print(z.path, flush=True)
         signal.pause()
     """))
     proc = subprocess.Popen([sys.executable, str(owner), json.dumps(probe_env)], stdout=subprocess.PIPE, text=True,
                             env=probe_env)
     try:
         pids = json.loads(proc.stdout.readline())
-        assert len(pids) == 4 and not gone(pids)
+        home = Path(proc.stdout.readline().strip()).parent
+        assert len(pids) == 4 and not gone(pids) and home.is_dir()
     finally:
         proc.kill()
         proc.wait()
     wait_for(lambda: gone(pids), 30, "the zygote and every process forked from it to end with their owner")
+    assert not home.exists(), f"the zygote's directory is left behind: {sorted(p.name for p in home.iterdir())}"
 
 
 def test_a_client_gone_stops_the_children_it_asked_for(zygote, probe_env, tmp_path):

@@ -22,6 +22,7 @@ other nodes' agents, which did not restart, must agree on it).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -31,8 +32,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -55,6 +55,24 @@ CONNECT_TIMEOUT_S = 1.0
 STORE_RETRY_S = 5.0  # a job store found unreachable is asked again after this long
 LEAVE_WAIT_S = 1.0  # after telling the workers that a node is gone: how long to wait for one of them to leave
 CONNECT_THREAD = "job-store-connect"  # the thread job_store_client makes its client in (left waiting on a frozen host)
+
+
+class ConsoleLogs(LogsSpecs):
+    """The workers write to this node agent's stdout and stderr (which the job's launcher keeps),
+    and nothing else: torch's ``DefaultLogsSpecs`` makes a ``torchelastic_*`` directory in the
+    machine's temporary directory per launch, with one per round and rank under it, and never
+    removes them (our workers leave no error files: they report their errors in the job's events)."""
+
+    def __init__(self) -> None:
+        super().__init__(log_dir=os.devnull)
+
+    @property
+    def root_log_dir(self) -> str:
+        return os.devnull
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        console = dict.fromkeys(envs, "")  # "": the agent's own stream
+        return LogsDest(stdouts=console, stderrs=dict(console), error_files=dict.fromkeys(envs, os.devnull))
 
 
 def job_store_client(host: str, port: int) -> dist.TCPStore:
@@ -306,7 +324,7 @@ def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint:
                       rdzv_handler=rendezvous, max_restarts=max_restarts,
                       monitor_interval=monitor_interval)
     agent = SurvivorsAgent(spec, fast_timeout_s, spares, node, spares_wanted, before_round,
-                           logs_specs=DefaultLogsSpecs(), start_method="spawn")
+                           logs_specs=ConsoleLogs(), start_method="spawn")
     shutdown_rendezvous = True
     try:
         result = agent.run()

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trainer.process import PARENT_ENV, child_env, signal_process
-from trainer.zygote_server import HEADER
+from trainer.zygote_server import HEADER, LOG
 
 # torch._inductor.config: what torch.use_deterministic_algorithms imports (every CPU worker calls
 # it): ~1 CPU-s in each forked worker, about two thirds of a small job's worker CPU, if not here
@@ -200,7 +200,7 @@ class Zygote:
         home = tempfile.mkdtemp(prefix="zygote-")
         path = os.path.join(home, "socket")
         try:
-            with open(os.path.join(home, "zygote.log"), "wb") as err:
+            with open(os.path.join(home, LOG), "wb") as err:
                 server = subprocess.Popen(
                     [python, "-m", "trainer.zygote", "--socket", path, "--owner", str(os.getpid()),
                      "--preload", ",".join(preload), "--title-room", "." * TITLE_ROOM], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
@@ -249,7 +249,7 @@ class Zygote:
 
     def _server_log(self) -> str:
         try:
-            tail = Path(self.path).with_name("zygote.log").read_text(errors="replace").strip().splitlines()[-3:]
+            tail = Path(self.path).with_name(LOG).read_text(errors="replace").strip().splitlines()[-3:]
         except OSError:
             return ""
         return f"; its log ends: {' | '.join(tail)}" if tail else ""

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from trainer.process import exit_now, signal_process
 
 HEADER = struct.Struct("!I")  # request: its JSON's length, then the JSON; three fds ride on the first bytes
+LOG = "zygote.log"  # the server's stderr, in the directory of its socket
 STOP_GRACE_S = 10.0  # a child whose client is gone: SIGTERM, then SIGKILL after this long
 READ_TIMEOUT_S = 5.0  # a client that connects but never sends its request holds the loop this long at most
 
@@ -292,6 +293,28 @@ class Server:
                 self.forget(child.conn)
 
 
+def remove_home(socket_path: str) -> None:
+    """Remove the socket, and its directory if nothing but an empty log is left there (the owner
+    removes it when it stops the zygote, but an owner that was killed never does)."""
+    home = os.path.dirname(socket_path)
+    for path in (socket_path, *([os.path.join(home, LOG)] if _empty(os.path.join(home, LOG)) else [])):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    try:
+        os.rmdir(home)
+    except OSError:
+        pass  # something else is there (a log with something in it): left for a person to read
+
+
+def _empty(path: str) -> bool:
+    try:
+        return os.path.getsize(path) == 0
+    except OSError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:  # 0 at once if the owner is gone, else never returns
     p = argparse.ArgumentParser(prog="python -m trainer.zygote")
     p.add_argument("--socket", required=True, help="unix socket path to serve on")
@@ -310,8 +333,5 @@ def main(argv: list[str] | None = None) -> int:  # 0 at once if the owner is gon
     try:
         server.serve()
     finally:
-        try:
-            os.unlink(args.socket)
-        except OSError:
-            pass
+        remove_home(args.socket)
     exit_now(0)  # the end of every campaign run waits for its zygote to exit: no module teardown (0.8 s)
