@@ -13,6 +13,7 @@ from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
 from pretrain.budget import current_pause, margin_s, measured_times
+from pretrain.incidents import where_hung
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
 from pretrain.policy import Action, Budget, after_job, before_launch, stage_end
@@ -148,8 +149,9 @@ def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str |
     restarts = job_restarts(spec, stage, attempt, result.resumes, result.incidents)
     for incident in result.incidents:
         took = "" if incident["recovery_s"] is None else f"recovered in {incident['recovery_s']}s, "
-        logger.warning("stage %s: %s — %s (%s%.1fs lost)", stage, incident["cause"], incident["action"], took,
-                       incident["time_lost_s"])
+        where = f"; {where_hung(incident)}" if incident.get("stacks") else ""
+        logger.warning("stage %s: %s — %s (%s%.1fs lost)%s", stage, incident["cause"], incident["action"], took,
+                       incident["time_lost_s"], where)
         ledger.record_failure(stage, Failure(**incident))
     ledger.add_restarts(stage, restarts)
     return result

@@ -88,6 +88,21 @@ def began_at(window: list[dict], detected: float) -> float:
     return min([e["time"] for e in stopping(window)] + stalled + [detected])
 
 
+def hung_stacks(window: list[dict]) -> dict:
+    """``{"stacks": [...]}``: where the hung workers of ``window`` were (the hang detector's dumps:
+    rank, innermost frames, the dump's file in the job's directory), or {} when it took none."""
+    found = [s for e in window if e["event"] == EventKind.HANG and isinstance(e.get("stacks"), list)
+             for s in e["stacks"] if isinstance(s, dict) and isinstance(s.get("where"), str)]
+    return {"stacks": found} if found else {}
+
+
+def where_hung(failure: dict) -> str:
+    """One line naming where each hung rank of a failure was ("" for other failures)."""
+    stacks = failure.get("stacks")
+    return "; ".join(f"rank {s.get('rank')} in {s['where']}" for s in stacks if isinstance(s, dict) and "where" in s) \
+        if isinstance(stacks, list) else ""
+
+
 def round_nodes(events: list[dict], restart_count: int) -> set:
     """The nodes whose workers started in round ``restart_count`` of the job."""
     return {e.get("node") for e in events if e["event"] == EventKind.START and not e.get("epoch")
@@ -159,7 +174,8 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
         out.append({"attempt": attempt, "in_job": True, "cause": cause_of(window), "action": action,
                     "recovery_path": path, "detected_at": detected,
                     "detection_s": round(detection, 2), "recovery_s": None if recovery is None else round(recovery, 2),
-                    "steps_redone": redone, "time_lost_s": round(detection + (recovery or 0.0) + redone * step_time, 2)})
+                    "steps_redone": redone, "time_lost_s": round(detection + (recovery or 0.0) + redone * step_time, 2),
+                    **hung_stacks(window)})
     saver_starts: dict[int, int] = {}
     for e in (e for e in events if e["event"] == EventKind.SAVER_START):
         saver_starts[e.get("agent", 0)] = saver_starts.get(e.get("agent", 0), 0) + 1

@@ -112,6 +112,7 @@ class Failure(Entry):
     steps_redone: int = 0
     recovery_path: str | None = None  # in-job: "in_process" (rolled back in the live workers), "spare"/"replacement" (a lost worker replaced, the others kept), "restart" (new workers) or "spare_node" (new workers, a standby node for a lost one)
     detection_s: float | None = None  # a hang: how long it went unnoticed (last heartbeat → detection)
+    stacks: list[dict] = Field(default_factory=list)  # a hang: per hung rank, "where" it was (innermost frames) and "file", its threads' stacks in the job's directory
 
 
 class Resume(Entry):

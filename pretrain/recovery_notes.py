@@ -5,11 +5,17 @@ as it happens (the ledger's incidents, with their full timing, come when the job
 
 from __future__ import annotations
 
+from pretrain.incidents import where_hung
 from trainer.events import EventKind, replaced_workers
 
 TAKEN_BY = {"spare": "a warm spare took over",
             "replacement": "new worker processes took over (no warm spare: none was ready yet, or "
                            "cluster.spares_per_node is 0)"}
+
+
+def _files(e: dict) -> str:
+    files = ", ".join(str(s["file"]) for s in e["stacks"] if isinstance(s, dict) and s.get("file"))
+    return f" (every thread's stack: {files}, in the job's directory)" if files else ""
 
 
 def _ranks(ranks) -> str:
@@ -26,8 +32,10 @@ class RecoveryNotes:
         kind = e.get("event")
         if kind == EventKind.HANG:
             kept = f", {_ranks(e['kept'])} kept running" if e.get("kept") else ""
+            where = where_hung(e)
             return (f"{_ranks(e.get('ranks'))} hung (no progress in '{e.get('phase')}' after step {e.get('step')} for "
-                    f"{e.get('stalled_s')} s, timeout {e.get('timeout_s')} s): killed{kept}")
+                    f"{e.get('stalled_s')} s, timeout {e.get('timeout_s')} s): killed{kept}"
+                    + (f"; {where}{_files(e)}" if where else ""))
         if kind == EventKind.ROLLBACK and e.get("rank") == 0:
             took = f" {e['seconds']:.2f} s after the loss was noticed" if isinstance(e.get("seconds"), (int, float)) else ""
             if replaced_workers(e):

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from pretrain.goodput import ALL, DESCRIPTIONS
+from pretrain.incidents import where_hung
 from pretrain.layout import CampaignLayout
 from pretrain.ledger import Ledger
 from pretrain.locations import recorded_checkpoints
@@ -125,9 +126,10 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, sta
     lines += ["## Time lost per cause", ""]
     lost = [{"cause": c, "seconds": round(s, 2)} for c, s in time_lost_by_cause(status).items()]
     lines += _table(lost, ("cause", "seconds"))
-    failures = [{"stage": s["name"], **f} for s in status["stages"] for f in s["failures"]]
+    failures = [{"stage": s["name"], **f, "where": where_hung(f)} for s in status["stages"] for f in s["failures"]]
     lines += ["## Failures", ""]
-    lines += _table(failures, ("stage", "attempt", "cause", "action", "time_lost_s", "recovery_s"))
+    lines += _table(failures, ("stage", "attempt", "cause", "action", "time_lost_s", "recovery_s",
+                               *(("where",) if any(f["where"] for f in failures) else ())))
     return redact("\n".join(lines))
 
 

@@ -18,6 +18,7 @@ from conftest import seed_data, small_spec, wait_for
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
 from trainer.reporting import EVENTS, METRICS, read_all
+from trainer.resilience.stacks import stack_path, take_dump, where
 from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, Heartbeat, collective_timeout_s, heartbeat_dir, p99
 
 RULE = AdaptiveTimeout(factor=5.0, floor_s=2.0, warmup=10)
@@ -134,6 +135,64 @@ def test_a_hang_is_found_well_before_step_timeout_and_recorded_as_hang(prepared_
     assert incident["cause"] == "hang"
     assert incident["detected_at"] == hang["time"] > drill["time"]
     assert max(m["step"] for m in metrics) == 8
+    # where it hung: the drill's wait, in the chaos module's code; every thread's stack kept
+    [stack] = incident["stacks"]
+    assert stack["rank"] == 0 and stack["where"].startswith("wait (threading.py:"), stack
+    assert " from before_step (trainer/resilience/chaos.py:" in stack["where"], stack
+    dump = (Path(job.job_dir) / stack["file"]).read_text()
+    assert "Current thread" in dump or "Thread 0x" in dump
+    assert "heartbeat-writer" in dump or dump.count("Thread 0x") >= 2  # every thread, not only the hung one
+
+
+def test_a_worker_blocked_in_a_c_call_says_where_it_is_and_goes_on(tmp_path):
+    """``kill -USR1`` (what the hang detector sends before it kills a hung worker) makes a worker
+    write every thread's stack even while its main thread is blocked in a C call; it is not
+    stopped by it."""
+    path = stack_path(tmp_path / "agent1-local0.json")
+    code = f"""if True:
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from pathlib import Path
+        from trainer.resilience.stacks import dump_on_signal
+        dump_on_signal(Path({str(path)!r}))
+        def read_a_pipe_nobody_writes():
+            r, w = os.pipe()
+            print("ready", flush=True)
+            os.read(r, 1)
+        read_a_pipe_nobody_writes()
+    """
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        text = take_dump(proc.pid, path)
+        assert where(text) == f"read_a_pipe_nobody_writes (<string>:{code.splitlines().index('            os.read(r, 1)') + 1})"
+        assert proc.poll() is None
+        assert where(take_dump(proc.pid, path)) == where(text)  # again: the file holds the newest dump only
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+DUMPS = {  # name: a faulthandler dump → where
+    "the main thread is not the current one": (
+        'Thread 0x1 (most recent call first):\n  File "/x/site-packages/torch/a.py", line 3 in wait\n'
+        '  File "/usr/lib/threading.py", line 9 in _bootstrap\n\n'
+        'Current thread 0x2 (most recent call first):\n  File "/x/site-packages/torch/distributed/c10d.py", line 7 in '
+        f'all_reduce\n  File "{Path(__file__).resolve().parents[1]}/trainer/loop.py", line 5 in step\n'
+        '  File "<frozen runpy>", line 88 in _run_code\n  File "<string>", line 1 in <module>\n',
+        "all_reduce (torch/distributed/c10d.py:7) from step (trainer/loop.py:5)"),
+    "the innermost frame is ours": (
+        f'Current thread 0x2 (most recent call first):\n  File "{Path(__file__).resolve().parents[1]}/trainer/x.py", '
+        'line 2 in f\n  File "m.py", line 1 in <module>\n', "f (trainer/x.py:2)"),
+    "no frame (a dump cut short)": ("Current thread 0x2 (most recent call first):\n", None),
+    "not a dump": ("garbage\n", None),
+}
+
+
+@pytest.mark.parametrize("case", list(DUMPS))
+def test_where_names_the_main_threads_innermost_frame_and_our_code(case):
+    text, expected = DUMPS[case]
+    assert where(text) == expected
 
 
 @pytest.fixture

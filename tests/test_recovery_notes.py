@@ -24,6 +24,13 @@ CASES = {
                            "from step 29 (survivors)"),
     "a hang found": (HANG, "rank 0 hung (no progress in 'step' after step 59 for 3.2 s, timeout 3.0 s): killed, "
                            "rank 1 kept running"),
+    "a hang with its stack": ({**HANG, "stacks": [{"rank": 0, "where": "wait (threading.py:327) from step (trainer/loop.py:9)",
+                                                 "file": "stacks/hang-step00000059-rank0-pid7.txt"}]},
+                              "rank 0 hung (no progress in 'step' after step 59 for 3.2 s, timeout 3.0 s): killed, rank 1 "
+                              "kept running; rank 0 in wait (threading.py:327) from step (trainer/loop.py:9) (every "
+                              "thread's stack: stacks/hang-step00000059-rank0-pid7.txt, in the job's directory)"),
+    "damaged: stacks not a list": ({**HANG, "stacks": "x"}, "rank 0 hung (no progress in 'step' after step 59 for 3.2 s, "
+                                                            "timeout 3.0 s): killed, rank 1 kept running"),
     "a hang of every rank": ({**HANG, "ranks": [0, 1], "kept": []}, "ranks [0, 1] hung (no progress in 'step' after "
                                                                     "step 59 for 3.2 s, timeout 3.0 s): killed"),
     "a NaN rolled back": (NAN, "the loss of step 90 was anomalous: rolled back in the live workers to step 85 (memory), "

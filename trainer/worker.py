@@ -28,6 +28,7 @@ from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.heartbeat import Heartbeat, collective_timeout_s
 from trainer.resilience.nodecheck import this_node
 from trainer.resilience.peers import Peers, arrive_as_replacement, exit_code, fast_recovery_bound_s, wait_for_rank
+from trainer.resilience.stacks import dump_on_signal, stack_path
 
 DIGEST_WAIT_S = 10.0  # the longest a failing worker waits for the digest of the snapshot it copied
 
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         if fast and me.epoch > 0:  # a replacement: it meets the survivors, or gives up with them
             me = arrive_as_replacement(store, me, bound_s)
         heartbeat = Heartbeat(cfg.job_dir, me.local_rank, me.rank)
+        dump_on_signal(stack_path(heartbeat.path))  # a hung worker's stacks, taken before it is killed
         heartbeat.beat("startup", 0)
         info = init_distributed(cfg.backend, timeout_s=timeout_s, me=me, base=store)
         peers = Peers.from_env(store, me, info.backend, timeout_s) if fast else None

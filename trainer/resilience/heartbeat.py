@@ -24,6 +24,7 @@ from pathlib import Path
 
 from trainer.events import EventKind
 from trainer.process import pid_alive, signal_process
+from trainer.resilience.stacks import hung_stacks
 
 
 def heartbeat_dir(job_dir: str | Path) -> Path:
@@ -164,6 +165,7 @@ class HangDetector:
         # later than their timeout, so that the node of a hung peer kills it first (its death then
         # fails the collective, and the workers waiting here are kept as survivors)
         self.dir, self.timeouts, self.on_event, self.interval = heartbeat_dir(job_dir), timeouts, on_event, interval
+        self.job_dir = job_dir
         self.adaptive, self.remote_grace_s = adaptive, remote_grace_s
         self.prefix = f"agent{os.getpid()}-"
         self.stop = threading.Event()
@@ -177,7 +179,7 @@ class HangDetector:
         rejoin with the lost ranks' replacements: ``trainer.resilience.peers``). If every rank
         waits in a collective, the collective itself hangs: all are killed together (on a job of
         several nodes, ``remote_grace_s`` later)."""
-        now, stalled, live = time.time(), [], []
+        now, stalled, live, paths = time.time(), [], [], {}
         for path in self.dir.glob(f"{self.prefix}local*.json"):
             try:
                 hb = json.loads(path.read_text())
@@ -186,6 +188,7 @@ class HangDetector:
             if not pid_alive(hb["pid"]):
                 continue  # an old worker's record; its replacement overwrites it
             live.append(hb["rank"])
+            paths[hb["pid"]] = path
             self.max_step = max(self.max_step, hb["step"])
             limit = self.limit(hb)
             if limit and now - hb["time"] > limit:
@@ -195,9 +198,11 @@ class HangDetector:
         if hung:
             first = min(hung, key=lambda hb: hb["time"])
             kept = sorted(set(live) - {hb["rank"] for hb in hung})  # the node's other workers, not killed
+            stacks = [hung_stacks(self.job_dir, paths[hb["pid"]], hb) for hb in sorted(hung, key=lambda hb: hb["rank"])]
             self.on_event({"event": EventKind.HANG, "ranks": sorted(hb["rank"] for hb in hung), "phase": first["phase"],
                            "step": first["step"], "stalled_s": round(now - first["time"], 1),
-                           "timeout_s": round(first["timeout_s"], 2), "stalled_since": first["time"], "kept": kept})
+                           "timeout_s": round(first["timeout_s"], 2), "stalled_since": first["time"], "kept": kept,
+                           "stacks": stacks})
             for hb in hung:
                 signal_process(hb["pid"], signal.SIGKILL)
         for observe in self.observers:
