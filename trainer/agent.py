@@ -37,6 +37,7 @@ from trainer.reporting import EVENTS, JsonLines
 from trainer.resilience.chaos import claim, reached_marker
 from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, worker_pids
 from trainer.resilience.nodecheck import exclusion_marker
+from trainer.resilience.stacks import log_on_signal
 from trainer.storage.base import StorageUnreachable
 from trainer.zygote import Zygote, spawn
 
@@ -259,6 +260,7 @@ def run_node(args: argparse.Namespace) -> int:
             shutil.rmtree(ns, ignore_errors=True)
 
     exit_when_orphaned(on_orphan=cleanup)
+    log_on_signal()  # kill -USR1: this agent's threads' stacks in the node's log
     liveness = NodeLiveness(job.job_dir, args.node).start()  # whoever started this node sees it is not frozen
     if args.lock:
         hold_lock(args.lock, timeout_s=args.lock_wait)

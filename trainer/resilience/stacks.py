@@ -15,6 +15,7 @@ import faulthandler
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +43,12 @@ def dump_on_signal(path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
     out = os.fdopen(fd, "w")  # owned by faulthandler until the process ends
     faulthandler.register(DUMP_SIGNAL, file=out, all_threads=True, chain=False)
+
+
+def log_on_signal() -> None:
+    """In a node agent: write every thread's stack to its stderr (the node's log) on
+    ``DUMP_SIGNAL`` — ``kill -USR1 <agent pid>`` shows where a node that seems stuck is."""
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
 
 def take_dump(pid: int, path: Path, wait_s: float = DUMP_WAIT_S) -> str:
