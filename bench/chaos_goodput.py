@@ -38,13 +38,14 @@ FAULTS = ({"kind": "kill_worker", "rank": 1}, {"kind": "hang_worker", "rank": 0}
           {"kind": "kill_node", "node": 1})
 
 
-def spec(workdir: Path, model: dict, steps: int, chaos: list[dict]):
+def spec(workdir: Path, model: dict, steps: int, chaos: list[dict], memory_interval: int | None = None):
     return parse_spec({
         "name": "chaos-goodput", "workdir": str(workdir), "data": DATA, "model": model, "chaos": chaos,
         "cluster": {"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 2 + 2 * len(chaos),
                     "rejoin_after_s": 20},
         "stages": [{"name": "main", "steps": steps, "seq_len": 64, "micro_batch": 4, "warmup_steps": 5}],
-        "checkpoint": {"interval": 50, "memory_interval": 2}, "fault_tolerance": {"step_timeout_s": 10},
+        "checkpoint": {"interval": 50, **({} if memory_interval is None else {"memory_interval": memory_interval})},
+        "fault_tolerance": {"step_timeout_s": 10},
         "validation": {"probe_tolerance": 2.0},  # the gate looks for divergence; a small model on little data overfits
         "resume": {"max_attempts": 2 + len(chaos)},
     })
@@ -83,6 +84,8 @@ def main() -> None:
     p.add_argument("--fault-every", type=float, default=120.0, help="Seconds between faults (default 120).")
     p.add_argument("--step-s", type=float, default=None, help="Step time (default: measured by a calibration run).")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--memory-interval", type=int, default=None,
+                   help="Steps between memory snapshots (default: the spec's default, checkpoint.memory_interval).")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     a = p.parse_args()
@@ -92,11 +95,13 @@ def main() -> None:
     steps = max(20, int(a.minutes * 60 / step_s))
     every = max(5, int(a.fault_every / step_s))
     chaos = drills(steps, every)
-    print(f"step ≈ {step_s:.3f}s: {steps} steps, a fault every {every} steps ({len(chaos)} faults); workdir {root}")
-    stage = print_goodput(pretrain_campaign(spec=spec(root / "campaign", model, steps, chaos)))
+    campaign = spec(root / "campaign", model, steps, chaos, a.memory_interval)
+    print(f"step ≈ {step_s:.3f}s: {steps} steps, a fault every {every} steps ({len(chaos)} faults), a memory snapshot "
+          f"every {campaign.checkpoint.memory_interval} steps; workdir {root}")
+    stage = print_goodput(pretrain_campaign(spec=campaign))
     report([Check("stage goodput with a fault every %.0f s" % a.fault_every, round(stage["goodput"] or 0.0, 3), 0.95,
                   ">=", why_missed(stage, len(chaos), step_s))],
-           step_s=round(step_s, 3), steps=steps, faults=len(chaos))
+           step_s=round(step_s, 3), steps=steps, faults=len(chaos), memory_interval=campaign.checkpoint.memory_interval)
 
 
 def why_missed(stage: dict, faults: int, step_s: float) -> str:
