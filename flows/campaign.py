@@ -44,7 +44,7 @@ from pretrain.interrupt import (CampaignInterrupted, StopRequest, StoppedAtOnce,
                                 pause_window_s, supervise)
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CampaignStatus, SpanKind, StageStatus
-from pretrain.guard import campaign_guard
+from pretrain.guard import campaign_guard, state_location
 from pretrain.outcome import record_interrupt, record_pause
 from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
@@ -52,6 +52,7 @@ from pretrain.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_goodput, publish_reports
 from tasks.events import campaign_completed
 from tasks.hooks import CAMPAIGN_HOOKS
+from tasks.job_records import restore_job_records
 from tasks.registry import register_final_model
 from tasks.mlflow_sync import sync_to_mlflow
 from tasks.tracking import open_campaign_run, tracker_for
@@ -181,6 +182,8 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     ledger = Ledger.open(spec)
     spec = spec.with_tracking_uri(ledger.record.mlflow.tracking_uri)  # its own store, from whichever directory it resumes
     ledger.begin_run(flow_run.get_id(), spec)
+    if state_location(spec):  # state on shared storage: the jobs' records a workdir lacks are copied in
+        restore_job_records(spec)
     logger.info("campaign %s in %s (spec %s)", spec.name, spec.workdir_path, spec.spec_hash())
     parent_run_id = open_campaign_run(spec, ledger)  # None: MLflow away, training does not wait for it
     if parent_run_id:

@@ -13,6 +13,7 @@ from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
 from pretrain.budget import current_pause, margin_s, measured_times
+from pretrain.guard import state_location
 from pretrain.incidents import where_hung
 from pretrain.ledger import Ledger
 from pretrain.ledger_schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
@@ -21,6 +22,7 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec import CampaignSpec
 from tasks.checkpoints import find_resume_point, judge_pending
 from tasks.events import job_restarts, stage_failed, stage_relaunched
+from tasks.job_records import keep_job_records
 from tasks.prefect_api import wait_for_api
 from tasks.tracking import open_stage_run
 from tasks.training import JobResult, adoptable_launch, run_training_job
@@ -142,6 +144,8 @@ def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str |
         while not _finished(job, settings.gate_poll_s):
             judge_pending(spec, stage_index, settings)  # the gate overlaps training
         result = job.result()
+    if state_location(spec):  # state on shared storage: the jobs' records beside it (best effort)
+        keep_job_records(spec)
     if attempt:  # a relaunch after a failed job: its recovery lasted until this job stepped
         ledger.record_relaunch_recovery(stage, attempt - 1, result.first_step_at)
     for r in result.resumes:

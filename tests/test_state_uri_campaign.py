@@ -66,6 +66,10 @@ def test_a_campaign_with_state_on_s3_survives_losing_its_orchestrators_disk(pref
     _, runs = assert_mlflow_steps_unique(second)  # the first run's MLflow runs went on: no step logged twice
     assert {r.info.status for r in runs} == {"FINISHED"}
 
+    # the first workdir's job records came back from S3: the goodput split misses none of its jobs
+    for stage in ("warmup", "main"):
+        assert (second.workdir_path / "jobs" / stage / "attempt_000" / "events.jsonl").is_file()
+    assert [m for s in status["stages"] for m in s["goodput"]["missing"] if "no records of job" in m] == []
     # what reads a workdir reads the copy: status, the report and its pictures
     assert campaign_status(second.workdir_path)["status"] == "completed"
     files = write_report_files(second.workdir_path, tmp_path / "report")
