@@ -71,8 +71,19 @@ def quiet_console() -> Iterator[None]:
     and its HTTP client's retry notes are not shown. The handlers are left so on ``StoppedAtOnce``: the flow thread goes on logging
     until the process exits."""
     with loggers_at(logging.WARNING, STORE_SETUP_LOGGERS), loggers_at(logging.ERROR, RETRY_LOGGERS):
-        with _messages_only():
+        with _handler_errors_unprinted(), _messages_only():
             yield
+
+
+@contextmanager
+def _handler_errors_unprinted() -> Iterator[None]:
+    """A log handler's failure is not printed: stdlib's "--- Logging error ---" with a traceback,
+    Prefect's "--- Error logging to API ---" per batch it could not send while its API is away
+    (which the outage notes say once a minute); the console still shows every line. Left so on
+    ``StoppedAtOnce``, as the handlers are."""
+    before, logging.raiseExceptions = logging.raiseExceptions, False
+    with _undone_unless_stopped_at_once(lambda: setattr(logging, "raiseExceptions", before)):
+        yield
 
 
 @contextmanager
@@ -85,14 +96,22 @@ def _messages_only() -> Iterator[None]:
         h.setFormatter(MessageOnly(h.formatter))
     for name in OUTAGE_LOGGERS:
         logging.getLogger(name).addFilter(notes)
+    with _undone_unless_stopped_at_once(lambda: _restore(handlers, formatters, notes)):
+        yield
+
+
+@contextmanager
+def _undone_unless_stopped_at_once(undo) -> Iterator[None]:
+    """``undo()`` when the block ends, unless it ends by ``StoppedAtOnce`` (the flow thread goes
+    on logging until the process exits)."""
     try:
         yield
     except StoppedAtOnce:
         raise
     except BaseException:
-        _restore(handlers, formatters, notes)
+        undo()
         raise
-    _restore(handlers, formatters, notes)
+    undo()
 
 
 def _restore(handlers: list[logging.Handler], formatters: list[logging.Formatter | None], notes: OutageNotes) -> None:

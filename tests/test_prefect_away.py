@@ -9,6 +9,7 @@ notes of the outage show once a minute (table-driven)."""
 from __future__ import annotations
 
 import contextvars
+import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -110,3 +111,23 @@ def test_pretrain_run_s_console_shows_the_outage_notes_once_and_the_campaign_s_o
             logger.removeHandler(shown)
     assert [m[:24] for m in seen] == ["Unable to connect to 'ws", "Prefect's events worker ", "stage main: checkpoint 4",
                                       "stage main: checkpoint 4", "stage main: checkpoint 4", DROPPED[1][:24]]
+
+
+class _Unreachable:
+    async def request(self, *args, **kwargs):
+        raise OSError("All connection attempts failed")
+
+
+def test_prefect_s_api_log_batches_failing_print_nothing_on_pretrain_run_s_console(capfd):
+    """Prefect's API log worker writes "--- Error logging to API ---" and the error to stderr for
+    each batch it could not send (every ~2 s while its API is away): not on ``pretrain run``'s
+    console, whose outage notes say so once a minute; outside it, as Prefect does."""
+    from prefect.logging.handlers import APILogWorker
+
+    worker = APILogWorker.__new__(APILogWorker)  # its batch sender alone, with a client that cannot connect
+    worker._client = _Unreachable()
+    with quiet_console():
+        asyncio.run(worker._handle_batch([b"{}"]))
+    assert capfd.readouterr().err == ""
+    asyncio.run(worker._handle_batch([b"{}"]))
+    assert "--- Error logging to API ---" in capfd.readouterr().err
