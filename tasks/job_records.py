@@ -8,8 +8,9 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.guard import state_location, state_storage
+from pretrain.guard import held, state_location, state_storage
 from pretrain.job_records import Copied, keep_records, restore_records
+from pretrain.lease import LeaseLost
 from pretrain.redact import redact
 from pretrain.spec import CampaignSpec
 
@@ -18,6 +19,13 @@ from pretrain.spec import CampaignSpec
 def keep_job_records(spec: CampaignSpec) -> list[str]:
     """Copy the workdir's job records that ``checkpoint.state_uri`` lacks (or holds shorter)
     there; the keys copied."""
+    mine = held(spec)
+    try:
+        if mine is not None:
+            mine.check()  # a run whose lease was taken over writes no more of the campaign's state
+    except LeaseLost as lost:
+        get_run_logger().warning("the jobs' records are not copied to %s: %s", redact(state_location(spec)), lost)
+        return []
     return _sync(spec, keep_records, "copy the jobs' records to", "the next job's end tries again")
 
 
