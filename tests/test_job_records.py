@@ -64,3 +64,27 @@ def test_storage_that_is_not_there_is_an_error_for_the_caller_to_report(tmp_path
     unreachable = open_storage("s3://bucket/state", endpoint_url="http://127.0.0.1:9", max_attempts=1)
     with pytest.raises(StorageUnreachable, match="s3://bucket/state/jobs/"):
         keep_records(unreachable, tmp_path / "a")
+
+
+def test_a_run_that_lost_the_campaign_s_lease_copies_no_job_records(tmp_path):
+    """A run whose lease another run took over writes no more of the campaign's state: its jobs'
+    records included (the holder's records of the same names are not replaced); while it holds
+    the lease, they are copied."""
+    from prefect.logging import disable_run_logger
+
+    from conftest import small_spec, wait_for
+    from pretrain.guard import LEASE_KEY, campaign_guard, held, state_storage
+    from pretrain.settings import PretrainSettings
+    from tasks.job_records import keep_job_records
+    from trainer.checkpoint.fence import LeaseRecord
+
+    spec = small_spec(tmp_path / "wd", checkpoint={"state_uri": str(tmp_path / "state")})
+    job_files(spec.workdir_path, RECORDS)
+    with campaign_guard(spec, "run-A", settings=PretrainSettings(lease_ttl_s=3, lease_margin_s=0)), disable_run_logger():
+        assert sorted(keep_job_records.fn(spec)) == sorted(RECORDS)
+        job_files(spec.workdir_path, {"jobs/main/attempt_002/events.jsonl": "e\n"})
+        state_storage(spec).put_bytes(LEASE_KEY, LeaseRecord(holder="run B on host-b", generation=2, token="b",
+                                                             expires_at=4e9, ttl_s=60).to_bytes())
+        wait_for(lambda: held(spec).lost, 30, "the keeper to find the lease lost")
+        assert keep_job_records.fn(spec) == []
+    assert "jobs/main/attempt_002/events.jsonl" not in state_storage(spec).list("jobs/")
