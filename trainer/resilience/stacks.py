@@ -111,8 +111,8 @@ def where(text: str) -> str | None:
         return None
     inner = main[0]
     ours = next((f for f in main if f[0].startswith(OURS)), None)
-    text = _frame(inner)
-    return text if ours in (None, inner) else f"{text} from {_frame(ours)}"
+    shown = _frame(inner)
+    return shown if ours in (None, inner) else f"{shown} from {_frame(ours)}"
 
 
 def _frame(frame: tuple[str, int, str]) -> str:
