@@ -4,6 +4,7 @@ when the lost node passes its health check again, the job scales back up."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -349,22 +350,26 @@ def test_torchs_agent_starts_workers_that_write_to_the_agents_streams_and_leave_
                                                                                              capfd):
     """Every launch of torch's agent on a node made a ``torchelastic_*`` directory (one per round
     and rank under it) in the machine's temporary directory and never removed it: ~1,300 were
-    left by one day of test runs here. The workers' output goes to the agent's own streams (the
-    job's launcher keeps them), a failure is still reported with its exit code, and nothing is
+    left by one day of test runs here. The worker's output goes to the agent's own streams (the
+    job's launcher keeps them), its failure is still reported with its exit code, and nothing is
     written to disk."""
     from torch.distributed.elastic.multiprocessing import start_processes
 
     from trainer.elastic_survivors import ConsoleLogs
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where torch's default would put its directories
-    code = "import sys; print('out', sys.argv[1]); print('err', sys.argv[1], file=sys.stderr); sys.exit(int(sys.argv[1]))"
-    envs = {0: {"PATH": "/usr/bin:/bin"}, 1: {"PATH": "/usr/bin:/bin"}}
-    ctx = start_processes("w", sys.executable, {0: ("-c", code, "0"), 1: ("-c", code, "3")}, envs, ConsoleLogs())
-    result = None
-    while result is None:
-        result = ctx.wait(timeout=30, period=0.05)
-    ctx.close()
-    assert {rank: f.exitcode for rank, f in result.failures.items()} == {1: 3}
+    code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    try:  # torch's agent takes these signals over in the process that starts workers (this test's)
+        ctx = start_processes("w", sys.executable, {0: ("-c", code)}, {0: {"PATH": "/usr/bin:/bin"}}, ConsoleLogs())
+        result = None
+        while result is None:
+            result = ctx.wait(timeout=60, period=0.05)
+        ctx.close()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert {rank: f.exitcode for rank, f in result.failures.items()} == {0: 3}
     out, err = capfd.readouterr()
-    assert sorted(out.split("\n")[:2]) == ["out 0", "out 3"] and {"err 0", "err 3"} <= set(err.splitlines())
+    assert out.splitlines()[0] == "out" and "err" in err.splitlines()
     assert list(tmp_path.iterdir()) == []

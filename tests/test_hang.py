@@ -164,10 +164,11 @@ def test_a_worker_blocked_in_a_c_call_says_where_it_is_and_goes_on(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ready\n"
-        text = take_dump(proc.pid, path)
-        assert where(text) == f"read_a_pipe_nobody_writes (<string>:{code.splitlines().index('            os.read(r, 1)') + 1})"
+        blocked = f"read_a_pipe_nobody_writes (<string>:{code.splitlines().index('            os.read(r, 1)') + 1})"
+        # (the first dump may still find it in print(), right after "ready": until one finds it in the read)
+        wait_for(lambda: where(take_dump(proc.pid, path)) == blocked, 30, "a dump of the process blocked in its read")
         assert proc.poll() is None
-        assert where(take_dump(proc.pid, path)) == where(text)  # again: the file holds the newest dump only
+        assert where(take_dump(proc.pid, path)) == blocked  # again: the file holds the newest dump only
     finally:
         proc.kill()
         proc.wait()
