@@ -18,7 +18,7 @@ from conftest import seed_data, small_spec, wait_for
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
 from trainer.reporting import EVENTS, METRICS, read_all
-from trainer.resilience.stacks import stack_path, take_dump, where
+from trainer.resilience.stacks import dump_on_signal, stack_path, take_dump, where
 from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, Heartbeat, collective_timeout_s, heartbeat_dir, p99
 
 RULE = AdaptiveTimeout(factor=5.0, floor_s=2.0, warmup=10)
@@ -231,3 +231,11 @@ def test_the_detector_kills_the_hung_rank_and_keeps_those_waiting_for_it(case, t
     assert [(e["ranks"], e["kept"]) for e in found] == ([(killed, kept)] if killed else [])
     for rank, proc in enumerate(sleepers):
         assert (proc.wait(30) == -9) if rank in killed else proc.poll() is None
+
+
+def test_a_worker_whose_dump_file_cannot_be_made_trains_on_and_its_hang_is_found_without_stacks(tmp_path):
+    """Stack dumps are a diagnosis: a worker whose dump file cannot be opened (its directory gone,
+    a full disk) says so and goes on; the detector then finds no dump and kills it as before."""
+    missing = tmp_path / "gone" / "agent1-local0.stack"
+    dump_on_signal(missing)  # in this process: nothing registered, no exception
+    assert take_dump(os.getpid(), missing) == ""  # no file: no signal sent (it would end a process without a handler)

@@ -40,7 +40,11 @@ def dump_on_signal(path: Path) -> None:
     """In a worker: write every thread's stack to ``path`` when ``DUMP_SIGNAL`` arrives (the file
     stays open for the process's life: faulthandler writes to its descriptor)."""
     # appending: the agent empties the file before it asks for a dump, and the next dump starts at 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    except OSError as err:  # a full or read-only disk: the worker trains on, its hang is found without its stacks
+        print(f"no stack dumps on {DUMP_SIGNAL.name} for this worker: {path}: {err}", file=sys.stderr, flush=True)
+        return
     out = os.fdopen(fd, "w")  # owned by faulthandler until the process ends
     faulthandler.register(DUMP_SIGNAL, file=out, all_threads=True, chain=False)
 
