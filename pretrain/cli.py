@@ -23,11 +23,13 @@ def _add_sub_apps() -> None:
     from pretrain.cli_compare import compare
     from pretrain.cli_data import data_app
     from pretrain.cli_report import report
+    from pretrain.cli_stacks import stacks
 
     app.add_typer(data_app, name="data")
     app.add_typer(cluster_app, name="cluster")
     app.command("compare")(compare)
     app.command("report")(report)
+    app.command("stacks")(stacks)
 
 
 _add_sub_apps()
