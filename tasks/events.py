@@ -3,7 +3,8 @@
 
 - ``pretrain.checkpoint.good`` / ``pretrain.checkpoint.bad``  a checkpoint passed / failed validation
 - ``pretrain.stage.restarted``  a stage's workers restarted inside a job (``recovery_path``: restart, or
-  spare / replacement: lost workers replaced, the others kept), or its job was launched again
+  spare / replacement: lost workers replaced, the others kept; a hung worker's ``where``), or its
+  job was launched again
 - ``pretrain.stage.failed``     a stage gave up
 - ``pretrain.campaign.completed``  every stage is done
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 from prefect.events import emit_event
 
 from pretrain.campaign_data import campaign_data
+from pretrain.incidents import where_hung
 from pretrain.ledger import LedgerError
 from pretrain.spec import CampaignSpec
 from trainer.data import DataError
@@ -84,9 +86,11 @@ def job_restarts(spec: CampaignSpec, stage: str, attempt: int, resumes: list[dic
                                                         "source": r.get("source"), "recovery_path": "restart"}, stage)
     replaced = [i for i in incidents if i.get("recovery_path") in REPLACEMENT_PATHS]
     for i in replaced:
+        where = {"where": where_hung(i)} if i.get("stacks") else {}  # a hung worker: where it was
         emit_campaign_event(spec, STAGE_RESTARTED, {"stage": stage, "attempt": attempt, "in_job": True,
                                                     "recovery_path": i["recovery_path"], "cause": i.get("cause"),
-                                                    "action": i.get("action"), "recovery_s": i.get("recovery_s")}, stage)
+                                                    "action": i.get("action"), "recovery_s": i.get("recovery_s"),
+                                                    **where}, stage)
     return max((r.get("restart_count", 0) for r in resumes), default=0) + len(replaced)
 
 

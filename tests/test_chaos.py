@@ -140,6 +140,10 @@ def test_every_worker_replaced_counts_as_a_restart_and_sends_a_restarted_event(d
     events = wait_for(restarted, 30, "the restarted events", interval=0.5)
     assert all(e["in_job"] for e in events)
     assert sorted(e["recovery_path"] for e in events) == sorted(replaced)
+    # a hung worker replaced: its event says where it hung (the drill's wait)
+    hung = [f for f in stage["failures"] if f["cause"] == "hang" and f.get("recovery_path") in ("spare", "replacement")]
+    wheres = [e.get("where", "") for e in events if e.get("cause") == "hang"]
+    assert len(wheres) == len(hung) and all(" from before_step (trainer/resilience/chaos.py:" in w for w in wheres)
 
 
 def test_goodput_parts_add_up_to_the_wall_time_of_a_drilled_campaign(drilled):
