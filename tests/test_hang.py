@@ -141,7 +141,7 @@ def test_a_hang_is_found_well_before_step_timeout_and_recorded_as_hang(prepared_
     assert " from before_step (trainer/resilience/chaos.py:" in stack["where"], stack
     dump = (Path(job.job_dir) / stack["file"]).read_text()
     assert "Current thread" in dump or "Thread 0x" in dump
-    assert "heartbeat-writer" in dump or dump.count("Thread 0x") >= 2  # every thread, not only the hung one
+    assert dump.count("Thread 0x") >= 2  # every thread (its heartbeat writer, its orphan watch), not only the hung one
 
 
 def test_a_worker_blocked_in_a_c_call_says_where_it_is_and_goes_on(tmp_path):

@@ -23,7 +23,7 @@ from trainer.atomic import atomic_write_bytes
 from trainer.process import signal_process
 
 DUMP_SIGNAL = signal.SIGUSR1
-DUMP_WAIT_S = 1.0  # the most a hung worker's kill waits for its stacks
+DUMP_WAIT_S = 2.0  # the most a hung worker's kill waits for its stacks (a loaded machine schedules it late)
 POLL_S = 0.01
 STACKS_DIR = "stacks"  # in the job's directory: the dumps kept
 ROOT = str(Path(__file__).resolve().parents[2])  # this project's checkout (or its installed packages)
