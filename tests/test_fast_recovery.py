@@ -5,7 +5,9 @@ back to the full restart and the job still completes."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agents import node_log, run_agent, run_agents
+from agents import node_log, run_agent, run_agents, start_agent
 from conftest import seed_data, small_spec, wait_for
 from pretrain.incidents import incidents
 from pretrain.jobs import build_job
@@ -361,3 +363,35 @@ def test_a_store_whose_host_is_frozen_is_given_up_not_waited_for_for_ever():
     # words, torch's "Connection reset by peer", said here: after the test they reached the terminal)
     wait_for(lambda: not [t for t in threading.enumerate() if t.name == CONNECT_THREAD], 30,
              "the abandoned connection attempt to end")
+
+
+def test_a_node_lost_while_the_survivors_are_outside_a_collective_restarts_them_at_once(prepared_data, tmp_path,
+                                                                                       zygote):
+    """Node 1 is killed while node 0's worker is busy outside any collective (a long step of its
+    own; here a straggler drill's sleep of ``DELAY`` s): nothing fails for it to notice. Its agent
+    announces the loss and, as no worker left, restarts them into the next round at once instead
+    of leaving them until their next collective (seen once: a survivor that never left, its agent
+    silent for minutes). The job completes on node 0."""
+    delay = 12.0
+    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 2},
+                      stages=[{"name": "s", "steps": 4, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
+                      checkpoint={"interval": 2, "memory_interval": 1, "keep": 2},
+                      fault_tolerance={"hang_warmup_steps": 50},  # the sleep is no hang: the spec's 300 s bound
+                      chaos=[{"kind": "kill_node", "node": 1, "step": 4},
+                             *({"kind": "slow_worker", "rank": r, "step": 4, "delay_s": delay} for r in (0, 1))])
+    seed_data(spec, prepared_data)
+    job = build_job(spec, 0, 0, None)
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [start_agent(job, max_restarts=2, zygote=zygote, node=n, nodes=2, nodes_min=1, endpoint=endpoint,
+                          start_new_session=True) for n in range(2)]
+    try:
+        assert agents[0].wait(180) == 0, node_log(job, nodes=2)
+    finally:
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+    events = read_all(Path(job.job_dir) / EVENTS)
+    [killed] = [e["time"] for e in by_kind(events, "chaos") if e.get("kind") == "kill_node"]
+    [again] = [e["time"] for e in by_kind(events, "start") if e.get("world_size") == 1]
+    assert again - killed < delay / 2, node_log(job, nodes=2)  # not after the sleep
+    assert "the workers did not leave within" in node_log(job, nodes=2)

@@ -171,6 +171,10 @@ class SurvivorsAgent(LocalElasticAgent):
                 print("the workers are stuck in a collective with the silent node: restarting them", file=sys.stderr,
                       flush=True)
                 return RunResult(state=WorkerState.UNHEALTHY)
+            if stuck:  # none left: not in a collective that failed (a store wait, a long step of its own)
+                print(f"the workers did not leave within {LEAVE_WAIT_S:g} s: restarting them for the next round",
+                      file=sys.stderr, flush=True)
+                return RunResult(state=WorkerState.UNHEALTHY)
         lost = self._lost_with_survivors() if self.fast_timeout_s > 0 else {}
         if lost:
             if self._remaining_restarts - self.fast_recoveries <= 0:
