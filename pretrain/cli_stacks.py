@@ -44,7 +44,7 @@ def live_workers(workdir: Path) -> list[LiveWorker]:
                 pid = int(record["pid"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # being replaced, or damaged: not a worker to ask
-            if isinstance(record, dict) and _is_worker_of(pid, job_dir):
+            if _is_worker_of(pid, job_dir):
                 found.append(LiveWorker(job_dir, path, record))
     return found
 

@@ -88,7 +88,7 @@ def began_at(window: list[dict], detected: float) -> float:
     return min([e["time"] for e in stopping(window)] + stalled + [detected])
 
 
-def hung_stacks(window: list[dict]) -> dict:
+def hang_dumps(window: list[dict]) -> dict:
     """``{"stacks": [...]}``: where the hung workers of ``window`` were (the hang detector's dumps:
     rank, innermost frames, the dump's file in the job's directory), or {} when it took none."""
     found = [s for e in window if e["event"] == EventKind.HANG and isinstance(e.get("stacks"), list)
@@ -175,7 +175,7 @@ def incidents(events: list[dict], metrics: list[dict], attempt: int) -> list[dic
                     "recovery_path": path, "detected_at": detected,
                     "detection_s": round(detection, 2), "recovery_s": None if recovery is None else round(recovery, 2),
                     "steps_redone": redone, "time_lost_s": round(detection + (recovery or 0.0) + redone * step_time, 2),
-                    **hung_stacks(window)})
+                    **hang_dumps(window)})
     saver_starts: dict[int, int] = {}
     for e in (e for e in events if e["event"] == EventKind.SAVER_START):
         saver_starts[e.get("agent", 0)] = saver_starts.get(e.get("agent", 0), 0) + 1

@@ -297,7 +297,8 @@ def remove_home(socket_path: str) -> None:
     """Remove the socket, and its directory if nothing but an empty log is left there (the owner
     removes it when it stops the zygote, but an owner that was killed never does)."""
     home = os.path.dirname(socket_path)
-    for path in (socket_path, *([os.path.join(home, LOG)] if _empty(os.path.join(home, LOG)) else [])):
+    log = os.path.join(home, LOG)
+    for path in (socket_path, *([log] if _empty(log) else [])):
         try:
             os.unlink(path)
         except OSError:
