@@ -29,6 +29,7 @@ from pretrain.ports import free_port
 from trainer.config import JobConfig
 from trainer.dist import Identity, round_restart_count
 from trainer.reporting import EVENTS, METRICS, read_all
+from trainer.resilience.survivor_interrupt import PeerLost
 from trainer.resilience.peers import (PEER_LOST_EXIT, CannotRejoin, Peers, arrive, arrive_as_replacement, exit_code,
                                       may_be_peer_loss, taken_key, warm_key)
 
@@ -139,6 +140,7 @@ def test_a_fast_recovery_that_cannot_finish_in_time_falls_back_to_a_full_restart
     (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12202: Connection reset"), True),
     (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms"), True),
     (torch.distributed.DistStoreError("wait timeout"), True),
+    (PeerLost("a peer was lost: this step cannot complete"), True),  # the node agent interrupted the step
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),  # the worker's own error
     (ValueError("gloo"), False),
     (MemoryError(), False),

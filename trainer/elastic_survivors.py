@@ -44,6 +44,7 @@ from trainer.node_agent import describe_exit
 from trainer.node_links import LostNode, NodeLinks
 from trainer.rendezvous_store import RoundStoreAddress
 from trainer.resilience.peers import NODE_LOST_PATH, PEER_LOST_EXIT, all_ready, announce, epochs_key, not_ready
+from trainer.resilience.survivor_interrupt import interrupt
 
 POLL_S = 0.05  # how often the ranks' ready keys and the local processes are looked at during a fast recovery
 MEMBERSHIP_LOOK_S = 0.5  # how often a fast recovery asks the rendezvous whether another node is restarting
@@ -266,6 +267,7 @@ class SurvivorsAgent(LocalElasticAgent):
         except (dist.DistError, RuntimeError) as err:
             print(f"no fast recovery: the job's store failed ({err})", file=sys.stderr, flush=True)
             return None
+        interrupt(h.proc.pid for lr, h in pc.subprocess_handlers.items() if lr not in lost and h.proc.poll() is None)
         for lr in lost:
             pc.envs[lr] = {**pc.envs[lr], EPOCH_ENV: str(epoch)}
             me = Identity(workers[lr].global_rank, lr, world, restart, epoch)

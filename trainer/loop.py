@@ -25,6 +25,7 @@ from trainer.resilience.heartbeat import Heartbeat
 from trainer.resilience.nodecheck import check_after_restart, this_node
 from trainer.resilience.peers import Peers, rejoin
 from trainer.resilience.rollback import roll_back, skip_windows
+from trainer.resilience.survivor_interrupt import Interrupt
 
 
 def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, step: int, consumed: int,
@@ -172,6 +173,9 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         recheck_nodes(cfg, info, chaos, events)
     snapshots = open_snapshots(cfg, info, snapshot_capacity(cfg, info.rank, info.world_size), shm_ns, events)
     model, opt = warm or build_model(cfg, info.device)
+    interrupt = Interrupt(peers.next_epoch_announced) if peers is not None else None
+    if interrupt is not None:  # the agent stops a step that cannot complete as soon as it saw a peer die
+        interrupt.install(model)
     # a replacement joining survivors (epoch > 0) takes the state they kept, if they agree on it
     restored = (info.epoch > 0 and state.kept_by_survivors(cfg, info, None, model=model, optimizer=opt)) or \
         state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
@@ -263,7 +267,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
         net = wrap(cfg, info, model)
         peers.ready(restored, events.write)
         events.write({"event": EventKind.REJOINED, "rank": info.rank, "epoch": info.epoch, "lost_ranks": lost["lost"],
-                      "step": step})
+                      "step": step, "interrupted": interrupt.clear()})
     if snapshots is not None:
         beat("checkpoint", step)
         snapshots.flush()

@@ -29,6 +29,7 @@ from trainer.process import wait_for_an_exit
 from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
 from trainer.resilience.peers import PEER_LOST_EXIT, WARM_SPARES_ENV, all_ready, announce, hand_rank, not_ready
+from trainer.resilience.survivor_interrupt import interrupt
 
 POLL_S = 0.05  # how often the spares, the ranks' ready keys and snapshot copies are looked at (exits wake the agent)
 STOP_GRACE_S = 30.0  # SIGTERM → SIGKILL, as torch's agent
@@ -127,6 +128,7 @@ class NodeAgent:
         self.spares = [sp for sp in self.spares if sp not in warm]
         path = "spare" if len(warm) == len(lost) else "replacement"  # (replacement: one or more started cold)
         self.epoch = announce(self.store, self.restart, lost, path, time.time())
+        interrupt(p.pid for r, p in self.workers.items() if r not in lost and p.poll() is None)
         for rank in lost:
             if warm:
                 spare = warm.pop(0)

@@ -22,6 +22,7 @@ from trainer.checkpoint.sharded import apply_sharded, load_full_state, localize
 from trainer.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object, broadcast_object, is_initialized, local_world_size
 from trainer.events import SURVIVORS
+from trainer.resilience.handoff import hand_over
 
 MODEL_SHARD = ckpt.MODEL_SHARD
 
@@ -170,7 +171,7 @@ def kept_by_survivors(cfg: JobConfig, info: DistInfo, live: tuple[int, int] | No
     None. If the survivors agree on one step (a peer lost inside the next step changed nothing
     they hold: the update comes after the step's collectives), training goes on from it; under
     DDP without dropout the model and optimizer are replicated, so a replacement takes them from
-    the first survivor over the group (its own RNG is unused). Else None for every rank (the
+    the first survivor over the group, tensor by tensor into its own (its own RNG is unused). Else None for every rank (the
     survivors disagree, or a rank's state is its own: FSDP's pieces, dropout's RNG): the newest
     snapshot every rank holds (:func:`restore`)."""
     lives = all_gather_object(live)
@@ -178,12 +179,10 @@ def kept_by_survivors(cfg: JobConfig, info: DistInfo, live: tuple[int, int] | No
     if len(kept) != 1 or not any_rank_will_do(cfg):
         return None
     step, consumed = kept.pop()
-    if None in lives:
+    if None in lives:  # straight from the survivor's tensors into the replacement's (trainer.resilience.handoff)
         src = next(r for r, held in enumerate(lives) if held is not None)
-        state = _broadcast_state(info, {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-                                 if info.rank == src else None, src)
-        if live is None:
-            _load_model(cfg, state, model, optimizer)
+        hand_over(info.rank, src, [r for r, held in enumerate(lives) if held is None], model, optimizer,
+                  info.backend)
     return Restored(step, consumed, SURVIVORS, None)
 
 

@@ -32,6 +32,7 @@ from trainer.config import JobConfig
 from trainer.dist import FAST_RECOVERY_ENV, DistInfo, Identity, join_group, round_restart_count
 from trainer.events import IN_PROCESS_SOURCES, EventKind
 from trainer.resilience.nodecheck import NODE_ENV
+from trainer.resilience.survivor_interrupt import PeerLost
 
 NOTICE_S = 10.0  # after a failed collective, how long a survivor waits for the agent to announce a lost peer
 NOTICE_ENV = "PRETRAIN_PEER_NOTICE_S"  # set by an agent of several nodes: a lost node announces nothing
@@ -171,8 +172,9 @@ def exit_code(err: BaseException, fast: bool) -> int:
 
 def may_be_peer_loss(err: BaseException) -> bool:
     """Could ``err`` be a collective broken by a lost peer? (gloo raises a plain RuntimeError
-    naming its transport; NCCL/store errors are DistErrors.) Anything else is the worker's own."""
-    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and "gloo" in str(err).lower())
+    naming its transport; NCCL/store errors are DistErrors; ``PeerLost``: the agent interrupted the
+    step.) Anything else is the worker's own."""
+    return isinstance(err, (dist.DistError, PeerLost)) or (isinstance(err, RuntimeError) and "gloo" in str(err).lower())
 
 
 @dataclass
@@ -206,6 +208,13 @@ class Peers:
         except dist.DistError:
             return None
         return None if record.get("path") == NODE_LOST_PATH else record
+
+    def next_epoch_announced(self) -> bool:
+        """Whether the agent announced the next recovery (one look at the store; False while it is away)."""
+        try:
+            return self.store.check([epoch_key(self.me.restart_count, self.me.epoch + 1)])
+        except (dist.DistError, RuntimeError):
+            return False
 
     def wait_for_spare(self, beat, drill: int, victim: bool, timeout_s: float = 120.0) -> bool:
         """Before drill ``drill`` takes a worker away: until the victim's node has a warm spare (a
