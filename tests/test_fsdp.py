@@ -101,13 +101,13 @@ def test_a_sharded_checkpoint_commits_only_when_every_ranks_piece_is_persisted(t
 
 
 # ---- real processes: 2 gloo ranks ------------------------------------------------------------
-def run_ranks(mode: str, root: Path, world: int, timeout: float = 240) -> list[dict]:
-    """Run ``fsdp_ranks.py MODE ROOT`` as ``world`` ranks around a store hosted here; a rank that
-    fails ends the others (they would wait for it in a collective)."""
+def run_ranks(mode: str, root: Path, world: int, timeout: float = 240, script: Path = RANKS) -> list[dict]:
+    """Run ``SCRIPT MODE ROOT`` (``fsdp_ranks.py`` unless told) as ``world`` ranks around a store
+    hosted here; a rank that fails ends the others (they would wait for it in a collective)."""
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world),
            "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(RANKS), mode, str(root)],
+    procs = [subprocess.Popen([sys.executable, str(script), mode, str(root)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
     try:
         wait_for(lambda: all(p.poll() is not None for p in procs) or any(p.poll() for p in procs), timeout,

@@ -1,15 +1,17 @@
 """A replacement takes a survivor's live model and optimizer tensor by tensor
-(``trainer.resilience.handoff``): exact, into its own tensors, small ones packed. The messages
-themselves travel over a real process group in the fast-recovery tests (bitwise-exact runs)."""
+(``trainer.resilience.handoff``): exact, into its own tensors, small ones packed; over a real
+process group of three (here) and in the fast-recovery tests (bitwise-exact runs)."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 from jobs import assert_same, tiny_job, trained
+from test_fsdp import run_ranks
 from trainer.loop import build_model
 from trainer.resilience.handoff import (BUCKET_MIN_BYTES, HandoffMismatch, adopt, live_tensors, messages, model_tensors,
                                         pack, signature, unpack)
@@ -79,3 +81,11 @@ def test_state_the_survivor_holds_as_plain_values_travels_with_the_signature(tmp
     assert len(live_tensors(*survivor, "nccl")) == len(model_tensors(survivor[0]))  # no optimizer state
     adopt(signature(*survivor, "nccl"), *replacement)
     assert_same(survivor[1].state_dict(), replacement[1].state_dict())
+
+
+def test_over_a_process_group_the_replacement_gets_the_survivors_state_and_a_bystander_keeps_its_own(tmp_path):
+    survivor, replacement, bystander = run_ranks("handoff", tmp_path, world=3, timeout=120,
+                                                 script=Path(__file__).with_name("handoff_ranks.py"))
+    assert replacement["before"] != survivor["before"]
+    assert replacement["after"] == survivor["after"] == survivor["before"]
+    assert bystander["after"] == bystander["before"] != survivor["before"]

@@ -22,7 +22,7 @@ from trainer.checkpoint.sharded import apply_sharded, load_full_state, localize
 from trainer.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object, broadcast_object, is_initialized, local_world_size
 from trainer.events import SURVIVORS
-from trainer.resilience.handoff import hand_over
+from trainer.resilience.handoff import hand_over, signature
 
 MODEL_SHARD = ckpt.MODEL_SHARD
 
@@ -174,15 +174,17 @@ def kept_by_survivors(cfg: JobConfig, info: DistInfo, live: tuple[int, int] | No
     the first survivor over the group, tensor by tensor into its own (its own RNG is unused). Else None for every rank (the
     survivors disagree, or a rank's state is its own: FSDP's pieces, dropout's RNG): the newest
     snapshot every rank holds (:func:`restore`)."""
-    lives = all_gather_object(live)
-    kept = {tuple(held) for held in lives if held is not None}
+    # a survivor's step comes with what it holds (trainer.resilience.handoff), for the replacement
+    lives = all_gather_object(None if live is None else
+                              (tuple(live), signature(model, optimizer, info.backend) if any_rank_will_do(cfg) else None))
+    kept = {held[0] for held in lives if held is not None}
     if len(kept) != 1 or not any_rank_will_do(cfg):
         return None
     step, consumed = kept.pop()
-    if None in lives:  # straight from the survivor's tensors into the replacement's (trainer.resilience.handoff)
+    if None in lives:  # straight from the survivor's tensors into the replacement's
         src = next(r for r, held in enumerate(lives) if held is not None)
         hand_over(info.rank, src, [r for r, held in enumerate(lives) if held is None], model, optimizer,
-                  info.backend)
+                  info.backend, lives[src][1])
     return Restored(step, consumed, SURVIVORS, None)
 
 

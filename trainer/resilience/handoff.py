@@ -9,9 +9,9 @@ broadcast of the packed buffer and the load took 140–230 ms of the recovery; a
 buffer alone costs ~55 ms of page faults on each side).
 
 Both sides list their tensors in the same order: the model's (parameters and persistent
-buffers, a tied weight once), then each parameter's optimizer state by key. The source first
-broadcasts what it holds (``signature``: names, shapes, dtypes; the optimizer's non-tensor state
-and hyperparameters); a replacement whose optimizer has no state yet (a fresh one is built
+buffers, a tied weight once), then each parameter's optimizer state by key. What the source holds
+(``signature``: names, shapes, dtypes; the optimizer's non-tensor state and hyperparameters)
+travels with the step it completed, gathered from every rank before; a replacement whose optimizer has no state yet (a fresh one is built
 lazily at its first step) creates the tensors to receive into. A model that does not match
 (another architecture) raises ``HandoffMismatch``: the recovery falls back to a full restart.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer.dist import broadcast_object
 
 
 class HandoffMismatch(RuntimeError):
@@ -113,10 +112,8 @@ def pack(group: list[torch.Tensor]) -> torch.Tensor:
 
 def unpack(flat: torch.Tensor, group: list[torch.Tensor]) -> None:
     """A packed message into the tensors it was packed from (``group`` in the same order)."""
-    offset = 0
-    for t in group:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+    pieces = flat.split([t.numel() for t in group])
+    torch._foreach_copy_(group, [piece.view_as(t) for piece, t in zip(pieces, group)])  # one call, not one per tensor
 
 
 def messages(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
@@ -130,11 +127,10 @@ def messages(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list
     return large, list(small.values())
 
 
-def hand_over(rank: int, src: int, receivers: list[int], model, optimizer, backend: str) -> None:
+def hand_over(rank: int, src: int, receivers: list[int], model, optimizer, backend: str, sig: dict) -> None:
     """Every rank of the group calls it: ``src`` sends its live state to each rank of
-    ``receivers``, which takes it into its own model and optimizer; the other ranks only learn
-    the signature."""
-    sig = broadcast_object(signature(model, optimizer, backend) if rank == src else None, src=src)
+    ``receivers``, which takes it into its own model and optimizer (``sig``: the source's
+    ``signature``, which every rank learnt with the step the survivors hold); the others return."""
     if rank in receivers:
         adopt(sig, model, optimizer)
     elif rank != src:
