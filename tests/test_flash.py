@@ -22,6 +22,7 @@ from trainer.checkpoint import state
 from pretrain.ports import free_port
 from trainer.checkpoint.flash import SnapshotStore, copies_in_flight
 from trainer.checkpoint.shm import ShmTooSmall, Slot
+from trainer.checkpoint.saver import BREAKPOINT_DELAY_S
 from trainer.config import JobConfig
 from trainer.loop import build_model, checkpoint, open_snapshots, snapshot_capacity
 from trainer.node_agent import AgentSettings, NodeAgent
@@ -326,7 +327,8 @@ def test_saver_killed_mid_persist_never_commits_a_torn_checkpoint(tmp_path):
 
 def test_saver_saves_at_breakpoint_when_a_worker_dies(tmp_path):
     """A worker process snapshots step 12 (not due for persisting) and is SIGKILLed: the saver
-    persists the newest consistent snapshot anyway, so the work is not lost."""
+    persists the newest consistent snapshot anyway, so the work is not lost — once the recovery
+    had the CPU for ``BREAKPOINT_DELAY_S``."""
     ns = tmp_path / "shm"
     script = textwrap.dedent(f"""
         import sys, torch
@@ -344,12 +346,14 @@ def test_saver_saves_at_breakpoint_when_a_worker_dies(tmp_path):
     saver = start_saver(tmp_path, ns)
     try:
         wait_for(lambda: ckpt.CheckpointStore.open(tmp_path / "ckpt").read_pointer() == 6, 60, "the flagged step 6")
+        killed_at = time.time()
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
         wait_for(lambda: ckpt.CheckpointStore.open(tmp_path / "ckpt").read_pointer() == 12, 60, "the breakpoint save of step 12")
     finally:
         saver.terminate()
         saver.wait(30)
-    assert any(e["event"] == "breakpoint_save" and e["step"] == 12 for e in read_all(tmp_path / "job" / "events.jsonl"))
+    [save] = [e for e in read_all(tmp_path / "job" / "events.jsonl") if e["event"] == "breakpoint_save"]
+    assert save["step"] == 12 and save["time"] >= killed_at + BREAKPOINT_DELAY_S
     saved = ckpt.CheckpointStore.open(tmp_path / "ckpt")
     assert torch.equal(saved.load_shard(saved.latest_complete().step, "model.pt")["w"], torch.full((4,), 12.0))

@@ -3,7 +3,8 @@
 Started by the node agent (``trainer.launch``) before the workers and kept alive across their
 restarts. It watches the node's shared-memory slots and persists a snapshot when every local
 rank holds a verified snapshot of the same step and that step was flagged ``persist`` — or,
-after a worker died (*save at breakpoint*), the newest such step even if it was not flagged.
+after a worker died (*save at breakpoint*, ``BREAKPOINT_DELAY_S`` later), the newest such step
+even if it was not flagged.
 
 Under DDP rank 0's slot holds the replicated model state (persisted as ``model.pt``); under
 FSDP every rank's slot holds its piece (``model_shard_XXXXX.pt``), and the checkpoint commits
@@ -47,6 +48,11 @@ from trainer.resilience.chaos import corrupt_committed
 from trainer.resilience.diskfull import describe, is_disk_full
 
 POLL_S = 0.05
+# a save at breakpoint starts this long after a worker died: the recovery gets the CPU first (a fast
+# one takes 0.1-0.5 s; persisting beside it made it 0.05-0.2 s slower on two cores), and the
+# snapshots the save would persist stay in shared memory meanwhile (the final save on the way out
+# is not delayed)
+BREAKPOINT_DELAY_S = 1.0
 FINAL_COMMIT_WAIT_S = 5.0  # on the way out, how long the committer waits for other nodes' shards
 ERROR_FILE = "saver.error"  # in the snapshot directory: the last saver's error, for the node agent ({"error_type", "error"})
 PROGRESS_FILE = "saver.progress"  # in the snapshot directory: touched after each persisted step
@@ -223,9 +229,13 @@ class Saver:
 
     def run(self) -> None:
         committed = self.store.read_pointer() or -1
+        breakpoint_at = None  # when the save at breakpoint a worker's death asked for is due
         while not self.stopping and pid_alive(self.agent):
             step = self.candidate(breakpoint=False)
-            if (step is None or step <= committed) and self.newly_dead_workers():
+            if self.newly_dead_workers() and breakpoint_at is None:
+                breakpoint_at = time.monotonic() + BREAKPOINT_DELAY_S
+            if (step is None or step <= committed) and breakpoint_at is not None and time.monotonic() >= breakpoint_at:
+                breakpoint_at = None
                 step = self.candidate(breakpoint=True)
                 if step is not None and step > committed:
                     self._emit({"event": EventKind.BREAKPOINT_SAVE, "step": step})
