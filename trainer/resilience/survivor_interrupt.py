@@ -2,8 +2,9 @@
 
 Without it a survivor learns of a lost peer only when its step's collective fails: under DDP at
 the end of its backward pass, after computing a step that cannot complete (most of a step's
-time on a large model: ~200 of 300 ms in the recovery bench with ``--d-model 384 --layers 6``;
-under NCCL a collective with a dead peer does not even fail, it waits for its timeout). The
+time: ~200 of 300 ms in the recovery bench with ``--d-model 384 --layers 6``). Under NCCL the
+hooks run while the CPU queues the step's kernels, so they stop only what is not queued yet: a
+survivor already waiting on the GPU waits for its collective's timeout as before. The
 node agent sends ``INTERRUPT_SIGNAL`` to the workers it keeps right after announcing the
 recovery; each survivor's handler only notes the time, and hooks on its model (a forward
 pre-hook per module, a gradient hook per parameter: the points between whole operations of
