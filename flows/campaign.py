@@ -53,7 +53,7 @@ from tasks.artifacts import link_mlflow_run, publish_goodput, publish_reports
 from tasks.events import campaign_completed
 from tasks.hooks import CAMPAIGN_HOOKS
 from tasks.job_records import restore_job_records
-from tasks.registry import register_final_model
+from tasks.registry import register_or_defer
 from tasks.mlflow_sync import sync_to_mlflow
 from tasks.tracking import open_campaign_run, tracker_for
 from trainer.zygote import zygote_running
@@ -226,7 +226,7 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
     if spec.tracking.register_model:  # the registry needs the campaign run
         parent_run_id = linked_after_sync(spec, None, parent_run_id)
     with ledger.timed(SpanKind.REGISTRATION):
-        register_final_model(spec)  # after every stage is completed: a failure here is the campaign's alone
+        register_or_defer(spec)  # after every stage is completed: MLflow away defers it to the next run
     ledger.set_status(CampaignStatus.COMPLETED)
     parent_run_id = linked_after_sync(spec, None, parent_run_id)  # the campaign run ends
     status = campaign_status(spec.workdir_path, spec.credentials.s3_options(), live=True)

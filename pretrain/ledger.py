@@ -232,7 +232,12 @@ class Ledger:
         self.mutate(lambda r: setattr(r, "cluster", cluster))
 
     def set_registered_model(self, registered: dict) -> None:
-        self.mutate(lambda r: setattr(r, "registered_model", registered))
+        def registered_now(r: CampaignRecord) -> None:
+            r.registered_model, r.registration_pending = registered, None
+        self.mutate(registered_now)
+
+    def set_registration_pending(self, why: str) -> None:
+        self.mutate(lambda r: setattr(r, "registration_pending", why))
 
     @contextmanager
     def timed(self, kind: SpanKind, stage: str | None = None, attempt: int | None = None,

@@ -271,6 +271,8 @@ class CampaignRecord(BaseModel):
     stages: dict[str, StageRecord]
     flow_run: str | None = None  # the Prefect flow run working on it (last one)
     registered_model: dict | None = None
+    # why the final model is not registered yet (MLflow away at the campaign's end); the next run registers it
+    registration_pending: StrictStr | None = None
     end: RunEnd | None = None
     spans: list[Span] = Field(default_factory=list)  # timed spans (runs, stages, jobs, ...); none before this release
     # a ledger on shared storage (``checkpoint.state_uri``) counts its writes; the workdir keeps a

@@ -192,6 +192,10 @@ class TrackingSpec(Section):
     model_alias: str = Field(
         "latest-good", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
         description="Registry alias moved to each newly registered version: load it as models:/<name>@<alias>.")
+    registration_wait_s: float = Field(
+        120, ge=0, description="How long the end of a campaign retries registering the final model while MLflow does "
+        "not answer (tries after 2, 10, 30 and 60 s, as many as fit). Past it the campaign completes anyway with the "
+        "registration pending (`pretrain status` says so) and its next run registers the model, training nothing again.")
 
     @field_validator("uri")
     @classmethod

@@ -58,7 +58,8 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, liv
     return redact_tree({
         "campaign": r.campaign, "campaign_id": r.campaign_id, "workdir": str(layout.root),
         "status": r.status.value, "spec_hash": r.spec_hash, "invocations": r.invocations, "ledger_copy_of": r.copy_of,
-        "data": r.data.to_json() if r.data else None, "stages": stages, "goodput": goodput["campaign"], "registered_model": r.registered_model,
+        "data": r.data.to_json() if r.data else None, "stages": stages, "goodput": goodput["campaign"],
+        "registered_model": r.registered_model, "registration_pending": r.registration_pending,
         "mlflow": {**r.mlflow.model_dump(mode="json"), "ui_command": f"mlflow ui --backend-store-uri {uri}"
                    if uri.startswith("sqlite:") else f"open {uri}"},
     })
@@ -95,7 +96,10 @@ def render(status: dict, console: Console | None = None) -> None:
         console.print(MLFLOW_BEHIND)
     if status.get("ledger_copy_of"):
         console.print(STATE_ELSEWHERE.format(status["ledger_copy_of"]), highlight=False, markup=False)
-    if reg := status.get("registered_model"):
+    if why := status.get("registration_pending"):
+        console.print(f"Model: not registered yet — {why}; run the campaign again once MLflow answers: it registers "
+                      "the model and trains nothing again", highlight=False, markup=False)
+    elif reg := status.get("registered_model"):
         console.print(f"Model: {reg['uri']} (version {reg['version']}, from {reg['checkpoint']})")
 
 

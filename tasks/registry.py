@@ -12,7 +12,39 @@ from pretrain.ledger import Ledger
 from pretrain.redact import redact
 from pretrain.registry import register_checkpoint
 from pretrain.spec import CampaignSpec
+from pretrain.tracking import describe_error, transient
 from tasks.tracking import MLFLOW_RETRIES, open_runs_now, tracker_for
+
+RETRY_DELAYS_S = MLFLOW_RETRIES["retry_delay_seconds"]
+
+
+def retry_delays(wait_s: float) -> list[float]:
+    """The registration's retry delays that fit in ``tracking.registration_wait_s``."""
+    out: list[float] = []
+    for delay in RETRY_DELAYS_S:
+        if sum(out) + delay > wait_s:
+            break
+        out.append(delay)
+    return out
+
+
+def register_or_defer(spec: CampaignSpec) -> dict | None:
+    """``register_final_model``, retried for ``tracking.registration_wait_s`` while MLflow does not
+    answer; past that the campaign completes anyway: the ledger says the registration is pending
+    and the campaign's next run registers the model (its stages are done: nothing is trained
+    again). Any other failure (a refusal, a damaged checkpoint) is the campaign's."""
+    delays = retry_delays(spec.tracking.registration_wait_s)
+    try:
+        return register_final_model.with_options(retries=len(delays), retry_delay_seconds=delays or 0)(spec)
+    except Exception as err:  # noqa: BLE001 - only MLflow's absence is deferred; the rest is raised again
+        if not transient(err):
+            raise
+        why = f"MLflow did not answer within {spec.tracking.registration_wait_s:g} s ({describe_error(err)})"
+        Ledger.open(spec).set_registration_pending(why)
+        get_run_logger().warning(
+            "the final model is not registered yet: %s. The campaign is complete; run it again once MLflow answers "
+            "and it registers the model (nothing is trained again)", why)
+        return None
 
 
 @task(name="register-final-model", cache_policy=NO_CACHE, **MLFLOW_RETRIES)

@@ -83,25 +83,36 @@ def test_a_campaign_completes_while_mlflow_is_away_and_its_next_run_catches_mlfl
     from flows.campaign import pretrain_campaign
 
     server = MlflowServer(tmp_path / "mlflow")  # away for the whole first run
-    spec = small_spec(tmp_path / "wd", tracking={"uri": server.uri, "register_model": False, "experiment": "away"})
+    spec = small_spec(tmp_path / "wd", tracking={"uri": server.uri, "experiment": "away", "registration_wait_s": 0})
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
     assert status["status"] == "completed", status  # nothing waited on MLflow, nothing failed for it
     assert [s["steps_done"] for s in status["stages"]] == [6, 10]
     record = Ledger.open(spec).record
     assert record.mlflow.behind and record.mlflow.parent_run_id is None
+    # the final model could not be registered: the campaign completed with the registration pending
+    assert record.registered_model is None and "MLflow did not answer within 0 s" in record.registration_pending
+    assert any("the final model is not registered yet" in w and "run it again once MLflow answers" in w
+               for w in warnings_of_runs)
     away = [w for w in warnings_of_runs if "does not answer" in w]
     assert away and "training goes on" in away[0] and not any("Traceback" in w for w in warnings_of_runs)
     assert sum("training goes on:" in w for w in warnings_of_runs) == 1  # told once, not at every stage and sync
     console = Console(record=True, width=200, file=io.StringIO())
     render(campaign_status(spec.workdir_path), console)  # what `pretrain status` prints
-    assert "MLflow is behind the campaign (it was away)" in console.export_text()
+    text = console.export_text()
+    assert "MLflow is behind the campaign (it was away)" in text
+    assert "Model: not registered yet — MLflow did not answer" in text
 
     server.start(template=migrated_tracking_store)
     try:
         assert pretrain_campaign(spec=spec)["status"] == "completed"  # its next run: MLflow catches up
         record = Ledger.open(spec).record
         assert not record.mlflow.behind
+        # ... and the model is registered from the final good checkpoint, the pending note gone
+        assert record.registration_pending is None and record.registered_model["name"] == spec.registered_model_name
+        version = MlflowClient(server.uri).get_model_version_by_alias(spec.registered_model_name, "latest-good")
+        assert version.run_id == record.mlflow.parent_run_id
+        assert record.registered_model["checkpoint"] == record.stages["main"].good_checkpoint.path
         client = MlflowClient(server.uri)
         parent = client.get_run(record.mlflow.parent_run_id)
         stages = [client.get_run(record.stages[s].mlflow_run_id) for s in ("warmup", "main")]

@@ -14,6 +14,7 @@ from conftest import assert_no_duplicate_metric_steps, campaign_data_dir
 from pretrain.checkpoint_info import describe
 from pretrain.registry import TAG_CHECKPOINT, register_checkpoint
 from pretrain.tracking import Tracker
+from tasks.registry import retry_delays
 from test_export import greedy, our_model
 from trainer.data import TokenWindows
 
@@ -79,3 +80,12 @@ def test_reserved_or_invalid_alias_is_refused_by_the_spec(alias):
 
     with pytest.raises(SpecError, match="tracking.model_alias"):
         parse_spec({"tracking": {"model_alias": alias}})
+
+
+@pytest.mark.parametrize("wait_s, delays", [
+    (0, []), (1.9, []), (2, [2]), (11, [2]), (12, [2, 10]), (101, [2, 10, 30]), (102, [2, 10, 30, 60]), (600, [2, 10, 30, 60]),
+])
+def test_the_registration_retries_while_mlflow_is_away_for_as_long_as_the_spec_allows(wait_s, delays):
+    """``tracking.registration_wait_s``: the tries that fit; past them the campaign completes with
+    the registration pending (tests/test_mlflow_away.py)."""
+    assert retry_delays(wait_s) == delays
