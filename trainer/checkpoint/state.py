@@ -171,9 +171,9 @@ def kept_by_survivors(cfg: JobConfig, info: DistInfo, live: tuple[int, int] | No
     None. If the survivors agree on one step (a peer lost inside the next step changed nothing
     they hold: the update comes after the step's collectives), training goes on from it; under
     DDP without dropout the model and optimizer are replicated, so a replacement takes them from
-    the first survivor over the group, tensor by tensor into its own (its own RNG is unused). Else None for every rank (the
-    survivors disagree, or a rank's state is its own: FSDP's pieces, dropout's RNG): the newest
-    snapshot every rank holds (:func:`restore`)."""
+    the first survivor over the group, tensor by tensor into its own (its own RNG is unused).
+    Else None for every rank (the survivors disagree, or a rank's state is its own: FSDP's
+    pieces, dropout's RNG): the newest snapshot every rank holds (:func:`restore`)."""
     # a survivor's step comes with what it holds (trainer.resilience.handoff), for the replacement
     lives = all_gather_object(None if live is None else
                               (tuple(live), signature(model, optimizer, info.backend) if any_rank_will_do(cfg) else None))

@@ -9,10 +9,11 @@ broadcast of the packed buffer and the load took 140–230 ms of the recovery; a
 buffer alone costs ~55 ms of page faults on each side).
 
 Both sides list their tensors in the same order: the model's (parameters and persistent
-buffers, a tied weight once), then each parameter's optimizer state by key. What the source holds
-(``signature``: names, shapes, dtypes; the optimizer's non-tensor state and hyperparameters)
-travels with the step it completed, gathered from every rank before; a replacement whose optimizer has no state yet (a fresh one is built
-lazily at its first step) creates the tensors to receive into. A model that does not match
+buffers, a tied weight once), then each parameter's optimizer state by key. What the source
+holds (``signature``: names, shapes, dtypes; the optimizer's non-tensor state and
+hyperparameters) travels with the step it completed, gathered from every rank before; a
+replacement whose optimizer has no state yet (a fresh one builds it lazily at its first step)
+creates the tensors to receive into. A model that does not match
 (another architecture) raises ``HandoffMismatch``: the recovery falls back to a full restart.
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 
 
 class HandoffMismatch(RuntimeError):
@@ -94,9 +94,9 @@ def adopt(sig: dict, model, optimizer) -> None:
                 continue
             shape, dtype = entry["tensor"]
             device = p.device if entry["on_param_device"] else torch.device("cpu")
-            mine = held.get(key)
-            ok = isinstance(mine, torch.Tensor) and _described(mine) == (shape, dtype) and mine.device == device
-            st[key] = mine if ok else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            have = held.get(key)
+            fits = isinstance(have, torch.Tensor) and _described(have) == (shape, dtype) and have.device == device
+            st[key] = have if fits else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         optimizer.state[p] = st  # state the source does not hold is dropped
     for group, hyper in zip(optimizer.param_groups, sig["groups"]):
         group.update(hyper)
