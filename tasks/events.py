@@ -104,4 +104,7 @@ def campaign_completed(spec: CampaignSpec, status: dict) -> None:
         "workdir": status["workdir"], "invocations": status["invocations"],
         "stages": [{"stage": s["name"], "steps": s["steps_done"], "good_checkpoint": s["good_checkpoint"],
                     "eval_loss": s["eval"]["val_loss"] if s["eval"] else None} for s in status["stages"]],
+        # what an automation acting on the new model needs: its URI, or why there is none yet
+        "registered_model": (status.get("registered_model") or {}).get("uri"),
+        "registration_pending": status.get("registration_pending"),
     })

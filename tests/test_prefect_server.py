@@ -157,6 +157,9 @@ def test_worker_runs_a_campaign_with_artifacts_events_and_trigger(worker, prepar
         assert good_event["resource"]["prefect.resource.name"] == name
         assert {e["payload"]["step"]: e["resource"]["pretrain.checkpoint.final"] for e in goods} == {
             e["payload"]["step"]: str(e["payload"]["step"] == 8).lower() for e in goods}
+        [done] = [e for e in seen if e["event"] == "pretrain.campaign.completed"]  # names the model it registered
+        assert (done["payload"]["registered_model"], done["payload"]["registration_pending"]) == (
+            f"models:/{name}@latest-good", None)
 
         def evaluation_runs():  # of this campaign's checkpoints
             with get_client(sync_client=True) as client:
