@@ -287,7 +287,7 @@ def test_a_killed_zygote_falls_back_to_popen_saying_so_once(probe_env, tmp_path)
     said = []
     z = Zygote.start(preload=["trainer.process"], env=probe_env, log=said.append)
     try:
-        assert isinstance(z.spawn("zprobe", ["exit", "0"], env=probe_env), ZygoteProcess)
+        assert isinstance(z.spawn("zprobe", ["exit", "0"], env=probe_env), ZygoteProcess), said  # why it fell back
         z._server.kill()
         z._server.wait()
         for code in (4, 5):
