@@ -201,7 +201,7 @@ class Peers:
         is this worker's own, or an agent found the lost peer's whole node gone)."""
         if not may_be_peer_loss(err):
             return None
-        key = epoch_key(self.me.restart_count, self.me.epoch + 1)
+        key = self._next_epoch_key()
         try:
             self.store.wait([key], timedelta(seconds=self.notice_s))
             record = json.loads(self.store.get(key))
@@ -209,10 +209,13 @@ class Peers:
             return None
         return None if record.get("path") == NODE_LOST_PATH else record
 
+    def _next_epoch_key(self) -> str:
+        return epoch_key(self.me.restart_count, self.me.epoch + 1)
+
     def next_epoch_announced(self) -> bool:
         """Whether the agent announced the next recovery (one look at the store; False while it is away)."""
         try:
-            return self.store.check([epoch_key(self.me.restart_count, self.me.epoch + 1)])
+            return self.store.check([self._next_epoch_key()])
         except (dist.DistError, RuntimeError):
             return False
 
