@@ -41,7 +41,7 @@ COPY tasks ./tasks
 COPY blocks ./blocks
 COPY deployments ./deployments
 RUN pip install -c constraints.txt --extra-index-url "${TORCH_INDEX}" . \
-    && python -c "import trainer.launch, pretrain.cli, flows.campaign"
+    && python -c "import trainer.launch, pretrain.cli.app, flows.campaign"
 
 # never root: campaign workdirs on shared volumes are written as this user (uid 10001; give the
 # volume fsGroup 10001 or matching permissions)

@@ -1,5 +1,5 @@
 """Goodput under chaos: a campaign with a fault every ~N seconds, its wall time split by the
-ledger (``pretrain.goodput``).
+ledger (``pretrain.views.goodput``).
 
     python bench/chaos_goodput.py [--minutes 10] [--fault-every 120] [--step-s S] [--workdir DIR]
 
@@ -29,9 +29,9 @@ BENCH = {"title": "Goodput under chaos", "order": 70, "quick": ["--minutes", "1"
 from bench.results import Check, report  # noqa: E402
 
 from flows.campaign import pretrain_campaign  # noqa: E402
-from pretrain.goodput import ALL  # noqa: E402
-from pretrain.spec import parse_spec  # noqa: E402
-from trainer.reporting import read_all  # noqa: E402
+from pretrain.views.goodput import ALL  # noqa: E402
+from pretrain.spec.campaign import parse_spec  # noqa: E402
+from trainer.job.reporting import read_all  # noqa: E402
 
 DATA = {"sources": ["{stdlib}/*.py"], "max_bytes": 2_000_000, "tokenizer": {"vocab_size": 512}}  # a tiny corpus overfits
 FAULTS = ({"kind": "kill_worker", "rank": 1}, {"kind": "hang_worker", "rank": 0}, {"kind": "nan_loss"},

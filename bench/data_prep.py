@@ -2,7 +2,7 @@
 
 1. raw ``Tokenizer.encode_batch`` on one core (RAYON_NUM_THREADS=1) over the corpus's texts, and
    ``encode_batch_fast`` (no offsets: what the pipeline's workers call);
-2. the pipeline (``pretrain.dataset.prepare``) with 1 worker on the same JSONL corpus;
+2. the pipeline (``pretrain.data.prepare.pipeline``) with 1 worker on the same JSONL corpus;
 3. the pipeline with all workers (one per core);
 4. peak RSS of (3) on a corpus 4× larger.
 
@@ -84,8 +84,8 @@ def child(mode: str, corpus: str, tokenizer: str, workers: int) -> None:
         tokens += sum(len(e.ids) for e in encode(batch))
         seconds = time.perf_counter() - t0
     else:
-        from pretrain.dataset.prepare import prepare
-        from pretrain.spec_data import DataSpec
+        from pretrain.data.prepare.pipeline import prepare
+        from pretrain.spec.data import DataSpec
 
         data = DataSpec(sources=[f"{corpus}/*.jsonl"], tokenizer={"path": tokenizer}, workers=workers,
                         unit_bytes=1 << 20, shard_tokens=10_000_000, val_fraction=0.01)

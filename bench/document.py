@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.results import Check
-from trainer.atomic import atomic_write_bytes
+from trainer.common.atomic import atomic_write_bytes
 
 _SECTION = re.compile(r"<!-- bench:(?P<name>[A-Za-z0-9_]+) (?P<meta>\{.*?\}) -->\n(?P<body>.*?)<!-- /bench:(?P=name) -->\n",
                       re.S)

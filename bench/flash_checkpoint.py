@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, run alone or by python -m bench
 from bench.results import Check, report  # noqa: E402
 
-from pretrain.jobs import job_config
-from pretrain.spec import parse_spec
+from pretrain.run.jobs import job_config
+from pretrain.spec.campaign import parse_spec
 from trainer.checkpoint import state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.saver import Saver

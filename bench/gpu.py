@@ -84,7 +84,7 @@ def train_throughput(a, device: torch.device, local: int):
     """Tokens/s of this rank; returns (tokens_per_s, model, optimizer, raw model)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from trainer.config import ModelConfig
+    from trainer.job.config import ModelConfig
     from trainer.model import GPT, lm_loss, param_groups
 
     torch.manual_seed(0)

@@ -64,7 +64,7 @@ def demo_spec(workdir: Path, quick: bool) -> Path:
 def run_campaign(spec: Path, env: dict) -> tuple[float, list[tuple[float, str]], int]:
     """Wall seconds, (arrival second, line) of its output, exit status."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "run", str(spec)], cwd=ROOT, env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli.app", "run", str(spec)], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     lines = [(time.perf_counter() - t0, line.rstrip("\n")) for line in proc.stdout]
     code = proc.wait()
@@ -79,7 +79,7 @@ def _port() -> int:
 
 def run_direct(campaign: Path, stages: list[str], workers: int, threads: int, env: dict, root: Path) -> dict[str, float]:
     """Each stage's job again, launched straight through the node agent; stage → wall seconds."""
-    from trainer.config import JobConfig
+    from trainer.job.config import JobConfig
 
     walls: dict[str, float] = {}
     ckpts: dict[str, str] = {}  # the campaign's checkpoint directory of a stage → the direct run's

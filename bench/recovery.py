@@ -40,7 +40,7 @@ BENCH = {"title": "Recovery per fault kind", "order": 60, "quick": ["--d-model",
 
 from flows.campaign import pretrain_campaign  # noqa: E402
 from bench.results import Check, report  # noqa: E402
-from pretrain.spec import parse_spec  # noqa: E402
+from pretrain.spec.campaign import parse_spec  # noqa: E402
 
 DLROVER = "DLRover 0.6.1, measured here (docs/benchmarks.md): state back after a worker kill in 1.9 s (1 process) to 3.1 s (2)"
 KILL_STEPS = (12, 24, 36, 48)  # the worker kills of each path's run (one kill alone is too noisy to compare)

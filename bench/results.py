@@ -41,7 +41,7 @@ def report(checks: list[Check] | None = None, skipped: str | None = None, **fact
     record = {"checks": [asdict(c) | {"met": c.met} for c in checks or []], "skipped": skipped, "facts": facts}
     target = os.environ.get(RESULT_ENV)
     if target:
-        from trainer.atomic import atomic_write_json
+        from trainer.common.atomic import atomic_write_json
 
         atomic_write_json(target, record)
         return

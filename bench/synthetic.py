@@ -1,5 +1,5 @@
 """A synthetic prepared data set for benchmarks that time training, not data: random tokens in
-one shard with a version-1 manifest (what ``trainer.data.TokenWindows`` reads)."""
+one shard with a version-1 manifest (what ``trainer.data.sampler.TokenWindows`` reads)."""
 
 from __future__ import annotations
 

@@ -37,8 +37,8 @@ TARGET = 0.97
 
 
 def job(a, root: Path):
-    from pretrain.jobs import job_config
-    from pretrain.spec import parse_spec
+    from pretrain.run.jobs import job_config
+    from pretrain.spec.campaign import parse_spec
 
     spec = parse_spec({
         "name": "bench", "workdir": str(root), "seed": 0, "cluster": {"workers_per_node": 1},
@@ -56,7 +56,7 @@ def job(a, root: Path):
 def ours(cfg) -> dict:
     from trainer.dist import DistInfo
     from trainer.loop import train
-    from trainer.reporting import METRICS
+    from trainer.job.reporting import METRICS
 
     import torch
 

@@ -10,8 +10,8 @@ from pydantic import Field, model_validator
 from prefect.blocks.core import Block
 from prefect_kubernetes.credentials import KubernetesCredentials
 
-from pretrain.spec_kube import KubernetesSpec, SecretKeyRef, Toleration
-from pretrain.spec_sections import ClusterSpec
+from pretrain.spec.kube import KubernetesSpec, SecretKeyRef, Toleration
+from pretrain.spec.sections import ClusterSpec
 
 _SPEC_FIELDS = ClusterSpec.model_fields
 
@@ -72,7 +72,7 @@ class LocalProcessCluster(_ElasticJob):
         Use the stored cluster settings for a campaign:
         ```python
         from blocks import LocalProcessCluster
-        from pretrain.specfile import load_spec
+        from pretrain.spec.file import load_spec
 
         cluster = LocalProcessCluster.load("BLOCK_NAME")
         spec = load_spec("builtin:tiny").model_copy(update={"cluster": cluster.to_spec()})
@@ -145,5 +145,5 @@ class KubernetesCluster(_ElasticJob):
 
     def to_spec(self) -> ClusterSpec:
         """The campaign spec's ``cluster`` section (``kind: kubernetes``): its stages run as Indexed
-        Jobs (``pretrain.kube``); ``pretrain cluster render`` prints them for review."""
+        Jobs (``pretrain.cluster.kube``); ``pretrain cluster render`` prints them for review."""
         return ClusterSpec(kind="kubernetes", kubernetes=self._kube_spec(), **self._job_settings())

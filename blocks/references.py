@@ -10,10 +10,10 @@ from prefect.blocks.core import Block
 from blocks.cluster import KubernetesCluster, LocalProcessCluster
 from blocks.storage import LocalCampaignStorage, S3CampaignStorage
 from blocks.tracking import MlflowTracking
-from pretrain.cluster import not_runnable
+from pretrain.cluster.local import not_runnable
 from pretrain.credentials import Credentials
-from pretrain.spec import CampaignSpec, SpecError, parse_spec
-from pretrain.specfile import resolve_spec
+from pretrain.spec.campaign import CampaignSpec, SpecError, parse_spec
+from pretrain.spec.file import resolve_spec
 
 KINDS: dict[str, tuple[type[Block], ...]] = {
     "storage": (LocalCampaignStorage, S3CampaignStorage),

@@ -14,7 +14,7 @@ from pydantic import Field, SecretStr, field_validator
 from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials, MinIOCredentials
 
-from pretrain.spec_sections import S3_CREDENTIALS_GO, no_credentials_in_url
+from pretrain.spec.sections import S3_CREDENTIALS_GO, no_credentials_in_url
 
 _ROOT_DESCRIPTION = ("Directory where campaigns keep their workdirs, one sub-directory per campaign; '~' expands and a "
                      "relative path is resolved against the current directory when used.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, field_validator
 from prefect.blocks.core import Block
 
-from pretrain.spec_sections import MLFLOW_CREDENTIALS_GO, TrackingSpec, no_credentials_in_url
+from pretrain.spec.sections import MLFLOW_CREDENTIALS_GO, TrackingSpec, no_credentials_in_url
 
 
 class MlflowTracking(Block):
@@ -17,7 +17,7 @@ class MlflowTracking(Block):
         Track a campaign on a shared MLflow server:
         ```python
         from blocks import MlflowTracking
-        from pretrain.specfile import load_spec
+        from pretrain.spec.file import load_spec
 
         tracking = MlflowTracking.load("BLOCK_NAME")
         spec = load_spec("builtin:tiny").model_copy(update={"tracking": tracking.to_spec()})

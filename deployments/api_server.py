@@ -5,7 +5,7 @@ in the terminal's process group, so Ctrl-C kills it while the campaign still nee
 how it ended, and it outlives a ``pretrain run`` killed with SIGKILL. This one is started the
 same way (uvicorn, ``prefect.server.api.server:create_app``, the same environment) but in a
 session of its own, so terminal signals reach only the CLI, which stops it last; and it runs
-under the same orphan watchdog as the node agents (``trainer.process.exit_when_orphaned``), so
+under the same orphan watchdog as the node agents (``trainer.common.process.exit_when_orphaned``), so
 it ends with its parent whatever killed that.
 
     python -m deployments.api_server --port P   # what the CLI starts; not for direct use
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import httpx
 
-from pretrain.interrupt import StoppedAtOnce
-from pretrain.ports import free_port
-from trainer.process import child_env, exit_now, exit_when_orphaned, pid_alive
+from pretrain.run.stop import StoppedAtOnce
+from pretrain.cluster.ports import free_port
+from trainer.common.process import child_env, exit_now, exit_when_orphaned, pid_alive
 
 HOST = "127.0.0.1"
 # a local server for one run: no UI, and no telemetry heartbeat (its write raced the first start's

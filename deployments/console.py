@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from pretrain.interrupt import StoppedAtOnce
+from pretrain.run.stop import StoppedAtOnce
 from pretrain.log_levels import loggers_at
 
 STORE_SETUP_LOGGERS = ("mlflow.store.db.utils",)  # INFO lines while MLflow creates or upgrades its tables

@@ -1,4 +1,4 @@
-"""``pretrain run``'s console while a stage trains: the training display of ``pretrain.follow``
+"""``pretrain run``'s console while a stage trains: the training display of ``pretrain.views.follow``
 (a rich bar on a terminal, a line every ``progress_interval_s`` otherwise), fed from the workdir
 by a thread of this process.
 
@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pretrain.console_progress import progress_display
-from pretrain.follow import TITLE, FollowThread
+from pretrain.views.follow import TITLE, FollowThread
 from pretrain.settings import PretrainSettings
-from pretrain.train_progress import PROGRESS_RECORD
+from pretrain.views.training_progress import PROGRESS_RECORD
 
 
 def _not_progress(record: logging.LogRecord) -> bool:

@@ -8,8 +8,8 @@ import importlib
 
 from deployments.api_server import api_server_for_this_run
 from deployments.console import quiet_console
-from pretrain.dataset.progress import ProgressCallback
-from pretrain.spec import CampaignSpec
+from pretrain.data.prepare.progress import ProgressCallback
+from pretrain.spec.campaign import CampaignSpec
 
 
 def prepare_data_here(spec: CampaignSpec, progress: ProgressCallback | None = None) -> dict:

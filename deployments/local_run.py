@@ -2,7 +2,7 @@
 
 The flow runs in a thread; the main thread only waits and owns the signals (Prefect installs its
 own SIGTERM handler only when a flow runs in the main thread). The first signal asks the
-campaign to pause (``pretrain.budget``), as a spent time budget does: the training task stops
+campaign to pause (``pretrain.run.budget``), as a spent time budget does: the training task stops
 its job with a save at breakpoint, the gate judges it, and the flow records the campaign
 paused. A second signal — or the spec's ``resume.grace_period_s`` running out first — kills the
 job at once, records the campaign interrupted from here, and returns without waiting for the
@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 from deployments.api_server import api_server_for_this_run
 from deployments.console import quiet_console
-from pretrain.budget import PauseRequest, current_pause, pausing
-from pretrain.interrupt import CampaignInterrupted, CampaignPaused, StoppedAtOnce, stop_on_signals, supervise
-from pretrain.spec import CampaignSpec
+from pretrain.run.budget import PauseRequest, current_pause, pausing
+from pretrain.run.stop import CampaignInterrupted, CampaignPaused, StoppedAtOnce, stop_on_signals, supervise
+from pretrain.spec.campaign import CampaignSpec
 
 
 def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict:
@@ -28,7 +28,7 @@ def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict
     ``CampaignPaused`` when a signal paused it cleanly, ``CampaignInterrupted`` (``StoppedAtOnce``
     after a second signal or the grace period) when it stopped otherwise, whatever the flow raised
     on the way out; other errors as the flow raised them."""
-    from pretrain.outcome import pause_cause
+    from pretrain.run.outcome import pause_cause
 
     pause = current_pause() or PauseRequest()  # `pretrain run --for` sets one with its deadline
     grace_s = spec.resume.grace_period_s

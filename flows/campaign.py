@@ -2,13 +2,13 @@
 
 prepare_data → provision_cluster → for each stage: train_stage → validate_checkpoint → evaluate.
 
-Time-boxed (``run_for`` / ``until``, ``pretrain.budget``): near the budget's end the running job
+Time-boxed (``run_for`` / ``until``, ``pretrain.run.budget``): near the budget's end the running job
 is stopped with a save at breakpoint, the gate judges it, and the run ends Completed with the
 campaign *paused*; the next run continues it.
 
 Cancelled from Prefect (the UI, ``prefect flow-run cancel``), or its flow-run process sent SIGTERM
 (a pod eviction, a worker shutting down): the same pause, within the time the worker leaves
-before its SIGKILL (``pretrain.interrupt.pause_on_termination``); the ledger says *paused* with
+before its SIGKILL (``pretrain.run.stop.pause_on_termination``); the ledger says *paused* with
 the cause, and a cancelled run still ends Cancelled in Prefect — what the user asked for — while
 the next run (scheduled or manual) continues the campaign; an evicted one ends Completed, as a
 spent time budget does.
@@ -38,17 +38,17 @@ from flows.prepare_data import prepare_data
 from flows.provision_cluster import provision_cluster
 from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
-from pretrain.budget import PauseRequest, current_pause, deadline, pausing
+from pretrain.run.budget import PauseRequest, current_pause, deadline, pausing
 from pretrain.credentials import mlflow_auth
-from pretrain.interrupt import (CampaignInterrupted, StopRequest, StoppedAtOnce, current_stop, pause_on_termination,
+from pretrain.run.stop import (CampaignInterrupted, StopRequest, StoppedAtOnce, current_stop, pause_on_termination,
                                 pause_window_s, supervise)
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import CampaignStatus, SpanKind, StageStatus
-from pretrain.guard import campaign_guard, state_location
-from pretrain.outcome import record_interrupt, record_pause
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import CampaignStatus, SpanKind, StageStatus
+from pretrain.state.guard import campaign_guard, state_location
+from pretrain.run.outcome import record_interrupt, record_pause
 from pretrain.settings import PretrainSettings
-from pretrain.spec import CampaignSpec
-from pretrain.status import campaign_status
+from pretrain.spec.campaign import CampaignSpec
+from pretrain.views.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_goodput, publish_reports
 from tasks.events import campaign_completed
 from tasks.hooks import CAMPAIGN_HOOKS
@@ -56,7 +56,7 @@ from tasks.job_records import restore_job_records
 from tasks.registry import register_or_defer
 from tasks.mlflow_sync import sync_to_mlflow
 from tasks.tracking import open_campaign_run, tracker_for
-from trainer.zygote import zygote_running
+from trainer.zygote.client import zygote_running
 
 
 @flow(name="pretrain-campaign", **CAMPAIGN_HOOKS)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from pretrain.compare import compare
-from pretrain.compare_view import markdown
-from pretrain.tracking_store import shared_tracking_uri
+from pretrain.views.compare import compare
+from pretrain.views.compare_table import markdown
+from pretrain.tracking.store import shared_tracking_uri
 
 ARTIFACT_KEY = "campaign-comparison"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from pretrain.evaluation import DEFAULT_BATCHES
-from pretrain.locations import s3_options
+from pretrain.checkpoints.evaluation import DEFAULT_BATCHES
+from pretrain.state.locations import s3_options
 from tasks.evaluation import describe_checkpoint, log_evaluation, measure_checkpoint, require_valid_checkpoint
 from trainer.evaluate import EVAL_BATCH_SIZE
 

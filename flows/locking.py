@@ -1,5 +1,5 @@
 """The campaign's guard (its workdir lock, or its lease when its state is on shared storage:
-``pretrain.guard``) around a flow that writes campaign state (ledger, checkpoints, verdicts): run
+``pretrain.state.guard``) around a flow that writes campaign state (ledger, checkpoints, verdicts): run
 on its own it is refused while the campaign runs; called by the campaign flow as a subflow it
 shares the campaign's guard (reentrant within a flow run)."""
 
@@ -9,8 +9,8 @@ import functools
 
 from prefect.runtime import flow_run
 
-from pretrain.guard import campaign_guard
-from pretrain.spec import CampaignSpec
+from pretrain.state.guard import campaign_guard
+from pretrain.spec.campaign import CampaignSpec
 
 
 def holds_campaign_lock(fn):

@@ -6,11 +6,11 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from blocks.references import resolve_campaign
-from pretrain.dataset.progress import ProgressCallback
-from pretrain.ledger import Ledger
-from pretrain.guard import campaign_guard
-from pretrain.spec import CampaignSpec
-from pretrain.tracking import describe_error
+from pretrain.data.prepare.progress import ProgressCallback
+from pretrain.state.ledger import Ledger
+from pretrain.state.guard import campaign_guard
+from pretrain.spec.campaign import CampaignSpec
+from pretrain.tracking.runs import describe_error
 from tasks.data import prepare_dataset
 from tasks.data_progress import PrepArtifact, fan_out
 from tasks.tracking import log_data_set_input, tracker_for

@@ -6,10 +6,10 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import ClusterRecord
-from pretrain.spec import CampaignSpec
-from pretrain.tracking import describe_error, transient
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import ClusterRecord
+from pretrain.spec.campaign import CampaignSpec
+from pretrain.tracking.runs import describe_error, transient
 from tasks.cluster import check_kubernetes, check_nodes
 from tasks.tracking import log_node_check, tracker_for
 

@@ -4,7 +4,7 @@ failure, up to ``resume.max_attempts`` launches.
 While a job trains, the flow runs the validation gate on every checkpoint the savers commit
 (each in its own process, overlapping training); a job's end is followed by judging what is
 left, so the next launch (or the stage's end) only ever relies on validated checkpoints. What
-follows a job is decided by the stage policy (``pretrain.policy``); this flow runs the tasks and
+follows a job is decided by the stage policy (``pretrain.run.policy``); this flow runs the tasks and
 records what happened."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
-from pretrain.budget import current_pause, margin_s, measured_times
-from pretrain.guard import state_location
-from pretrain.incidents import where_hung
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
-from pretrain.policy import Action, Budget, after_job, before_launch, stage_end
+from pretrain.run.budget import current_pause, margin_s, measured_times
+from pretrain.state.guard import state_location
+from pretrain.run.incidents import where_hung
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
+from pretrain.run.policy import Action, Budget, after_job, before_launch, stage_end
 from pretrain.settings import PretrainSettings
-from pretrain.spec import CampaignSpec
+from pretrain.spec.campaign import CampaignSpec
 from tasks.checkpoints import find_resume_point, judge_pending
 from tasks.events import job_restarts, stage_failed, stage_relaunched
 from tasks.job_records import keep_job_records
@@ -48,7 +48,7 @@ def _step(point: dict | None) -> int | None:
 @holds_campaign_lock
 def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = None) -> dict:
     """Returns the stage's final checkpoint ``{"step", "path"}``; or, when the run's time budget
-    is spent (``pretrain.budget``), its newest good checkpoint with ``paused`` (why), the stage
+    is spent (``pretrain.run.budget``), its newest good checkpoint with ``paused`` (why), the stage
     recorded *paused* (None: nothing good yet). Its end waits for a Prefect API that is away
     (``PRETRAIN_PREFECT_OUTAGE_S``): the job trained on without it, and the end is a request to it."""
     try:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
-from pretrain.jobs import checkpoint_store
-from pretrain.locations import client_options
-from pretrain.spec import CampaignSpec
+from pretrain.run.jobs import checkpoint_store
+from pretrain.state.locations import client_options
+from pretrain.spec.campaign import CampaignSpec
 from tasks.checkpoints import check_checkpoints
 from trainer.checkpoint.store import CheckpointStore
 

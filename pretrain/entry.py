@@ -12,7 +12,7 @@ INTERRUPTED = "interrupted before anything started"
 
 def main() -> None:
     try:
-        from pretrain.cli import main as cli_main
+        from pretrain.cli.app import main as cli_main
     except KeyboardInterrupt:
         sys.stderr.write(INTERRUPTED + "\n")
         sys.stderr.flush()

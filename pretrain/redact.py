@@ -1,7 +1,7 @@
 """Redact anything credential-shaped before it is written where people and tools read it: MLflow
 params and tags, Prefect artifacts, the ledger, ``pretrain status`` and log lines.
 
-The spec already refuses credentials in URIs (:mod:`pretrain.spec_sections`); this is the
+The spec already refuses credentials in URIs (:mod:`pretrain.spec.sections`); this is the
 second line of defence for values that reach a writer some other way (a block, an error
 message, a path).
 Redaction keeps the shape of the text (scheme, host, parameter names), so what remains still

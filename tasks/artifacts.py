@@ -18,12 +18,12 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
-from pretrain.goodput import ALL
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
+from pretrain.views.goodput import ALL
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
 from pretrain.redact import redact
-from pretrain.report import campaign_report, checkpoint_rows
-from pretrain.spec import CampaignSpec
+from pretrain.views.report import campaign_report, checkpoint_rows
+from pretrain.spec.campaign import CampaignSpec
 from tasks.tracking import tracker_for
 
 
@@ -57,7 +57,7 @@ def publish_goodput(spec: CampaignSpec, status: dict, run_id: str | None) -> dic
     and the goodput metrics, ``goodput.json`` and the pictures on the MLflow parent run.
     Returns the pictures to embed in the report (title → URL). MLflow away: a warning; the
     numbers stay in the ledger (``pretrain status``, ``pretrain report``)."""
-    from pretrain.plots import write_plots  # matplotlib: only at the end
+    from pretrain.views.plots import write_plots  # matplotlib: only at the end
 
     logger = get_run_logger()
     layout = CampaignLayout(spec.workdir_path)

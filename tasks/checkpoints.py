@@ -5,13 +5,13 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.gate import judge, rewind_past_bad, wants_eval
-from pretrain.jobs import checkpoint_store
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import Rewind, Verdict
+from pretrain.checkpoints.gate import judge, rewind_past_bad, wants_eval
+from pretrain.run.jobs import checkpoint_store
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import Rewind, Verdict
 from pretrain.settings import PretrainSettings
-from pretrain.spec import CampaignSpec
-from pretrain.tracking import describe_error, transient
+from pretrain.spec.campaign import CampaignSpec
+from pretrain.tracking.runs import describe_error, transient
 from tasks.events import checkpoint_verdict
 from tasks.tracking import mark_mlflow_behind, tracker_for
 

@@ -6,10 +6,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.cluster import ClusterError, judge_nodes
-from pretrain.cluster_factory import make_cluster
-from pretrain.jobs import threads_per_worker
-from pretrain.spec import CampaignSpec
+from pretrain.cluster.local import ClusterError, judge_nodes
+from pretrain.cluster.factory import make_cluster
+from pretrain.run.jobs import threads_per_worker
+from pretrain.spec.campaign import CampaignSpec
 from tasks.artifacts import artifact_key
 
 
@@ -24,8 +24,8 @@ def check_kubernetes(spec: CampaignSpec, vocab_size: int | None = None) -> dict:
     """Before any training on a Kubernetes cluster: publish the stages' manifests as an artifact
     for review, then check the API, the namespace and the RBAC of the credentials in use
     (PreflightError listing everything to fix)."""
-    from pretrain.kube.client import api_client
-    from pretrain.kube.preflight import manifests_markdown, preflight
+    from pretrain.cluster.kube.client import api_client
+    from pretrain.cluster.kube.preflight import manifests_markdown, preflight
 
     logger = get_run_logger()
     create_markdown_artifact(key=artifact_key("kubernetes-manifests", spec.name),

@@ -6,17 +6,17 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.campaign_data import data_record, data_root, kept_flat_data
-from pretrain.data_identity import DataChanged, refuse_changed_data, trained_stages
-from pretrain.dataset.prepare import prepare
-from pretrain.dataset.progress import PrepProgress, ProgressCallback
-from pretrain.locations import data_client_options
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import DataRecord
-from pretrain.spec import CampaignSpec
-from trainer.data import DataError
-from trainer.data_cache import fetch_manifest
+from pretrain.data.campaign import data_record, data_root, kept_flat_data
+from pretrain.data.identity import DataChanged, refuse_changed_data, trained_stages
+from pretrain.data.prepare.pipeline import prepare
+from pretrain.data.prepare.progress import PrepProgress, ProgressCallback
+from pretrain.state.locations import data_client_options
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import DataRecord
+from pretrain.spec.campaign import CampaignSpec
+from trainer.data.sampler import DataError
+from trainer.data.cache import fetch_manifest
 
 
 @task(name="prepare-dataset", cache_policy=NO_CACHE)

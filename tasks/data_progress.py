@@ -1,6 +1,6 @@
 """Data preparation's progress as a Prefect progress artifact (the UI's bar on the flow run).
 
-Fed by the same :class:`~pretrain.dataset.progress.PrepProgress` snapshots as the console. Updates
+Fed by the same :class:`~pretrain.data.prepare.progress.PrepProgress` snapshots as the console. Updates
 are throttled (an API call per finished unit would be thousands), and the artifact is a side
 channel: if the API refuses or is away, preparation goes on and this says so once in the log.
 """
@@ -15,7 +15,7 @@ from uuid import UUID
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from pretrain.console_progress import human
-from pretrain.dataset.progress import PrepProgress, ProgressCallback
+from pretrain.data.prepare.progress import PrepProgress, ProgressCallback
 from tasks.artifacts import artifact_key
 
 MIN_INTERVAL_S = 2.0  # between two updates of the artifact, except at phase changes

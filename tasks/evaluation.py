@@ -5,13 +5,13 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.campaign_data import validation_data
-from pretrain.checkpoint_info import CheckpointInfo, CheckpointRejected, describe
-from pretrain.evaluation import measure, require_valid
-from pretrain.jobs import model_config
-from pretrain.locations import client_options
-from pretrain.spec import CampaignSpec
-from pretrain.tracking import log_to_run
+from pretrain.data.campaign import validation_data
+from pretrain.checkpoints.info import CheckpointInfo, CheckpointRejected, describe
+from pretrain.checkpoints.evaluation import measure, require_valid
+from pretrain.run.jobs import model_config
+from pretrain.state.locations import client_options
+from pretrain.spec.campaign import CampaignSpec
+from pretrain.tracking.runs import log_to_run
 from tasks.tracking import MLFLOW_RETRIES
 from trainer.evaluate import evaluate
 

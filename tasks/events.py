@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from prefect.events import emit_event
 
-from pretrain.campaign_data import campaign_data
-from pretrain.incidents import where_hung
-from pretrain.ledger import LedgerError
-from pretrain.spec import CampaignSpec
-from trainer.data import DataError
-from trainer.events import REPLACEMENT_PATHS
+from pretrain.data.campaign import campaign_data
+from pretrain.run.incidents import where_hung
+from pretrain.state.ledger import LedgerError
+from pretrain.spec.campaign import CampaignSpec
+from trainer.data.sampler import DataError
+from trainer.job.events import REPLACEMENT_PATHS
 
 CHECKPOINT_GOOD = "pretrain.checkpoint.good"
 CHECKPOINT_BAD = "pretrain.checkpoint.bad"
@@ -35,7 +35,7 @@ FINAL_LABEL = "pretrain.checkpoint.final"
 
 def campaign_resource(spec: CampaignSpec) -> dict[str, str]:
     return {"prefect.resource.id": f"pretrain.campaign.{spec.name}", "prefect.resource.name": spec.name,
-            "pretrain.workdir": str(spec.workdir_path), "pretrain.spec-hash": spec.spec_hash()}
+            "pretrain.workdir": str(spec.workdir_path), "pretrain.spec.campaign-hash": spec.spec_hash()}
 
 
 def _stage(spec: CampaignSpec, stage: str) -> dict[str, str]:

@@ -13,8 +13,8 @@ from prefect.logging.loggers import flow_run_logger
 
 from blocks.references import resolve_campaign
 from pretrain.credentials import mlflow_auth
-from pretrain.outcome import close_campaign
-from pretrain.spec import CampaignSpec, SpecError, parse_spec
+from pretrain.run.outcome import close_campaign
+from pretrain.spec.campaign import CampaignSpec, SpecError, parse_spec
 from tasks.artifacts import publish_reports
 
 

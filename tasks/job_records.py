@@ -1,5 +1,5 @@
 """The jobs' records of a campaign whose state is on shared storage, copied there after each
-job and restored into a workdir that lacks them (``pretrain.job_records``). Best effort: the
+job and restored into a workdir that lacks them (``pretrain.state.job_records``). Best effort: the
 records are for goodput detail and reading; storage away is one warning, and the next job's end
 catches up."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.guard import held, state_location, state_storage
-from pretrain.job_records import Copied, keep_records, restore_records
-from pretrain.lease import LeaseLost
+from pretrain.state.guard import held, state_location, state_storage
+from pretrain.state.job_records import Copied, keep_records, restore_records
+from pretrain.state.lease import LeaseLost
 from pretrain.redact import redact
-from pretrain.spec import CampaignSpec
+from pretrain.spec.campaign import CampaignSpec
 
 
 @task(name="keep-job-records", cache_policy=NO_CACHE)

@@ -16,16 +16,16 @@ from typing import Callable
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.compare import ledger_counters
-from pretrain.data_input import log_data_set
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import CampaignStatus, StageStatus
-from pretrain.spec import CampaignSpec
-from pretrain.tracking import MetricsForwarder, Tracker, describe_error, transient
+from pretrain.views.compare import ledger_counters
+from pretrain.tracking.dataset_input import log_data_set
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import CampaignStatus, StageStatus
+from pretrain.spec.campaign import CampaignSpec
+from pretrain.tracking.runs import MetricsForwarder, Tracker, describe_error, transient
 from tasks.checkpoints import verdicts_to_mlflow
 from tasks.tracking import log_node_check, mark_mlflow_behind, open_runs_now, tracker_for
-from trainer.reporting import EVENTS, METRICS
+from trainer.job.reporting import EVENTS, METRICS
 
 
 def log_evaluation(tracker: Tracker, stage_run_id: str, parent_run_id: str, evaluation: dict, campaign_step: int) -> None:

@@ -7,12 +7,12 @@ import importlib.util
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.checkpoint_info import describe, spec_overrides
-from pretrain.ledger import Ledger
+from pretrain.checkpoints.info import describe, spec_overrides
+from pretrain.state.ledger import Ledger
 from pretrain.redact import redact
-from pretrain.registry import register_checkpoint
-from pretrain.spec import CampaignSpec
-from pretrain.tracking import describe_error, transient
+from pretrain.checkpoints.registry import register_checkpoint
+from pretrain.spec.campaign import CampaignSpec
+from pretrain.tracking.runs import describe_error, transient
 from tasks.tracking import MLFLOW_RETRIES, open_runs_now, tracker_for
 
 RETRY_DELAYS_S = MLFLOW_RETRIES["retry_delay_seconds"]

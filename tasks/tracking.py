@@ -8,14 +8,14 @@ from typing import Callable
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.compare import ledger_of
-from pretrain.data_input import log_data_set
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
-from pretrain.mlflow_health import MlflowAway
-from pretrain.spec import CampaignSpec
-from pretrain.tracking import Tracker, transient
-from pretrain.tracking_store import artifact_root
+from pretrain.views.compare import ledger_of
+from pretrain.tracking.dataset_input import log_data_set
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from pretrain.tracking.health import MlflowAway
+from pretrain.spec.campaign import CampaignSpec
+from pretrain.tracking.runs import Tracker, transient
+from pretrain.tracking.store import artifact_root
 
 
 def _mlflow_may_recover(task, task_run, state) -> bool:
@@ -32,7 +32,7 @@ MLFLOW_RETRIES = {"retries": 4, "retry_delay_seconds": [2, 10, 30, 60], "retry_c
 
 def tracker_for(spec: CampaignSpec) -> Tracker:
     """The campaign's tracker; a new experiment keeps artifacts beside a shared sqlite store, in
-    the workdir otherwise (:func:`pretrain.tracking_store.artifact_root`)."""
+    the workdir otherwise (:func:`pretrain.tracking.store.artifact_root`)."""
     uri = spec.tracking_uri
     return Tracker(uri, spec.tracking.experiment, artifact_root(uri, CampaignLayout(spec.workdir_path).mlflow_artifacts))
 

@@ -9,27 +9,27 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.budget import current_pause
-from pretrain.cluster import recheck_nodes
-from pretrain.cluster_factory import make_cluster
-from pretrain.forwarder_thread import ForwarderThread
-from pretrain.interrupt import CampaignInterrupted, current_stop
-from pretrain.guard import job_lease
-from pretrain.jobs import build_job, threads_per_worker, write_job
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import CampaignRecord
-from pretrain.incidents import cause_of, incidents
-from pretrain.layout import CampaignLayout
-from pretrain.policy import PAUSED, adoptable_attempt
+from pretrain.run.budget import current_pause
+from pretrain.cluster.local import recheck_nodes
+from pretrain.cluster.factory import make_cluster
+from pretrain.tracking.forwarder import ForwarderThread
+from pretrain.run.stop import CampaignInterrupted, current_stop
+from pretrain.state.guard import job_lease
+from pretrain.run.jobs import build_job, threads_per_worker, write_job
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import CampaignRecord
+from pretrain.run.incidents import cause_of, incidents
+from pretrain.state.layout import CampaignLayout
+from pretrain.run.policy import PAUSED, adoptable_attempt
 from pretrain.redact import redact
 from pretrain.settings import PretrainSettings
-from pretrain.spec import CampaignSpec
-from pretrain.tracking import MetricsForwarder, forwarder_backoff
+from pretrain.spec.campaign import CampaignSpec
+from pretrain.tracking.runs import MetricsForwarder, forwarder_backoff
 from tasks.training_progress import StageProgress
 from tasks.tracking import open_runs_now, tracker_for
-from trainer.config import JobConfig
-from trainer.events import EventKind
-from trainer.reporting import EVENTS, METRICS, JsonLines, read_all
+from trainer.job.config import JobConfig
+from trainer.job.events import EventKind
+from trainer.job.reporting import EVENTS, METRICS, JsonLines, read_all
 
 
 
@@ -140,7 +140,7 @@ def run_training_job(spec: CampaignSpec, stage_index: int, attempt: int, init_fr
                      stage_run_id: str | None, parent_run_id: str | None, step_offset: int, exclude: list[int] = (),
                      settings: PretrainSettings | None = None, adopt: bool = False) -> JobResult:
     """Start the stage's job on the cluster and wait for it, streaming metrics to MLflow. An
-    operator's stop (``pretrain.interrupt``) stops the job with a save at breakpoint and raises
+    operator's stop (``pretrain.run.stop``) stops the job with a save at breakpoint and raises
     ``CampaignInterrupted``. ``settings``: the waits and polls (None: this process's environment).
     ``adopt``: the launch's job still runs (``adoptable_launch``): its ``job.json``, which its pods
     read (again at every in-job restart), is used as it is, never rewritten."""

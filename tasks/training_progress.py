@@ -13,12 +13,12 @@ from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import StageRecord
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import StageRecord
 from pretrain.settings import PretrainSettings
-from pretrain.spec import CampaignSpec
-from pretrain.train_progress import Throttle, TrainingSnapshot, job_watch, progress_extra
+from pretrain.spec.campaign import CampaignSpec
+from pretrain.views.training_progress import Throttle, TrainingSnapshot, job_watch, progress_extra
 from tasks.artifacts import artifact_key
 
 ARTIFACT_INTERVAL_S = 2.0  # between two updates of the artifact (the UI's bar)

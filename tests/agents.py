@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from conftest import seed_data, small_spec
-from pretrain.ports import free_port
-from pretrain.jobs import build_job, write_job
+from pretrain.cluster.ports import free_port
+from pretrain.run.jobs import build_job, write_job
 from trainer.checkpoint.flash import SnapshotStore
-from trainer.config import JobConfig
-from trainer.zygote import Zygote
+from trainer.job.config import JobConfig
+from trainer.zygote.client import Zygote
 
 
 def agent_job(workdir: Path, prepared_data: Path, attempt: int = 0, steps: int = 4, sections: dict | None = None,

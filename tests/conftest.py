@@ -21,10 +21,10 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 # default start-up timeout ran out with the machine loaded ×8 (the campaign then fails at once)
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-from pretrain.campaign_data import data_record  # noqa: E402
-from pretrain.dataset.prepare import prepare  # noqa: E402
-from pretrain.layout import CampaignLayout  # noqa: E402
-from pretrain.spec import CampaignSpec, parse_spec  # noqa: E402
+from pretrain.data.campaign import data_record  # noqa: E402
+from pretrain.data.prepare.pipeline import prepare  # noqa: E402
+from pretrain.state.layout import CampaignLayout  # noqa: E402
+from pretrain.spec.campaign import CampaignSpec, parse_spec  # noqa: E402
 from prefect_server import on_prefect_server, prefect_server  # noqa: E402,F401 - a real server, on request
 from scheduling import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa: E402,F401 - hooks
 
@@ -130,10 +130,10 @@ def prefect_harness(zygote, migrated_prefect_database):
 
 @pytest.fixture(scope="session")
 def zygote():
-    """A fork server with torch imported, as a campaign run has (``trainer.zygote``), for tests
+    """A fork server with torch imported, as a campaign run has (``trainer.zygote.client``), for tests
     that start node agents themselves, and the context's zygote for the session: the campaigns a
     test runs in this process fork from it instead of starting their own (2.6 CPU-s each)."""
-    from trainer.zygote import zygote_running
+    from trainer.zygote.client import zygote_running
 
     with zygote_running() as server:
         yield server
@@ -175,8 +175,8 @@ def seed_data(spec: CampaignSpec, prepared: Path, own_store: bool = True) -> Non
     """The campaign's data set as its data preparation leaves it: in ``<workdir>/data/<fingerprint>``,
     recorded in the ledger (preparation then finds it up to date); and (``own_store``) the
     session's empty tracking store where the campaign keeps its own."""
-    from pretrain.ledger import Ledger
-    from trainer.data import read_manifest
+    from pretrain.state.ledger import Ledger
+    from trainer.data.sampler import read_manifest
 
     store = spec.workdir_path / TRACKING_STORE
     if own_store and spec.tracking.uri is None and not store.exists():
@@ -216,7 +216,7 @@ def kept_trajectory(rows: list[dict], steps: int, global_batch: int | None = Non
 
 def campaign_data_dir(spec: CampaignSpec) -> Path:
     """The local directory of the data set the campaign's ledger records."""
-    from pretrain.campaign_data import campaign_data
+    from pretrain.data.campaign import campaign_data
 
     return Path(campaign_data(spec).location)
 
@@ -270,9 +270,9 @@ def save_checkpoint(spec: CampaignSpec, stage_index: int = 0, steps: int = 2):
     worker does (``trainer.checkpoint.state.save``, manifest with the job's record); returns its ref."""
     import torch
 
-    from pretrain.jobs import build_job
+    from pretrain.run.jobs import build_job
     from trainer.checkpoint import state
-    from trainer.data import GlobalSampler, TokenWindows, make_batch
+    from trainer.data.sampler import GlobalSampler, TokenWindows, make_batch
     from trainer.dist import DistInfo
     from trainer.loop import build_model
     from trainer.model import lm_loss
@@ -312,7 +312,7 @@ def pretrain_cli(*args: str, timeout: float = 180):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "pretrain.cli.app", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def copy_checkpoint(ref, dest: Path, edit=None) -> str:
@@ -364,7 +364,7 @@ def assert_no_duplicate_metric_steps(tracking_uri: str) -> None:
 
 def final_model(spec: CampaignSpec, stage: str = "main") -> dict:
     """The model tensors of the stage's newest committed checkpoint."""
-    from pretrain.jobs import checkpoint_store
+    from pretrain.run.jobs import checkpoint_store
 
     store = checkpoint_store(spec, stage)
     return store.load_shard(store.read_pointer(), "model.pt")["model"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from pretrain.spec_data import DataSpec
+from pretrain.spec.data import DataSpec
 
 QUIET = {"log": lambda *_: None}  # prepare() without its log lines
 

@@ -23,7 +23,7 @@ from jobs import tiny_job
 from trainer.checkpoint import state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.sharded import localize
-from trainer.config import JobConfig
+from trainer.job.config import JobConfig
 from trainer.dist import init_distributed, shutdown_and_exit
 from trainer.loop import build_model, seed_everything, snapshot_capacity
 from trainer.model import lm_loss

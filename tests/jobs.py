@@ -1,5 +1,5 @@
 """A small job config for trainer-level tests, filled from a spec exactly as the orchestrator
-fills it (``pretrain.jobs.job_config``): the spec is the one source of every default; a model
+fills it (``pretrain.run.jobs.job_config``): the spec is the one source of every default; a model
 trained a few steps on it, and a bit-exact comparison of training states."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from pretrain.jobs import job_config
-from pretrain.spec import parse_spec
-from trainer.config import JobConfig
+from pretrain.run.jobs import job_config
+from pretrain.spec.campaign import parse_spec
+from trainer.job.config import JobConfig
 from trainer.dist import DistInfo
 from trainer.loop import build_model
 

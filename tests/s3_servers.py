@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.ports import bindable, free_port
+from pretrain.cluster.ports import bindable, free_port
 
 ACCESS_KEY = "test-access-key"
 SECRET_KEY = "test-secret-key-" + uuid.uuid4().hex  # checked by SeaweedFS (real signatures)
@@ -26,7 +26,7 @@ BUCKET = "ckpt"
 
 
 def free_ports(n: int, with_grpc: bool = False) -> list[int]:
-    """``n`` distinct free ports below the ephemeral range (``pretrain.ports``); with_grpc: each
+    """``n`` distinct free ports below the ephemeral range (``pretrain.cluster.ports``); with_grpc: each
     port P also has P+10000 free (SeaweedFS derives some gRPC ports as P+10000 even when told
     otherwise): P from 10000-16000, a range nothing else here draws from."""
     ports: list[int] = []

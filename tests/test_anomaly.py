@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from agents import agent_job, node_log, run_agent
-from pretrain.incidents import cause_of
-from trainer.reporting import EVENTS, read_all
+from pretrain.run.incidents import cause_of
+from trainer.job.reporting import EVENTS, read_all
 from trainer.resilience.anomaly import SpikeDetector, skip_past
 
 

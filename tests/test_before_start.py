@@ -1,4 +1,4 @@
-"""What ``pretrain run`` / ``data prepare`` refuse before starting anything (pretrain/before_start.py),
+"""What ``pretrain run`` / ``data prepare`` refuse before starting anything (pretrain/cli/before_start.py),
 and what they leave to the flow."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import json
 import pytest
 from conftest import small_spec
 
-from pretrain.spec import parse_spec
+from pretrain.spec.campaign import parse_spec
 
-from pretrain.corpus.files import CorpusError
-from pretrain.layout import UnusableWorkdir
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import CampaignMismatch, Ledger, LedgerError, ledger_location
-from pretrain.before_start import refuse_before_starting
+from pretrain.data.corpus.files import CorpusError
+from pretrain.state.layout import UnusableWorkdir
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import CampaignMismatch, Ledger, LedgerError, ledger_location
+from pretrain.cli.before_start import refuse_before_starting
 
 OTHER_MODEL = {"n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 64}
 

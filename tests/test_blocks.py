@@ -19,10 +19,10 @@ from prefect_aws.client_parameters import AwsClientParameters
 import blocks
 from blocks import KubernetesCluster, LocalCampaignStorage, LocalProcessCluster, MlflowTracking, S3CampaignStorage
 from blocks.references import apply_blocks, resolve_campaign
-from pretrain.spec_kube import KubernetesSpec, SecretKeyRef
-from pretrain.jobs import checkpoint_store
-from pretrain.spec import SpecError, parse_spec
-from pretrain.spec_sections import ClusterSpec, TrackingSpec
+from pretrain.spec.kube import KubernetesSpec, SecretKeyRef
+from pretrain.run.jobs import checkpoint_store
+from pretrain.spec.campaign import SpecError, parse_spec
+from pretrain.spec.sections import ClusterSpec, TrackingSpec
 
 SECRET = "tok-" + uuid.uuid4().hex
 SLUGS = {"local-campaign-storage", "s3-campaign-storage", "local-process-cluster", "kubernetes-training-cluster",

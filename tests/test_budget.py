@@ -9,10 +9,10 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from pretrain.budget import (STOP_OVERHEAD_S, UNMEASURED_MARGIN_S, BudgetError, PauseRequest, deadline, margin_s,
+from pretrain.run.budget import (STOP_OVERHEAD_S, UNMEASURED_MARGIN_S, BudgetError, PauseRequest, deadline, margin_s,
                              measured_times, parse_duration, parse_until)
-from pretrain.ledger_schema import Verdict
-from pretrain.policy import PAUSED, Action, Budget, after_job
+from pretrain.state.schema import Verdict
+from pretrain.run.policy import PAUSED, Action, Budget, after_job
 from test_policy import failed
 
 NOW = datetime(2026, 12, 1, 22, 30, tzinfo=timezone(timedelta(hours=1)))

@@ -11,9 +11,9 @@ from mlflow.tracking import MlflowClient
 
 from conftest import assert_no_duplicate_metric_steps, campaign_data_dir, seed_data, small_spec, worker_processes
 from flows.campaign import pretrain_campaign
-from pretrain.ledger import CampaignMismatch
-from pretrain.registry import TAG_CHECKPOINT
-from pretrain.tracking import TAG_CAMPAIGN_ID, TAG_ROLE, TAG_STAGE
+from pretrain.state.ledger import CampaignMismatch
+from pretrain.checkpoints.registry import TAG_CHECKPOINT
+from pretrain.tracking.runs import TAG_CAMPAIGN_ID, TAG_ROLE, TAG_STAGE
 from trainer.checkpoint import store as ckpt
 
 
@@ -114,7 +114,7 @@ def test_a_different_spec_refuses_the_workdir(finished, prefect_harness):
 
 def test_status_cli_json_matches(finished):
     spec, status = finished
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "status", "--workdir", str(spec.workdir_path), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "status", "--workdir", str(spec.workdir_path), "--json"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(proc.stdout)
@@ -124,7 +124,7 @@ def test_status_cli_json_matches(finished):
     assert shown["mlflow"]["ui_command"] == f"mlflow ui --backend-store-uri {spec.tracking_uri}"
     for split in [shown["goodput"], *(s["goodput"] for s in shown["stages"])]:  # fault-free stages: goodput > 0
         assert split["known"] and 0 < split["goodput"] < 1 and split["parts_s"]["productive"] > 0
-    table = subprocess.run([sys.executable, "-m", "pretrain.cli", "status", "--workdir", str(spec.workdir_path)],
+    table = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "status", "--workdir", str(spec.workdir_path)],
                            capture_output=True, text=True, timeout=120)
     assert "completed" in table.stdout and "mlflow ui" in table.stdout
     assert "goodput: where the wall time went" in table.stdout and "checkpoint blocking" in table.stdout

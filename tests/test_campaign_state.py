@@ -21,15 +21,15 @@ from agents import snapshot
 from conftest import small_spec, wait_for
 from s3_servers import BUCKET
 
-from pretrain.guard import LEASE_KEY, campaign_guard, check_holds, held, job_lease, state_storage
-from pretrain.lease import Lease, LeaseLost
-from pretrain.ledger import Ledger
-from pretrain.lock import CampaignBusy
+from pretrain.state.guard import LEASE_KEY, campaign_guard, check_holds, held, job_lease, state_storage
+from pretrain.state.lease import Lease, LeaseLost
+from pretrain.state.ledger import Ledger
+from pretrain.state.lock import CampaignBusy
 from pretrain.settings import PretrainSettings
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.fence import LeaseFence, LeaseRecord
 from trainer.checkpoint.saver import Saver
-from trainer.reporting import JsonLines, read_all
+from trainer.job.reporting import JsonLines, read_all
 
 seaweed, moto, aws_env = s3_servers.seaweed, s3_servers.moto, s3_servers.aws_env
 REPO = Path(__file__).resolve().parents[1]
@@ -73,9 +73,9 @@ def test_ledger_writers_racing_on_s3_lose_no_update(tmp_path, seaweed, aws_env):
 
 HOLDER = textwrap.dedent("""
     import sys
-    from pretrain.guard import campaign_guard
-    from pretrain.ledger import Ledger
-    from pretrain.spec import CampaignSpec
+    from pretrain.state.guard import campaign_guard
+    from pretrain.state.ledger import Ledger
+    from pretrain.spec.campaign import CampaignSpec
     spec = CampaignSpec.model_validate_json(open(sys.argv[1]).read())
     with campaign_guard(spec, "run-A"):
         Ledger.open(spec).begin_run("run-A")
@@ -189,7 +189,7 @@ def test_a_local_campaign_keeps_its_ledger_and_flock_in_the_workdir(tmp_path):
     with campaign_guard(spec, "run-A"):
         Ledger.open(spec).begin_run("run-A")
         assert job_lease(spec) == {} and held(spec) is None
-        other = subprocess.run([sys.executable, "-c", "from pretrain.lock import campaign_lock\n"
+        other = subprocess.run([sys.executable, "-c", "from pretrain.state.lock import campaign_lock\n"
                                 f"with campaign_lock({str(spec.workdir_path)!r}, 't'): pass"],
                                env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
         assert other.returncode != 0 and "is already running" in other.stderr
@@ -203,7 +203,7 @@ def test_a_local_campaign_keeps_its_ledger_and_flock_in_the_workdir(tmp_path):
     ({"state_uri": "s3://KEY:SECRET@b/state"}, "credentials"),
 ])
 def test_state_uri_in_the_spec(tmp_path, checkpoint, problem):
-    from pretrain.spec import SpecError
+    from pretrain.spec.campaign import SpecError
 
     if problem is None:
         assert small_spec(tmp_path, checkpoint=checkpoint).checkpoint.state_uri == checkpoint["state_uri"]

@@ -18,12 +18,12 @@ from prefect.settings import PREFECT_API_URL
 
 from conftest import assert_no_duplicate_metric_steps, campaign_events, final_model, seed_data, small_spec, wait_for
 from flows.campaign import pretrain_campaign
-from pretrain.goodput import ALL
-from pretrain.jobs import checkpoint_store, job_config
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
-from trainer.config import JobConfig
-from trainer.reporting import read_all
+from pretrain.views.goodput import ALL
+from pretrain.run.jobs import checkpoint_store, job_config
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from trainer.job.config import JobConfig
+from trainer.job.reporting import read_all
 from trainer.resilience.chaos import WorkerChaos
 
 STAGE = [{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 4, "warmup_steps": 3}]
@@ -182,18 +182,18 @@ def test_goodput_and_pictures_are_logged_to_the_mlflow_parent_run(drilled, tmp_p
 
 def test_report_command_writes_the_pictures_and_a_page(drilled, tmp_path):
     spec, _ = drilled
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "report", "--workdir", str(spec.workdir_path),
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "report", "--workdir", str(spec.workdir_path),
                            "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     for name in ("loss_vs_tokens.png", "goodput.png"):
         _valid_png(tmp_path / "r" / name)
     page = (tmp_path / "r" / "report.html").read_text()
     assert "src='loss_vs_tokens.png'" in page and "src='goodput.png'" in page and "recomputation" in page
-    missing = subprocess.run([sys.executable, "-m", "pretrain.cli", "report", "--workdir", str(tmp_path / "none")],
+    missing = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "report", "--workdir", str(tmp_path / "none")],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "no campaign in" in missing.stderr and "Traceback" not in missing.stderr
     (tmp_path / "notes.txt").write_text("mine")
-    onto_a_file = subprocess.run([sys.executable, "-m", "pretrain.cli", "report", "--workdir", str(spec.workdir_path),
+    onto_a_file = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "report", "--workdir", str(spec.workdir_path),
                                   "--out", str(tmp_path / "notes.txt")], capture_output=True, text=True, timeout=180)
     assert onto_a_file.returncode == 2 and "Traceback" not in onto_a_file.stderr, onto_a_file.stderr
     assert "cannot write the report to" in onto_a_file.stderr and "[Errno" not in onto_a_file.stderr
@@ -285,10 +285,10 @@ def test_the_builtin_drills_campaign_recovers_each_fault_by_its_own_path(tmp_pat
     restarted, all in the job's first attempt; the run's last live line and the table agree on
     the restarts (the lost workers replaced)."""
     env = {**os.environ, "COLUMNS": "200"}
-    run = subprocess.run([sys.executable, "-m", "pretrain.cli", "run", "builtin:drills", "--workdir", str(tmp_path / "w")],
+    run = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "run", "builtin:drills", "--workdir", str(tmp_path / "w")],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert run.returncode == 0 and "Traceback" not in run.stderr + run.stdout, run.stderr[-3000:]
-    status = json.loads(subprocess.run([sys.executable, "-m", "pretrain.cli", "status", "--workdir", str(tmp_path / "w"),
+    status = json.loads(subprocess.run([sys.executable, "-m", "pretrain.cli.app", "status", "--workdir", str(tmp_path / "w"),
                                         "--json"], capture_output=True, text=True, timeout=120, check=True).stdout)
     [stage] = status["stages"]
     assert stage["status"] == "completed" and stage["attempts"] == 1

@@ -17,14 +17,14 @@ from flows.campaign import pretrain_campaign
 from flows.compare import ARTIFACT_KEY, compare_campaigns
 from mlflow_server import MlflowServer
 from s3_servers import free_ports
-from pretrain.cli import app
-from pretrain.compare import CompareError, compare
-from pretrain.compare_view import differing_params, markdown
-from pretrain.ledger import Ledger
-from pretrain.status import campaign_status
-from pretrain.tracking import Tracker
-from pretrain.layout import CampaignLayout
-from trainer.reporting import read_all
+from pretrain.cli.app import app
+from pretrain.views.compare import CompareError, compare
+from pretrain.views.compare_table import differing_params, markdown
+from pretrain.state.ledger import Ledger
+from pretrain.views.status import campaign_status
+from pretrain.tracking.runs import Tracker
+from pretrain.state.layout import CampaignLayout
+from trainer.job.reporting import read_all
 
 LRS = {"lr-high": 3e-3, "lr-low": 1e-3}
 STEPS, WORKERS, MICRO, SEQ = 4, 2, 4, 32  # one stage: tokens over stages are tests/test_tracking_store.py's

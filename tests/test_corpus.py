@@ -1,4 +1,4 @@
-"""pretrain.corpus: expanding sources into files, cutting files into work units, reading units
+"""pretrain.data.corpus: expanding sources into files, cutting files into work units, reading units
 into documents; each format on the local disk (S3 in test_corpus_s3.py), and every bad input
 that is about reading."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.corpus import CorpusError, Doc, Skip, expand_sources, plan_units, read_unit, resolve_format
-from pretrain.corpus.globs import glob_regex
-from pretrain.corpus.units import batch_row_groups, byte_ranges
-from pretrain.spec_data import DataSpec
+from pretrain.data.corpus import CorpusError, Doc, Skip, expand_sources, plan_units, read_unit, resolve_format
+from pretrain.data.corpus.globs import glob_regex
+from pretrain.data.corpus.units import batch_row_groups, byte_ranges
+from pretrain.spec.data import DataSpec
 
 
 def spec(sources, **kw) -> DataSpec:

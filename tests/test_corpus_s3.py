@@ -1,4 +1,4 @@
-"""pretrain.corpus on a real S3 server (SeaweedFS): each source kind read from S3 gives the same
+"""pretrain.data.corpus on a real S3 server (SeaweedFS): each source kind read from S3 gives the same
 documents as from the local disk, globs and prefixes list objects, and S3 failures (missing
 bucket, bad credentials, an object changed while preparing) are clear errors."""
 
@@ -12,7 +12,7 @@ import s3_servers
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY, s3_client
 from test_corpus import compress, read_all, skips, spec, texts, write_jsonl, write_parquet
 
-from pretrain.corpus import CorpusError, expand_sources, plan_units, read_unit
+from pretrain.data.corpus import CorpusError, expand_sources, plan_units, read_unit
 
 seaweed = s3_servers.seaweed
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from pretrain.dataset.prepare import prepare
-from pretrain.spec_data import DataSpec
-from trainer.data import DataError, GlobalSampler, TokenWindows, micro_batch_positions, read_manifest
+from pretrain.data.prepare.pipeline import prepare
+from pretrain.spec.data import DataSpec
+from trainer.data.sampler import DataError, GlobalSampler, TokenWindows, micro_batch_positions, read_manifest
 
 
 def test_prepared_data_set_is_complete_and_decodes(prepared_data):
@@ -42,8 +42,8 @@ def test_sampler_covers_every_window_once_per_epoch(prepared_data):
 
 
 def test_data_groups_are_packed_separately_and_mixed_in_exact_proportions(tmp_path):
-    from pretrain.spec import parse_spec
-    from trainer.data import MixtureSampler
+    from pretrain.spec.campaign import parse_spec
+    from trainer.data.sampler import MixtureSampler
 
     spec = DataSpec(sources={"json": ["{stdlib}/json/*.py"], "email": ["{stdlib}/email/*.py"]},
                     max_bytes=60_000, tokenizer={"vocab_size": 300}, val_fraction=0.2)

@@ -1,4 +1,4 @@
-"""The node-local data cache (trainer.data_cache): a data set on S3 (SeaweedFS, signatures
+"""The node-local data cache (trainer.data.cache): a data set on S3 (SeaweedFS, signatures
 checked) is fetched into ``<cache>/<fingerprint>/`` verified, reused, and repaired."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import s3_servers
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
-from trainer.data import DataError, TokenWindows
-from trainer.data_cache import local_data_dir
+from trainer.data.sampler import DataError, TokenWindows
+from trainer.data.cache import local_data_dir
 from trainer.storage import StorageError, open_storage
 
 seaweed, seaweed_factory = s3_servers.seaweed, s3_servers.seaweed_factory
@@ -158,7 +158,7 @@ def test_the_ranks_of_a_node_fetching_at_once_share_one_verified_copy(tmp_path, 
     """Two processes (the local ranks of one node) start on an empty cache together: the lock
     lets one fetch while the other waits, then both read the same complete copy."""
     url, src = on_s3
-    code = ("import json, sys; from trainer.data_cache import local_data_dir; "
+    code = ("import json, sys; from trainer.data.cache import local_data_dir; "
             "print(local_data_dir(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), session='job-1'))")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     ranks = [subprocess.Popen([sys.executable, "-c", code, url, str(tmp_path / "cache"), json.dumps(s3_options)],

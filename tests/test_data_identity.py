@@ -12,13 +12,13 @@ import pytest
 from conftest import DATA, small_spec
 from flows.campaign import pretrain_campaign
 from flows.prepare_data import prepare_data
-from pretrain.data_identity import DataChanged, refuse_changed_data, what_changed
-from pretrain.jobs import build_job, checkpoint_store
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import CampaignRecord, DataRecord, new_stage
-from pretrain.spec import parse_spec
-from trainer.data import TokenWindows, read_manifest
+from pretrain.data.identity import DataChanged, refuse_changed_data, what_changed
+from pretrain.run.jobs import build_job, checkpoint_store
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import CampaignRecord, DataRecord, new_stage
+from pretrain.spec.campaign import parse_spec
+from trainer.data.sampler import TokenWindows, read_manifest
 
 SRC = {"uri": "/c/a.jsonl", "format": "jsonl", "group": "all", "identity": "10:1", "size": 10, "documents": 3}
 OLD = {"fingerprint": "aaaa", "vocab_size": 512, "tokenizer_sha256": "t1", "settings": {"val_fraction": 0.05},

@@ -9,10 +9,10 @@ import pytest
 from conftest import pretrain_cli, seed_data, small_spec
 from rich.console import Console
 
-from pretrain.data_inspect import SOURCE_ROWS, render_summary
-from pretrain.ledger import Ledger
-from pretrain.status import NoCampaign
-from pretrain.workdir_lookup import campaign_data_set
+from pretrain.data.inspection import SOURCE_ROWS, render_summary
+from pretrain.state.ledger import Ledger
+from pretrain.views.status import NoCampaign
+from pretrain.cli.workdir_lookup import campaign_data_set
 
 
 def shown(manifest: dict, **kwargs) -> str:

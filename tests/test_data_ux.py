@@ -20,16 +20,16 @@ from mlflow.tracking import MlflowClient
 from rich.console import Console
 from s3_servers import BUCKET, aws_env  # noqa: F401 - a fixture
 
-from pretrain.cli_data import show_on
+from pretrain.cli.data import show_on
 from pretrain.console_progress import LineProgress, clock_time, human, progress_display
-from pretrain.data_inspect import InspectError, inspect_data_set, open_data_set
-from pretrain.dataset.prepare import prepare
-from pretrain.dataset.progress import PrepProgress
-from pretrain.interrupt import InterruptLatch, interrupt_latch
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
-from pretrain.spec_data import DataSpec
-from pretrain.tracking import Tracker
+from pretrain.data.inspection import InspectError, inspect_data_set, open_data_set
+from pretrain.data.prepare.pipeline import prepare
+from pretrain.data.prepare.progress import PrepProgress
+from pretrain.run.stop import InterruptLatch, interrupt_latch
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from pretrain.spec.data import DataSpec
+from pretrain.tracking.runs import Tracker
 from trainer.storage import open_storage
 
 seaweed = s3_servers.seaweed
@@ -252,7 +252,7 @@ def test_an_mlflow_refusal_never_fails_data_preparation(prefect_harness, tmp_pat
 # ---- pretrain data prepare ------------------------------------------------------------------
 def data_cli(*args: str) -> subprocess.CompletedProcess:
     """``pretrain data ...`` in a fresh process on the session's Prefect server (no server of its own)."""
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", "data", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pretrain.cli.app", "data", *args], capture_output=True, text=True,
                           timeout=180, env=session_api_env())
 
 
@@ -333,7 +333,7 @@ def test_ctrl_c_stops_cli_prepare_in_one_line_exit_130_and_the_same_command_resu
     spec_file = write_spec(tmp_path, {"sources": [str(corpus / "*.jsonl")], "tokenizer": {"vocab_size": 300},
                                       "unit_bytes": 4096, "workers": 1})
 
-    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "data", "prepare", spec_file], text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli.app", "data", "prepare", spec_file], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             env=session_api_env())
     units = tmp_path / "wd" / "data" / ".work" / "units"

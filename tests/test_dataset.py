@@ -1,4 +1,4 @@
-"""Data preparation at scale (pretrain.dataset): versioned data sets, determinism across worker
+"""Data preparation at scale (pretrain.data.prepare): versioned data sets, determinism across worker
 counts, resuming after a kill, incremental re-runs, deduplication, weights, wide vocabularies and
 every source format. Real files, real worker processes. Bad input and damaged files:
 test_dataset_bad_input.py; an S3 root: test_dataset_s3.py."""
@@ -17,11 +17,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from corpora import QUIET, data_set_bytes, docs, jsonl_corpus, spec, wide_tokenizer, write_jsonl
-from pretrain.dataset.errors import DataPrepError
-from pretrain.dataset.prepare import prepare
-from trainer.atomic import sha256_file
-from trainer.data import TokenWindows, read_manifest
-from trainer.data_manifest import MANIFEST
+from pretrain.data.prepare.errors import DataPrepError
+from pretrain.data.prepare.pipeline import prepare
+from trainer.common.atomic import sha256_file
+from trainer.data.sampler import TokenWindows, read_manifest
+from trainer.data.manifest import MANIFEST
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,8 +72,8 @@ def test_the_data_set_is_byte_identical_for_any_number_of_workers(tmp_path):
 KILLED_RUN = """
 import sys
 from pathlib import Path
-from pretrain.dataset.prepare import prepare
-from pretrain.spec_data import DataSpec
+from pretrain.data.prepare.pipeline import prepare
+from pretrain.spec.data import DataSpec
 
 def stop_at_unit(p):
     if p.phase == "tokenize" and p.units_done == 3:
@@ -140,8 +140,8 @@ def test_a_worker_that_dies_mid_preparation_is_a_clear_error_and_the_next_run_re
 UNGUARDED = """
 import sys
 from pathlib import Path
-from pretrain.dataset.prepare import prepare
-from pretrain.spec_data import DataSpec
+from pretrain.data.prepare.pipeline import prepare
+from pretrain.spec.data import DataSpec
 
 prepare(DataSpec.model_validate_json(sys.argv[1]), sys.argv[2], work=Path(sys.argv[3]), log=lambda *_: None)
 print("prepared")
@@ -160,8 +160,8 @@ def test_a_script_without_a_main_check_is_told_to_add_one(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode != 0 and "prepared" not in proc.stdout
     # the script's own error (Python's resource tracker may warn about the broken pool's semaphores after it)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("pretrain.dataset.errors.")]
-    assert errors and errors[-1].startswith("pretrain.dataset.errors.DataPrepError: the data preparation worker "
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("pretrain.data.prepare.errors.")]
+    assert errors and errors[-1].startswith("pretrain.data.prepare.errors.DataPrepError: the data preparation worker "
                                             "processes ended before they could start"), proc.stderr[-2000:]
     last = errors[-1]
     assert str(script) in last and 'if __name__ == "__main__":' in last and "memory" not in last
@@ -259,7 +259,7 @@ def test_every_source_format_yields_the_same_documents(tmp_path):
     [list(np.random.default_rng(3).integers(0, 400, size=97)) for _ in range(40)],
 ], ids=["small", "extremes", "overlapping", "random"])
 def test_the_dedup_hash_set_agrees_with_a_python_set(batches):
-    from pretrain.dataset.dedup import HashSet
+    from pretrain.data.prepare.dedup import HashSet
 
     hs, reference = HashSet(), set()
     for batch in batches:

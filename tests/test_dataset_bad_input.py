@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from corpora import QUIET, data_set_bytes, docs, jsonl_corpus, spec, wide_tokenizer, write_jsonl
-from pretrain.dataset.errors import DataPrepError
-from pretrain.dataset.prepare import prepare
-from trainer.data import read_manifest
-from trainer.data_manifest import MANIFEST
+from pretrain.data.prepare.errors import DataPrepError
+from pretrain.data.prepare.pipeline import prepare
+from trainer.data.sampler import read_manifest
+from trainer.data.manifest import MANIFEST
 
 
 @pytest.mark.parametrize("files, message", [

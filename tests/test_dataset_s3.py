@@ -8,9 +8,9 @@ import s3_servers
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 from corpora import QUIET, data_set_bytes, docs, jsonl_corpus, spec, wide_tokenizer, write_jsonl
 
-from pretrain.dataset.errors import DataPrepError
-from pretrain.dataset.prepare import prepare
-from trainer.data_manifest import MANIFEST
+from pretrain.data.prepare.errors import DataPrepError
+from pretrain.data.prepare.pipeline import prepare
+from trainer.data.manifest import MANIFEST
 from trainer.storage import LocalStorage, StorageError, open_storage
 
 seaweed = s3_servers.seaweed  # the session's SeaweedFS (a fixture)
@@ -72,7 +72,7 @@ class RecordingStorage(LocalStorage):
 
 @pytest.mark.parametrize("refuse", [None, "shard_00007.bin"])
 def test_staged_files_upload_as_written_and_the_manifest_only_after_all_of_them(tmp_path, refuse):
-    from pretrain.dataset.upload import Uploader
+    from pretrain.data.prepare.upload import Uploader
 
     target = RecordingStorage(tmp_path / "remote", refuse=refuse)
     staged = tmp_path / "staging"

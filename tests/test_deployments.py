@@ -59,7 +59,7 @@ def test_campaign_deployment_runs_one_at_a_time_and_schedule_starts_paused():
 def test_nightly_deployment_advances_the_campaign_one_time_boxed_run_at_a_time():
     """A night's run pauses within its budget; a run still going when the next is due keeps the
     campaign, the newcomer is cancelled (not queued behind it)."""
-    from pretrain.budget import parse_duration
+    from pretrain.run.budget import parse_duration
 
     nightly = DEPLOYMENTS["advance-campaign"]
     assert nightly["entrypoint"] == DEPLOYMENTS["pretrain-campaign"]["entrypoint"]

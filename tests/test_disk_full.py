@@ -11,13 +11,13 @@ import pytest
 
 from agents import agent_job, run_agent, snapshot
 from conftest import small_spec
-from pretrain.incidents import NON_RETRYABLE, cause_of
-from pretrain.ledger import Ledger, LedgerDiskFull
+from pretrain.run.incidents import NON_RETRYABLE, cause_of
+from pretrain.state.ledger import Ledger, LedgerDiskFull
 from tmpfs import small_tmpfs
-from trainer.atomic import atomic_write_bytes
+from trainer.common.atomic import atomic_write_bytes
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.saver import CheckpointDiskFull, Saver
-from trainer.reporting import EVENTS, METRICS, read_all
+from trainer.job.reporting import EVENTS, METRICS, read_all
 
 
 def test_atomic_write_that_fills_the_disk_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -17,10 +17,10 @@ import torch
 from conftest import (assert_no_duplicate_metric_steps, final_model, kept_trajectory, run_to_completion, seed_data,
                       small_spec, wait_for)
 from flows.campaign import pretrain_campaign
-from pretrain.jobs import checkpoint_store
-from pretrain.ledger import Ledger
-from trainer.elastic import wait_to_stand_by
-from trainer.reporting import read_all
+from pretrain.run.jobs import checkpoint_store
+from pretrain.state.ledger import Ledger
+from trainer.agent.elastic import wait_to_stand_by
+from trainer.job.reporting import read_all
 from trainer.resilience.heartbeat import heartbeat_dir
 
 
@@ -212,12 +212,12 @@ def test_a_standby_node_takes_a_lost_nodes_place_and_the_run_stays_bit_exact(pre
 
 def test_the_rendezvous_reads_its_store_every_tenth_of_a_second():
     """Torch's rendezvous sleeps 1 s between looks at its store and serves a cached state for 1 s;
-    a node agent makes both 0.1 s (``trainer.elastic.fast_rendezvous_polls``). Checked in a fresh
+    a node agent makes both 0.1 s (``trainer.agent.elastic.fast_rendezvous_polls``). Checked in a fresh
     interpreter against this torch, so an upgrade that renames the internals is noticed."""
     probe = """
 from unittest import mock
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
-from trainer.elastic import fast_rendezvous_polls
+from trainer.agent.elastic import fast_rendezvous_polls
 slept = []
 with mock.patch("time.sleep", slept.append):
     fast_rendezvous_polls()
@@ -233,7 +233,7 @@ print(slept, holder._cache_duration)
 
 def test_a_node_waiting_for_a_round_that_filled_up_without_it_stands_by():
     """Torch leaves such a node on its wait list, and the participants' agents restart their workers
-    again and again to take it in (``trainer.elastic.stand_by_when_round_full``): it moves to the
+    again and again to take it in (``trainer.agent.elastic.stand_by_when_round_full``): it moves to the
     redundancy list instead. Every other case is torch's own decision. Checked in a fresh
     interpreter against this torch's join operation."""
     probe = """
@@ -241,7 +241,7 @@ from datetime import timedelta
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings, RendezvousTimeout, _NodeDesc, _RendezvousContext, _RendezvousJoinOp, _RendezvousState)
-from trainer.elastic import stand_by_when_round_full
+from trainer.agent.elastic import stand_by_when_round_full
 a, b, me = (_NodeDesc("h", pid, 0) for pid in (1, 2, 3))
 settings = RendezvousSettings("run", 1, 2, RendezvousTimeout(), timedelta(seconds=1), 3)
 def state(participants, wait=(), redundant=(), complete=True, closed=False):
@@ -269,7 +269,7 @@ def test_a_fresh_interpreter_worker_gets_its_node_and_threads_in_its_own_environ
     """Without a zygote (a Kubernetes pod's agent) torch's agent starts each worker as a fresh
     interpreter: the node index and thread count reach the worker through its command (``env``),
     not through the agent's own environment."""
-    from trainer.elastic import elastic_worker_command
+    from trainer.agent.elastic import elastic_worker_command
 
     probe = ["-c", "import os; print(os.environ['PRETRAIN_NODE'], os.environ['OMP_NUM_THREADS'])"]
     command = elastic_worker_command(None, probe, {"PRETRAIN_NODE": "3", "OMP_NUM_THREADS": "2"})
@@ -282,9 +282,9 @@ def test_a_fresh_interpreter_worker_whose_agent_died_while_it_started_ends():
     agent by name and ends. (A CI run left such a spare behind a killed pod.)"""
     # the worker: still "starting" until the test says go, then its orphan watchdog, then "work" until the
     # test closes its end of stdin (so a watchdog that fails leaves no process behind once the test ends)
-    worker = ["-c", "import sys; from trainer.process import exit_when_orphaned; sys.stdin.readline(); "
+    worker = ["-c", "import sys; from trainer.common.process import exit_when_orphaned; sys.stdin.readline(); "
                     "exit_when_orphaned(interval=0.05); print('watching', flush=True); sys.stdin.readline()"]
-    agent = ("import subprocess; from trainer.elastic import elastic_worker_command as c; "
+    agent = ("import subprocess; from trainer.agent.elastic import elastic_worker_command as c; "
              f"p = subprocess.Popen(c(None, {worker!r}, {{}})); print(p.pid, flush=True)")
     started = subprocess.Popen([sys.executable, "-c", agent], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     pid = int(started.stdout.readline())
@@ -355,7 +355,7 @@ def test_torchs_agent_starts_workers_that_write_to_the_agents_streams_and_leave_
     written to disk."""
     from torch.distributed.elastic.multiprocessing import start_processes
 
-    from trainer.elastic_survivors import ConsoleLogs
+    from trainer.agent.survivors import ConsoleLogs
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where torch's default would put its directories
     code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"

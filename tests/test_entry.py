@@ -19,9 +19,9 @@ def test_ctrl_c_while_the_cli_loads_is_one_line_and_exit_130():
     done = run_python("""
         import sys
 
-        class Interrupt:  # Ctrl-C arriving while pretrain.cli is being imported
+        class Interrupt:  # Ctrl-C arriving while pretrain.cli.app is being imported
             def find_spec(self, name, path=None, target=None):
-                if name == "pretrain.cli":
+                if name == "pretrain.cli.app":
                     raise KeyboardInterrupt
 
         sys.meta_path.insert(0, Interrupt())
@@ -34,7 +34,7 @@ def test_ctrl_c_while_the_cli_loads_is_one_line_and_exit_130():
 def test_ctrl_c_in_a_command_that_does_not_catch_it_says_so():
     done = run_python("""
         import sys
-        from pretrain import cli
+        from pretrain.cli import app as cli
 
         @cli.app.command("boom")
         def boom():

@@ -15,8 +15,8 @@ from s3_servers import BUCKET
 
 from conftest import campaign_data_dir, copy_checkpoint, flip_byte, pretrain_cli, save_checkpoint, seed_data, small_spec
 from flows.evaluate_checkpoint import evaluate_checkpoint
-from pretrain.checkpoint_info import CheckpointInfoError, CheckpointRejected, describe
-from pretrain.jobs import model_config
+from pretrain.checkpoints.info import CheckpointInfoError, CheckpointRejected, describe
+from pretrain.run.jobs import model_config
 from tasks.evaluation import evaluate_stage_checkpoint
 from trainer.checkpoint.store import MANIFEST
 from trainer.evaluate import evaluate

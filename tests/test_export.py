@@ -11,11 +11,11 @@ import torch
 from tokenizers import Tokenizer
 
 from conftest import campaign_data_dir, copy_checkpoint, flip_byte, pretrain_cli
-from pretrain.checkpoint_info import CheckpointRejected, describe
-from pretrain.dataset.tokenizer import EOT
-from pretrain.export import PROVENANCE, WEIGHTS, export_checkpoint
+from pretrain.checkpoints.info import CheckpointRejected, describe
+from pretrain.data.prepare.tokenizer import EOT
+from pretrain.checkpoints.export import PROVENANCE, WEIGHTS, export_checkpoint
 from trainer.checkpoint.store import CheckpointStore
-from trainer.data import TokenWindows, read_manifest
+from trainer.data.sampler import TokenWindows, read_manifest
 from trainer.model import GPT
 
 
@@ -151,9 +151,9 @@ def test_eval_and_export_take_a_campaigns_workdir_and_its_newest_good_checkpoint
     checkpoints when the campaign was copied from elsewhere."""
     import json
 
-    from pretrain.layout import CampaignLayout
-    from pretrain.ledger import Ledger
-    from pretrain.ledger_schema import Verdict
+    from pretrain.state.layout import CampaignLayout
+    from pretrain.state.ledger import Ledger
+    from pretrain.state.schema import Verdict
 
     spec, ref = trained_checkpoint
     copy = tmp_path / "copied"

@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 from agents import node_log, run_agent, run_agents, start_agent
 from conftest import seed_data, small_spec, wait_for
-from pretrain.incidents import incidents
-from pretrain.jobs import build_job
-from pretrain.ports import free_port
-from trainer.config import JobConfig
+from pretrain.run.incidents import incidents
+from pretrain.run.jobs import build_job
+from pretrain.cluster.ports import free_port
+from trainer.job.config import JobConfig
 from trainer.dist import Identity, round_restart_count
-from trainer.reporting import EVENTS, METRICS, read_all
+from trainer.job.reporting import EVENTS, METRICS, read_all
 from trainer.resilience.survivor_interrupt import PeerLost
 from trainer.resilience.peers import (PEER_LOST_EXIT, CannotRejoin, Peers, arrive, arrive_as_replacement, exit_code,
                                       may_be_peer_loss, taken_key, warm_key)
@@ -318,7 +318,7 @@ def test_a_store_that_went_with_its_rank_0_is_given_up_at_once_not_after_torchs_
     again after a backoff (13 s, found by a Kubernetes campaign test, the survivors stuck in the
     meantime); a store nothing listens at is given up without it (a full restart follows), and a
     live one is reached with the store timeout for its operations."""
-    from trainer.elastic_survivors import STORE_TIMEOUT_S, SurvivorsAgent
+    from trainer.agent.survivors import STORE_TIMEOUT_S, SurvivorsAgent
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     live = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
@@ -349,7 +349,7 @@ def test_a_store_whose_host_is_frozen_is_given_up_not_waited_for_for_ever():
     """A frozen host's kernel still accepts connections but nothing answers torch's handshake,
     which waits for ever (an agent's look at its workers stuck for good, found by the Kubernetes
     frozen-pod test when the frozen pod's agent hosted the workers' store)."""
-    from trainer.elastic_survivors import CONNECT_THREAD, job_store_client
+    from trainer.agent.survivors import CONNECT_THREAD, job_store_client
 
     host = subprocess.Popen([sys.executable, "-c", FROZEN_STORE], stdout=subprocess.PIPE, text=True)
     try:

@@ -19,14 +19,14 @@ from conftest import wait_for
 from jobs import CPU0, assert_same, tiny_job, trained
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import state
-from pretrain.ports import free_port
+from pretrain.cluster.ports import free_port
 from trainer.checkpoint.flash import SnapshotStore, copies_in_flight
 from trainer.checkpoint.shm import ShmTooSmall, Slot
 from trainer.checkpoint.saver import BREAKPOINT_DELAY_S
-from trainer.config import JobConfig
+from trainer.job.config import JobConfig
 from trainer.loop import build_model, checkpoint, open_snapshots, snapshot_capacity
-from trainer.node_agent import AgentSettings, NodeAgent
-from trainer.reporting import JsonLines, read_all
+from trainer.agent.single_node import AgentSettings, NodeAgent
+from trainer.job.reporting import JsonLines, read_all
 
 def job(tmp_path, **kw) -> JobConfig:
     return tiny_job(tmp_path, **kw)

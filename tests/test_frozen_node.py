@@ -15,10 +15,10 @@ import time
 import psutil
 
 from conftest import kept_trajectory, run_to_completion, small_spec, wait_for
-from pretrain.cluster import LocalJobHandle
+from pretrain.cluster.local import LocalJobHandle
 from trainer.liveness import NodeLiveness, liveness_path, silent_for
-from trainer.process import pid_alive
-from trainer.reporting import read_all
+from trainer.common.process import pid_alive
+from trainer.job.reporting import read_all
 from trainer.resilience.heartbeat import heartbeat_dir
 
 AGENT = """

@@ -18,15 +18,15 @@ from conftest import assert_no_duplicate_metric_steps, campaign_data_dir, wait_f
 from fsdp_ranks import job
 from test_chaos import chaos_spec
 from flows.campaign import pretrain_campaign
-from pretrain.jobs import checkpoint_store, model_config
+from pretrain.run.jobs import checkpoint_store, model_config
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.sharded import PIECE, ShardLayoutError, chunk_bounds, consolidate, load_full_state
-from trainer.data import read_manifest
+from trainer.data.sampler import read_manifest
 from trainer.evaluate import evaluate, validate
 from trainer.loop import build_model
-from trainer.reporting import read_all
+from trainer.job.reporting import read_all
 from jobs import CPU0, assert_same
 from test_flash import start_saver
 

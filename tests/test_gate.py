@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from conftest import assert_no_duplicate_metric_steps, campaign_data_dir, flip_byte, save_checkpoint, seed_data, small_spec
-from pretrain.gate import gate_request, gate_timeout_s, judge, run_gate
-from pretrain.jobs import checkpoint_store, model_config
-from pretrain.ledger import Ledger
+from pretrain.checkpoints.gate import gate_request, gate_timeout_s, judge, run_gate
+from pretrain.run.jobs import checkpoint_store, model_config
+from pretrain.state.ledger import Ledger
 from pretrain.settings import PretrainSettings, SettingsError
 from tasks.checkpoints import find_resume_point
 from trainer.checkpoint.store import rank_shard_name, step_name
-from trainer.data import TokenWindows, read_manifest
+from trainer.data.sampler import TokenWindows, read_manifest
 from trainer.evaluate import held_out_loss
 from trainer.model import GPT, lm_loss
 
@@ -240,7 +240,7 @@ def test_the_gate_runs_from_a_script_without_a_main_guard(tmp_path):
     request = {"location": str(tmp_path / "ckpt" / step_name(4)), "options": {}, "probe": None, "evaluate": None,
                "model": dataclasses.asdict(model_config(spec, 512))}
     script = tmp_path / "campaign.py"
-    script.write_text("import json, sys\nfrom pretrain.gate import run_gate\nprint('top level', flush=True)\n"
+    script.write_text("import json, sys\nfrom pretrain.checkpoints.gate import run_gate\nprint('top level', flush=True)\n"
                       "print(json.dumps(run_gate(json.loads(sys.argv[1]), 600)))\n")
     ran = subprocess.run([sys.executable, str(script), json.dumps([request])], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0 and ran.stdout.count("top level") == 1, ran.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The goodput split (pretrain.goodput): every second of wall time in exactly one category, from
+"""The goodput split (pretrain.views.goodput): every second of wall time in exactly one category, from
 the ledger's spans and the jobs' real metrics/events files."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.goodput import ALL, goodput_report, split
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import CampaignRecord
-from pretrain.status import goodput_table
+from pretrain.views.goodput import ALL, goodput_report, split
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import CampaignRecord
+from pretrain.views.status import goodput_table
 
 DATA = Path(__file__).parent / "data"
 
@@ -182,8 +182,8 @@ def test_timed_spans_are_written_to_the_ledger_and_closed_when_the_block_fails(t
 def test_steps_redone_after_an_in_process_rollback_are_recomputation(event, redone):
     """An in-process rollback (no new worker process, so no start event) sends training back
     like a restart: the steps after the restored one were computed twice."""
-    from pretrain.goodput import JobStreams, step_intervals
-    from trainer.events import EventKind
+    from pretrain.views.goodput import JobStreams, step_intervals
+    from trainer.job.events import EventKind
 
     metrics = [{"time": float(s), "step": s, "step_time": 0.5} for s in range(1, 7)]
     metrics += [{"time": 7.0 + s, "step": s, "step_time": 0.5} for s in (5, 6)]  # redone after the event

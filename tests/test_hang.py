@@ -15,9 +15,9 @@ import pytest
 
 from agents import run_agent
 from conftest import seed_data, small_spec, wait_for
-from pretrain.incidents import incidents
-from pretrain.jobs import build_job
-from trainer.reporting import EVENTS, METRICS, read_all
+from pretrain.run.incidents import incidents
+from pretrain.run.jobs import build_job
+from trainer.job.reporting import EVENTS, METRICS, read_all
 from trainer.resilience.stacks import dump_on_signal, stack_path, take_dump, where
 from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, Heartbeat, collective_timeout_s, heartbeat_dir, p99
 

@@ -1,13 +1,13 @@
-"""Failure causes from a job's events (pretrain/incidents.py): by the error's class, which the
+"""Failure causes from a job's events (pretrain/run/incidents.py): by the error's class, which the
 workers and node agents write as data (``error_type``), not by words in its text."""
 
 from __future__ import annotations
 
 import pytest
 
-from pretrain.incidents import cause_of, detected_at, incidents
-from trainer.data import DataError
-from trainer.events import EventKind, error_event
+from pretrain.run.incidents import cause_of, detected_at, incidents
+from trainer.data.sampler import DataError
+from trainer.job.events import EventKind, error_event
 
 
 def error(text: str, error_type: str | None = None, cause_types: list[str] = ()) -> dict:

@@ -16,11 +16,11 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from conftest import seed_data, session_api_env, small_spec, wait_for
-from pretrain.interrupt import CampaignInterrupted, current_stop, stop_on_signals
-from pretrain.status import campaign_status
+from pretrain.run.stop import CampaignInterrupted, current_stop, stop_on_signals
+from pretrain.views.status import campaign_status
 from test_resume import SLOW_MODEL, assert_all_exit, assert_mlflow_steps_unique, ckpt_dir
 from trainer.checkpoint import store as ckpt
-from trainer.reporting import read_all
+from trainer.job.reporting import read_all
 
 # Ctrl-C goes out at the first checkpoint (step 10) and reaches every process of the group at once:
 # 30 steps later is well before the stage's end, even on a loaded machine (as for test_resume's
@@ -79,7 +79,7 @@ class Cli:
     def __init__(self, tmp_path: Path, spec, name: str):
         spec_file = tmp_path / "spec.yaml"
         spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-        self.cmd = [sys.executable, "-m", "pretrain.cli", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
+        self.cmd = [sys.executable, "-m", "pretrain.cli.app", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
         self.env = session_api_env(PREFECT_SERVER_ANALYTICS_ENABLED="false")
         self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:

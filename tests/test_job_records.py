@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pretrain.job_records import keep_records, local_records, restore_records
+from pretrain.state.job_records import keep_records, local_records, restore_records
 from trainer.storage import StorageUnreachable, open_storage
 
 
@@ -73,7 +73,7 @@ def test_a_run_that_lost_the_campaign_s_lease_copies_no_job_records(tmp_path):
     from prefect.logging import disable_run_logger
 
     from conftest import small_spec, wait_for
-    from pretrain.guard import LEASE_KEY, campaign_guard, held, state_storage
+    from pretrain.state.guard import LEASE_KEY, campaign_guard, held, state_storage
     from pretrain.settings import PretrainSettings
     from tasks.job_records import keep_job_records
     from trainer.checkpoint.fence import LeaseRecord

@@ -14,15 +14,15 @@ from kubernetes import client
 
 import kube_api as double
 from conftest import kept_trajectory, run_to_completion, seed_data, wait_for
-from pretrain.kube.pods import INDEX
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
-from pretrain.spec import parse_spec
+from pretrain.cluster.kube.pods import INDEX
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from pretrain.spec.campaign import parse_spec
 from test_interrupt import Cli
 from test_kube_cluster import NS, kube_spec, live_pids, objects
 from test_resume import assert_all_exit
 from trainer.checkpoint.store import CheckpointStore
-from trainer.reporting import read_all
+from trainer.job.reporting import read_all
 
 kube_api = double.kube_api  # the fixture
 

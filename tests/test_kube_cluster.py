@@ -19,17 +19,17 @@ from kubernetes import client
 
 from conftest import kept_trajectory, seed_data, small_spec, wait_for
 import kube_api as double
-from pretrain.ports import free_port
-from pretrain.incidents import NON_RETRYABLE, cause_of
-from pretrain.jobs import build_job, write_job
-from pretrain.cluster import DONE_SILENT_S, ClusterError
-from pretrain.kube.client import KubeUnavailable, api_client
-from pretrain.kube.cluster import KubernetesCluster
-from pretrain.kube.handle import KubeJobHandle
-from pretrain.layout import CampaignLayout
+from pretrain.cluster.ports import free_port
+from pretrain.run.incidents import NON_RETRYABLE, cause_of
+from pretrain.run.jobs import build_job, write_job
+from pretrain.cluster.local import DONE_SILENT_S, ClusterError
+from pretrain.cluster.kube.client import KubeUnavailable, api_client
+from pretrain.cluster.kube.cluster import KubernetesCluster
+from pretrain.cluster.kube.handle import KubeJobHandle
+from pretrain.state.layout import CampaignLayout
 from trainer.checkpoint.store import CheckpointStore
-from trainer.process import signal_process
-from trainer.reporting import EVENTS, read_all
+from trainer.common.process import signal_process
+from trainer.job.reporting import EVENTS, read_all
 from trainer.resilience.heartbeat import heartbeat_dir
 from trainer.resilience.stacks import DUMP_SIGNAL, stack_path, take_dump
 
@@ -80,7 +80,7 @@ def stacks_if_it_times_out(api: double.KubeAPI, job_dir: Path):
         for pid in live_pids(api):
             with contextlib.suppress(psutil.Error):
                 for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-                    if {"trainer.launch", "trainer.agent"} & set(proc.cmdline()):  # a node agent
+                    if {"trainer.launch", "trainer.agent.node"} & set(proc.cmdline()):  # a node agent
                         signal_process(proc.pid, DUMP_SIGNAL)
         dumps = [take_dump(json.loads(path.read_text())["pid"], stack_path(path))
                  for path in heartbeat_dir(job_dir).glob("*.json")]
@@ -364,7 +364,7 @@ def test_a_campaign_whose_image_cannot_be_pulled_stops_at_the_node_check_before_
     """The node check runs in pods of the training pods' shape: an unpullable image stops the
     campaign while provisioning, with what to fix, and no training job is ever launched."""
     from flows.campaign import pretrain_campaign
-    from pretrain.ledger import Ledger
+    from pretrain.state.ledger import Ledger
 
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))
     kube_api.runner.unpullable.add("registry.example/pretrain:typo")

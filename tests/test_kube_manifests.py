@@ -14,13 +14,13 @@ import yaml
 from kubernetes_validate import validate
 from typer.testing import CliRunner
 
-from pretrain.cli import app
-from pretrain.cluster import ClusterError
-from pretrain.cluster_factory import make_cluster
-from pretrain.kube.manifests import (CONFIG_EXIT_CODES, NEWEST_K8S, OLDEST_K8S, label_value, node_shm_bytes,
+from pretrain.cli.app import app
+from pretrain.cluster.local import ClusterError
+from pretrain.cluster.factory import make_cluster
+from pretrain.cluster.kube.manifests import (CONFIG_EXIT_CODES, NEWEST_K8S, OLDEST_K8S, label_value, node_shm_bytes,
                                      object_name, stage_launch)
-from pretrain.spec import SpecError, parse_spec
-from pretrain.spec_kube import quantity_bytes
+from pretrain.spec.campaign import SpecError, parse_spec
+from pretrain.spec.kube import quantity_bytes
 from trainer.liveness import NodeLiveness, liveness_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +214,7 @@ def test_local_spec_hash_unchanged_and_kubernetes_not_runnable_without_an_api(mo
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "pretrain.cli.app", *args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
 
 

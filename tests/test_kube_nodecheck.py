@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 
 import kube_api as double
-from pretrain.kube.cluster import KubernetesCluster
-from pretrain.kube.manifests import stage_launch
-from pretrain.kube.nodecheck import HOSTS, HostMemory, check_launch, checks_dir
-from pretrain.layout import CampaignLayout
+from pretrain.cluster.kube.cluster import KubernetesCluster
+from pretrain.cluster.kube.manifests import stage_launch
+from pretrain.cluster.kube.nodecheck import HOSTS, HostMemory, check_launch, checks_dir
+from pretrain.state.layout import CampaignLayout
 from test_kube_cluster import NS, kube_spec, launch, live_pids, objects
 from test_kube_manifests import assert_valid, k8s_spec
 from trainer.resilience.node_judgement import judge_nodes
@@ -102,8 +102,8 @@ def test_the_remembered_hosts_of_excluded_nodes(tmp_path, content, hosts, notice
 def test_each_slot_s_row_says_why_it_has_no_result(tmp_path):
     """Rows from the check's files and pods: a damaged result file, a failed pod with its log,
     a configuration error, a pod still running at the timeout, a pod never created."""
-    from pretrain.kube.nodecheck import result_rows
-    from pretrain.kube.pods import PodVerdict
+    from pretrain.cluster.kube.nodecheck import result_rows
+    from pretrain.cluster.kube.pods import PodVerdict
 
     spec = kube_spec(tmp_path / "w")
     check = check_launch(spec, [0, 1, 2, 3, 4], None, check_id="t")  # one worker slot per node

@@ -12,10 +12,10 @@ from kubernetes import config
 from kubernetes_validate import validate
 
 import kube_api as double
-from pretrain.kube.manifests import NEWEST_K8S, OLDEST_K8S
+from pretrain.cluster.kube.manifests import NEWEST_K8S, OLDEST_K8S
 from conftest import small_spec
-from pretrain.kube.preflight import PreflightError, manifests_markdown, preflight
-from pretrain.kube.rbac import REQUIRED, render
+from pretrain.cluster.kube.preflight import PreflightError, manifests_markdown, preflight
+from pretrain.cluster.kube.rbac import REQUIRED, render
 from s3_servers import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_rejected_credentials(tmp_path):
 
 def test_deployed_rbac_is_exactly_what_preflight_checks():
     text = (ROOT / "deploy/kubernetes/rbac.yaml").read_text()
-    assert text == render(), "regenerate: python -m pretrain.kube.rbac > deploy/kubernetes/rbac.yaml"
+    assert text == render(), "regenerate: python -m pretrain.cluster.kube.rbac > deploy/kubernetes/rbac.yaml"
     docs = list(yaml.safe_load_all(text))
     assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding"]
     granted = {(v, g, r) for rule in docs[1]["rules"] for g in rule["apiGroups"] for r in rule["resources"]
@@ -116,12 +116,12 @@ def test_a_stage_that_cannot_fit_its_pod_fails_before_anything_starts(tmp_path):
 def test_provision_refuses_a_cluster_without_the_rbac(prefect_harness, tmp_path, monkeypatch):
     """The flow publishes the manifests, then stops at the preflight with the RBAC to apply:
     no object is created, no node check runs, the ledger records no cluster."""
-    pytest.importorskip("pretrain.kube.client", reason="the backend's API client (k8s-backend) is not merged")
+    pytest.importorskip("pretrain.cluster.kube.client", reason="the backend's API client (k8s-backend) is not merged")
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from flows.provision_cluster import provision_cluster
-    from pretrain.ledger import Ledger
+    from pretrain.state.ledger import Ledger
     from tasks.artifacts import artifact_key
 
     spec = kube_spec(tmp_path / "wd").model_copy(update={"name": "refused-rbac"})  # its own artifact key in the shared harness

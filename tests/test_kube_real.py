@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from conftest import small_spec, wait_for
-from pretrain.kube.manifests import label_value, launch_labels, stage_launch
-from pretrain.kube.preflight import preflight
+from pretrain.cluster.kube.manifests import label_value, launch_labels, stage_launch
+from pretrain.cluster.kube.preflight import preflight
 
 KUBECONFIG = os.environ.get("KUBECONFIG", "")
 NAMESPACE = os.environ.get("PRETRAIN_K8S_NAMESPACE", "default")
@@ -123,7 +123,7 @@ needs_shared_workdir = pytest.mark.skipif(
 
 def training_spec(root: Path, steps: int = 6, image: str = IMAGE, **cluster):
     """2 nodes × 1 worker of a tiny model, checkpoints every 2 steps, on the shared workdir."""
-    from pretrain.ports import free_port
+    from pretrain.cluster.ports import free_port
 
     return small_spec(root / f"kube-real-{uuid.uuid4().hex[:8]}", name=f"kube-real-{uuid.uuid4().hex[:8]}", cluster={
         "kind": "kubernetes", "workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "threads_per_worker": 1,
@@ -136,9 +136,9 @@ def training_spec(root: Path, steps: int = 6, image: str = IMAGE, **cluster):
 
 def start_job(api, spec, prepared_data=None, exclude: frozenset = frozenset()):
     from conftest import seed_data
-    from pretrain.jobs import build_job, write_job
-    from pretrain.kube.cluster import KubernetesCluster
-    from pretrain.layout import CampaignLayout
+    from pretrain.run.jobs import build_job, write_job
+    from pretrain.cluster.kube.cluster import KubernetesCluster
+    from pretrain.state.layout import CampaignLayout
 
     if prepared_data is not None:
         seed_data(spec, prepared_data)
@@ -158,8 +158,8 @@ def assert_nothing_left(api, spec) -> None:
 
 def test_an_unpullable_image_fails_fast_as_a_configuration_error(api, tmp_path, prepared_data):
     """No shared workdir needed: the pods never start."""
-    from pretrain.incidents import NON_RETRYABLE, cause_of
-    from trainer.reporting import EVENTS, read_all
+    from pretrain.run.incidents import NON_RETRYABLE, cause_of
+    from trainer.job.reporting import EVENTS, read_all
 
     spec = training_spec(tmp_path, image="registry.invalid/prefect-pretrain:does-not-exist")
     _, job, handle = start_job(api, spec, prepared_data)
@@ -174,7 +174,7 @@ def test_an_unpullable_image_fails_fast_as_a_configuration_error(api, tmp_path, 
 
 @needs_shared_workdir
 def test_the_node_check_runs_in_pods_and_records_their_nodes(api):
-    from pretrain.kube.cluster import KubernetesCluster
+    from pretrain.cluster.kube.cluster import KubernetesCluster
 
     spec = training_spec(Path(SHARED))
     rows = KubernetesCluster(spec, api, unschedulable_after_s=300.0).health_check(spec.workdir_path)
@@ -201,7 +201,7 @@ def test_a_two_node_stage_trains_to_completion(api, prepared_data):
 def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(api, prepared_data):
     from kubernetes import client
 
-    from trainer.reporting import EVENTS, read_all
+    from trainer.job.reporting import EVENTS, read_all
 
     spec = training_spec(Path(SHARED), steps=2000, max_restarts=2)
     _, job, handle = start_job(api, spec, prepared_data)
@@ -228,7 +228,7 @@ def test_a_standby_pod_takes_a_deleted_pods_place(api, prepared_data):
     job (nodes_min 2) goes on with two nodes."""
     from kubernetes import client
 
-    from trainer.reporting import EVENTS, read_all
+    from trainer.job.reporting import EVENTS, read_all
 
     spec = training_spec(Path(SHARED), steps=2000, max_restarts=2, nodes_min=2, spare_nodes=1)
     _, job, handle = start_job(api, spec, prepared_data)

@@ -1,10 +1,10 @@
-"""A pod's status → what it means for the training job (``pretrain.kube.pods``), table-driven."""
+"""A pod's status → what it means for the training job (``pretrain.cluster.kube.pods``), table-driven."""
 
 from __future__ import annotations
 
 import pytest
 
-from pretrain.kube.pods import CONFIG_EXIT, LOST_EXIT, frozen, pod_verdict, probe_stopped
+from pretrain.cluster.kube.pods import CONFIG_EXIT, LOST_EXIT, frozen, pod_verdict, probe_stopped
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 T0 = "2027-01-15T08:00:00Z"

@@ -14,7 +14,7 @@ import s3_servers
 from conftest import wait_for
 from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
-from pretrain.lease import Lease, LeaseDamaged, LeaseHeld, LeaseLost, current_generation
+from pretrain.state.lease import Lease, LeaseDamaged, LeaseHeld, LeaseLost, current_generation
 from trainer.storage import LocalStorage, PreconditionFailed, StorageError
 from trainer.storage.s3 import S3Storage
 

@@ -13,12 +13,12 @@ import yaml
 from typer.testing import CliRunner
 
 from conftest import pretrain_cli, small_spec
-from pretrain.cli import app
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger, LedgerDamaged, LedgerError
-from pretrain.ledger_file import recover_ledger
-from pretrain.ledger_schema import CampaignStatus, CheckpointRef, Failure, StageStatus
-from pretrain.status import campaign_status
+from pretrain.cli.app import app
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger, LedgerDamaged, LedgerError
+from pretrain.state.local import recover_ledger
+from pretrain.state.schema import CampaignStatus, CheckpointRef, Failure, StageStatus
+from pretrain.views.status import campaign_status
 from trainer.checkpoint.store import CheckpointStore, rank_shard_name
 
 
@@ -263,7 +263,7 @@ def test_a_ledger_of_a_newer_release_is_refused_saying_so(tmp_path):
 def test_a_resumed_job_span_continues_the_open_span_of_its_dead_process(spec):
     """An adopted job's span runs from its launch (the process that opened it died) to its end
     in the re-run; without an open span of that attempt a new one is opened."""
-    from pretrain.ledger_schema import Span, SpanKind
+    from pretrain.state.schema import Span, SpanKind
 
     ledger = Ledger.open(spec)
     dead = Span(kind=SpanKind.JOB, start=1000.0, stage="warmup", attempt=0)  # what a SIGKILLed process leaves

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import small_spec
-from pretrain.layout import CampaignLayout
-from pretrain.lock import CampaignBusy, LockUnavailable, campaign_lock, lock_failure, lock_fd, read_holder
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.lock import CampaignBusy, LockUnavailable, campaign_lock, lock_failure, lock_fd, read_holder
 
 
 def try_lock(workdir, flow_run: str) -> dict:
@@ -40,7 +40,7 @@ def test_second_holder_is_refused_with_the_holder_named(tmp_path):
         assert read_holder(tmp_path)["flow_run"] == "run-3"
 
 
-HOLD = ("import sys, threading; from pretrain.lock import campaign_lock\n"
+HOLD = ("import sys, threading; from pretrain.state.lock import campaign_lock\n"
         "with campaign_lock(sys.argv[1], 'c1'):\n    print('held', flush=True); threading.Event().wait()\n")
 
 

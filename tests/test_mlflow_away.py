@@ -15,9 +15,9 @@ from rich.console import Console
 
 from conftest import assert_no_duplicate_metric_steps, small_spec, seed_data, wait_for
 from mlflow_server import MlflowServer
-from pretrain.ledger import Ledger
-from pretrain.status import campaign_status, render
-from pretrain.tracking import METRIC_KEYS, Backoff, MetricsForwarder, Tracker
+from pretrain.state.ledger import Ledger
+from pretrain.views.status import campaign_status, render
+from pretrain.tracking.runs import METRIC_KEYS, Backoff, MetricsForwarder, Tracker
 from s3_servers import free_ports
 from test_tracking import history, records
 
@@ -150,7 +150,7 @@ def seen(client: MlflowClient, record) -> list[dict]:
 
 
 def test_a_run_ending_while_mlflow_is_away_is_recorded_without_waiting_on_it(tmp_path):
-    from pretrain.outcome import close_campaign
+    from pretrain.run.outcome import close_campaign
 
     spec = small_spec(tmp_path / "wd", tracking={"uri": f"http://127.0.0.1:{free_ports(1)[0]}"})
     ledger = Ledger.open(spec)
@@ -164,7 +164,7 @@ def test_a_run_ending_while_mlflow_is_away_is_recorded_without_waiting_on_it(tmp
 def test_the_job_loop_never_waits_on_an_mlflow_that_hangs(tmp_path, monkeypatch):
     """A server that takes connections and never answers: MLflow's client would wait minutes
     (a 120 s timeout, 7 retries) — in the forwarder's own thread, not in the job's loop."""
-    from pretrain.forwarder_thread import ForwarderThread
+    from pretrain.tracking.forwarder import ForwarderThread
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the thread left behind ends soon after the test
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")

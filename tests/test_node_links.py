@@ -15,9 +15,9 @@ import threading
 from torch.distributed import PrefixStore, TCPStore
 
 from conftest import wait_for
-from pretrain.ports import free_port
-from trainer.node_links import LostNode, NodeLinks
-from trainer.rendezvous_close import EXPIRED, LOST_KEY, lost_from, record_lost
+from pretrain.cluster.ports import free_port
+from trainer.agent.node_links import LostNode, NodeLinks
+from trainer.agent.rendezvous_close import EXPIRED, LOST_KEY, lost_from, record_lost
 
 # a keep-alive every 60 s (unless told), a node dead after 3 missed: torch alone would take a killed node
 # out after 120–180 s; the tests give the round 30 s
@@ -29,10 +29,10 @@ NODE = """
 import json, select, sys, time
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous, registry
-from trainer.node_links import NodeLinks
-from trainer.elastic import fast_rendezvous_polls
-from trainer.rendezvous_store import RoundStoreAddress
-from trainer.rendezvous_close import record_expired_nodes
+from trainer.agent.node_links import NodeLinks
+from trainer.agent.elastic import fast_rendezvous_polls
+from trainer.agent.rendezvous_store import RoundStoreAddress
+from trainer.agent.rendezvous_close import record_expired_nodes
 min_nodes, max_nodes, last_call, slow_s = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
 params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="links", min_nodes=min_nodes,
                               max_nodes=max_nodes, join_timeout=60, last_call_timeout=last_call,

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from conftest import seed_data, small_spec, wait_for
 from flows.campaign import pretrain_campaign
-from pretrain.budget import PauseRequest, pausing
-from pretrain.cli import app
-from pretrain.jobs import checkpoint_store
+from pretrain.run.budget import PauseRequest, pausing
+from pretrain.cli.app import app
+from pretrain.run.jobs import checkpoint_store
 from test_chaos import final_model
 from test_resume import SLOW_MODEL, assert_mlflow_steps_unique
 

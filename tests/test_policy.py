@@ -1,4 +1,4 @@
-"""The stage policy (pretrain/policy.py): what follows each job of a stage, over a table of cases.
+"""The stage policy (pretrain/run/policy.py): what follows each job of a stage, over a table of cases.
 Pure functions: no processes, no Prefect, milliseconds."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.ledger_schema import Failure, Span, SpanKind
-from pretrain.policy import Action, Budget, adoptable_attempt, after_job, before_launch, stage_end
+from pretrain.state.schema import Failure, Span, SpanKind
+from pretrain.run.policy import Action, Budget, adoptable_attempt, after_job, before_launch, stage_end
 
 
 @dataclass

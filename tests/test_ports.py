@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from pretrain import ports
+from pretrain.cluster import ports
 
 
 @pytest.mark.parametrize("text, expected", [

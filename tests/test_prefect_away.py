@@ -21,10 +21,10 @@ from tcp_proxy import SwitchableProxy
 
 from deployments.console import OutageNotes, quiet_console
 from flows.campaign import pretrain_campaign
-from pretrain.jobs import checkpoint_store
+from pretrain.run.jobs import checkpoint_store
 from test_resume import SLOW_MODEL
-from pretrain.layout import CampaignLayout
-from pretrain.ledger import Ledger
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
 
 STEPS = 80  # 50–100 ms a step
 AWAY_AFTER_THE_JOB_S = 10.0  # longer than the stage flow run's end takes to fail without the API (~5 s, one retry)

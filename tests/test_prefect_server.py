@@ -26,14 +26,14 @@ from prefect.states import Cancelled, Cancelling
 from prefect_kubernetes.worker import KubernetesWorker
 
 from conftest import DATA, assert_no_duplicate_metric_steps, campaign_data_dir, campaign_events, campaign_processes, seed_data, wait_for
-from pretrain.ledger import Ledger
-from pretrain.layout import CampaignLayout
-from pretrain.lock import CampaignBusy
-from pretrain.outcome import TAG_END_CAUSE
-from pretrain.spec import parse_spec
+from pretrain.state.ledger import Ledger
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.lock import CampaignBusy
+from pretrain.run.outcome import TAG_END_CAUSE
+from pretrain.spec.campaign import parse_spec
 from tasks.artifacts import artifact_key
 from trainer.checkpoint import store as ckpt
-from trainer.reporting import read_all
+from trainer.job.reporting import read_all
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ("trainer.launch", "trainer.worker", "trainer.saver", "trainer.healthcheck")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import pretrain_cli, save_checkpoint, seed_data, small_spec
-from pretrain.checkpoint_info import CheckpointRejected, describe
-from pretrain.ledger import Ledger
-from pretrain.status import campaign_status
+from pretrain.checkpoints.info import CheckpointRejected, describe
+from pretrain.state.ledger import Ledger
+from pretrain.views.status import campaign_status
 from trainer.checkpoint.records import DamagedRecord, parse_manifest
 from trainer.checkpoint.store import GOOD, MANIFEST, POINTER, CheckpointStore, rank_shard_name, step_name
 from trainer.storage import LocalStorage

@@ -1,11 +1,11 @@
-"""The flow run's log says each recovery as it happens (pretrain.recovery_notes), from events
+"""The flow run's log says each recovery as it happens (pretrain.views.recovery_notes), from events
 shaped as the workers, agents and savers write them (taken from a `builtin:drills` run)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pretrain.recovery_notes import RecoveryNotes
+from pretrain.views.recovery_notes import RecoveryNotes
 
 SPARE = {"epoch": 1, "event": "rollback", "lost_ranks": [1], "path": "spare", "rank": 0, "seconds": 0.0736,
          "source": "survivors", "step": 29}

@@ -12,11 +12,11 @@ from mlflow.tracking import MlflowClient
 
 from conftest import pretrain_cli, small_spec
 from pretrain.credentials import Credentials, mlflow_auth
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import Failure
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import Failure
 from pretrain.redact import redact, redact_mapping
-from pretrain.report import campaign_report
-from pretrain.tracking import Tracker
+from pretrain.views.report import campaign_report
+from pretrain.tracking.runs import Tracker
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCY"
 

@@ -11,12 +11,12 @@ from mlflow.tracking import MlflowClient
 from tokenizers import Tokenizer
 
 from conftest import assert_no_duplicate_metric_steps, campaign_data_dir
-from pretrain.checkpoint_info import describe
-from pretrain.registry import TAG_CHECKPOINT, register_checkpoint
-from pretrain.tracking import Tracker
+from pretrain.checkpoints.info import describe
+from pretrain.checkpoints.registry import TAG_CHECKPOINT, register_checkpoint
+from pretrain.tracking.runs import Tracker
 from tasks.registry import retry_delays
 from test_export import greedy, our_model
-from trainer.data import TokenWindows
+from trainer.data.sampler import TokenWindows
 
 
 def test_registered_model_loads_by_alias_and_predicts_like_our_model(trained_checkpoint, tmp_path, monkeypatch, own_tracking_store):
@@ -76,7 +76,7 @@ def test_registering_links_the_final_evaluation_without_logging_it_twice(trained
 
 @pytest.mark.parametrize("alias", ["latest", "v3", "has space"])
 def test_reserved_or_invalid_alias_is_refused_by_the_spec(alias):
-    from pretrain.spec import SpecError, parse_spec
+    from pretrain.spec.campaign import SpecError, parse_spec
 
     with pytest.raises(SpecError, match="tracking.model_alias"):
         parse_spec({"tracking": {"model_alias": alias}})

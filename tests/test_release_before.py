@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import assert_no_duplicate_metric_steps
 from flows.campaign import pretrain_campaign
-from pretrain.specfile import load_spec
+from pretrain.spec.file import load_spec
 
 # `pretrain run spec.yaml` on main 6b4a8a5 (the last commit before the typed ledger, events and
 # records of issue 11), stopped with SIGTERM once the second stage had a checkpoint: warmup

@@ -2,7 +2,7 @@
 on a loaded machine) joins the running job: the next round's workers share one store.
 
 Torch's c10d handler writes the store's address only in the first round a node joins (torch
-2.13): without ``trainer.rendezvous_store`` the late node waits a minute for an address the
+2.13): without ``trainer.agent.rendezvous_store`` the late node waits a minute for an address the
 other never writes again, and both agents fail (or, if the late node had been rank 0 before,
 each side's workers meet in a different store and hang). And a round that only took a node in
 keeps torch's restart count, which named the workers' keys in that store: the rounds are numbered
@@ -23,11 +23,11 @@ from torch.distributed import TCPStore
 
 from agents import node_log, run_id, start_agent
 from conftest import kept_trajectory, seed_data, small_spec, wait_for
-from pretrain.jobs import build_job
-from pretrain.ports import free_port
-from trainer.elastic import rendezvous_configs
-from trainer.first_round import checked_in, gather_nodes
-from trainer.reporting import EVENTS, METRICS, read_all
+from pretrain.run.jobs import build_job
+from pretrain.cluster.ports import free_port
+from trainer.agent.elastic import rendezvous_configs
+from trainer.agent.first_round import checked_in, gather_nodes
+from trainer.job.reporting import EVENTS, METRICS, read_all
 
 LAST_CALL_S = rendezvous_configs(argparse.Namespace(node_timeout=3, rdzv_host=False))["last_call_timeout"]
 

@@ -18,10 +18,10 @@ from conftest import (assert_no_duplicate_metric_steps, campaign_events, run_cam
                       wait_for, worker_processes)
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
-from pretrain.status import campaign_status
+from pretrain.views.status import campaign_status
 from terminal import Terminal
 from trainer.checkpoint import store as ckpt
-from trainer.reporting import read_all
+from trainer.job.reporting import read_all
 
 # steps of ~0.1 s, so a worker can be killed well inside the stage
 SLOW_MODEL = {"n_layer": 4, "n_head": 4, "d_model": 128, "max_seq_len": 64}
@@ -144,7 +144,7 @@ def test_a_campaign_that_fails_for_good_says_why_without_a_traceback(prefect_har
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
 
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "run", str(spec_file)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "run", str(spec_file)], capture_output=True,
                           text=True, timeout=300, env=session_api_env(PREFECT_SERVER_ANALYTICS_ENABLED="false"))
 
     shown = proc.stdout + proc.stderr
@@ -164,7 +164,7 @@ def test_killed_campaign_process_resumes_when_run_again(prefect_harness, prepare
                      tracking={"register_model": False, "uri": f"sqlite:///{tmp_path / 'new-store.db'}"})
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    cmd = [sys.executable, "-m", "pretrain.cli", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
+    cmd = [sys.executable, "-m", "pretrain.cli.app", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     terminal = Terminal()  # the first run on a terminal: it draws the live training bar
     first = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=terminal.child, stderr=terminal.child,

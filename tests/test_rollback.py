@@ -12,11 +12,11 @@ import torch
 
 from conftest import seed_data, small_spec
 from jobs import CPU0
-from pretrain.incidents import incidents
-from pretrain.jobs import build_job
-from trainer.config import JobConfig, drill_from_dict
+from pretrain.run.incidents import incidents
+from pretrain.run.jobs import build_job
+from trainer.job.config import JobConfig, drill_from_dict
 from trainer.loop import train
-from trainer.reporting import EVENTS, METRICS, read_all
+from trainer.job.reporting import EVENTS, METRICS, read_all
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips
 
 

@@ -14,10 +14,10 @@ from conftest import DATA, assert_no_duplicate_metric_steps, run_campaign_while,
 from mlflow.tracking import MlflowClient
 
 from flows.campaign import pretrain_campaign
-from pretrain.checkpoint_info import describe
-from pretrain.jobs import checkpoint_store
-from pretrain.registry import TAG_CHECKPOINT
-from pretrain.status import campaign_status
+from pretrain.checkpoints.info import describe
+from pretrain.run.jobs import checkpoint_store
+from pretrain.checkpoints.registry import TAG_CHECKPOINT
+from pretrain.views.status import campaign_status
 from trainer.storage import open_storage
 
 seaweed = s3_servers.seaweed
@@ -105,7 +105,7 @@ def test_block_credentials_reach_the_training_processes_and_nothing_else(prefect
 
     from blocks import MlflowTracking, S3CampaignStorage
     from blocks.references import resolve_campaign
-    from pretrain.spec import parse_spec
+    from pretrain.spec.campaign import parse_spec
 
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION",
                 "AWS_PROFILE", "MLFLOW_TRACKING_TOKEN"):

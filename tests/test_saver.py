@@ -16,12 +16,12 @@ from agents import agent_job, node_log, run_agent, snapshot, start_agent
 from conftest import wait_for
 import s3_servers
 from s3_servers import BUCKET
-from pretrain.incidents import cause_of
+from pretrain.run.incidents import cause_of
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import fence
-from trainer.agent import SaverProcess
+from trainer.agent.node import SaverProcess
 from trainer.checkpoint.saver import Saver
-from trainer.reporting import EVENTS, JsonLines, read_all
+from trainer.job.reporting import EVENTS, JsonLines, read_all
 
 seaweed_factory, aws_env = s3_servers.seaweed_factory, s3_servers.aws_env
 

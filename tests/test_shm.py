@@ -23,10 +23,10 @@ from tmpfs import small_tmpfs
 from trainer.checkpoint import shmdirs, state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.shm import ShmTooSmall, Slot, slot_paths
-from trainer.config import JobConfig
+from trainer.job.config import JobConfig
 from trainer.dist import DistInfo
 from trainer.loop import open_snapshots, snapshot_capacity
-from trainer.reporting import EVENTS, JsonLines, read_all
+from trainer.job.reporting import EVENTS, JsonLines, read_all
 
 
 def test_a_sigkilled_agent_leaves_its_snapshot_dir_and_the_next_agent_sweeps_it(prepared_data, tmp_path):

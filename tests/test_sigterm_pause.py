@@ -19,7 +19,7 @@ from prefect.states import Cancelling, Running
 
 from conftest import wait_for
 from flows.campaign import being_cancelled
-from pretrain.interrupt import StopRequest, current_stop, pause_on_termination, pause_window_s, supervise
+from pretrain.run.stop import StopRequest, current_stop, pause_on_termination, pause_window_s, supervise
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ def test_with_the_default_handler_before_the_stop_at_once_ends_the_process_by_si
     script = f"""
 import os, signal, threading
 from pathlib import Path
-from pretrain.interrupt import pause_on_termination, supervise
+from pretrain.run.stop import pause_on_termination, supervise
 with pause_on_termination(lambda name: None) as stop:
     stop.recorder = lambda cause, warn: Path({str(tmp_path / "cause")!r}).write_text(cause)
     def body():

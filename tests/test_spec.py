@@ -10,8 +10,8 @@ from typing import get_args
 import pytest
 from pydantic import BaseModel
 
-from pretrain.spec import CampaignSpec, SpecError, parse_spec
-from pretrain.specfile import builtin_names, load_spec
+from pretrain.spec.campaign import CampaignSpec, SpecError, parse_spec
+from pretrain.spec.file import builtin_names, load_spec
 
 
 def _types(annotation):
@@ -55,7 +55,7 @@ def test_builtins_ship_in_the_pretrain_package_not_a_top_level_examples(tmp_path
     shadow.mkdir()
     (shadow / "__init__.py").write_text("")
     (shadow / "tiny.yaml").write_text("name: not-the-builtin\n")
-    code = "from pretrain.specfile import load_spec; print(load_spec('builtin:tiny').name)"
+    code = "from pretrain.spec.file import load_spec; print(load_spec('builtin:tiny').name)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
     assert proc.returncode == 0, proc.stderr
@@ -112,7 +112,7 @@ def test_cli_rejects_a_bad_spec_before_anything_runs(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("stages:\n  - {name: x, steps: -1}\n")
     workdir = tmp_path / "wd"
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "run", str(bad), "--workdir", str(workdir)],
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "run", str(bad), "--workdir", str(workdir)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "stages.0.steps" in proc.stderr and "bad.yaml" in proc.stderr
@@ -215,7 +215,7 @@ def test_cli_refuses_bad_specs_without_traceback_or_writes(tmp_path, content, wh
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(content)
     workdir = tmp_path / "wd"
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "run", str(bad), "--workdir", str(workdir)],
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "run", str(bad), "--workdir", str(workdir)],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert what in proc.stderr and "bad.yaml" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import wait_for
-from pretrain.cli import app
+from pretrain.cli.app import app
 from trainer.resilience.heartbeat import heartbeat_dir
 from trainer.resilience.stacks import stack_path
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import assert_no_duplicate_metric_steps, small_spec
 from flows.campaign import pretrain_campaign
-from pretrain.jobs import checkpoint_store
+from pretrain.run.jobs import checkpoint_store
 
 DATA = {"sources": {"json": ["{stdlib}/json/*.py"], "email": ["{stdlib}/email/*.py"]}, "max_bytes": 60_000,
         "tokenizer": {"vocab_size": 300}, "val_fraction": 0.2}

@@ -17,11 +17,11 @@ from s3_servers import BUCKET
 from typer.testing import CliRunner
 
 from flows.campaign import pretrain_campaign
-from pretrain.cli import app
-from pretrain.ledger import Ledger, LedgerError
-from pretrain.ledger_schema import StageStatus
-from pretrain.report import write_report_files
-from pretrain.status import campaign_status
+from pretrain.cli.app import app
+from pretrain.state.ledger import Ledger, LedgerError
+from pretrain.state.schema import StageStatus
+from pretrain.views.report import write_report_files
+from pretrain.views.status import campaign_status
 from test_pause import run_until_budget_ends_after_first_checkpoint
 from test_resume import SLOW_MODEL, assert_mlflow_steps_unique
 
@@ -102,7 +102,7 @@ def test_the_workdirs_copy_follows_the_ledger_and_refuses_changes(shared):
 def test_an_older_revision_never_replaces_a_newer_copy(shared):
     slow, fast = Ledger.of_spec(shared), Ledger.of_spec(shared)
     fast.set_stage_status("warmup", StageStatus.COMPLETED)  # revision 2 reaches the copy first
-    from pretrain.ledger_remote import keep_copy
+    from pretrain.state.remote import keep_copy
 
     keep_copy(slow.layout.ledger, slow.record, slow.remote.where)  # a slower thread's revision 1, late
     assert Ledger.read(slow.layout).record.stages["warmup"].status == StageStatus.COMPLETED

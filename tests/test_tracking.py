@@ -17,12 +17,12 @@ from prefect import flow
 
 from conftest import assert_no_duplicate_metric_steps, small_spec, wait_for
 from mlflow_server import MlflowServer
-from pretrain.tracking import TAG_WORKDIR, Backoff, MetricsForwarder, Tracker, describe_error, transient
-from pretrain.ledger import Ledger
+from pretrain.tracking.runs import TAG_WORKDIR, Backoff, MetricsForwarder, Tracker, describe_error, transient
+from pretrain.state.ledger import Ledger
 from tasks.checkpoints import record_verdict
 from tasks.mlflow_sync import sync_stage_end
 from tasks.evaluation import log_evaluation
-from trainer.reporting import JsonLines, read_all, read_new_lines
+from trainer.job.reporting import JsonLines, read_all, read_new_lines
 
 LINE = b'{"step": 1, "time": 1.0}\n'
 

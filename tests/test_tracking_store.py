@@ -11,11 +11,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import _tracking_template, small_spec
-from pretrain.ledger import Ledger
-from pretrain.tracking import MetricsForwarder, Tracker
-from pretrain.tracking_store import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_root, default_tracking_uri,
+from pretrain.state.ledger import Ledger
+from pretrain.tracking.runs import MetricsForwarder, Tracker
+from pretrain.tracking.store import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_root, default_tracking_uri,
                                      recorded_store)
-from trainer.reporting import JsonLines
+from trainer.job.reporting import JsonLines
 
 
 @pytest.mark.parametrize("own_store, env, expected", [
@@ -112,8 +112,8 @@ def test_tokens_seen_count_over_the_whole_campaign(store, tmp_path):
 def test_every_key_a_campaign_logs_is_documented():
     """docs/tracking.md is the reference for dashboards and comparisons: every metric and tag key
     the code logs is in it."""
-    from pretrain import tracking
-    from pretrain.compare import COUNTERS
+    from pretrain.tracking import runs as tracking
+    from pretrain.views.compare import COUNTERS
 
     doc = (Path(__file__).parents[1] / "docs" / "tracking.md").read_text()
     tags = [v for k, v in vars(tracking).items() if k.startswith("TAG_")]

@@ -1,5 +1,5 @@
 """Live training progress: what the job's files and the ledger say about a training stage
-(``pretrain.train_progress``), and ``pretrain status --watch`` following a campaign from another
+(``pretrain.views.training_progress``), and ``pretrain status --watch`` following a campaign from another
 terminal, under a pseudo-terminal (a bar) and piped (lines), ending when the campaign stops."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 
 from conftest import small_spec, wait_for
 from terminal import Terminal
-from pretrain.ledger import Ledger
-from pretrain.ledger_schema import StageStatus, Verdict
-from pretrain.follow import CampaignFollower
-from pretrain.train_progress import TrainingWatch
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import StageStatus, Verdict
+from pretrain.views.follow import CampaignFollower
+from pretrain.views.training_progress import TrainingWatch
 
 
 def write_lines(path: Path, *records: dict | bytes) -> None:
@@ -145,7 +145,7 @@ def holder() -> subprocess.Popen:
 
 
 def watch_cmd(root: Path) -> list[str]:
-    return [sys.executable, "-m", "pretrain.cli", "status", "--watch", "--interval", "0.2", "--workdir", str(root)]
+    return [sys.executable, "-m", "pretrain.cli.app", "status", "--watch", "--interval", "0.2", "--workdir", str(root)]
 
 
 def test_status_watch_piped_prints_lines_and_ends_when_the_campaign_process_is_gone(ledger, tmp_path):
@@ -201,7 +201,7 @@ def test_model_saving_is_quiet_about_what_a_user_cannot_act_on_and_puts_logging_
 
     from transformers.utils import logging as hf_logging
 
-    from pretrain.registry import QUIET_LOGGERS, quiet_model_saving
+    from pretrain.checkpoints.registry import QUIET_LOGGERS, quiet_model_saving
 
     before = [logging.getLogger(n).level for n in QUIET_LOGGERS]
     with quiet_model_saving():

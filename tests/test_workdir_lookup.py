@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from conftest import pretrain_cli, small_spec
-from pretrain.ledger import Ledger
-from pretrain.status import NoCampaign
-from pretrain.workdir_lookup import pick_workdir
+from pretrain.state.ledger import Ledger
+from pretrain.views.status import NoCampaign
+from pretrain.cli.workdir_lookup import pick_workdir
 
 
 def campaign(workdir: Path, name: str = "c") -> Path:
@@ -63,8 +63,8 @@ def test_status_without_workdir_shows_the_campaign_run_made_here(tmp_path, monke
 
 
 def test_eval_without_a_checkpoint_takes_the_newest_good_one_of_the_campaign_here(tmp_path):
-    from pretrain.ledger_schema import Verdict
-    from pretrain.workdir_lookup import good_checkpoint
+    from pretrain.state.schema import Verdict
+    from pretrain.cli.workdir_lookup import good_checkpoint
 
     workdir = campaign(tmp_path / "runs" / "tiny")
     with pytest.raises(NoCampaign, match="no good checkpoint yet: pass a checkpoint"):

@@ -1,4 +1,4 @@
-"""The zygote (trainer.zygote): processes forked with torch imported behave as fresh interpreters
+"""The zygote (trainer.zygote.client): processes forked with torch imported behave as fresh interpreters
 started by ``subprocess.Popen``, die with their owner, and a broken zygote falls back to Popen."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import psutil
 import pytest
 
 from conftest import wait_for
-from pretrain.cluster import LocalCluster
-from pretrain.spec_sections import ClusterSpec
-from trainer.process import wait_for_an_exit
-from trainer.zygote import Zygote, ZygoteProcess
+from pretrain.cluster.local import LocalCluster
+from pretrain.spec.sections import ClusterSpec
+from trainer.common.process import wait_for_an_exit
+from trainer.zygote.client import Zygote, ZygoteProcess
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -47,11 +47,11 @@ elif mode == "trap":  # ends with status 7 on SIGTERM
     signal.pause()
 elif mode == "agent":  # as a node agent: an orphan watchdog, and a worker that watches it in turn
     import subprocess
-    from trainer.process import exit_when_orphaned
+    from trainer.common.process import exit_when_orphaned
     exit_when_orphaned()
     # the worker says when its watchdog runs: one started after its parent died would watch the
     # wrong parent (the test's owner is killed right after the pids are printed)
-    worker = subprocess.Popen([sys.executable, "-c", "import signal; from trainer.process import exit_when_orphaned; "
+    worker = subprocess.Popen([sys.executable, "-c", "import signal; from trainer.common.process import exit_when_orphaned; "
                                "exit_when_orphaned(); print('watching', flush=True); signal.pause()"],
                               stdout=subprocess.PIPE, text=True)
     worker.stdout.readline()
@@ -208,9 +208,9 @@ def test_the_owner_killed_leaves_no_forked_process_and_no_directory(probe_env, t
     owner = tmp_path / "owner.py"
     owner.write_text(textwrap.dedent("""
         import json, os, sys, signal
-        from trainer.zygote import Zygote
+        from trainer.zygote.client import Zygote
         env = json.loads(sys.argv[1])
-        z = Zygote.start(preload=["trainer.process"], env=env)
+        z = Zygote.start(preload=["trainer.common.process"], env=env)
         r, w = os.pipe()
         agent = z.spawn("zprobe", ["agent"], env=env, stdout=w, new_session=True)  # a worker under it
         plain = z.spawn("zprobe", ["sleep"], env=env)  # no watchdog of its own
@@ -248,7 +248,7 @@ def test_a_stopped_child_does_not_outlive_the_zygote(probe_env, client_gone):
     """The campaign ends (the zygote stops) while a child is stopped (a frozen node's saver), its
     client (the agent) killed just before or not: the child ends too, never left behind stopped
     with a SIGTERM pending for ever."""
-    with Zygote.start(preload=["trainer.process"], env=probe_env) as z:
+    with Zygote.start(preload=["trainer.common.process"], env=probe_env) as z:
         assert z.spawn("platform", stdout=subprocess.DEVNULL).wait(120) == 0  # ready before the client connects
         client, child = sleeping_child_of_a_client(z, probe_env)
         os.kill(child, signal.SIGSTOP)
@@ -268,7 +268,7 @@ def sleeping_child_of_a_client(zygote: Zygote, probe_env) -> tuple[subprocess.Po
     """Another process (as a node agent) that asked ``zygote`` for a sleeping child: (it, the child's pid)."""
     client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import signal
-        from trainer.zygote import Zygote
+        from trainer.zygote.client import Zygote
         child = Zygote.connect({zygote.path!r}).spawn("zprobe", ["sleep"], env={probe_env!r})
         print(child.pid, flush=True)
         signal.pause()
@@ -285,7 +285,7 @@ def sigterm_pending(pid: int) -> bool:
 
 def test_a_killed_zygote_falls_back_to_popen_saying_so_once(probe_env, tmp_path):
     said = []
-    z = Zygote.start(preload=["trainer.process"], env=probe_env, log=said.append)
+    z = Zygote.start(preload=["trainer.common.process"], env=probe_env, log=said.append)
     try:
         assert isinstance(z.spawn("zprobe", ["exit", "0"], env=probe_env), ZygoteProcess), said  # why it fell back
         z._server.kill()
@@ -315,7 +315,7 @@ CHILD = """
 import os, signal, sys, time
 while not os.path.exists(sys.argv[1]):  # a start slower than its parent's life
     time.sleep(0.05)
-from trainer.process import exit_when_orphaned
+from trainer.common.process import exit_when_orphaned
 exit_when_orphaned()
 signal.pause()
 """
@@ -328,7 +328,7 @@ def test_a_child_whose_parent_died_before_its_watchdog_ran_still_ends(tmp_path):
     go = tmp_path / "go"
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import subprocess, sys
-        from trainer.process import child_env
+        from trainer.common.process import child_env
         print(subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], env=child_env()).pid, flush=True)
     """), CHILD, str(go)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
     child = int(parent.stdout.readline())

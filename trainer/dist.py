@@ -1,4 +1,4 @@
-"""Process-group set-up and tear-down for workers started by a node agent (``trainer.node_agent``
+"""Process-group set-up and tear-down for workers started by a node agent (``trainer.agent.single_node``
 for one node, torch's elastic agent for several).
 
 Two torch 2.13 + gloo traps are handled here (see docs/platform.md):

@@ -19,8 +19,8 @@ import torch
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.records import DamagedRecord
 from trainer.checkpoint.sharded import ShardLayoutError, consolidate, load_full_state
-from trainer.config import ModelConfig
-from trainer.data import DataError, TokenWindows
+from trainer.job.config import ModelConfig
+from trainer.data.sampler import DataError, TokenWindows
 from trainer.model import GPT, lm_loss
 from trainer.storage import NotFound, StorageError
 

@@ -13,7 +13,7 @@ every pending checkpoint, so torch is imported once. A request::
      "probe": {"data_dir": ..., "seq_len": ..., "windows": ..., "tolerance": ...} | null,
      "evaluate": {"data_dir": ..., "seq_len": ..., "batches": ...} | null}
 
-(every value from the campaign spec's ``validation`` section: ``pretrain.gate.gate_request``).
+(every value from the campaign spec's ``validation`` section: ``pretrain.checkpoints.gate.gate_request``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from trainer.evaluate import judge_one
-from trainer.process import exit_now, exit_when_orphaned
+from trainer.common.process import exit_now, exit_when_orphaned
 
 
 def main(argv: list[str] | None = None) -> int:

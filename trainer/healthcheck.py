@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from trainer.atomic import atomic_write_json
-from trainer.process import exit_now, exit_when_orphaned
+from trainer.common.atomic import atomic_write_json
+from trainer.common.process import exit_now, exit_when_orphaned
 from trainer.resilience.healthcheck import allreduce_mbps, matmul_seconds
 
 

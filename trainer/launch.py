@@ -1,5 +1,5 @@
 """Node agent: ``python -m trainer.launch JOB.json --nproc N ...`` (the agent itself:
-``trainer.agent``).
+``trainer.agent.node``).
 
 Runs torch's elastic agent for one node and starts ``python -m trainer.worker JOB.json`` per
 local rank; exits 0 when every worker finished, 1 when the job failed after its restarts.
@@ -11,9 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer.agent import run_node
-from trainer.first_round import FIRST_ROUND_WAIT_S
-from trainer.process import exit_now
+from trainer.agent.node import run_node
+from trainer.agent.first_round import FIRST_ROUND_WAIT_S
+from trainer.common.process import exit_now
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -30,7 +30,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds to wait for a dying predecessor to let go of --lock (PRETRAIN_NODE_LOCK_WAIT_S)")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per worker")
     p.add_argument("--node", type=int, default=0, help="this node's index in the cluster (chaos drills, logs)")
-    p.add_argument("--zygote", help="the campaign run's fork server (trainer.zygote): the agent forks its workers, "
+    p.add_argument("--zygote", help="the campaign run's fork server (trainer.zygote.client): the agent forks its workers, "
                    "spares and saver from it, torch imported; without it they are fresh interpreters")
     p.add_argument("--rdzv-host", action="store_true", help="this node hosts the rendezvous store (exactly one node)")
     p.add_argument("--standby", action="store_true", help="a standby node: joins the rendezvous once training runs and "

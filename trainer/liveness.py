@@ -5,7 +5,7 @@ closes its sockets: torch's rendezvous drops it once its keep-alives lapse and t
 but whoever started it would wait for its exit code for ever. Every node agent therefore
 refreshes ``<job_dir>/nodes/node<N>.json`` (its process id, written once; then only its
 modification time, every ``LIVENESS_INTERVAL_S``) from a thread of its own. The local cluster's
-job handle (``pretrain.cluster``) reads how long a running node has been silent and stops a node
+job handle (``pretrain.cluster.local``) reads how long a running node has been silent and stops a node
 silent for too long, which makes it a lost node like any other.
 """
 
@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainer.atomic import atomic_write_json
+from trainer.common.atomic import atomic_write_json
 
 LIVENESS_INTERVAL_S = 1.0  # how often an agent refreshes its liveness file
 

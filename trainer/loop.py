@@ -13,12 +13,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainer.checkpoint import state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.shm import ShmTooSmall
-from trainer.config import JobConfig
-from trainer.data import TokenWindows, make_batch, make_sampler, micro_batch_positions
+from trainer.job.config import JobConfig
+from trainer.data.sampler import TokenWindows, make_batch, make_sampler, micro_batch_positions
 from trainer.dist import DistInfo, all_reduce_mean, is_initialized, local_world_size
-from trainer.events import EventKind
+from trainer.job.events import EventKind
 from trainer.model import GPT, lm_loss, lr_at, param_groups
-from trainer.reporting import EVENTS, METRICS, JsonLines
+from trainer.job.reporting import EVENTS, METRICS, JsonLines
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, record_skip, skip_past
 from trainer.resilience.chaos import WorkerChaos
 from trainer.resilience.heartbeat import Heartbeat

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ModelConfig
+from trainer.job.config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):

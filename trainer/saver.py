@@ -1,7 +1,7 @@
 """The node's checkpoint saver: ``python -m trainer.saver --ns SHM_DIR --nproc N --job JOB.json [--agent PID]``
 (the saver itself: ``trainer.checkpoint.saver``).
 
-Started by the node agent (``trainer.agent``) before the workers and kept alive across their
+Started by the node agent (``trainer.agent.node``) before the workers and kept alive across their
 restarts; SIGTERM makes it save at breakpoint and exit.
 """
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from trainer.checkpoint.saver import serve
-from trainer.process import exit_now
+from trainer.common.process import exit_now
 
 
 def main(argv: list[str] | None = None) -> int:

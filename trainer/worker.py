@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.flash import finish_digests
-from trainer.config import JobConfig
+from trainer.job.config import JobConfig
 from trainer.dist import Identity, connect_store, init_distributed, pick_backend, shutdown_and_exit
-from trainer.events import EventKind, error_event
+from trainer.job.events import EventKind, error_event
 from trainer.loop import build_model, seed_everything, train
-from trainer.process import exit_when_orphaned
-from trainer.reporting import EVENTS, JsonLines
+from trainer.common.process import exit_when_orphaned
+from trainer.job.reporting import EVENTS, JsonLines
 from trainer.resilience.heartbeat import Heartbeat, collective_timeout_s
 from trainer.resilience.nodecheck import this_node
 from trainer.resilience.peers import Peers, arrive_as_replacement, exit_code, fast_recovery_bound_s, wait_for_rank
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     exit_when_orphaned()
     cfg = JobConfig.load(args.job)
     # OMP_NUM_THREADS from the agent counts too when this process was forked with torch imported
-    # (trainer.zygote): torch read the variable when the zygote imported it
+    # (trainer.zygote.client): torch read the variable when the zygote imported it
     threads = cfg.threads_per_worker or int(os.environ.get("OMP_NUM_THREADS") or 0)
     if threads:
         torch.set_num_threads(threads)

@@ -17,8 +17,8 @@ import os
 import signal
 import sys
 
-from trainer.process import exit_now, exit_when_orphaned
-from trainer.zygote import Zygote
+from trainer.common.process import exit_now, exit_when_orphaned
+from trainer.zygote.client import Zygote
 
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

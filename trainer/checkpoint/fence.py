@@ -42,7 +42,7 @@ def superseded(store, job: str | None) -> str | None:
 
 # --- the campaign's lease: fencing by generation -------------------------------------------------
 # Where campaign state lives on shared storage, one run of the campaign at a time holds a lease
-# there (``pretrain.lease``); each holder gets the next *generation*. A job carries the
+# there (``pretrain.state.lease``); each holder gets the next *generation*. A job carries the
 # generation it was launched under (``JobConfig.lease``) and commits only while the lease's
 # record still has it: a job of a run that lost the lease cannot move ``latest`` or ``good``,
 # however late its write arrives. The record's schema lives here because the trainer reads it

@@ -35,17 +35,17 @@ import time
 import traceback
 from pathlib import Path
 
-from trainer.atomic import atomic_write_bytes, atomic_write_json
+from trainer.common.atomic import atomic_write_bytes, atomic_write_json
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import fence
 from trainer.checkpoint.shm import Slot, read_header, slot_paths
-from trainer.config import Drill, JobConfig
-from trainer.events import EventKind
-from trainer.process import pid_alive
-from trainer.reporting import EVENTS, JsonLines
+from trainer.job.config import Drill, JobConfig
+from trainer.job.events import EventKind
+from trainer.common.process import pid_alive
+from trainer.job.reporting import EVENTS, JsonLines
 from trainer.storage import StorageError
 from trainer.resilience.chaos import corrupt_committed
-from trainer.resilience.diskfull import describe, is_disk_full
+from trainer.common.diskfull import describe, is_disk_full
 
 POLL_S = 0.05
 # a save at breakpoint starts this long after a worker died: the recovery gets the CPU first (a fast

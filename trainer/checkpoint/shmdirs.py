@@ -19,8 +19,8 @@ import re
 import shutil
 from pathlib import Path
 
-from trainer.atomic import atomic_write_json
-from trainer.process import pid_alive
+from trainer.common.atomic import atomic_write_json
+from trainer.common.process import pid_alive
 
 PREFIX = "pretrain-"
 _NAME = re.compile(r"^pretrain-(\d+)-[0-9a-f]{10}$")

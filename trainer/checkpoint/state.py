@@ -19,9 +19,9 @@ from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.flat import Layout, read_state, write_tensors
 from trainer.checkpoint.sharded import apply_sharded, load_full_state, localize
-from trainer.config import JobConfig
+from trainer.job.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object, broadcast_object, is_initialized, local_world_size
-from trainer.events import SURVIVORS
+from trainer.job.events import SURVIVORS
 from trainer.resilience.handoff import hand_over, signature
 
 MODEL_SHARD = ckpt.MODEL_SHARD

@@ -16,7 +16,7 @@ import statistics
 from collections import deque
 from pathlib import Path
 
-from trainer.atomic import atomic_write_json
+from trainer.common.atomic import atomic_write_json
 
 SKIPS = "skips.json"
 

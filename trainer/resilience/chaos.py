@@ -7,7 +7,7 @@ Worker-side kinds: ``kill_worker``, ``hang_worker``, ``nan_loss``, ``loss_spike`
 ``factor``), ``slow_worker`` (every step, no marker). Agent-side kinds (``trainer.launch``):
 ``kill_saver``, ``kill_node``. Saver-side kind: ``corrupt_checkpoint`` (one byte of the committed
 model state flipped in storage: silent corruption that only the validation gate's sha256 check
-can catch). Drills come typed per kind from the job (``trainer.config.Drill`` and subclasses),
+can catch). Drills come typed per kind from the job (``trainer.job.config.Drill`` and subclasses),
 with every value from the spec: none is defaulted here.
 """
 
@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 from trainer.checkpoint.store import step_name
-from trainer.config import CorruptCheckpoint, Drill, NodeDrill, SlowWorker, WorkerDrill
-from trainer.events import EventKind
+from trainer.job.config import CorruptCheckpoint, Drill, NodeDrill, SlowWorker, WorkerDrill
+from trainer.job.events import EventKind
 
-# who fires a drill follows from its type (trainer.config.DRILLS): workers fire WorkerDrills, the
+# who fires a drill follows from its type (trainer.job.config.DRILLS): workers fire WorkerDrills, the
 # node's agent NodeDrills, the saver CorruptCheckpoint
 
 

@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.events import EventKind
-from trainer.process import pid_alive, signal_process
+from trainer.job.events import EventKind
+from trainer.common.process import pid_alive, signal_process
 from trainer.resilience.stacks import hung_stacks
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from trainer.config import JobConfig
+from trainer.job.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object
-from trainer.events import EventKind
+from trainer.job.events import EventKind
 from trainer.resilience.healthcheck import matmul_seconds
 from trainer.resilience.node_judgement import judge_nodes
 

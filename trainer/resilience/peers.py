@@ -1,6 +1,6 @@
 """Fast recovery, worker side: a lost peer is replaced while the other workers keep running.
 
-Under the single-node agent (``trainer.node_agent``) a worker that dies does not take the
+Under the single-node agent (``trainer.agent.single_node``) a worker that dies does not take the
 others with it. A survivor finds out from the collective that fails (gloo: a SIGKILLed peer's
 connection closes, the collective raises within milliseconds); the agent, which saw the death,
 announces a new **epoch** in its store (``epoch_key``: the lost ranks, how they are replaced:
@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from trainer.checkpoint import state
 from trainer.checkpoint.state import Restored
-from trainer.config import JobConfig
+from trainer.job.config import JobConfig
 from trainer.dist import FAST_RECOVERY_ENV, DistInfo, Identity, join_group, round_restart_count
-from trainer.events import IN_PROCESS_SOURCES, EventKind
+from trainer.job.events import IN_PROCESS_SOURCES, EventKind
 from trainer.resilience.nodecheck import NODE_ENV
 from trainer.resilience.survivor_interrupt import PeerLost
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 
 from trainer.checkpoint import state
-from trainer.config import JobConfig
+from trainer.job.config import JobConfig
 from trainer.dist import DistInfo, broadcast_object
-from trainer.events import IN_PROCESS_SOURCES, EventKind
+from trainer.job.events import IN_PROCESS_SOURCES, EventKind
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips, skips_path
 
 

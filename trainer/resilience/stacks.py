@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.atomic import atomic_write_bytes
-from trainer.process import signal_process
+from trainer.common.atomic import atomic_write_bytes
+from trainer.common.process import signal_process
 
 DUMP_SIGNAL = signal.SIGUSR1
 DUMP_WAIT_S = 2.0  # the most a hung worker's kill waits for its stacks (a loaded machine schedules it late)

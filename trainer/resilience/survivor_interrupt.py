@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from trainer.process import signal_process
+from trainer.common.process import signal_process
 
 INTERRUPT_SIGNAL = signal.SIGURG
 PATIENCE_S = 1.0  # how long a signal waits for its announcement before it is taken for a stray one

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from trainer.atomic import fsync_dir, replace_moving_aside
+from trainer.common.atomic import fsync_dir, replace_moving_aside
 
 MiB = 1 << 20
 _TMP_MARK = ".tmp-"  # temporaries are ".<name>.tmp-<pid>..." next to their target

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from trainer.atomic import atomic_write_bytes, fsync_dir
+from trainer.common.atomic import atomic_write_bytes, fsync_dir
 from trainer.storage.base import (_TMP_MARK, MiB, NotAFile, NotFound, PreconditionFailed, Storage, StorageError, _dir_prefix,
                                   _mkdirs, _write_local_atomic, check_key)
 

@@ -1,5 +1,0 @@
-"""Data preparation at scale: sources (pretrain.corpus) → tokenizer → token shards in a versioned,
-immutable data set (``<root>/<fingerprint>/``) with its manifest written last.
-
-The entry point is :func:`pretrain.dataset.prepare.prepare`; this package imports nothing itself
-(pool workers import its modules and should not pay for the whole pipeline)."""

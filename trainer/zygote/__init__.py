@@ -1,0 +1,1 @@
+"""A fork server with torch imported, so processes start without paying ``import torch`` (``python -m trainer.zygote``)."""
