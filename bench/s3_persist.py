@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, run alone or by python -m bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedServer  # noqa: E402  (creates BUCKET)
+from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedServer  # noqa: E402  (creates BUCKET)
 
 from trainer.checkpoint.hashing import HashingWriter  # noqa: E402
 from trainer.checkpoint.store import CheckpointStore  # noqa: E402

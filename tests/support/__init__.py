@@ -1,0 +1,1 @@
+"""What the tests share: real local servers, the Kubernetes API double, campaign and job helpers."""
