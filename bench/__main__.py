@@ -31,11 +31,16 @@ def run_one(b: registry.Benchmark, quick: bool, facts_line: str, log) -> documen
     """Run ``b`` in its own process; its section of the document, whatever happened."""
     with tempfile.TemporaryDirectory(prefix=f"bench-{b.name}-") as tmp:
         result = Path(tmp) / "result.json"
-        env = {**os.environ, RESULT_ENV: str(result), "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-               # campaigns' Prefect API server: a loaded machine can take longer than Prefect's 20 s to start it
-               "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": os.environ.get(
-                   "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")}
+        env = {
+            **os.environ,
+            RESULT_ENV: str(result),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            # campaigns' Prefect API server: a loaded machine can take longer than Prefect's 20 s to start it
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": os.environ.get(
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120"
+            ),
+        }
         cmd = [sys.executable, str(b.path), *b.args(quick)]
         log(f"running {b.name}: {b.command(quick)}")
         t0 = time.perf_counter()
@@ -57,9 +62,18 @@ def run_one(b: registry.Benchmark, quick: bool, facts_line: str, log) -> documen
         status = "ok"
     notes = NOTES / f"{b.name}.md"
     log(f"  {b.name}: {status} in {wall:.0f} s")
-    return document.Section(name=b.name, title=b.title, command=b.command(quick), machine=facts_line,
-                            mode="quick" if quick else "full", wall_s=wall, output=stdout, status=status,
-                            checks=rec["checks"], notes=notes.read_text() if notes.is_file() else "")
+    return document.Section(
+        name=b.name,
+        title=b.title,
+        command=b.command(quick),
+        machine=facts_line,
+        mode="quick" if quick else "full",
+        wall_s=wall,
+        output=stdout,
+        status=status,
+        checks=rec["checks"],
+        notes=notes.read_text() if notes.is_file() else "",
+    )
 
 
 def _text(raw) -> str:
@@ -67,10 +81,15 @@ def _text(raw) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes: proves every benchmark runs (numbers are not real)")
-    ap.add_argument("--only", default="", help="comma-separated benchmark names (see --list); the others' sections are kept")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="small sizes: proves every benchmark runs (numbers are not real)"
+    )
+    ap.add_argument(
+        "--only", default="", help="comma-separated benchmark names (see --list); the others' sections are kept"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--list", action="store_true", help="list the benchmarks and their commands, run nothing")
     a = ap.parse_args(argv)
@@ -84,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {n.strip() for n in a.only.split(",") if n.strip()}
     unknown = wanted - {b.name for b in found}
     if unknown:
-        print(f"no benchmark named {', '.join(sorted(unknown))}; known: {', '.join(b.name for b in found)}",
-              file=sys.stderr)
+        print(
+            f"no benchmark named {', '.join(sorted(unknown))}; known: {', '.join(b.name for b in found)}",
+            file=sys.stderr,
+        )
         return 2
     try:
         text = a.out.read_text() if a.out.is_file() else ""
@@ -102,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         sections.append(run_one(b, a.quick, facts_line, log))
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python -m bench", *(["--quick"] if a.quick else []), *([f"--only {a.only}"] if wanted else [])])
+    command = " ".join(
+        ["python -m bench", *(["--quick"] if a.quick else []), *([f"--only {a.only}"] if wanted else [])]
+    )
     document.write(a.out, sections, command=command, machine=facts_line, after=after)
     log(f"wrote {a.out}")
     return 1 if any(isinstance(s, document.Section) and s.status.startswith("failed") for s in sections) else 0

@@ -23,37 +23,65 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # a loaded machine starts it slowly
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, run alone or by python -m bench
-BENCH = {"title": "Goodput under chaos", "order": 70, "quick": ["--minutes", "1", "--fault-every", "20"], "full": [],
-         "timeout_s": 2400}
+BENCH = {
+    "title": "Goodput under chaos",
+    "order": 70,
+    "quick": ["--minutes", "1", "--fault-every", "20"],
+    "full": [],
+    "timeout_s": 2400,
+}
 
 from bench.results import Check, report  # noqa: E402
-
 from flows.campaign import pretrain_campaign  # noqa: E402
-from pretrain.views.goodput import ALL  # noqa: E402
 from pretrain.spec.campaign import parse_spec  # noqa: E402
+from pretrain.views.goodput import ALL  # noqa: E402
 from trainer.job.reporting import read_all  # noqa: E402
 
-DATA = {"sources": ["{stdlib}/*.py"], "max_bytes": 2_000_000, "tokenizer": {"vocab_size": 512}}  # a tiny corpus overfits
-FAULTS = ({"kind": "kill_worker", "rank": 1}, {"kind": "hang_worker", "rank": 0}, {"kind": "nan_loss"},
-          {"kind": "kill_node", "node": 1})
+DATA = {
+    "sources": ["{stdlib}/*.py"],
+    "max_bytes": 2_000_000,
+    "tokenizer": {"vocab_size": 512},
+}  # a tiny corpus overfits
+FAULTS = (
+    {"kind": "kill_worker", "rank": 1},
+    {"kind": "hang_worker", "rank": 0},
+    {"kind": "nan_loss"},
+    {"kind": "kill_node", "node": 1},
+)
 
 
 def spec(workdir: Path, model: dict, steps: int, chaos: list[dict], memory_interval: int | None = None):
-    return parse_spec({
-        "name": "chaos-goodput", "workdir": str(workdir), "data": DATA, "model": model, "chaos": chaos,
-        "cluster": {"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 2 + 2 * len(chaos),
-                    "rejoin_after_s": 20},
-        "stages": [{"name": "main", "steps": steps, "seq_len": 64, "micro_batch": 4, "warmup_steps": 5}],
-        "checkpoint": {"interval": 50, **({} if memory_interval is None else {"memory_interval": memory_interval})},
-        "fault_tolerance": {"step_timeout_s": 10},
-        "validation": {"probe_tolerance": 2.0},  # the gate looks for divergence; a small model on little data overfits
-        "resume": {"max_attempts": 2 + len(chaos)},
-    })
+    return parse_spec(
+        {
+            "name": "chaos-goodput",
+            "workdir": str(workdir),
+            "data": DATA,
+            "model": model,
+            "chaos": chaos,
+            "cluster": {
+                "workers_per_node": 1,
+                "nodes_min": 1,
+                "nodes_max": 2,
+                "max_restarts": 2 + 2 * len(chaos),
+                "rejoin_after_s": 20,
+            },
+            "stages": [{"name": "main", "steps": steps, "seq_len": 64, "micro_batch": 4, "warmup_steps": 5}],
+            "checkpoint": {"interval": 50, **({} if memory_interval is None else {"memory_interval": memory_interval})},
+            "fault_tolerance": {"step_timeout_s": 10},
+            "validation": {
+                "probe_tolerance": 2.0
+            },  # the gate looks for divergence; a small model on little data overfits
+            "resume": {"max_attempts": 2 + len(chaos)},
+        }
+    )
 
 
 def drills(steps: int, every_steps: int) -> list[dict]:
     """A fault every ``every_steps`` steps, cycling through :data:`FAULTS` (none in the last stretch)."""
-    return [{**FAULTS[i % len(FAULTS)], "step": step} for i, step in enumerate(range(every_steps, steps - every_steps // 2, every_steps))]
+    return [
+        {**FAULTS[i % len(FAULTS)], "step": step}
+        for i, step in enumerate(range(every_steps, steps - every_steps // 2, every_steps))
+    ]
 
 
 def calibrate(root: Path, model: dict) -> float:
@@ -84,8 +112,12 @@ def main() -> None:
     p.add_argument("--fault-every", type=float, default=120.0, help="Seconds between faults (default 120).")
     p.add_argument("--step-s", type=float, default=None, help="Step time (default: measured by a calibration run).")
     p.add_argument("--workdir", default=None)
-    p.add_argument("--memory-interval", type=int, default=None,
-                   help="Steps between memory snapshots (default: the spec's default, checkpoint.memory_interval).")
+    p.add_argument(
+        "--memory-interval",
+        type=int,
+        default=None,
+        help="Steps between memory snapshots (default: the spec's default, checkpoint.memory_interval).",
+    )
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     a = p.parse_args()
@@ -96,12 +128,26 @@ def main() -> None:
     every = max(5, int(a.fault_every / step_s))
     chaos = drills(steps, every)
     campaign = spec(root / "campaign", model, steps, chaos, a.memory_interval)
-    print(f"step ≈ {step_s:.3f}s: {steps} steps, a fault every {every} steps ({len(chaos)} faults), a memory snapshot "
-          f"every {campaign.checkpoint.memory_interval} steps; workdir {root}")
+    print(
+        f"step ≈ {step_s:.3f}s: {steps} steps, a fault every {every} steps ({len(chaos)} faults), a memory snapshot "
+        f"every {campaign.checkpoint.memory_interval} steps; workdir {root}"
+    )
     stage = print_goodput(pretrain_campaign(spec=campaign))
-    report([Check("stage goodput with a fault every %.0f s" % a.fault_every, round(stage["goodput"] or 0.0, 3), 0.95,
-                  ">=", why_missed(stage, len(chaos), step_s))],
-           step_s=round(step_s, 3), steps=steps, faults=len(chaos), memory_interval=campaign.checkpoint.memory_interval)
+    report(
+        [
+            Check(
+                "stage goodput with a fault every %.0f s" % a.fault_every,
+                round(stage["goodput"] or 0.0, 3),
+                0.95,
+                ">=",
+                why_missed(stage, len(chaos), step_s),
+            )
+        ],
+        step_s=round(step_s, 3),
+        steps=steps,
+        faults=len(chaos),
+        memory_interval=campaign.checkpoint.memory_interval,
+    )
 
 
 def why_missed(stage: dict, faults: int, step_s: float) -> str:
@@ -109,10 +155,12 @@ def why_missed(stage: dict, faults: int, step_s: float) -> str:
     parts, wall = stage.get("parts_s") or {}, stage.get("wall_s") or 0.0
     cost = sum(parts.get(c, 0.0) for c in ("detection", "recovery", "recomputation"))
     losses = sorted(((c, parts.get(c, 0.0)) for c in ALL if c != "productive"), key=lambda x: -x[1])
-    return (f"{faults} faults cost {cost:.0f} s ({cost / wall if wall else 0:.1%} of the stage: detection, recovery, "
-            f"recomputation); the largest losses: {', '.join(f'{c} {x:.0f} s' for c, x in losses[:3])} — on a "
-            f"{step_s:.2f} s step a snapshot's blocking copy and each step's bookkeeping weigh far more than on a "
-            "real-size step")
+    return (
+        f"{faults} faults cost {cost:.0f} s ({cost / wall if wall else 0:.1%} of the stage: detection, recovery, "
+        f"recomputation); the largest losses: {', '.join(f'{c} {x:.0f} s' for c, x in losses[:3])} — on a "
+        f"{step_s:.2f} s step a snapshot's blocking copy and each step's bookkeeping weigh far more than on a "
+        "real-size step"
+    )
 
 
 if __name__ == "__main__":

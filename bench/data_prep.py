@@ -30,8 +30,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's code, run alone or by python -m bench
-BENCH = {"title": "Data preparation", "order": 50,
-         "quick": ["--mib", "1", "--vocab", "1024", "--repeats", "1"], "full": ["--repeats", "3"], "timeout_s": 1800}
+BENCH = {
+    "title": "Data preparation",
+    "order": 50,
+    "quick": ["--mib", "1", "--vocab", "1024", "--repeats", "1"],
+    "full": ["--repeats", "3"],
+    "timeout_s": 1800,
+}
 
 
 def make_corpus(out: Path, mib: int, copies: int = 1) -> list[Path]:
@@ -87,13 +92,24 @@ def child(mode: str, corpus: str, tokenizer: str, workers: int) -> None:
         from pretrain.data.prepare.pipeline import prepare
         from pretrain.spec.data import DataSpec
 
-        data = DataSpec(sources=[f"{corpus}/*.jsonl"], tokenizer={"path": tokenizer}, workers=workers,
-                        unit_bytes=1 << 20, shard_tokens=10_000_000, val_fraction=0.01)
+        data = DataSpec(
+            sources=[f"{corpus}/*.jsonl"],
+            tokenizer={"path": tokenizer},
+            workers=workers,
+            unit_bytes=1 << 20,
+            shard_tokens=10_000_000,
+            val_fraction=0.01,
+        )
         began: dict[str, float] = {}
         with tempfile.TemporaryDirectory(prefix="bench-prep-") as tmp:
             t0 = time.perf_counter()
-            m = prepare(data, Path(tmp) / "data", work=Path(tmp) / "work", log=lambda *_: None,
-                        progress=lambda p: began.setdefault(p.phase, time.perf_counter() - t0))
+            m = prepare(
+                data,
+                Path(tmp) / "data",
+                work=Path(tmp) / "work",
+                log=lambda *_: None,
+                progress=lambda p: began.setdefault(p.phase, time.perf_counter() - t0),
+            )
             seconds = time.perf_counter() - t0
         tokens = sum(s["tokens"] for s in m["sources"]) - sum(s["documents"] for s in m["sources"])  # no separators
         # the pool works from the "tokenizer" report (a given tokenizer loads at once) to "assemble"
@@ -105,14 +121,28 @@ def child(mode: str, corpus: str, tokenizer: str, workers: int) -> None:
 
         forkserver._forkserver._stop()
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    print(json.dumps({"tokens": tokens, "seconds": seconds, "self_mib": me.ru_maxrss / 1024,
-                      "worker_mib": kids.ru_maxrss / 1024, **extra,
-                      "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime}))
+    print(
+        json.dumps(
+            {
+                "tokens": tokens,
+                "seconds": seconds,
+                "self_mib": me.ru_maxrss / 1024,
+                "worker_mib": kids.ru_maxrss / 1024,
+                **extra,
+                "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
+            }
+        )
+    )
 
 
 def run_child(mode: str, corpus: Path, tokenizer: Path, workers: int = 1) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", mode, str(corpus), str(tokenizer), str(workers)],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", mode, str(corpus), str(tokenizer), str(workers)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -139,9 +169,15 @@ def main() -> None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         texts = [json.loads(line)["text"] for line in open(sorted(small.glob("*.jsonl"))[0])]
-        tok.train_from_iterator(texts, trainers.BpeTrainer(
-            vocab_size=args.vocab, special_tokens=["<|endoftext|>"], show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok.train_from_iterator(
+            texts,
+            trainers.BpeTrainer(
+                vocab_size=args.vocab,
+                special_tokens=["<|endoftext|>"],
+                show_progress=False,
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            ),
+        )
         tokenizer = Path(tmp) / "tokenizer.json"
         tok.save(str(tokenizer))
 
@@ -156,35 +192,68 @@ def main() -> None:
     raw, one, many = best["raw"], best["one"], best["many"]
     rate = {k: r["tokens"] / r["seconds"] for k, r in best.items()}
     cpu = {k: r["tokens"] / r["cpu_s"] for k, r in best.items()}
-    print(f"corpus {args.mib} MiB of text ({raw['tokens']:,} tokens), vocab {args.vocab}, {os.cpu_count()} cores, "
-          f"best of {args.repeats}, load average before/after {load0:.1f}/{os.getloadavg()[0]:.1f}")
-    print(f"raw encode_batch, 1 core        {rate['raw']:>10,.0f} tokens/s  {raw['seconds']:5.1f} s  "
-          f"{cpu['raw']:>10,.0f} tokens/CPU-s")
-    print(f"raw encode_batch_fast, 1 core   {rate['fast']:>10,.0f} tokens/s  {best['fast']['seconds']:5.1f} s  "
-          f"{cpu['fast']:>10,.0f} tokens/CPU-s")
-    print(f"pipeline, 1 worker              {rate['one']:>10,.0f} tokens/s  {one['seconds']:5.1f} s  "
-          f"{cpu['one']:>10,.0f} tokens/CPU-s  → {rate['one'] / rate['raw']:.2f}× raw (target ≥ 0.8), "
-          f"{rate['one'] / rate['fast']:.2f}× raw _fast")
-    print(f"pipeline, {all_workers} workers             {rate['many']:>10,.0f} tokens/s  {many['seconds']:5.1f} s  "
-          f"{cpu['many']:>10,.0f} tokens/CPU-s  → {rate['many'] / rate['one']:.2f}× 1 worker (target ≥ 1.7)")
+    print(
+        f"corpus {args.mib} MiB of text ({raw['tokens']:,} tokens), vocab {args.vocab}, {os.cpu_count()} cores, "
+        f"best of {args.repeats}, load average before/after {load0:.1f}/{os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"raw encode_batch, 1 core        {rate['raw']:>10,.0f} tokens/s  {raw['seconds']:5.1f} s  "
+        f"{cpu['raw']:>10,.0f} tokens/CPU-s"
+    )
+    print(
+        f"raw encode_batch_fast, 1 core   {rate['fast']:>10,.0f} tokens/s  {best['fast']['seconds']:5.1f} s  "
+        f"{cpu['fast']:>10,.0f} tokens/CPU-s"
+    )
+    print(
+        f"pipeline, 1 worker              {rate['one']:>10,.0f} tokens/s  {one['seconds']:5.1f} s  "
+        f"{cpu['one']:>10,.0f} tokens/CPU-s  → {rate['one'] / rate['raw']:.2f}× raw (target ≥ 0.8), "
+        f"{rate['one'] / rate['fast']:.2f}× raw _fast"
+    )
+    print(
+        f"pipeline, {all_workers} workers             {rate['many']:>10,.0f} tokens/s  {many['seconds']:5.1f} s  "
+        f"{cpu['many']:>10,.0f} tokens/CPU-s  → {rate['many'] / rate['one']:.2f}× 1 worker (target ≥ 1.7)"
+    )
     for name, r in (("1 worker", one), (f"{all_workers} workers", many), (f"{all_workers} workers, 4× corpus", big)):
-        print(f"  {name}: pool {r['pool_s']:.1f} s, assembly {r['assemble_s']:.1f} s, other serial "
-              f"{r['seconds'] - r['pool_s'] - r['assemble_s']:.1f} s of {r['seconds']:.1f} s")
+        print(
+            f"  {name}: pool {r['pool_s']:.1f} s, assembly {r['assemble_s']:.1f} s, other serial "
+            f"{r['seconds'] - r['pool_s'] - r['assemble_s']:.1f} s of {r['seconds']:.1f} s"
+        )
     for name, r in (("1× corpus", many), ("4× corpus", big)):
         print(f"peak RSS {name}: preparing process {r['self_mib']:.0f} MiB, largest worker {r['worker_mib']:.0f} MiB")
     grow = max(big["self_mib"], big["worker_mib"]) / max(many["self_mib"], many["worker_mib"]) - 1
     print(f"peak RSS growth for a 4× corpus: {grow * 100:+.1f} % (target < 20 %)")
     from bench.results import Check, report
 
-    report([Check("pipeline 1 worker / raw encode_batch", round(rate["one"] / rate["raw"], 3), 0.8, ">=",
-                  "reading, JSON parsing, hashing and writing the units cost more than offsets save"),
-            Check(f"pipeline {all_workers} workers / 1 worker", round(rate["many"] / rate["one"], 3), 1.7, ">=",
-                  f"load average {load0:.1f} → {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: the workers "
-                  "shared the cores with other processes (tokens/CPU-s stayed level)" if load0 >= 1.5 else
-                  "the serial part of the run (scan, planning, assembly: the lines above)"),
-            Check("peak RSS growth for a 4× corpus, %", round(grow * 100, 1), 20, "<=",
-                  "something the preparing process holds grows with the corpus")],
-           corpus_mib=args.mib, tokens=raw["tokens"])
+    report(
+        [
+            Check(
+                "pipeline 1 worker / raw encode_batch",
+                round(rate["one"] / rate["raw"], 3),
+                0.8,
+                ">=",
+                "reading, JSON parsing, hashing and writing the units cost more than offsets save",
+            ),
+            Check(
+                f"pipeline {all_workers} workers / 1 worker",
+                round(rate["many"] / rate["one"], 3),
+                1.7,
+                ">=",
+                f"load average {load0:.1f} → {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: the workers "
+                "shared the cores with other processes (tokens/CPU-s stayed level)"
+                if load0 >= 1.5
+                else "the serial part of the run (scan, planning, assembly: the lines above)",
+            ),
+            Check(
+                "peak RSS growth for a 4× corpus, %",
+                round(grow * 100, 1),
+                20,
+                "<=",
+                "something the preparing process holds grows with the corpus",
+            ),
+        ],
+        corpus_mib=args.mib,
+        tokens=raw["tokens"],
+    )
 
 
 if __name__ == "__main__":

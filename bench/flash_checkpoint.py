@@ -30,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, run alone or by python -m bench
 from bench.results import Check, report  # noqa: E402
-
 from pretrain.run.jobs import job_config
 from pretrain.spec.campaign import parse_spec
 from trainer.checkpoint import state
@@ -40,9 +39,13 @@ from trainer.dist import DistInfo
 from trainer.evaluate import iter_tensors
 from trainer.loop import build_model, snapshot_capacity
 
-BENCH = {"title": "Flash checkpoints vs direct saves and torch DCP async_save", "order": 10,
-         "quick": ["--layers", "1", "--d-model", "128", "--vocab", "2048", "--repeats", "1"], "full": [],
-         "timeout_s": 1800}
+BENCH = {
+    "title": "Flash checkpoints vs direct saves and torch DCP async_save",
+    "order": 10,
+    "quick": ["--layers", "1", "--d-model", "128", "--vocab", "2048", "--repeats", "1"],
+    "full": [],
+    "timeout_s": 1800,
+}
 CPU0 = DistInfo(0, 0, 1, 0, torch.device("cpu"), "gloo")
 
 
@@ -71,8 +74,9 @@ def dcp_async(model, opt, where: Path, repeats: int) -> tuple[float, float]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
             t0 = time.perf_counter()
-            future = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
-                                    checkpoint_id=str(target), no_dist=True)
+            future = dcp.async_save(
+                {"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=str(target), no_dist=True
+            )
             blocked.append(time.perf_counter() - t0)
             future.result()
             durable.append(time.perf_counter() - t0)
@@ -91,20 +95,44 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(dir=a.disk_dir or "."))
     shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
-        spec = parse_spec({"name": "bench", "workdir": str(work), "seed": 0, "cluster": {"workers_per_node": 1},
-                           "model": {"n_layer": a.layers, "n_head": max(1, a.d_model // 64), "d_model": a.d_model,
-                                     "max_seq_len": 256},
-                           "stages": [{"name": "bench", "steps": 10, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1,
-                                       "micro_batch": 1, "seq_len": 8}]})
-        cfg = dataclasses.replace(job_config(spec, 0, 0, None, a.vocab), data_dir="", ckpt_dir=str(work / "ckpt"),
-                                  job_dir=str(work))
+        spec = parse_spec(
+            {
+                "name": "bench",
+                "workdir": str(work),
+                "seed": 0,
+                "cluster": {"workers_per_node": 1},
+                "model": {
+                    "n_layer": a.layers,
+                    "n_head": max(1, a.d_model // 64),
+                    "d_model": a.d_model,
+                    "max_seq_len": 256,
+                },
+                "stages": [
+                    {
+                        "name": "bench",
+                        "steps": 10,
+                        "lr": 1e-3,
+                        "min_lr": 1e-4,
+                        "warmup_steps": 1,
+                        "micro_batch": 1,
+                        "seq_len": 8,
+                    }
+                ],
+            }
+        )
+        cfg = dataclasses.replace(
+            job_config(spec, 0, 0, None, a.vocab), data_dir="", ckpt_dir=str(work / "ckpt"), job_dir=str(work)
+        )
         model, opt = build_model(cfg, torch.device("cpu"))
         model(torch.randint(0, a.vocab, (1, 8))).float().mean().backward()
         opt.step()
         st = state.training_state(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt)
         nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(st))
-        print(f"state: {nbytes / 2**30:.2f} GiB ({model.num_params() / 1e6:.0f}M params + AdamW), torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads")
+        print(
+            f"state: {nbytes / 2**30:.2f} GiB ({model.num_params() / 1e6:.0f}M params + AdamW), torch "
+            f"{torch.__version__}, "
+            f"{torch.get_num_threads()} threads"
+        )
 
         direct = timed(lambda: state.save(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt), a.repeats)
         dcp_blocked, dcp_durable = dcp_async(model, opt, work / "dcp", a.repeats)
@@ -149,21 +177,43 @@ def main() -> None:
         persist = timed(lambda: saver.persist(newest), 1)
 
         print(f"{'blocking save: direct (torch.save+fsync)':46s} {dur(direct)}")
-        print(f"{'blocking save: flash (copy to shared memory)':46s} {dur(flash)}   → {direct / flash:5.1f}× less blocking")
-        print(f"{'  raw memcpy of the same bytes (the floor)':46s} {dur(memcpy)}   (flash = {flash / memcpy:4.2f}× memcpy)")
-        print(f"{'  first copy into untouched shared memory':46s} {dur(first_cold)}   ({first_cold / flash:4.1f}× a steady copy)")
-        print(f"{'blocking save: torch DCP async_save (staging)':46s} {dur(dcp_blocked)}   "
-              f"(flash = {flash / dcp_blocked:4.2f}× DCP async)")
+        print(
+            f"{'blocking save: flash (copy to shared memory)':46s} {dur(flash)}   → {direct / flash:5.1f}× less "
+            f"blocking"
+        )
+        print(
+            f"{'  raw memcpy of the same bytes (the floor)':46s} {dur(memcpy)}   (flash = {flash / memcpy:4.2f}× "
+            f"memcpy)"
+        )
+        print(
+            f"{'  first copy into untouched shared memory':46s} {dur(first_cold)}   ({first_cold / flash:4.1f}× a "
+            f"steady copy)"
+        )
+        print(
+            f"{'blocking save: torch DCP async_save (staging)':46s} {dur(dcp_blocked)}   "
+            f"(flash = {flash / dcp_blocked:4.2f}× DCP async)"
+        )
         print(f"{'to durable: direct':46s} {dur(direct)}")
         print(f"{'to durable: DCP async_save (future resolved)':46s} {dur(dcp_durable)}")
         print(f"{'to durable: flash (blocking + saver persist)':46s} {dur(flash + persist)}")
         print(f"{'restore: torch.load + load_state_dict':46s} {dur(disk_restore)}")
-        print(f"{'restore: shared memory (incl. digest check)':46s} {dur(mem_restore)}   → {disk_restore / mem_restore:5.1f}× faster")
+        print(
+            f"{'restore: shared memory (incl. digest check)':46s} {dur(mem_restore)}   → {disk_restore / mem_restore:5.1f}× faster"
+        )
         print(f"{'  of which xxh3 digest check':46s} {dur(verify)}")
         print(f"{'saver persist (background, fsynced)':46s} {dur(persist)}")
-        report([Check("flash blocking / DCP async_save blocking", round(flash / dcp_blocked, 3), 1.0, "<=",
-                      "flash copies the whole state into shared memory, DCP stages into private memory it may reuse")],
-               state_gib=round(nbytes / 2**30, 3))
+        report(
+            [
+                Check(
+                    "flash blocking / DCP async_save blocking",
+                    round(flash / dcp_blocked, 3),
+                    1.0,
+                    "<=",
+                    "flash copies the whole state into shared memory, DCP stages into private memory it may reuse",
+                )
+            ],
+            state_gib=round(nbytes / 2**30, 3),
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

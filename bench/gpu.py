@@ -40,11 +40,26 @@ import torch  # noqa: E402
 
 from bench.results import Check, report  # noqa: E402
 
-BENCH = {"title": "GPU: tokens/s and MFU of a 350M GPT, flash checkpoints of GPU tensors", "order": 70,
-         "quick": ["--steps", "6", "--warmup", "2", "--repeats", "1"], "full": ["--compile"], "timeout_s": 3600}
+BENCH = {
+    "title": "GPU: tokens/s and MFU of a 350M GPT, flash checkpoints of GPU tensors",
+    "order": 70,
+    "quick": ["--steps", "6", "--warmup", "2", "--repeats", "1"],
+    "full": ["--compile"],
+    "timeout_s": 3600,
+}
 # dense bf16 peak, TFLOP/s, by a substring of torch.cuda.get_device_name (first match wins)
-PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("B200", 2250.0),
-                    ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10G", 125.0), ("A10", 125.0)]
+PEAK_BF16_TFLOPS = [
+    ("H100 PCIe", 756.0),
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10G", 125.0),
+    ("A10", 125.0),
+]
 MFU_TARGET = 0.35  # a well-tuned single-node GPT-2-medium run with flash attention reaches ~40 %
 
 
@@ -88,13 +103,13 @@ def train_throughput(a, device: torch.device, local: int):
     from trainer.model import GPT, lm_loss, param_groups
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=a.vocab, n_layer=a.layers, n_head=a.heads, d_model=a.d_model, max_seq_len=a.seq_len,
-                      dropout=0.0)
+    cfg = ModelConfig(
+        vocab_size=a.vocab, n_layer=a.layers, n_head=a.heads, d_model=a.d_model, max_seq_len=a.seq_len, dropout=0.0
+    )
     raw = GPT(cfg).to(device)
     model = torch.compile(raw) if a.compile else raw
     net = DDP(model, device_ids=[local]) if device.type == "cuda" else DDP(model)
-    opt = torch.optim.AdamW(param_groups(raw, 0.1), lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(param_groups(raw, 0.1), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
     x = torch.randint(0, a.vocab, (a.micro_batch, a.seq_len + 1), device=device)
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -181,9 +196,13 @@ def checkpoint_times(a, device: torch.device, model, opt) -> dict[str, float | s
         model.load_state_dict(snap["model"])
         opt.load_state_dict(snap["optimizer"])
         sync(device)
-        out.update(direct_s=statistics.median(direct), staged_s=statistics.median(staged),
-                   staged_background_s=statistics.median(background), restore_s=time.perf_counter() - t0,
-                   pinned="pinned" if use_pinned else "pageable (no CUDA: smoke run)")
+        out.update(
+            direct_s=statistics.median(direct),
+            staged_s=statistics.median(staged),
+            staged_background_s=statistics.median(background),
+            restore_s=time.perf_counter() - t0,
+            pinned="pinned" if use_pinned else "pageable (no CUDA: smoke run)",
+        )
         return out
     finally:
         shutil.rmtree(ns, ignore_errors=True)
@@ -234,32 +253,58 @@ def main() -> None:
     peak = a.peak_tflops or (peak_tflops(name) if device.type == "cuda" else None)
     mfu = rate * flops_per_token(n, a.layers, a.d_model, a.seq_len) / (peak * 1e12) if peak else None
     nccl = torch.cuda.nccl.version() if device.type == "cuda" else "n/a (gloo)"
-    print(f"{name}, {world} rank(s), torch {torch.__version__}, CUDA {torch.version.cuda}, "
-          f"NCCL {'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}")
-    print(f"GPT {model.num_params() / 1e6:.0f}M params ({a.layers} layers, d_model {a.d_model}, vocab {a.vocab}); "
-          f"micro-batch {a.micro_batch} × {a.seq_len}; bf16 autocast, "
-          f"{'flash SDPA' if device.type == 'cuda' else 'default SDPA'}, {'torch.compile' if a.compile else 'eager'}")
+    print(
+        f"{name}, {world} rank(s), torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"NCCL {'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}"
+    )
+    print(
+        f"GPT {model.num_params() / 1e6:.0f}M params ({a.layers} layers, d_model {a.d_model}, vocab {a.vocab}); "
+        f"micro-batch {a.micro_batch} × {a.seq_len}; bf16 autocast, "
+        f"{'flash SDPA' if device.type == 'cuda' else 'default SDPA'}, {'torch.compile' if a.compile else 'eager'}"
+    )
     if compile_failed:
         print(f"torch.compile failed ({compile_failed}): measured eager")
-    print(f"{'training, per GPU':44s} {rate:>12,.0f} tokens/s   ({a.steps} steps after {a.warmup} warm-up; loss {loss:.2f})")
-    print(f"{'MFU':44s} {f'{mfu * 100:11.1f} %' if mfu is not None else '     unknown'}   "
-          f"(peak {peak or '?'} TFLOP/s bf16)")
+    print(
+        f"{'training, per GPU':44s} {rate:>12,.0f} tokens/s   ({a.steps} steps after {a.warmup} warm-up; loss "
+        f"{loss:.2f})"
+    )
+    print(
+        f"{'MFU':44s} {f'{mfu * 100:11.1f} %' if mfu is not None else '     unknown'}   "
+        f"(peak {peak or '?'} TFLOP/s bf16)"
+    )
     if "skipped" in ckpt:
         print(f"flash checkpoint: skipped: {ckpt['skipped']}")
     else:
         print(f"{'state (model + AdamW) on the device':44s} {ckpt['state_gib']:11.2f} GiB")
-        print(f"{'flash blocking: device → shared memory':44s} {ckpt['direct_s']:11.3f} s   (what the trainer does today)")
-        print(f"{'flash blocking: device → ' + ckpt['pinned'][:8] + ' host':44s} {ckpt['staged_s']:11.3f} s   "
-              f"→ {ckpt['direct_s'] / ckpt['staged_s']:.1f}× less blocking")
+        print(
+            f"{'flash blocking: device → shared memory':44s} {ckpt['direct_s']:11.3f} s   (what the trainer does today)"
+        )
+        print(
+            f"{'flash blocking: device → ' + ckpt['pinned'][:8] + ' host':44s} {ckpt['staged_s']:11.3f} s   "
+            f"→ {ckpt['direct_s'] / ckpt['staged_s']:.1f}× less blocking"
+        )
         print(f"{'  then host → shared memory (background)':44s} {ckpt['staged_background_s']:11.3f} s")
         print(f"{'restore: shared memory → device (with digest)':44s} {ckpt['restore_s']:11.3f} s")
     checks = []
     if mfu is not None:
-        checks.append(Check("MFU, bf16, per GPU", round(mfu, 3), MFU_TARGET, ">=",
-                            "no torch.compile (eager kernels)" if not a.compile else
-                            "micro-batch or sequence too small to fill the device, or DDP's all-reduce not overlapped"))
-    report(checks, skipped=None if device.type == "cuda" else "no CUDA device (smoke run on CPU)",
-           tokens_per_s=round(rate), world=world, device=name)
+        checks.append(
+            Check(
+                "MFU, bf16, per GPU",
+                round(mfu, 3),
+                MFU_TARGET,
+                ">=",
+                "no torch.compile (eager kernels)"
+                if not a.compile
+                else "micro-batch or sequence too small to fill the device, or DDP's all-reduce not overlapped",
+            )
+        )
+    report(
+        checks,
+        skipped=None if device.type == "cuda" else "no CUDA device (smoke run on CPU)",
+        tokens_per_s=round(rate),
+        world=world,
+        device=name,
+    )
 
 
 if __name__ == "__main__":

@@ -54,5 +54,7 @@ def facts(root: Path) -> dict[str, str]:
 
 
 def one_line(f: dict[str, str]) -> str:
-    return (f"{f['date']}, {f['cpu']}, {f['cores']} cores, {f['memory']}, GPU: {f['gpu']}, torch {f['torch']}, "
-            f"load average {f['load average']}, commit {f['commit']}")
+    return (
+        f"{f['date']}, {f['cpu']}, {f['cores']} cores, {f['memory']}, GPU: {f['gpu']}, torch {f['torch']}, "
+        f"load average {f['load average']}, commit {f['commit']}"
+    )

@@ -36,11 +36,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's code, run alone or by python -m bench
 
-BENCH = {"title": "Orchestration overhead: pretrain run vs the trainer launched directly", "order": 40,
-         "quick": ["--quick"], "full": [], "timeout_s": 1800}
+BENCH = {
+    "title": "Orchestration overhead: pretrain run vs the trainer launched directly",
+    "order": 40,
+    "quick": ["--quick"],
+    "full": [],
+    "timeout_s": 1800,
+}
 TARGET = 1.10
-QUICK = {"data": {"sources": ["{stdlib}/json/*.py"], "max_bytes": 300_000, "tokenizer": {"vocab_size": 512}},
-         "model": {"n_layer": 2, "n_head": 2, "d_model": 64, "max_seq_len": 128}, "steps": {"warmup": 6, "main": 12}}
+QUICK = {
+    "data": {"sources": ["{stdlib}/json/*.py"], "max_bytes": 300_000, "tokenizer": {"vocab_size": 512}},
+    "model": {"n_layer": 2, "n_head": 2, "d_model": 64, "max_seq_len": 128},
+    "steps": {"warmup": 6, "main": 12},
+}
 
 
 def demo_spec(workdir: Path, quick: bool) -> Path:
@@ -64,8 +72,15 @@ def demo_spec(workdir: Path, quick: bool) -> Path:
 def run_campaign(spec: Path, env: dict) -> tuple[float, list[tuple[float, str]], int]:
     """Wall seconds, (arrival second, line) of its output, exit status."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli.app", "run", str(spec)], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pretrain.cli.app", "run", str(spec)],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     lines = [(time.perf_counter() - t0, line.rstrip("\n")) for line in proc.stdout]
     code = proc.wait()
     return time.perf_counter() - t0, lines, code
@@ -77,7 +92,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run_direct(campaign: Path, stages: list[str], workers: int, threads: int, env: dict, root: Path) -> dict[str, float]:
+def run_direct(
+    campaign: Path, stages: list[str], workers: int, threads: int, env: dict, root: Path
+) -> dict[str, float]:
     """Each stage's job again, launched straight through the node agent; stage → wall seconds."""
     from trainer.job.config import JobConfig
 
@@ -87,23 +104,43 @@ def run_direct(campaign: Path, stages: list[str], workers: int, threads: int, en
         job = JobConfig.load(campaign / "jobs" / stage / "attempt_000" / "job.json")
         here = root / stage
         shm = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="bench-orch-"))
-        direct = dataclasses.replace(job, ckpt_dir=str(here / "ckpt"), job_dir=str(here / "job"), shm_dir=str(shm),
-                                     init_from=ckpts.get(job.init_from, job.init_from) if job.init_from else None,
-                                     chaos=[])
+        direct = dataclasses.replace(
+            job,
+            ckpt_dir=str(here / "ckpt"),
+            job_dir=str(here / "job"),
+            shm_dir=str(shm),
+            init_from=ckpts.get(job.init_from, job.init_from) if job.init_from else None,
+            chaos=[],
+        )
         ckpts[job.ckpt_dir] = direct.ckpt_dir
         (here / "job").mkdir(parents=True)
         path = here / "job" / "job.json"
         path.write_text(direct.to_json())
-        cmd = [sys.executable, "-m", "trainer.launch", str(path), "--nproc", str(workers), "--rdzv-endpoint",
-               f"127.0.0.1:{_port()}", "--run-id", f"direct-{stage}", "--threads", str(threads), "--rdzv-host"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainer.launch",
+            str(path),
+            "--nproc",
+            str(workers),
+            "--rdzv-endpoint",
+            f"127.0.0.1:{_port()}",
+            "--run-id",
+            f"direct-{stage}",
+            "--threads",
+            str(threads),
+            "--rdzv-host",
+        ]
         t0 = time.perf_counter()
         with open(here / "node0.log", "wb") as log:
             code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
         walls[stage] = time.perf_counter() - t0
         shutil.rmtree(shm, ignore_errors=True)
         if code != 0:
-            raise SystemExit(f"the direct launch of stage {stage} failed (exit {code}): see {here / 'node0.log'}:\n"
-                             + (here / "node0.log").read_text()[-1500:])
+            raise SystemExit(
+                f"the direct launch of stage {stage} failed (exit {code}): see {here / 'node0.log'}:\n"
+                + (here / "node0.log").read_text()[-1500:]
+            )
     return walls
 
 
@@ -160,13 +197,18 @@ def breakdown(lines: list[tuple[float, str]], wall: float) -> list[tuple[str, fl
     for flow, seconds in sorted(flows.items(), key=lambda kv: -kv[1]):
         if flow == "train-stage":
             job, gate = in_stage.get(JOB_TASK, 0.0), in_stage.get(GATE_TASK, 0.0)
-            parts += [("train-stage: training jobs (node agents, workers)", job),
-                      ("train-stage: validation gate", gate),  # after the job: passes beside it are free
-                      ("train-stage: the rest (MLflow stage runs, resume point, …)", seconds - job - gate)]
+            parts += [
+                ("train-stage: training jobs (node agents, workers)", job),
+                ("train-stage: validation gate", gate),  # after the job: passes beside it are free
+                ("train-stage: the rest (MLflow stage runs, resume point, …)", seconds - job - gate),
+            ]
         else:
             parts.append((f"subflow {flow}", seconds))
-    parts += [(f"campaign task {task}", seconds) for task, seconds in sorted(own.items(), key=lambda kv: -kv[1])
-              if seconds >= 1.0]
+    parts += [
+        (f"campaign task {task}", seconds)
+        for task, seconds in sorted(own.items(), key=lambda kv: -kv[1])
+        if seconds >= 1.0
+    ]
     parts.append(("after the flow: status table, API server stop", wall - flow_end))
     parts.append(("the rest: Prefect between tasks and subflows, short tasks", wall - sum(s for _, s in parts)))
     return parts
@@ -181,9 +223,15 @@ def main() -> None:
 
     root = Path(a.workdir or tempfile.mkdtemp(prefix="bench-orch-"))
     root.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1",
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": os.environ.get(
-               "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")}  # a loaded machine starts it slowly
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PYTHONUNBUFFERED": "1",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": os.environ.get(
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120"
+        ),
+    }  # a loaded machine starts it slowly
     env.pop("BENCH_RESULT", None)
     try:
         spec = demo_spec(root, a.quick)
@@ -196,15 +244,19 @@ def main() -> None:
         if code != 0:
             raise SystemExit(f"pretrain run failed (exit {code}); its output:\n" + "\n".join(l for _, l in lines[-20:]))
         threads = job_threads(Path(raw["workdir"]), stages[0])
-        direct = run_direct(Path(raw["workdir"]), stages, raw["cluster"]["workers_per_node"], threads, env, root / "direct")
+        direct = run_direct(
+            Path(raw["workdir"]), stages, raw["cluster"]["workers_per_node"], threads, env, root / "direct"
+        )
     finally:
         if not a.workdir:
             shutil.rmtree(root, ignore_errors=True)
     total_direct = sum(direct.values())
     ratio = wall / total_direct
     steps = {s["name"]: s["steps"] for s in raw["stages"]}
-    print(f"demo campaign{' (quick: fewer steps, smaller corpus and model)' if a.quick else ''}: "
-          f"{', '.join(f'{k} {v} steps' for k, v in steps.items())}; {raw['cluster']['workers_per_node']} CPU workers")
+    print(
+        f"demo campaign{' (quick: fewer steps, smaller corpus and model)' if a.quick else ''}: "
+        f"{', '.join(f'{k} {v} steps' for k, v in steps.items())}; {raw['cluster']['workers_per_node']} CPU workers"
+    )
     print(f"{'pretrain run (Prefect flow, data prep, MLflow, gate, …)':58s} {wall:8.1f} s")
     for stage, s in direct.items():
         print(f"{'  direct: python -m trainer.launch, stage ' + stage:58s} {s:8.1f} s")
@@ -214,11 +266,14 @@ def main() -> None:
     for name, seconds in parts:
         print(f"  {name:56s} {seconds:8.1f} s")
     others = sorted(((n, x) for n, x in parts if "training jobs" not in n), key=lambda p: -p[1])
-    why = (f"{wall - total_direct:.0f} s beyond the direct run; the largest parts: "
-           + "; ".join(f"{n} {x:.0f} s" for n, x in others[:4]))
-    report([Check("pretrain run / trainer launched directly, wall", round(ratio, 3), TARGET, "<=", why)],
-           campaign_s=round(wall, 1),
-           direct_s=round(total_direct, 1))
+    why = f"{wall - total_direct:.0f} s beyond the direct run; the largest parts: " + "; ".join(
+        f"{n} {x:.0f} s" for n, x in others[:4]
+    )
+    report(
+        [Check("pretrain run / trainer launched directly, wall", round(ratio, 3), TARGET, "<=", why)],
+        campaign_s=round(wall, 1),
+        direct_s=round(total_direct, 1),
+    )
 
 
 def job_threads(workdir: Path, stage: str) -> int:

@@ -69,8 +69,15 @@ def describe(path: Path) -> Benchmark | None:
         quick = ["--minutes", "1"] + (["--fault-every", "20"] if '"--fault-every"' in source else [])
     else:
         quick = full
-    return Benchmark(name=path.stem, title=str(meta.get("title", doc)), path=path, full=full, quick=quick,
-                     order=int(meta.get("order", 100)), timeout_s=int(meta.get("timeout_s", 1800)))
+    return Benchmark(
+        name=path.stem,
+        title=str(meta.get("title", doc)),
+        path=path,
+        full=full,
+        quick=quick,
+        order=int(meta.get("order", 100)),
+        timeout_s=int(meta.get("timeout_s", 1800)),
+    )
 
 
 def discover(directory: Path = HERE) -> tuple[list[Benchmark], list[str]]:

@@ -60,6 +60,9 @@ def load_result(path: Path) -> dict:
         return {"checks": [], "skipped": None, "facts": {}, "unreadable": True}
     if not isinstance(record, dict):
         return {"checks": [], "skipped": None, "facts": {}, "unreadable": True}
-    checks = [Check(**{k: c[k] for k in ("what", "value", "target", "op", "why") if k in c})
-              for c in record.get("checks") or [] if isinstance(c, dict) and {"what", "value", "target"} <= c.keys()]
+    checks = [
+        Check(**{k: c[k] for k in ("what", "value", "target", "op", "why") if k in c})
+        for c in record.get("checks") or []
+        if isinstance(c, dict) and {"what", "value", "target"} <= c.keys()
+    ]
     return {"checks": checks, "skipped": record.get("skipped"), "facts": record.get("facts") or {}}

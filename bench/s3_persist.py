@@ -24,13 +24,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, run alone or by python -m bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedServer  # noqa: E402  (creates BUCKET)
-
 from trainer.checkpoint.hashing import HashingWriter  # noqa: E402
 from trainer.checkpoint.store import CheckpointStore  # noqa: E402
 from trainer.storage.s3 import S3Storage  # noqa: E402
 
-BENCH = {"title": "Persisting a shard to S3: staged vs streamed", "order": 20,
-         "quick": ["--mib", "16", "--repeats", "1"], "full": ["--mib", "512", "--repeats", "3"], "timeout_s": 1800}
+BENCH = {
+    "title": "Persisting a shard to S3: staged vs streamed",
+    "order": 20,
+    "quick": ["--mib", "16", "--repeats", "1"],
+    "full": ["--mib", "512", "--repeats", "3"],
+    "timeout_s": 1800,
+}
 
 
 def staged(store: CheckpointStore, key: str, obj: dict) -> None:
@@ -56,8 +60,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp:
         server = SeaweedServer(Path(tmp)).start()
         try:
-            storage = S3Storage(BUCKET, "bench", endpoint_url=server.endpoint, region="us-east-1",
-                                access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+            storage = S3Storage(
+                BUCKET,
+                "bench",
+                endpoint_url=server.endpoint,
+                region="us-east-1",
+                access_key=ACCESS_KEY,
+                secret_key=SECRET_KEY,
+            )
             store = CheckpointStore(storage, storage.url)
             times: dict[str, list[float]] = {"staged": [], "streamed": []}
             for r in range(args.repeats):
@@ -74,8 +84,10 @@ def main() -> None:
     st, sm = statistics.median(times["staged"]), statistics.median(times["streamed"])
     print(f"shard of {size:.0f} MiB to SeaweedFS on 127.0.0.1, median of {args.repeats}:")
     print(f"staged: torch.save+sha256 → temp file, fsync, upload  {st:7.3f} s   local disk {size:.0f} MiB")
-    print(f"streamed: torch.save+sha256 → pipe → multipart upload {sm:7.3f} s   local disk 0 MiB"
-          f"   → {st / sm:.2f}× faster")
+    print(
+        f"streamed: torch.save+sha256 → pipe → multipart upload {sm:7.3f} s   local disk 0 MiB"
+        f"   → {st / sm:.2f}× faster"
+    )
 
 
 if __name__ == "__main__":

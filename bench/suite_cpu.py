@@ -48,10 +48,13 @@ def pytest_runtest_protocol(item, nextitem):
     cpu, wall = busy_cpu_s(), time.monotonic()
     yield
     out = item.config._suite_cpu_out
-    out.write(json.dumps({"id": item.nodeid, "cpu_s": round(busy_cpu_s() - cpu, 2),
-                          "wall_s": round(time.monotonic() - wall, 2)}) + "\n")
+    out.write(
+        json.dumps(
+            {"id": item.nodeid, "cpu_s": round(busy_cpu_s() - cpu, 2), "wall_s": round(time.monotonic() - wall, 2)}
+        )
+        + "\n"
+    )
     out.flush()
-
 
 
 def table(path: str, top: int = 25) -> str:
@@ -68,14 +71,17 @@ def table(path: str, top: int = 25) -> str:
     lines = [f"{'CPU-s':>8} {'share':>6} {'wall-s':>8} {'tests':>5}  file"]
     for name, (cpu, wall, n) in sorted(files.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"{cpu:8.1f} {cpu / total:6.1%} {wall:8.1f} {n:5d}  {name}")
-    lines.append(f"{total:8.1f} {1:6.0%} {sum(v[1] for v in files.values()):8.1f} "
-                 f"{sum(v[2] for v in files.values()):5d}  all")
+    lines.append(
+        f"{total:8.1f} {1:6.0%} {sum(v[1] for v in files.values()):8.1f} {sum(v[2] for v in files.values()):5d}  all"
+    )
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python bench/suite_cpu.py suite-cpu.jsonl (written by: PYTHONPATH=bench pytest -p suite_cpu -n 0)")
+        sys.exit(
+            "usage: python bench/suite_cpu.py suite-cpu.jsonl (written by: PYTHONPATH=bench pytest -p suite_cpu -n 0)"
+        )
     try:
         print(table(sys.argv[1]))
     except (OSError, ValueError, KeyError) as err:

@@ -14,7 +14,12 @@ def token_data(directory: Path, *, vocab: int, tokens: int, seed: int = 0) -> Pa
     directory.mkdir(parents=True, exist_ok=True)
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     np.random.default_rng(seed).integers(0, vocab, tokens, dtype=dtype).tofile(directory / "train_0000.bin")
-    manifest = {"version": 1, "dtype": dtype, "vocab_size": vocab, "eot_id": 0,
-                "splits": {"train": [{"file": "train_0000.bin", "tokens": tokens}]}}
+    manifest = {
+        "version": 1,
+        "dtype": dtype,
+        "vocab_size": vocab,
+        "eot_id": 0,
+        "splits": {"train": [{"file": "train_0000.bin", "tokens": tokens}]},
+    }
     (directory / "manifest.json").write_text(json.dumps(manifest))
     return directory

@@ -29,10 +29,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BENCH = {"title": "Trainer overhead: our loop vs a plain PyTorch loop", "order": 30,
-         "quick": ["--d-model", "64", "--layers", "2", "--seq-len", "64", "--micro-batch", "4", "--vocab", "512",
-                   "--steps", "8", "--repeats", "1", "--threads", "1"],
-         "full": [], "timeout_s": 1800}
+BENCH = {
+    "title": "Trainer overhead: our loop vs a plain PyTorch loop",
+    "order": 30,
+    "quick": [
+        "--d-model",
+        "64",
+        "--layers",
+        "2",
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "4",
+        "--vocab",
+        "512",
+        "--steps",
+        "8",
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+    ],
+    "full": [],
+    "timeout_s": 1800,
+}
 TARGET = 0.97
 
 
@@ -40,25 +60,45 @@ def job(a, root: Path):
     from pretrain.run.jobs import job_config
     from pretrain.spec.campaign import parse_spec
 
-    spec = parse_spec({
-        "name": "bench", "workdir": str(root), "seed": 0, "cluster": {"workers_per_node": 1},
-        "model": {"n_layer": a.layers, "n_head": max(1, a.d_model // 64), "d_model": a.d_model, "max_seq_len": a.seq_len},
-        "stages": [{"name": "bench", "steps": a.steps, "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 2,
-                    "micro_batch": a.micro_batch, "seq_len": a.seq_len}],
-        "checkpoint": {"memory_interval": 0, "interval": a.steps},
-        "tracking": {"log_every": 1},
-    })
+    spec = parse_spec(
+        {
+            "name": "bench",
+            "workdir": str(root),
+            "seed": 0,
+            "cluster": {"workers_per_node": 1},
+            "model": {
+                "n_layer": a.layers,
+                "n_head": max(1, a.d_model // 64),
+                "d_model": a.d_model,
+                "max_seq_len": a.seq_len,
+            },
+            "stages": [
+                {
+                    "name": "bench",
+                    "steps": a.steps,
+                    "lr": 3e-4,
+                    "min_lr": 3e-5,
+                    "warmup_steps": 2,
+                    "micro_batch": a.micro_batch,
+                    "seq_len": a.seq_len,
+                }
+            ],
+            "checkpoint": {"memory_interval": 0, "interval": a.steps},
+            "tracking": {"log_every": 1},
+        }
+    )
     cfg = job_config(spec, 0, 0, None, a.vocab)
-    return dataclasses.replace(cfg, data_dir=str(root / "data"), ckpt_dir=str(root / "ckpt"), job_dir=str(root / "job"),
-                               threads_per_worker=0)
+    return dataclasses.replace(
+        cfg, data_dir=str(root / "data"), ckpt_dir=str(root / "ckpt"), job_dir=str(root / "job"), threads_per_worker=0
+    )
 
 
 def ours(cfg) -> dict:
-    from trainer.dist import DistInfo
-    from trainer.loop import train
-    from trainer.job.reporting import METRICS
-
     import torch
+
+    from trainer.dist import DistInfo
+    from trainer.job.reporting import METRICS
+    from trainer.loop import train
 
     t0 = time.perf_counter()
     train(cfg, DistInfo(0, 0, 1, 0, torch.device("cpu"), "gloo"))
@@ -85,7 +125,9 @@ def plain(cfg) -> dict:
     windows = (len(tokens) - 1) // o.seq_len
     for _ in range(o.steps):
         idx = torch.randint(0, windows, (o.micro_batch,)).tolist()
-        rows = torch.stack([torch.from_numpy(tokens[i * o.seq_len:(i + 1) * o.seq_len + 1].astype(np.int64)) for i in idx])
+        rows = torch.stack(
+            [torch.from_numpy(tokens[i * o.seq_len : (i + 1) * o.seq_len + 1].astype(np.int64)) for i in idx]
+        )
         loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
@@ -157,18 +199,26 @@ def main() -> None:
                     best[way] = res
     rate = {w: tokens_per_run / r["seconds"] for w, r in best.items()}
     ratio = rate["ours"] / rate["plain"]
-    print(f"GPT d_model {a.d_model}, {a.layers} layers, vocab {a.vocab}; micro-batch {a.micro_batch} × {a.seq_len} "
-          f"tokens, {a.steps} steps, 1 process, {a.threads or 'default'} threads, "
-          f"{os.cpu_count()} cores; best of {a.repeats}")
+    print(
+        f"GPT d_model {a.d_model}, {a.layers} layers, vocab {a.vocab}; micro-batch {a.micro_batch} × {a.seq_len} "
+        f"tokens, {a.steps} steps, 1 process, {a.threads or 'default'} threads, "
+        f"{os.cpu_count()} cores; best of {a.repeats}"
+    )
     print(f"{'plain PyTorch loop':40s} {rate['plain']:>10,.0f} tokens/s  {best['plain']['seconds']:7.2f} s")
-    print(f"{'our loop (trainer.loop.train)':40s} {rate['ours']:>10,.0f} tokens/s  {best['ours']['seconds']:7.2f} s"
-          f"   → {ratio:.3f}× plain")
+    print(
+        f"{'our loop (trainer.loop.train)':40s} {rate['ours']:>10,.0f} tokens/s  {best['ours']['seconds']:7.2f} s"
+        f"   → {ratio:.3f}× plain"
+    )
     print(f"{'  its last-step checkpoint (taken out)':40s} {best['ours']['final_checkpoint_s']:>25.2f} s")
-    why = ("at this size the fixed costs (job files, sampler permutation, deterministic kernels) weigh on "
-           "few short steps" if a.steps * a.d_model < 20 * 384 else
-           "per-step work outside the model (heartbeat, metrics line, spike check) or deterministic CPU kernels")
-    report([Check("our loop / plain PyTorch loop, tokens/s", round(ratio, 4), TARGET, ">=", why)],
-           tokens_per_run=tokens_per_run)
+    why = (
+        "at this size the fixed costs (job files, sampler permutation, deterministic kernels) weigh on few short steps"
+        if a.steps * a.d_model < 20 * 384
+        else "per-step work outside the model (heartbeat, metrics line, spike check) or deterministic CPU kernels"
+    )
+    report(
+        [Check("our loop / plain PyTorch loop, tokens/s", round(ratio, 4), TARGET, ">=", why)],
+        tokens_per_run=tokens_per_run,
+    )
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@ a Kubernetes cluster."""
 from __future__ import annotations
 
 from abc import ABC
-from typing import Literal, Optional
+from typing import Literal
 
-from pydantic import Field, model_validator
 from prefect.blocks.core import Block
 from prefect_kubernetes.credentials import KubernetesCredentials
+from pydantic import Field, model_validator
 
 from pretrain.spec.kube import KubernetesSpec, SecretKeyRef, Toleration
 from pretrain.spec.sections import ClusterSpec
@@ -107,14 +107,16 @@ class KubernetesCluster(_ElasticJob):
 
     _block_type_name = "Kubernetes Training Cluster"
     _block_type_slug = "kubernetes-training-cluster"
-    _description = "Kubernetes settings for elastic pre-training jobs: namespace, image, pod resources, nodes and workers."
+    _description = (
+        "Kubernetes settings for elastic pre-training jobs: namespace, image, pod resources, nodes and workers."
+    )
     _documentation_url = "https://docs.prefect.io/integrations/prefect-kubernetes"
 
     namespace: str = _kube("namespace", "Namespace")
     image: str = _kube("image", "Image")
     image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = _kube("image_pull_policy", "Image pull policy")
     image_pull_secrets: list[str] = _kube("image_pull_secrets", "Image pull secrets")
-    service_account_name: Optional[str] = _kube("service_account_name", "Service account")
+    service_account_name: str | None = _kube("service_account_name", "Service account")
     cpu_per_node: str = _kube("cpu_per_node", "CPU per node")
     memory_per_node: str = _kube("memory_per_node", "Memory per node")
     gpus_per_node: int = _kube("gpus_per_node", "GPUs per node")
@@ -123,17 +125,20 @@ class KubernetesCluster(_ElasticJob):
     tolerations: list[Toleration] = _kube("tolerations", "Tolerations")
     unreachable_eviction_s: int = _kube("unreachable_eviction_s", "Eviction from an unreachable node (s)")
     node_silent_s: int = _kube("node_silent_s", "Silent node agent limit (s)")
-    priority_class_name: Optional[str] = _kube("priority_class_name", "Priority class")
+    priority_class_name: str | None = _kube("priority_class_name", "Priority class")
     env: dict[str, str] = _kube("env", "Environment")
     secret_env: dict[str, SecretKeyRef] = _kube("secret_env", "Environment from Secrets")
-    workdir_claim: Optional[str] = _kube("workdir_claim", "Workdir volume claim")
+    workdir_claim: str | None = _kube("workdir_claim", "Workdir volume claim")
     labels: dict[str, str] = _kube("labels", "Labels")
     annotations: dict[str, str] = _kube("annotations", "Annotations")
-    ttl_seconds_after_finished: Optional[int] = _kube("ttl_seconds_after_finished", "Finished job TTL (s)")
+    ttl_seconds_after_finished: int | None = _kube("ttl_seconds_after_finished", "Finished job TTL (s)")
     rdzv_port: int = _kube("rdzv_port", "Rendezvous port")
-    credentials: Optional[KubernetesCredentials] = Field(
-        default=None, title="Credentials",
-        description="prefect-kubernetes credentials (a kube config); empty uses the in-cluster or local default config.")
+    credentials: KubernetesCredentials | None = Field(
+        default=None,
+        title="Credentials",
+        description="prefect-kubernetes credentials (a kube config); empty uses the in-cluster or local default "
+        "config.",
+    )
 
     @model_validator(mode="after")
     def _valid_pods(self):

@@ -31,8 +31,10 @@ def load_block(field: str, ref: str) -> Block:
     try:
         block = Block.load(ref)
     except (ValueError, KeyError) as err:
-        raise SpecError(f"blocks.{field}: cannot load block {ref!r} ({err}). Create it in the Prefect UI or with "
-                        "`<Block>(...).save(name)`; register the block types once with `prefect block register -m blocks`") from None
+        raise SpecError(
+            f"blocks.{field}: cannot load block {ref!r} ({err}). Create it in the Prefect UI or with "
+            "`<Block>(...).save(name)`; register the block types once with `prefect block register -m blocks`"
+        ) from None
     if not isinstance(block, KINDS[field]):
         raise SpecError(f"blocks.{field}: {ref!r} is a {type(block).__name__} block; expected {slugs}")
     return block
@@ -73,8 +75,9 @@ def apply_blocks(spec: CampaignSpec) -> CampaignSpec:
     return resolved.with_credentials(Credentials(env))
 
 
-def resolve_campaign(spec: CampaignSpec | None = None, spec_path: str | None = None,
-                     workdir: str | Path | None = None) -> CampaignSpec:
+def resolve_campaign(
+    spec: CampaignSpec | None = None, spec_path: str | None = None, workdir: str | Path | None = None
+) -> CampaignSpec:
     """The spec a flow was given (inline, ``spec_path`` or the built-in demo) with its block
     references resolved; ``workdir`` overrides where the campaign keeps its state. The blocks'
     credentials travel with the returned spec in this process's memory (``spec.credentials``):

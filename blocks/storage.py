@@ -8,16 +8,17 @@ training processes need (``environment``: credentials, never written to the spec
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
 
-from pydantic import Field, SecretStr, field_validator
 from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials, MinIOCredentials
+from pydantic import Field, SecretStr, field_validator
 
 from pretrain.spec.sections import S3_CREDENTIALS_GO, no_credentials_in_url
 
-_ROOT_DESCRIPTION = ("Directory where campaigns keep their workdirs, one sub-directory per campaign; '~' expands and a "
-                     "relative path is resolved against the current directory when used.")
+_ROOT_DESCRIPTION = (
+    "Directory where campaigns keep their workdirs, one sub-directory per campaign; '~' expands and a "
+    "relative path is resolved against the current directory when used."
+)
 
 
 def _workdir(root: Path, campaign_name: str) -> Path:
@@ -89,18 +90,27 @@ class S3CampaignStorage(Block):
 
     _block_type_name = "S3 Campaign Storage"
     _block_type_slug = "s3-campaign-storage"
-    _description = ("Pre-training checkpoints in an S3 bucket (AWS, MinIO, SeaweedFS, ...) with prefect-aws credentials; "
-                    "ledger and data in a local workdir.")
+    _description = (
+        "Pre-training checkpoints in an S3 bucket (AWS, MinIO, SeaweedFS, ...) with prefect-aws credentials; "
+        "ledger and data in a local workdir."
+    )
     _documentation_url = "https://docs.prefect.io/integrations/prefect-aws"
 
-    bucket_name: str = Field(default=..., min_length=3, title="Bucket", description="Bucket that holds the checkpoints.")
+    bucket_name: str = Field(
+        default=..., min_length=3, title="Bucket", description="Bucket that holds the checkpoints."
+    )
     prefix: str = Field(
-        default="campaigns", title="Key prefix",
+        default="campaigns",
+        title="Key prefix",
         description="Key prefix inside the bucket; a campaign's checkpoints go to "
-        "s3://<bucket>/<prefix>/<campaign>/<stage>/.")
-    credentials: Union[AwsCredentials, MinIOCredentials] = Field(
-        default_factory=AwsCredentials, title="Credentials",
-        description="prefect-aws credentials block; its region and client endpoint URL (MinIO, SeaweedFS) are used too.")
+        "s3://<bucket>/<prefix>/<campaign>/<stage>/.",
+    )
+    credentials: AwsCredentials | MinIOCredentials = Field(
+        default_factory=AwsCredentials,
+        title="Credentials",
+        description="prefect-aws credentials block; its region and client endpoint URL (MinIO, SeaweedFS) are used "
+        "too.",
+    )
     root: Path = Field(default=Path("./runs"), title="Local root directory", description=_ROOT_DESCRIPTION)
 
     @field_validator("credentials")
@@ -108,9 +118,11 @@ class S3CampaignStorage(Block):
     def _credentials_usable_by_every_process(cls, credentials):
         no_credentials_in_url(credentials.aws_client_parameters.endpoint_url, S3_CREDENTIALS_GO)
         if getattr(credentials, "assume_role_arn", None):
-            raise ValueError("assume_role_arn is not supported: keys assumed here would expire inside long training "
-                             "jobs. Use an AWS profile with role_arn (profile_name), or the role of the machine or "
-                             "pod (IRSA): then every process's boto3 assumes and refreshes the role itself")
+            raise ValueError(
+                "assume_role_arn is not supported: keys assumed here would expire inside long training "
+                "jobs. Use an AWS profile with role_arn (profile_name), or the role of the machine or "
+                "pod (IRSA): then every process's boto3 assumes and refreshes the role itself"
+            )
         return credentials
 
     def workdir_for(self, campaign_name: str) -> Path:
@@ -125,10 +137,14 @@ class S3CampaignStorage(Block):
     def spec_update(self, campaign_name: str) -> dict:
         """Spec settings this block decides: the workdir and the checkpoint location, endpoint and region."""
         params = self.credentials.aws_client_parameters
-        return {"workdir": str(self.workdir_for(campaign_name)),
-                "checkpoint": {"uri": self.checkpoint_uri(campaign_name),
-                               "s3_endpoint_url": params.endpoint_url or None,
-                               "s3_region": self.credentials.region_name or None}}
+        return {
+            "workdir": str(self.workdir_for(campaign_name)),
+            "checkpoint": {
+                "uri": self.checkpoint_uri(campaign_name),
+                "s3_endpoint_url": params.endpoint_url or None,
+                "s3_region": self.credentials.region_name or None,
+            },
+        }
 
     def environment(self) -> dict[str, str]:
         """The credentials the block names, as standard ``AWS_*`` variables (keys, session token,
@@ -139,7 +155,11 @@ class S3CampaignStorage(Block):
         if isinstance(c, MinIOCredentials):
             pairs = [("AWS_ACCESS_KEY_ID", c.minio_root_user), ("AWS_SECRET_ACCESS_KEY", c.minio_root_password)]
         else:
-            pairs = [("AWS_ACCESS_KEY_ID", c.aws_access_key_id), ("AWS_SECRET_ACCESS_KEY", c.aws_secret_access_key),
-                     ("AWS_SESSION_TOKEN", c.aws_session_token), ("AWS_PROFILE", c.profile_name)]
+            pairs = [
+                ("AWS_ACCESS_KEY_ID", c.aws_access_key_id),
+                ("AWS_SECRET_ACCESS_KEY", c.aws_secret_access_key),
+                ("AWS_SESSION_TOKEN", c.aws_session_token),
+                ("AWS_PROFILE", c.profile_name),
+            ]
         pairs.append(("AWS_DEFAULT_REGION", c.region_name))
         return {k: v.get_secret_value() if isinstance(v, SecretStr) else v for k, v in pairs if v}

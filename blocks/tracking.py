@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, field_validator
 from prefect.blocks.core import Block
+from pydantic import Field, SecretStr, field_validator
 
 from pretrain.spec.sections import MLFLOW_CREDENTIALS_GO, TrackingSpec, no_credentials_in_url
 

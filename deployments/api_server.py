@@ -27,15 +27,19 @@ from pathlib import Path
 
 import httpx
 
-from pretrain.run.stop import StoppedAtOnce
 from pretrain.cluster.ports import free_port
+from pretrain.run.stop import StoppedAtOnce
 from trainer.common.process import child_env, exit_now, exit_when_orphaned, pid_alive
 
 HOST = "127.0.0.1"
 # a local server for one run: no UI, and no telemetry heartbeat (its write raced the first start's
 # migrations on a fresh database: "database is locked", a traceback); a user's setting still wins
-SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
-              "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+SERVER_ENV = {
+    "PREFECT_UI_ENABLED": "0",
+    "PREFECT__SERVER_EPHEMERAL": "1",
+    "PREFECT__SERVER_FINAL": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
 LOG_PREFIX = "pretrain-api-server-"  # + the CLI's pid + .log, in Prefect's home
 LOG_TAIL_LINES = 15
 STOP_TIMEOUT_S = 10.0
@@ -50,7 +54,7 @@ def sweep_empty_logs(log_dir: Path) -> None:
     """Remove the empty logs of runs that are gone (a CLI killed with SIGKILL never removed its
     own); a log that holds something stays: it may say why a run failed."""
     for path in log_dir.glob(f"{LOG_PREFIX}*.log"):
-        pid = path.name[len(LOG_PREFIX):-len(".log")]
+        pid = path.name[len(LOG_PREFIX) : -len(".log")]
         try:
             if not pid.isdigit() or path.stat().st_size or pid_alive(int(pid)):
                 continue
@@ -95,9 +99,14 @@ class ApiServer:
         self.log_path = log_dir / f"{LOG_PREFIX}{os.getpid()}.log"
         self.port = port or free_port()
         with open(self.log_path, "ab" if port else "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "deployments.api_server", "--port", str(self.port)],
-                                         env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "deployments.api_server", "--port", str(self.port)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.url = f"http://{HOST}:{self.port}/api"
 
     def keep_alive(self, notice: Callable[[str], None], timeout_s: float) -> None:
@@ -105,7 +114,9 @@ class ApiServer:
         up to ``MAX_RESTARTS`` times: Prefect's clients retry a refused connection for about a
         minute, so the run goes on as if nothing happened. ``notice`` tells the user."""
         self._watching = True
-        self.keeper = threading.Thread(target=self._watch, args=(notice, timeout_s), name="api-server-keeper", daemon=True)
+        self.keeper = threading.Thread(
+            target=self._watch, args=(notice, timeout_s), name="api-server-keeper", daemon=True
+        )
         self.keeper.start()
 
     def _watch(self, notice: Callable[[str], None], timeout_s: float) -> None:
@@ -115,13 +126,17 @@ class ApiServer:
                 if not self._watching or self.proc is not proc:
                     return
                 if self.restarts >= MAX_RESTARTS:
-                    notice(f"the local Prefect API server exited ({_exit_cause(code)}) after {self.restarts} restart(s): "
-                           f"not restarting it again; training goes on, the run fails at its next state change. Its "
-                           f"log: {self.log_path}")
+                    notice(
+                        f"the local Prefect API server exited ({_exit_cause(code)}) after {self.restarts} restart(s): "
+                        f"not restarting it again; training goes on, the run fails at its next state change. Its "
+                        f"log: {self.log_path}"
+                    )
                     return
                 self.restarts += 1
-                notice(f"the local Prefect API server exited ({_exit_cause(code)}): restarting it on port {self.port}; "
-                       "the run goes on (its log: " + str(self.log_path) + ")")
+                notice(
+                    f"the local Prefect API server exited ({_exit_cause(code)}): restarting it on port {self.port}; "
+                    "the run goes on (its log: " + str(self.log_path) + ")"
+                )
                 self.launch(self.port)
             if self._healthy(timeout_s):
                 notice("the local Prefect API server is back")
@@ -138,9 +153,11 @@ class ApiServer:
             if self._healthy(timeout_s):
                 return self.url
             self.stop(keep_log=True)
-        raise ApiServerError(f"the local Prefect API server did not start within {timeout_s:.0f}s; "
-                             "on a busy machine give it longer (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120), or start "
-                             f"one (`prefect server start`) and set PREFECT_API_URL to use it. {self._log_tail()}")
+        raise ApiServerError(
+            f"the local Prefect API server did not start within {timeout_s:.0f}s; "
+            "on a busy machine give it longer (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120), or start "
+            f"one (`prefect server start`) and set PREFECT_API_URL to use it. {self._log_tail()}"
+        )
 
     def _log_tail(self) -> str:
         try:
@@ -187,7 +204,11 @@ class ApiServer:
 
 
 def _exit_cause(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
+    return (
+        f"killed by {signal.Signals(-code).name}"
+        if code < 0 and -code in signal.valid_signals()
+        else f"exit code {code}"
+    )
 
 
 def drain_prefect_workers() -> None:
@@ -227,8 +248,9 @@ def _prefect_queues_drained() -> Iterator[None]:
 
 
 @contextmanager
-def api_server_for_this_run(while_starting: Callable[[], object] | None = None,
-                            notice: Callable[[str], None] | None = None) -> Iterator[ApiServer | None]:
+def api_server_for_this_run(
+    while_starting: Callable[[], object] | None = None, notice: Callable[[str], None] | None = None
+) -> Iterator[ApiServer | None]:
     """Point Prefect at a server owned by this process for the block, if Prefect would otherwise
     start its ephemeral one; a configured ``PREFECT_API_URL`` is used as it is (yields None). The
     logs and events the block queued are sent before it ends, while the server is up.
@@ -246,8 +268,10 @@ def api_server_for_this_run(while_starting: Callable[[], object] | None = None,
             yield None
         return
     notice = notice or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    notice("starting a local Prefect API server for this run (a few seconds; set PREFECT_API_URL to use a Prefect "
-           "server of yours)")
+    notice(
+        "starting a local Prefect API server for this run (a few seconds; set PREFECT_API_URL to use a Prefect "
+        "server of yours)"
+    )
     server = ApiServer()
     try:
         server.launch()
@@ -258,8 +282,11 @@ def api_server_for_this_run(while_starting: Callable[[], object] | None = None,
         # this context and the process-global one: Prefect's log and event workers run in
         # threads of their own, which see the global settings. No UI URL: this server serves
         # none, and Prefect would print a "View at <url>" for each flow run that answers 404
-        with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_UI_URL: ""}), \
-                _temporary_global_settings_context(get_settings_context()), _prefect_queues_drained():
+        with (
+            temporary_settings(updates={PREFECT_API_URL: url, PREFECT_UI_URL: ""}),
+            _temporary_global_settings_context(get_settings_context()),
+            _prefect_queues_drained(),
+        ):
             yield server
     finally:
         server.stop()
@@ -272,8 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     exit_when_orphaned()  # the CLI that owns this server is gone: so is the reason to serve
     import uvicorn
 
-    uvicorn.run("prefect.server.api.server:create_app", factory=True, host=HOST, port=args.port, log_level="error",
-                lifespan="on")
+    uvicorn.run(
+        "prefect.server.api.server:create_app",
+        factory=True,
+        host=HOST,
+        port=args.port,
+        log_level="error",
+        lifespan="on",
+    )
     return 0
 
 

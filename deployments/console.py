@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from pretrain.run.stop import StoppedAtOnce
 from pretrain.log_levels import loggers_at
+from pretrain.run.stop import StoppedAtOnce
 
 STORE_SETUP_LOGGERS = ("mlflow.store.db.utils",)  # INFO lines while MLflow creates or upgrades its tables
 # a WARNING per retry of MLflow's HTTP client ("Retrying (Retry(total=6, ...)) after connection broken

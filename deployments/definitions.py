@@ -23,32 +23,51 @@ class Definition:
 
 def campaign(spec_path: str = "builtin:tiny") -> Definition:
     # one run at a time: runs of one spec share a workdir (the flow's workdir lock backs this up)
-    return Definition("pretrain-campaign", "flows/campaign.py:pretrain_campaign",
-                      "Run (or resume) an LLM pre-training campaign from a campaign spec.", ["pretrain"],
-                      {"spec_path": spec_path}, concurrency_limit=1)
+    return Definition(
+        "pretrain-campaign",
+        "flows/campaign.py:pretrain_campaign",
+        "Run (or resume) an LLM pre-training campaign from a campaign spec.",
+        ["pretrain"],
+        {"spec_path": spec_path},
+        concurrency_limit=1,
+    )
 
 
 def prepare_data(spec_path: str = "builtin:tiny") -> Definition:
-    return Definition("prepare-data", "flows/prepare_data.py:prepare_data",
-                      "Train the tokenizer and pack token shards for a campaign (idempotent).", ["pretrain", "data"],
-                      {"spec_path": spec_path})
+    return Definition(
+        "prepare-data",
+        "flows/prepare_data.py:prepare_data",
+        "Train the tokenizer and pack token shards for a campaign (idempotent).",
+        ["pretrain", "data"],
+        {"spec_path": spec_path},
+    )
 
 
 def evaluate_checkpoint() -> Definition:
-    return Definition("evaluate-checkpoint", "flows/evaluate_checkpoint.py:evaluate_checkpoint",
-                      "Evaluate one checkpoint (path or s3:// URI) on a campaign's validation data.",
-                      ["pretrain", "evaluation"])
+    return Definition(
+        "evaluate-checkpoint",
+        "flows/evaluate_checkpoint.py:evaluate_checkpoint",
+        "Evaluate one checkpoint (path or s3:// URI) on a campaign's validation data.",
+        ["pretrain", "evaluation"],
+    )
 
 
 def compare_campaigns() -> Definition:
-    return Definition("compare-campaigns", "flows/compare.py:compare_campaigns",
-                      "Compare campaigns from MLflow (eval loss, tokens, goodput, faults, differing parameters) "
-                      "as a markdown artifact.", ["pretrain", "tracking"])
+    return Definition(
+        "compare-campaigns",
+        "flows/compare.py:compare_campaigns",
+        "Compare campaigns from MLflow (eval loss, tokens, goodput, faults, differing parameters) "
+        "as a markdown artifact.",
+        ["pretrain", "tracking"],
+    )
 
 
 def evaluate_on_good_checkpoint() -> DeploymentEventTrigger:
     """Run the evaluation deployment for each stage's final checkpoint once it passed
     validation, in any campaign."""
     return DeploymentEventTrigger(
-        enabled=True, match={"prefect.resource.id": "pretrain.campaign.*", FINAL_LABEL: "true"}, expect={CHECKPOINT_GOOD},
-        parameters={"checkpoint": "{{ event.payload.checkpoint }}", "data_dir": "{{ event.payload.data_dir }}"})
+        enabled=True,
+        match={"prefect.resource.id": "pretrain.campaign.*", FINAL_LABEL: "true"},
+        expect={CHECKPOINT_GOOD},
+        parameters={"checkpoint": "{{ event.payload.checkpoint }}", "data_dir": "{{ event.payload.data_dir }}"},
+    )

@@ -31,21 +31,37 @@ def source_of(git: str | None = None, branch: str | None = None) -> str | GitRep
 
 def to_deployment(d: definitions.Definition, source, **kwargs) -> RunnerDeployment:
     flow = Flow.from_source(source=source, entrypoint=d.entrypoint)
-    return flow.to_deployment(name=d.name, description=d.description, tags=d.tags, parameters=d.parameters,
-                              concurrency_limit=d.concurrency_limit, **kwargs)
+    return flow.to_deployment(
+        name=d.name,
+        description=d.description,
+        tags=d.tags,
+        parameters=d.parameters,
+        concurrency_limit=d.concurrency_limit,
+        **kwargs,
+    )
 
 
-def build_deployments(source, spec_path: str = "builtin:tiny", cron: str | None = None, timezone: str = "UTC",
-                      job_variables: dict | None = None) -> list[RunnerDeployment]:
+def build_deployments(
+    source,
+    spec_path: str = "builtin:tiny",
+    cron: str | None = None,
+    timezone: str = "UTC",
+    job_variables: dict | None = None,
+) -> list[RunnerDeployment]:
     """Campaign (optionally on a cron schedule), data preparation, checkpoint evaluation (run
     by the ``pretrain.checkpoint.good`` trigger) and the comparison of campaigns."""
     extra = {"job_variables": job_variables} if job_variables else {}
     return [
-        to_deployment(definitions.campaign(spec_path), source,
-                      schedules=[Cron(cron, timezone=timezone)] if cron else None, **extra),
+        to_deployment(
+            definitions.campaign(spec_path),
+            source,
+            schedules=[Cron(cron, timezone=timezone)] if cron else None,
+            **extra,
+        ),
         to_deployment(definitions.prepare_data(spec_path), source, **extra),
-        to_deployment(definitions.evaluate_checkpoint(), source, triggers=[definitions.evaluate_on_good_checkpoint()],
-                      **extra),
+        to_deployment(
+            definitions.evaluate_checkpoint(), source, triggers=[definitions.evaluate_on_good_checkpoint()], **extra
+        ),
         to_deployment(definitions.compare_campaigns(), source, **extra),
     ]
 
@@ -65,8 +81,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list:
     args = parse_args(argv)
     deployments = build_deployments(source_of(args.git, args.branch), args.spec_path, args.cron, args.timezone)
-    return deploy(*deployments, work_pool_name=args.pool, image=args.image, build=False, push=False,
-                  print_next_steps_message=False)
+    return deploy(
+        *deployments,
+        work_pool_name=args.pool,
+        image=args.image,
+        build=False,
+        push=False,
+        print_next_steps_message=False,
+    )
 
 
 if __name__ == "__main__":

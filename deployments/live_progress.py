@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pretrain.console_progress import progress_display
-from pretrain.views.follow import TITLE, FollowThread
 from pretrain.settings import PretrainSettings
+from pretrain.views.follow import TITLE, FollowThread
 from pretrain.views.training_progress import PROGRESS_RECORD
 
 

@@ -15,8 +15,7 @@ from pretrain.spec.campaign import CampaignSpec
 def prepare_data_here(spec: CampaignSpec, progress: ProgressCallback | None = None) -> dict:
     """Prepare (or reuse) the campaign's data set in this process; returns the flow's summary.
     Raises what the flow raised (a bad data section, a busy campaign, Ctrl-C)."""
-    with api_server_for_this_run(while_starting=lambda: importlib.import_module("flows.prepare_data")), \
-            quiet_console():
+    with api_server_for_this_run(while_starting=lambda: importlib.import_module("flows.prepare_data")), quiet_console():
         from flows.prepare_data import prepare_data
 
         return prepare_data(spec=spec, progress=progress)

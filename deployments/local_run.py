@@ -32,9 +32,12 @@ def run_campaign_here(spec: CampaignSpec, notice: Callable[[str], None]) -> dict
 
     pause = current_pause() or PauseRequest()  # `pretrain run --for` sets one with its deadline
     grace_s = spec.resume.grace_period_s
-    with stop_on_signals() as stop, pausing(pause), \
-            api_server_for_this_run(while_starting=lambda: importlib.import_module("flows.campaign"), notice=notice), \
-            quiet_console():
+    with (
+        stop_on_signals() as stop,
+        pausing(pause),
+        api_server_for_this_run(while_starting=lambda: importlib.import_module("flows.campaign"), notice=notice),
+        quiet_console(),
+    ):
         from flows.campaign import pretrain_campaign
 
         stop.raise_if_requested("before the campaign started")

@@ -22,20 +22,28 @@ from flows.campaign import pretrain_campaign
 DEPLOYMENT_NAME = definitions.campaign().name
 
 
-def build_deployment(spec_path: str = "builtin:tiny", cron: str | None = None,
-                     timezone: str = "UTC") -> RunnerDeployment:
+def build_deployment(
+    spec_path: str = "builtin:tiny", cron: str | None = None, timezone: str = "UTC"
+) -> RunnerDeployment:
     """The campaign deployment: at most one run at a time (runs of one spec share a workdir)."""
     d = definitions.campaign(spec_path)
     return pretrain_campaign.to_deployment(
-        name=d.name, description=d.description, tags=d.tags, parameters=d.parameters,
-        schedules=[Cron(cron, timezone=timezone)] if cron else None, concurrency_limit=d.concurrency_limit,
+        name=d.name,
+        description=d.description,
+        tags=d.tags,
+        parameters=d.parameters,
+        schedules=[Cron(cron, timezone=timezone)] if cron else None,
+        concurrency_limit=d.concurrency_limit,
     )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec-path", default="builtin:tiny",
-                        help="default campaign spec: a YAML file or builtin:<name> (default: %(default)s)")
+    parser.add_argument(
+        "--spec-path",
+        default="builtin:tiny",
+        help="default campaign spec: a YAML file or builtin:<name> (default: %(default)s)",
+    )
     parser.add_argument("--cron", default=None, help="also run on this cron schedule, e.g. '0 2 * * *'")
     parser.add_argument("--timezone", default="UTC", help="time zone of --cron (default: %(default)s)")
     return parser.parse_args(argv)

@@ -38,30 +38,42 @@ from flows.prepare_data import prepare_data
 from flows.provision_cluster import provision_cluster
 from flows.train_stage import train_stage
 from flows.validate_checkpoint import validate_checkpoint
-from pretrain.run.budget import PauseRequest, current_pause, deadline, pausing
 from pretrain.credentials import mlflow_auth
-from pretrain.run.stop import (CampaignInterrupted, StopRequest, StoppedAtOnce, current_stop, pause_on_termination,
-                                pause_window_s, supervise)
-from pretrain.state.ledger import Ledger
-from pretrain.state.schema import CampaignStatus, SpanKind, StageStatus
-from pretrain.state.guard import campaign_guard, state_location
+from pretrain.run.budget import PauseRequest, current_pause, deadline, pausing
 from pretrain.run.outcome import record_interrupt, record_pause
+from pretrain.run.stop import (
+    CampaignInterrupted,
+    StoppedAtOnce,
+    StopRequest,
+    current_stop,
+    pause_on_termination,
+    pause_window_s,
+    supervise,
+)
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.guard import campaign_guard, state_location
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import CampaignStatus, SpanKind, StageStatus
 from pretrain.views.status import campaign_status
 from tasks.artifacts import link_mlflow_run, publish_goodput, publish_reports
 from tasks.events import campaign_completed
 from tasks.hooks import CAMPAIGN_HOOKS
 from tasks.job_records import restore_job_records
-from tasks.registry import register_or_defer
 from tasks.mlflow_sync import sync_to_mlflow
+from tasks.registry import register_or_defer
 from tasks.tracking import open_campaign_run, tracker_for
 from trainer.zygote.client import zygote_running
 
 
 @flow(name="pretrain-campaign", **CAMPAIGN_HOOKS)
-def pretrain_campaign(spec: CampaignSpec | None = None, spec_path: str | None = None,
-                      workdir: str | None = None, run_for: str | None = None, until: str | None = None) -> dict:
+def pretrain_campaign(
+    spec: CampaignSpec | None = None,
+    spec_path: str | None = None,
+    workdir: str | None = None,
+    run_for: str | None = None,
+    until: str | None = None,
+) -> dict:
     """Run (or resume) a campaign. Give ``spec`` inline or ``spec_path`` (a YAML file or
     ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state. ``run_for``
     (``2h``, ``90m``) / ``until`` (``06:00``, an ISO time): the run's time budget; when it is
@@ -84,8 +96,12 @@ def _campaign(spec: CampaignSpec) -> dict:
     stop = current_stop()  # set under `pretrain run`: Ctrl-C / SIGTERM stop the campaign
     # the run's fork server (torch imported once: node checks, node agents, gate passes), started
     # now so that its imports overlap the data preparation; the tasks find it in their context
-    with campaign_guard(spec, flow_run.get_id()), zygote_running(log=get_run_logger().warning), \
-            mlflow_auth(spec.credentials), subflows_without_heartbeats():
+    with (
+        campaign_guard(spec, flow_run.get_id()),
+        zygote_running(log=get_run_logger().warning),
+        mlflow_auth(spec.credentials),
+        subflows_without_heartbeats(),
+    ):
         if stop is not None:
             return _run_stoppable(spec, stop)
         # this flow runs in its process's main thread (a deployment's run, a pod): SIGTERM pauses
@@ -97,9 +113,15 @@ def _campaign(spec: CampaignSpec) -> dict:
             # a cancelled run returns its status too: Prefect refuses the Completed of a run being
             # cancelled, and its worker or runner ends it Cancelled once this process exits
             try:
-                return supervise(lambda: _run_stoppable(spec, stop), stop, window_s, get_run_logger().warning,
-                                 "resume.grace_period_s or PRETRAIN_KILL_GRACE_S less 5s", "a second SIGTERM",
-                                 on_request=lambda: _note_origin(stop))
+                return supervise(
+                    lambda: _run_stoppable(spec, stop),
+                    stop,
+                    window_s,
+                    get_run_logger().warning,
+                    "resume.grace_period_s or PRETRAIN_KILL_GRACE_S less 5s",
+                    "a second SIGTERM",
+                    on_request=lambda: _note_origin(stop),
+                )
             except StoppedAtOnce:
                 if stop.origin == CANCELLED_FROM_PREFECT:
                     _leave_to_the_worker()
@@ -155,8 +177,11 @@ def record_interrupted(spec: CampaignSpec, stop: StopRequest, error: Exception) 
     """Record the campaign as interrupted (ledger, MLflow); whatever broke on the way out (a
     validation process the terminal's Ctrl-C also reached), the cause is the operator's stop."""
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-    interrupted = error if isinstance(error, CampaignInterrupted) else \
-        CampaignInterrupted(f"campaign interrupted by {stop.name} ({first_line})", stop.signum)
+    interrupted = (
+        error
+        if isinstance(error, CampaignInterrupted)
+        else CampaignInterrupted(f"campaign interrupted by {stop.name} ({first_line})", stop.signum)
+    )
     logger = get_run_logger()
     record_interrupt(spec, stop, str(interrupted), logger.warning)
     logger.warning("%s; run the same command again to resume", interrupted)
@@ -180,7 +205,9 @@ def _run_campaign(spec: CampaignSpec, stop: StopRequest | None = None) -> dict:
 
     logger = get_run_logger()
     ledger = Ledger.open(spec)
-    spec = spec.with_tracking_uri(ledger.record.mlflow.tracking_uri)  # its own store, from whichever directory it resumes
+    spec = spec.with_tracking_uri(
+        ledger.record.mlflow.tracking_uri
+    )  # its own store, from whichever directory it resumes
     ledger.begin_run(flow_run.get_id(), spec)
     if state_location(spec):  # state on shared storage: the jobs' records a workdir lacks are copied in
         restore_job_records(spec)

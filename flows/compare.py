@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from pretrain.tracking.store import shared_tracking_uri
 from pretrain.views.compare import compare
 from pretrain.views.compare_table import markdown
-from pretrain.tracking.store import shared_tracking_uri
 
 ARTIFACT_KEY = "campaign-comparison"
 
@@ -20,7 +20,10 @@ def compare_campaigns(campaigns: list[str], tracking_uri: str | None = None) -> 
     ./mlflow.db of the flow's working directory)."""
     summaries = compare(campaigns, tracking_uri or shared_tracking_uri())
     table = markdown(summaries)
-    create_markdown_artifact(table, key=ARTIFACT_KEY, description=f"{len(summaries)} campaigns compared (eval loss, "
-                             "tokens, goodput, faults, differing parameters)")
+    create_markdown_artifact(
+        table,
+        key=ARTIFACT_KEY,
+        description=f"{len(summaries)} campaigns compared (eval loss, tokens, goodput, faults, differing parameters)",
+    )
     get_run_logger().info("compared %s", ", ".join(s.campaign for s in summaries))
     return [s.to_json() for s in summaries]

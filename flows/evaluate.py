@@ -6,8 +6,8 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.locking import holds_campaign_lock
-from pretrain.state.ledger import Ledger
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.ledger import Ledger
 from tasks.evaluation import evaluate_stage_checkpoint
 
 

@@ -16,10 +16,17 @@ from trainer.evaluate import EVAL_BATCH_SIZE
 
 
 @flow(name="evaluate-checkpoint")
-def evaluate_checkpoint(checkpoint: str, data_dir: str | None = None, seq_len: int | None = None,
-                        s3_endpoint_url: str | None = None, s3_region: str | None = None,
-                        tracking_uri: str | None = None, run_id: str | None = None,
-                        batch_size: int = EVAL_BATCH_SIZE, max_batches: int = DEFAULT_BATCHES) -> dict:
+def evaluate_checkpoint(
+    checkpoint: str,
+    data_dir: str | None = None,
+    seq_len: int | None = None,
+    s3_endpoint_url: str | None = None,
+    s3_region: str | None = None,
+    tracking_uri: str | None = None,
+    run_id: str | None = None,
+    batch_size: int = EVAL_BATCH_SIZE,
+    max_batches: int = DEFAULT_BATCHES,
+) -> dict:
     """``checkpoint``: a ``…/step_XXXXXXXX`` directory or ``s3://`` URL. ``data_dir``
     overrides the data set the checkpoint records; ``run_id`` (with ``tracking_uri``, default
     MLflow's) names a run to log the metrics to. Returns the step and the metrics."""

@@ -9,8 +9,8 @@ import functools
 
 from prefect.runtime import flow_run
 
-from pretrain.state.guard import campaign_guard
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.guard import campaign_guard
 
 
 def holds_campaign_lock(fn):

@@ -7,9 +7,9 @@ from prefect.runtime import flow_run
 
 from blocks.references import resolve_campaign
 from pretrain.data.prepare.progress import ProgressCallback
-from pretrain.state.ledger import Ledger
-from pretrain.state.guard import campaign_guard
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.guard import campaign_guard
+from pretrain.state.ledger import Ledger
 from pretrain.tracking.runs import describe_error
 from tasks.data import prepare_dataset
 from tasks.data_progress import PrepArtifact, fan_out
@@ -17,8 +17,12 @@ from tasks.tracking import log_data_set_input, tracker_for
 
 
 @flow(name="prepare-data", log_prints=True)
-def prepare_data(spec: CampaignSpec | None = None, spec_path: str | None = None, workdir: str | None = None,
-                 progress: ProgressCallback | None = None) -> dict:
+def prepare_data(
+    spec: CampaignSpec | None = None,
+    spec_path: str | None = None,
+    workdir: str | None = None,
+    progress: ProgressCallback | None = None,
+) -> dict:
     """Prepare the campaign's data set: give ``spec`` inline or ``spec_path`` (YAML or
     ``builtin:tiny``); ``workdir`` overrides where the campaign keeps its state; ``progress`` (in
     this process only, e.g. the CLI's display) also receives the progress the flow publishes as
@@ -37,7 +41,10 @@ def prepare_data(spec: CampaignSpec | None = None, spec_path: str | None = None,
         away = tracker_for(spec).away()  # one quick request: MLflow's own retries take minutes
         state = None if away else log_data_set_input(spec, run_id, summary, return_state=True)
         if away or state.is_failed():
-            logger.warning("the data set is not logged to MLflow run %s (%s); the campaign goes on, and the next "
-                           "run of this flow logs it", run_id,
-                           f"MLflow does not answer: {away}" if away else describe_error(state.result(raise_on_failure=False)))
+            logger.warning(
+                "the data set is not logged to MLflow run %s (%s); the campaign goes on, and the next "
+                "run of this flow logs it",
+                run_id,
+                f"MLflow does not answer: {away}" if away else describe_error(state.result(raise_on_failure=False)),
+            )
     return summary

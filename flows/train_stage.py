@@ -13,13 +13,13 @@ from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
 from pretrain.run.budget import current_pause, margin_s, measured_times
-from pretrain.state.guard import state_location
 from pretrain.run.incidents import where_hung
-from pretrain.state.ledger import Ledger
-from pretrain.state.schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
 from pretrain.run.policy import Action, Budget, after_job, before_launch, stage_end
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.guard import state_location
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
 from tasks.checkpoints import find_resume_point, judge_pending
 from tasks.events import job_restarts, stage_failed, stage_relaunched
 from tasks.job_records import keep_job_records
@@ -61,8 +61,11 @@ def train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None = No
 
 
 def _wait_for_api(spec: CampaignSpec, stage_index: int) -> None:
-    wait_for_api(get_run_logger(), PretrainSettings.from_env().prefect_outage_s,
-                 f"the end of stage {spec.stages[stage_index].name} (its job has ended)")
+    wait_for_api(
+        get_run_logger(),
+        PretrainSettings.from_env().prefect_outage_s,
+        f"the end of stage {spec.stages[stage_index].name} (its job has ended)",
+    )
 
 
 def _train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None) -> dict:
@@ -76,8 +79,10 @@ def _train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None) ->
         point = find_resume_point(spec, stage_index)
         decision = before_launch(stage.steps, _step(point), budget)
         if decision.action is Action.LAUNCH and pause is not None:
-            pause.margin_s = margin_s(*measured_times(spec.workdir_path / "jobs" / stage.name,
-                                                      ledger.reload().stages[stage.name].verdicts), pause.budget_s)
+            pause.margin_s = margin_s(
+                *measured_times(spec.workdir_path / "jobs" / stage.name, ledger.reload().stages[stage.name].verdicts),
+                pause.budget_s,
+            )
             if paused := pause.due():
                 break
         if decision.action is not Action.LAUNCH:
@@ -88,12 +93,21 @@ def _train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None) ->
         adopted = adoptable_launch(spec, stage_index, ledger.reload(), logger)
         if adopted is not None:  # its flow process died while it trained: take it back, no new attempt
             attempt = adopted[0]
-            logger.warning("stage %s: adopted the live Job %s of attempt %d (the flow process that launched it is "
-                           "gone; it trained on meanwhile)", stage.name, adopted[1], attempt)
+            logger.warning(
+                "stage %s: adopted the live Job %s of attempt %d (the flow process that launched it is "
+                "gone; it trained on meanwhile)",
+                stage.name,
+                adopted[1],
+                attempt,
+            )
         else:
             attempt = ledger.start_attempt(stage.name)
-            logger.info("stage %s: launching attempt %d from %s", stage.name, attempt,
-                        f"checkpoint step {point['step']}" if point else (init_from or "scratch"))
+            logger.info(
+                "stage %s: launching attempt %d from %s",
+                stage.name,
+                attempt,
+                f"checkpoint step {point['step']}" if point else (init_from or "scratch"),
+            )
             if attempt:
                 stage_relaunched(spec, stage.name, attempt, _step(point))
         last = run_job(spec, stage_index, attempt, init_from, ledger, adopted is not None)
@@ -103,12 +117,22 @@ def _train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None) ->
             paused, point = last.paused, find_resume_point(spec, stage_index)  # the gate judged the final save
             break
         if decision.resize is not None:  # a planned relaunch, not a failure
-            logger.info("stage %s: %s; relaunching on all nodes from the newest checkpoint", stage.name, decision.reason)
+            logger.info(
+                "stage %s: %s; relaunching on all nodes from the newest checkpoint", stage.name, decision.reason
+            )
             ledger.record_resize(stage.name, decision.resize)
         if decision.failure is not None:
-            logger.warning("stage %s attempt %d failed (%s: %s) after %.1fs; %.1fs of work lost; log: %s; next: %s",
-                           stage.name, attempt, last.cause, "; ".join(last.errors) or "no worker error reported",
-                           last.duration_s, last.time_lost_s, last.log, decision.reason)
+            logger.warning(
+                "stage %s attempt %d failed (%s: %s) after %.1fs; %.1fs of work lost; log: %s; next: %s",
+                stage.name,
+                attempt,
+                last.cause,
+                "; ".join(last.errors) or "no worker error reported",
+                last.duration_s,
+                last.time_lost_s,
+                last.log,
+                decision.reason,
+            )
             ledger.record_failure(stage.name, decision.failure)
         if decision.action is Action.GIVE_UP:
             point = find_resume_point(spec, stage_index)
@@ -118,8 +142,14 @@ def _train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None) ->
         # once between two writes would leave a paused stage in an interrupted campaign
         logger.info("stage %s: paused at step %s (%s)", stage.name, _step(point) or 0, paused)
         return {"step": _step(point) or 0, "path": point["path"] if point else None, "paused": paused}
-    end = stage_end(stage.name, stage.steps, _step(point), ledger.reload().stages[stage.name].attempts, last,
-                    spec.workdir_path / "jobs" / stage.name)
+    end = stage_end(
+        stage.name,
+        stage.steps,
+        _step(point),
+        ledger.reload().stages[stage.name].attempts,
+        last,
+        spec.workdir_path / "jobs" / stage.name,
+    )
     if not end.trained:
         ledger.set_stage_status(stage.name, StageStatus.FAILED)
         stage_failed(spec, stage.name, end.step, ledger.stage(stage.name).attempts, end.cause, end.message)
@@ -128,19 +158,33 @@ def _train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None) ->
     return point
 
 
-def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None, ledger: Ledger,
-            adopt: bool = False) -> JobResult:
+def run_job(
+    spec: CampaignSpec, stage_index: int, attempt: int, init_from: str | None, ledger: Ledger, adopt: bool = False
+) -> JobResult:
     """Run one launch of the stage's job (the gate judging alongside) and record its in-job
     resumes, restarts and recovered failures. ``adopt``: take back the launch's live job (its
     span, opened by the flow process that died, goes on)."""
     logger, stage = get_run_logger(), spec.stages[stage_index].name
     settings = PretrainSettings.from_env()  # once per launch, for the job, its polling and the gate
     record = ledger.reload()  # the MLflow runs: None while none could be opened (MLflow away)
-    exclude, stage_run_id, parent_run_id = record.excluded_nodes(), record.stages[stage].mlflow_run_id, \
-        record.mlflow.parent_run_id
+    exclude, stage_run_id, parent_run_id = (
+        record.excluded_nodes(),
+        record.stages[stage].mlflow_run_id,
+        record.mlflow.parent_run_id,
+    )
     with ledger.timed(SpanKind.JOB, stage, attempt, resume=adopt):
-        job = run_training_job.submit(spec, stage_index, attempt, init_from, stage_run_id, parent_run_id,
-                                      spec.step_offset(stage_index), exclude, settings, adopt)
+        job = run_training_job.submit(
+            spec,
+            stage_index,
+            attempt,
+            init_from,
+            stage_run_id,
+            parent_run_id,
+            spec.step_offset(stage_index),
+            exclude,
+            settings,
+            adopt,
+        )
         while not _finished(job, settings.gate_poll_s):
             judge_pending(spec, stage_index, settings)  # the gate overlaps training
         result = job.result()
@@ -154,8 +198,15 @@ def run_job(spec: CampaignSpec, stage_index: int, attempt: int, init_from: str |
     for incident in result.incidents:
         took = "" if incident["recovery_s"] is None else f"recovered in {incident['recovery_s']}s, "
         where = f"; {where_hung(incident)}" if incident.get("stacks") else ""
-        logger.warning("stage %s: %s — %s (%s%.1fs lost)%s", stage, incident["cause"], incident["action"], took,
-                       incident["time_lost_s"], where)
+        logger.warning(
+            "stage %s: %s — %s (%s%.1fs lost)%s",
+            stage,
+            incident["cause"],
+            incident["action"],
+            took,
+            incident["time_lost_s"],
+            where,
+        )
         ledger.record_failure(stage, Failure(**incident))
     ledger.add_restarts(stage, restarts)
     return result

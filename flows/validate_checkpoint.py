@@ -7,8 +7,8 @@ from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
 from pretrain.run.jobs import checkpoint_store
-from pretrain.state.locations import client_options
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.locations import client_options
 from tasks.checkpoints import check_checkpoints
 from trainer.checkpoint.store import CheckpointStore
 
@@ -26,9 +26,14 @@ def validate_checkpoint(spec: CampaignSpec, stage: str, path: str) -> dict:
     if record is None:
         (record,) = check_checkpoints(spec, stage_index, [step])  # records the verdict and emits its event
     if record["verdict"] == "unjudged":  # the gate timed out or could not reach the checkpoint
-        raise CheckpointInvalid(f"checkpoint {path} of stage {stage} could not be validated now: "
-                                + "; ".join(record["problems"]) + ". Run the flow again.")
+        raise CheckpointInvalid(
+            f"checkpoint {path} of stage {stage} could not be validated now: "
+            + "; ".join(record["problems"])
+            + ". Run the flow again."
+        )
     if record["verdict"] != "good":
-        raise CheckpointInvalid(f"checkpoint {path} of stage {stage} failed validation: " + "; ".join(record["problems"]))
+        raise CheckpointInvalid(
+            f"checkpoint {path} of stage {stage} failed validation: " + "; ".join(record["problems"])
+        )
     get_run_logger().info("stage %s: checkpoint %s is good", stage, path)
     return record

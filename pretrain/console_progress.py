@@ -11,8 +11,9 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, TextIO
+from typing import Protocol, TextIO
 
 RATE_WINDOW_S = 30.0  # rates and the ETA follow the last this-many seconds, not the whole run
 
@@ -70,13 +71,24 @@ class _Snapshot:
     fields: dict[str, float | str] = field(default_factory=dict)
 
 
-def describe(snap: _Snapshot, rates: Rates, unit: str, rated: tuple[str, ...], final: bool = False,
-             percent: bool = True, estimates: bool = True) -> str:
+def describe(
+    snap: _Snapshot,
+    rates: Rates,
+    unit: str,
+    rated: tuple[str, ...],
+    final: bool = False,
+    percent: bool = True,
+    estimates: bool = True,
+) -> str:
     """``45% 12.3 MB/27.0 MB (1.2 MB/s), tokens 3.4M (280.0k/s), ETA 0:00:12`` (no rates once ``final``;
     no percentage where a bar shows it; no rate of ``done`` nor ETA without ``estimates``: the
     caller's fields carry its own)."""
     done_rate = None if final or not estimates else rates.rate("_done")
-    head = f"{human(snap.done, unit)}/{human(snap.total, unit)}" if snap.total else (human(snap.done, unit) if snap.done else "")
+    head = (
+        f"{human(snap.done, unit)}/{human(snap.total, unit)}"
+        if snap.total
+        else (human(snap.done, unit) if snap.done else "")
+    )
     if snap.total and percent:
         head = f"{100 * min(1.0, snap.done / snap.total):.0f}% {head}"
     parts = [head + (f" ({human(done_rate, unit)}/s)" if done_rate else "")] if head else []
@@ -103,8 +115,17 @@ class LineProgress:
     """Not a terminal: a line when the stage changes, then at most one every ``interval_s``, and
     the final state on close."""
 
-    def __init__(self, title: str, write: Callable[[str], None], *, unit: str = "", rated: tuple[str, ...] = (),
-                 interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic, estimates: bool = True):
+    def __init__(
+        self,
+        title: str,
+        write: Callable[[str], None],
+        *,
+        unit: str = "",
+        rated: tuple[str, ...] = (),
+        interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        estimates: bool = True,
+    ):
         self.title, self.unit, self.rated, self.interval_s, self.clock = title, unit, rated, interval_s, clock
         self.estimates = estimates
         self.write = write
@@ -118,8 +139,13 @@ class LineProgress:
         self.snap, self.unwritten = _Snapshot(done, total, stage, dict(fields)), True
         self.rates.add(now, {"_done": done, **_numbers(fields)})
         if new_stage or self.last_line_at is None or now - self.last_line_at >= self.interval_s:
-            self.write(line(self.title, self.snap, describe(self.snap, self.rates, self.unit, self.rated,
-                                                            estimates=self.estimates)))
+            self.write(
+                line(
+                    self.title,
+                    self.snap,
+                    describe(self.snap, self.rates, self.unit, self.rated, estimates=self.estimates),
+                )
+            )
             self.last_line_at, self.unwritten = now, False
 
     def note(self, text: str) -> None:
@@ -135,15 +161,27 @@ class BarProgress:
     """A terminal: a rich progress bar with the done/total, its rate, the fields and the ETA. It
     appears with the first update (nothing animates while the work has not started)."""
 
-    def __init__(self, title: str, *, unit: str = "", rated: tuple[str, ...] = (), stream: TextIO | None = None,
-                 estimates: bool = True):
+    def __init__(
+        self,
+        title: str,
+        *,
+        unit: str = "",
+        rated: tuple[str, ...] = (),
+        stream: TextIO | None = None,
+        estimates: bool = True,
+    ):
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 
         self.title, self.unit, self.rated, self.estimates = title, unit, rated, estimates
         self.rates, self.snap = Rates(), _Snapshot()
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), TaskProgressColumn(),
-                                 TextColumn("{task.fields[line]}"), console=Console(file=stream or sys.stderr))
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(bar_width=24),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[line]}"),
+            console=Console(file=stream or sys.stderr),
+        )
         self.console = self.progress.console  # print through it while the bar shows, above the bar
         self.task = self.progress.add_task(title, total=None, line="")
         self.started = False
@@ -154,10 +192,13 @@ class BarProgress:
             self.started = True
         self.snap = _Snapshot(done, total, stage, dict(fields))
         self.rates.add(time.monotonic(), {"_done": done, **_numbers(fields)})
-        self.progress.update(self.task, completed=done, total=total or None,
-                             description=f"{self.title}: {stage}" if stage else self.title,
-                             line=describe(self.snap, self.rates, self.unit, self.rated, percent=False,
-                                           estimates=self.estimates))
+        self.progress.update(
+            self.task,
+            completed=done,
+            total=total or None,
+            description=f"{self.title}: {stage}" if stage else self.title,
+            line=describe(self.snap, self.rates, self.unit, self.rated, percent=False, estimates=self.estimates),
+        )
 
     def note(self, text: str) -> None:
         self.console.print(text, highlight=False, markup=False)
@@ -168,14 +209,24 @@ class BarProgress:
             self.started = False
 
 
-def progress_display(title: str, *, unit: str = "", rated: tuple[str, ...] = (), stream: TextIO | None = None,
-                     interval_s: float = 10.0, tty: bool | None = None, estimates: bool = True) -> ProgressDisplay:
+def progress_display(
+    title: str,
+    *,
+    unit: str = "",
+    rated: tuple[str, ...] = (),
+    stream: TextIO | None = None,
+    interval_s: float = 10.0,
+    tty: bool | None = None,
+    estimates: bool = True,
+) -> ProgressDisplay:
     """A bar when ``stream`` (default stderr) is a terminal (or ``tty``), else periodic lines on it.
     ``estimates``: the display computes the rate of ``done`` and an ETA (False: the fields carry them)."""
     stream = stream or sys.stderr
     if tty if tty is not None else stream.isatty():
         return BarProgress(title, unit=unit, rated=rated, stream=stream, estimates=estimates)
+
     def write(text: str) -> None:  # not print(): a Prefect run with log_prints would take it as a log
         stream.write(text + "\n")
         stream.flush()
+
     return LineProgress(title, write, unit=unit, rated=rated, interval_s=interval_s, estimates=estimates)

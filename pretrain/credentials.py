@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 # environment variable → S3Storage keyword argument
-_S3_KWARGS = {"AWS_ACCESS_KEY_ID": "access_key", "AWS_SECRET_ACCESS_KEY": "secret_key",
-              "AWS_SESSION_TOKEN": "session_token", "AWS_PROFILE": "profile"}
+_S3_KWARGS = {
+    "AWS_ACCESS_KEY_ID": "access_key",
+    "AWS_SECRET_ACCESS_KEY": "secret_key",
+    "AWS_SESSION_TOKEN": "session_token",
+    "AWS_PROFILE": "profile",
+}
 
 
 @dataclass(frozen=True, repr=False)

@@ -24,8 +24,12 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     # Bearer / Basic authorization values
     (re.compile(r"(?i)\b(?P<kind>bearer|basic)\s+[A-Za-z0-9._~+/=-]{6,}"), rf"\g<kind> {MASK}"),
     # name=value, name: value, "name": "value", ?name=value&… for secret-looking names
-    (re.compile(rf"(?i)(?P<key>\b{_SECRET_NAME})(?P<sep>['\"]?\s*[=:]\s*['\"]?)(?!{re.escape(MASK)}|bearer\s|basic\s)[^\s'\"&,;}}]+"),
-     rf"\g<key>\g<sep>{MASK}"),
+    (
+        re.compile(
+            rf"(?i)(?P<key>\b{_SECRET_NAME})(?P<sep>['\"]?\s*[=:]\s*['\"]?)(?!{re.escape(MASK)}|bearer\s|basic\s)[^\s'\"&,;}}]+"
+        ),
+        rf"\g<key>\g<sep>{MASK}",
+    ),
     # AWS access key ids (long-term AKIA…, temporary ASIA…)
     (re.compile(r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b"), MASK),
 )

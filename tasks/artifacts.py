@@ -18,12 +18,12 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
-from pretrain.views.goodput import ALL
+from pretrain.redact import redact
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
-from pretrain.redact import redact
+from pretrain.views.goodput import ALL
 from pretrain.views.report import campaign_report, checkpoint_rows
-from pretrain.spec.campaign import CampaignSpec
 from tasks.tracking import tracker_for
 
 
@@ -37,19 +37,27 @@ def publish_reports(spec: CampaignSpec, status: dict | None = None, images: dict
     campaign's status, when the caller has just computed it; ``images``: pictures to embed)."""
     credentials = spec.credentials.s3_options()  # for reading the checkpoints; the reports are redacted
     rows = checkpoint_rows(spec.workdir_path, credentials)
-    create_table_artifact(key=artifact_key("checkpoints", spec.name), table=rows or [{"stage": None, "step": None}],
-                          description=f"Checkpoints of campaign {spec.name}: verdict, good pointer, eval loss")
-    create_markdown_artifact(key=artifact_key("campaign-report", spec.name),
-                             markdown=campaign_report(spec.workdir_path, credentials, status, images),
-                             description=f"Campaign {spec.name}: stages, attempts, checkpoints, node check, time lost")
+    create_table_artifact(
+        key=artifact_key("checkpoints", spec.name),
+        table=rows or [{"stage": None, "step": None}],
+        description=f"Checkpoints of campaign {spec.name}: verdict, good pointer, eval loss",
+    )
+    create_markdown_artifact(
+        key=artifact_key("campaign-report", spec.name),
+        markdown=campaign_report(spec.workdir_path, credentials, status, images),
+        description=f"Campaign {spec.name}: stages, attempts, checkpoints, node check, time lost",
+    )
 
 
 def goodput_metrics(goodput: dict) -> dict[str, float]:
     """MLflow metrics of a goodput split: ``goodput`` (a fraction) and ``goodput_<category>_s``."""
     if not goodput.get("known"):
         return {}
-    return {**({"goodput": goodput["goodput"]} if goodput["goodput"] is not None else {}),
-            **{f"goodput_{c}_s": goodput["parts_s"].get(c, 0.0) for c in ALL}, "goodput_wall_s": goodput["wall_s"]}
+    return {
+        **({"goodput": goodput["goodput"]} if goodput["goodput"] is not None else {}),
+        **{f"goodput_{c}_s": goodput["parts_s"].get(c, 0.0) for c in ALL},
+        "goodput_wall_s": goodput["wall_s"],
+    }
 
 
 def publish_goodput(spec: CampaignSpec, status: dict, run_id: str | None) -> dict[str, str]:
@@ -65,8 +73,11 @@ def publish_goodput(spec: CampaignSpec, status: dict, run_id: str | None) -> dic
     try:
         pictures = write_plots(Ledger.read(layout).record, layout, goodput, layout.root / "report")
     except Exception as err:  # noqa: BLE001 - a picture never fails a finished campaign
-        logger.warning("cannot draw the campaign's pictures (%s); `pretrain report --workdir %s` draws them later",
-                       err, spec.workdir_path)
+        logger.warning(
+            "cannot draw the campaign's pictures (%s); `pretrain report --workdir %s` draws them later",
+            err,
+            spec.workdir_path,
+        )
         pictures = []
     if run_id:
         try:
@@ -77,8 +88,12 @@ def publish_goodput(spec: CampaignSpec, status: dict, run_id: str | None) -> dic
             for png in pictures:
                 tracker.client.log_artifact(run_id, str(png), "report")
         except Exception as err:  # noqa: BLE001 - MLflow away: the ledger keeps the numbers
-            logger.warning("cannot log the goodput to MLflow run %s (%s); `pretrain status --workdir %s` shows it",
-                           run_id, redact(str(err))[:300], spec.workdir_path)
+            logger.warning(
+                "cannot log the goodput to MLflow run %s (%s); `pretrain status --workdir %s` shows it",
+                run_id,
+                redact(str(err))[:300],
+                spec.workdir_path,
+            )
     return {png.stem.replace("_", " "): Path(png).resolve().as_uri() for png in pictures}
 
 
@@ -86,12 +101,21 @@ def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> tuple[
     """(URL of the run's page, how to open it). A local database has no server: the URL is the one
     ``mlflow ui --backend-store-uri <uri>`` serves by default."""
     if tracking_uri.startswith(("http://", "https://")):
-        return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}", f"MLflow server {tracking_uri}"
-    return (f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}",
-            f"start the MLflow UI first: mlflow ui --backend-store-uri {tracking_uri}")
+        return (
+            f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}",
+            f"MLflow server {tracking_uri}",
+        )
+    return (
+        f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}",
+        f"start the MLflow UI first: mlflow ui --backend-store-uri {tracking_uri}",
+    )
 
 
 def link_mlflow_run(spec: CampaignSpec, experiment_id: str, run_id: str) -> None:
     url, how = map(redact, mlflow_run_url(spec.tracking_uri, experiment_id, run_id))
-    create_link_artifact(key=artifact_key("mlflow-run", spec.name), link=url, link_text=f"MLflow run of {spec.name}",
-                         description=f"Campaign {spec.name}'s MLflow parent run {run_id} ({how})")
+    create_link_artifact(
+        key=artifact_key("mlflow-run", spec.name),
+        link=url,
+        link_text=f"MLflow run of {spec.name}",
+        description=f"Campaign {spec.name}'s MLflow parent run {run_id} ({how})",
+    )

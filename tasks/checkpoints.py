@@ -7,18 +7,23 @@ from prefect.cache_policies import NO_CACHE
 
 from pretrain.checkpoints.gate import judge, rewind_past_bad, wants_eval
 from pretrain.run.jobs import checkpoint_store
-from pretrain.state.ledger import Ledger
-from pretrain.state.schema import Rewind, Verdict
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.ledger import Ledger
+from pretrain.state.schema import Rewind, Verdict
 from pretrain.tracking.runs import describe_error, transient
 from tasks.events import checkpoint_verdict
 from tasks.tracking import mark_mlflow_behind, tracker_for
 
 
 @task(name="judge-checkpoints", cache_policy=NO_CACHE)
-def check_checkpoints(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: list[int] = (),
-                      settings: PretrainSettings | None = None) -> list[dict]:
+def check_checkpoints(
+    spec: CampaignSpec,
+    stage_index: int,
+    steps: list[int],
+    evaluate: list[int] = (),
+    settings: PretrainSettings | None = None,
+) -> list[dict]:
     """Judge checkpoints of a stage in a separate process; record each verdict next to it, in
     the ledger, as MLflow tags and as an event (evaluation metrics, if run, at its step). One the
     gate could not judge now (verdict "unjudged") is only logged: it stays pending."""
@@ -27,15 +32,27 @@ def check_checkpoints(spec: CampaignSpec, stage_index: int, steps: list[int], ev
     records = judge(spec, stage_index, list(steps), set(evaluate), settings=settings)
     for record in records:
         if record["verdict"] == "unjudged":
-            logger.warning("stage %s: checkpoint %d could not be judged now; the next gate pass retries: %s", stage,
-                           record["step"], "; ".join(record["problems"]))
+            logger.warning(
+                "stage %s: checkpoint %d could not be judged now; the next gate pass retries: %s",
+                stage,
+                record["step"],
+                "; ".join(record["problems"]),
+            )
             continue
         if record["verdict"] == "good":
-            logger.info("stage %s: checkpoint %d is good (probe loss %s)", stage, record["step"],
-                        _fmt(record["probe"].get("probe_loss")))
+            logger.info(
+                "stage %s: checkpoint %d is good (probe loss %s)",
+                stage,
+                record["step"],
+                _fmt(record["probe"].get("probe_loss")),
+            )
         else:
-            logger.error("stage %s: checkpoint %d is BAD, never resumed from: %s", stage, record["step"],
-                         "; ".join(record["problems"]))
+            logger.error(
+                "stage %s: checkpoint %d is BAD, never resumed from: %s",
+                stage,
+                record["step"],
+                "; ".join(record["problems"]),
+            )
         record_verdict(spec, stage_index, record)
     return records
 
@@ -46,7 +63,9 @@ def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
     stage = spec.stages[stage_index].name
     checkpoint_verdict(spec, stage, record["path"], record)
     ledger = Ledger.open(spec)
-    ledger.record_verdict(stage, Verdict(**{k: record[k] for k in ("step", "path", "verdict", "problems", "probe", "metrics", "time")}))
+    ledger.record_verdict(
+        stage, Verdict(**{k: record[k] for k in ("step", "path", "verdict", "problems", "probe", "metrics", "time")})
+    )
     run_id = ledger.stage(stage).mlflow_run_id
     if run_id:
         try:
@@ -55,8 +74,13 @@ def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
         except Exception as e:  # noqa: BLE001 - MLflow is a view: the verdict stands; the stage's end sends it
             if not transient(e):
                 raise
-            mark_mlflow_behind(ledger, "stage %s: MLflow did not take the verdict of checkpoint %d (%s); it is sent "
-                               "again when the stage ends", stage, record["step"], describe_error(e))
+            mark_mlflow_behind(
+                ledger,
+                "stage %s: MLflow did not take the verdict of checkpoint %d (%s); it is sent again when the stage ends",
+                stage,
+                record["step"],
+                describe_error(e),
+            )
 
 
 def verdicts_to_mlflow(spec: CampaignSpec, run_id: str, records: list[dict]) -> None:
@@ -90,9 +114,13 @@ def find_resume_point(spec: CampaignSpec, stage_index: int) -> dict | None:
     store = checkpoint_store(spec, spec.stages[stage_index].name)
     rewound = rewind_past_bad(store)
     if rewound:
-        get_run_logger().warning("stage %s: rewound from step %s to the last good checkpoint %s (bad ones quarantined: %s)",
-                                 spec.stages[stage_index].name, rewound["from"], rewound["to"],
-                                 [q["path"] for q in rewound["quarantined"]] or "none")
+        get_run_logger().warning(
+            "stage %s: rewound from step %s to the last good checkpoint %s (bad ones quarantined: %s)",
+            spec.stages[stage_index].name,
+            rewound["from"],
+            rewound["to"],
+            [q["path"] for q in rewound["quarantined"]] or "none",
+        )
         Ledger.open(spec).record_rewind(spec.stages[stage_index].name, Rewind(**rewound))
     ref = store.latest_good()
     return None if ref is None else ref.to_dict()

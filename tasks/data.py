@@ -10,13 +10,13 @@ from pretrain.data.campaign import data_record, data_root, kept_flat_data
 from pretrain.data.identity import DataChanged, refuse_changed_data, trained_stages
 from pretrain.data.prepare.pipeline import prepare
 from pretrain.data.prepare.progress import PrepProgress, ProgressCallback
-from pretrain.state.locations import data_client_options
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
+from pretrain.state.locations import data_client_options
 from pretrain.state.schema import DataRecord
-from pretrain.spec.campaign import CampaignSpec
-from trainer.data.sampler import DataError
 from trainer.data.cache import fetch_manifest
+from trainer.data.sampler import DataError
 
 
 @task(name="prepare-dataset", cache_policy=NO_CACHE)
@@ -28,13 +28,22 @@ def prepare_dataset(spec: CampaignSpec, progress: ProgressCallback | None = None
     record = Ledger.open(spec).record
     kept = kept_flat_data(spec, record)
     if kept is not None:
-        logger.info("campaign prepared by an earlier release: keeps its data set in %s (fingerprint %s)",
-                    kept.location, kept.fingerprint)
+        logger.info(
+            "campaign prepared by an earlier release: keeps its data set in %s (fingerprint %s)",
+            kept.location,
+            kept.fingerprint,
+        )
         if progress is not None:
             progress(PrepProgress("done"))
         return kept
-    prepared = prepare(spec.data, data_root(spec), work=CampaignLayout(spec.workdir_path).data_work,
-                       s3_options=data_client_options(spec), log=logger.info, progress=progress)
+    prepared = prepare(
+        spec.data,
+        data_root(spec),
+        work=CampaignLayout(spec.workdir_path).data_work,
+        s3_options=data_client_options(spec),
+        log=logger.info,
+        progress=progress,
+    )
     old = None
     if record.data is not None and record.data.fingerprint != prepared.get("fingerprint") and trained_stages(record):
         try:

@@ -8,8 +8,8 @@ channel: if the API refuses or is away, preparation goes on and this says so onc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -45,7 +45,7 @@ class PrepArtifact:
     last: tuple[float, str] | None = field(default=None, repr=False)  # (time, phase) of the last update
 
     @classmethod
-    def for_campaign(cls, campaign: str, log: Callable[[str], None]) -> "PrepArtifact":
+    def for_campaign(cls, campaign: str, log: Callable[[str], None]) -> PrepArtifact:
         return cls(artifact_key("data-preparation", campaign), log)
 
     def __call__(self, p: PrepProgress) -> None:
@@ -61,8 +61,9 @@ class PrepArtifact:
                 update_progress_artifact(self.artifact_id, percent, description=description)
         except Exception as e:  # noqa: BLE001 - a side channel: never stops preparation
             self.failed = True
-            self.log(f"cannot publish data preparation progress to Prefect ({type(e).__name__}: {e}); "
-                     "preparation goes on")
+            self.log(
+                f"cannot publish data preparation progress to Prefect ({type(e).__name__}: {e}); preparation goes on"
+            )
 
 
 def fan_out(*callbacks: ProgressCallback | None) -> ProgressCallback:
@@ -72,4 +73,5 @@ def fan_out(*callbacks: ProgressCallback | None) -> ProgressCallback:
     def call(p: PrepProgress) -> None:
         for c in chosen:
             c(p)
+
     return call

@@ -5,12 +5,12 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.data.campaign import validation_data
-from pretrain.checkpoints.info import CheckpointInfo, CheckpointRejected, describe
 from pretrain.checkpoints.evaluation import measure, require_valid
+from pretrain.checkpoints.info import CheckpointInfo, CheckpointRejected, describe
+from pretrain.data.campaign import validation_data
 from pretrain.run.jobs import model_config
-from pretrain.state.locations import client_options
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.locations import client_options
 from pretrain.tracking.runs import log_to_run
 from tasks.tracking import MLFLOW_RETRIES
 from trainer.evaluate import evaluate
@@ -20,8 +20,14 @@ from trainer.evaluate import evaluate
 def evaluate_stage_checkpoint(spec: CampaignSpec, path: str, seq_len: int) -> dict:
     """Validation loss, perplexity and accuracy of a stage's checkpoint (``validation.eval_batches`` batches)."""
     data_dir, vocab = validation_data(spec)
-    metrics = evaluate(path, model_config(spec, vocab), data_dir, seq_len,
-                       max_batches=spec.validation.eval_batches, options=client_options(spec))
+    metrics = evaluate(
+        path,
+        model_config(spec, vocab),
+        data_dir,
+        seq_len,
+        max_batches=spec.validation.eval_batches,
+        options=client_options(spec),
+    )
     get_run_logger().info("evaluation of %s: %s", path, {k: round(v, 4) for k, v in metrics.items()})
     return metrics
 
@@ -46,8 +52,9 @@ def require_valid_checkpoint(info: CheckpointInfo) -> dict:
 @task(name="measure-checkpoint", cache_policy=NO_CACHE)
 def measure_checkpoint(info: CheckpointInfo, batch_size: int, max_batches: int) -> dict:
     metrics = measure(info, batch_size, max_batches)
-    get_run_logger().info("evaluation of %s (step %d): %s", info.location, info.step,
-                          {k: round(v, 4) for k, v in metrics.items()})
+    get_run_logger().info(
+        "evaluation of %s (step %d): %s", info.location, info.step, {k: round(v, 4) for k, v in metrics.items()}
+    )
     return metrics
 
 

@@ -24,7 +24,11 @@ def spec_of_run(parameters: dict) -> CampaignSpec:
     process's environment: hooks may run in the worker or ``deployments.serve`` process, which
     goes on to start other campaigns' runs)."""
     inline = parameters.get("spec")
-    spec = inline if isinstance(inline, CampaignSpec) else (parse_spec(inline, "flow run parameter 'spec'") if inline else None)
+    spec = (
+        inline
+        if isinstance(inline, CampaignSpec)
+        else (parse_spec(inline, "flow run parameter 'spec'") if inline else None)
+    )
     return resolve_campaign(spec, parameters.get("spec_path"), parameters.get("workdir"))
 
 
@@ -66,5 +70,8 @@ def on_campaign_cancelled(flow, flow_run, state) -> None:
     _record(flow_run, state, "cancelled")
 
 
-CAMPAIGN_HOOKS = {"on_failure": [on_campaign_failure], "on_crashed": [on_campaign_crashed],
-                  "on_cancellation": [on_campaign_cancelled]}
+CAMPAIGN_HOOKS = {
+    "on_failure": [on_campaign_failure],
+    "on_crashed": [on_campaign_crashed],
+    "on_cancellation": [on_campaign_cancelled],
+}

@@ -8,11 +8,11 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from pretrain.redact import redact
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.guard import held, state_location, state_storage
 from pretrain.state.job_records import Copied, keep_records, restore_records
 from pretrain.state.lease import LeaseLost
-from pretrain.redact import redact
-from pretrain.spec.campaign import CampaignSpec
 
 
 @task(name="keep-job-records", cache_policy=NO_CACHE)
@@ -35,8 +35,9 @@ def restore_job_records(spec: CampaignSpec) -> list[str]:
     another machine, or after the orchestrator's disk was lost); the keys copied."""
     files = _sync(spec, restore_records, "restore the jobs' records from", "goodput leaves out what they hold")
     if files:
-        get_run_logger().info("restored %d job record file(s) from %s into the workdir", len(files),
-                              redact(state_location(spec)))
+        get_run_logger().info(
+            "restored %d job record file(s) from %s into the workdir", len(files), redact(state_location(spec))
+        )
     return files
 
 
@@ -51,6 +52,13 @@ def _sync(spec: CampaignSpec, sync, what: str, then: str) -> list[str]:
         return []
     if done.failed:
         key, why = done.failed[0]
-        get_run_logger().warning("could not %s %s: %d file(s), e.g. %s (%s); %s", what, redact(where), len(done.failed),
-                                 key, redact(why), then)
+        get_run_logger().warning(
+            "could not %s %s: %d file(s), e.g. %s (%s); %s",
+            what,
+            redact(where),
+            len(done.failed),
+            key,
+            redact(why),
+            then,
+        )
     return done.files

@@ -11,28 +11,33 @@ repeat or stop half-way without harm.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.views.compare import ledger_counters
-from pretrain.tracking.dataset_input import log_data_set
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import CampaignStatus, StageStatus
-from pretrain.spec.campaign import CampaignSpec
+from pretrain.tracking.dataset_input import log_data_set
 from pretrain.tracking.runs import MetricsForwarder, Tracker, describe_error, transient
+from pretrain.views.compare import ledger_counters
 from tasks.checkpoints import verdicts_to_mlflow
 from tasks.tracking import log_node_check, mark_mlflow_behind, open_runs_now, tracker_for
 from trainer.job.reporting import EVENTS, METRICS
 
 
-def log_evaluation(tracker: Tracker, stage_run_id: str, parent_run_id: str, evaluation: dict, campaign_step: int) -> None:
+def log_evaluation(
+    tracker: Tracker, stage_run_id: str, parent_run_id: str, evaluation: dict, campaign_step: int
+) -> None:
     """A stage's final evaluation (``{metric: value, "step": stage step}``, as the ledger holds
     it) at its step on the stage run, at ``campaign_step`` on the campaign's."""
-    metrics = {k: float(v) for k, v in evaluation.items()
-               if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    metrics = {
+        k: float(v)
+        for k, v in evaluation.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     tracker.log_values(stage_run_id, metrics, evaluation["step"])
     tracker.log_values(parent_run_id, metrics, campaign_step)
 
@@ -46,8 +51,13 @@ def sync_stage_end(spec: CampaignSpec, ledger: Ledger, stage_index: int) -> None
     if stage.verdicts:
         verdicts_to_mlflow(spec, stage.mlflow_run_id, [v.model_dump(mode="json") for v in stage.verdicts])
     if stage.eval and isinstance(stage.eval.get("step"), int):
-        log_evaluation(tracker, stage.mlflow_run_id, record.mlflow.parent_run_id, stage.eval,
-                       spec.step_offset(stage_index) + stage.eval["step"])
+        log_evaluation(
+            tracker,
+            stage.mlflow_run_id,
+            record.mlflow.parent_run_id,
+            stage.eval,
+            spec.step_offset(stage_index) + stage.eval["step"],
+        )
     if stage.status == StageStatus.COMPLETED:
         tracker.finish(stage.mlflow_run_id, "FINISHED")
 
@@ -79,8 +89,9 @@ def sync_campaign(spec: CampaignSpec, ledger: Ledger, log: Callable[[str], None]
         _, run_id = open_runs_now(spec, ledger, i)
         for attempt in range(record.stages[stage.name].attempts):
             job = layout.job_dir(stage.name, attempt)
-            MetricsForwarder(tracker, job / METRICS, run_id, parent, spec.step_offset(i), events_path=job / EVENTS,
-                             log=log).send_all()
+            MetricsForwarder(
+                tracker, job / METRICS, run_id, parent, spec.step_offset(i), events_path=job / EVENTS, log=log
+            ).send_all()
         sync_stage_end(spec, ledger, i)
     if record.status == CampaignStatus.COMPLETED:
         finish_campaign_run(spec, ledger)
@@ -95,8 +106,11 @@ def sync_to_mlflow(spec: CampaignSpec, stage_index: int | None = None) -> bool:
     date; if not, one warning and the ledger says ``behind``."""
     logger, ledger = get_run_logger(), Ledger.open(spec)
     record = ledger.reload()
-    behind = record.mlflow.behind or record.mlflow.parent_run_id is None or (
-        stage_index is not None and record.stages[spec.stages[stage_index].name].mlflow_run_id is None)
+    behind = (
+        record.mlflow.behind
+        or record.mlflow.parent_run_id is None
+        or (stage_index is not None and record.stages[spec.stages[stage_index].name].mlflow_run_id is None)
+    )
     try:
         if behind:
             sync_campaign(spec, ledger, logger.warning)
@@ -107,7 +121,11 @@ def sync_to_mlflow(spec: CampaignSpec, stage_index: int | None = None) -> bool:
             finish_campaign_run(spec, ledger)
         return True
     except Exception as err:  # noqa: BLE001 - MLflow is a view of the workdir: the campaign goes on
-        mark_mlflow_behind(ledger, "MLflow %s (%s); the campaign goes on, and what its runs lack is sent when it "
-                           "answers (a stage's end, the campaign's end, its next run)",
-                           "is away" if transient(err) else "refused an update", describe_error(err))
+        mark_mlflow_behind(
+            ledger,
+            "MLflow %s (%s); the campaign goes on, and what its runs lack is sent when it "
+            "answers (a stage's end, the campaign's end, its next run)",
+            "is away" if transient(err) else "refused an update",
+            describe_error(err),
+        )
         return False

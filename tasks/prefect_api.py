@@ -40,6 +40,9 @@ def wait_for_api(logger, within_s: float, what: str) -> bool:
             logger.info("the Prefect API answers again")
             return True
         wait = min(2 * wait, LONGEST_WAIT_S)
-    logger.warning("the Prefect API did not answer within %.0fs: the run fails here; run the same command again "
-                   "once it answers (training resumes from the checkpoints)", within_s)
+    logger.warning(
+        "the Prefect API did not answer within %.0fs: the run fails here; run the same command again "
+        "once it answers (training resumes from the checkpoints)",
+        within_s,
+    )
     return False

@@ -8,10 +8,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pretrain.checkpoints.info import describe, spec_overrides
-from pretrain.state.ledger import Ledger
-from pretrain.redact import redact
 from pretrain.checkpoints.registry import register_checkpoint
+from pretrain.redact import redact
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.ledger import Ledger
 from pretrain.tracking.runs import describe_error, transient
 from tasks.tracking import MLFLOW_RETRIES, open_runs_now, tracker_for
 
@@ -43,7 +43,9 @@ def register_or_defer(spec: CampaignSpec) -> dict | None:
         Ledger.open(spec).set_registration_pending(why)
         get_run_logger().warning(
             "the final model is not registered yet: %s. The campaign is complete; run it again once MLflow answers "
-            "and it registers the model (nothing is trained again)", why)
+            "and it registers the model (nothing is trained again)",
+            why,
+        )
         return None
 
 
@@ -57,9 +59,11 @@ def register_final_model(spec: CampaignSpec) -> dict | None:
         logger.info("tracking.register_model is off: the final model is not registered")
         return None
     if importlib.util.find_spec("transformers") is None:
-        logger.warning("transformers is not installed, so the final model is not registered in MLflow: "
-                       "reinstall prefect-pretrain (it depends on transformers) and run the campaign again "
-                       "(finished stages are skipped)")
+        logger.warning(
+            "transformers is not installed, so the final model is not registered in MLflow: "
+            "reinstall prefect-pretrain (it depends on transformers) and run the campaign again "
+            "(finished stages are skipped)"
+        )
         return None
     ledger = Ledger.open(spec)
     tracker_for(spec).check()  # while MLflow is away, this task's retries wait (not MLflow's minutes per request)
@@ -71,9 +75,15 @@ def register_final_model(spec: CampaignSpec) -> dict | None:
     offset = spec.step_offset(len(spec.stages) - 1)  # campaign step, as in the run's metric history
     metrics = {k: v for k, v in evaluation.items() if k.startswith("val_")}
     reg = register_checkpoint(
-        info, tracking_uri=spec.tracking_uri, run_id=ledger.record.mlflow.parent_run_id,
-        name=spec.registered_model_name, alias=spec.tracking.model_alias, metrics=metrics,
-        step=offset + info.step, tags={"pretrain.campaign": spec.name, "pretrain.stage": spec.stages[-1].name})
+        info,
+        tracking_uri=spec.tracking_uri,
+        run_id=ledger.record.mlflow.parent_run_id,
+        name=spec.registered_model_name,
+        alias=spec.tracking.model_alias,
+        metrics=metrics,
+        step=offset + info.step,
+        tags={"pretrain.campaign": spec.name, "pretrain.stage": spec.stages[-1].name},
+    )
     ledger.set_registered_model(reg.to_dict())
     logger.info("registered %s version %s (%s) from %s", reg.name, reg.version, reg.uri, redact(good.path))
     return reg.to_dict()

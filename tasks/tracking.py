@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pretrain.views.compare import ledger_of
-from pretrain.tracking.dataset_input import log_data_set
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
+from pretrain.tracking.dataset_input import log_data_set
 from pretrain.tracking.health import MlflowAway
-from pretrain.spec.campaign import CampaignSpec
 from pretrain.tracking.runs import Tracker, transient
 from pretrain.tracking.store import artifact_root
+from pretrain.views.compare import ledger_of
 
 
 def _mlflow_may_recover(task, task_run, state) -> bool:
@@ -34,7 +34,9 @@ def tracker_for(spec: CampaignSpec) -> Tracker:
     """The campaign's tracker; a new experiment keeps artifacts beside a shared sqlite store, in
     the workdir otherwise (:func:`pretrain.tracking.store.artifact_root`)."""
     uri = spec.tracking_uri
-    return Tracker(uri, spec.tracking.experiment, artifact_root(uri, CampaignLayout(spec.workdir_path).mlflow_artifacts))
+    return Tracker(
+        uri, spec.tracking.experiment, artifact_root(uri, CampaignLayout(spec.workdir_path).mlflow_artifacts)
+    )
 
 
 def copy_warning(tracker: Tracker, campaign_id: str, workdir: Path) -> str | None:
@@ -43,12 +45,15 @@ def copy_warning(tracker: Tracker, campaign_id: str, workdir: Path) -> str | Non
     last = tracker.last_workdir(campaign_id)
     if not last or Path(last).resolve() == Path(workdir).resolve() or ledger_of(last, campaign_id) is None:
         return None  # the first run, the same place, or a campaign moved here
-    return (f"{workdir} and {last} hold the same campaign (id {campaign_id}; one is a copy of the other): runs "
-            "of either log into the same MLflow runs; for a campaign of its own, start one in an empty workdir")
+    return (
+        f"{workdir} and {last} hold the same campaign (id {campaign_id}; one is a copy of the other): runs "
+        "of either log into the same MLflow runs; for a campaign of its own, start one in an empty workdir"
+    )
 
 
-def open_runs_now(spec: CampaignSpec, ledger: Ledger, stage_index: int | None = None,
-                  log: Callable[[str], None] | None = None) -> tuple[str, str | None]:
+def open_runs_now(
+    spec: CampaignSpec, ledger: Ledger, stage_index: int | None = None, log: Callable[[str], None] | None = None
+) -> tuple[str, str | None]:
     """Open (or reattach to and set running) the campaign's run — for a stage (``stage_index``)
     only if the ledger has none — and the stage's; both recorded in the ledger: ``(campaign run,
     stage run or None)``. MLflow must answer (:class:`MlflowAway` at once if it does not).

@@ -13,15 +13,17 @@ from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from pretrain.settings import PretrainSettings
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import StageRecord
-from pretrain.settings import PretrainSettings
-from pretrain.spec.campaign import CampaignSpec
 from pretrain.views.training_progress import Throttle, TrainingSnapshot, job_watch, progress_extra
 from tasks.artifacts import artifact_key
 
 ARTIFACT_INTERVAL_S = 2.0  # between two updates of the artifact (the UI's bar)
+
+
 class StageProgress:
     """Follows one attempt of a stage's job for the flow run's log and the progress artifact."""
 
@@ -31,7 +33,9 @@ class StageProgress:
         self.campaign_total = sum(s.steps for s in spec.stages)
         self.offset = spec.step_offset(stage_index)
         layout = CampaignLayout(spec.workdir_path)
-        self.watch = job_watch(spec.workdir_path, stage.name, attempt, stage.steps, lambda: _stage_record(layout, stage.name))
+        self.watch = job_watch(
+            spec.workdir_path, stage.name, attempt, stage.steps, lambda: _stage_record(layout, stage.name)
+        )
         self.log_due = Throttle(settings.progress_interval_s)
         self.artifact_due = Throttle(ARTIFACT_INTERVAL_S)
         self.log_due.due()  # the first line after one interval: "launching" was just logged
@@ -60,17 +64,19 @@ class StageProgress:
         if self.artifact_failed or (not create and self.artifact is None):
             return
         percent = round(100.0 * (self.offset + snap.done) / self.campaign_total, 1) if self.campaign_total else 0.0
-        description = (f"{snap.line()}; campaign {self.offset + snap.done}/{self.campaign_total} steps")
+        description = f"{snap.line()}; campaign {self.offset + snap.done}/{self.campaign_total} steps"
         try:
             if create:
-                self.artifact = create_progress_artifact(progress=percent, key=artifact_key("training-progress", self._campaign),
-                                                         description=description)
+                self.artifact = create_progress_artifact(
+                    progress=percent, key=artifact_key("training-progress", self._campaign), description=description
+                )
             else:
                 update_progress_artifact(self.artifact, percent, description=description)
         except Exception as err:  # noqa: BLE001 - progress display must never stop training
             self.artifact_failed = True
-            self.logger.warning("cannot publish training progress to Prefect (%s: %s); training goes on",
-                                type(err).__name__, err)
+            self.logger.warning(
+                "cannot publish training progress to Prefect (%s: %s); training goes on", type(err).__name__, err
+            )
 
 
 def _stage_record(layout: CampaignLayout, stage: str) -> StageRecord | None:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import contextvars
-import fcntl
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -21,14 +17,21 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 # default start-up timeout ran out with the machine loaded ×8 (the campaign then fails at once)
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-from pretrain.data.campaign import data_record  # noqa: E402
 from pretrain.data.prepare.pipeline import prepare  # noqa: E402
-from pretrain.state.layout import CampaignLayout  # noqa: E402
-from pretrain.spec.campaign import CampaignSpec, parse_spec  # noqa: E402
-from support.campaigns import HARNESS_DATABASE, TRACKING_STORE, DATA, made_once, _migrate_prefect_database, _tracking_template, small_spec, seed_data, run_to_completion, kept_trajectory, campaign_data_dir, wait_for, campaign_processes, worker_processes, run_campaign_while, save_checkpoint, session_api_env, pretrain_cli, copy_checkpoint, flip_byte, campaign_events, assert_no_duplicate_metric_steps, final_model  # noqa: E402,F401
+from pretrain.spec.campaign import CampaignSpec  # noqa: E402
+from support.campaigns import (
+    DATA,
+    HARNESS_DATABASE,
+    TRACKING_STORE,
+    _migrate_prefect_database,
+    _tracking_template,
+    made_once,
+    save_checkpoint,
+    seed_data,
+    small_spec,
+)  # noqa: E402,F401
 from support.prefect_server import on_prefect_server, prefect_server  # noqa: E402,F401 - a real server, on request
 from support.scheduling import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa: E402,F401 - hooks
-
 
 
 def pytest_configure(config):
@@ -39,8 +42,6 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-
-
 @pytest.fixture(scope="session")
 def migrated_tracking_store(tmp_path_factory) -> Path:
     """An empty MLflow sqlite store with its tables made, once for the whole session: MLflow
@@ -48,7 +49,9 @@ def migrated_tracking_store(tmp_path_factory) -> Path:
     tracks, and every worker process of the suite, would otherwise pay."""
     from mlflow.tracking import MlflowClient
 
-    return made_once(tmp_path_factory, TRACKING_STORE, lambda path: MlflowClient(f"sqlite:///{path}").search_experiments())
+    return made_once(
+        tmp_path_factory, TRACKING_STORE, lambda path: MlflowClient(f"sqlite:///{path}").search_experiments()
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -63,8 +66,6 @@ def own_tracking_store(tmp_path_factory, monkeypatch, migrated_tracking_store) -
     uri = f"sqlite:///{store}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
-
-
 
 
 @pytest.fixture(scope="session")
@@ -93,8 +94,10 @@ def prefect_harness(zygote, migrated_prefect_database):
     # server's start-up took over 60 s with the machine loaded ×8.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(harness, "mkdtemp", database_dir)  # where the harness puts its HARNESS_DATABASE
-        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), \
-                harness.prefect_test_harness(server_startup_timeout=180):
+        with (
+            temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
+            harness.prefect_test_harness(server_startup_timeout=180),
+        ):
             patch.undo()
             yield
 
@@ -121,46 +124,9 @@ def prepared_data(tmp_path_factory, migrated_tracking_store) -> Path:
     return location
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 @pytest.fixture(scope="session")
 def trained_checkpoint(prepared_data, tmp_path_factory):
     """(spec, checkpoint ref) of a 2-step checkpoint of a small spec; treat it as read-only."""
     spec = small_spec(tmp_path_factory.mktemp("trained"))
     seed_data(spec, prepared_data)
     return spec, save_checkpoint(spec)
-
-
-
-
-
-
-
-
-
-
-
-
-
-

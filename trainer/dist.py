@@ -48,9 +48,14 @@ class Identity:
     epoch: int = 0  # fast recoveries in this round (trainer.resilience.peers)
 
     @classmethod
-    def from_env(cls, env=os.environ) -> "Identity":
-        return cls(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")), int(env.get("WORLD_SIZE", "1")),
-                   int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get(EPOCH_ENV, "0")))
+    def from_env(cls, env=os.environ) -> Identity:
+        return cls(
+            int(env.get("RANK", "0")),
+            int(env.get("LOCAL_RANK", "0")),
+            int(env.get("WORLD_SIZE", "1")),
+            int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            int(env.get(EPOCH_ENV, "0")),
+        )
 
 
 EPOCH_ENV = "PRETRAIN_EPOCH"  # set by the single-node agent for a replacement: the epoch it joins
@@ -125,12 +130,18 @@ def round_restart_count(store: dist.Store, world_size: int, own: int) -> int:
 
 
 def join_group(base: dist.Store, backend: str, me: Identity, timeout_s: float) -> None:
-    dist.init_process_group(backend, store=dist.PrefixStore(group_prefix(me.restart_count, me.epoch), base),
-                            rank=me.rank, world_size=me.world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(group_prefix(me.restart_count, me.epoch), base),
+        rank=me.rank,
+        world_size=me.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 300, me: Identity | None = None,
-                     base: dist.Store | None = None) -> DistInfo:
+def init_distributed(
+    backend: str = "auto", timeout_s: float = 300, me: Identity | None = None, base: dist.Store | None = None
+) -> DistInfo:
     """Join the job's process group as ``me`` (default: from the environment) through the agent's
     store ``base`` (default: connect to it)."""
     me = me or Identity.from_env()

@@ -19,8 +19,8 @@ import torch
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.records import DamagedRecord
 from trainer.checkpoint.sharded import ShardLayoutError, consolidate, load_full_state
-from trainer.job.config import ModelConfig
 from trainer.data.sampler import DataError, TokenWindows
+from trainer.job.config import ModelConfig
 from trainer.model import GPT, lm_loss
 from trainer.storage import NotFound, StorageError
 
@@ -62,14 +62,16 @@ class Probe:
     tolerance: float  # validation.probe_tolerance
 
 
-def validate(location: str | Path, model_cfg: ModelConfig, options: dict | None = None,
-             probe: Probe | None = None) -> Verdict:
+def validate(
+    location: str | Path, model_cfg: ModelConfig, options: dict | None = None, probe: Probe | None = None
+) -> Verdict:
     """Validate the checkpoint at ``location`` (``…/step_XXXXXXXX``, local or s3://)."""
     return validate_and_load(location, model_cfg, options, probe)[0]
 
 
-def validate_and_load(location: str | Path, model_cfg: ModelConfig, options: dict | None = None,
-                      probe: Probe | None = None) -> tuple[Verdict, GPT | None]:
+def validate_and_load(
+    location: str | Path, model_cfg: ModelConfig, options: dict | None = None, probe: Probe | None = None
+) -> tuple[Verdict, GPT | None]:
     """:func:`validate`, also returning the checkpoint's model when it loaded (so a caller
     that evaluates next does not read the checkpoint again)."""
     store, step = ckpt.CheckpointStore.of_step(location, options)
@@ -81,7 +83,9 @@ def validate_and_load(location: str | Path, model_cfg: ModelConfig, options: dic
     except DamagedRecord as err:  # rewritten since verify read it
         return Verdict(False, step, [str(err)]), None
     if manifest is None:  # deleted (pruned) since verify read it
-        return Verdict(False, step, [f"{ckpt.step_name(step)}: no {ckpt.MANIFEST} (deleted while being validated)"]), None
+        return Verdict(
+            False, step, [f"{ckpt.step_name(step)}: no {ckpt.MANIFEST} (deleted while being validated)"]
+        ), None
     shards = {}
     for name in manifest.files:
         try:
@@ -92,8 +96,10 @@ def validate_and_load(location: str | Path, model_cfg: ModelConfig, options: dic
     what = model_files[0] if len(model_files) == 1 else f"the {len(model_files)} model shards"
     main, model = None, None
     if not model_files:
-        problems.append(f"no model state: neither {ckpt.MODEL_SHARD} nor a model shard of every rank "
-                        f"(world_size {manifest.world_size}) is in the manifest")
+        problems.append(
+            f"no model state: neither {ckpt.MODEL_SHARD} nor a model shard of every rank "
+            f"(world_size {manifest.world_size}) is in the manifest"
+        )
     elif all(n in shards for n in model_files):
         for name in model_files:
             for key in ("model", "optimizer", "scheduler", "step"):
@@ -125,8 +131,10 @@ def validate_and_load(location: str | Path, model_cfg: ModelConfig, options: dic
         if not math.isfinite(probe_loss):
             problems.append(f"probe loss on the held-out batch is {probe_loss}")
         elif train_loss is not None and probe_loss > train_loss * (1 + probe.tolerance):
-            problems.append(f"probe loss {probe_loss:.4f} on the held-out batch exceeds the training loss "
-                            f"{train_loss:.4f} at step {step} by more than {probe.tolerance:.0%} (diverged or damaged weights)")
+            problems.append(
+                f"probe loss {probe_loss:.4f} on the held-out batch exceeds the training loss "
+                f"{train_loss:.4f} at step {step} by more than {probe.tolerance:.0%} (diverged or damaged weights)"
+            )
     return Verdict(not problems, step, problems, metrics), model
 
 
@@ -139,7 +147,9 @@ def load_model(location: str | Path, model_cfg: ModelConfig, options: dict | Non
 
 
 @torch.no_grad()
-def held_out_loss(model: GPT, data_dir: str | Path, seq_len: int, windows: int, batch_size: int = EVAL_BATCH_SIZE) -> dict:
+def held_out_loss(
+    model: GPT, data_dir: str | Path, seq_len: int, windows: int, batch_size: int = EVAL_BATCH_SIZE
+) -> dict:
     """Loss and next-token accuracy over the first ``windows`` windows of the validation split
     (a fixed batch: the same for every checkpoint, so results compare across steps)."""
     model.eval()
@@ -156,20 +166,34 @@ def held_out_loss(model: GPT, data_dir: str | Path, seq_len: int, windows: int, 
     return {"loss": total_loss / tokens, "accuracy": correct / tokens, "tokens": tokens}
 
 
-def evaluate(location: str | Path, model_cfg: ModelConfig, data_dir: str | Path, seq_len: int, *, max_batches: int,
-             batch_size: int = EVAL_BATCH_SIZE, options: dict | None = None) -> dict:
+def evaluate(
+    location: str | Path,
+    model_cfg: ModelConfig,
+    data_dir: str | Path,
+    seq_len: int,
+    *,
+    max_batches: int,
+    batch_size: int = EVAL_BATCH_SIZE,
+    options: dict | None = None,
+) -> dict:
     """Validation-split loss, perplexity and next-token accuracy of the checkpoint's model, over
     its first ``max_batches`` batches."""
-    return evaluate_model(load_model(location, model_cfg, options)[0], data_dir, seq_len, max_batches=max_batches,
-                          batch_size=batch_size)
+    return evaluate_model(
+        load_model(location, model_cfg, options)[0], data_dir, seq_len, max_batches=max_batches, batch_size=batch_size
+    )
 
 
-def evaluate_model(model: GPT, data_dir: str | Path, seq_len: int, *, max_batches: int,
-                   batch_size: int = EVAL_BATCH_SIZE) -> dict:
+def evaluate_model(
+    model: GPT, data_dir: str | Path, seq_len: int, *, max_batches: int, batch_size: int = EVAL_BATCH_SIZE
+) -> dict:
     """Validation-split loss, perplexity and next-token accuracy of a loaded model."""
     r = held_out_loss(model, data_dir, seq_len, batch_size * max_batches, batch_size)
-    return {"val_loss": r["loss"], "val_perplexity": math.exp(min(r["loss"], 50.0)), "val_accuracy": r["accuracy"],
-            "val_tokens": r["tokens"]}
+    return {
+        "val_loss": r["loss"],
+        "val_perplexity": math.exp(min(r["loss"], 50.0)),
+        "val_accuracy": r["accuracy"],
+        "val_tokens": r["tokens"],
+    }
 
 
 # failures that say nothing about the checkpoint: judge it again later
@@ -187,13 +211,18 @@ class GateRequest:
     evaluate: dict | None  # {"data_dir", "seq_len", "batches"}: the metrics of a good checkpoint
 
     @classmethod
-    def parse(cls, request: dict) -> "GateRequest":
+    def parse(cls, request: dict) -> GateRequest:
         """Raises (KeyError, TypeError, ValueError) on a request this release cannot read."""
         ev = request.get("evaluate")
         if ev:
             ev = {"data_dir": ev["data_dir"], "seq_len": int(ev["seq_len"]), "batches": int(ev["batches"])}
-        return cls(str(request["location"]), ModelConfig(**request["model"]), request.get("options"),
-                   Probe(**request["probe"]) if request.get("probe") else None, ev or None)
+        return cls(
+            str(request["location"]),
+            ModelConfig(**request["model"]),
+            request.get("options"),
+            Probe(**request["probe"]) if request.get("probe") else None,
+            ev or None,
+        )
 
 
 def judge(request: GateRequest) -> dict:

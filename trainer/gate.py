@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.evaluate import judge_one
 from trainer.common.process import exit_now, exit_when_orphaned
+from trainer.evaluate import judge_one
 
 
 def main(argv: list[str] | None = None) -> int:

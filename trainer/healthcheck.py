@@ -32,9 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     exit_when_orphaned()  # started by `pretrain run`: never outlive it
     torch.set_num_threads(1)
-    row = {"rank": args.rank, "torch": torch.__version__, "cuda_devices": torch.cuda.device_count(),
-           "matmul_s": round(matmul_seconds(extra_delay_s=args.extra_delay), 4),
-           "shm_free_bytes": shutil.disk_usage("/dev/shm").free, "disk_free_bytes": shutil.disk_usage(args.workdir).free}
+    row = {
+        "rank": args.rank,
+        "torch": torch.__version__,
+        "cuda_devices": torch.cuda.device_count(),
+        "matmul_s": round(matmul_seconds(extra_delay_s=args.extra_delay), 4),
+        "shm_free_bytes": shutil.disk_usage("/dev/shm").free,
+        "disk_free_bytes": shutil.disk_usage(args.workdir).free,
+    }
     if args.world > 1:
         row["allreduce_MBps"] = round(allreduce_mbps(args.rank, args.world, args.master_port, host=args.master_addr), 1)
     if args.out:

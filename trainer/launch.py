@@ -11,8 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer.agent.node import run_node
 from trainer.agent.first_round import FIRST_ROUND_WAIT_S
+from trainer.agent.node import run_node
 from trainer.common.process import exit_now
 
 
@@ -26,20 +26,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-id", required=True, help="rendezvous id shared by the job's nodes")
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--lock", type=Path, help="file locked for the agent's lifetime")
-    p.add_argument("--lock-wait", type=float,
-                   help="seconds to wait for a dying predecessor to let go of --lock (PRETRAIN_NODE_LOCK_WAIT_S)")
+    p.add_argument(
+        "--lock-wait",
+        type=float,
+        help="seconds to wait for a dying predecessor to let go of --lock (PRETRAIN_NODE_LOCK_WAIT_S)",
+    )
     p.add_argument("--threads", type=int, default=1, help="OMP threads per worker")
     p.add_argument("--node", type=int, default=0, help="this node's index in the cluster (chaos drills, logs)")
-    p.add_argument("--zygote", help="the campaign run's fork server (trainer.zygote.client): the agent forks its workers, "
-                   "spares and saver from it, torch imported; without it they are fresh interpreters")
+    p.add_argument(
+        "--zygote",
+        help="the campaign run's fork server (trainer.zygote.client): the agent forks its workers, "
+        "spares and saver from it, torch imported; without it they are fresh interpreters",
+    )
     p.add_argument("--rdzv-host", action="store_true", help="this node hosts the rendezvous store (exactly one node)")
-    p.add_argument("--standby", action="store_true", help="a standby node: joins the rendezvous once training runs and "
-                   "waits there until a node is lost (a job of several nodes)")
-    p.add_argument("--node-timeout", type=int, default=3,
-                   help="seconds without a keep-alive after which the rendezvous drops a node (a job of several nodes)")
-    p.add_argument("--first-round-wait", type=float, default=FIRST_ROUND_WAIT_S,
-                   help="seconds the job's first rendezvous round waits for all --nnodes-max nodes to start "
-                        "(a job of several nodes; 0: only torch's last call)")
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="a standby node: joins the rendezvous once training runs and "
+        "waits there until a node is lost (a job of several nodes)",
+    )
+    p.add_argument(
+        "--node-timeout",
+        type=int,
+        default=3,
+        help="seconds without a keep-alive after which the rendezvous drops a node (a job of several nodes)",
+    )
+    p.add_argument(
+        "--first-round-wait",
+        type=float,
+        default=FIRST_ROUND_WAIT_S,
+        help="seconds the job's first rendezvous round waits for all --nnodes-max nodes to start "
+        "(a job of several nodes; 0: only torch's last call)",
+    )
     args = p.parse_args(argv)
     if args.lock and args.lock_wait is None:
         p.error("--lock needs --lock-wait")

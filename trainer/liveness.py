@@ -35,14 +35,15 @@ class NodeLiveness:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-liveness", daemon=True)
 
-    def start(self) -> "NodeLiveness":
+    def start(self) -> NodeLiveness:
         """Write the file and refresh it from now on; a file that cannot be written (a read-only
         job directory) is said once and does not stop the node: it is then never taken for silent."""
         try:
             atomic_write_json(self.path, {"pid": os.getpid(), "started": time.time()})
         except OSError as err:
-            print(f"no liveness file ({err}): a frozen node is found only by the rendezvous", file=sys.stderr,
-                  flush=True)
+            print(
+                f"no liveness file ({err}): a frozen node is found only by the rendezvous", file=sys.stderr, flush=True
+            )
             return self
         self._thread.start()
         return self
@@ -76,7 +77,7 @@ def silent_for(job_dir: str | Path, node: int, pid: int | None, now: float | Non
 def main(argv: list[str] | None = None) -> int:
     """``python -m trainer.liveness JOB_DIR NODE SILENT_S``: exit 1 when node NODE's agent has
     been silent for SILENT_S seconds or more (a Kubernetes liveness probe), else 0."""
-    job_dir, node, limit = (sys.argv[1:] if argv is None else argv)
+    job_dir, node, limit = sys.argv[1:] if argv is None else argv
     silent = silent_for(job_dir, int(node), pid=None)
     if silent is not None and silent >= float(limit):
         print(f"node {node}: its agent gave no sign of life for {silent:.0f}s ({liveness_path(job_dir, int(node))})")

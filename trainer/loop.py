@@ -13,12 +13,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainer.checkpoint import state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.shm import ShmTooSmall
-from trainer.job.config import JobConfig
 from trainer.data.sampler import TokenWindows, make_batch, make_sampler, micro_batch_positions
 from trainer.dist import DistInfo, all_reduce_mean, is_initialized, local_world_size
+from trainer.job.config import JobConfig
 from trainer.job.events import EventKind
-from trainer.model import GPT, lm_loss, lr_at, param_groups
 from trainer.job.reporting import EVENTS, METRICS, JsonLines
+from trainer.model import GPT, lm_loss, lr_at, param_groups
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, record_skip, skip_past
 from trainer.resilience.chaos import WorkerChaos
 from trainer.resilience.heartbeat import Heartbeat
@@ -28,8 +28,18 @@ from trainer.resilience.rollback import roll_back, skip_windows
 from trainer.resilience.survivor_interrupt import Interrupt
 
 
-def checkpoint(cfg: JobConfig, info: DistInfo, snapshots, events: JsonLines, *, step: int, consumed: int,
-               model, optimizer, loss: float | None = None) -> float | None:
+def checkpoint(
+    cfg: JobConfig,
+    info: DistInfo,
+    snapshots,
+    events: JsonLines,
+    *,
+    step: int,
+    consumed: int,
+    model,
+    optimizer,
+    loss: float | None = None,
+) -> float | None:
     """Take the checkpoint due at ``step``, if any; returns the seconds training was blocked (the
     state gathered and saved, or copied into shared memory), None if no checkpoint was due."""
     last = step == cfg.optim.steps
@@ -66,14 +76,17 @@ def build_model(cfg: JobConfig, device: torch.device) -> tuple[GPT, torch.optim.
         from torch.distributed.fsdp import fully_shard
 
         if not is_initialized():
-            raise RuntimeError("cluster.parallelism 'fsdp' needs torch.distributed: start workers through "
-                               "trainer.launch (or init a process group), or use parallelism 'ddp'")
-        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))  # the worker's device, not the machine's
+            raise RuntimeError(
+                "cluster.parallelism 'fsdp' needs torch.distributed: start workers through "
+                "trainer.launch (or init a process group), or use parallelism 'ddp'"
+            )
+        mesh = init_device_mesh(
+            device.type, (torch.distributed.get_world_size(),)
+        )  # the worker's device, not the machine's
         for block in model.h:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                            betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8)
     return model, opt
 
 
@@ -127,7 +140,9 @@ def recheck_nodes(cfg: JobConfig, info: DistInfo, chaos: WorkerChaos, events: Js
     if this_node() in excluded:
         threading.Event().wait()  # the node agent sees the marker and stops this node
     if excluded:
-        raise NodeExcluded(f"node(s) {sorted(excluded)} failed the node check after a restart; re-forming the job without them")
+        raise NodeExcluded(
+            f"node(s) {sorted(excluded)} failed the node check after a restart; re-forming the job without them"
+        )
 
 
 def wrap(cfg: JobConfig, info: DistInfo, model):
@@ -144,8 +159,14 @@ def spike_detector(cfg: JobConfig) -> SpikeDetector:
     return SpikeDetector(**cfg.spike) if cfg.spike else SpikeDetector(50, 0.0, 1)
 
 
-def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: Heartbeat | None = None,
-          warm: tuple | None = None, peers: Peers | None = None) -> int:
+def train(
+    cfg: JobConfig,
+    info: DistInfo,
+    shm_ns: str | None = None,
+    heartbeat: Heartbeat | None = None,
+    warm: tuple | None = None,
+    peers: Peers | None = None,
+) -> int:
     """Train until the stage's last step; returns the final step. With ``shm_ns`` checkpoints
     are flash snapshots persisted by the node's saver; without, they are written directly.
     ``warm``: model and optimizer a warm spare built ahead; ``peers``: the link to the node
@@ -157,14 +178,21 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     events = JsonLines(job_dir / EVENTS)
     metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
     beat = heartbeat.beat if heartbeat is not None else (lambda phase, step, collective=False: None)
+
     def wait_for_spare(drill: int, victim: bool) -> None:
         """Before a drill takes a worker away. Waiting is not a step (its time must not stretch
         the adapted step timeout); the step goes on after it (a hang in the drill is a step's)."""
         peers.wait_for_spare(lambda: beat("startup", step), drill, victim)
         beat("step", step)
 
-    chaos = WorkerChaos(cfg.chaos, cfg.job_dir, info.rank, events.write, node=this_node(),
-                        before_loss=wait_for_spare if peers is not None and peers.warm_spares else None)
+    chaos = WorkerChaos(
+        cfg.chaos,
+        cfg.job_dir,
+        info.rank,
+        events.write,
+        node=this_node(),
+        before_loss=wait_for_spare if peers is not None and peers.warm_spares else None,
+    )
     spikes = spike_detector(cfg)
     windows_to_skip = skip_windows(cfg)
     accum = o.accum_for(info.world_size)
@@ -177,12 +205,23 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     if interrupt is not None:  # the agent stops a step that cannot complete as soon as it saw a peer die
         interrupt.install(model)
     # a replacement joining survivors (epoch > 0) takes the state they kept, if they agree on it
-    restored = (info.epoch > 0 and state.kept_by_survivors(cfg, info, None, model=model, optimizer=opt)) or \
-        state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
+    restored = (
+        info.epoch > 0 and state.kept_by_survivors(cfg, info, None, model=model, optimizer=opt)
+    ) or state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
     step, consumed = restored.step, restored.consumed
-    events.write({"event": EventKind.START, "rank": info.rank, "node": this_node(), "world_size": info.world_size,
-                  "restart_count": info.restart_count, "epoch": info.epoch, "step": step, "source": restored.source,
-                  "checkpoint": restored.checkpoint})
+    events.write(
+        {
+            "event": EventKind.START,
+            "rank": info.rank,
+            "node": this_node(),
+            "world_size": info.world_size,
+            "restart_count": info.restart_count,
+            "epoch": info.epoch,
+            "step": step,
+            "source": restored.source,
+            "checkpoint": restored.checkpoint,
+        }
+    )
 
     net = wrap(cfg, info, model)
     if peers is not None:
@@ -190,7 +229,7 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
     windows = TokenWindows(cfg.local_data(on_progress=lambda: beat("startup", step)), "train", o.seq_len)
     sampler = make_sampler(windows, cfg.mixture, cfg.seed, cfg.stage_index)
     global_batch = info.world_size * o.micro_batch * accum
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext())
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext()
 
     stalled = 0.0  # seconds checkpoints blocked training since the last metrics line
     while step < o.steps:
@@ -206,8 +245,9 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
             loss_sum = torch.zeros((), device=info.device)
             factor = chaos.loss_factor(step + 1)
             for m in range(accum):
-                positions = micro_batch_positions(consumed, world=info.world_size, rank=info.rank,
-                                                  micro=o.micro_batch, accum_index=m)
+                positions = micro_batch_positions(
+                    consumed, world=info.world_size, rank=info.rank, micro=o.micro_batch, accum_index=m
+                )
                 x, y = (t.to(info.device, non_blocking=True) for t in make_batch(windows, sampler, positions))
                 with grad_sync(net, model, last=m == accum - 1):
                     with autocast:
@@ -222,13 +262,28 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
                 err = LossAnomaly(anomaly, step + 1, mean_loss, (consumed, consumed + global_batch))
                 if info.rank == 0:
                     record_skip(cfg.job_dir, err)
-                    events.write({"event": EventKind.ANOMALY, "kind": anomaly, "step": step + 1, "loss": repr(mean_loss),
-                                  "skip": list(err.window)})
+                    events.write(
+                        {
+                            "event": EventKind.ANOMALY,
+                            "kind": anomaly,
+                            "step": step + 1,
+                            "loss": repr(mean_loss),
+                            "skip": list(err.window),
+                        }
+                    )
                 if not cfg.rollback_in_process:
                     raise err  # the elastic agent restarts the workers, which roll back on start-up
                 beat("startup", step)  # restoring, as a restarted worker would
-                restored, windows_to_skip = roll_back(cfg, info, err, model=model, optimizer=opt, snapshots=snapshots,
-                                                      spikes=spikes, write_event=events.write)
+                restored, windows_to_skip = roll_back(
+                    cfg,
+                    info,
+                    err,
+                    model=model,
+                    optimizer=opt,
+                    snapshots=snapshots,
+                    spikes=spikes,
+                    write_event=events.write,
+                )
                 step, consumed = restored.step, restored.consumed
                 continue
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
@@ -240,10 +295,18 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
             beat("checkpoint", step)
             record = None
             if metrics is not None and (step % cfg.log_every == 0 or step == o.steps):
-                record = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm), "step_time": dt,
-                          "tokens_per_s": global_batch * o.seq_len / dt, "consumed": consumed,
-                          "tokens": consumed * o.seq_len,  # tokens seen in this stage (MLflow: tokens_seen)
-                          "world_size": info.world_size, "grad_accum": accum}
+                record = {
+                    "step": step,
+                    "loss": mean_loss,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "step_time": dt,
+                    "tokens_per_s": global_batch * o.seq_len / dt,
+                    "consumed": consumed,
+                    "tokens": consumed * o.seq_len,  # tokens seen in this stage (MLflow: tokens_seen)
+                    "world_size": info.world_size,
+                    "grad_accum": accum,
+                }
             last = step == o.steps
             if record is not None and not last:
                 # written before this step's checkpoint: a worker stopped during or right after it resumes from
@@ -251,8 +314,20 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
                 # is then the time checkpoints blocked training since the previous line
                 metrics.write(record if not stalled else {**record, "ckpt_block_s": stalled})
                 stalled = 0.0
-            stalled += checkpoint(cfg, info, snapshots, events, step=step, consumed=consumed, model=model,
-                                  optimizer=opt, loss=mean_loss) or 0.0
+            stalled += (
+                checkpoint(
+                    cfg,
+                    info,
+                    snapshots,
+                    events,
+                    step=step,
+                    consumed=consumed,
+                    model=model,
+                    optimizer=opt,
+                    loss=mean_loss,
+                )
+                or 0.0
+            )
             if record is not None and last:  # the last line carries the final checkpoint's own blocking
                 metrics.write(record if not stalled else {**record, "ckpt_block_s": stalled})
         except RuntimeError as err:
@@ -263,11 +338,24 @@ def train(cfg: JobConfig, info: DistInfo, shm_ns: str | None = None, heartbeat: 
             continue
         net = loss = None  # the broken group's DDP reducer goes with its wrapper
         info, restored = rejoin(cfg, info, peers, (step, consumed), model=model, optimizer=opt, snapshots=snapshots)
-        step, consumed, spikes, windows_to_skip = restored.step, restored.consumed, spike_detector(cfg), skip_windows(cfg)
+        step, consumed, spikes, windows_to_skip = (
+            restored.step,
+            restored.consumed,
+            spike_detector(cfg),
+            skip_windows(cfg),
+        )
         net = wrap(cfg, info, model)
         peers.ready(restored, events.write)
-        events.write({"event": EventKind.REJOINED, "rank": info.rank, "epoch": info.epoch, "lost_ranks": lost["lost"],
-                      "step": step, "interrupted": interrupt.clear()})
+        events.write(
+            {
+                "event": EventKind.REJOINED,
+                "rank": info.rank,
+                "epoch": info.epoch,
+                "lost_ranks": lost["lost"],
+                "step": step,
+                "interrupted": interrupt.clear(),
+            }
+        )
     if snapshots is not None:
         beat("checkpoint", step)
         snapshots.flush()

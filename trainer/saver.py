@@ -20,8 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ns", type=Path, required=True, help="the node's shared-memory snapshot directory")
     p.add_argument("--nproc", type=int, required=True, help="workers on this node")
     p.add_argument("--job", type=Path, required=True, help="the job config: checkpoint location, retention, job dir")
-    p.add_argument("--agent", type=int, default=None, help="the node agent's process id (default: the parent's): "
-                   "named in the saver's events; the saver saves at breakpoint and ends once it is gone")
+    p.add_argument(
+        "--agent",
+        type=int,
+        default=None,
+        help="the node agent's process id (default: the parent's): "
+        "named in the saver's events; the saver saves at breakpoint and ends once it is gone",
+    )
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     return serve(args.ns, args.nproc, args.job, args.agent)
 

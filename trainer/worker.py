@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.flash import finish_digests
-from trainer.job.config import JobConfig
-from trainer.dist import Identity, connect_store, init_distributed, pick_backend, shutdown_and_exit
-from trainer.job.events import EventKind, error_event
-from trainer.loop import build_model, seed_everything, train
 from trainer.common.process import exit_when_orphaned
+from trainer.dist import Identity, connect_store, init_distributed, pick_backend, shutdown_and_exit
+from trainer.job.config import JobConfig
+from trainer.job.events import EventKind, error_event
 from trainer.job.reporting import EVENTS, JsonLines
+from trainer.loop import build_model, seed_everything, train
 from trainer.resilience.heartbeat import Heartbeat, collective_timeout_s
 from trainer.resilience.nodecheck import this_node
 from trainer.resilience.peers import Peers, arrive_as_replacement, exit_code, fast_recovery_bound_s, wait_for_rank
@@ -56,9 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("job", help="job config JSON")
     p.add_argument("--shm", help="the node's shared-memory snapshot directory (flash checkpoints)")
     p.add_argument("--spare", type=int, help="a warm spare: wait for the agent to hand over a lost rank (spare id)")
-    p.add_argument("--round", type=int, help="the rendezvous round under torch's agent: the restart count the "
-                   "worker's keys in the job's store are named by (torch's own count stays the same in a round that "
-                   "only took a node in)")
+    p.add_argument(
+        "--round",
+        type=int,
+        help="the rendezvous round under torch's agent: the restart count the "
+        "worker's keys in the job's store are named by (torch's own count stays the same in a round that "
+        "only took a node in)",
+    )
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     exit_when_orphaned()
     cfg = JobConfig.load(args.job)
@@ -82,8 +86,11 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 me = wait_for_rank(store, args.spare, this_node())
             except dist.DistError as err:  # the round's store went away (its rank 0 was lost): it was no rank yet
-                print(f"warm spare {args.spare}: the job's store went away before it took a rank ({err})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"warm spare {args.spare}: the job's store went away before it took a rank ({err})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 shutdown_and_exit(1)
             warm = placed(warm, cfg, me)
         if fast and me.epoch > 0:  # a replacement: it meets the survivors, or gives up with them

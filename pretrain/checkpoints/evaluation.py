@@ -23,12 +23,25 @@ def require_valid(info: CheckpointInfo) -> Verdict:
 
 def measure(info: CheckpointInfo, batch_size: int, max_batches: int) -> dict:
     """Validation loss, perplexity, next-token accuracy (and tokens scored) of a valid checkpoint."""
-    return evaluate(info.location, info.model, info.data_dir, info.seq_len, batch_size=batch_size,
-                    max_batches=max_batches, options=info.options)
+    return evaluate(
+        info.location,
+        info.model,
+        info.data_dir,
+        info.seq_len,
+        batch_size=batch_size,
+        max_batches=max_batches,
+        options=info.options,
+    )
 
 
-def evaluate_checkpoint(info: CheckpointInfo, *, batch_size: int = EVAL_BATCH_SIZE, max_batches: int = DEFAULT_BATCHES,
-                        tracking_uri: str | None = None, run_id: str | None = None) -> dict:
+def evaluate_checkpoint(
+    info: CheckpointInfo,
+    *,
+    batch_size: int = EVAL_BATCH_SIZE,
+    max_batches: int = DEFAULT_BATCHES,
+    tracking_uri: str | None = None,
+    run_id: str | None = None,
+) -> dict:
     """Validate, evaluate, and (with ``run_id``) log the metrics to that MLflow run at the
     checkpoint's step. Returns the metrics."""
     require_valid(info)

@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoints.info import CheckpointInfo, CheckpointInfoError, describe
-from pretrain.data.prepare.tokenizer import EOT
 from pretrain.checkpoints.evaluation import require_valid
 from pretrain.checkpoints.export_target import PROVENANCE, check_out
-from trainer.common.atomic import fsync_dir
+from pretrain.checkpoints.info import CheckpointInfo, CheckpointInfoError, describe
+from pretrain.data.prepare.tokenizer import EOT
 from trainer.checkpoint.sharded import load_full_state
 from trainer.checkpoint.store import model_files
+from trainer.common.atomic import fsync_dir
 from trainer.job.config import ModelConfig
 
 WEIGHTS = "model.safetensors"
@@ -47,14 +47,27 @@ _CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".m
 def hf_config(cfg: ModelConfig, eot_id: int) -> dict:
     """``config.json`` of the equivalent ``GPT2LMHeadModel``."""
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size, "n_positions": cfg.max_seq_len, "n_embd": cfg.d_model,
-        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
-        "activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True, "initializer_range": 0.02, "use_cache": True,
-        "bos_token_id": eot_id, "eos_token_id": eot_id,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.max_seq_len,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None,
+        "activation_function": "gelu_pytorch_tanh",
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
     }
 
 
@@ -86,8 +99,10 @@ def _tokenizer_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as err:  # gone, a directory where the file belongs, no permission
-        raise CheckpointInfoError(f"cannot read the data set's tokenizer {path} ({err.strerror or err}): give the data "
-                                  "set the checkpoint was trained on with --data-dir, or prepare it again") from None
+        raise CheckpointInfoError(
+            f"cannot read the data set's tokenizer {path} ({err.strerror or err}): give the data "
+            "set the checkpoint was trained on with --data-dir, or prepare it again"
+        ) from None
 
 
 def write_hf_dir(tmp: Path, info: CheckpointInfo) -> None:
@@ -105,14 +120,31 @@ def write_hf_dir(tmp: Path, info: CheckpointInfo) -> None:
     _write(tmp / "tokenizer.json", _tokenizer_bytes(info.data_dir / data.get("tokenizer", "tokenizer.json")))
     special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
     _json(tmp / "special_tokens_map.json", special)
-    _json(tmp / "tokenizer_config.json", {**special, "tokenizer_class": "PreTrainedTokenizerFast",
-                                          "model_max_length": cfg.max_seq_len, "clean_up_tokenization_spaces": False})
-    _json(tmp / PROVENANCE, {
-        "checkpoint": info.location, "step": info.step, "stage": info.manifest.meta.get("stage"),
-        "model_sha256": {n: info.manifest.files[n].sha256 for n in model_files(
-            list(info.manifest.files), info.manifest.world_size)}, "model": asdict(cfg),
-        "data_dir": str(info.data_dir), "data_fingerprint": data.get("fingerprint"), "exported": time.time(),
-    })
+    _json(
+        tmp / "tokenizer_config.json",
+        {
+            **special,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": cfg.max_seq_len,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
+    _json(
+        tmp / PROVENANCE,
+        {
+            "checkpoint": info.location,
+            "step": info.step,
+            "stage": info.manifest.meta.get("stage"),
+            "model_sha256": {
+                n: info.manifest.files[n].sha256
+                for n in model_files(list(info.manifest.files), info.manifest.world_size)
+            },
+            "model": asdict(cfg),
+            "data_dir": str(info.data_dir),
+            "data_fingerprint": data.get("fingerprint"),
+            "exported": time.time(),
+        },
+    )
     fsync_dir(tmp)
 
 
@@ -141,9 +173,15 @@ def export_model(info: CheckpointInfo, out: str | Path, *, overwrite: bool = Fal
     return out
 
 
-def export_checkpoint(location: str | Path, out: str | Path, *, options: dict | None = None,
-                      data_dir: str | Path | None = None, model: ModelConfig | None = None,
-                      overwrite: bool = False) -> Path:
+def export_checkpoint(
+    location: str | Path,
+    out: str | Path,
+    *,
+    options: dict | None = None,
+    data_dir: str | Path | None = None,
+    model: ModelConfig | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Library entry point: export the checkpoint at ``location`` (local or ``s3://``) to ``out``.
     What the manifest does not record must be given (``data_dir``, ``model``)."""
     return export_model(describe(location, options=options, data_dir=data_dir, model=model), out, overwrite=overwrite)

@@ -40,9 +40,13 @@ def check_out(out: Path, checkpoint: str, overwrite: bool) -> None:
     if next(out.iterdir(), None) is None:
         return
     if not (out / PROVENANCE).is_file():
-        raise ExportRefused(f"{out} is not an earlier export (it has no {PROVENANCE}): --overwrite only replaces an "
-                            "earlier export; choose another directory, or empty this one yourself")
+        raise ExportRefused(
+            f"{out} is not an earlier export (it has no {PROVENANCE}): --overwrite only replaces an "
+            "earlier export; choose another directory, or empty this one yourself"
+        )
     ledger = next(out.rglob("ledger.json"), None)
     if ledger is not None:
-        raise ExportRefused(f"{out} holds a campaign ({ledger} is its ledger.json): --overwrite would delete it; "
-                            "choose another directory")
+        raise ExportRefused(
+            f"{out} holds a campaign ({ledger} is its ledger.json): --overwrite would delete it; "
+            "choose another directory"
+        )

@@ -17,11 +17,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pretrain.data.campaign import validation_data
-from pretrain.state.guard import check_holds
 from pretrain.run.jobs import checkpoint_store, model_config
-from pretrain.state.locations import storage_options
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.guard import check_holds
+from pretrain.state.locations import storage_options
 from trainer.checkpoint.records import DamagedRecord
 from trainer.checkpoint.store import MANIFEST, CheckpointStore, step_name
 from trainer.zygote.client import current_zygote, spawn
@@ -29,18 +29,22 @@ from trainer.zygote.client import current_zygote, spawn
 
 def gate_timeout_s(total_bytes: int, requests: int, settings: PretrainSettings) -> float:
     """How long a gate process may take for ``requests`` checkpoints of ``total_bytes`` in all."""
-    return max(settings.gate_timeout_floor_s,
-               settings.gate_per_request_s * requests + 2 * total_bytes / settings.gate_min_bytes_per_s)
+    return max(
+        settings.gate_timeout_floor_s,
+        settings.gate_per_request_s * requests + 2 * total_bytes / settings.gate_min_bytes_per_s,
+    )
 
 
-def gate_request(spec: CampaignSpec, stage_index: int, location: str, evaluate: bool,
-                 data: tuple[Path, int] | None = None) -> dict:
+def gate_request(
+    spec: CampaignSpec, stage_index: int, location: str, evaluate: bool, data: tuple[Path, int] | None = None
+) -> dict:
     """The gate's request for one checkpoint; ``data``: the local directory of the campaign's data
     set (its validation split) and its vocabulary size (None: looked up, see :func:`validation_data`)."""
     data_dir, vocab = data or validation_data(spec)
     data_dir, seq_len, v = str(data_dir), spec.stages[stage_index].seq_len, spec.validation
     return {
-        "location": location, "options": storage_options(spec),
+        "location": location,
+        "options": storage_options(spec),
         "model": asdict(model_config(spec, vocab)),
         "probe": {"data_dir": data_dir, "seq_len": seq_len, "windows": v.probe_windows, "tolerance": v.probe_tolerance},
         "evaluate": {"data_dir": data_dir, "seq_len": seq_len, "batches": v.eval_batches} if evaluate else None,
@@ -59,7 +63,9 @@ def run_gate(requests: list[dict], timeout_s: float, env: dict[str, str] | None 
             json.dump(requests, f)
         code = _gate_process(files, timeout_s, dict(os.environ if env is None else env))
         if code is None:
-            return [{"unjudged": f"the gate process timed out after {timeout_s:.0f}s; retried on its next pass"}] * len(requests)
+            return [{"unjudged": f"the gate process timed out after {timeout_s:.0f}s; retried on its next pass"}] * len(
+                requests
+            )
         stdout, stderr = _read(files["stdout"]), _read(files["stderr"])
     try:
         outs = json.loads(stdout.strip().splitlines()[-1]) if code == 0 else None
@@ -77,8 +83,15 @@ def _gate_process(files: dict[str, str], timeout_s: float, env: dict[str, str]) 
     there is one (``trainer.zygote.client``: torch imported once per run, whatever this process's main
     module), else a fresh interpreter (~1.8 CPU-s of imports per gate pass, several passes per stage)."""
     with open(files["stdout"], "wb") as out, open(files["stderr"], "wb") as err:
-        proc = spawn("trainer.gate", [files["requests.json"]], zygote=current_zygote(), env=env, stdout=out, stderr=err,
-                     stdin=subprocess.DEVNULL)
+        proc = spawn(
+            "trainer.gate",
+            [files["requests.json"]],
+            zygote=current_zygote(),
+            env=env,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+        )
     try:
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -107,8 +120,14 @@ def _bytes_to_verify(store: CheckpointStore, steps: list[int]) -> int:
     return total
 
 
-def judge(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: set[int] = frozenset(),
-          timeout_s: float | None = None, settings: PretrainSettings | None = None) -> list[dict]:
+def judge(
+    spec: CampaignSpec,
+    stage_index: int,
+    steps: list[int],
+    evaluate: set[int] = frozenset(),
+    timeout_s: float | None = None,
+    settings: PretrainSettings | None = None,
+) -> list[dict]:
     """Validate checkpoints of the stage in one gate process (evaluating the good ones among
     ``evaluate``); write each verdict next to its checkpoint (moving the stage's ``good``
     pointer) and return the records, in the order of ``steps``. A step that training's retention
@@ -122,20 +141,41 @@ def judge(spec: CampaignSpec, stage_index: int, steps: list[int], evaluate: set[
         timeout_s = gate_timeout_s(_bytes_to_verify(store, steps), len(steps), settings or PretrainSettings.from_env())
     t0 = time.monotonic()
     data = validation_data(spec)  # once per pass
-    outs = run_gate([gate_request(spec, stage_index, loc, step in evaluate, data) for step, loc in zip(steps, locations)],
-                    timeout_s, env=spec.credentials.child_env() if spec.credentials else None)
+    outs = run_gate(
+        [gate_request(spec, stage_index, loc, step in evaluate, data) for step, loc in zip(steps, locations)],
+        timeout_s,
+        env=spec.credentials.child_env() if spec.credentials else None,
+    )
     gate_s = round((time.monotonic() - t0) / max(1, len(steps)), 2)
     records, pointer = [], store.read_pointer()
     for step, location, out in zip(steps, locations, outs):
         if step != pointer and not store.storage.exists(f"{step_name(step)}/{MANIFEST}"):
             continue  # pruned while being judged: no longer a checkpoint, nothing to record
         if "unjudged" in out:
-            records.append({"step": step, "path": location, "verdict": "unjudged", "problems": [out["unjudged"]],
-                            "probe": {}, "metrics": {}, "gate_s": gate_s, "time": time.time()})
+            records.append(
+                {
+                    "step": step,
+                    "path": location,
+                    "verdict": "unjudged",
+                    "problems": [out["unjudged"]],
+                    "probe": {},
+                    "metrics": {},
+                    "gate_s": gate_s,
+                    "time": time.time(),
+                }
+            )
             continue
         v = out["verdict"]
-        record = {"step": step, "path": location, "verdict": "good" if v["ok"] else "bad", "problems": v["problems"],
-                  "probe": v.get("metrics", {}), "metrics": out["metrics"], "gate_s": gate_s, "time": time.time()}
+        record = {
+            "step": step,
+            "path": location,
+            "verdict": "good" if v["ok"] else "bad",
+            "problems": v["problems"],
+            "probe": v.get("metrics", {}),
+            "metrics": out["metrics"],
+            "gate_s": gate_s,
+            "time": time.time(),
+        }
         check_holds(spec)  # a run that lost the campaign's lease must not move `good`
         store.set_verdict(step, record)
         records.append(record)
@@ -171,4 +211,3 @@ def rewind_past_bad(store: CheckpointStore) -> dict | None:
                 dropped.append(step)
     store.rewind(to)
     return {"from": limit, "to": to, "quarantined": quarantined, "dropped": dropped}
-

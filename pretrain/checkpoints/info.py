@@ -15,14 +15,14 @@ from pathlib import Path
 
 from pretrain.data.campaign import validation_data
 from pretrain.run.jobs import model_config
-from pretrain.state.locations import client_options
-from pretrain.state.layout import CampaignLayout
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.locations import client_options
 from trainer.checkpoint.records import DamagedRecord, Manifest
 from trainer.checkpoint.store import MANIFEST, CheckpointStore
-from trainer.job.config import ModelConfig
-from trainer.data.sampler import DataError, read_manifest
 from trainer.data.cache import local_data_dir
+from trainer.data.sampler import DataError, read_manifest
+from trainer.job.config import ModelConfig
 
 
 class CheckpointInfoError(ValueError):
@@ -65,10 +65,16 @@ def spec_overrides(spec: CampaignSpec, data_dir: str | Path | None = None) -> di
         else:
             data_dir, vocab = validation_data(spec)
     except DataError as err:
-        raise CheckpointInfoError(f"{data_dir or 'the campaign'} holds no prepared data set ({err}): pass --data-dir "
-                                  "with the campaign's prepared data") from None
-    return {"model": model_config(spec, vocab), "data_dir": data_dir, "options": client_options(spec),
-            "cache_dir": CampaignLayout(spec.workdir_path).data_cache}
+        raise CheckpointInfoError(
+            f"{data_dir or 'the campaign'} holds no prepared data set ({err}): pass --data-dir "
+            "with the campaign's prepared data"
+        ) from None
+    return {
+        "model": model_config(spec, vocab),
+        "data_dir": data_dir,
+        "options": client_options(spec),
+        "cache_dir": CampaignLayout(spec.workdir_path).data_cache,
+    }
 
 
 def default_cache_dir() -> Path:
@@ -82,9 +88,15 @@ def _data_options(meta: dict, options: dict | None) -> dict:
     return {**(meta.get("data_options") or {}), **secrets}
 
 
-def describe(location: str | Path, *, options: dict | None = None, model: ModelConfig | None = None,
-             data_dir: str | Path | None = None, seq_len: int | None = None,
-             cache_dir: str | Path | None = None) -> CheckpointInfo:
+def describe(
+    location: str | Path,
+    *,
+    options: dict | None = None,
+    model: ModelConfig | None = None,
+    data_dir: str | Path | None = None,
+    seq_len: int | None = None,
+    cache_dir: str | Path | None = None,
+) -> CheckpointInfo:
     """Everything needed to evaluate or export the checkpoint at ``location``: its manifest's
     record, overridden by the arguments given. The data set it records may be on S3: its
     tokenizer and validation split are then fetched into ``cache_dir`` (default: the user's cache,
@@ -94,7 +106,9 @@ def describe(location: str | Path, *, options: dict | None = None, model: ModelC
     try:
         store, step = CheckpointStore.of_step(location, options)
     except ValueError as err:
-        raise CheckpointInfoError(f"{err}: give the path or URL of one checkpoint, e.g. <stage>/step_00000100") from None
+        raise CheckpointInfoError(
+            f"{err}: give the path or URL of one checkpoint, e.g. <stage>/step_00000100"
+        ) from None
     try:
         manifest = store.manifest(step)
     except DamagedRecord as err:
@@ -104,27 +118,42 @@ def describe(location: str | Path, *, options: dict | None = None, model: ModelC
     old = "it was written before checkpoints recorded it"
     if model is None:
         if "model" not in manifest.meta:
-            raise CheckpointInfoError(f"checkpoint {location} does not record its model configuration ({old}): "
-                                      "pass --spec with the campaign's spec YAML (or spec= / model=)")
+            raise CheckpointInfoError(
+                f"checkpoint {location} does not record its model configuration ({old}): "
+                "pass --spec with the campaign's spec YAML (or spec= / model=)"
+            )
         try:
             model = ModelConfig(**manifest.meta["model"])
         except TypeError as err:
-            raise CheckpointInfoError(f"checkpoint {location}: manifest.json has an unreadable model record ({err})") from None
+            raise CheckpointInfoError(
+                f"checkpoint {location}: manifest.json has an unreadable model record ({err})"
+            ) from None
     data_dir = data_dir or manifest.meta.get("data_dir")
     if not data_dir:
-        raise CheckpointInfoError(f"checkpoint {location} does not record its data directory ({old}): pass --data-dir "
-                                  "with the campaign's prepared data (<workdir>/data, with tokenizer.json and the val split)")
+        raise CheckpointInfoError(
+            f"checkpoint {location} does not record its data directory ({old}): pass --data-dir "
+            "with the campaign's prepared data (<workdir>/data, with tokenizer.json and the val split)"
+        )
     recorded = data_dir == manifest.meta.get("data_dir")
     try:
-        data_dir = local_data_dir(str(data_dir), cache_dir or default_cache_dir(), _data_options(manifest.meta, options),
-                                  splits=("val",), fingerprint=manifest.meta.get("data_fingerprint") if recorded else None)
+        data_dir = local_data_dir(
+            str(data_dir),
+            cache_dir or default_cache_dir(),
+            _data_options(manifest.meta, options),
+            splits=("val",),
+            fingerprint=manifest.meta.get("data_fingerprint") if recorded else None,
+        )
         vocab = read_manifest(data_dir)["vocab_size"]
     except DataError as err:
-        raise CheckpointInfoError(f"{data_dir} holds no prepared data set ({err}): pass --data-dir with the data set "
-                                  "the checkpoint was trained on") from None
+        raise CheckpointInfoError(
+            f"{data_dir} holds no prepared data set ({err}): pass --data-dir with the data set "
+            "the checkpoint was trained on"
+        ) from None
     if vocab != model.vocab_size:
-        raise CheckpointInfoError(f"the data set in {data_dir} has a vocabulary of {vocab} tokens, the checkpoint's "
-                                  f"model {model.vocab_size}: pass --data-dir with the data set it was trained on")
+        raise CheckpointInfoError(
+            f"the data set in {data_dir} has a vocabulary of {vocab} tokens, the checkpoint's "
+            f"model {model.vocab_size}: pass --data-dir with the data set it was trained on"
+        )
     seq_len = seq_len or manifest.meta.get("seq_len") or model.max_seq_len
     if seq_len > model.max_seq_len:
         raise CheckpointInfoError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.max_seq_len}")

@@ -26,8 +26,8 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from pretrain.checkpoints.info import CheckpointInfo
 from pretrain.checkpoints.export import export_model
+from pretrain.checkpoints.info import CheckpointInfo
 from pretrain.log_levels import loggers_at
 from pretrain.tracking.runs import flatten, logged_at
 
@@ -88,10 +88,19 @@ def save_mlflow_model(hf_dir: Path, path: Path, max_seq_len: int) -> None:
 
     pipe = transformers.pipeline("text-generation", model=str(hf_dir), tokenizer=str(hf_dir), device="cpu")
     defaults = {"max_new_tokens": max(1, min(32, max_seq_len // 4)), "do_sample": False}
-    reqs = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
-            f"tokenizers=={tokenizers.__version__}", "safetensors"]  # explicit: MLflow's guess wants torchvision
-    mlflow.transformers.save_model(pipe, str(path), signature=infer_signature("text", "text", params=defaults),
-                                   model_config=defaults, pip_requirements=reqs)
+    reqs = [
+        f"torch=={torch.__version__.split('+')[0]}",
+        f"transformers=={transformers.__version__}",
+        f"tokenizers=={tokenizers.__version__}",
+        "safetensors",
+    ]  # explicit: MLflow's guess wants torchvision
+    mlflow.transformers.save_model(
+        pipe,
+        str(path),
+        signature=infer_signature("text", "text", params=defaults),
+        model_config=defaults,
+        pip_requirements=reqs,
+    )
 
 
 def link_metrics(client: MlflowClient, run_id: str, model_id: str, metrics: dict[str, float], step: int) -> None:
@@ -100,14 +109,28 @@ def link_metrics(client: MlflowClient, run_id: str, model_id: str, metrics: dict
     MLflow stores once in the run — so the run never gets a second value at one step."""
     held = logged_at(client, run_id, metrics, step)
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[
-        Metric(k, held[k].value, held[k].timestamp, step, model_id=model_id) if k in held
-        else Metric(k, float(v), now, step, model_id=model_id) for k, v in metrics.items()])
+    client.log_batch(
+        run_id,
+        metrics=[
+            Metric(k, held[k].value, held[k].timestamp, step, model_id=model_id)
+            if k in held
+            else Metric(k, float(v), now, step, model_id=model_id)
+            for k, v in metrics.items()
+        ],
+    )
 
 
-def register_checkpoint(info: CheckpointInfo, *, tracking_uri: str, run_id: str, name: str, alias: str,
-                        metrics: dict[str, float], step: int | None = None,
-                        tags: dict[str, str] | None = None) -> Registered:
+def register_checkpoint(
+    info: CheckpointInfo,
+    *,
+    tracking_uri: str,
+    run_id: str,
+    name: str,
+    alias: str,
+    metrics: dict[str, float],
+    step: int | None = None,
+    tags: dict[str, str] | None = None,
+) -> Registered:
     """Export, log to ``run_id`` (metrics at ``step``, default the checkpoint's), register as
     ``name`` and set ``alias`` on the new version."""
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
@@ -121,9 +144,14 @@ def register_checkpoint(info: CheckpointInfo, *, tracking_uri: str, run_id: str,
         hf_dir = export_model(info, Path(tmp) / "hf")
         with quiet_model_saving():
             save_mlflow_model(hf_dir, Path(tmp) / "mlflow-model", info.model.max_seq_len)
-        logged = client.create_logged_model(run.info.experiment_id, name="model", source_run_id=run_id,
-                                            tags=model_tags, params=flatten(asdict(info.model), "model."),
-                                            model_type="transformers")
+        logged = client.create_logged_model(
+            run.info.experiment_id,
+            name="model",
+            source_run_id=run_id,
+            tags=model_tags,
+            params=flatten(asdict(info.model), "model."),
+            model_type="transformers",
+        )
         try:
             client.log_model_artifacts(logged.model_id, str(Path(tmp) / "mlflow-model"))
         except BaseException:
@@ -139,8 +167,12 @@ def register_checkpoint(info: CheckpointInfo, *, tracking_uri: str, run_id: str,
     # source: the logged model's artifact location (a models:/ source would make the sqlite
     # registry resolve it through MLflow's *global* tracking URI)
     version = client.create_model_version(
-        name, source=logged.artifact_location, run_id=run_id, model_id=logged.model_id,
+        name,
+        source=logged.artifact_location,
+        run_id=run_id,
+        model_id=logged.model_id,
         tags={**model_tags, **{k: f"{v:.6g}" for k, v in metrics.items()}},
-        description=f"step {info.step} of {info.location}" + (f": {summary}" if summary else ""))
+        description=f"step {info.step} of {info.location}" + (f": {summary}" if summary else ""),
+    )
     client.set_registered_model_alias(name, alias, version.version)
     return Registered(name, str(version.version), alias, logged.model_id, info.location, False)

@@ -8,14 +8,16 @@ import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from pretrain.cli.errors import describe, err, fail, refused
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Fault-tolerant LLM pre-training campaigns orchestrated by Prefect.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Fault-tolerant LLM pre-training campaigns orchestrated by Prefect.",
+)
 
 
 def _add_sub_apps() -> None:
@@ -37,26 +39,33 @@ _add_sub_apps()
 
 @app.command()
 def run(
-    spec: Optional[str] = typer.Argument(None, help="Campaign spec YAML (default: the built-in tiny demo)."),
-    workdir: Optional[Path] = typer.Option(None, "--workdir", "-w", help="Where the campaign keeps its state (overrides the spec)."),
-    run_for: Optional[str] = typer.Option(None, "--for", help="Time budget (2h, 90m, 1h30m): then pause at a validated checkpoint; the same command continues."),
-    until: Optional[str] = typer.Option(None, "--until", help="Pause by this time (06:00, or an ISO date and time); with --for, the earlier wins."),
+    spec: str | None = typer.Argument(None, help="Campaign spec YAML (default: the built-in tiny demo)."),
+    workdir: Path | None = typer.Option(
+        None, "--workdir", "-w", help="Where the campaign keeps its state (overrides the spec)."
+    ),
+    run_for: str | None = typer.Option(
+        None,
+        "--for",
+        help="Time budget (2h, 90m, 1h30m): then pause at a validated checkpoint; the same command continues.",
+    ),
+    until: str | None = typer.Option(
+        None, "--until", help="Pause by this time (06:00, or an ISO date and time); with --for, the earlier wins."
+    ),
 ) -> None:
     """Run a campaign, or resume it: the same command after any crash continues where it stopped."""
+    from pretrain.cluster.local import not_runnable
     from pretrain.run.budget import BudgetError, PauseRequest, deadline, pausing
     from pretrain.spec.campaign import SpecError
     from pretrain.spec.file import load_spec
-
-    from pretrain.cluster.local import not_runnable
 
     with refused(SpecError, BudgetError):
         pause = PauseRequest(deadline=deadline(run_for, until))  # counted from now
         campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
         if why := not_runnable(campaign.cluster):
             raise SpecError(why)
+    from pretrain.cli.before_start import refuse_before_starting
     from pretrain.state.layout import UnusableWorkdir
     from pretrain.state.ledger import CampaignMismatch, LedgerError
-    from pretrain.cli.before_start import refuse_before_starting
 
     with refused(LedgerError, CampaignMismatch, UnusableWorkdir):
         refuse_before_starting(campaign)
@@ -72,7 +81,9 @@ def run(
     except (CampaignMismatch, LedgerError) as e:
         raise fail(str(e)) from None
     except CampaignInterrupted as e:
-        err.print(f"[yellow]{'paused' if isinstance(e, CampaignPaused) else 'interrupted'}:[/yellow] {e}", highlight=False)
+        err.print(
+            f"[yellow]{'paused' if isinstance(e, CampaignPaused) else 'interrupted'}:[/yellow] {e}", highlight=False
+        )
         _render_where_it_stands(campaign.workdir_path)
         err.print(f"Run the same command to resume: {_this_command()}", highlight=False)
         if isinstance(e, StoppedAtOnce):  # the flow thread may still be unwinding: do not wait for it
@@ -102,8 +113,11 @@ def _render_where_it_stands(workdir: Path) -> None:
     try:
         render(campaign_status(workdir))
     except Exception as e:  # noqa: BLE001 - the run's own error was printed already
-        err.print(f"(cannot show the campaign's status from here: {e}; `pretrain status --workdir {workdir}` "
-                  "with the storage's credentials in the environment shows it)", highlight=False)
+        err.print(
+            f"(cannot show the campaign's status from here: {e}; `pretrain status --workdir {workdir}` "
+            "with the storage's credentials in the environment shows it)",
+            highlight=False,
+        )
 
 
 def _this_command() -> str:
@@ -113,18 +127,30 @@ def _this_command() -> str:
 
 @app.command()
 def status(
-    workdir: Optional[Path] = typer.Option(None, "--workdir", "-w", help="The campaign's workdir (default: the one "
-                                           "campaign in ./runs, where `pretrain run` puts it)."),
+    workdir: Path | None = typer.Option(
+        None,
+        "--workdir",
+        "-w",
+        help="The campaign's workdir (default: the one campaign in ./runs, where `pretrain run` puts it).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    watch: bool = typer.Option(False, "--watch", help="Follow a running campaign's training (step, loss, tokens/s, "
-                               "ETA, restarts, newest checkpoint) until it stops running, then show the table."),
-    interval: float = typer.Option(5.0, "--interval", min=0.1, help="With --watch: seconds between looks (and "
-                                   "between lines when not on a terminal)."),
+    watch: bool = typer.Option(
+        False,
+        "--watch",
+        help="Follow a running campaign's training (step, loss, tokens/s, "
+        "ETA, restarts, newest checkpoint) until it stops running, then show the table.",
+    ),
+    interval: float = typer.Option(
+        5.0,
+        "--interval",
+        min=0.1,
+        help="With --watch: seconds between looks (and between lines when not on a terminal).",
+    ),
 ) -> None:
     """Show a campaign's stages, checkpoints, attempts, restarts and MLflow runs."""
+    from pretrain.cli.workdir_lookup import pick_workdir
     from pretrain.state.ledger import LedgerError
     from pretrain.views.status import NoCampaign, campaign_status, render
-    from pretrain.cli.workdir_lookup import pick_workdir
 
     with refused(NoCampaign):
         workdir = pick_workdir(workdir)
@@ -146,7 +172,8 @@ def recover_ledger(
     workdir: Path = typer.Option(..., "--workdir", "-w", help="The campaign's workdir."),
 ) -> None:
     """Replace a damaged ledger.json with its intact previous generation (the damaged one is kept)."""
-    from pretrain.state.local import LedgerError, recover_ledger as recover
+    from pretrain.state.local import LedgerError
+    from pretrain.state.local import recover_ledger as recover
     from pretrain.state.lock import CampaignBusy, campaign_lock
 
     with refused(LedgerError, CampaignBusy):
@@ -154,17 +181,31 @@ def recover_ledger(
             raise LedgerError(f"{workdir} is not a directory: give the campaign's workdir")
         with campaign_lock(workdir, workdir.name):  # never under a running campaign
             aside = recover(workdir)
-    sys.stdout.write(f"restored {workdir / 'ledger.json'} from its previous generation; the damaged file is kept as {aside}\n")
+    sys.stdout.write(
+        f"restored {workdir / 'ledger.json'} from its previous generation; the damaged file is kept as {aside}\n"
+    )
 
 
 # ---- one checkpoint: eval / export ---------------------------------------------------------
-_CHECKPOINT_HELP = ("A checkpoint: <stage location>/step_XXXXXXXX, a local directory or an s3:// URL; or a campaign's "
-                    "workdir: its newest good checkpoint")
-_WORKDIR = typer.Option(None, "--workdir", "-w", help="A campaign's workdir: take its newest good checkpoint (as giving "
-                        "the workdir for CHECKPOINT).")
-_DATA_DIR = typer.Option(None, "--data-dir", help="Prepared data set (tokenizer, val split); default: the one the checkpoint records.")
-_SPEC = typer.Option(None, "--spec", help="Campaign spec YAML: model, data dir and S3 options for checkpoints that do not record them.")
-_S3_ENDPOINT = typer.Option(None, "--s3-endpoint-url", help="S3-compatible endpoint (MinIO, SeaweedFS…); credentials from the AWS environment.")
+_CHECKPOINT_HELP = (
+    "A checkpoint: <stage location>/step_XXXXXXXX, a local directory or an s3:// URL; or a campaign's "
+    "workdir: its newest good checkpoint"
+)
+_WORKDIR = typer.Option(
+    None,
+    "--workdir",
+    "-w",
+    help="A campaign's workdir: take its newest good checkpoint (as giving the workdir for CHECKPOINT).",
+)
+_DATA_DIR = typer.Option(
+    None, "--data-dir", help="Prepared data set (tokenizer, val split); default: the one the checkpoint records."
+)
+_SPEC = typer.Option(
+    None, "--spec", help="Campaign spec YAML: model, data dir and S3 options for checkpoints that do not record them."
+)
+_S3_ENDPOINT = typer.Option(
+    None, "--s3-endpoint-url", help="S3-compatible endpoint (MinIO, SeaweedFS…); credentials from the AWS environment."
+)
 _S3_REGION = typer.Option(None, "--s3-region", help="S3 region.")
 
 
@@ -189,9 +230,9 @@ def _checkpoint_errors():
 def _checkpoint_of(checkpoint: str | None, workdir: Path | None) -> str:
     """The checkpoint a command means: ``checkpoint``, unless it (or ``workdir``) names a campaign's
     workdir, or neither is given (the campaign here): then that campaign's newest good checkpoint."""
+    from pretrain.cli.workdir_lookup import good_checkpoint, is_campaign_workdir
     from pretrain.state.ledger import LedgerError
     from pretrain.views.status import NoCampaign
-    from pretrain.cli.workdir_lookup import good_checkpoint, is_campaign_workdir
 
     if checkpoint is not None and workdir is not None:
         raise fail(f"give a checkpoint or --workdir, not both ({checkpoint} and --workdir {workdir})")
@@ -204,30 +245,50 @@ def _checkpoint_of(checkpoint: str | None, workdir: Path | None) -> str:
 def _describe(checkpoint: str, data_dir, spec, s3_endpoint_url, s3_region, seq_len=None):
     """The checkpoint's CheckpointInfo, from its manifest and the options given."""
     from pretrain.checkpoints.info import describe, spec_overrides
-    from pretrain.state.locations import s3_options
     from pretrain.spec.file import load_spec
+    from pretrain.state.locations import s3_options
 
     with _checkpoint_errors():
         given = spec_overrides(load_spec(spec), data_dir) if spec else {"data_dir": data_dir}
         options = s3_options(s3_endpoint_url, s3_region) or given.get("options")
-        return describe(checkpoint, options=options, model=given.get("model"), data_dir=given["data_dir"],
-                        seq_len=seq_len, cache_dir=given.get("cache_dir"))
+        return describe(
+            checkpoint,
+            options=options,
+            model=given.get("model"),
+            data_dir=given["data_dir"],
+            seq_len=seq_len,
+            cache_dir=given.get("cache_dir"),
+        )
 
 
 @app.command("eval")
 def eval_checkpoint(
-    checkpoint: Optional[str] = typer.Argument(None, help=f"{_CHECKPOINT_HELP} (default: the newest good one of the "
-                                               "campaign in ./runs, where `pretrain run` puts it)."),
-    workdir: Optional[Path] = _WORKDIR,
-    data_dir: Optional[Path] = _DATA_DIR,
-    spec: Optional[str] = _SPEC,
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Tokens per evaluation window; default: the stage's training seq_len."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Windows per forward pass (default 8)."),
-    max_batches: Optional[int] = typer.Option(None, "--max-batches", min=1, help="Batches evaluated at most (default: the spec's validation.eval_batches default, 16)."),
-    s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
-    s3_region: Optional[str] = _S3_REGION,
-    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI for --run-id (default: MLflow's, e.g. MLFLOW_TRACKING_URI)."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Log the metrics to this MLflow run at the checkpoint's step."),
+    checkpoint: str | None = typer.Argument(
+        None,
+        help=f"{_CHECKPOINT_HELP} (default: the newest good one of the "
+        "campaign in ./runs, where `pretrain run` puts it).",
+    ),
+    workdir: Path | None = _WORKDIR,
+    data_dir: Path | None = _DATA_DIR,
+    spec: str | None = _SPEC,
+    seq_len: int | None = typer.Option(
+        None, "--seq-len", min=2, help="Tokens per evaluation window; default: the stage's training seq_len."
+    ),
+    batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Windows per forward pass (default 8)."),
+    max_batches: int | None = typer.Option(
+        None,
+        "--max-batches",
+        min=1,
+        help="Batches evaluated at most (default: the spec's validation.eval_batches default, 16).",
+    ),
+    s3_endpoint_url: str | None = _S3_ENDPOINT,
+    s3_region: str | None = _S3_REGION,
+    tracking_uri: str | None = typer.Option(
+        None, "--tracking-uri", help="MLflow tracking URI for --run-id (default: MLflow's, e.g. MLFLOW_TRACKING_URI)."
+    ),
+    run_id: str | None = typer.Option(
+        None, "--run-id", help="Log the metrics to this MLflow run at the checkpoint's step."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Validate a checkpoint and print its val loss, perplexity and accuracy; a bad one is refused (exit 1)."""
@@ -271,14 +332,18 @@ def eval_checkpoint(
 
 @app.command("export")
 def export(
-    checkpoint: Optional[str] = typer.Argument(None, help=f"{_CHECKPOINT_HELP}. With --workdir, give OUT alone."),
-    out: Optional[Path] = typer.Argument(None, help="Directory to create (written atomically)."),
-    workdir: Optional[Path] = _WORKDIR,
-    data_dir: Optional[Path] = _DATA_DIR,
-    spec: Optional[str] = _SPEC,
-    s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
-    s3_region: Optional[str] = _S3_REGION,
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it is an earlier export (has pretrain.json); anything else is refused."),
+    checkpoint: str | None = typer.Argument(None, help=f"{_CHECKPOINT_HELP}. With --workdir, give OUT alone."),
+    out: Path | None = typer.Argument(None, help="Directory to create (written atomically)."),
+    workdir: Path | None = _WORKDIR,
+    data_dir: Path | None = _DATA_DIR,
+    spec: str | None = _SPEC,
+    s3_endpoint_url: str | None = _S3_ENDPOINT,
+    s3_region: str | None = _S3_REGION,
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace OUT if it is an earlier export (has pretrain.json); anything else is refused.",
+    ),
 ) -> None:
     """Export a checkpoint as a Hugging Face GPT-2 model directory (safetensors, config, tokenizer)."""
     from pretrain.checkpoints.export_target import ExportRefused, check_out
@@ -286,7 +351,9 @@ def export(
     if out is None and workdir is not None and checkpoint is not None:  # `pretrain export OUT --workdir DIR`
         checkpoint, out = None, Path(checkpoint)
     if out is None:
-        raise fail("give the directory to export to: pretrain export CHECKPOINT OUT, or pretrain export OUT --workdir DIR")
+        raise fail(
+            "give the directory to export to: pretrain export CHECKPOINT OUT, or pretrain export OUT --workdir DIR"
+        )
     checkpoint = _checkpoint_of(checkpoint, workdir)
     try:  # a wrong OUT is refused before the checkpoint is read
         check_out(out.expanduser().absolute(), checkpoint, overwrite)

@@ -11,10 +11,10 @@ block references (it is hashed as resolved).
 
 from __future__ import annotations
 
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.layout import CampaignLayout, ensure_workdir
 from pretrain.state.ledger import Ledger, ledger_location
 from pretrain.state.remote import refuse_foreign_workdir
-from pretrain.spec.campaign import CampaignSpec
 
 
 def refuse_before_starting(campaign: CampaignSpec, sources: bool = False) -> None:

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from pretrain.cli.errors import fail
 
-cluster_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                          help="Review a campaign's cluster: the Kubernetes manifests of a stage.")
+cluster_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Review a campaign's cluster: the Kubernetes manifests of a stage."
+)
 
 
 @cluster_app.command("render")
 def render(
     spec: str = typer.Argument(..., help="Campaign spec YAML with cluster.kind: kubernetes."),
-    stage: Optional[str] = typer.Option(None, "--stage", help="Stage to render (default: the first)."),
+    stage: str | None = typer.Option(None, "--stage", help="Stage to render (default: the first)."),
     attempt: int = typer.Option(1, "--attempt", min=1, help="Launch attempt of the stage (names and labels carry it)."),
-    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=1,
-                                             help="Vocabulary of the data set (sizes /dev/shm); default: the spec's tokenizer vocab_size."),
+    vocab_size: int | None = typer.Option(
+        None,
+        "--vocab-size",
+        min=1,
+        help="Vocabulary of the data set (sizes /dev/shm); default: the spec's tokenizer vocab_size.",
+    ),
 ) -> None:
     """Print the manifests (headless Service, Indexed Job) the Kubernetes backend would create for a stage
     launch, as multi-document YAML: secrets appear by reference only. Review them or hand them to GitOps."""
@@ -33,11 +36,15 @@ def render(
     except SpecError as e:
         raise fail(str(e))
     if campaign.blocks.cluster:
-        raise fail(f"{spec} names its cluster by block ({campaign.blocks.cluster}): render needs the cluster section "
-                   "inline (cluster.kind: kubernetes with a kubernetes section)")
+        raise fail(
+            f"{spec} names its cluster by block ({campaign.blocks.cluster}): render needs the cluster section "
+            "inline (cluster.kind: kubernetes with a kubernetes section)"
+        )
     if campaign.cluster.kind != "kubernetes":
-        raise fail(f"{spec}: cluster.kind is {campaign.cluster.kind!r}; only kind 'kubernetes' has manifests "
-                   "(set cluster.kind: kubernetes and a cluster.kubernetes section with at least image)")
+        raise fail(
+            f"{spec}: cluster.kind is {campaign.cluster.kind!r}; only kind 'kubernetes' has manifests "
+            "(set cluster.kind: kubernetes and a cluster.kubernetes section with at least image)"
+        )
     try:
         launch = stage_launch(campaign, stage or campaign.stages[0].name, attempt, vocab_size)
         docs = launch.manifests()

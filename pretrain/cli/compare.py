@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -15,18 +14,26 @@ from pretrain.cli.errors import describe, err, fail, fail_fast_on_mlflow, refuse
 
 
 def compare(
-    campaigns: list[str] = typer.Argument(..., help="Campaigns to compare: workdirs, MLflow campaign run ids or campaign names."),
-    tracking_uri: Optional[str] = typer.Option(
-        None, "--tracking-uri", help="The MLflow store to find run ids and names in (default: MLFLOW_TRACKING_URI, else "
-        "./mlflow.db). A workdir's campaign is read from the store its ledger records."),
+    campaigns: list[str] = typer.Argument(
+        ..., help="Campaigns to compare: workdirs, MLflow campaign run ids or campaign names."
+    ),
+    tracking_uri: str | None = typer.Option(
+        None,
+        "--tracking-uri",
+        help="The MLflow store to find run ids and names in (default: MLFLOW_TRACKING_URI, else "
+        "./mlflow.db). A workdir's campaign is read from the store its ledger records.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object per campaign) instead of a table."),
-    png: Optional[Path] = typer.Option(None, "--png", help="Also write a PNG of eval loss against tokens seen for all of them."),
+    png: Path | None = typer.Option(
+        None, "--png", help="Also write a PNG of eval loss against tokens seen for all of them."
+    ),
 ) -> None:
     """Compare campaigns: tokens seen, final and best eval loss, goodput, wall time, restarts,
     rollbacks, checkpoint blocking, and the parameters that differ."""
-    from pretrain.views.compare import CompareError, compare as gather
-    from pretrain.views.compare_table import plot_eval_loss, table
     from pretrain.tracking.store import shared_tracking_uri
+    from pretrain.views.compare import CompareError
+    from pretrain.views.compare import compare as gather
+    from pretrain.views.compare_table import plot_eval_loss, table
 
     fail_fast_on_mlflow()
     uri = tracking_uri or shared_tracking_uri()
@@ -73,4 +80,3 @@ def _refuse_png_target(png: Path) -> None:
         raise fail(f"--png {png}: {describe(err)}") from None
     if head is not None and head != b"\x89PNG\r\n\x1a\n":
         raise fail(f"--png {png} exists and is not a PNG: give a new path (nothing was overwritten)")
-

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -14,13 +13,15 @@ from pretrain.console_progress import ProgressDisplay, progress_display
 from pretrain.data.prepare.progress import PrepProgress
 from pretrain.run.stop import InterruptLatch, interrupt_latch
 
-data_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                       help="Prepare a campaign's data set, or inspect a prepared one.")
+data_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Prepare a campaign's data set, or inspect a prepared one."
+)
 
 
 def show_on(display: ProgressDisplay, latch: InterruptLatch | None = None):
     """A ``ProgressCallback`` drawing preparation's snapshots on ``display`` (and raising a Ctrl-C
     that ``latch`` holds but that did not stop the work where it landed)."""
+
     def show(p: PrepProgress) -> None:
         if latch is not None:
             latch.check()
@@ -28,6 +29,7 @@ def show_on(display: ProgressDisplay, latch: InterruptLatch | None = None):
         if p.tokens or p.documents:
             fields.update(documents=p.documents, tokens=p.tokens)
         display.update(p.bytes_done, p.bytes_total, p.phase, **fields)
+
     return show
 
 
@@ -38,9 +40,13 @@ def out() -> Console:
 
 @data_app.command("prepare")
 def prepare(
-    spec: Optional[str] = typer.Argument(None, help="Campaign spec YAML (default: the built-in tiny demo)."),
-    workdir: Optional[Path] = typer.Option(None, "--workdir", "-w", help="Where the campaign keeps its state (overrides the spec)."),
-    interval: float = typer.Option(10.0, "--interval", min=0.0, help="Seconds between progress lines when not on a terminal."),
+    spec: str | None = typer.Argument(None, help="Campaign spec YAML (default: the built-in tiny demo)."),
+    workdir: Path | None = typer.Option(
+        None, "--workdir", "-w", help="Where the campaign keeps its state (overrides the spec)."
+    ),
+    interval: float = typer.Option(
+        10.0, "--interval", min=0.0, help="Seconds between progress lines when not on a terminal."
+    ),
 ) -> None:
     """Prepare (or reuse) the campaign's data set as `pretrain run` does first, then print its stats; after a kill, the same command resumes."""
     from pretrain.spec.campaign import SpecError
@@ -50,10 +56,10 @@ def prepare(
         campaign = load_spec(spec or "builtin:tiny").with_workdir(workdir)
     except SpecError as e:
         raise fail(str(e))
+    from pretrain.cli.before_start import refuse_before_starting
     from pretrain.data.identity import DataChanged
     from pretrain.state.ledger import CampaignMismatch, LedgerError
     from pretrain.state.lock import CampaignBusy
-    from pretrain.cli.before_start import refuse_before_starting
 
     try:
         refuse_before_starting(campaign, sources=True)
@@ -100,28 +106,42 @@ def _stats(campaign, summary: dict) -> dict:
 
 @data_app.command("inspect")
 def inspect(
-    location: Optional[str] = typer.Argument(None, help="A prepared data set (its directory with manifest.json, or s3:// URL), or a campaign's workdir: its data set. Default: the campaign run here."),
+    location: str | None = typer.Argument(
+        None,
+        help="A prepared data set (its directory with manifest.json, or s3:// URL), or a campaign's workdir: its "
+        "data set. Default: the campaign run here.",
+    ),
     windows: int = typer.Option(3, "--windows", min=0, help="Random train windows to decode."),
     tokens: int = typer.Option(64, "--tokens", min=1, help="Tokens per decoded window."),
     seed: int = typer.Option(0, "--seed", help="Seed choosing the windows."),
-    s3_endpoint_url: Optional[str] = typer.Option(None, "--s3-endpoint-url", help="S3-compatible endpoint; credentials from the AWS environment."),
-    s3_region: Optional[str] = typer.Option(None, "--s3-region", help="S3 region."),
-    all_sources: bool = typer.Option(False, "--all-sources", help="One row per source file (default: the first 20, the others summed)."),
+    s3_endpoint_url: str | None = typer.Option(
+        None, "--s3-endpoint-url", help="S3-compatible endpoint; credentials from the AWS environment."
+    ),
+    s3_region: str | None = typer.Option(None, "--s3-region", help="S3 region."),
+    all_sources: bool = typer.Option(
+        False, "--all-sources", help="One row per source file (default: the first 20, the others summed)."
+    ),
 ) -> None:
     """Print a data set's stats (documents, tokens, sources, skips, duplicates, tokenizer, fingerprint) and decode a few random train windows."""
+    from pretrain.cli.workdir_lookup import campaign_data_set, is_campaign_workdir
     from pretrain.data.inspection import SOURCE_ROWS, InspectError, inspect_data_set
     from pretrain.state.ledger import LedgerError
     from pretrain.state.locations import s3_options
     from pretrain.views.status import NoCampaign
-    from pretrain.cli.workdir_lookup import campaign_data_set, is_campaign_workdir
 
     if location is None or is_campaign_workdir(location):
         with refused(NoCampaign, LedgerError):
             location = campaign_data_set(Path(location) if location else None)
     try:
-        inspect_data_set(location, out(), windows=windows, window_tokens=tokens, seed=seed,
-                         source_rows=None if all_sources else SOURCE_ROWS,
-                         s3_options=s3_options(s3_endpoint_url, s3_region))
+        inspect_data_set(
+            location,
+            out(),
+            windows=windows,
+            window_tokens=tokens,
+            seed=seed,
+            source_rows=None if all_sources else SOURCE_ROWS,
+            s3_options=s3_options(s3_endpoint_url, s3_region),
+        )
     except InspectError as e:
         raise fail(str(e))
     sys.stdout.flush()

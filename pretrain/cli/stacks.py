@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import psutil
 import typer
@@ -29,8 +28,10 @@ class LiveWorker:
     def name(self) -> str:
         stage, attempt = self.job_dir.parent.name, self.job_dir.name.removeprefix("attempt_")
         r = self.record
-        return f"stage {stage} attempt {int(attempt)} rank {r.get('rank')} (pid {r.get('pid')}, step {r.get('step')}, " \
-               f"in '{r.get('phase')}')"
+        return (
+            f"stage {stage} attempt {int(attempt)} rank {r.get('rank')} (pid {r.get('pid')}, step {r.get('step')}, "
+            f"in '{r.get('phase')}')"
+        )
 
 
 def live_workers(workdir: Path) -> list[LiveWorker]:
@@ -58,20 +59,27 @@ def _is_worker_of(pid: int, job_dir: Path) -> bool:
 
 
 def stacks(
-    workdir: Optional[Path] = typer.Option(None, "--workdir", "-w", help="The campaign's workdir (default: the one "
-                                           "campaign in ./runs, where `pretrain run` puts it)."),
+    workdir: Path | None = typer.Option(
+        None,
+        "--workdir",
+        "-w",
+        help="The campaign's workdir (default: the one campaign in ./runs, where `pretrain run` puts it).",
+    ),
     full: bool = typer.Option(False, "--full", help="Print every thread's stack, not only where each worker is."),
 ) -> None:
     """Show where each live worker of a running campaign is (its threads' stacks; it keeps running)."""
-    from pretrain.views.status import NoCampaign
     from pretrain.cli.workdir_lookup import pick_workdir
+    from pretrain.views.status import NoCampaign
 
     with refused(NoCampaign):
         workdir = pick_workdir(workdir).expanduser().resolve()
     workers = live_workers(workdir)
     if not workers:
-        err.print(f"no live worker of the campaign in {workdir} on this machine (its job is not running here; on "
-                  "Kubernetes run this in a training pod)", highlight=False)
+        err.print(
+            f"no live worker of the campaign in {workdir} on this machine (its job is not running here; on "
+            "Kubernetes run this in a training pod)",
+            highlight=False,
+        )
         raise typer.Exit(1)
     for w in workers:
         text = take_dump(int(w.record["pid"]), stack_path(w.heartbeat))

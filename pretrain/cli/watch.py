@@ -25,7 +25,9 @@ def watch_campaign(workdir: Path, interval_s: float) -> None:
         while True:
             snap = follower.look()
             if follower.record is None:
-                raise NoCampaign(f"no campaign in {workdir} (no ledger.json); start one with `pretrain run --workdir {workdir}`")
+                raise NoCampaign(
+                    f"no campaign in {workdir} (no ledger.json); start one with `pretrain run --workdir {workdir}`"
+                )
             if snap is not None:
                 for note in follower.watch.take_notes():  # the recoveries of the stage's job so far, then as they come
                     display.note(f"stage {snap.stage}: {note}")

@@ -1,1 +1,2 @@
-"""Where a stage's job runs: the ``Cluster`` interface, local processes, Kubernetes (``kube/``), the node check between stages, ports."""
+"""Where a stage's job runs: the ``Cluster`` interface, local processes, Kubernetes (``kube/``), the node check between
+stages, ports."""

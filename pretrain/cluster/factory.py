@@ -10,8 +10,13 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec.sections import ClusterSpec
 
 
-def make_cluster(spec: ClusterSpec, threads_per_worker: int = 1, env: Mapping[str, str] | None = None,
-                 settings: PretrainSettings | None = None, campaign=None) -> Cluster:
+def make_cluster(
+    spec: ClusterSpec,
+    threads_per_worker: int = 1,
+    env: Mapping[str, str] | None = None,
+    settings: PretrainSettings | None = None,
+    campaign=None,
+) -> Cluster:
     """The cluster of ``spec``; ``env`` is the environment its training processes get (None: this
     process's); ``settings``: None reads this process's environment. ``campaign``: the whole
     CampaignSpec, which a Kubernetes cluster needs (names, tracking, workdir). A Kubernetes

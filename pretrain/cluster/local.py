@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from pretrain.state.layout import CampaignLayout
 from pretrain.cluster.ports import free_port
 from pretrain.settings import PretrainSettings
 from pretrain.spec.sections import ClusterSpec
+from pretrain.state.layout import CampaignLayout
+from trainer.common.process import signal_process
 from trainer.job.config import STANDBY_NODE_ENV, JobConfig
 from trainer.liveness import LIVENESS_INTERVAL_S, silent_for
-from trainer.common.process import signal_process
 from trainer.resilience.heartbeat import worker_pids
 from trainer.resilience.node_judgement import judge_nodes
 from trainer.zygote.client import Zygote, ZygoteProcess, current_zygote, spawn
@@ -56,9 +56,13 @@ class JobHandle(ABC):
         """Nodes that dropped out while the job went on (index → exit code)."""
         return {}
 
-    spare_nodes: int = 0  # standby nodes started with the job: a node lost while one stands by is replaced, the world kept
+    spare_nodes: int = (
+        0  # standby nodes started with the job: a node lost while one stands by is replaced, the world kept
+    )
     silent: Mapping[int, float] = MappingProxyType({})  # nodes stopped because they went silent (frozen) → seconds
-    notices: tuple[str, ...] = ()  # what start() did besides starting, for the flow run's logs (e.g. adopted a live job)
+    notices: tuple[
+        str, ...
+    ] = ()  # what start() did besides starting, for the flow run's logs (e.g. adopted a live job)
 
     def new_notices(self) -> list[str]:
         """What came up while the job runs that the flow run's logs should say (once each), e.g. a
@@ -83,14 +87,17 @@ class Cluster(ABC):
         return None
 
     @abstractmethod
-    def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
-                     nodes: list[int] | None = None) -> list[dict]:
+    def health_check(
+        self, workdir: Path, delays: dict[int, float] | None = None, nodes: list[int] | None = None
+    ) -> list[dict]:
         """One row per worker slot of ``nodes`` (default: all): node, measurements and ``ok``
         (``delays``: chaos slowdowns by rank); on Kubernetes also ``host``, the Kubernetes node the
         check ran on, which ``start(exclude=…)`` keeps the excluded nodes' pods away from."""
 
     @abstractmethod
-    def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> JobHandle:
+    def start(
+        self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()
+    ) -> JobHandle:
         """Start the job's nodes (all but ``exclude``); returns at once."""
 
 
@@ -132,7 +139,9 @@ class LocalJobHandle(JobHandle):
             return
         self._next_look = time.monotonic() + LIVENESS_INTERVAL_S
         # once a node finished the job, the others are only leaving: a few missed beats is frozen
-        bound = min(self.silent_after_s, DONE_SILENT_S) if any(p.poll() == 0 for p in self.procs) else self.silent_after_s
+        bound = (
+            min(self.silent_after_s, DONE_SILENT_S) if any(p.poll() == 0 for p in self.procs) else self.silent_after_s
+        )
         for node, proc in zip(self._node_ids(), self.procs):
             silent = silent_for(self.job_dir, node, proc.pid) if proc.poll() is None else None
             if silent is None or silent < bound:
@@ -143,8 +152,10 @@ class LocalJobHandle(JobHandle):
             proc.wait()
             self.silent[node] = round(silent, 1)
             others = any(p.poll() is None for p in self.procs)
-            self._notices.append(f"node {node} gave no sign of life for {silent:.0f}s (frozen, or cut off): stopped it"
-                                 + ("; the other nodes train on without it" if others else ""))
+            self._notices.append(
+                f"node {node} gave no sign of life for {silent:.0f}s (frozen, or cut off): stopped it"
+                + ("; the other nodes train on without it" if others else "")
+            )
 
     def poll(self) -> int | None:
         self._stop_silent_nodes()
@@ -190,8 +201,9 @@ class LocalCluster(Cluster):
     def _spawn(self, module: str, argv: list[str], **kwargs) -> subprocess.Popen | ZygoteProcess:
         return spawn(module, argv, zygote=self.zygote, python=self.python, **kwargs)
 
-    def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
-                     nodes: list[int] | None = None) -> list[dict]:
+    def health_check(
+        self, workdir: Path, delays: dict[int, float] | None = None, nodes: list[int] | None = None
+    ) -> list[dict]:
         """Every worker slot of the nodes at once: matmul time and allreduce bandwidth among them."""
         wpn, port = self.spec.workers_per_node, free_port()
         slots = [n * wpn + i for n in (range(self.spec.node_count) if nodes is None else nodes) for i in range(wpn)]
@@ -199,10 +211,27 @@ class LocalCluster(Cluster):
             procs = []
             for k, r in enumerate(slots):
                 with open(f"{tmp}/{k}.out", "wb") as out, open(f"{tmp}/{k}.err", "wb") as err:
-                    procs.append(self._spawn("trainer.healthcheck", [
-                        "--workdir", str(workdir), "--rank", str(k), "--world", str(len(slots)), "--master-port", str(port),
-                        "--extra-delay", str((delays or {}).get(r, 0.0))], stdout=out, stderr=err,
-                        stdin=subprocess.DEVNULL, env=dict(os.environ)))
+                    procs.append(
+                        self._spawn(
+                            "trainer.healthcheck",
+                            [
+                                "--workdir",
+                                str(workdir),
+                                "--rank",
+                                str(k),
+                                "--world",
+                                str(len(slots)),
+                                "--master-port",
+                                str(port),
+                                "--extra-delay",
+                                str((delays or {}).get(r, 0.0)),
+                            ],
+                            stdout=out,
+                            stderr=err,
+                            stdin=subprocess.DEVNULL,
+                            env=dict(os.environ),
+                        )
+                    )
             rows = []
             for k, (r, proc) in enumerate(zip(slots, procs)):
                 try:
@@ -218,15 +247,19 @@ class LocalCluster(Cluster):
                 rows.append(row)
         return rows
 
-    def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> LocalJobHandle:
+    def start(
+        self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()
+    ) -> LocalJobHandle:
         endpoint = f"127.0.0.1:{free_port()}"
         # a job's own name in the rendezvous (its keys' prefix): an agent that ever reaches another
         # job's store (a port taken over between two jobs' start) is kept out of that job's rounds
         run_id = f"{job.stage}-{Path(job.job_dir).name}-{secrets.token_hex(4)}"
         nodes = [n for n in range(self.spec.node_count) if n not in exclude]
         if len(nodes) < self.spec.nodes_min:
-            raise ClusterError(f"only {len(nodes)} healthy node(s) (excluded: {sorted(exclude)}), cluster.nodes_min is "
-                               f"{self.spec.nodes_min}: repair or replace the nodes, or lower nodes_min")
+            raise ClusterError(
+                f"only {len(nodes)} healthy node(s) (excluded: {sorted(exclude)}), cluster.nodes_min is "
+                f"{self.spec.nodes_min}: repair or replace the nodes, or lower nodes_min"
+            )
         in_use = nodes[: self.spec.nodes_max]  # the rest stand by: they join the rendezvous once training runs
         env = dict(os.environ if self.env is None else self.env)
         if len(nodes) > len(in_use):
@@ -234,22 +267,59 @@ class LocalCluster(Cluster):
         procs, logs = [], []
         for node in nodes:
             log = Path(job.job_dir) / f"node{node}.log"
-            argv = ([str(job_path), "--nproc", str(self.spec.workers_per_node),
-                    "--nnodes-min", str(self.spec.nodes_min), "--nnodes-max", str(len(in_use)),
-                    "--rdzv-endpoint", endpoint, "--run-id", run_id, "--max-restarts", str(self.spec.max_restarts),
-                    "--lock", str(layout.stage_lock(job.stage, node)), "--threads", str(self.threads_per_worker),
-                    "--node", str(node), "--lock-wait", str(self.settings.node_lock_wait_s),
-                    "--node-timeout", str(self.spec.node_timeout_s)]
-                    + (["--rdzv-host"] if node == nodes[0] else [])
-                    + (["--standby"] if node not in in_use else [])
-                    # the agent forks its workers, spares and saver from the same zygote (torch imported)
-                    + (["--zygote", self.zygote.path] if self.zygote is not None and self.zygote.usable else []))
+            argv = (
+                [
+                    str(job_path),
+                    "--nproc",
+                    str(self.spec.workers_per_node),
+                    "--nnodes-min",
+                    str(self.spec.nodes_min),
+                    "--nnodes-max",
+                    str(len(in_use)),
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--run-id",
+                    run_id,
+                    "--max-restarts",
+                    str(self.spec.max_restarts),
+                    "--lock",
+                    str(layout.stage_lock(job.stage, node)),
+                    "--threads",
+                    str(self.threads_per_worker),
+                    "--node",
+                    str(node),
+                    "--lock-wait",
+                    str(self.settings.node_lock_wait_s),
+                    "--node-timeout",
+                    str(self.spec.node_timeout_s),
+                ]
+                + (["--rdzv-host"] if node == nodes[0] else [])
+                + (["--standby"] if node not in in_use else [])
+                # the agent forks its workers, spares and saver from the same zygote (torch imported)
+                + (["--zygote", self.zygote.path] if self.zygote is not None and self.zygote.usable else [])
+            )
             with open(log, "ab") as out:
-                procs.append(self._spawn("trainer.launch", argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         new_session=True, env=env))
+                procs.append(
+                    self._spawn(
+                        "trainer.launch",
+                        argv,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        new_session=True,
+                        env=env,
+                    )
+                )
             logs.append(log)
-        return LocalJobHandle(procs, logs, self.spec.nodes_min, nodes=nodes, spare_nodes=len(nodes) - len(in_use),
-                              job_dir=Path(job.job_dir), silent_after_s=self.settings.node_silent_s)
+        return LocalJobHandle(
+            procs,
+            logs,
+            self.spec.nodes_min,
+            nodes=nodes,
+            spare_nodes=len(nodes) - len(in_use),
+            job_dir=Path(job.job_dir),
+            silent_after_s=self.settings.node_silent_s,
+        )
 
 
 def not_runnable(spec: ClusterSpec, env: Mapping[str, str] | None = None) -> str | None:
@@ -261,13 +331,16 @@ def not_runnable(spec: ClusterSpec, env: Mapping[str, str] | None = None) -> str
         try:
             api_client(env=env).close()
         except KubeUnavailable as e:
-            return (f"cluster.kind 'kubernetes': {e}. Meanwhile `pretrain cluster render SPEC` shows the manifests "
-                    "the campaign would create")
+            return (
+                f"cluster.kind 'kubernetes': {e}. Meanwhile `pretrain cluster render SPEC` shows the manifests "
+                "the campaign would create"
+            )
     return None
 
 
-def recheck_nodes(cluster: Cluster, workdir: Path, nodes: list[int], baseline: list[dict],
-                  threshold: float) -> tuple[list[int], list[dict]]:
+def recheck_nodes(
+    cluster: Cluster, workdir: Path, nodes: list[int], baseline: list[dict], threshold: float
+) -> tuple[list[int], list[dict]]:
     """Health-check nodes that were lost, against the other nodes' rows of the campaign's node
     check (``baseline``): returns the nodes fit to rejoin and their fresh rows."""
     rows = cluster.health_check(workdir, nodes=nodes)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pretrain.state.locations import data_client_options
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
+from pretrain.state.locations import data_client_options
 from pretrain.state.schema import CampaignRecord, DataRecord
-from pretrain.spec.campaign import CampaignSpec
-from trainer.data.sampler import DataError, read_manifest
 from trainer.data.cache import local_data_dir
+from trainer.data.sampler import DataError, read_manifest
 
 SUMMARY_LEFT_OUT = ("splits", "sources", "reused")  # in the manifest at the location; the ledger stays small
 
@@ -58,9 +58,11 @@ def campaign_data(spec: CampaignSpec) -> DataRecord:
         return record
     flat = flat_data_set(spec)
     if flat is None:
-        raise DataError(f"campaign {spec.name!r} has no prepared data set (none recorded in its ledger, none in "
-                        f"{CampaignLayout(spec.workdir_path).data_dir}): run it (`pretrain run`) or prepare the data "
-                        "first (`pretrain data prepare`)")
+        raise DataError(
+            f"campaign {spec.name!r} has no prepared data set (none recorded in its ledger, none in "
+            f"{CampaignLayout(spec.workdir_path).data_dir}): run it (`pretrain run`) or prepare the data "
+            "first (`pretrain data prepare`)"
+        )
     return flat
 
 
@@ -69,6 +71,12 @@ def validation_data(spec: CampaignSpec) -> tuple[Path, int]:
     into the node cache when it is on S3) and its vocabulary size: what the gate and the
     orchestrator's evaluation read."""
     record = campaign_data(spec)
-    local = local_data_dir(record.location, CampaignLayout(spec.workdir_path).data_cache, data_client_options(spec),
-                           splits=("val",), fingerprint=record.fingerprint, session=f"orchestrator-{os.getpid()}")
+    local = local_data_dir(
+        record.location,
+        CampaignLayout(spec.workdir_path).data_cache,
+        data_client_options(spec),
+        splits=("val",),
+        fingerprint=record.fingerprint,
+        session=f"orchestrator-{os.getpid()}",
+    )
     return local, record.vocab_size or read_manifest(local)["vocab_size"]

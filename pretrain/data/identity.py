@@ -38,14 +38,18 @@ def what_changed(old: dict | None, new: dict) -> list[str]:
     else:
         before = {s.get("uri"): s for s in old.get("sources") or []}
         after = {s.get("uri"): s for s in new.get("sources") or []}
-        for kind, uris in (("added", [u for u in after if u not in before]),
-                           ("removed", [u for u in before if u not in after]),
-                           ("changed", [u for u in after if u in before and after[u] != before[u]])):
+        for kind, uris in (
+            ("added", [u for u in after if u not in before]),
+            ("removed", [u for u in before if u not in after]),
+            ("changed", [u for u in after if u in before and after[u] != before[u]]),
+        ):
             if uris:
                 lines.append(f"sources {kind}: {_names(uris)}")
     if old.get("tokenizer_sha256") != new.get("tokenizer_sha256") or old.get("vocab_size") != new.get("vocab_size"):
-        lines.append(f"tokenizer: {old.get('vocab_size')} tokens (sha256 {str(old.get('tokenizer_sha256'))[:12]}) → "
-                     f"{new.get('vocab_size')} tokens (sha256 {str(new.get('tokenizer_sha256'))[:12]})")
+        lines.append(
+            f"tokenizer: {old.get('vocab_size')} tokens (sha256 {str(old.get('tokenizer_sha256'))[:12]}) → "
+            f"{new.get('vocab_size')} tokens (sha256 {str(new.get('tokenizer_sha256'))[:12]})"
+        )
     settings_before, settings_after = old.get("settings") or {}, new.get("settings") or {}
     for key in sorted(set(settings_before) | set(settings_after)):
         if settings_before.get(key) != settings_after.get(key):
@@ -82,6 +86,11 @@ def refuse_changed_data(record: CampaignRecord, prepared: dict, old_manifest: di
         "Resuming would continue those checkpoints on other data, so the campaign stops here (its ledger is "
         "unchanged). Either restore the old sources (so preparation gives data set "
         f"{old.fingerprint} again) and run the campaign again; or train on the new data in a new campaign (another "
-        f"name or workdir) whose first stage starts from this one's weights with {init}" + (
+        f"name or workdir) whose first stage starts from this one's weights with {init}"
+        + (
             " (the tokenizer changed too: give the old one as data.tokenizer.path, or the weights meet other "
-            "token ids)." if any(line.startswith("tokenizer:") for line in lines) else "."))
+            "token ids)."
+            if any(line.startswith("tokenizer:") for line in lines)
+            else "."
+        )
+    )

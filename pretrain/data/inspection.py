@@ -17,7 +17,6 @@ from pretrain.console_progress import human
 from trainer.data.manifest import MANIFEST, SKIP_REASONS, TOKENIZER_FILE, DamagedManifest, parse_manifest
 from trainer.storage import NotFound, Storage, StorageError, open_storage
 
-
 SOURCE_ROWS = 20  # sources listed one per row by default; the others are summed in one row
 
 
@@ -41,8 +40,10 @@ class DataSet:
         try:
             return self.storage.get_bytes(name)
         except (NotFound, FileNotFoundError):
-            raise InspectError(f"{self.where(name)} is missing: the data set is incomplete; prepare it again "
-                               "(`pretrain data prepare SPEC`)") from None
+            raise InspectError(
+                f"{self.where(name)} is missing: the data set is incomplete; prepare it again "
+                "(`pretrain data prepare SPEC`)"
+            ) from None
 
     def where(self, name: str) -> str:
         return f"{self.location.rstrip('/')}/{name}"
@@ -67,8 +68,9 @@ def open_data_set(location: str, s3_options: dict | None = None) -> DataSet:
     """The data set at ``location`` (or the only one under it, e.g. ``<workdir>/data``);
     :class:`InspectError` when there is none or its manifest is damaged."""
     if not location.startswith("s3://") and not Path(location).exists():
-        raise InspectError(f"{location} does not exist: give a prepared data set's directory (it holds {MANIFEST}) "
-                           "or its s3:// URL")
+        raise InspectError(
+            f"{location} does not exist: give a prepared data set's directory (it holds {MANIFEST}) or its s3:// URL"
+        )
     try:
         storage = open_storage(location, **(s3_options or {}))
         raw = storage.get_bytes(MANIFEST)
@@ -76,16 +78,21 @@ def open_data_set(location: str, s3_options: dict | None = None) -> DataSet:
         inside = _candidates(location)
         if len(inside) == 1:
             return open_data_set(inside[0])
-        hint = (f"it holds these data sets: {', '.join(inside)}; give one of them" if inside
-                else f"give a prepared data set's directory (it holds {MANIFEST}); `pretrain data prepare SPEC` makes one")
+        hint = (
+            f"it holds these data sets: {', '.join(inside)}; give one of them"
+            if inside
+            else f"give a prepared data set's directory (it holds {MANIFEST}); `pretrain data prepare SPEC` makes one"
+        )
         raise InspectError(f"no data set at {location} (no {MANIFEST}): {hint}") from None
     except (StorageError, ValueError) as e:  # unreachable, refused, or options that do not fit the URL
         raise InspectError(f"cannot read {location}: {e}") from None
     try:
         manifest = parse_manifest(raw)
     except DamagedManifest as e:
-        raise InspectError(f"{location.rstrip('/')}/{MANIFEST} is damaged ({e}): prepare the data set again "
-                           "(`pretrain data prepare SPEC`)") from None
+        raise InspectError(
+            f"{location.rstrip('/')}/{MANIFEST} is damaged ({e}): prepare the data set again "
+            "(`pretrain data prepare SPEC`)"
+        ) from None
     return DataSet(location, storage, manifest)
 
 
@@ -98,18 +105,29 @@ def render_summary(m: dict, out: Console, source_rows: int | None = SOURCE_ROWS)
     """The stats of a manifest (or the summary prepare() returns: the manifest without shards):
     its first ``source_rows`` sources one per row (None: all), the others summed in one row."""
     head = f"data set {m.get('location') or ''}".rstrip()
-    out.print(f"{head}: fingerprint {m.get('fingerprint', '?')}, manifest v{m.get('version', 1)}"
-              + (", reused" if m.get("reused") else "") + (f", created {m['created']}" if m.get("created") else ""),
-              highlight=False, markup=False)
+    out.print(
+        f"{head}: fingerprint {m.get('fingerprint', '?')}, manifest v{m.get('version', 1)}"
+        + (", reused" if m.get("reused") else "")
+        + (f", created {m['created']}" if m.get("created") else ""),
+        highlight=False,
+        markup=False,
+    )
     sha = m.get("tokenizer_sha256")
-    out.print(f"tokenizer {m.get('tokenizer', 'tokenizer.json')}: vocab {m.get('vocab_size')}, {m.get('dtype')} shards, "
-              f"document separator id {m.get('eot_id')}" + (f", sha256 {sha[:16]}…" if sha else ""),
-              highlight=False, markup=False)
+    out.print(
+        f"tokenizer {m.get('tokenizer', 'tokenizer.json')}: vocab {m.get('vocab_size')}, {m.get('dtype')} shards, "
+        f"document separator id {m.get('eot_id')}" + (f", sha256 {sha[:16]}…" if sha else ""),
+        highlight=False,
+        markup=False,
+    )
     shards = m.get("splits")
     splits = Table("split", "documents", "tokens", *(["shards"] if shards else []), title="splits")
     for split, tokens in (m.get("tokens") or {}).items():
-        splits.add_row(split, str((m.get("documents") or {}).get(split, "?")), f"{tokens:,}",
-                       *([str(len(shards.get(split, [])))] if shards else []))
+        splits.add_row(
+            split,
+            str((m.get("documents") or {}).get(split, "?")),
+            f"{tokens:,}",
+            *([str(len(shards.get(split, [])))] if shards else []),
+        )
     out.print(splits)
     groups = m.get("groups") or {}
     if set(groups) - {"all"}:
@@ -120,8 +138,11 @@ def render_summary(m: dict, out: Console, source_rows: int | None = SOURCE_ROWS)
     if sources := m.get("sources"):
         out.print(_sources_table(sources, source_rows, str(m.get("location") or "LOCATION")))
     if "skipped" in m:
-        out.print(f"skipped: {_skips(m['skipped'])} (duplicates are exact repeats of an earlier document)",
-                  highlight=False, markup=False)
+        out.print(
+            f"skipped: {_skips(m['skipped'])} (duplicates are exact repeats of an earlier document)",
+            highlight=False,
+            markup=False,
+        )
 
 
 def _sources_table(sources: list, rows: int | None, location: str) -> Table:
@@ -132,16 +153,28 @@ def _sources_table(sources: list, rows: int | None, location: str) -> Table:
     sources = [s for s in sources if isinstance(s, dict)]
     shown, rest = (sources, []) if rows is None else (sources[:rows], sources[rows:])
     for s in shown:
-        table.add_row(str(s.get("format", "")), str(s.get("group", "")), str(s.get("units", "")),
-                      _count(s.get("documents", 0)), _count(s.get("tokens", 0)), _skips(s.get("skipped")), str(s.get("uri")))
+        table.add_row(
+            str(s.get("format", "")),
+            str(s.get("group", "")),
+            str(s.get("units", "")),
+            _count(s.get("documents", 0)),
+            _count(s.get("tokens", 0)),
+            _skips(s.get("skipped")),
+            str(s.get("uri")),
+        )
     if rest:  # a corpus of thousands of files: their sums, not a screen per file
         total = {k: sum(v for s in rest if _is_count(v := s.get(k))) for k in ("units", "documents", "tokens")}
         skipped = Counter()
         for s in rest:
             if isinstance(s.get("skipped"), dict):
                 skipped.update({k: v for k, v in s["skipped"].items() if _is_count(v)})
-        table.add_row("", "", *(_count(total[k]) for k in total), _skips(dict(skipped)),
-                      f"… and {len(rest):,} more sources (`pretrain data inspect {location} --all-sources` lists each)")
+        table.add_row(
+            "",
+            "",
+            *(_count(total[k]) for k in total),
+            _skips(dict(skipped)),
+            f"… and {len(rest):,} more sources (`pretrain data inspect {location} --all-sources` lists each)",
+        )
     return table
 
 
@@ -175,8 +208,9 @@ def random_windows(ds: DataSet, count: int, tokens: int, seed: int) -> list[tupl
     try:
         tok = Tokenizer.from_str(raw.decode())
     except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type; bytes may not be UTF-8
-        raise InspectError(f"{ds.where(name)} is damaged ({str(e)[:200]}): prepare the data set again "
-                           "(`pretrain data prepare SPEC`)") from None
+        raise InspectError(
+            f"{ds.where(name)} is damaged ({str(e)[:200]}): prepare the data set again (`pretrain data prepare SPEC`)"
+        ) from None
     shards = [s for s in ds.manifest["splits"].get("train", []) if s["tokens"] > 0]
     rng, out = random.Random(seed), []
     for _ in range(count if shards else 0):
@@ -187,16 +221,29 @@ def random_windows(ds: DataSet, count: int, tokens: int, seed: int) -> list[tupl
     return out
 
 
-def inspect_data_set(location: str, out: Console, *, windows: int = 3, window_tokens: int = 64, seed: int = 0,
-                     s3_options: dict | None = None, source_rows: int | None = SOURCE_ROWS) -> None:
+def inspect_data_set(
+    location: str,
+    out: Console,
+    *,
+    windows: int = 3,
+    window_tokens: int = 64,
+    seed: int = 0,
+    s3_options: dict | None = None,
+    source_rows: int | None = SOURCE_ROWS,
+) -> None:
     """Print the stats of the data set at ``location`` and ``windows`` decoded windows; a damaged
     or incomplete data set is an :class:`InspectError` after the stats, naming its files."""
     ds = open_data_set(location, s3_options)
     render_summary({"location": ds.location, **ds.manifest}, out, source_rows)
     if problems := check_shards(ds):
-        raise InspectError("the data set is damaged: " + "; ".join(problems)
-                           + ": prepare it again (`pretrain data prepare SPEC`)")
+        raise InspectError(
+            "the data set is damaged: " + "; ".join(problems) + ": prepare it again (`pretrain data prepare SPEC`)"
+        )
     for shard, start, text in random_windows(ds, windows, window_tokens, seed):
-        out.print(f"── {shard} @ token {start:,} ({human(window_tokens)} tokens) ──", style="dim", highlight=False,
-                  markup=False)
+        out.print(
+            f"── {shard} @ token {start:,} ({human(window_tokens)} tokens) ──",
+            style="dim",
+            highlight=False,
+            markup=False,
+        )
         out.print(text, highlight=False, markup=False)

@@ -66,8 +66,9 @@ def parse_until(text: str, now: datetime) -> datetime:
     try:
         end = datetime.fromisoformat(s)
     except ValueError:
-        raise BudgetError(f"--until {text!r}: expected a time of day such as 06:00 or an ISO date and time "
-                          "such as 2026-12-02T06:00") from None
+        raise BudgetError(
+            f"--until {text!r}: expected a time of day such as 06:00 or an ISO date and time such as 2026-12-02T06:00"
+        ) from None
     if end.tzinfo is None:
         end = end.replace(tzinfo=now.tzinfo)
     if end <= now:
@@ -106,8 +107,11 @@ def measured_times(jobs_dir: Path, verdicts: list) -> tuple[list[float], list[fl
     persist: list[float] = []
     for events in sorted(jobs_dir.glob(f"attempt_*/{EVENTS}")):
         try:
-            persist += [float(e["persist_s"]) for e in read_all(events)
-                        if e.get("event") == EventKind.PERSISTED and isinstance(e.get("persist_s"), (int, float))]
+            persist += [
+                float(e["persist_s"])
+                for e in read_all(events)
+                if e.get("event") == EventKind.PERSISTED and isinstance(e.get("persist_s"), (int, float))
+            ]
         except (OSError, ValueError):
             continue
     gate = [float(g) for v in verdicts if isinstance(g := getattr(v, "gate_s", None), (int, float))]

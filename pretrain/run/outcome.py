@@ -12,17 +12,21 @@ import time
 from pathlib import Path
 
 from pretrain.run.stop import StopRequest
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import OPEN_STAGES, CampaignRecord, CampaignStatus, RunEnd, StageStatus
-from pretrain.spec.campaign import CampaignSpec
 from pretrain.tracking.runs import Tracker, describe_error, transient
 
 # how each way of ending shows in MLflow: a cancel (Prefect) or an interrupt (Ctrl-C / SIGTERM to
 # `pretrain run`) is a deliberate kill; a crash of the infrastructure (lost process, OOM kill)
 # is a failure of the run like any other
-MLFLOW_STATUS = {CampaignStatus.FAILED: "FAILED", CampaignStatus.CRASHED: "FAILED", CampaignStatus.CANCELLED: "KILLED",
-                 CampaignStatus.INTERRUPTED: "KILLED"}
+MLFLOW_STATUS = {
+    CampaignStatus.FAILED: "FAILED",
+    CampaignStatus.CRASHED: "FAILED",
+    CampaignStatus.CANCELLED: "KILLED",
+    CampaignStatus.INTERRUPTED: "KILLED",
+}
 # a paused campaign's runs are *scheduled*: MLflow's status for a run that goes on later (the next
 # run of the campaign sets them RUNNING again and logs on at the next step)
 MLFLOW_PAUSED = "SCHEDULED"
@@ -72,8 +76,11 @@ def _stands(record: CampaignRecord, flow_run: str) -> bool:
     """``flow_run`` ended the campaign on purpose — interrupted, or paused at a validated
     checkpoint (a second signal arriving after the pause was recorded must not undo it)."""
     return record.interrupted(flow_run) or (
-        record.flow_run == flow_run and record.end is not None and record.end.flow_run == flow_run
-        and record.end.state == CampaignStatus.PAUSED)
+        record.flow_run == flow_run
+        and record.end is not None
+        and record.end.flow_run == flow_run
+        and record.end.state == CampaignStatus.PAUSED
+    )
 
 
 def _end_runs(ledger: Ledger, stages: list[str], state: str, cause: str, mlflow_status: str) -> None:
@@ -95,8 +102,9 @@ def _end_runs(ledger: Ledger, stages: list[str], state: str, cause: str, mlflow_
             if not transient(err):
                 raise
             ledger.set_mlflow_behind(True)
-            logging.getLogger(__name__).warning("the MLflow runs are not ended %s (%s); the ledger says how the run "
-                                                "ended", state, describe_error(err))
+            logging.getLogger(__name__).warning(
+                "the MLflow runs are not ended %s (%s); the ledger says how the run ended", state, describe_error(err)
+            )
 
 
 def record_pause(spec: CampaignSpec, flow_run: str, stage: str, step: int, reason: str) -> CampaignRecord:
@@ -112,8 +120,9 @@ def record_pause(spec: CampaignSpec, flow_run: str, stage: str, step: int, reaso
         r.status = CampaignStatus.PAUSED
         if r.stages[stage].status in OPEN_STAGES:  # trained but not validated yet: the next run does it
             r.stages[stage].status = StageStatus.PAUSED
-        r.end = RunEnd(state=CampaignStatus.PAUSED.value, cause=cause, time=time.time(), flow_run=flow_run,
-                       stage=stage, step=step)
+        r.end = RunEnd(
+            state=CampaignStatus.PAUSED.value, cause=cause, time=time.time(), flow_run=flow_run, stage=stage, step=step
+        )
 
     record = ledger.mutate(change)
     if record.status == CampaignStatus.PAUSED:

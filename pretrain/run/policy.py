@@ -16,10 +16,11 @@ rewound it), so a relaunch always resumes from a checkpoint judged good.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from pretrain.run.incidents import NON_RETRYABLE
 from pretrain.state.schema import Failure, Resize, Span, SpanKind
@@ -45,7 +46,7 @@ class Budget:
     scale_ups_left: int
 
     @classmethod
-    def of(cls, max_attempts: int) -> "Budget":
+    def of(cls, max_attempts: int) -> Budget:
         """``resume.max_attempts`` launches; as many scale-ups (each gives its launch back)."""
         return cls(max_attempts, max_attempts)
 
@@ -79,8 +80,11 @@ def before_launch(steps: int, good_step: int | None, budget: Budget) -> Decision
         return Decision(Action.DONE, f"step {good_step} of {steps} is committed and good", budget)
     if budget.launches_left <= 0:
         return Decision(Action.GIVE_UP, "no launch left (resume.max_attempts)", budget)
-    return Decision(Action.LAUNCH, f"from {'step ' + str(good_step) if good_step is not None else 'the start'}",
-                    replace(budget, launches_left=budget.launches_left - 1))
+    return Decision(
+        Action.LAUNCH,
+        f"from {'step ' + str(good_step) if good_step is not None else 'the start'}",
+        replace(budget, launches_left=budget.launches_left - 1),
+    )
 
 
 def after_job(job: JobEnd, attempt: int, budget: Budget) -> Decision:
@@ -90,20 +94,32 @@ def after_job(job: JobEnd, attempt: int, budget: Budget) -> Decision:
     if job.cause == PAUSED:  # stopped on purpose, with a save at breakpoint: no failure, no attempt used up
         return Decision(Action.PAUSE, "the job was stopped to pause the campaign", budget)
     if job.cause == "scale_up" and budget.scale_ups_left > 0:
-        return Decision(Action.SCALE_UP, f"node(s) {job.scaled_up} are back",
-                        Budget(budget.launches_left + 1, budget.scale_ups_left - 1),
-                        resize=Resize(attempt=attempt, nodes_back=job.scaled_up, duration_s=round(job.duration_s, 2)))
+        return Decision(
+            Action.SCALE_UP,
+            f"node(s) {job.scaled_up} are back",
+            Budget(budget.launches_left + 1, budget.scale_ups_left - 1),
+            resize=Resize(attempt=attempt, nodes_back=job.scaled_up, duration_s=round(job.duration_s, 2)),
+        )
     retryable = job.cause not in NON_RETRYABLE
-    failure = Failure(attempt=attempt, in_job=False, cause=job.cause, action="relaunch the job" if retryable else "stop",
-                      exit_code=job.exit_code, time_lost_s=round(job.time_lost_s, 2), errors=job.errors, log=job.log,
-                      **({"detected_at": job.ended} if job.ended is not None else {}))
+    failure = Failure(
+        attempt=attempt,
+        in_job=False,
+        cause=job.cause,
+        action="relaunch the job" if retryable else "stop",
+        exit_code=job.exit_code,
+        time_lost_s=round(job.time_lost_s, 2),
+        errors=job.errors,
+        log=job.log,
+        **({"detected_at": job.ended} if job.ended is not None else {}),
+    )
     if not retryable:
         return Decision(Action.GIVE_UP, f"{job.cause}: relaunching cannot help, a human must act", budget, failure)
     return Decision(Action.RELAUNCH, f"{job.cause}: relaunch from the newest good checkpoint", budget, failure)
 
 
-def adoptable_attempt(stage: str, attempts: int, spans: Sequence[Span], failures: Sequence[Failure],
-                      adopts: bool) -> int | None:
+def adoptable_attempt(
+    stage: str, attempts: int, spans: Sequence[Span], failures: Sequence[Failure], adopts: bool
+) -> int | None:
     """The attempt whose job may still be running without an orchestrator: the stage's last
     launch (of ``attempts``), whose job span opened and never closed, with no failed job recorded
     for it (the flow process that ran it died). None: launch the next attempt — also always on a
@@ -129,8 +145,9 @@ class StageEnd:
     cause: str | None = None  # the last job's cause of failure
 
 
-def stage_end(stage: str, steps: int, good_step: int | None, attempts: int, last: JobEnd | None,
-              logs: Path) -> StageEnd:
+def stage_end(
+    stage: str, steps: int, good_step: int | None, attempts: int, last: JobEnd | None, logs: Path
+) -> StageEnd:
     """The stage's end once no launch follows: trained if its last step is committed and good."""
     step = good_step or 0
     if good_step is not None and good_step >= steps:
@@ -141,6 +158,12 @@ def stage_end(stage: str, steps: int, good_step: int | None, attempts: int, last
         cause = "the job ended cleanly without committing a good checkpoint at the last step"
     else:
         cause = f"{last.cause} ({'; '.join(last.errors)})" if last.errors else str(last.cause)
-    return StageEnd(False, step, cause=last.cause if last else None, message=(
-        f"stage {stage} stopped at step {step}/{steps} after {attempts} attempt(s); last failure: {cause}. "
-        f"Logs: {logs}. Fix the cause and run the same command again: it resumes from the last good checkpoint."))
+    return StageEnd(
+        False,
+        step,
+        cause=last.cause if last else None,
+        message=(
+            f"stage {stage} stopped at step {step}/{steps} after {attempts} attempt(s); last failure: {cause}. "
+            f"Logs: {logs}. Fix the cause and run the same command again: it resumes from the last good checkpoint."
+        ),
+    )

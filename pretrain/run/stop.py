@@ -86,7 +86,8 @@ class StopRequest:
         if not self.origin:
             return cause
         return cause.replace(f"{self.name} received", f"{self.origin} ({self.name} from its worker)", 1).replace(
-            f"by {self.name}", f"by {self.name} ({self.origin})", 1)
+            f"by {self.name}", f"by {self.name} ({self.origin})", 1
+        )
 
     def receive(self, signum: int) -> None:
         """Called by the signal handler (main thread): the first asks, the second insists."""
@@ -115,6 +116,7 @@ class StopRequest:
         def forget() -> None:
             with self._lock:
                 self._kills.pop(key, None)
+
         return forget
 
     def kill_now(self) -> None:
@@ -161,7 +163,6 @@ def stop_on_signals(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) 
         _CURRENT.reset(token)
 
 
-
 class InterruptLatch:
     """Ctrl-C for a command that stops by ``KeyboardInterrupt`` (``pretrain data prepare``), made
     sure to land: SIGINT raises it at once as Python's default handler does, and is remembered,
@@ -195,6 +196,7 @@ def interrupt_latch(latch: InterruptLatch | None = None) -> Iterator[InterruptLa
     def hook(unraisable) -> None:
         if not (latch.hit and isinstance(unraisable.exc_value, KeyboardInterrupt)):
             previous_hook(unraisable)
+
     sys.unraisablehook = hook
     try:
         yield latch
@@ -228,9 +230,15 @@ def stop_at_once(stop: StopRequest, notice: Callable[[str], None], why: str = "b
     return StoppedAtOnce(cause, stop.signum)
 
 
-def supervise(body: Callable[[], T], stop: StopRequest, grace_s: float, notice: Callable[[str], None],
-              window: str = "resume.grace_period_s", again: str = "Ctrl-C or the same signal again",
-              on_request: Callable[[], None] | None = None) -> T:
+def supervise(
+    body: Callable[[], T],
+    stop: StopRequest,
+    grace_s: float,
+    notice: Callable[[str], None],
+    window: str = "resume.grace_period_s",
+    again: str = "Ctrl-C or the same signal again",
+    on_request: Callable[[], None] | None = None,
+) -> T:
     """Run ``body`` (the campaign) in a thread, in a copy of this context, while this thread — the
     main one, which gets the signals — watches ``stop``: at the first signal it says the campaign
     is pausing (and calls ``on_request``, e.g. to find the signal's origin); a second signal, or
@@ -260,8 +268,15 @@ def supervise(body: Callable[[], T], stop: StopRequest, grace_s: float, notice: 
     return outcome["value"]
 
 
-def _watch(thread: threading.Thread, stop: StopRequest, grace_s: float, notice: Callable[[str], None], window: str,
-           again: str, on_request: Callable[[], None] | None) -> None:
+def _watch(
+    thread: threading.Thread,
+    stop: StopRequest,
+    grace_s: float,
+    notice: Callable[[str], None],
+    window: str,
+    again: str,
+    on_request: Callable[[], None] | None,
+) -> None:
     """:func:`supervise`'s loop: until ``thread`` ends, or raises ``StoppedAtOnce``."""
     asked_at = None
     while thread.is_alive():
@@ -271,8 +286,10 @@ def _watch(thread: threading.Thread, stop: StopRequest, grace_s: float, notice: 
             raise stop_at_once(stop, notice)
         if stop.requested.is_set() and asked_at is None:
             asked_at = time.monotonic()
-            notice(f"{stop.name} received: pausing the campaign; the running job is stopping with a final checkpoint, "
-                   f"which is validated (up to {grace_s:.0f}s: {window}; {again} stops at once)")
+            notice(
+                f"{stop.name} received: pausing the campaign; the running job is stopping with a final checkpoint, "
+                f"which is validated (up to {grace_s:.0f}s: {window}; {again} stops at once)"
+            )
             if on_request is not None:
                 on_request()
         if asked_at is not None and time.monotonic() - asked_at > grace_s:
@@ -290,7 +307,9 @@ def pause_on_termination(on_first: Callable[[str], None]) -> Iterator[StopReques
     default: the process ends. Yields the stop request (also :func:`current_stop`), or None where
     nothing was installed: not the main thread, or SIGTERM ignored."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) in (
-            signal.SIG_IGN, None):
+        signal.SIG_IGN,
+        None,
+    ):
         yield None
         return
     stop = StopRequest(on_first=on_first)

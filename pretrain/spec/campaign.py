@@ -19,8 +19,20 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_valid
 
 from pretrain.credentials import Credentials
 from pretrain.spec.data import DataSpec
-from pretrain.spec.sections import (BlockRefs, ChaosDrill, CheckpointSpec, ClusterSpec, FaultToleranceSpec,
-                                    ModelSpec, ResumeSpec, Section, SkipWindow, StageSpec, TrackingSpec, ValidationSpec)
+from pretrain.spec.sections import (
+    BlockRefs,
+    ChaosDrill,
+    CheckpointSpec,
+    ClusterSpec,
+    FaultToleranceSpec,
+    ModelSpec,
+    ResumeSpec,
+    Section,
+    SkipWindow,
+    StageSpec,
+    TrackingSpec,
+    ValidationSpec,
+)
 from pretrain.tracking.store import default_tracking_uri, recorded_store
 
 
@@ -37,8 +49,16 @@ class FieldProblem(ValueError):
 
 
 class CampaignSpec(Section):
-    name: str = Field("tiny", pattern=r"^[A-Za-z0-9_.-]+$", description="Campaign name (tags the MLflow runs; one path component of the workdir, not '.' or '..').")
-    workdir: str = Field("./runs/{name}", description="Where the campaign keeps its state: data, checkpoints, ledger, MLflow db. '{name}' expands ('{{' and '}}' are literal braces).")
+    name: str = Field(
+        "tiny",
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Campaign name (tags the MLflow runs; one path component of the workdir, not '.' or '..').",
+    )
+    workdir: str = Field(
+        "./runs/{name}",
+        description="Where the campaign keeps its state: data, checkpoints, ledger, MLflow db. '{name}' expands "
+        "('{{' and '}}' are literal braces).",
+    )
     seed: int = Field(1234, description="Seed for model init, data order and every rank's RNG.")
     data: DataSpec = Field(default_factory=DataSpec, description="Corpus, tokenizer and sharding.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="GPT dimensions.")
@@ -49,16 +69,32 @@ class CampaignSpec(Section):
         description="Training stages, run in order; each starts from the previous stage's final checkpoint.",
     )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence and retention.")
-    validation: ValidationSpec = Field(default_factory=ValidationSpec, description="The validation gate (only checkpoints that pass it are resumed from) and evaluation during training.")
+    validation: ValidationSpec = Field(
+        default_factory=ValidationSpec,
+        description="The validation gate (only checkpoints that pass it are resumed from) and evaluation during "
+        "training.",
+    )
     tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
     resume: ResumeSpec = Field(default_factory=ResumeSpec, description="Automatic resume after failures.")
-    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec, description="Hang and loss-anomaly detection, node checks.")
-    chaos: list[ChaosDrill] = Field(default_factory=list, description="Faults injected on purpose to rehearse recovery (chaos drills).")
-    skip_samples: list[SkipWindow] = Field(default_factory=list, description="Sample windows never trained on (e.g. to reproduce a run that rolled back a loss spike).")
-    blocks: BlockRefs = Field(default_factory=BlockRefs, description="Saved Prefect blocks to take storage, cluster or tracking settings from, by name.")
+    fault_tolerance: FaultToleranceSpec = Field(
+        default_factory=FaultToleranceSpec, description="Hang and loss-anomaly detection, node checks."
+    )
+    chaos: list[ChaosDrill] = Field(
+        default_factory=list, description="Faults injected on purpose to rehearse recovery (chaos drills)."
+    )
+    skip_samples: list[SkipWindow] = Field(
+        default_factory=list,
+        description="Sample windows never trained on (e.g. to reproduce a run that rolled back a loss spike).",
+    )
+    blocks: BlockRefs = Field(
+        default_factory=BlockRefs,
+        description="Saved Prefect blocks to take storage, cluster or tracking settings from, by name.",
+    )
 
     _credentials: Credentials = PrivateAttr(default_factory=Credentials)  # from blocks; never dumped or hashed
-    _tracking_uri: str | None = PrivateAttr(None)  # the store the ledger records (with_tracking_uri); never dumped or hashed
+    _tracking_uri: str | None = PrivateAttr(
+        None
+    )  # the store the ledger records (with_tracking_uri); never dumped or hashed
 
     @field_validator("name")
     @classmethod
@@ -73,57 +109,75 @@ class CampaignSpec(Section):
         try:
             fields = [f for _, f, _, _ in string.Formatter().parse(workdir) if f is not None]
         except ValueError as err:
-            raise ValueError(f"{workdir!r} is not a valid template ({err}); only '{{name}}' expands, "
-                             "write '{{' and '}}' for literal braces") from None
+            raise ValueError(
+                f"{workdir!r} is not a valid template ({err}); only '{{name}}' expands, "
+                "write '{{' and '}}' for literal braces"
+            ) from None
         unknown = [f"{{{f}}}" for f in fields if f != "name"]
         if unknown:
-            raise ValueError(f"{workdir!r} uses {', '.join(unknown)}: only '{{name}}' expands, "
-                             "write '{{' and '}}' for literal braces")
+            raise ValueError(
+                f"{workdir!r} uses {', '.join(unknown)}: only '{{name}}' expands, "
+                "write '{{' and '}}' for literal braces"
+            )
         return workdir
 
     @model_validator(mode="after")
-    def _chaos_in_cluster(self) -> "CampaignSpec":
+    def _chaos_in_cluster(self) -> CampaignSpec:
         if self.blocks.cluster:
             return self  # the cluster block decides the world; checked again once it is resolved
         c = self.cluster
         for i, drill in enumerate(self.chaos):
             if getattr(drill, "rank", 0) >= c.workers_per_node * c.nodes_max:
-                raise FieldProblem(f"chaos.{i}.rank", f"rank {drill.rank} does not exist, the cluster has "
-                                 f"{c.workers_per_node * c.nodes_max} workers (ranks 0..{c.workers_per_node * c.nodes_max - 1})")
+                raise FieldProblem(
+                    f"chaos.{i}.rank",
+                    f"rank {drill.rank} does not exist, the cluster has "
+                    f"{c.workers_per_node * c.nodes_max} workers (ranks 0..{c.workers_per_node * c.nodes_max - 1})",
+                )
             if getattr(drill, "node", 0) >= c.node_count:
-                raise FieldProblem(f"chaos.{i}.node", f"node {drill.node} does not exist, the cluster has {c.node_count} "
-                                 f"node(s) (0..{c.node_count - 1})")
+                raise FieldProblem(
+                    f"chaos.{i}.node",
+                    f"node {drill.node} does not exist, the cluster has {c.node_count} node(s) (0..{c.node_count - 1})",
+                )
         return self
 
     @model_validator(mode="after")
-    def _blocks_or_inline(self) -> "CampaignSpec":
+    def _blocks_or_inline(self) -> CampaignSpec:
         # by value, not by fields set: a spec that went through JSON (a deployment parameter) has every field set
         default = CampaignSpec.model_fields
         clashes = {
             "storage": (["workdir"] if self.workdir != default["workdir"].default else [])
             + (["checkpoint.uri"] if self.checkpoint.uri else []),
             "cluster": ["cluster"] if self.cluster != ClusterSpec() else [],
-            "tracking": [f"tracking.{f}" for f in ("uri", "experiment")
-                         if getattr(self.tracking, f) != TrackingSpec.model_fields[f].default],
+            "tracking": [
+                f"tracking.{f}"
+                for f in ("uri", "experiment")
+                if getattr(self.tracking, f) != TrackingSpec.model_fields[f].default
+            ],
         }
         for ref, fields in clashes.items():
             if getattr(self.blocks, ref) and fields:
-                raise ValueError(f"blocks.{ref} and {', '.join(fields)} both give the same settings: keep only one of them")
+                raise ValueError(
+                    f"blocks.{ref} and {', '.join(fields)} both give the same settings: keep only one of them"
+                )
         return self
 
     @model_validator(mode="after")
-    def _stages_fit(self) -> "CampaignSpec":
+    def _stages_fit(self) -> CampaignSpec:
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
         for i, s in enumerate(self.stages):
             if s.seq_len > self.model.max_seq_len:
-                raise ValueError(f"stages[{i}].seq_len ({s.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+                raise ValueError(
+                    f"stages[{i}].seq_len ({s.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
+                )
         groups = set(self.data.groups())
         for i, s in enumerate(self.stages):
             unknown = sorted(set(s.mixture) - groups)
             if unknown:
-                raise ValueError(f"stages[{i}].mixture names data group(s) {unknown}; data.sources defines {sorted(groups)}")
+                raise ValueError(
+                    f"stages[{i}].mixture names data group(s) {unknown}; data.sources defines {sorted(groups)}"
+                )
             if s.mixture and not any(w > 0 for w in s.mixture.values()) or any(w < 0 for w in s.mixture.values()):
                 raise ValueError(f"stages[{i}].mixture weights must be >= 0 with at least one > 0")
         for i, ref in enumerate([d.stage for d in self.chaos] + [w.stage for w in self.skip_samples]):
@@ -170,12 +224,12 @@ class CampaignSpec(Section):
         """The credentials of the spec's blocks, in this process's memory only (see pretrain.credentials)."""
         return self._credentials
 
-    def with_credentials(self, credentials: Credentials) -> "CampaignSpec":
+    def with_credentials(self, credentials: Credentials) -> CampaignSpec:
         copy = self.model_copy()
         copy._credentials = credentials
         return copy
 
-    def with_tracking_uri(self, recorded: str | None) -> "CampaignSpec":
+    def with_tracking_uri(self, recorded: str | None) -> CampaignSpec:
         """This spec using the tracking store its ledger recorded at creation (``recorded``), unless
         ``tracking.uri`` names one: a campaign finds its runs again from any directory."""
         uri = recorded_store(recorded)
@@ -185,8 +239,10 @@ class CampaignSpec(Section):
         copy._tracking_uri = uri
         return copy
 
-    def with_workdir(self, workdir: str | Path | None) -> "CampaignSpec":
-        return self if workdir is None else self.model_copy(update={"workdir": str(Path(workdir).expanduser().resolve())})
+    def with_workdir(self, workdir: str | Path | None) -> CampaignSpec:
+        return (
+            self if workdir is None else self.model_copy(update={"workdir": str(Path(workdir).expanduser().resolve())})
+        )
 
 
 def _format_error(err: ValidationError, source: str) -> str:
@@ -211,8 +267,11 @@ def _models_in(annotation) -> list[type[BaseModel]]:
 
 def _tagged(model: type[BaseModel], tag: str) -> bool:
     """Whether ``tag`` is the value of one of ``model``'s literal fields (a union member's tag in an error's loc)."""
-    return any(tag in typing.get_args(f.annotation) for f in model.model_fields.values()
-               if typing.get_origin(f.annotation) is typing.Literal)
+    return any(
+        tag in typing.get_args(f.annotation)
+        for f in model.model_fields.values()
+        if typing.get_origin(f.annotation) is typing.Literal
+    )
 
 
 def _did_you_mean(loc: tuple) -> str:

@@ -29,8 +29,10 @@ def builtin_names() -> list[str]:
 def builtin_spec_path(name: str) -> Path:
     path = Path(str(_builtin_dir() / f"{name}.yaml"))
     if not path.is_file():
-        raise SpecError(f"no built-in spec {name!r}; the built-ins are "
-                        + ", ".join(f"{BUILTIN_PREFIX}{n}" for n in builtin_names()))
+        raise SpecError(
+            f"no built-in spec {name!r}; the built-ins are "
+            + ", ".join(f"{BUILTIN_PREFIX}{n}" for n in builtin_names())
+        )
     return path
 
 
@@ -44,8 +46,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark,
-                    f"found duplicate key {key!r} (first on line {seen[key] + 1}); keep only one", key_node.start_mark)
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r} (first on line {seen[key] + 1}); keep only one",
+                    key_node.start_mark,
+                )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
@@ -53,13 +58,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_spec(path: str | Path) -> CampaignSpec:
     """Read a spec from a YAML file (or 'builtin:<name>'), failing with a clear SpecError."""
     text_path = str(path)
-    p = builtin_spec_path(text_path[len(BUILTIN_PREFIX):]) if text_path.startswith(BUILTIN_PREFIX) else Path(path)
+    p = builtin_spec_path(text_path[len(BUILTIN_PREFIX) :]) if text_path.startswith(BUILTIN_PREFIX) else Path(path)
     try:
         text = p.read_bytes().decode("utf-8")
     except OSError as err:
         raise SpecError(f"cannot read campaign spec {p}: {err.strerror}") from None
     except UnicodeDecodeError as err:
-        raise SpecError(f"campaign spec {p} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
+        raise SpecError(
+            f"campaign spec {p} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8"
+        ) from None
     try:
         stream = io.StringIO(text)
         stream.name = str(p)  # YAML's messages name the file
@@ -67,13 +74,16 @@ def load_spec(path: str | Path) -> CampaignSpec:
     except yaml.YAMLError as err:
         raise SpecError(f"campaign spec {p} is not valid YAML: {err}") from None
     if data is None:
-        raise SpecError(f"campaign spec {p} is empty: give at least the campaign's name and stages "
-                        f"(`pretrain spec-schema` lists every field; `{BUILTIN_PREFIX}tiny` is the demo)")
+        raise SpecError(
+            f"campaign spec {p} is empty: give at least the campaign's name and stages "
+            f"(`pretrain spec-schema` lists every field; `{BUILTIN_PREFIX}tiny` is the demo)"
+        )
     return parse_spec(data, str(p))
 
 
-def resolve_spec(spec: CampaignSpec | None = None, spec_path: str | None = None,
-                 workdir: str | Path | None = None) -> CampaignSpec:
+def resolve_spec(
+    spec: CampaignSpec | None = None, spec_path: str | None = None, workdir: str | Path | None = None
+) -> CampaignSpec:
     """The spec a flow was given: inline, else from ``spec_path``, else the built-in demo;
     ``workdir`` overrides where the campaign keeps its state."""
     if spec is None:

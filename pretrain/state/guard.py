@@ -15,18 +15,18 @@ is reentrant within a flow run, so the campaign's subflows share it.
 
 from __future__ import annotations
 
-import socket
 import os
+import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator
 
+from pretrain.settings import PretrainSettings
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.lease import Lease, LeaseDamaged, LeaseHeld, LeaseKeeper, LeaseLost, current_generation
 from pretrain.state.locations import client_options
 from pretrain.state.lock import CampaignBusy, LockUnavailable, campaign_lock
-from pretrain.settings import PretrainSettings
-from pretrain.spec.campaign import CampaignSpec
 from trainer.storage import Storage, StorageError, open_storage
 
 LEASE_KEY = "lease.json"
@@ -45,9 +45,11 @@ class HeldLease:
         if self.lost is not None:
             raise self.lost
         if not self.lease.valid():
-            raise LeaseLost(f"the lease {self.lease.where} (generation {self.lease.generation}) was not renewed in "
-                            "time; another run may have taken the campaign over, so this run writes no more of its "
-                            "state. Run the campaign again once no other run of it is running")
+            raise LeaseLost(
+                f"the lease {self.lease.where} (generation {self.lease.generation}) was not renewed in "
+                "time; another run may have taken the campaign over, so this run writes no more of its "
+                "state. Run the campaign again once no other run of it is running"
+            )
 
 
 # The leases this context (a flow run and the subflows it calls) holds, by state location.
@@ -80,8 +82,10 @@ def job_lease(spec: CampaignSpec) -> dict:
     mine = held(spec)
     generation = mine.lease.generation if mine else current_generation(state_storage(spec), LEASE_KEY)
     if generation is None:
-        raise LeaseLost(f"no lease at {where}/{LEASE_KEY}: a job of campaign {spec.name!r} is launched only by the "
-                        "run that holds it. Run the campaign (`pretrain run`) rather than a stage on its own")
+        raise LeaseLost(
+            f"no lease at {where}/{LEASE_KEY}: a job of campaign {spec.name!r} is launched only by the "
+            "run that holds it. Run the campaign (`pretrain run`) rather than a stage on its own"
+        )
     return {"location": where, "key": LEASE_KEY, "generation": generation}
 
 
@@ -96,8 +100,9 @@ def check_holds(spec: CampaignSpec) -> None:
 
 
 @contextmanager
-def campaign_guard(spec: CampaignSpec, flow_run: str | None = None,
-                   settings: PretrainSettings | None = None) -> Iterator[None]:
+def campaign_guard(
+    spec: CampaignSpec, flow_run: str | None = None, settings: PretrainSettings | None = None
+) -> Iterator[None]:
     """Hold the campaign for the block: :class:`CampaignBusy` at once if another run holds it,
     :class:`LockUnavailable` if its lock or lease cannot be used at all."""
     where = state_location(spec)
@@ -111,11 +116,14 @@ def campaign_guard(spec: CampaignSpec, flow_run: str | None = None,
     settings = settings or PretrainSettings.from_env()
     who = f"{socket.gethostname()} pid {os.getpid()}" + (f", flow run {flow_run}" if flow_run else "")
     try:
-        lease = Lease.acquire(state_storage(spec), LEASE_KEY, holder=who, ttl_s=settings.lease_ttl_s,
-                              margin_s=settings.lease_margin_s)
+        lease = Lease.acquire(
+            state_storage(spec), LEASE_KEY, holder=who, ttl_s=settings.lease_ttl_s, margin_s=settings.lease_margin_s
+        )
     except LeaseHeld as err:
-        raise CampaignBusy(f"campaign {spec.name!r} (state in {where}) is already running: {err}; a run that died "
-                           "holds it until then. It resumes from the last checkpoint when run again") from None
+        raise CampaignBusy(
+            f"campaign {spec.name!r} (state in {where}) is already running: {err}; a run that died "
+            "holds it until then. It resumes from the last checkpoint when run again"
+        ) from None
     except (LeaseDamaged, StorageError) as err:
         raise LockUnavailable(f"cannot take the lease of campaign {spec.name!r} in {where}: {err}") from None
     mine = HeldLease(lease, keeper=None)  # type: ignore[arg-type] # (the keeper reports to it)

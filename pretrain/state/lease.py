@@ -32,8 +32,8 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from trainer.checkpoint.fence import LEASE_FORMAT, LeaseRecord, LeaseRecordDamaged
 from trainer.storage import NotFound, PreconditionFailed, Storage, StorageError
@@ -96,8 +96,15 @@ class Lease:
         return not self.record.released and time.monotonic() < self.deadline
 
     @classmethod
-    def acquire(cls, storage: Storage, key: str, holder: str | None = None, ttl_s: float = 60.0,
-                margin_s: float = 10.0, clock: Callable[[], float] = time.time) -> Lease:
+    def acquire(
+        cls,
+        storage: Storage,
+        key: str,
+        holder: str | None = None,
+        ttl_s: float = 60.0,
+        margin_s: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> Lease:
         """Take the lease at ``key`` for ``holder``; :class:`LeaseHeld` if someone else has it,
         :class:`LeaseDamaged` if its record is unreadable, ``StorageError`` if storage fails."""
         if ttl_s <= 0 or margin_s < 0:
@@ -113,16 +120,28 @@ class Lease:
             current = _parse(data, where)
             if not current.released and now <= current.expires_at + margin_s:
                 raise LeaseHeld(_held_message(where, current))
-        mine = LeaseRecord(holder=holder, generation=current.generation + 1 if current else 1,
-                           token=uuid.uuid4().hex, expires_at=now + ttl_s, ttl_s=ttl_s, acquired_at=now)
+        mine = LeaseRecord(
+            holder=holder,
+            generation=current.generation + 1 if current else 1,
+            token=uuid.uuid4().hex,
+            expires_at=now + ttl_s,
+            ttl_s=ttl_s,
+            acquired_at=now,
+        )
         try:
-            etag = (storage.put_if_match(key, mine.to_bytes(), etag) if current
-                    else storage.put_if_absent(key, mine.to_bytes()))
+            etag = (
+                storage.put_if_match(key, mine.to_bytes(), etag)
+                if current
+                else storage.put_if_absent(key, mine.to_bytes())
+            )
         except PreconditionFailed:
             winner, etag = _read(storage, key, where)
             if winner is None or winner.token != mine.token:  # (equal: our own retried write won)
-                raise LeaseHeld(_held_message(where, winner) if winner else
-                                f"the lease {where} changed while {holder} tried to take it; run again") from None
+                raise LeaseHeld(
+                    _held_message(where, winner)
+                    if winner
+                    else f"the lease {where} changed while {holder} tried to take it; run again"
+                ) from None
         return cls(storage, key, mine, etag, margin_s, clock, started + ttl_s)
 
     def renew(self) -> None:
@@ -169,9 +188,14 @@ class Lease:
 
     def _lost(self, now: LeaseRecord | None, consequence: str) -> LeaseLost:
         """The error for a holder whose lease is now ``now`` (a newer generation, released, gone)."""
-        who = (f"it is now {'released by' if now.released else 'held by'} {now.describe()}" if now
-               else "its record was deleted")
-        return LeaseLost(f"lost the lease {self.where} (generation {self.generation}): {who}. This holder {consequence}")
+        who = (
+            f"it is now {'released by' if now.released else 'held by'} {now.describe()}"
+            if now
+            else "its record was deleted"
+        )
+        return LeaseLost(
+            f"lost the lease {self.where} (generation {self.generation}): {who}. This holder {consequence}"
+        )
 
     def keep(self, on_lost: Callable[[LeaseLost], None], interval_s: float | None = None) -> LeaseKeeper:
         """A started background thread that renews every ``interval_s`` (default ``ttl_s / 3``)
@@ -188,8 +212,10 @@ def _read(storage: Storage, key: str, where: str) -> tuple[LeaseRecord | None, s
 
 
 def _held_message(where: str, record: LeaseRecord) -> str:
-    return (f"the lease {where} is held by {record.describe()}. Only one run of a campaign may run at a "
-            "time: wait for that run to finish or cancel it; if it died, the lease expires by itself")
+    return (
+        f"the lease {where} is held by {record.describe()}. Only one run of a campaign may run at a "
+        "time: wait for that run to finish or cancel it; if it died, the lease expires by itself"
+    )
 
 
 def current_generation(storage: Storage, key: str) -> int | None:
@@ -240,7 +266,9 @@ class LeaseKeeper:
                 if time.monotonic() < self.lease.deadline:
                     wait = self.interval_s / 4
                     continue
-                self.lost = LeaseLost(f"could not renew the lease {self.lease.where} before it expired ({exc}); "
-                                      "this holder must stop, another run may take over")
+                self.lost = LeaseLost(
+                    f"could not renew the lease {self.lease.where} before it expired ({exc}); "
+                    "this holder must stop, another run may take over"
+                )
             self.on_lost(self.lost)
             return

@@ -14,21 +14,36 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
-from pretrain.state.locations import checkpoint_location, storage_options
+from pretrain.redact import redact, redact_tree
+from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.guard import held, state_storage
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.local import LedgerDamaged, LedgerError, _parse, _prev, _read, _read_with_bytes
-from pretrain.state.remote import RemoteLedger, keep_copy, refuse_foreign_workdir
+from pretrain.state.locations import checkpoint_location, storage_options
 from pretrain.state.lock import updating
-from pretrain.state.schema import (CampaignRecord, CampaignStatus, CheckpointRef, ClusterRecord, DataRecord, Failure,
-                                    MlflowRecord, Resize, Resume, Rewind, Span, SpanKind, StageRecord, StageStatus,
-                                    Verdict, new_stage)
-from pretrain.redact import redact, redact_tree
-from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.remote import RemoteLedger, keep_copy, refuse_foreign_workdir
+from pretrain.state.schema import (
+    CampaignRecord,
+    CampaignStatus,
+    CheckpointRef,
+    ClusterRecord,
+    DataRecord,
+    Failure,
+    MlflowRecord,
+    Resize,
+    Resume,
+    Rewind,
+    Span,
+    SpanKind,
+    StageRecord,
+    StageStatus,
+    Verdict,
+    new_stage,
+)
 from trainer.common.atomic import atomic_write_bytes, atomic_write_json
 from trainer.common.diskfull import describe, is_disk_full
 
@@ -50,7 +65,8 @@ def _parse_remote(where: str, data: bytes) -> CampaignRecord:
         raise LedgerDamaged(
             f"{err}. Nothing but this campaign's runs should write it: make sure none is running, then delete it "
             "and run the campaign again with its spec (training resumes from its checkpoints; the ledger's history "
-            "starts anew)") from None
+            "starts anew)"
+        ) from None
 
 
 def _remote(spec: CampaignSpec) -> RemoteLedger | None:
@@ -79,18 +95,18 @@ class Ledger:
     remote: RemoteLedger | None = None  # the ledger object on shared storage (None: the workdir's file)
 
     @classmethod
-    def read(cls, layout: CampaignLayout) -> "Ledger | None":
+    def read(cls, layout: CampaignLayout) -> Ledger | None:
         """The workdir's ledger; None if it has none; :class:`LedgerDamaged` if it cannot be read."""
         record = _read(layout.ledger)
         return None if record is None else cls(layout, record)
 
     @classmethod
-    def of_spec(cls, spec: CampaignSpec) -> "Ledger | None":
+    def of_spec(cls, spec: CampaignSpec) -> Ledger | None:
         """The campaign's ledger where its state lives (workdir, ``checkpoint.state_uri``); None: none yet."""
         return cls._load(spec, _remote(spec))
 
     @classmethod
-    def _load(cls, spec: CampaignSpec, remote: RemoteLedger | None) -> "Ledger | None":
+    def _load(cls, spec: CampaignSpec, remote: RemoteLedger | None) -> Ledger | None:
         layout = CampaignLayout(spec.workdir_path)
         if remote is None:
             return cls.read(layout)
@@ -102,20 +118,28 @@ class Ledger:
         return ledger
 
     @classmethod
-    def open(cls, spec: CampaignSpec) -> "Ledger":
+    def open(cls, spec: CampaignSpec) -> Ledger:
         """The campaign's ledger, created on first use; refuses a workdir of another spec."""
         layout, remote = CampaignLayout(spec.workdir_path), _remote(spec)
         if remote is not None:
             refuse_foreign_workdir(layout.ledger, remote.where)
         ledger = cls._load(spec, remote)
         if ledger is None:
-            ledger = cls(layout, CampaignRecord(
-                campaign=spec.name, campaign_id=uuid.uuid4().hex, spec_hash=spec.spec_hash(), created=time.time(),
-                status=CampaignStatus.NEW, invocations=0,
-                mlflow=MlflowRecord(tracking_uri=redact(spec.tracking_uri), experiment=spec.tracking.experiment),
-                storage_options=redact_tree(storage_options(spec)),
-                stages={s.name: new_stage(s.steps, redact(checkpoint_location(spec, s.name))) for s in spec.stages},
-            ), remote)
+            ledger = cls(
+                layout,
+                CampaignRecord(
+                    campaign=spec.name,
+                    campaign_id=uuid.uuid4().hex,
+                    spec_hash=spec.spec_hash(),
+                    created=time.time(),
+                    status=CampaignStatus.NEW,
+                    invocations=0,
+                    mlflow=MlflowRecord(tracking_uri=redact(spec.tracking_uri), experiment=spec.tracking.experiment),
+                    storage_options=redact_tree(storage_options(spec)),
+                    stages={s.name: new_stage(s.steps, redact(checkpoint_location(spec, s.name))) for s in spec.stages},
+                ),
+                remote,
+            )
         else:
             ledger.refuse_other_spec(spec)
         return ledger
@@ -124,12 +148,16 @@ class Ledger:
         """:class:`CampaignMismatch` if this ledger's campaign was started from another spec."""
         if self.record.spec_hash == spec.spec_hash():
             return
-        where, fresh = ((self.remote.where, "an unused `checkpoint.state_uri`") if self.remote else
-                        (self.layout.root, "--workdir pointing to an empty directory"))
+        where, fresh = (
+            (self.remote.where, "an unused `checkpoint.state_uri`")
+            if self.remote
+            else (self.layout.root, "--workdir pointing to an empty directory")
+        )
         raise CampaignMismatch(
             f"{where} holds campaign {self.record.campaign!r} with spec hash {self.record.spec_hash}, "
             f"but this spec hashes to {spec.spec_hash()}: resume it with its original spec, "
-            f"or start a new campaign with {fresh}")
+            f"or start a new campaign with {fresh}"
+        )
 
     def save(self) -> None:
         """Write the ledger atomically, first keeping the current (intact) one as ``ledger.json.prev``
@@ -140,6 +168,7 @@ class Ledger:
             def overwrite(r: CampaignRecord) -> None:
                 for name in type(mine).model_fields:
                     setattr(r, name, getattr(mine.model_copy(deep=True), name))
+
             self.record = self.remote.update(overwrite, mine)
             keep_copy(self.layout.ledger, self.record, self.remote.where)
             return
@@ -156,8 +185,10 @@ class Ledger:
         never over the workdir's read-only copy of a ledger on shared storage."""
         path = self.layout.ledger
         if self.record.copy_of:
-            raise LedgerError(f"{path} is a read-only copy of the campaign's ledger {self.record.copy_of}: "
-                              "run the campaign with its spec (its `checkpoint.state_uri`) to change it")
+            raise LedgerError(
+                f"{path} is a read-only copy of the campaign's ledger {self.record.copy_of}: "
+                "run the campaign with its spec (its `checkpoint.state_uri`) to change it"
+            )
         try:
             if current is not None:
                 atomic_write_bytes(_prev(path), current)
@@ -166,10 +197,15 @@ class Ledger:
             if not is_disk_full(e):
                 raise
             need = 2 * len(json.dumps(self.record.to_json(), indent=2)) + (len(current) if current else 0)
-            raise LedgerDiskFull(describe(
-                path.parent, need, "the campaign ledger",
-                f"{path.name} on disk is the previous version, intact. Free space there (older checkpoints: lower "
-                "`checkpoint.keep`; old jobs/ logs), then run the same command again.")) from None
+            raise LedgerDiskFull(
+                describe(
+                    path.parent,
+                    need,
+                    "the campaign ledger",
+                    f"{path.name} on disk is the previous version, intact. Free space there (older checkpoints: lower "
+                    "`checkpoint.keep`; old jobs/ logs), then run the same command again.",
+                )
+            ) from None
 
     def reload(self) -> CampaignRecord:
         fresh = self.remote.load() if self.remote is not None else _read(self.layout.ledger)
@@ -206,14 +242,16 @@ class Ledger:
     def begin_run(self, flow_run: str, spec: CampaignSpec | None = None) -> None:
         """A run of the campaign flow starts working on it (from ``spec``'s workdir: a campaign moved
         or copied elsewhere records where its stages' checkpoints are now)."""
+
         def change(r: CampaignRecord) -> None:
             r.status, r.invocations, r.flow_run = CampaignStatus.RUNNING, r.invocations + 1, flow_run
             for name, stage in r.stages.items() if spec is not None else ():
                 old, new = stage.checkpoints, redact(checkpoint_location(spec, name))
                 for ref in (stage.good_checkpoint, stage.final_checkpoint):
                     if ref is not None and old != new and ref.path.startswith(old + "/"):
-                        ref.path = new + ref.path[len(old):]
+                        ref.path = new + ref.path[len(old) :]
                 stage.checkpoints = new
+
         self.mutate(change)
 
     def set_status(self, status: CampaignStatus) -> None:
@@ -234,35 +272,46 @@ class Ledger:
     def set_registered_model(self, registered: dict) -> None:
         def registered_now(r: CampaignRecord) -> None:
             r.registered_model, r.registration_pending = registered, None
+
         self.mutate(registered_now)
 
     def set_registration_pending(self, why: str) -> None:
         self.mutate(lambda r: setattr(r, "registration_pending", why))
 
     @contextmanager
-    def timed(self, kind: SpanKind, stage: str | None = None, attempt: int | None = None,
-              resume: bool = False) -> Iterator[None]:
+    def timed(
+        self, kind: SpanKind, stage: str | None = None, attempt: int | None = None, resume: bool = False
+    ) -> Iterator[None]:
         """Record a span of wall time (``spans``): its start now, its end when the block exits,
         however it exits (when the block failed, a ledger that cannot be written leaves the span
         open and the block's error goes on). The goodput split reads these. ``resume``: continue
         the newest open span of this kind, stage and attempt if there is one (an adopted job:
         its span runs from its launch by the flow process that died)."""
-        span = Span(kind=kind, start=time.time(), **({"stage": stage} if stage else {}),
-                    **({"attempt": attempt} if attempt is not None else {}))
+        span = Span(
+            kind=kind,
+            start=time.time(),
+            **({"stage": stage} if stage else {}),
+            **({"attempt": attempt} if attempt is not None else {}),
+        )
         found: list[tuple[int, Span]] = []
 
         def begin(r: CampaignRecord) -> None:
-            found[:] = [(i, s) for i, s in enumerate(r.spans) if resume and s.end is None and s.kind == kind
-                        and s.stage == stage and s.attempt == attempt][-1:] or []
+            found[:] = [
+                (i, s)
+                for i, s in enumerate(r.spans)
+                if resume and s.end is None and s.kind == kind and s.stage == stage and s.attempt == attempt
+            ][-1:] or []
             if not found:
                 r.spans.append(span)
                 found.append((len(r.spans) - 1, span))
+
         self.mutate(begin)
         index, span = found[0]
 
         def close(r: CampaignRecord) -> None:
             if index < len(r.spans) and r.spans[index].start == span.start:
                 r.spans[index].end = time.time()
+
         try:
             yield
         except BaseException:
@@ -272,11 +321,14 @@ class Ledger:
         self.mutate(close)
 
     # a stage
-    def set_stage_status(self, stage: str, status: StageStatus, final_checkpoint: CheckpointRef | None = None) -> StageRecord:
+    def set_stage_status(
+        self, stage: str, status: StageStatus, final_checkpoint: CheckpointRef | None = None
+    ) -> StageRecord:
         def change(s: StageRecord) -> None:
             s.status = status
             if final_checkpoint is not None:
                 s.final_checkpoint = final_checkpoint
+
         return self._change_stage(stage, change)
 
     def set_stage_run(self, stage: str, run_id: str) -> None:
@@ -299,12 +351,19 @@ class Ledger:
         """The relaunch after job ``attempt``'s failure is done: training stepped again at
         ``resumed_at``. That failure's ``recovery_s`` (its job's end until then: the relaunch,
         rendezvous and restore) joins its ``time_lost_s``."""
+
         def change(s: StageRecord) -> None:
             for f in s.failures:
-                if (f.attempt == attempt and not f.in_job and f.detected_at is not None and f.recovery_s is None
-                        and resumed_at is not None):
+                if (
+                    f.attempt == attempt
+                    and not f.in_job
+                    and f.detected_at is not None
+                    and f.recovery_s is None
+                    and resumed_at is not None
+                ):
                     f.recovery_s = round(max(0.0, resumed_at - f.detected_at), 2)
                     f.time_lost_s = round(f.time_lost_s + f.recovery_s, 2)
+
         self._change_stage(stage, change)
 
     def record_resume(self, stage: str, resume: Resume) -> None:
@@ -318,8 +377,10 @@ class Ledger:
 
     def record_verdict(self, stage: str, verdict: Verdict) -> None:
         """Add the gate's verdict; a good one newer than the stage's good checkpoint becomes it."""
+
         def change(s: StageRecord) -> None:
             s.verdicts.append(verdict.stamped())
             if verdict.verdict == "good" and s.newest_good_step() < verdict.step:
                 s.good_checkpoint = CheckpointRef(step=verdict.step, path=verdict.path)
+
         self._change_stage(stage, change)

@@ -37,8 +37,10 @@ def _parse(path: Path | str, data: bytes) -> CampaignRecord:
         raise LedgerDamaged(f"{path} is damaged (a JSON {type(obj).__name__}, not a JSON object)")
     version = obj.get("version", 1)
     if isinstance(version, int) and not isinstance(version, bool) and version > LEDGER_VERSION:
-        raise LedgerNewer(f"{path} was written by a newer prefect-pretrain (ledger version {version}; this release "
-                          f"reads up to {LEDGER_VERSION}): run the campaign with that release, or upgrade this one")
+        raise LedgerNewer(
+            f"{path} was written by a newer prefect-pretrain (ledger version {version}; this release "
+            f"reads up to {LEDGER_VERSION}): run the campaign with that release, or upgrade this one"
+        )
     try:
         return CampaignRecord.model_validate(obj)
     except ValidationError as err:
@@ -81,12 +83,16 @@ def _recovery(path: Path) -> str:
         saved = _parse(prev, prev.read_bytes())
     except (OSError, LedgerError) as err:
         why = "it does not exist" if isinstance(err, FileNotFoundError) else str(err)
-        return (f"There is no intact previous generation ({prev}: {why}). Move the damaged file aside "
-                f"(mv {path} {path}.damaged) and run the campaign again with its spec: training resumes from "
-                "its checkpoints; the ledger's history (attempts, failures, verdicts) starts anew")
-    return (f"The previous generation {prev} is intact (campaign {saved.campaign!r}, status {saved.status.value!r}): "
-            f"restore it with `pretrain recover-ledger --workdir {path.parent}` (the damaged file is kept as "
-            f"{path.name}.damaged-<time>), then run the same command again")
+        return (
+            f"There is no intact previous generation ({prev}: {why}). Move the damaged file aside "
+            f"(mv {path} {path}.damaged) and run the campaign again with its spec: training resumes from "
+            "its checkpoints; the ledger's history (attempts, failures, verdicts) starts anew"
+        )
+    return (
+        f"The previous generation {prev} is intact (campaign {saved.campaign!r}, status {saved.status.value!r}): "
+        f"restore it with `pretrain recover-ledger --workdir {path.parent}` (the damaged file is kept as "
+        f"{path.name}.damaged-<time>), then run the same command again"
+    )
 
 
 def recover_ledger(workdir: str | Path) -> Path:
@@ -100,8 +106,11 @@ def recover_ledger(workdir: str | Path) -> Path:
     except LedgerDamaged:
         intact = None
     if intact is not None:
-        raise LedgerError(f"{path} is intact: nothing to recover" if intact else
-                          f"{path} does not exist: no campaign to recover in {path.parent}")
+        raise LedgerError(
+            f"{path} is intact: nothing to recover"
+            if intact
+            else f"{path} does not exist: no campaign to recover in {path.parent}"
+        )
     prev = _prev(path)
     try:
         data = prev.read_bytes()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretrain.state.layout import CampaignLayout
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.layout import CampaignLayout
 
 
 def checkpoint_location(spec: CampaignSpec, stage: str) -> str:
@@ -22,8 +22,10 @@ def recorded_checkpoints(layout: CampaignLayout, stage: str, recorded: str) -> t
     here, path = layout.ckpt_dir(stage), Path(recorded)
     if "://" in recorded or path == here or path.parts[-2:] != ("checkpoints", stage) or not here.is_dir():
         return recorded, None
-    return str(here), (f"the ledger records this stage's checkpoints in {path.parent.parent}: the campaign was moved or "
-                       f"copied from there; those in {layout.root} are shown (the next `pretrain run` records the new place)")
+    return str(here), (
+        f"the ledger records this stage's checkpoints in {path.parent.parent}: the campaign was moved or "
+        f"copied from there; those in {layout.root} are shown (the next `pretrain run` records the new place)"
+    )
 
 
 def s3_options(endpoint_url: str | None = None, region: str | None = None) -> dict:

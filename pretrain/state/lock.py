@@ -15,10 +15,10 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Iterator
 
 LOCK_NAME = "campaign.lock"
 
@@ -62,9 +62,12 @@ def lock_failure(path: Path, err: OSError) -> LockUnavailable:
         return LockUnavailable(
             f"cannot lock {path}: its filesystem does not support file locks: {why}. The lock keeps two runs of "
             "one campaign from training at once. Put the campaign's workdir on a local filesystem (`workdir` in the "
-            "spec, or --workdir), or, where one machine runs the campaign, mount the NFS share with -o local_lock=flock")
-    return LockUnavailable(f"cannot lock {path}: {why}. Check that the campaign's workdir is writable, or choose "
-                           "another one (`workdir` in the spec, or --workdir)")
+            "spec, or --workdir), or, where one machine runs the campaign, mount the NFS share with -o local_lock=flock"
+        )
+    return LockUnavailable(
+        f"cannot lock {path}: {why}. Check that the campaign's workdir is writable, or choose "
+        "another one (`workdir` in the spec, or --workdir)"
+    )
 
 
 def lock_fd(fd: int, path: Path) -> None:
@@ -100,9 +103,15 @@ def campaign_lock(workdir: str | Path, campaign: str, flow_run: str | None = Non
             raise CampaignBusy(
                 f"campaign {campaign!r} in {Path(workdir)} is already running ({_describe(read_holder(workdir))}). "
                 "Two runs of one campaign must not train at once: wait for that run to finish, or cancel it, "
-                "then run again (it resumes from the last checkpoint)") from None
-        holder = {"campaign": campaign, "host": socket.gethostname(), "pid": os.getpid(), "flow_run": flow_run,
-                  "since": time.time()}
+                "then run again (it resumes from the last checkpoint)"
+            ) from None
+        holder = {
+            "campaign": campaign,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "flow_run": flow_run,
+            "since": time.time(),
+        }
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(holder).encode(), 0)
@@ -139,12 +148,13 @@ def updating(path: Path, timeout_s: float = 60.0) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise CampaignBusy(f"{path} has been locked for an update for {timeout_s:.0f}s by another "
-                                       f"writer ({lock}); if no other run of this campaign is alive, remove {lock}") from None
+                    raise CampaignBusy(
+                        f"{path} has been locked for an update for {timeout_s:.0f}s by another "
+                        f"writer ({lock}); if no other run of this campaign is alive, remove {lock}"
+                    ) from None
                 time.sleep(0.01)  # poll: writers hold it for one small file write
             except OSError:
                 break  # no locks on this filesystem
         yield
     finally:
         os.close(fd)
-

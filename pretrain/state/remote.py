@@ -21,14 +21,14 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from pretrain.state.local import LedgerError, _read
-from pretrain.state.schema import CampaignRecord
 from pretrain.state.lock import updating
+from pretrain.state.schema import CampaignRecord
 from trainer.common.atomic import atomic_write_json
 from trainer.storage import NotFound, PreconditionFailed, Storage
 
@@ -83,11 +83,12 @@ class RemoteLedger:
                     self.storage.put_if_match(self.key, body, read[0])
                 return record
             except PreconditionFailed:
-                time.sleep(random.uniform(0, min(1.0, 0.02 * 2 ** attempt)))  # backoff: let the other writer finish
+                time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))  # backoff: let the other writer finish
         raise LedgerConflict(
             f"the ledger {self.where} changed under each of {self.tries} tries to write it: other processes keep "
             "writing it. Only the run that holds the campaign's lease writes its ledger: check that no other "
-            "run of this campaign (or a tool writing its state) is running, then run again")
+            "run of this campaign (or a tool writing its state) is running, then run again"
+        )
 
 
 def keep_copy(path: Path, record: CampaignRecord, where: str) -> None:
@@ -105,8 +106,13 @@ def keep_copy(path: Path, record: CampaignRecord, where: str) -> None:
                     return
             atomic_write_json(path, copy.to_json(), sort_keys=False)
     except OSError as err:
-        logging.getLogger(__name__).warning("could not update %s, the workdir's copy of the campaign's ledger %s (%s): "
-                                            "`pretrain status` there may show an older state", path, where, err)
+        logging.getLogger(__name__).warning(
+            "could not update %s, the workdir's copy of the campaign's ledger %s (%s): "
+            "`pretrain status` there may show an older state",
+            path,
+            where,
+            err,
+        )
 
 
 def refuse_foreign_workdir(path: Path, where: str) -> None:
@@ -118,7 +124,12 @@ def refuse_foreign_workdir(path: Path, where: str) -> None:
         raise LedgerError(f"{err}. (This campaign's ledger is {where}; its workdir only keeps a copy of it.)") from None
     if held is None or held.copy_of == where:
         return
-    whose = (f"keeps a copy of the ledger {held.copy_of}" if held.copy_of else
-             f"holds the ledger of campaign {held.campaign!r}, kept in that workdir")
-    raise LedgerError(f"{path.parent} {whose}; this campaign's ledger is {where}: give this campaign a workdir of "
-                      "its own (--workdir pointing to an empty directory)")
+    whose = (
+        f"keeps a copy of the ledger {held.copy_of}"
+        if held.copy_of
+        else f"holds the ledger of campaign {held.campaign!r}, kept in that workdir"
+    )
+    raise LedgerError(
+        f"{path.parent} {whose}; this campaign's ledger is {where}: give this campaign a workdir of "
+        "its own (--workdir pointing to an empty directory)"
+    )

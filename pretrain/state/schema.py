@@ -73,9 +73,11 @@ class Entry(GivenKeys):
     def _given_keys_only(self, handler) -> dict[str, Any]:
         given = self.given_keys()
         out = {k: v for k, v in handler(self).items() if k in given and k != "time"}
-        return out if "time" not in self.model_fields_set else {**out, "time": self.time}  # last, as the release before wrote it
+        return (
+            out if "time" not in self.model_fields_set else {**out, "time": self.time}
+        )  # last, as the release before wrote it
 
-    def stamped(self) -> "Entry":
+    def stamped(self) -> Entry:
         """This entry with ``time`` set to now if it has none."""
         if self.time is None:
             self.time = time.time()
@@ -107,12 +109,18 @@ class Failure(Entry):
     exit_code: int | None = None  # a failed job's agent exit code
     errors: list[str] = Field(default_factory=list)  # what the workers reported
     log: str = ""  # the failed job's node agent log
-    detected_at: float | None = None  # when the fault was noticed (a hang: when the detector found it; a failed job: its end)
+    detected_at: float | None = (
+        None  # when the fault was noticed (a hang: when the detector found it; a failed job: its end)
+    )
     recovery_s: float | None = None  # until training stepped again (a failed job: its relaunch until the first step)
     steps_redone: int = 0
-    recovery_path: str | None = None  # in-job: "in_process" (rolled back in the live workers), "spare"/"replacement" (a lost worker replaced, the others kept), "restart" (new workers) or "spare_node" (new workers, a standby node for a lost one)
+    recovery_path: str | None = (
+        None  # in-job: "in_process" (rolled back in the live workers), "spare"/"replacement" (a lost worker replaced, the others kept), "restart" (new workers) or "spare_node" (new workers, a standby node for a lost one)
+    )
     detection_s: float | None = None  # a hang: how long it went unnoticed (last heartbeat → detection)
-    stacks: list[dict] = Field(default_factory=list)  # a hang: per hung rank, "where" it was (innermost frames) and "file", its threads' stacks in the job's directory
+    stacks: list[dict] = Field(
+        default_factory=list
+    )  # a hang: per hung rank, "where" it was (innermost frames) and "file", its threads' stacks in the job's directory
 
 
 class Resume(Entry):
@@ -282,8 +290,12 @@ class CampaignRecord(BaseModel):
 
     def interrupted(self, flow_run: str) -> bool:
         """The ledger records ``flow_run`` as interrupted by the operator."""
-        return (self.flow_run == flow_run and self.end is not None and self.end.flow_run == flow_run
-                and self.end.state == CampaignStatus.INTERRUPTED)
+        return (
+            self.flow_run == flow_run
+            and self.end is not None
+            and self.end.flow_run == flow_run
+            and self.end.state == CampaignStatus.INTERRUPTED
+        )
 
     def excluded_nodes(self) -> list[int]:
         return list(self.cluster.excluded) if self.cluster else []
@@ -300,8 +312,15 @@ class CampaignRecord(BaseModel):
 
 
 def new_stage(steps: int, checkpoints: str) -> StageRecord:
-    return StageRecord(status=StageStatus.PENDING, steps=steps, checkpoints=checkpoints, attempts=0, restarts=0,
-                       failures=[], resumes=[])
+    return StageRecord(
+        status=StageStatus.PENDING,
+        steps=steps,
+        checkpoints=checkpoints,
+        attempts=0,
+        restarts=0,
+        failures=[],
+        resumes=[],
+    )
 
 
 def describe_problem(error: dict) -> str:

@@ -37,8 +37,10 @@ class ForwarderThread:
                 self.forwarder.pump()
             self.drained = self.forwarder.drain(self.drain_s)
         except Exception as err:  # noqa: BLE001 - the job's files keep every step; a later sync sends them
-            self.forwarder.log(f"the MLflow forwarder stopped ({type(err).__name__}: {err}); the steps stay in "
-                               f"{self.forwarder.path} for a later sync")
+            self.forwarder.log(
+                f"the MLflow forwarder stopped ({type(err).__name__}: {err}); the steps stay in "
+                f"{self.forwarder.path} for a later sync"
+            )
 
     def stop(self) -> None:
         """Let the thread drain and end on its own; nobody waits for it."""
@@ -55,7 +57,9 @@ class ForwarderThread:
             self._thread.join(self.drain_s + self.margin_s)
             away = f"a request unanswered for over {self.drain_s + self.margin_s:.0f}s"
         if self._thread.is_alive():
-            self.forwarder.log(f"MLflow tracking: MLflow is away ({away}); the job's steps stay in "
-                               f"{self.forwarder.path} for a later sync")
+            self.forwarder.log(
+                f"MLflow tracking: MLflow is away ({away}); the job's steps stay in "
+                f"{self.forwarder.path} for a later sync"
+            )
             return False
         return self.drained

@@ -30,8 +30,9 @@ def mlflow_away(tracking_uri: str | None, client: MlflowClient, timeout_s: float
         return None
     store = client._tracking_client.store  # the REST store: its host, TLS and auth settings
     try:
-        response = http_request(store.get_host_creds(), "/health", "GET", max_retries=0, timeout=timeout_s,
-                                raise_on_status=False)
+        response = http_request(
+            store.get_host_creds(), "/health", "GET", max_retries=0, timeout=timeout_s, raise_on_status=False
+        )
     except Exception as err:  # noqa: BLE001 - cannot connect, timed out, refused by TLS: all say "away"
         return _reason(err)
     if response.status_code >= 500:
@@ -41,8 +42,12 @@ def mlflow_away(tracking_uri: str | None, client: MlflowClient, timeout_s: float
 
 def _reason(err: BaseException) -> str:
     text = str(err)
-    for cause, words in (("connection refused", "Connection refused"), ("timed out", "timed out"),
-                         ("name not resolved", "Name or service not known"), ("TLS failed", "SSL")):
+    for cause, words in (
+        ("connection refused", "Connection refused"),
+        ("timed out", "timed out"),
+        ("name not resolved", "Name or service not known"),
+        ("TLS failed", "SSL"),
+    ):
         if words in text:
             return cause
     return redact((text.strip().splitlines() or [type(err).__name__])[0])[:200]

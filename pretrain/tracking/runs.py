@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
 
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
-from pretrain.tracking.health import MlflowAway, mlflow_away
 from pretrain.redact import redact, redact_mapping, redact_value
 from pretrain.settings import PretrainSettings
+from pretrain.tracking.health import MlflowAway, mlflow_away
 from pretrain.tracking.store import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
 from trainer.common.backoff import Backoff
 from trainer.job.events import EventKind
@@ -35,8 +35,15 @@ TAG_STAGE = "pretrain.stage"
 TAG_SPEC_HASH = "pretrain.spec_hash"
 TAG_WORKDIR = "pretrain.workdir"
 # Stable metric keys (docs/tracking.md): the stage run's metric → the job's metrics.jsonl field.
-STAGE_METRICS = {"loss": "loss", "lr": "lr", "grad_norm": "grad_norm", "step_time": "step_time",
-                 "tokens_per_s": "tokens_per_s", "tokens_seen": "tokens", "checkpoint_block_s": "ckpt_block_s"}
+STAGE_METRICS = {
+    "loss": "loss",
+    "lr": "lr",
+    "grad_norm": "grad_norm",
+    "step_time": "step_time",
+    "tokens_per_s": "tokens_per_s",
+    "tokens_seen": "tokens",
+    "checkpoint_block_s": "ckpt_block_s",
+}
 CAMPAIGN_METRICS = ("loss", "lr", "tokens_seen")  # also on the campaign run, at campaign steps
 METRIC_KEYS = tuple(STAGE_METRICS)
 _BATCH = 900  # log_batch accepts at most 1000 metrics
@@ -85,8 +92,11 @@ def log_once_at_steps(client: MlflowClient, run_id: str, values_by_step: dict[in
     """:func:`log_once` for values at several steps: each metric's history is read once."""
     keys = {k for values in values_by_step.values() for k in values}
     held = {(m.key, m.step) for key in sorted(keys) for m in client.get_metric_history(run_id, key)}
-    new = [m for step, values in sorted(values_by_step.items())
-           for m in metrics_at({k: v for k, v in values.items() if (k, step) not in held}, step)]
+    new = [
+        m
+        for step, values in sorted(values_by_step.items())
+        for m in metrics_at({k: v for k, v in values.items() if (k, step) not in held}, step)
+    ]
     for i in range(0, len(new), _BATCH):
         client.log_batch(run_id, metrics=new[i : i + _BATCH])
 
@@ -107,26 +117,37 @@ class Tracker:
         3's UI then opens it in its training view) — also an existing one that lacks the tag."""
         exp = self.client.get_experiment_by_name(self.experiment)
         if exp is None:
-            return self.client.create_experiment(self.experiment, artifact_location=Path(self.artifact_dir).resolve().as_uri(),
-                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            return self.client.create_experiment(
+                self.experiment,
+                artifact_location=Path(self.artifact_dir).resolve().as_uri(),
+                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND},
+            )
         if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
             self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return exp.experiment_id
 
     def _find(self, tags: dict[str, str]) -> str | None:
         flt = " AND ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
-        runs = self.client.search_runs([self.experiment_id], filter_string=flt, max_results=2,
-                                       order_by=["attributes.start_time ASC"])
+        runs = self.client.search_runs(
+            [self.experiment_id], filter_string=flt, max_results=2, order_by=["attributes.start_time ASC"]
+        )
         return runs[0].info.run_id if runs else None
 
-    def _ensure(self, tags: dict[str, str], name: str, params: dict[str, str], extra_tags: dict[str, str],
-                current: dict[str, str] | None = None) -> str:
+    def _ensure(
+        self,
+        tags: dict[str, str],
+        name: str,
+        params: dict[str, str],
+        extra_tags: dict[str, str],
+        current: dict[str, str] | None = None,
+    ) -> str:
         """The run with ``tags``, created with ``extra_tags`` and ``params`` if there is none; the
         ``current`` tags are set on a found run too (what may have changed since it was created)."""
         run_id = self._find(tags)
         if run_id is None:
-            run = self.client.create_run(self.experiment_id, run_name=name,
-                                         tags=redact_mapping({**tags, **extra_tags, **(current or {})}))
+            run = self.client.create_run(
+                self.experiment_id, run_name=name, tags=redact_mapping({**tags, **extra_tags, **(current or {})})
+            )
             run_id = run.info.run_id
             items = [Param(k, v) for k, v in params.items()]
             for i in range(0, len(items), 90):
@@ -137,11 +158,18 @@ class Tracker:
                 self.set_tags(run_id, current)
         return run_id
 
-    def campaign_run(self, campaign_id: str, name: str, spec_hash: str, params: dict, workdir: Path | None = None) -> str:
+    def campaign_run(
+        self, campaign_id: str, name: str, spec_hash: str, params: dict, workdir: Path | None = None
+    ) -> str:
         """The campaign's run; its ``pretrain.workdir`` tag says where the campaign ran last (a
         moved campaign's new place: ``pretrain compare RUN_ID`` reads the ledger there)."""
-        return self._ensure({TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "campaign"}, name, flatten(params),
-                            {TAG_CAMPAIGN: name, TAG_SPEC_HASH: spec_hash}, {TAG_WORKDIR: str(workdir)} if workdir else None)
+        return self._ensure(
+            {TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "campaign"},
+            name,
+            flatten(params),
+            {TAG_CAMPAIGN: name, TAG_SPEC_HASH: spec_hash},
+            {TAG_WORKDIR: str(workdir)} if workdir else None,
+        )
 
     def last_workdir(self, campaign_id: str) -> str | None:
         """Where the campaign's run says the campaign ran last (None: no run yet, or no tag)."""
@@ -149,9 +177,12 @@ class Tracker:
         return self.client.get_run(run_id).data.tags.get(TAG_WORKDIR) if run_id else None
 
     def stage_run(self, campaign_id: str, parent_run_id: str, campaign: str, stage: str, params: dict) -> str:
-        return self._ensure({TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "stage", TAG_STAGE: stage},
-                            f"{campaign}/{stage}", flatten(params, "stage."),
-                            {MLFLOW_PARENT_RUN_ID: parent_run_id, TAG_CAMPAIGN: campaign, MLFLOW_RUN_NAME: f"{campaign}/{stage}"})
+        return self._ensure(
+            {TAG_CAMPAIGN_ID: campaign_id, TAG_ROLE: "stage", TAG_STAGE: stage},
+            f"{campaign}/{stage}",
+            flatten(params, "stage."),
+            {MLFLOW_PARENT_RUN_ID: parent_run_id, TAG_CAMPAIGN: campaign, MLFLOW_RUN_NAME: f"{campaign}/{stage}"},
+        )
 
     def away(self) -> str | None:
         """Why MLflow cannot be used now (one quick request), or None (:mod:`pretrain.tracking.health`)."""
@@ -185,8 +216,9 @@ class Tracker:
         """End the run with ``status`` now. As ``MlflowClient.set_terminated`` does, less its
         extra request and the "🏃 View run … at" line it writes to stdout (through a progress
         line on the console) for a server's runs: the campaign says where its runs are itself."""
-        self.client._tracking_client.store.update_run_info(run_id, run_status=RunStatus.from_string(status),
-                                                           end_time=int(time.time() * 1000), run_name=None)
+        self.client._tracking_client.store.update_run_info(
+            run_id, run_status=RunStatus.from_string(status), end_time=int(time.time() * 1000), run_name=None
+        )
 
 
 def transient(err: BaseException) -> bool:
@@ -242,7 +274,9 @@ class MetricsForwarder:
     pending: list[dict] = field(default_factory=list)  # records not yet in both runs
     pending_tags: dict[str, str] = field(default_factory=dict)  # not yet on the stage run
     _logged: dict[str, int] | None = field(default=None, repr=False)  # run id → its highest step; None: not asked
-    tokens_offset: int | None = None  # tokens seen before this stage (None: read from the campaign run once MLflow answers)
+    tokens_offset: int | None = (
+        None  # tokens seen before this stage (None: read from the campaign run once MLflow answers)
+    )
     open_runs: Callable[[], tuple[str, str]] | None = None  # opens (campaign run, stage run) when an id is None
     last_error: BaseException | None = field(default=None, repr=False)  # of the last failed try
     _quiet_until: float = field(default=0.0, repr=False)  # no line about a failed try before then
@@ -261,8 +295,10 @@ class MetricsForwarder:
             delay = self.backoff.failed()
             if time.monotonic() >= self._quiet_until:  # the first failure, then at most one line a minute
                 self._quiet_until = time.monotonic() + QUIET_S
-                self.log(f"MLflow tracking failed ({describe_error(err)}); {len(self.pending)} step(s) wait here, "
-                         f"next try in {delay:.0f}s; training goes on")
+                self.log(
+                    f"MLflow tracking failed ({describe_error(err)}); {len(self.pending)} step(s) wait here, "
+                    f"next try in {delay:.0f}s; training goes on"
+                )
             return 0
         if self.backoff.failures:
             self.log(f"MLflow tracking works again: caught up to step {self.last_step}")
@@ -283,13 +319,18 @@ class MetricsForwarder:
         whether everything is in MLflow; if not, says once where the rest still is."""
         deadline = time.monotonic() + timeout_s
         self.pump(final=True)
-        while (self.pending or self.pending_tags) and time.monotonic() + self._wait() < deadline \
-                and not isinstance(self.last_error, MlflowAway):
+        while (
+            (self.pending or self.pending_tags)
+            and time.monotonic() + self._wait() < deadline
+            and not isinstance(self.last_error, MlflowAway)
+        ):
             time.sleep(self._wait())  # the backoff's own delay before the next try
             self.pump(final=True)
         if self.pending or self.pending_tags:
-            self.log(f"MLflow tracking: {len(self.pending)} step(s) not sent yet; they remain in {self.path}, and "
-                     "reach MLflow when the campaign next finds it answering (a stage's end, its next run)")
+            self.log(
+                f"MLflow tracking: {len(self.pending)} step(s) not sent yet; they remain in {self.path}, and "
+                "reach MLflow when the campaign next finds it answering (a stage's end, its next run)"
+            )
             return False
         return True
 
@@ -329,9 +370,14 @@ class MetricsForwarder:
         if self._logged is None:  # asked once MLflow answers, not when the job starts
             self._logged = {run: self.tracker.max_step(run) for run in (self.stage_run_id, self.parent_run_id)}
             self.last_step = max(self.last_step, self._logged[self.stage_run_id])
-        if self.tokens_offset is None:  # the tokens of the stages before this one: the campaign run's count at its start
-            held = [m for m in self.tracker.client.get_metric_history(self.parent_run_id, "tokens_seen")
-                    if m.step <= self.step_offset]
+        if (
+            self.tokens_offset is None
+        ):  # the tokens of the stages before this one: the campaign run's count at its start
+            held = [
+                m
+                for m in self.tracker.client.get_metric_history(self.parent_run_id, "tokens_seen")
+                if m.step <= self.step_offset
+            ]
             self.tokens_offset = int(max(held, key=lambda m: m.step).value) if held and self.step_offset else 0
         sent = self._send_to(self.stage_run_id, 0, METRIC_KEYS, 0)
         self._send_to(self.parent_run_id, self.step_offset, CAMPAIGN_METRICS, self.tokens_offset)

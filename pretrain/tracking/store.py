@@ -11,8 +11,8 @@ earlier releases) keeps using that one.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from pretrain.redact import MASK
 
@@ -51,7 +51,7 @@ def recorded_store(recorded: str | None) -> str | None:
 def sqlite_path(uri: str) -> Path | None:
     """The file of a ``sqlite:///`` store; None for any other kind."""
     prefix = "sqlite:///"
-    return Path(uri[len(prefix):]) if uri.startswith(prefix) and len(uri) > len(prefix) else None
+    return Path(uri[len(prefix) :]) if uri.startswith(prefix) and len(uri) > len(prefix) else None
 
 
 def artifact_root(tracking_uri: str, workdir_artifacts: Path) -> Path:

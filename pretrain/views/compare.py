@@ -19,11 +19,19 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from sqlalchemy.exc import SQLAlchemyError
 
+from pretrain.redact import redact
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger, LedgerError
 from pretrain.state.schema import CampaignRecord
-from pretrain.redact import redact
-from pretrain.tracking.runs import TAG_CAMPAIGN, TAG_CAMPAIGN_ID, TAG_ROLE, TAG_STAGE, TAG_WORKDIR, describe_error, transient
+from pretrain.tracking.runs import (
+    TAG_CAMPAIGN,
+    TAG_CAMPAIGN_ID,
+    TAG_ROLE,
+    TAG_STAGE,
+    TAG_WORKDIR,
+    describe_error,
+    transient,
+)
 from pretrain.tracking.store import recorded_store, sqlite_path
 
 EVAL_LOSS = "val_loss"
@@ -64,8 +72,10 @@ class CampaignSummary:
 def ledger_counters(record: CampaignRecord) -> dict[str, int]:
     """Restarts (in-job restarts and job relaunches) and rollbacks (loss anomalies skipped) of a campaign."""
     stages = record.stages.values()
-    return {"restarts": sum(s.restarts + max(0, s.attempts - 1) for s in stages),
-            "rollbacks": sum(1 for s in stages for f in s.failures if f.cause in ROLLBACK_CAUSES)}
+    return {
+        "restarts": sum(s.restarts + max(0, s.attempts - 1) for s in stages),
+        "rollbacks": sum(1 for s in stages for f in s.failures if f.cause in ROLLBACK_CAUSES),
+    }
 
 
 @dataclass
@@ -92,12 +102,16 @@ def resolve(label: str, tracking_uri: str) -> Target:
     runs = client.search_runs(experiments, filter_string=flt, max_results=20) if experiments else []
     if not runs:
         where = f"{label} holds no campaign (no ledger.json)" if path.is_dir() else f"{label!r} is no workdir here"
-        raise CompareError(f"{where} and no campaign of that name is in {redact(tracking_uri)}: "
-                           "give its workdir, its MLflow run id, or the store with --tracking-uri")
+        raise CompareError(
+            f"{where} and no campaign of that name is in {redact(tracking_uri)}: "
+            "give its workdir, its MLflow run id, or the store with --tracking-uri"
+        )
     if len({r.data.tags.get(TAG_CAMPAIGN_ID) for r in runs}) > 1:
         ids = ", ".join(r.info.run_id for r in runs)
-        raise CompareError(f"several campaigns are named {label!r} in {redact(tracking_uri)} (runs {ids}): "
-                           "give the run id or the workdir of the one you mean")
+        raise CompareError(
+            f"several campaigns are named {label!r} in {redact(tracking_uri)} (runs {ids}): "
+            "give the run id or the workdir of the one you mean"
+        )
     return Target(label, tracking_uri, runs[0].info.run_id)
 
 
@@ -105,8 +119,10 @@ def _client(tracking_uri: str) -> MlflowClient:
     """A client of the store; a sqlite store that does not exist is an error (MLflow would create it)."""
     db = sqlite_path(tracking_uri)
     if db is not None and not db.is_file():
-        raise CompareError(f"there is no MLflow store at {db}: run this where the campaigns were run, or give "
-                           "their store with --tracking-uri (or MLFLOW_TRACKING_URI), or their workdirs")
+        raise CompareError(
+            f"there is no MLflow store at {db}: run this where the campaigns were run, or give "
+            "their store with --tracking-uri (or MLFLOW_TRACKING_URI), or their workdirs"
+        )
     return MlflowClient(tracking_uri)
 
 
@@ -140,12 +156,16 @@ def summarize(target: Target) -> CampaignSummary:
     run = client.get_run(target.run_id)
     tags, metrics = run.data.tags, run.data.metrics
     if tags.get(TAG_ROLE) != "campaign":
-        raise CompareError(f"{target.label}: MLflow run {target.run_id} is not a campaign's run (tag {TAG_ROLE} is "
-                           f"{tags.get(TAG_ROLE)!r}); give the campaign run's id (its stage runs are nested under it)")
+        raise CompareError(
+            f"{target.label}: MLflow run {target.run_id} is not a campaign's run (tag {TAG_ROLE} is "
+            f"{tags.get(TAG_ROLE)!r}); give the campaign run's id (its stage runs are nested under it)"
+        )
     record = target.record or ledger_of(tags.get(TAG_WORKDIR), tags.get(TAG_CAMPAIGN_ID))
     tokens, evals = _history(client, run.info.run_id, "tokens_seen"), _history(client, run.info.run_id, EVAL_LOSS)
-    stages = client.search_runs([run.info.experiment_id], filter_string=(
-        f"tags.`{TAG_CAMPAIGN_ID}` = '{tags.get(TAG_CAMPAIGN_ID)}' AND tags.`{TAG_ROLE}` = 'stage'"))
+    stages = client.search_runs(
+        [run.info.experiment_id],
+        filter_string=(f"tags.`{TAG_CAMPAIGN_ID}` = '{tags.get(TAG_CAMPAIGN_ID)}' AND tags.`{TAG_ROLE}` = 'stage'"),
+    )
     params = dict(run.data.params)
     for stage in stages:
         name = stage.data.tags.get(TAG_STAGE, stage.info.run_id)
@@ -155,15 +175,20 @@ def summarize(target: Target) -> CampaignSummary:
     goodput_wall = metrics.get("goodput_wall_s")  # the measured runs' wall time (idle time between runs excluded)
     end = run.info.end_time or int(time.time() * 1000)
     return CampaignSummary(
-        label=target.label, campaign=tags.get(TAG_CAMPAIGN, run.info.run_name or ""), run_id=run.info.run_id,
-        tracking_uri=redact(target.tracking_uri), status=run.info.status,
+        label=target.label,
+        campaign=tags.get(TAG_CAMPAIGN, run.info.run_name or ""),
+        run_id=run.info.run_id,
+        tracking_uri=redact(target.tracking_uri),
+        status=run.info.status,
         tokens_seen=tokens[-1].value if tokens else None,
         final_eval_loss=evals[-1].value if evals else None,
         best_eval_loss=min(m.value for m in evals) if evals else None,
         goodput=metrics.get("goodput"),
         wall_time_s=goodput_wall if goodput_wall is not None else (end - run.info.start_time) / 1000,
-        restarts=_count(metrics, counters, "restarts"), rollbacks=_count(metrics, counters, "rollbacks"),
-        checkpoint_stall_s=sum(stall), params=params,
+        restarts=_count(metrics, counters, "restarts"),
+        rollbacks=_count(metrics, counters, "rollbacks"),
+        checkpoint_stall_s=sum(stall),
+        params=params,
         eval_curve=[(t, m.value) for m in evals if (t := _at(tokens, m.step)) is not None],
     )
 
@@ -195,14 +220,20 @@ def compare(labels: list[str], tracking_uri: str) -> list[CampaignSummary]:
             uri = target.tracking_uri
             out.append(summarize(target))
         except SQLAlchemyError as err:  # a damaged or foreign sqlite file where the store should be
-            raise CompareError(f"{label}: the MLflow store at {redact(uri)} cannot be read ({describe_error(err, 160)}): "
-                               "is it an MLflow database? Give the campaigns' store with --tracking-uri") from None
+            raise CompareError(
+                f"{label}: the MLflow store at {redact(uri)} cannot be read ({describe_error(err, 160)}): "
+                "is it an MLflow database? Give the campaigns' store with --tracking-uri"
+            ) from None
         except (MlflowException, OSError) as err:
             if transient(err):  # unreachable, timing out, failing on its side
-                raise CompareError(f"{label}: MLflow at {redact(uri)} cannot be reached ({describe_error(err, 160)}); "
-                                   "start it, or give the right --tracking-uri") from None
-            raise CompareError(f"{label}: cannot read it from MLflow at {redact(uri)} ({describe_error(err, 160)}); "
-                               "check the run id and the store (--tracking-uri)") from None
+                raise CompareError(
+                    f"{label}: MLflow at {redact(uri)} cannot be reached ({describe_error(err, 160)}); "
+                    "start it, or give the right --tracking-uri"
+                ) from None
+            raise CompareError(
+                f"{label}: cannot read it from MLflow at {redact(uri)} ({describe_error(err, 160)}); "
+                "check the run id and the store (--tracking-uri)"
+            ) from None
     return out
 
 
@@ -212,6 +243,9 @@ def same_campaign_notes(summaries: list[CampaignSummary]) -> list[str]:
     labels: dict[tuple[str, str], list[str]] = {}
     for s in summaries:
         labels.setdefault((s.tracking_uri, s.run_id), []).append(s.label)
-    return [f"{', '.join(named[:-1])} and {named[-1]} are the same campaign (MLflow run {run_id}): a workdir "
-            "copied from another keeps its campaign and its MLflow runs" for (_, run_id), named in labels.items()
-            if len(named) > 1]
+    return [
+        f"{', '.join(named[:-1])} and {named[-1]} are the same campaign (MLflow run {run_id}): a workdir "
+        "copied from another keeps its campaign and its MLflow runs"
+        for (_, run_id), named in labels.items()
+        if len(named) > 1
+    ]

@@ -31,7 +31,10 @@ ROWS = (  # label, how one summary's cell is written
     ("wall time", lambda c: _duration(c.wall_time_s)),
     ("restarts", lambda c: _num(c.restarts, "d")),
     ("rollbacks", lambda c: _num(c.rollbacks, "d")),
-    ("checkpoint blocking", lambda c: _num(c.checkpoint_stall_s, ".1f") + ("" if c.checkpoint_stall_s is None else " s")),
+    (
+        "checkpoint blocking",
+        lambda c: _num(c.checkpoint_stall_s, ".1f") + ("" if c.checkpoint_stall_s is None else " s"),
+    ),
 )
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from pretrain.console_progress import ProgressDisplay
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
-from pretrain.state.schema import CampaignRecord, CampaignStatus, StageStatus
 from pretrain.state.lock import read_holder
+from pretrain.state.schema import CampaignRecord, CampaignStatus, StageStatus
 from pretrain.views.training_progress import TrainingSnapshot, TrainingWatch, job_watch
 from trainer.common.process import pid_alive
 
@@ -51,8 +51,9 @@ class CampaignFollower:
         self.record = ledger.record if ledger else None
         if self.record is None:
             return None
-        stage = next((name for name, s in self.record.stages.items()
-                      if s.status == StageStatus.RUNNING and s.attempts > 0), None)
+        stage = next(
+            (name for name, s in self.record.stages.items() if s.status == StageStatus.RUNNING and s.attempts > 0), None
+        )
         if stage is None:
             if self.watch is None or self.ended:
                 return None
@@ -91,7 +92,7 @@ class FollowThread:
     def __post_init__(self) -> None:
         self.follower = CampaignFollower(self.workdir)
 
-    def start(self) -> "FollowThread":
+    def start(self) -> FollowThread:
         self.thread = threading.Thread(target=self._run, name="training-progress", daemon=True)
         self.thread.start()
         return self

@@ -26,8 +26,18 @@ from trainer.job.events import EventKind
 from trainer.job.reporting import EVENTS, METRICS, read_all
 
 # in priority order: an instant covered by several categories goes to the first
-CATEGORIES = ("productive", "recomputation", "checkpoint_blocking", "detection", "recovery", "node_checks",
-              "validation_eval", "registration", "data_preparation", "provisioning")
+CATEGORIES = (
+    "productive",
+    "recomputation",
+    "checkpoint_blocking",
+    "detection",
+    "recovery",
+    "node_checks",
+    "validation_eval",
+    "registration",
+    "data_preparation",
+    "provisioning",
+)
 IDLE = "idle"  # idle / orchestration: the remainder
 ALL = (*CATEGORIES, IDLE)
 DESCRIPTIONS = {
@@ -82,18 +92,28 @@ class JobStreams:
     metrics: list[dict] = field(default_factory=list)
 
     @classmethod
-    def read(cls, job_dir: Path, attempt: int) -> "JobStreams":
+    def read(cls, job_dir: Path, attempt: int) -> JobStreams:
         def valid(records: list[dict], keys: tuple[str, ...]) -> list[dict]:
-            return sorted((r for r in records if all(isinstance(r.get(k), (int, float)) for k in keys)),
-                          key=lambda r: r["time"])
-        return cls(attempt, valid(read_all(job_dir / EVENTS), ("time",)),
-                   valid(read_all(job_dir / METRICS), ("time", "step", "step_time")))
+            return sorted(
+                (r for r in records if all(isinstance(r.get(k), (int, float)) for k in keys)), key=lambda r: r["time"]
+            )
+
+        return cls(
+            attempt,
+            valid(read_all(job_dir / EVENTS), ("time",)),
+            valid(read_all(job_dir / METRICS), ("time", "step", "step_time")),
+        )
 
     def starts(self) -> list[dict]:
         """Rank 0's (re)starts and in-process rollbacks: each begins a run of steps from its ``step``
         (a rollback's ``step`` is the one it restored)."""
-        return [e for e in self.events if e.get("event") in (EventKind.START, EventKind.ROLLBACK) and e.get("rank") == 0
-                and isinstance(e.get("step"), int)]
+        return [
+            e
+            for e in self.events
+            if e.get("event") in (EventKind.START, EventKind.ROLLBACK)
+            and e.get("rank") == 0
+            and isinstance(e.get("step"), int)
+        ]
 
     def first_step_at(self) -> float | None:
         return self.metrics[0]["time"] if self.metrics else None
@@ -147,7 +167,9 @@ def step_intervals(jobs: list[JobStreams]) -> list[Interval]:
     return out
 
 
-def fault_intervals(jobs: list[JobStreams], failures: list[dict], job_spans: dict[int, tuple[float, float]]) -> list[Interval]:
+def fault_intervals(
+    jobs: list[JobStreams], failures: list[dict], job_spans: dict[int, tuple[float, float]]
+) -> list[Interval]:
     """Detection (last step → fault noticed) and recovery (noticed → stepping again) of every
     fault: in-job restarts from the job's streams, failed jobs from the ledger's failures."""
     by_attempt = {j.attempt: j for j in jobs}
@@ -158,8 +180,10 @@ def fault_intervals(jobs: list[JobStreams], failures: list[dict], job_spans: dic
             if recovery is None:
                 continue  # a saver restart: training did not stop
             resumed = first + recovery
-            noticed = min((e["time"] for e in job.events if first <= e["time"] <= resumed
-                           and e.get("event") in NOTICES), default=first)  # a hang: step_timeout_s later
+            noticed = min(
+                (e["time"] for e in job.events if first <= e["time"] <= resumed and e.get("event") in NOTICES),
+                default=first,
+            )  # a hang: step_timeout_s later
             last = job.last_step_before(first)
             out += [("detection", last if last is not None else first, noticed), ("recovery", noticed, resumed)]
     for f in failures:
@@ -203,9 +227,13 @@ class Goodput:
         return self.parts_s["productive"] / self.wall_s if self.wall_s else None
 
     def to_json(self) -> dict:
-        return {"known": self.wall_s is not None, "wall_s": None if self.wall_s is None else round(self.wall_s, 3),
-                "goodput": None if self.goodput is None else round(self.goodput, 4),
-                "parts_s": {k: round(v, 3) for k, v in self.parts_s.items()}, "missing": self.missing}
+        return {
+            "known": self.wall_s is not None,
+            "wall_s": None if self.wall_s is None else round(self.wall_s, 3),
+            "goodput": None if self.goodput is None else round(self.goodput, 4),
+            "parts_s": {k: round(v, 3) for k, v in self.parts_s.items()},
+            "missing": self.missing,
+        }
 
 
 def _of(windows: list[tuple[float, float]], intervals: list[Interval], missing: list[str]) -> Goodput:
@@ -215,41 +243,64 @@ def _of(windows: list[tuple[float, float]], intervals: list[Interval], missing: 
     return Goodput(sum(parts.values()), parts, missing)
 
 
-def goodput_report(record: CampaignRecord, layout: CampaignLayout, now: float | None = None, live: bool = False) -> dict:
+def goodput_report(
+    record: CampaignRecord, layout: CampaignLayout, now: float | None = None, live: bool = False
+) -> dict:
     """``{"campaign": <split>, "stages": {name: <split>}}``, each split as :meth:`Goodput.to_json`.
     ``live``: called by the campaign's run itself (its open spans end now)."""
     now = time.time() if now is None else now
     spans = [(s, span_end(s, record, now, live)) for s in record.spans if isinstance(s.start, (int, float))]
-    ledger_intervals = [(cat, s.start, end) for s, end in spans for kind, cat in (
-        (SpanKind.NODE_CHECK, "node_checks"), (SpanKind.DATA_PREPARATION, "data_preparation"),
-        (SpanKind.VALIDATION_EVAL, "validation_eval"), (SpanKind.REGISTRATION, "registration")) if s.kind == kind]
-    no_spans = [] if record.spans else ["the ledger has no timed spans (written by a release before goodput was "
-                                        "recorded): wall time unknown; runs from now on are measured"]
+    ledger_intervals = [
+        (cat, s.start, end)
+        for s, end in spans
+        for kind, cat in (
+            (SpanKind.NODE_CHECK, "node_checks"),
+            (SpanKind.DATA_PREPARATION, "data_preparation"),
+            (SpanKind.VALIDATION_EVAL, "validation_eval"),
+            (SpanKind.REGISTRATION, "registration"),
+        )
+        if s.kind == kind
+    ]
+    no_spans = (
+        []
+        if record.spans
+        else [
+            "the ledger has no timed spans (written by a release before goodput was "
+            "recorded): wall time unknown; runs from now on are measured"
+        ]
+    )
     all_intervals, stages = list(ledger_intervals), {}
     for name, stage in record.stages.items():
         jobs = read_jobs(layout, name)
         job_spans = {s.attempt: (s.start, end) for s, end in spans if s.kind == SpanKind.JOB and s.stage == name}
         intervals = step_intervals(jobs) + fault_intervals(
-            jobs, [f.model_dump(mode="json") for f in stage.failures], job_spans)
+            jobs, [f.model_dump(mode="json") for f in stage.failures], job_spans
+        )
         found = {j.attempt: j for j in jobs}
         # a launch whose records are not here (written in another workdir, or lost with the disk of a
         # run that died; not the newest launch, whose job may not have written anything yet): its
         # time is not known to be provisioning, it counts as idle
         lost = sorted(a for a, (_, end) in job_spans.items() if a not in found and (a < max(job_spans) or end < now))
-        intervals += [("provisioning", start, found.get(a, JobStreams(a)).first_step_at() or end)
-                      for a, (start, end) in job_spans.items() if a not in lost]
+        intervals += [
+            ("provisioning", start, found.get(a, JobStreams(a)).first_step_at() or end)
+            for a, (start, end) in job_spans.items()
+            if a not in lost
+        ]
         windows = [(s.start, end) for s, end in spans if s.kind == SpanKind.STAGE and s.stage == name]
         missing = list(no_spans) or ([] if windows else [f"stage {name!r} has not started in a measured run"])
         if lost:
-            missing.append(f"stage {name!r}: no records of job attempt(s) {', '.join(map(str, lost))} in "
-                           f"{layout.root / 'jobs' / name} (another workdir's, or lost): their time counts as idle")
+            missing.append(
+                f"stage {name!r}: no records of job attempt(s) {', '.join(map(str, lost))} in "
+                f"{layout.root / 'jobs' / name} (another workdir's, or lost): their time counts as idle"
+            )
         stages[name] = _of(windows, intervals + ledger_intervals, missing).to_json()
         all_intervals += intervals
     runs = [(s.start, end) for s, end in spans if s.kind == SpanKind.RUN]
     missing = no_spans or ([] if runs else ["no run of the campaign was measured"])
     if runs and record.invocations > len(runs):
-        missing.append(f"{record.invocations - len(runs)} earlier run(s) of the campaign were not measured (a release "
-                       "before goodput was recorded): the wall time counts the measured runs only")
+        missing.append(
+            f"{record.invocations - len(runs)} earlier run(s) of the campaign were not measured (a release "
+            "before goodput was recorded): the wall time counts the measured runs only"
+        )
     campaign = _of(runs, all_intervals, missing)
     return {"campaign": campaign.to_json(), "stages": stages}
-

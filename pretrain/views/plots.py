@@ -13,15 +13,25 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: never a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pretrain.views.goodput import ALL, read_jobs  # noqa: E402
 from pretrain.state.layout import CampaignLayout  # noqa: E402
 from pretrain.state.schema import CampaignRecord  # noqa: E402
+from pretrain.views.goodput import ALL, read_jobs  # noqa: E402
 from trainer.job.events import IN_PROCESS_SOURCES, EventKind  # noqa: E402
 
 LOSS_PNG, GOODPUT_PNG = "loss_vs_tokens.png", "goodput.png"
-COLORS = {"productive": "#2ca02c", "recomputation": "#d62728", "checkpoint_blocking": "#ff7f0e", "detection": "#9467bd",
-          "recovery": "#8c564b", "node_checks": "#e377c2", "validation_eval": "#17becf", "registration": "#aec7e8", "data_preparation": "#bcbd22",
-          "provisioning": "#1f77b4", "idle": "#c7c7c7"}
+COLORS = {
+    "productive": "#2ca02c",
+    "recomputation": "#d62728",
+    "checkpoint_blocking": "#ff7f0e",
+    "detection": "#9467bd",
+    "recovery": "#8c564b",
+    "node_checks": "#e377c2",
+    "validation_eval": "#17becf",
+    "registration": "#aec7e8",
+    "data_preparation": "#bcbd22",
+    "provisioning": "#1f77b4",
+    "idle": "#c7c7c7",
+}
 
 
 @dataclass
@@ -31,7 +41,9 @@ class StageCurve:
     name: str
     start_tokens: float
     end_tokens: float = 0.0
-    train: dict[int, tuple[float, float]] = field(default_factory=dict)  # step → (tokens, loss); a redone step's last run
+    train: dict[int, tuple[float, float]] = field(
+        default_factory=dict
+    )  # step → (tokens, loss); a redone step's last run
     evals: list[tuple[float, float]] = field(default_factory=list)  # (tokens, val loss)
     restarts: list[float] = field(default_factory=list)  # tokens where workers restarted (in-job or a relaunch)
     rollbacks: list[float] = field(default_factory=list)  # tokens of a skipped (rolled back) step
@@ -69,9 +81,14 @@ def loss_curves(record: CampaignRecord, layout: CampaignLayout) -> list[StageCur
 
         def at(step: int) -> float:
             return offset + tokens_at.get(step, step * rate)
+
         for where, step in marks:
             where.append(at(step))
-        if stage.eval and isinstance(stage.eval.get("val_loss"), (int, float)) and isinstance(stage.eval.get("step"), int):
+        if (
+            stage.eval
+            and isinstance(stage.eval.get("val_loss"), (int, float))
+            and isinstance(stage.eval.get("step"), int)
+        ):
             curve.evals.append((at(stage.eval["step"]), float(stage.eval["val_loss"])))
         curve.end_tokens = max(at(stage.steps), max((t for t, _ in curve.train.values()), default=offset))
         offset = curve.end_tokens
@@ -91,8 +108,10 @@ def plot_loss(curves: list[StageCurve], path: Path, title: str) -> Path:
         evals = [p for c in curves for p in c.evals]
         if evals:
             ax.plot(*zip(*evals), "o", color="#d62728", label="eval loss")
-        for label, xs, style in (("restart", [x for c in curves for x in c.restarts], dict(color="#8c564b", ls="--")),
-                                 ("rollback", [x for c in curves for x in c.rollbacks], dict(color="#9467bd", ls=":"))):
+        for label, xs, style in (
+            ("restart", [x for c in curves for x in c.restarts], dict(color="#8c564b", ls="--")),
+            ("rollback", [x for c in curves for x in c.rollbacks], dict(color="#9467bd", ls=":")),
+        ):
             for j, x in enumerate(xs):
                 ax.axvline(x, lw=1, label=label if j == 0 else None, **style)
         ax.set_xlabel("tokens")
@@ -134,5 +153,7 @@ def plot_goodput(goodput: dict, path: Path, title: str) -> Path:
 def write_plots(record: CampaignRecord, layout: CampaignLayout, goodput: dict, out: Path) -> list[Path]:
     """Both PNGs into ``out`` (created); returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    return [plot_loss(loss_curves(record, layout), out / LOSS_PNG, f"campaign {record.campaign}: loss vs tokens"),
-            plot_goodput(goodput, out / GOODPUT_PNG, f"campaign {record.campaign}: goodput")]
+    return [
+        plot_loss(loss_curves(record, layout), out / LOSS_PNG, f"campaign {record.campaign}: loss vs tokens"),
+        plot_goodput(goodput, out / GOODPUT_PNG, f"campaign {record.campaign}: goodput"),
+    ]

@@ -7,12 +7,12 @@ import html
 from collections import defaultdict
 from pathlib import Path
 
-from pretrain.views.goodput import ALL, DESCRIPTIONS
+from pretrain.redact import redact, redact_tree
 from pretrain.run.incidents import where_hung
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.locations import recorded_checkpoints
-from pretrain.redact import redact, redact_tree
+from pretrain.views.goodput import ALL, DESCRIPTIONS
 from pretrain.views.status import MLFLOW_BEHIND, NO_MLFLOW_RUN, STATE_ELSEWHERE, campaign_status
 from trainer.checkpoint.store import GOOD, CheckpointStore
 
@@ -35,11 +35,17 @@ def checkpoint_rows(workdir: str | Path, s3_credentials: dict | None = None) -> 
         evaluated = stage.eval or {}
         for step in sorted(store.committed_steps()):
             verdict = store.verdict(step) or {}
-            rows.append({"stage": name, "step": step, "verdict": verdict.get("verdict", "unvalidated"),
-                         "good_pointer": step == good,
-                         "eval_loss": round(evaluated["val_loss"], 4) if evaluated.get("step") == step else None,
-                         "problems": "; ".join(verdict.get("problems", [])) or None,
-                         "path": store.ref(step).location})
+            rows.append(
+                {
+                    "stage": name,
+                    "step": step,
+                    "verdict": verdict.get("verdict", "unvalidated"),
+                    "good_pointer": step == good,
+                    "eval_loss": round(evaluated["val_loss"], 4) if evaluated.get("step") == step else None,
+                    "problems": "; ".join(verdict.get("problems", [])) or None,
+                    "path": store.ref(step).location,
+                }
+            )
     return redact_tree(rows)
 
 
@@ -65,25 +71,41 @@ def _table(rows: list[dict], columns: list[str] | tuple[str, ...]) -> list[str]:
         text = "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
         return text.replace("|", "\\|").replace("\n", " ")
 
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
-            *("| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows), ""]
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows),
+        "",
+    ]
 
 
 def goodput_rows(status: dict) -> list[dict]:
     """One row per category of the goodput split: seconds per stage and for the campaign."""
-    splits = [(s["name"], s.get("goodput") or {}) for s in status["stages"]] + [("campaign", status.get("goodput") or {})]
+    splits = [(s["name"], s.get("goodput") or {}) for s in status["stages"]] + [
+        ("campaign", status.get("goodput") or {})
+    ]
     splits = [(name, g) for name, g in splits if g.get("known")]
     if not splits:
         return []
-    rows = [{"category": "goodput", **{n: f"{100 * g['goodput']:.1f} %" if g["goodput"] is not None else None
-                                       for n, g in splits}},
-            {"category": "wall (s)", **{n: round(g["wall_s"], 2) for n, g in splits}}]
-    return rows + [{"category": c, **{n: round(g["parts_s"].get(c, 0.0), 2) for n, g in splits}, "what": DESCRIPTIONS[c]}
-                   for c in ALL]
+    rows = [
+        {
+            "category": "goodput",
+            **{n: f"{100 * g['goodput']:.1f} %" if g["goodput"] is not None else None for n, g in splits},
+        },
+        {"category": "wall (s)", **{n: round(g["wall_s"], 2) for n, g in splits}},
+    ]
+    return rows + [
+        {"category": c, **{n: round(g["parts_s"].get(c, 0.0), 2) for n, g in splits}, "what": DESCRIPTIONS[c]}
+        for c in ALL
+    ]
 
 
-def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, status: dict | None = None,
-                    images: dict[str, str] | None = None) -> str:
+def campaign_report(
+    workdir: str | Path,
+    s3_credentials: dict | None = None,
+    status: dict | None = None,
+    images: dict[str, str] | None = None,
+) -> str:
     """Markdown: where the campaign stands, its stages and attempts, where the wall time went
     (goodput), every checkpoint with its verdict and eval loss, the node check, failures and the
     time lost per cause (redacted). ``status``: the campaign's status, when the caller has just
@@ -91,12 +113,16 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, sta
     status = status or campaign_status(workdir, s3_credentials)
     ledger = Ledger.read(CampaignLayout(Path(status["workdir"])))
     end = ledger.record.end if ledger else None
-    lines = [f"# Campaign `{status['campaign']}` — {status['status']}", "",
-             f"- workdir: `{status['workdir']}`", f"- spec hash: `{status['spec_hash']}`, runs of the campaign flow: "
-             f"{status['invocations']}",
-             f"- MLflow: parent run `{status['mlflow']['parent_run_id']}` in experiment "
-             f"`{status['mlflow']['experiment']}` (`{status['mlflow']['ui_command']}`)"
-             if status["mlflow"]["parent_run_id"] else f"- {NO_MLFLOW_RUN}"]
+    lines = [
+        f"# Campaign `{status['campaign']}` — {status['status']}",
+        "",
+        f"- workdir: `{status['workdir']}`",
+        f"- spec hash: `{status['spec_hash']}`, runs of the campaign flow: {status['invocations']}",
+        f"- MLflow: parent run `{status['mlflow']['parent_run_id']}` in experiment "
+        f"`{status['mlflow']['experiment']}` (`{status['mlflow']['ui_command']}`)"
+        if status["mlflow"]["parent_run_id"]
+        else f"- {NO_MLFLOW_RUN}",
+    ]
     if status["mlflow"].get("behind"):
         lines.append(f"- {MLFLOW_BEHIND}")
     if status.get("ledger_copy_of"):
@@ -104,23 +130,41 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, sta
     if end is not None and end.cause and status["status"] != "completed":
         lines.append(f"- ended {end.state.lower()}: {end.cause}")
     lines += ["", "## Stages", ""]
-    stage_rows = [{"stage": s["name"], "status": s["status"], "steps": f"{s['steps_done']}/{s['steps_total']}",
-                   "attempts": s["attempts"], "in-job restarts": s["restarts"], "failures": len(s["failures"]),
-                   "good checkpoint": s["good_checkpoint"]["step"] if s["good_checkpoint"] else None,
-                   "eval loss": round(s["eval"]["val_loss"], 4) if s["eval"] else None} for s in status["stages"]]
+    stage_rows = [
+        {
+            "stage": s["name"],
+            "status": s["status"],
+            "steps": f"{s['steps_done']}/{s['steps_total']}",
+            "attempts": s["attempts"],
+            "in-job restarts": s["restarts"],
+            "failures": len(s["failures"]),
+            "good checkpoint": s["good_checkpoint"]["step"] if s["good_checkpoint"] else None,
+            "eval loss": round(s["eval"]["val_loss"], 4) if s["eval"] else None,
+        }
+        for s in status["stages"]
+    ]
     lines += _table(stage_rows, list(stage_rows[0]) if stage_rows else ["stage"])
     lines += ["## Goodput: where the wall time went", ""]
     rows = goodput_rows(status)
-    lines += _table(rows, ["category", *(k for k in rows[0] if k not in ("category", "what")), "what"] if rows else ["category"])
+    lines += _table(
+        rows, ["category", *(k for k in rows[0] if k not in ("category", "what")), "what"] if rows else ["category"]
+    )
     if not rows:
         why = (status.get("goodput") or {}).get("missing") or ["no timing recorded yet"]
         lines[-2:] = [f"_unknown: {why[0]}_", ""]
     if images:
         lines += [f"![{title}]({url})" for title, url in images.items()]
-        lines += ["", f"_The pictures are also artifacts of the MLflow parent run (`report/`); "
-                      f"`pretrain report --workdir {status['workdir']}` redraws them with an HTML page._", ""]
+        lines += [
+            "",
+            f"_The pictures are also artifacts of the MLflow parent run (`report/`); "
+            f"`pretrain report --workdir {status['workdir']}` redraws them with an HTML page._",
+            "",
+        ]
     lines += ["## Checkpoints", ""]
-    lines += _table(checkpoint_rows(status["workdir"], s3_credentials), ("stage", "step", "verdict", "good_pointer", "eval_loss", "problems"))
+    lines += _table(
+        checkpoint_rows(status["workdir"], s3_credentials),
+        ("stage", "step", "verdict", "good_pointer", "eval_loss", "problems"),
+    )
     lines += ["## Node check", ""]
     lines += _table(node_check_rows(ledger.record.node_health() if ledger else []), NODE_CHECK_COLUMNS)
     lines += ["## Time lost per cause", ""]
@@ -128,8 +172,18 @@ def campaign_report(workdir: str | Path, s3_credentials: dict | None = None, sta
     lines += _table(lost, ("cause", "seconds"))
     failures = [{"stage": s["name"], **f, "where": where_hung(f)} for s in status["stages"] for f in s["failures"]]
     lines += ["## Failures", ""]
-    lines += _table(failures, ("stage", "attempt", "cause", "action", "time_lost_s", "recovery_s",
-                               *(("where",) if any(f["where"] for f in failures) else ())))
+    lines += _table(
+        failures,
+        (
+            "stage",
+            "attempt",
+            "cause",
+            "action",
+            "time_lost_s",
+            "recovery_s",
+            *(("where",) if any(f["where"] for f in failures) else ()),
+        ),
+    )
     return redact("\n".join(lines))
 
 
@@ -141,13 +195,18 @@ def write_report_files(workdir: str | Path, out: str | Path, s3_credentials: dic
     status = campaign_status(workdir, s3_credentials)
     layout = CampaignLayout(Path(status["workdir"]))
     out = Path(out)
-    loss, goodput = write_plots(Ledger.read(layout).record, layout, {"campaign": status["goodput"], "stages": {
-        s["name"]: s["goodput"] for s in status["stages"]}}, out)
+    loss, goodput = write_plots(
+        Ledger.read(layout).record,
+        layout,
+        {"campaign": status["goodput"], "stages": {s["name"]: s["goodput"] for s in status["stages"]}},
+        out,
+    )
     markdown = campaign_report(workdir, s3_credentials, status)
     page = out / "report.html"
     page.write_text(
         "<!doctype html>\n<html><head><meta charset='utf-8'><title>campaign "
         f"{html.escape(status['campaign'])}</title></head><body>\n"
         f"<img src='{loss.name}' alt='loss vs tokens'><br>\n<img src='{goodput.name}' alt='goodput'>\n"
-        f"<pre>{html.escape(markdown)}</pre>\n</body></html>\n")
+        f"<pre>{html.escape(markdown)}</pre>\n</body></html>\n"
+    )
     return {"loss": loss, "goodput": goodput, "html": page}

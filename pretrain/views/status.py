@@ -7,11 +7,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pretrain.views.goodput import ALL, goodput_report
+from pretrain.redact import redact_tree
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.locations import recorded_checkpoints
-from pretrain.redact import redact_tree
+from pretrain.views.goodput import ALL, goodput_report
 from trainer.checkpoint.store import CheckpointStore
 
 
@@ -20,11 +20,15 @@ class NoCampaign(FileNotFoundError):
 
 
 NO_MLFLOW_RUN = "MLflow: no run yet (the campaign has not opened its MLflow run)"
-MLFLOW_BEHIND = ("MLflow is behind the campaign (it was away): what its runs lack is sent when the campaign next "
-                 "finds it answering — `pretrain run` of this campaign again (finished stages are skipped)")
+MLFLOW_BEHIND = (
+    "MLflow is behind the campaign (it was away): what its runs lack is sent when the campaign next "
+    "finds it answering — `pretrain run` of this campaign again (finished stages are skipped)"
+)
 
-STATE_ELSEWHERE = ("State: the campaign's ledger is {} (`checkpoint.state_uri`); this workdir keeps a copy, as "
-                   "last read or written from here (a run from another workdir may have gone further)")
+STATE_ELSEWHERE = (
+    "State: the campaign's ledger is {} (`checkpoint.state_uri`); this workdir keeps a copy, as "
+    "last read or written from here (a run from another workdir may have gone further)"
+)
 
 
 def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, live: bool = False) -> dict:
@@ -34,7 +38,9 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, liv
     layout = CampaignLayout(Path(workdir).expanduser().resolve())
     ledger = Ledger.read(layout)
     if ledger is None:
-        raise NoCampaign(f"no campaign in {layout.root} (no {layout.ledger.name}); start one with `pretrain run --workdir {workdir}`")
+        raise NoCampaign(
+            f"no campaign in {layout.root} (no {layout.ledger.name}); start one with `pretrain run --workdir {workdir}`"
+        )
     r = ledger.record
     goodput = goodput_report(r, layout, live=live)
     stages = []
@@ -43,43 +49,80 @@ def campaign_status(workdir: str | Path, s3_credentials: dict | None = None, liv
         store = CheckpointStore.open(where, {**r.storage_options, **(s3_credentials or {})})
         latest, good = store.latest_complete(), store.latest_good()
         entries = s.model_dump(mode="json", include={"verdicts", "resizes", "rewinds", "failures", "resumes"})
-        stages.append({
-            "name": name, "status": s.status.value, "steps_total": s.steps,
-            "steps_done": good.step if good else 0,  # what a resume would start from
-            "latest_checkpoint": latest.to_dict() if latest else None,
-            "good_checkpoint": good.to_dict() if good else None,
-            "bad_checkpoints": [v for v in entries["verdicts"] if v["verdict"] == "bad"],
-            "attempts": s.attempts, "restarts": s.restarts, "resizes": entries["resizes"],
-            "rewinds": entries["rewinds"], "problems": ([moved] if moved else []) + store.record_problems(),
-            "failures": entries["failures"], "resumes": entries["resumes"], "mlflow_run_id": s.mlflow_run_id, "eval": s.eval,
-            "goodput": goodput["stages"][name],
-        })
+        stages.append(
+            {
+                "name": name,
+                "status": s.status.value,
+                "steps_total": s.steps,
+                "steps_done": good.step if good else 0,  # what a resume would start from
+                "latest_checkpoint": latest.to_dict() if latest else None,
+                "good_checkpoint": good.to_dict() if good else None,
+                "bad_checkpoints": [v for v in entries["verdicts"] if v["verdict"] == "bad"],
+                "attempts": s.attempts,
+                "restarts": s.restarts,
+                "resizes": entries["resizes"],
+                "rewinds": entries["rewinds"],
+                "problems": ([moved] if moved else []) + store.record_problems(),
+                "failures": entries["failures"],
+                "resumes": entries["resumes"],
+                "mlflow_run_id": s.mlflow_run_id,
+                "eval": s.eval,
+                "goodput": goodput["stages"][name],
+            }
+        )
     uri = r.mlflow.tracking_uri
-    return redact_tree({
-        "campaign": r.campaign, "campaign_id": r.campaign_id, "workdir": str(layout.root),
-        "status": r.status.value, "spec_hash": r.spec_hash, "invocations": r.invocations, "ledger_copy_of": r.copy_of,
-        "data": r.data.to_json() if r.data else None, "stages": stages, "goodput": goodput["campaign"],
-        "registered_model": r.registered_model, "registration_pending": r.registration_pending,
-        "mlflow": {**r.mlflow.model_dump(mode="json"), "ui_command": f"mlflow ui --backend-store-uri {uri}"
-                   if uri.startswith("sqlite:") else f"open {uri}"},
-    })
+    return redact_tree(
+        {
+            "campaign": r.campaign,
+            "campaign_id": r.campaign_id,
+            "workdir": str(layout.root),
+            "status": r.status.value,
+            "spec_hash": r.spec_hash,
+            "invocations": r.invocations,
+            "ledger_copy_of": r.copy_of,
+            "data": r.data.to_json() if r.data else None,
+            "stages": stages,
+            "goodput": goodput["campaign"],
+            "registered_model": r.registered_model,
+            "registration_pending": r.registration_pending,
+            "mlflow": {
+                **r.mlflow.model_dump(mode="json"),
+                "ui_command": f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else f"open {uri}",
+            },
+        }
+    )
 
 
 def render(status: dict, console: Console | None = None) -> None:
     console = console or Console(width=max(Console().width, 150))
     table = Table(title=f"campaign {status['campaign']} — {status['status']}  ({status['workdir']})")
-    for col in ("stage", "status", "steps", "latest ckpt", "good ckpt", "bad ckpts", "attempts", "restarts", "failures",
-                "val loss", "MLflow run"):
+    for col in (
+        "stage",
+        "status",
+        "steps",
+        "latest ckpt",
+        "good ckpt",
+        "bad ckpts",
+        "attempts",
+        "restarts",
+        "failures",
+        "val loss",
+        "MLflow run",
+    ):
         table.add_column(col, no_wrap=col not in ("failures",))
     for s in status["stages"]:
         table.add_row(
-            s["name"], s["status"], f"{s['steps_done']}/{s['steps_total']}",
+            s["name"],
+            s["status"],
+            f"{s['steps_done']}/{s['steps_total']}",
             str(s["latest_checkpoint"]["step"]) if s["latest_checkpoint"] else "-",
             str(s["good_checkpoint"]["step"]) if s["good_checkpoint"] else "-",
             ", ".join(str(b["step"]) for b in s["bad_checkpoints"]) or "-",
-            str(s["attempts"]), str(s["restarts"]),
+            str(s["attempts"]),
+            str(s["restarts"]),
             ", ".join(f["cause"] for f in s["failures"]) or "-",
-            f"{s['eval']['val_loss']:.3f}" if s["eval"] else "-", s["mlflow_run_id"] or "-",
+            f"{s['eval']['val_loss']:.3f}" if s["eval"] else "-",
+            s["mlflow_run_id"] or "-",
         )
     console.print(table)
     for s in status["stages"]:
@@ -90,15 +133,22 @@ def render(status: dict, console: Console | None = None) -> None:
         for note in status["goodput"]["missing"]:
             console.print(f"goodput: {note}", highlight=False, markup=False)
     mlflow = status["mlflow"]
-    console.print(f"MLflow: parent run {mlflow['parent_run_id']} in experiment '{mlflow['experiment']}' — "
-                  f"{mlflow['ui_command']}" if mlflow["parent_run_id"] else NO_MLFLOW_RUN)
+    console.print(
+        f"MLflow: parent run {mlflow['parent_run_id']} in experiment '{mlflow['experiment']}' — {mlflow['ui_command']}"
+        if mlflow["parent_run_id"]
+        else NO_MLFLOW_RUN
+    )
     if mlflow.get("behind"):
         console.print(MLFLOW_BEHIND)
     if status.get("ledger_copy_of"):
         console.print(STATE_ELSEWHERE.format(status["ledger_copy_of"]), highlight=False, markup=False)
     if why := status.get("registration_pending"):
-        console.print(f"Model: not registered yet — {why}; run the campaign again once MLflow answers: it registers "
-                      "the model and trains nothing again", highlight=False, markup=False)
+        console.print(
+            f"Model: not registered yet — {why}; run the campaign again once MLflow answers: it registers "
+            "the model and trains nothing again",
+            highlight=False,
+            markup=False,
+        )
     elif reg := status.get("registered_model"):
         console.print(f"Model: {reg['uri']} (version {reg['version']}, from {reg['checkpoint']})")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from pretrain.console_progress import clock_time, human
 from pretrain.state.schema import StageRecord
@@ -22,12 +22,15 @@ from pretrain.views.recovery_notes import RecoveryNotes
 from trainer.job.events import EventKind, replaced_workers
 from trainer.job.reporting import EVENTS, METRICS, read_new_lines
 
-PROGRESS_RECORD = "training_progress"  # the attribute of a progress log record: a console that draws its own display drops them
+PROGRESS_RECORD = (
+    "training_progress"  # the attribute of a progress log record: a console that draws its own display drops them
+)
 
 
 def progress_extra() -> dict:
     """``extra`` of a progress log line, which marks it as one."""
     return {PROGRESS_RECORD: True}
+
 
 ETA_WINDOW_S = 60.0  # the ETA follows the step rate of the last this-many seconds of training
 
@@ -126,7 +129,9 @@ class TrainingWatch:
     checkpoint_step: int | None = None
     recoveries: RecoveryNotes = field(default_factory=RecoveryNotes)
     notes: deque = field(default_factory=lambda: deque(maxlen=100))  # recoveries seen and not yet taken (take_notes)
-    earlier_restarts: int | None = None  # the ledger's restarts when first read: earlier attempts' (a job's own are added when it ends)
+    earlier_restarts: int | None = (
+        None  # the ledger's restarts when first read: earlier attempts' (a job's own are added when it ends)
+    )
 
     def poll(self, final: bool = False) -> TrainingSnapshot:
         """Read what the job wrote since the last call (``final``: the job ended, take a last
@@ -137,17 +142,26 @@ class TrainingWatch:
         if self.earlier_restarts is None and record is not None:
             self.earlier_restarts = record.restarts
         # once the job ended the ledger counts its restarts too: counted once, not again beside the job's own
-        restarts = max(record.restarts if record else 0,
-                       (self.earlier_restarts or 0) + self.job_restarts + self.job_replacements)
+        restarts = max(
+            record.restarts if record else 0, (self.earlier_restarts or 0) + self.job_restarts + self.job_replacements
+        )
         ckpt = self.checkpoint_step
         if ckpt is None and record and record.good_checkpoint:
             ckpt = record.good_checkpoint.step  # nothing committed in this attempt yet: where it resumed from
         rate = self.rate.per_s()
         eta = (self.total - self.step) / rate if rate and 0 <= self.step < self.total else None
         return TrainingSnapshot(
-            stage=self.stage, attempt=self.attempt, step=self.step, total=self.total, loss=self.loss,
-            tokens_per_s=self.tokens_per_s, eta_s=eta, restarts=self.attempt + restarts,
-            checkpoint_step=ckpt, checkpoint_verdict=None if ckpt is None else _verdict(record, ckpt))
+            stage=self.stage,
+            attempt=self.attempt,
+            step=self.step,
+            total=self.total,
+            loss=self.loss,
+            tokens_per_s=self.tokens_per_s,
+            eta_s=eta,
+            restarts=self.attempt + restarts,
+            checkpoint_step=ckpt,
+            checkpoint_verdict=None if ckpt is None else _verdict(record, ckpt),
+        )
 
     def _record(self) -> StageRecord | None:
         try:
@@ -197,8 +211,9 @@ def _verdict(record: StageRecord | None, step: int) -> str:
     return "pending"
 
 
-def job_watch(root: Path, stage: str, attempt: int, total: int,
-              stage_record: Callable[[], StageRecord | None]) -> TrainingWatch:
+def job_watch(
+    root: Path, stage: str, attempt: int, total: int, stage_record: Callable[[], StageRecord | None]
+) -> TrainingWatch:
     """A watch of the job directory the campaign layout gives the stage's ``attempt``."""
     from pretrain.state.layout import CampaignLayout
 

@@ -8,17 +8,17 @@ import signal
 
 import pytest
 
-from support.campaigns import wait_for
 from deployments.api_server import ApiServer, ApiServerError
+from support.campaigns import wait_for
 
 
-def test_a_server_that_cannot_start_is_reported_with_the_end_of_its_log_and_the_terminal_stays_clean(
-        tmp_path, capfd):
+def test_a_server_that_cannot_start_is_reported_with_the_end_of_its_log_and_the_terminal_stays_clean(tmp_path, capfd):
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, temporary_settings
 
     server = ApiServer(log_dir=tmp_path / "logs")
-    with temporary_settings(updates={PREFECT_API_DATABASE_CONNECTION_URL:
-                                     f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db"}):
+    with temporary_settings(
+        updates={PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db"}
+    ):
         with pytest.raises(ApiServerError) as raised:
             server.start(timeout_s=60, attempts=1)
     message = str(raised.value)
@@ -78,4 +78,5 @@ def test_empty_logs_of_gone_runs_are_swept_and_others_kept(tmp_path):
     (tmp_path / f"{LOG_PREFIX}x.log").write_bytes(b"")  # foreign name
     sweep_empty_logs(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"{LOG_PREFIX}{gone.pid + 1000000}.log", alive.name, f"{LOG_PREFIX}x.log"])
+        [f"{LOG_PREFIX}{gone.pid + 1000000}.log", alive.name, f"{LOG_PREFIX}x.log"]
+    )

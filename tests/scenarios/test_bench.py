@@ -21,8 +21,9 @@ from bench.results import Check  # noqa: E402
 def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("BENCH_RESULT", None)
-    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_every_bench_script_is_found_with_its_quick_arguments_without_importing_it(tmp_path):
@@ -33,29 +34,43 @@ def test_every_bench_script_is_found_with_its_quick_arguments_without_importing_
     by_name = {b.name: b for b in found}
     assert by_name["trainer_overhead"].args(quick=True) != by_name["trainer_overhead"].args(quick=False)
     # a benchmark written later without a BENCH literal (as chaos_goodput may be) still runs, shortened
-    (tmp_path / "later.py").write_text('"""A later benchmark: faults every minute."""\nimport nonexistent_module\n'
-                                       'p.add_argument("--minutes", type=float, default=10)\n'
-                                       'p.add_argument("--fault-every", type=float, default=120)\n')
+    (tmp_path / "later.py").write_text(
+        '"""A later benchmark: faults every minute."""\nimport nonexistent_module\n'
+        'p.add_argument("--minutes", type=float, default=10)\n'
+        'p.add_argument("--fault-every", type=float, default=120)\n'
+    )
     (tmp_path / "broken.py").write_text("def (:\n")
     later, broken = registry.discover(tmp_path)
     assert [(b.name, b.title, b.args(True), b.args(False)) for b in later] == [
-        ("later", "A later benchmark: faults every minute", ["--minutes", "1", "--fault-every", "20"], [])]
+        ("later", "A later benchmark: faults every minute", ["--minutes", "1", "--fault-every", "20"], [])
+    ]
     assert broken == ["broken.py"]
 
 
-@pytest.mark.parametrize("check, verdict", [
-    (Check("ratio", 0.98, 0.97, ">="), "met"),
-    (Check("ratio", 0.90, 0.97, ">=", "slow kernels"), "missed: slow kernels"),
-    (Check("wall ratio", 1.05, 1.10, "<="), "met"),
-    (Check("wall ratio", 2.0, 1.10, "<="), "missed: no reason recorded"),
-])
+@pytest.mark.parametrize(
+    "check, verdict",
+    [
+        (Check("ratio", 0.98, 0.97, ">="), "met"),
+        (Check("ratio", 0.90, 0.97, ">=", "slow kernels"), "missed: slow kernels"),
+        (Check("wall ratio", 1.05, 1.10, "<="), "met"),
+        (Check("wall ratio", 2.0, 1.10, "<="), "missed: no reason recorded"),
+    ],
+)
 def test_a_check_says_met_or_missed_with_why(check, verdict):
     assert check.line().endswith(verdict)
 
 
 def test_a_kept_section_survives_and_a_damaged_document_is_written_anew(tmp_path):
-    s = document.Section(name="a", title="A", command="python bench/a.py", machine="m", mode="quick", wall_s=1,
-                         output="x 1\n", checks=[Check("r", 1.0, 0.9)])
+    s = document.Section(
+        name="a",
+        title="A",
+        command="python bench/a.py",
+        machine="m",
+        mode="quick",
+        wall_s=1,
+        output="x 1\n",
+        checks=[Check("r", 1.0, 0.9)],
+    )
     out = tmp_path / "b.md"
     document.write(out, [s], command="python -m bench", machine="m")
     kept = document.parse(out.read_text())
@@ -66,16 +81,27 @@ def test_a_kept_section_survives_and_a_damaged_document_is_written_anew(tmp_path
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU benchmark would run for real")
 def test_python_m_bench_quick_writes_a_well_formed_section_and_keeps_the_others(tmp_path):
     out = tmp_path / "benchmarks.md"
-    out.write_text(document.Section(name="data_prep", title="Data preparation (earlier run)", command="c", machine="m",
-                                    mode="full", wall_s=9, output="kept table\n").render()
-                   + "\n## The test suite's CPU\n\nwritten by hand\n")
+    out.write_text(
+        document.Section(
+            name="data_prep",
+            title="Data preparation (earlier run)",
+            command="c",
+            machine="m",
+            mode="full",
+            wall_s=9,
+            output="kept table\n",
+        ).render()
+        + "\n## The test suite's CPU\n\nwritten by hand\n"
+    )
     done = run_bench("--quick", "--only", "gpu", "--out", str(out))
     assert done.returncode == 0, done.stderr
     text = out.read_text()
     sections = document.parse(text)
     assert set(sections) == {"data_prep", "gpu"}  # the other benchmarks were not run and had no section
     assert "kept table" in sections["data_prep"].text
-    assert text.endswith("<!-- /bench:gpu -->\n\n## The test suite's CPU\n\nwritten by hand\n")  # prose after the sections stays
+    assert text.endswith(
+        "<!-- /bench:gpu -->\n\n## The test suite's CPU\n\nwritten by hand\n"
+    )  # prose after the sections stays
     gpu = sections["gpu"]
     assert gpu.status == "skipped: no CUDA device" and gpu.mode == "quick"
     assert "## GPU" in gpu.text and "`python bench/gpu.py --steps 6" in gpu.text
@@ -128,11 +154,17 @@ def test_the_campaign_breakdown_adds_up_to_its_wall_time_and_names_where_it_went
     assert sum(parts.values()) == pytest.approx(87.0)
 
 
-@pytest.mark.parametrize("body, timeout_s, status", [
-    ("import sys\nprint('half a table')\nsys.exit('disk full while writing')\n", 60,
-     "failed: exit status 1 (disk full while writing)"),
-    ("import signal\nprint('half a table', flush=True)\nsignal.pause()\n", 1, "failed: did not finish within 1 s"),
-])
+@pytest.mark.parametrize(
+    "body, timeout_s, status",
+    [
+        (
+            "import sys\nprint('half a table')\nsys.exit('disk full while writing')\n",
+            60,
+            "failed: exit status 1 (disk full while writing)",
+        ),
+        ("import signal\nprint('half a table', flush=True)\nsignal.pause()\n", 1, "failed: did not finish within 1 s"),
+    ],
+)
 def test_a_failing_or_hanging_benchmark_is_recorded_as_failed_with_its_output(tmp_path, body, timeout_s, status):
     from bench.__main__ import run_one
 
@@ -145,9 +177,25 @@ def test_a_failing_or_hanging_benchmark_is_recorded_as_failed_with_its_output(tm
 
 
 def test_the_summary_is_one_table_row_per_check_even_when_a_reason_holds_a_pipe():
-    failed = document.Section(name="f", title="F", command="c", machine="m", mode="quick", wall_s=1, output="",
-                              status="failed: exit status 1 (a | b)")
-    ok = document.Section(name="o", title="O", command="c", machine="m", mode="quick", wall_s=1, output="",
-                          checks=[Check("x", 2.0, 1.1, "<=", "start | stop")])
+    failed = document.Section(
+        name="f",
+        title="F",
+        command="c",
+        machine="m",
+        mode="quick",
+        wall_s=1,
+        output="",
+        status="failed: exit status 1 (a | b)",
+    )
+    ok = document.Section(
+        name="o",
+        title="O",
+        command="c",
+        machine="m",
+        mode="quick",
+        wall_s=1,
+        output="",
+        checks=[Check("x", 2.0, 1.1, "<=", "start | stop")],
+    )
     rows = document.summary([failed, ok])[2:]
     assert len(rows) == 2 and all(r.replace("\\|", "").count("|") == 6 for r in rows)

@@ -8,25 +8,30 @@ import os
 import uuid
 
 import pytest
-from support import s3_servers
-from pydantic import ValidationError
 from prefect.blocks.core import Block
 from prefect.client.orchestration import get_client
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 from prefect_aws import AwsCredentials, MinIOCredentials
 from prefect_aws.client_parameters import AwsClientParameters
+from pydantic import ValidationError
 
 import blocks
 from blocks import KubernetesCluster, LocalCampaignStorage, LocalProcessCluster, MlflowTracking, S3CampaignStorage
 from blocks.references import apply_blocks, resolve_campaign
-from pretrain.spec.kube import KubernetesSpec, SecretKeyRef
 from pretrain.run.jobs import checkpoint_store
 from pretrain.spec.campaign import SpecError, parse_spec
+from pretrain.spec.kube import KubernetesSpec, SecretKeyRef
 from pretrain.spec.sections import ClusterSpec, TrackingSpec
+from support import s3_servers
 
 SECRET = "tok-" + uuid.uuid4().hex
-SLUGS = {"local-campaign-storage", "s3-campaign-storage", "local-process-cluster", "kubernetes-training-cluster",
-         "mlflow-tracking"}
+SLUGS = {
+    "local-campaign-storage",
+    "s3-campaign-storage",
+    "local-process-cluster",
+    "kubernetes-training-cluster",
+    "mlflow-tracking",
+}
 seaweed = s3_servers.seaweed
 
 
@@ -49,8 +54,12 @@ def _name(prefix: str) -> str:
 
 
 def _minio(secret: str = SECRET, endpoint: str = "http://127.0.0.1:9000") -> MinIOCredentials:
-    return MinIOCredentials(minio_root_user="ak", minio_root_password=secret, region_name="us-east-1",
-                            aws_client_parameters=AwsClientParameters(endpoint_url=endpoint))
+    return MinIOCredentials(
+        minio_root_user="ak",
+        minio_root_password=secret,
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=endpoint),
+    )
 
 
 def test_package_exports_every_block():
@@ -92,9 +101,19 @@ def test_s3_storage_round_trip_keeps_credentials_secret(on_prefect_server, tmp_p
     S3CampaignStorage(bucket_name="ckpt", prefix="teams/a/", credentials=_minio(), root=tmp_path).save(name)
     loaded = S3CampaignStorage.load(name)
     assert isinstance(loaded.credentials, MinIOCredentials)
-    assert loaded.spec_update("c1") == {"workdir": str(tmp_path.resolve() / "c1"), "checkpoint": {
-        "uri": "s3://ckpt/teams/a/c1", "s3_endpoint_url": "http://127.0.0.1:9000", "s3_region": "us-east-1"}}
-    assert loaded.environment() == {"AWS_ACCESS_KEY_ID": "ak", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+    assert loaded.spec_update("c1") == {
+        "workdir": str(tmp_path.resolve() / "c1"),
+        "checkpoint": {
+            "uri": "s3://ckpt/teams/a/c1",
+            "s3_endpoint_url": "http://127.0.0.1:9000",
+            "s3_region": "us-east-1",
+        },
+    }
+    assert loaded.environment() == {
+        "AWS_ACCESS_KEY_ID": "ak",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     for text in (repr(loaded), str(loaded), loaded.model_dump_json(), str(loaded.spec_update("c1"))):
         assert SECRET not in text
     with get_client(sync_client=True) as client:
@@ -103,25 +122,54 @@ def test_s3_storage_round_trip_keeps_credentials_secret(on_prefect_server, tmp_p
 
 
 def test_s3_storage_takes_aws_credentials_too(tmp_path):
-    block = S3CampaignStorage(bucket_name="ckpt", credentials=AwsCredentials(
-        aws_access_key_id="AKIA1", aws_secret_access_key=SECRET, aws_session_token="st", region_name="eu-west-1"))
-    assert block.environment() == {"AWS_ACCESS_KEY_ID": "AKIA1", "AWS_SECRET_ACCESS_KEY": SECRET,
-                                   "AWS_SESSION_TOKEN": "st", "AWS_DEFAULT_REGION": "eu-west-1"}
-    assert block.spec_update("c")["checkpoint"] == {"uri": "s3://ckpt/campaigns/c", "s3_endpoint_url": None,
-                                                    "s3_region": "eu-west-1"}
+    block = S3CampaignStorage(
+        bucket_name="ckpt",
+        credentials=AwsCredentials(
+            aws_access_key_id="AKIA1", aws_secret_access_key=SECRET, aws_session_token="st", region_name="eu-west-1"
+        ),
+    )
+    assert block.environment() == {
+        "AWS_ACCESS_KEY_ID": "AKIA1",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_SESSION_TOKEN": "st",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }
+    assert block.spec_update("c")["checkpoint"] == {
+        "uri": "s3://ckpt/campaigns/c",
+        "s3_endpoint_url": None,
+        "s3_region": "eu-west-1",
+    }
     # a block that names no keys gives none: each process's boto3 finds its own (profile, role, IRSA)
     assert S3CampaignStorage(bucket_name="ckpt").environment() == {}
-    assert S3CampaignStorage(bucket_name="ckpt", credentials=AwsCredentials(profile_name="train")).environment() == \
-        {"AWS_PROFILE": "train"}
+    assert S3CampaignStorage(bucket_name="ckpt", credentials=AwsCredentials(profile_name="train")).environment() == {
+        "AWS_PROFILE": "train"
+    }
 
 
-@pytest.mark.parametrize("make, field, where", [
-    (lambda: MlflowTracking(tracking_uri=f"https://u:{SECRET}@mlflow.example.com"), "tracking_uri", "MLFLOW_TRACKING_USERNAME"),
-    (lambda: S3CampaignStorage(bucket_name="ckpt", credentials=_minio(endpoint=f"http://ak:{SECRET}@127.0.0.1:9000")),
-     "credentials", "AWS_ACCESS_KEY_ID"),
-    (lambda: S3CampaignStorage(bucket_name="ckpt", credentials=AwsCredentials(assume_role_arn="arn:aws:iam::1:role/r")),
-     "credentials", "profile"),
-])
+@pytest.mark.parametrize(
+    "make, field, where",
+    [
+        (
+            lambda: MlflowTracking(tracking_uri=f"https://u:{SECRET}@mlflow.example.com"),
+            "tracking_uri",
+            "MLFLOW_TRACKING_USERNAME",
+        ),
+        (
+            lambda: S3CampaignStorage(
+                bucket_name="ckpt", credentials=_minio(endpoint=f"http://ak:{SECRET}@127.0.0.1:9000")
+            ),
+            "credentials",
+            "AWS_ACCESS_KEY_ID",
+        ),
+        (
+            lambda: S3CampaignStorage(
+                bucket_name="ckpt", credentials=AwsCredentials(assume_role_arn="arn:aws:iam::1:role/r")
+            ),
+            "credentials",
+            "profile",
+        ),
+    ],
+)
 def test_blocks_refuse_credentials_in_urls_and_frozen_roles(make, field, where):
     with pytest.raises(ValidationError) as err:
         make()
@@ -129,7 +177,10 @@ def test_blocks_refuse_credentials_in_urls_and_frozen_roles(make, field, where):
 
 
 def test_cluster_blocks_mirror_cluster_spec():
-    shared = set(ClusterSpec.model_fields) - {"kind", "kubernetes"}  # kind: the block's type; kubernetes: its own fields
+    shared = set(ClusterSpec.model_fields) - {
+        "kind",
+        "kubernetes",
+    }  # kind: the block's type; kubernetes: its own fields
     assert set(LocalProcessCluster.model_fields) == shared
     assert set(KubernetesCluster.model_fields) >= shared | set(KubernetesSpec.model_fields)
     assert LocalProcessCluster().to_spec() == ClusterSpec()
@@ -152,14 +203,29 @@ def test_cluster_rejects_what_the_spec_rejects():
 
 def test_kubernetes_cluster_block_is_the_spec_section_and_is_refused_without_an_api(on_prefect_server, monkeypatch):
     name = _name("k8s")
-    KubernetesCluster(image="ghcr.io/o/p:1", namespace="train", nodes_max=4, gpus_per_node=8,
-                      node_selector={"gpu": "h100"}, secret_env={"HF_TOKEN": {"secret": "hf", "key": "token"}}).save(name)
+    KubernetesCluster(
+        image="ghcr.io/o/p:1",
+        namespace="train",
+        nodes_max=4,
+        gpus_per_node=8,
+        node_selector={"gpu": "h100"},
+        secret_env={"HF_TOKEN": {"secret": "hf", "key": "token"}},
+    ).save(name)
     loaded = KubernetesCluster.load(name)
-    assert (loaded.namespace, loaded.nodes_max, loaded.gpus_per_node, loaded.node_selector) == ("train", 4, 8, {"gpu": "h100"})
+    assert (loaded.namespace, loaded.nodes_max, loaded.gpus_per_node, loaded.node_selector) == (
+        "train",
+        4,
+        8,
+        {"gpu": "h100"},
+    )
     spec = apply_blocks(parse_spec({"blocks": {"cluster": f"kubernetes-training-cluster/{name}"}}))
     assert spec.cluster.kind == "kubernetes" and spec.cluster.kubernetes == KubernetesSpec(
-        image="ghcr.io/o/p:1", namespace="train", gpus_per_node=8, node_selector={"gpu": "h100"},
-        secret_env={"HF_TOKEN": SecretKeyRef(secret="hf", key="token")})
+        image="ghcr.io/o/p:1",
+        namespace="train",
+        gpus_per_node=8,
+        node_selector={"gpu": "h100"},
+        secret_env={"HF_TOKEN": SecretKeyRef(secret="hf", key="token")},
+    )
     monkeypatch.setenv("KUBECONFIG", "/nonexistent/kubeconfig")  # refused before anything starts: no API configured
     with pytest.raises(SpecError, match="cluster.kind .kubernetes.: kubeconfig /nonexistent/kubeconfig does not exist"):
         resolve_campaign(parse_spec({"blocks": {"cluster": f"kubernetes-training-cluster/{name}"}}))
@@ -185,15 +251,25 @@ def test_spec_refers_to_saved_blocks_by_name(on_prefect_server, tmp_path, monkey
     S3CampaignStorage(bucket_name="ckpt", credentials=_minio(), root=tmp_path).save(names["storage"])
     LocalProcessCluster(workers_per_node=1, max_restarts=0).save(names["cluster"])
     MlflowTracking(experiment="team-exp", token=SECRET).save(names["tracking"])
-    spec = parse_spec({"name": "c7", "blocks": {"storage": f"s3-campaign-storage/{names['storage']}",
-                                                "cluster": f"local-process-cluster/{names['cluster']}",
-                                                "tracking": f"mlflow-tracking/{names['tracking']}"}})
+    spec = parse_spec(
+        {
+            "name": "c7",
+            "blocks": {
+                "storage": f"s3-campaign-storage/{names['storage']}",
+                "cluster": f"local-process-cluster/{names['cluster']}",
+                "tracking": f"mlflow-tracking/{names['tracking']}",
+            },
+        }
+    )
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "MLFLOW_TRACKING_TOKEN"):
         monkeypatch.delenv(var, raising=False)  # restored after the test
     before = dict(os.environ)
     resolved = resolve_campaign(spec)
     assert resolved.workdir_path == tmp_path.resolve() / "c7"
-    assert (resolved.checkpoint.uri, resolved.checkpoint.s3_endpoint_url) == ("s3://ckpt/campaigns/c7", "http://127.0.0.1:9000")
+    assert (resolved.checkpoint.uri, resolved.checkpoint.s3_endpoint_url) == (
+        "s3://ckpt/campaigns/c7",
+        "http://127.0.0.1:9000",
+    )
     assert resolved.cluster == ClusterSpec(workers_per_node=1, max_restarts=0)
     assert (resolved.tracking.experiment, resolved.tracking.uri) == ("team-exp", None)
     assert not resolved.blocks.any() and resolved.spec_hash() != spec.spec_hash()
@@ -215,9 +291,13 @@ def test_spec_block_errors_are_clear(on_prefect_server):
         parse_spec({"cluster": {"workers_per_node": 1}, "blocks": {"cluster": "local-process-cluster/x"}})
     with pytest.raises(SpecError, match=r"blocks.storage and workdir"):
         parse_spec({"workdir": "/tmp/x", "blocks": {"storage": "local-campaign-storage/x"}})
-    with pytest.raises(SpecError, match=r"blocks.storage: 'nope' must name a saved block as 'local-campaign-storage/<name>'"):
+    with pytest.raises(
+        SpecError, match=r"blocks.storage: 'nope' must name a saved block as 'local-campaign-storage/<name>'"
+    ):
         apply_blocks(parse_spec({"blocks": {"storage": "nope"}}))
-    with pytest.raises(SpecError, match=r"blocks.tracking: cannot load block 'mlflow-tracking/missing-.*prefect block register"):
+    with pytest.raises(
+        SpecError, match=r"blocks.tracking: cannot load block 'mlflow-tracking/missing-.*prefect block register"
+    ):
         apply_blocks(parse_spec({"blocks": {"tracking": f"mlflow-tracking/missing-{uuid.uuid4().hex[:6]}"}}))
     name = _name("wrong")
     MlflowTracking().save(name)
@@ -231,11 +311,17 @@ def test_s3_storage_credentials_reach_a_real_s3_server(on_prefect_server, seawee
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION"):
         monkeypatch.delenv(var, raising=False)
     name = _name("weed")
-    S3CampaignStorage(bucket_name=s3_servers.BUCKET, prefix=f"blocks-{uuid.uuid4().hex[:6]}", root=tmp_path,
-                      credentials=MinIOCredentials(minio_root_user=s3_servers.ACCESS_KEY,
-                                                   minio_root_password=s3_servers.SECRET_KEY, region_name="us-east-1",
-                                                   aws_client_parameters=AwsClientParameters(endpoint_url=seaweed.endpoint))
-                      ).save(name)
+    S3CampaignStorage(
+        bucket_name=s3_servers.BUCKET,
+        prefix=f"blocks-{uuid.uuid4().hex[:6]}",
+        root=tmp_path,
+        credentials=MinIOCredentials(
+            minio_root_user=s3_servers.ACCESS_KEY,
+            minio_root_password=s3_servers.SECRET_KEY,
+            region_name="us-east-1",
+            aws_client_parameters=AwsClientParameters(endpoint_url=seaweed.endpoint),
+        ),
+    ).save(name)
     spec = resolve_campaign(parse_spec({"name": "c8", "blocks": {"storage": f"s3-campaign-storage/{name}"}}))
     store = checkpoint_store(spec, "main")
     store.write_json("probe.json", {"ok": True})

@@ -9,11 +9,17 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from support.campaigns import assert_no_duplicate_metric_steps, campaign_data_dir, seed_data, small_spec, worker_processes
 from flows.campaign import pretrain_campaign
-from pretrain.state.ledger import CampaignMismatch
 from pretrain.checkpoints.registry import TAG_CHECKPOINT
+from pretrain.state.ledger import CampaignMismatch
 from pretrain.tracking.runs import TAG_CAMPAIGN_ID, TAG_ROLE, TAG_STAGE
+from support.campaigns import (
+    assert_no_duplicate_metric_steps,
+    campaign_data_dir,
+    seed_data,
+    small_spec,
+    worker_processes,
+)
 from trainer.checkpoint import store as ckpt
 
 
@@ -44,7 +50,9 @@ def test_campaign_completes_every_stage(finished):
 def test_retention_keeps_at_most_k_checkpoints_ending_at_the_last_step(finished):
     spec, _ = finished
     d = spec.workdir_path / "checkpoints" / "main"
-    steps = ckpt.CheckpointStore.open(d).committed_steps()  # the saver persists the newest due snapshot: 4 or 8 may be passed over
+    steps = ckpt.CheckpointStore.open(
+        d
+    ).committed_steps()  # the saver persists the newest due snapshot: 4 or 8 may be passed over
     assert steps[0] == 10 and len(steps) <= 2 and all(s % 4 == 0 for s in steps[1:])
     assert sorted(int(p.name[5:]) for p in d.glob("step_*")) == sorted(steps)
 
@@ -77,7 +85,9 @@ def test_mlflow_has_one_parent_run_with_nested_stage_runs(finished):
         assert run.data.tags[f"verdict.{n:08d}"] == "good"
     campaign_steps = [m.step for m in client.get_metric_history(parent.info.run_id, "loss")]
     assert sorted(campaign_steps) == list(range(1, sum(s.steps for s in spec.stages) + 1))
-    assert_no_duplicate_metric_steps(spec.tracking_uri)  # val_* at the final step: once from the evaluation, not again from registration
+    assert_no_duplicate_metric_steps(
+        spec.tracking_uri
+    )  # val_* at the final step: once from the evaluation, not again from registration
 
 
 def test_final_good_checkpoint_is_registered_and_checkpoints_describe_themselves(finished):
@@ -114,17 +124,26 @@ def test_a_different_spec_refuses_the_workdir(finished, prefect_harness):
 
 def test_status_cli_json_matches(finished):
     spec, status = finished
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "status", "--workdir", str(spec.workdir_path), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli.app", "status", "--workdir", str(spec.workdir_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(proc.stdout)
     assert shown["status"] == "completed"
-    assert [(s["name"], s["steps_done"], s["mlflow_run_id"]) for s in shown["stages"]] == \
-        [(s["name"], s["steps_done"], s["mlflow_run_id"]) for s in status["stages"]]
+    assert [(s["name"], s["steps_done"], s["mlflow_run_id"]) for s in shown["stages"]] == [
+        (s["name"], s["steps_done"], s["mlflow_run_id"]) for s in status["stages"]
+    ]
     assert shown["mlflow"]["ui_command"] == f"mlflow ui --backend-store-uri {spec.tracking_uri}"
     for split in [shown["goodput"], *(s["goodput"] for s in shown["stages"])]:  # fault-free stages: goodput > 0
         assert split["known"] and 0 < split["goodput"] < 1 and split["parts_s"]["productive"] > 0
-    table = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "status", "--workdir", str(spec.workdir_path)],
-                           capture_output=True, text=True, timeout=120)
+    table = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli.app", "status", "--workdir", str(spec.workdir_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "completed" in table.stdout and "mlflow ui" in table.stdout
     assert "goodput: where the wall time went" in table.stdout and "checkpoint blocking" in table.stdout

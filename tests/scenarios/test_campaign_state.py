@@ -16,16 +16,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support import s3_servers
-from support.agents import snapshot
-from support.campaigns import small_spec, wait_for
-from support.s3_servers import BUCKET
 
+from pretrain.settings import PretrainSettings
 from pretrain.state.guard import LEASE_KEY, campaign_guard, check_holds, held, job_lease, state_storage
 from pretrain.state.lease import Lease, LeaseLost
 from pretrain.state.ledger import Ledger
 from pretrain.state.lock import CampaignBusy
-from pretrain.settings import PretrainSettings
+from support import s3_servers
+from support.agents import snapshot
+from support.campaigns import small_spec, wait_for
+from support.s3_servers import BUCKET
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.fence import LeaseFence, LeaseRecord
 from trainer.checkpoint.saver import Saver
@@ -37,9 +37,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 def s3_state_spec(tmp_path: Path, endpoint: str):
     """A small campaign whose state lives under a fresh S3 prefix (its checkpoints stay local)."""
-    return small_spec(tmp_path / "wd", checkpoint={"interval": 4, "memory_interval": 2, "keep": 2,
-                                                   "state_uri": f"s3://{BUCKET}/state-{uuid.uuid4().hex[:10]}",
-                                                   "s3_endpoint_url": endpoint, "s3_region": "us-east-1"})
+    return small_spec(
+        tmp_path / "wd",
+        checkpoint={
+            "interval": 4,
+            "memory_interval": 2,
+            "keep": 2,
+            "state_uri": f"s3://{BUCKET}/state-{uuid.uuid4().hex[:10]}",
+            "s3_endpoint_url": endpoint,
+            "s3_region": "us-east-1",
+        },
+    )
 
 
 def test_ledger_writers_racing_on_s3_lose_no_update(tmp_path, seaweed, aws_env):
@@ -90,8 +98,13 @@ def test_a_second_orchestrator_is_refused_by_the_lease_and_takes_over_once_the_h
     # a TTL short enough to wait out, long enough for the taking run's writes to moto on a loaded
     # machine (2 s: the lease it had just taken expired before its first ledger write)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PRETRAIN_LEASE_TTL_S": "8", "PRETRAIN_LEASE_MARGIN_S": "0"}
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "spec.json")], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path / "spec.json")],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "holding\n"
         quick = PretrainSettings(lease_ttl_s=8, lease_margin_s=0)
@@ -137,8 +150,10 @@ def test_a_run_whose_lease_was_taken_over_writes_no_more_campaign_state(tmp_path
         ledger = Ledger.open(spec)
         ledger.begin_run("run-A")
         check_holds(spec)  # still ours
-        state_storage(spec).put_bytes(LEASE_KEY, LeaseRecord(holder="run B on host-b", generation=2, token="b",
-                                                             expires_at=4e9, ttl_s=60).to_bytes())
+        state_storage(spec).put_bytes(
+            LEASE_KEY,
+            LeaseRecord(holder="run B on host-b", generation=2, token="b", expires_at=4e9, ttl_s=60).to_bytes(),
+        )
         with pytest.raises(LeaseLost, match="held by run B on host-b"):
             check_holds(spec)
         wait_for(lambda: held(spec).lost, timeout=30, what="the keeper to find the lease lost")
@@ -155,8 +170,9 @@ def test_a_job_whose_lease_was_taken_over_cannot_commit(tmp_path, moto, aws_env)
     clock = [1_000_000.0]
     first = Lease.acquire(storage, LEASE_KEY, "run A", ttl_s=30, margin_s=5, clock=lambda: clock[0])
     location = ckpt.CheckpointStore.open(tmp_path / "ckpt")
-    fence = LeaseFence(spec.checkpoint.state_uri, LEASE_KEY, first.generation,
-                       {"endpoint_url": moto.endpoint, "region": "us-east-1"})
+    fence = LeaseFence(
+        spec.checkpoint.state_uri, LEASE_KEY, first.generation, {"endpoint_url": moto.endpoint, "region": "us-east-1"}
+    )
     saver = Saver(tmp_path / "shm", 1, location, keep=3, events=JsonLines(tmp_path / "events.jsonl"), lease=fence)
     snapshot(tmp_path / "shm", 4)
     assert saver.persist(4) and location.read_pointer() == 4
@@ -168,7 +184,9 @@ def test_a_job_whose_lease_was_taken_over_cannot_commit(tmp_path, moto, aws_env)
     assert saver.persist(8) is False and saver.superseded
     assert location.read_pointer() == 4 and location.all_steps() == [4]  # nothing of step 8 written
     refused = [e for e in read_all(tmp_path / "events.jsonl") if e["event"] == "commit_refused"]
-    assert len(refused) == 1 and "fenced" in refused[0]["reason"] and "generation 2, held by run B" in refused[0]["reason"]
+    assert (
+        len(refused) == 1 and "fenced" in refused[0]["reason"] and "generation 2, held by run B" in refused[0]["reason"]
+    )
 
 
 def test_a_lease_that_cannot_be_read_holds_the_commit_back_without_giving_up(tmp_path):
@@ -189,19 +207,33 @@ def test_a_local_campaign_keeps_its_ledger_and_flock_in_the_workdir(tmp_path):
     with campaign_guard(spec, "run-A"):
         Ledger.open(spec).begin_run("run-A")
         assert job_lease(spec) == {} and held(spec) is None
-        other = subprocess.run([sys.executable, "-c", "from pretrain.state.lock import campaign_lock\n"
-                                f"with campaign_lock({str(spec.workdir_path)!r}, 't'): pass"],
-                               env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+        other = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from pretrain.state.lock import campaign_lock\n"
+                f"with campaign_lock({str(spec.workdir_path)!r}, 't'): pass",
+            ],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+        )
         assert other.returncode != 0 and "is already running" in other.stderr
     assert (spec.workdir_path / "ledger.json").exists() and (spec.workdir_path / "campaign.lock").exists()
 
 
-@pytest.mark.parametrize("checkpoint, problem", [
-    ({"state_uri": "s3://b/state", "s3_endpoint_url": "http://127.0.0.1:9000"}, None),  # local checkpoints, state on S3
-    ({"state_uri": "/shared/volume/state"}, None),
-    ({"s3_endpoint_url": "http://127.0.0.1:9000"}, "only apply when uri or state_uri is an s3:// URL"),
-    ({"state_uri": "s3://KEY:SECRET@b/state"}, "credentials"),
-])
+@pytest.mark.parametrize(
+    "checkpoint, problem",
+    [
+        (
+            {"state_uri": "s3://b/state", "s3_endpoint_url": "http://127.0.0.1:9000"},
+            None,
+        ),  # local checkpoints, state on S3
+        ({"state_uri": "/shared/volume/state"}, None),
+        ({"s3_endpoint_url": "http://127.0.0.1:9000"}, "only apply when uri or state_uri is an s3:// URL"),
+        ({"state_uri": "s3://KEY:SECRET@b/state"}, "credentials"),
+    ],
+)
 def test_state_uri_in_the_spec(tmp_path, checkpoint, problem):
     from pretrain.spec.campaign import SpecError
 

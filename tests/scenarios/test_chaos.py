@@ -16,12 +16,19 @@ import torch
 from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
-from support.campaigns import assert_no_duplicate_metric_steps, campaign_events, final_model, seed_data, small_spec, wait_for
 from flows.campaign import pretrain_campaign
-from pretrain.views.goodput import ALL
 from pretrain.run.jobs import checkpoint_store, job_config
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
+from pretrain.views.goodput import ALL
+from support.campaigns import (
+    assert_no_duplicate_metric_steps,
+    campaign_events,
+    final_model,
+    seed_data,
+    small_spec,
+    wait_for,
+)
 from trainer.job.config import JobConfig
 from trainer.job.reporting import read_all
 from trainer.resilience.chaos import WorkerChaos
@@ -36,9 +43,13 @@ DRILLS = [
 
 
 def chaos_spec(path, prepared_data, **overrides):
-    body = {"stages": STAGE, "checkpoint": {"interval": 10, "memory_interval": 2, "keep": 3},
-            "cluster": {"workers_per_node": 2, "max_restarts": 5},
-            "fault_tolerance": {"step_timeout_s": 3}, **overrides}
+    body = {
+        "stages": STAGE,
+        "checkpoint": {"interval": 10, "memory_interval": 2, "keep": 3},
+        "cluster": {"workers_per_node": 2, "max_restarts": 5},
+        "fault_tolerance": {"step_timeout_s": 3},
+        **overrides,
+    }
     spec = small_spec(path, **body)
     seed_data(spec, prepared_data)
     return spec
@@ -71,7 +82,9 @@ def test_the_flow_run_log_says_each_recovery_before_the_jobs_incident_summary(dr
     hang = [i for i, line in enumerate(lines) if "stage main: rank 0 hung (no progress in 'step'" in line]
     saver = [i for i, line in enumerate(lines) if "stage main: the checkpoint saver was restarted" in line]
     nan = [i for i, line in enumerate(lines) if "stage main: the loss of step 21 was anomalous: rolled back" in line]
-    summary = [i for i, line in enumerate(lines) if "stage main: worker_killed — " in line]  # the incidents, at the job's end
+    summary = [
+        i for i, line in enumerate(lines) if "stage main: worker_killed — " in line
+    ]  # the incidents, at the job's end
     assert len(live) == len(hang) == len(saver) == len(nan) == len(summary) == 1, "\n".join(lines[-60:])
     assert max(live + hang + saver + nan) < summary[0]
 
@@ -104,14 +117,21 @@ def test_failures_are_classified_with_recovery_times(drilled):
     failures = status["stages"][0]["failures"]
     causes = [f["cause"] for f in failures]
     assert {"worker_killed", "saver_failure", "hang", "nonfinite_loss"} <= set(causes)
-    paths = {"nonfinite_loss": "in_process",  # a NaN loses no process: rolled back in it
-             "worker_killed": "spare",  # the other worker is kept, a warm spare takes the lost rank
-             "hang": "spare"}  # the hung worker alone is killed; the one waiting for it in a collective is kept
+    paths = {
+        "nonfinite_loss": "in_process",  # a NaN loses no process: rolled back in it
+        "worker_killed": "spare",  # the other worker is kept, a warm spare takes the lost rank
+        "hang": "spare",
+    }  # the hung worker alone is killed; the one waiting for it in a collective is kept
     for f in failures:
         if path := paths.get(f["cause"]):
             assert f["recovery_path"] == path and f["recovery_s"] > 0
-            assert f["action"].startswith({"in_process": rollback_source(spec), "restart": "restart workers from memory",
-                                           "spare": "replace rank(s) ["}[path])
+            assert f["action"].startswith(
+                {
+                    "in_process": rollback_source(spec),
+                    "restart": "restart workers from memory",
+                    "spare": "replace rank(s) [",
+                }[path]
+            )
             assert f["time_lost_s"] >= f["recovery_s"]
 
 
@@ -120,7 +140,10 @@ def rollback_source(spec) -> str:
     snapshot since the hang's recovery was skipped (both its slots busy: a loaded machine), when
     the committed checkpoint may be the newest state every rank holds."""
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
-    hang, nan = ([e["step"] for e in events if e["event"] == "chaos" and e["kind"] == kind] for kind in ("hang_worker", "nan_loss"))
+    hang, nan = (
+        [e["step"] for e in events if e["event"] == "chaos" and e["kind"] == kind]
+        for kind in ("hang_worker", "nan_loss")
+    )
     skipped = [e for e in events if e["event"] == "snapshot_skipped" and hang[0] <= e["step"] <= nan[0]]
     return "roll back in process to " + ("" if skipped else "memory")
 
@@ -130,13 +153,19 @@ def test_every_worker_replaced_counts_as_a_restart_and_sends_a_restarted_event(d
     fell back): the stage's restarts count them and each sends ``pretrain.stage.restarted``."""
     spec, status = drilled
     stage = status["stages"][0]
-    replaced = [f["recovery_path"] for f in stage["failures"] if f.get("recovery_path") in ("spare", "replacement", "restart")]
+    replaced = [
+        f["recovery_path"] for f in stage["failures"] if f.get("recovery_path") in ("spare", "replacement", "restart")
+    ]
     assert len(replaced) >= 2 and stage["restarts"] == len(replaced)
 
     def restarted():
-        found = [e["payload"] for e in campaign_events(PREFECT_API_URL.value(), spec.name)
-                 if e["event"] == "pretrain.stage.restarted" and e["resource"]["pretrain.workdir"] == str(spec.workdir_path)]
+        found = [
+            e["payload"]
+            for e in campaign_events(PREFECT_API_URL.value(), spec.name)
+            if e["event"] == "pretrain.stage.restarted" and e["resource"]["pretrain.workdir"] == str(spec.workdir_path)
+        ]
         return found if len(found) >= len(replaced) else None
+
     events = wait_for(restarted, 30, "the restarted events", interval=0.5)
     assert all(e["in_job"] for e in events)
     assert sorted(e["recovery_path"] for e in events) == sorted(replaced)
@@ -172,7 +201,10 @@ def test_goodput_and_pictures_are_logged_to_the_mlflow_parent_run(drilled, tmp_p
     metrics = client.get_run(run_id).data.metrics
     assert 0 < metrics["goodput"] < 1 and metrics["goodput_recovery_s"] > 0
     assert {f"goodput_{c}_s" for c in ALL} <= set(metrics)
-    assert sorted(a.path for a in client.list_artifacts(run_id, "report")) == ["report/goodput.png", "report/loss_vs_tokens.png"]
+    assert sorted(a.path for a in client.list_artifacts(run_id, "report")) == [
+        "report/goodput.png",
+        "report/loss_vs_tokens.png",
+    ]
     for name in ("goodput.png", "loss_vs_tokens.png"):
         h, w = _valid_png(client.download_artifacts(run_id, f"report/{name}", str(tmp_path)))
         assert h > 100 and w > 400
@@ -182,19 +214,49 @@ def test_goodput_and_pictures_are_logged_to_the_mlflow_parent_run(drilled, tmp_p
 
 def test_report_command_writes_the_pictures_and_a_page(drilled, tmp_path):
     spec, _ = drilled
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "report", "--workdir", str(spec.workdir_path),
-                           "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pretrain.cli.app",
+            "report",
+            "--workdir",
+            str(spec.workdir_path),
+            "--out",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     for name in ("loss_vs_tokens.png", "goodput.png"):
         _valid_png(tmp_path / "r" / name)
     page = (tmp_path / "r" / "report.html").read_text()
     assert "src='loss_vs_tokens.png'" in page and "src='goodput.png'" in page and "recomputation" in page
-    missing = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "report", "--workdir", str(tmp_path / "none")],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli.app", "report", "--workdir", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and "no campaign in" in missing.stderr and "Traceback" not in missing.stderr
     (tmp_path / "notes.txt").write_text("mine")
-    onto_a_file = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "report", "--workdir", str(spec.workdir_path),
-                                  "--out", str(tmp_path / "notes.txt")], capture_output=True, text=True, timeout=180)
+    onto_a_file = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pretrain.cli.app",
+            "report",
+            "--workdir",
+            str(spec.workdir_path),
+            "--out",
+            str(tmp_path / "notes.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert onto_a_file.returncode == 2 and "Traceback" not in onto_a_file.stderr, onto_a_file.stderr
     assert "cannot write the report to" in onto_a_file.stderr and "[Errno" not in onto_a_file.stderr
     assert (tmp_path / "notes.txt").read_text() == "mine"
@@ -235,8 +297,9 @@ def test_recovery_is_bitwise_exact(drilled, prepared_data, tmp_path):
     skips the same sample window."""
     spec, _ = drilled
     [skip] = read_all_skips(spec)
-    clean = chaos_spec(tmp_path, prepared_data,
-                       skip_samples=[{"stage": "main", "start": skip["start"], "end": skip["end"]}])
+    clean = chaos_spec(
+        tmp_path, prepared_data, skip_samples=[{"stage": "main", "start": skip["start"], "end": skip["end"]}]
+    )
     clean_stage = pretrain_campaign(spec=clean)["stages"][0]
     assert clean_stage["failures"] == [] and clean_stage["goodput"]["goodput"] > 0  # a fault-free stage's goodput
     assert_no_duplicate_metric_steps(clean.tracking_uri)
@@ -251,9 +314,12 @@ def test_recovery_is_bitwise_exact(drilled, prepared_data, tmp_path):
 
 def test_loss_spike_is_rolled_back_and_skipped(prefect_harness, prepared_data, tmp_path):
     """With ``rollback_in_process`` off, the workers are restarted and roll back on start-up."""
-    spec = chaos_spec(tmp_path, prepared_data, chaos=[{"kind": "loss_spike", "step": 25, "factor": 20}],
-                      fault_tolerance={"spike_min_steps": 10, "spike_window": 20, "spike_zscore": 8,
-                                       "rollback_in_process": False})
+    spec = chaos_spec(
+        tmp_path,
+        prepared_data,
+        chaos=[{"kind": "loss_spike", "step": 25, "factor": 20}],
+        fault_tolerance={"spike_min_steps": 10, "spike_window": 20, "spike_zscore": 8, "rollback_in_process": False},
+    )
     status = pretrain_campaign(spec=spec)
     stage = status["stages"][0]
     assert status["status"] == "completed" and stage["steps_done"] == 30
@@ -266,11 +332,22 @@ def test_loss_spike_is_rolled_back_and_skipped(prefect_harness, prepared_data, t
 def test_drills_reach_the_workers_typed_with_the_specs_values(tmp_path):
     """job.json carries each drill with its kind's fields only, and the workers act on the
     spec's values (a slow_worker's delay, a loss_spike's factor), not on defaults of their own."""
-    spec = small_spec(tmp_path, chaos=[{"kind": "slow_worker", "rank": 1}, {"kind": "loss_spike", "step": 3, "rank": 1},
-                                       {"kind": "kill_node", "step": 2}, {"kind": "corrupt_checkpoint", "step": 4}])
+    spec = small_spec(
+        tmp_path,
+        chaos=[
+            {"kind": "slow_worker", "rank": 1},
+            {"kind": "loss_spike", "step": 3, "rank": 1},
+            {"kind": "kill_node", "step": 2},
+            {"kind": "corrupt_checkpoint", "step": 4},
+        ],
+    )
     job = JobConfig.from_dict(json.loads(job_config(spec, 0, 0, None, 512).to_json()))  # as a worker reads it
-    assert [sorted(vars(d)) for d in job.chaos] == [["delay_s", "kind", "rank", "step"], ["factor", "kind", "rank", "step"],
-                                                   ["kind", "node", "step"], ["kind", "step"]]
+    assert [sorted(vars(d)) for d in job.chaos] == [
+        ["delay_s", "kind", "rank", "step"],
+        ["factor", "kind", "rank", "step"],
+        ["kind", "node", "step"],
+        ["kind", "step"],
+    ]
     fired = []
     worker = WorkerChaos(job.chaos, tmp_path / "jobs" / "warmup" / "attempt_000", rank=1, report=fired.append)
     assert worker.check_delay() == spec.chaos[0].delay_s == 0.2
@@ -285,15 +362,32 @@ def test_the_builtin_drills_campaign_recovers_each_fault_by_its_own_path(tmp_pat
     restarted, all in the job's first attempt; the run's last live line and the table agree on
     the restarts (the lost workers replaced)."""
     env = {**os.environ, "COLUMNS": "200"}
-    run = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "run", "builtin:drills", "--workdir", str(tmp_path / "w")],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    run = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli.app", "run", "builtin:drills", "--workdir", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
     assert run.returncode == 0 and "Traceback" not in run.stderr + run.stdout, run.stderr[-3000:]
-    status = json.loads(subprocess.run([sys.executable, "-m", "pretrain.cli.app", "status", "--workdir", str(tmp_path / "w"),
-                                        "--json"], capture_output=True, text=True, timeout=120, check=True).stdout)
+    status = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "pretrain.cli.app", "status", "--workdir", str(tmp_path / "w"), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )
     [stage] = status["stages"]
     assert stage["status"] == "completed" and stage["attempts"] == 1
     assert [(f["cause"], f.get("recovery_path")) for f in stage["failures"]] == [
-        ("worker_killed", "spare"), ("hang", "spare"), ("nonfinite_loss", "in_process"), ("saver_failure", None)]
+        ("worker_killed", "spare"),
+        ("hang", "spare"),
+        ("nonfinite_loss", "in_process"),
+        ("saver_failure", None),
+    ]
     assert stage["restarts"] == 2
     assert "restarts 2," in run.stdout + run.stderr and "restarts 4" not in run.stdout + run.stderr
     assert "Nones" not in run.stdout + run.stderr

@@ -10,10 +10,10 @@ import tracemalloc
 import uuid
 
 import pytest
-from support import s3_servers
 import torch
-from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
+from support import s3_servers
+from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 from trainer.checkpoint.store import MANIFEST, CheckpointStore, rank_shard_name, step_name
 from trainer.storage import LocalStorage
 from trainer.storage.s3 import S3Storage
@@ -25,14 +25,22 @@ seaweed = s3_servers.seaweed
 def store(request, tmp_path) -> CheckpointStore:
     if request.param == "local":
         return CheckpointStore(LocalStorage(tmp_path / "ckpt"), str(tmp_path / "ckpt"))
-    s3 = S3Storage(BUCKET, f"ckpt/{uuid.uuid4().hex[:10]}", endpoint_url=request.getfixturevalue("seaweed").endpoint,
-                   region="us-east-1", access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+    s3 = S3Storage(
+        BUCKET,
+        f"ckpt/{uuid.uuid4().hex[:10]}",
+        endpoint_url=request.getfixturevalue("seaweed").endpoint,
+        region="us-east-1",
+        access_key=ACCESS_KEY,
+        secret_key=SECRET_KEY,
+    )
     return CheckpointStore(s3, s3.url)
 
 
 def _save(s: CheckpointStore, step, value=1.0, commit=True):
-    shards = [s.write_shard(step, "model.pt", {"w": torch.full((4,), value), "step": step}),
-              s.write_shard(step, rank_shard_name(0), {"consumed": step * 8})]
+    shards = [
+        s.write_shard(step, "model.pt", {"w": torch.full((4,), value), "step": step}),
+        s.write_shard(step, rank_shard_name(0), {"consumed": step * 8}),
+    ]
     return s.commit(step, shards, {"stage": "s"}) if commit else shards
 
 
@@ -47,8 +55,12 @@ def test_round_trip_is_bit_exact(store):
     ref = store.commit(3, [store.write_shard(3, "model.pt", {"w": w})], {})
     assert store.latest_complete() == ref and ref.location.endswith("/step_00000003")
     assert torch.equal(store.load_shard(3, "model.pt")["w"], w)
-    other, step = CheckpointStore.of_step(ref.location, None if isinstance(store.storage, LocalStorage) else {
-        "endpoint_url": store.storage.endpoint_url, "access_key": ACCESS_KEY, "secret_key": SECRET_KEY})
+    other, step = CheckpointStore.of_step(
+        ref.location,
+        None
+        if isinstance(store.storage, LocalStorage)
+        else {"endpoint_url": store.storage.endpoint_url, "access_key": ACCESS_KEY, "secret_key": SECRET_KEY},
+    )
     assert step == 3 and other.verify(3) == []
 
 
@@ -118,8 +130,10 @@ def test_shards_deleted_during_verify_read_as_missing(store):
 def test_verify_hashes_a_large_shard_without_holding_it_in_memory(store):
     """The sha256 of a 48 MiB shard is computed from a stream: the verifier's peak heap stays a
     fraction of the shard (it held the whole object on S3 before)."""
-    shards = [store.write_shard(4, "model.pt", {"w": torch.randn(12 * 2**20)}),
-              store.write_shard(4, rank_shard_name(0), {"consumed": 4})]
+    shards = [
+        store.write_shard(4, "model.pt", {"w": torch.randn(12 * 2**20)}),
+        store.write_shard(4, rank_shard_name(0), {"consumed": 4}),
+    ]
     store.commit(4, shards, {})
     assert store.verify(4) == []  # warm (boto3 client, imports) before measuring
     _flip_byte(store, f"{step_name(4)}/model.pt")

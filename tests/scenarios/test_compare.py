@@ -12,18 +12,18 @@ import pytest
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from support.campaigns import _tracking_template, pretrain_cli, seed_data, small_spec
 from flows.campaign import pretrain_campaign
 from flows.compare import ARTIFACT_KEY, compare_campaigns
-from support.mlflow_server import MlflowServer
-from support.s3_servers import free_ports
 from pretrain.cli.app import app
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from pretrain.tracking.runs import Tracker
 from pretrain.views.compare import CompareError, compare
 from pretrain.views.compare_table import differing_params, markdown
-from pretrain.state.ledger import Ledger
 from pretrain.views.status import campaign_status
-from pretrain.tracking.runs import Tracker
-from pretrain.state.layout import CampaignLayout
+from support.campaigns import _tracking_template, pretrain_cli, seed_data, small_spec
+from support.mlflow_server import MlflowServer
+from support.s3_servers import free_ports
 from trainer.job.reporting import read_all
 
 LRS = {"lr-high": 3e-3, "lr-low": 1e-3}
@@ -41,8 +41,13 @@ def pair(prefect_harness, prepared_data, tmp_path_factory):
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         mp.chdir(here)
         for name, lr in LRS.items():
-            spec = small_spec(here / name, name=name, stages=[
-                {"name": "main", "steps": STEPS, "seq_len": SEQ, "micro_batch": MICRO, "warmup_steps": 1, "lr": lr}])
+            spec = small_spec(
+                here / name,
+                name=name,
+                stages=[
+                    {"name": "main", "steps": STEPS, "seq_len": SEQ, "micro_batch": MICRO, "warmup_steps": 1, "lr": lr}
+                ],
+            )
             seed_data(spec, prepared_data, own_store=False)
             assert pretrain_campaign(spec=spec)["status"] == "completed"
             specs[name] = spec
@@ -52,7 +57,9 @@ def pair(prefect_harness, prepared_data, tmp_path_factory):
 def test_campaigns_run_from_one_directory_share_its_store(pair):
     here, specs = pair
     for spec in specs.values():
-        assert Ledger.read(CampaignLayout(spec.workdir_path)).record.mlflow.tracking_uri == f"sqlite:///{here}/mlflow.db"
+        assert (
+            Ledger.read(CampaignLayout(spec.workdir_path)).record.mlflow.tracking_uri == f"sqlite:///{here}/mlflow.db"
+        )
         assert not (spec.workdir_path / "mlflow.db").exists()
     client = MlflowClient(f"sqlite:///{here}/mlflow.db")
     exp = client.get_experiment_by_name("pretrain")
@@ -67,13 +74,22 @@ def expected(spec) -> dict:
     evals = [record.stages[s.name].eval["val_loss"] for s in spec.stages]
     jobs = CampaignLayout(spec.workdir_path).root / "jobs"
     stall = sum(r.get("ckpt_block_s", 0.0) for path in jobs.glob("*/*/metrics.jsonl") for r in read_all(path))
-    return {"tokens_seen": TOKENS, "final_eval_loss": evals[-1], "best_eval_loss": min(evals),
-            "restarts": 0, "rollbacks": 0, "checkpoint_stall_s": pytest.approx(stall), "status": "FINISHED"}
+    return {
+        "tokens_seen": TOKENS,
+        "final_eval_loss": evals[-1],
+        "best_eval_loss": min(evals),
+        "restarts": 0,
+        "rollbacks": 0,
+        "checkpoint_stall_s": pytest.approx(stall),
+        "status": "FINISHED",
+    }
 
 
 def test_compare_reads_the_right_numbers_from_the_shared_sqlite_store(pair):
     here, specs = pair
-    summaries = compare([str(s.workdir_path) for s in specs.values()], "sqlite:///nowhere.db")  # each ledger names its store
+    summaries = compare(
+        [str(s.workdir_path) for s in specs.values()], "sqlite:///nowhere.db"
+    )  # each ledger names its store
     for summary, spec in zip(summaries, specs.values()):
         assert summary.campaign == spec.name
         assert {k: getattr(summary, k) for k in expected(spec)} == expected(spec)
@@ -102,7 +118,9 @@ def test_compare_through_a_real_mlflow_server_by_run_id_and_name(pair, tmp_path)
     here, specs = pair
     local = {s.campaign: s for s in compare([str(s.workdir_path) for s in specs.values()], "")}
     high_run = local["lr-high"].run_id
-    MlflowClient(f"sqlite:///{here}/mlflow.db").log_metric(high_run, "goodput", 0.75, step=1)  # a later value than the campaign's
+    MlflowClient(f"sqlite:///{here}/mlflow.db").log_metric(
+        high_run, "goodput", 0.75, step=1
+    )  # a later value than the campaign's
     server = MlflowServer(here).start()  # serves the campaigns' store
     try:
         served = compare([high_run, "lr-low"], server.uri)
@@ -114,8 +132,17 @@ def test_compare_through_a_real_mlflow_server_by_run_id_and_name(pair, tmp_path)
     assert served[0].goodput == 0.75 and served[1].goodput == local["lr-low"].goodput > 0
     for s in served:
         mine = local[s.campaign]
-        keys = ("tokens_seen", "final_eval_loss", "best_eval_loss", "restarts", "rollbacks", "checkpoint_stall_s",
-                "params", "eval_curve", "status")
+        keys = (
+            "tokens_seen",
+            "final_eval_loss",
+            "best_eval_loss",
+            "restarts",
+            "rollbacks",
+            "checkpoint_stall_s",
+            "params",
+            "eval_curve",
+            "status",
+        )
         assert {k: getattr(s, k) for k in keys} == {k: getattr(mine, k) for k in keys}
     assert f"| goodput | 75.0% | {served[1].goodput:.1%} |" in markdown(served)
     assert "| goodput | 75.0% | — |" in markdown([served[0], replace(served[1], goodput=None)])  # not logged: "—"
@@ -166,7 +193,9 @@ def test_compare_campaigns_flow_publishes_the_table(pair):
 def test_an_mlflow_server_that_is_away_is_one_line_saying_so(monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     away = f"http://127.0.0.1:{free_ports(1)[0]}"
-    with pytest.raises(CompareError, match=f"lr-high: MLflow at {away} cannot be reached.*start it, or give the right --tracking-uri"):
+    with pytest.raises(
+        CompareError, match=f"lr-high: MLflow at {away} cannot be reached.*start it, or give the right --tracking-uri"
+    ):
         compare(["lr-high"], away)
 
 

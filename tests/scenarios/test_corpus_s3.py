@@ -8,11 +8,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support import s3_servers
-from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY, s3_client
-from support.corpus_files import compress, read_all, skips, spec, texts, write_jsonl, write_parquet
 
 from pretrain.data.corpus import CorpusError, expand_sources, plan_units, read_unit
+from support import s3_servers
+from support.corpus_files import compress, read_all, skips, spec, texts, write_jsonl, write_parquet
+from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY, s3_client
 
 seaweed = s3_servers.seaweed
 
@@ -21,7 +21,12 @@ seaweed = s3_servers.seaweed
 def s3(seaweed):
     """(client, s3 URL of a fresh prefix, s3_options as checkpoints build them)."""
     prefix = f"corpus-{uuid.uuid4().hex[:10]}"
-    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY, "secret_key": SECRET_KEY}
+    options = {
+        "endpoint_url": seaweed.endpoint,
+        "region": "us-east-1",
+        "access_key": ACCESS_KEY,
+        "secret_key": SECRET_KEY,
+    }
     return s3_client(seaweed.endpoint), f"s3://{BUCKET}/{prefix}", options
 
 
@@ -37,8 +42,13 @@ def test_each_source_kind_reads_the_same_from_s3_as_from_disk(s3, tmp_path):
     plain = write_jsonl(tmp_path / "a.jsonl", records)
     text = tmp_path / "b.txt"
     text.write_text("".join(f"line {i}\n" for i in range(3000)))
-    files = [plain, compress(plain, "gz"), compress(plain, "zst"), text,
-             write_parquet(tmp_path / "c.parquet", records, row_group_size=40)]
+    files = [
+        plain,
+        compress(plain, "gz"),
+        compress(plain, "zst"),
+        text,
+        write_parquet(tmp_path / "c.parquet", records, row_group_size=40),
+    ]
     for path in files:
         upload(client, url, path)
         local, remote = spec([str(path)]), spec([f"{url}/{path.name}"])
@@ -67,18 +77,29 @@ def test_s3_globs_and_prefixes_list_objects_in_order_with_their_etag(s3, tmp_pat
     assert names(f"{url}/a.jsonl") == ["a.jsonl"]
     gz = expand_sources(spec([f"{url}/e.jsonl.gz"]), options)["all"][0]
     head = client.head_object(Bucket=BUCKET, Key=gz.bucket_key()[1])
-    assert (gz.format, gz.compression, gz.size, gz.identity) == ("jsonl", "gz", head["ContentLength"], head["ETag"].strip('"'))
+    assert (gz.format, gz.compression, gz.size, gz.identity) == (
+        "jsonl",
+        "gz",
+        head["ContentLength"],
+        head["ETag"].strip('"'),
+    )
 
 
-@pytest.mark.parametrize("case, message", [
-    ("no match", r"data.sources\[0\] \(.*\) matched no files: fix the path or pattern"),
-    ("no bucket", r"data.sources\[0\] .* cannot be listed: .*NoSuchBucket.*create bucket"),
-    ("bad credentials", r"data.sources\[0\] .* cannot be listed: .*check the access key, secret key"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no match", r"data.sources\[0\] \(.*\) matched no files: fix the path or pattern"),
+        ("no bucket", r"data.sources\[0\] .* cannot be listed: .*NoSuchBucket.*create bucket"),
+        ("bad credentials", r"data.sources\[0\] .* cannot be listed: .*check the access key, secret key"),
+    ],
+)
 def test_s3_listing_failures_name_the_entry_and_what_to_do(s3, case, message):
     _, url, options = s3
-    source = {"no match": f"{url}/nothing/**.jsonl", "no bucket": f"s3://no-such-bucket-{uuid.uuid4().hex[:6]}/x.jsonl",
-              "bad credentials": f"{url}/x.jsonl"}[case]
+    source = {
+        "no match": f"{url}/nothing/**.jsonl",
+        "no bucket": f"s3://no-such-bucket-{uuid.uuid4().hex[:6]}/x.jsonl",
+        "bad credentials": f"{url}/x.jsonl",
+    }[case]
     if case == "bad credentials":
         options = {**options, "secret_key": "wrong-secret"}
     with pytest.raises(CorpusError, match=message) as err:

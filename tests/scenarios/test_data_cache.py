@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from support import s3_servers
 from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
-
-from trainer.data.sampler import DataError, TokenWindows
 from trainer.data.cache import local_data_dir
+from trainer.data.sampler import DataError, TokenWindows
 from trainer.storage import StorageError, open_storage
 
 seaweed, seaweed_factory = s3_servers.seaweed, s3_servers.seaweed_factory
@@ -34,12 +34,23 @@ def write_data_set(root: Path, fingerprint: str = "fp0123456789abcd") -> Path:
             data = rng.integers(0, 500, n, dtype=np.uint16).tobytes()
             name = f"{split}_{i:05d}.bin"
             (root / name).write_bytes(data)
-            splits[split].append({"file": name, "tokens": n, "sha256": hashlib.sha256(data).hexdigest(), "group": "all"})
+            splits[split].append(
+                {"file": name, "tokens": n, "sha256": hashlib.sha256(data).hexdigest(), "group": "all"}
+            )
     tokenizer = b'{"model": "a tokenizer"}'
     (root / "tokenizer.json").write_bytes(tokenizer)
-    manifest = {"version": 2, "fingerprint": fingerprint, "dtype": "uint16", "vocab_size": 512, "eot_id": 0,
-                "tokenizer": "tokenizer.json", "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest(),
-                "splits": splits, "sources": [], "settings": {}}
+    manifest = {
+        "version": 2,
+        "fingerprint": fingerprint,
+        "dtype": "uint16",
+        "vocab_size": 512,
+        "eot_id": 0,
+        "tokenizer": "tokenizer.json",
+        "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest(),
+        "splits": splits,
+        "sources": [],
+        "settings": {},
+    }
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
 
@@ -67,8 +78,9 @@ def test_a_fresh_cache_fetches_and_verifies_the_data_set(tmp_path, on_s3, s3_opt
     local = local_data_dir(url, tmp_path / "cache", s3_options)
 
     assert local == tmp_path / "cache" / "fp0123456789abcd"
-    assert {f.name: f.read_bytes() for f in local.iterdir() if not f.name.startswith(".")} == \
-        {f.name: f.read_bytes() for f in src.iterdir()}
+    assert {f.name: f.read_bytes() for f in local.iterdir() if not f.name.startswith(".")} == {
+        f.name: f.read_bytes() for f in src.iterdir()
+    }
     assert len(TokenWindows(local, "train", 32)) == (299 // 32) + (199 // 32)  # workers memory-map it
 
 
@@ -93,8 +105,11 @@ def test_a_second_call_reuses_the_cache_and_a_damaged_shard_is_fetched_again(tmp
 def test_only_the_splits_asked_for_are_fetched(tmp_path, on_s3, s3_options):
     url, _ = on_s3
     local = local_data_dir(url, tmp_path / "cache", s3_options, splits=["val"])  # the gate / eval
-    assert sorted(f.name for f in local.iterdir() if not f.name.startswith(".")) == \
-        ["manifest.json", "tokenizer.json", "val_00000.bin"]
+    assert sorted(f.name for f in local.iterdir() if not f.name.startswith(".")) == [
+        "manifest.json",
+        "tokenizer.json",
+        "val_00000.bin",
+    ]
 
 
 def test_a_partly_fetched_file_left_by_a_killed_fetcher_is_never_used(tmp_path, on_s3, s3_options):
@@ -107,11 +122,17 @@ def test_a_partly_fetched_file_left_by_a_killed_fetcher_is_never_used(tmp_path, 
     assert not list(local.glob(".*.part-*"))
 
 
-@pytest.mark.parametrize("case, match", [
-    ("no data set", r"no data set at s3://.*: prepare it first"),
-    ("damaged object", r"train_00000\.bin does not match the sha256 its manifest records .*delete it and run data preparation again"),
-    ("other fingerprint", r"has fingerprint fp0123456789abcd, but this job was built for data set ffff"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("no data set", r"no data set at s3://.*: prepare it first"),
+        (
+            "damaged object",
+            r"train_00000\.bin does not match the sha256 its manifest records .*delete it and run data preparation again",
+        ),
+        ("other fingerprint", r"has fingerprint fp0123456789abcd, but this job was built for data set ffff"),
+    ],
+)
 def test_a_data_set_that_cannot_be_used_is_a_clear_error(tmp_path, on_s3, s3_options, case, match):
     url, _ = on_s3
     kwargs = {}
@@ -135,8 +156,13 @@ def test_a_local_data_set_is_used_where_it_is(tmp_path):
 
 def test_while_s3_is_away_a_complete_cached_copy_still_trains(tmp_path, seaweed_factory):
     server = seaweed_factory()
-    options = {"endpoint_url": server.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY,
-               "secret_key": SECRET_KEY, "max_attempts": 1}
+    options = {
+        "endpoint_url": server.endpoint,
+        "region": "us-east-1",
+        "access_key": ACCESS_KEY,
+        "secret_key": SECRET_KEY,
+        "max_attempts": 1,
+    }
     src = write_data_set(tmp_path / "src")
     url = f"s3://{BUCKET}/datasets/fp0123456789abcd"
     store = open_storage(url, **options)
@@ -158,15 +184,26 @@ def test_the_ranks_of_a_node_fetching_at_once_share_one_verified_copy(tmp_path, 
     """Two processes (the local ranks of one node) start on an empty cache together: the lock
     lets one fetch while the other waits, then both read the same complete copy."""
     url, src = on_s3
-    code = ("import json, sys; from trainer.data.cache import local_data_dir; "
-            "print(local_data_dir(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), session='job-1'))")
+    code = (
+        "import json, sys; from trainer.data.cache import local_data_dir; "
+        "print(local_data_dir(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), session='job-1'))"
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    ranks = [subprocess.Popen([sys.executable, "-c", code, url, str(tmp_path / "cache"), json.dumps(s3_options)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, url, str(tmp_path / "cache"), json.dumps(s3_options)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], [err for _, err in outs]
     local = Path(outs[0][0].strip())
     assert {out.strip() for out, _ in outs} == {str(local)}
-    assert {f.name: f.read_bytes() for f in local.iterdir() if not f.name.startswith(".")} == \
-        {f.name: f.read_bytes() for f in src.iterdir()}
+    assert {f.name: f.read_bytes() for f in local.iterdir() if not f.name.startswith(".")} == {
+        f.name: f.read_bytes() for f in src.iterdir()
+    }
     assert not list(local.glob(".*.part-*"))

@@ -6,13 +6,13 @@ import io
 import shutil
 
 import pytest
-from support.campaigns import pretrain_cli, seed_data, small_spec
 from rich.console import Console
 
+from pretrain.cli.workdir_lookup import campaign_data_set
 from pretrain.data.inspection import SOURCE_ROWS, render_summary
 from pretrain.state.ledger import Ledger
 from pretrain.views.status import NoCampaign
-from pretrain.cli.workdir_lookup import campaign_data_set
+from support.campaigns import pretrain_cli, seed_data, small_spec
 
 
 def shown(manifest: dict, **kwargs) -> str:
@@ -22,14 +22,27 @@ def shown(manifest: dict, **kwargs) -> str:
 
 
 def test_a_corpus_of_many_files_lists_twenty_and_sums_the_others_in_one_row():
-    sources = [{"uri": f"s3://corpus/part-{i:05d}.jsonl", "format": "jsonl", "group": "all", "units": 1,
-                "documents": 10 + i, "tokens": 1000 * (i + 1), "skipped": {"duplicate": i % 2}} for i in range(25)]
+    sources = [
+        {
+            "uri": f"s3://corpus/part-{i:05d}.jsonl",
+            "format": "jsonl",
+            "group": "all",
+            "units": 1,
+            "documents": 10 + i,
+            "tokens": 1000 * (i + 1),
+            "skipped": {"duplicate": i % 2},
+        }
+        for i in range(25)
+    ]
     sources += ["not a source", {"uri": "hand-edited", "tokens": "many", "skipped": [1]}]  # a damaged manifest's
     manifest = {"location": "/data/f", "fingerprint": "f", "tokens": {"train": 1, "val": 1}, "sources": sources}
     text = shown(manifest)
     assert [f"part-{i:05d}" in text for i in range(25)] == [True] * SOURCE_ROWS + [False] * 5
     rest = sources[SOURCE_ROWS:25]
-    assert "… and 6 more sources (`pretrain data inspect /data/f --all-sources` lists each)" in text and f"{sum(s['tokens'] for s in rest):,}" in text
+    assert (
+        "… and 6 more sources (`pretrain data inspect /data/f --all-sources` lists each)" in text
+        and f"{sum(s['tokens'] for s in rest):,}" in text
+    )
     assert f"duplicate {sum(s['skipped']['duplicate'] for s in rest)}" in text and "hand-edited" not in text
     every = shown(manifest, source_rows=None)
     assert all(f"part-{i:05d}" in every for i in range(25)) and "hand-edited" in every and "more sources" not in every

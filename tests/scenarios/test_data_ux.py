@@ -13,12 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import s3_servers
 import yaml
-from support.campaigns import DATA, pretrain_cli, session_api_env, small_spec, wait_for
 from mlflow.tracking import MlflowClient
 from rich.console import Console
-from support.s3_servers import BUCKET, aws_env  # noqa: F401 - a fixture
 
 from pretrain.cli.data import show_on
 from pretrain.console_progress import LineProgress, clock_time, human, progress_display
@@ -26,20 +23,32 @@ from pretrain.data.inspection import InspectError, inspect_data_set, open_data_s
 from pretrain.data.prepare.pipeline import prepare
 from pretrain.data.prepare.progress import PrepProgress
 from pretrain.run.stop import InterruptLatch, interrupt_latch
+from pretrain.spec.data import DataSpec
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
-from pretrain.spec.data import DataSpec
 from pretrain.tracking.runs import Tracker
+from support import s3_servers
+from support.campaigns import DATA, pretrain_cli, session_api_env, small_spec, wait_for
+from support.s3_servers import BUCKET, aws_env  # noqa: F401 - a fixture
 from trainer.storage import open_storage
 
 seaweed = s3_servers.seaweed
 
 
 # ---- the progress display -------------------------------------------------------------------
-@pytest.mark.parametrize("n, unit, text", [
-    (0, "", "0"), (999, "", "999"), (1234, "", "1.2k"), (2_500_000, "", "2.5M"), (3e9, "", "3.0G"),
-    (512, "B", "512 B"), (1_200_000, "B", "1.2 MB"), (0.5, "", "0.5"),
-])
+@pytest.mark.parametrize(
+    "n, unit, text",
+    [
+        (0, "", "0"),
+        (999, "", "999"),
+        (1234, "", "1.2k"),
+        (2_500_000, "", "2.5M"),
+        (3e9, "", "3.0G"),
+        (512, "B", "512 B"),
+        (1_200_000, "B", "1.2 MB"),
+        (0.5, "", "0.5"),
+    ],
+)
 def test_human_numbers(n, unit, text):
     assert human(n, unit) == text
 
@@ -116,14 +125,17 @@ def test_inspect_prints_stats_and_decodes_windows(data_copy):
     assert out.count("@ token") == 2 and "train_00000.bin" in out
 
 
-@pytest.mark.parametrize("damage, says", [
-    (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json is damaged"),
-    (lambda d: (d / "manifest.json").write_text('{"a": 1}'), "manifest.json is damaged (not a data manifest"),
-    (lambda d: (d / "train_00000.bin").unlink(), "train_00000.bin is missing"),
-    (lambda d: (d / "train_00000.bin").write_bytes(b"\0\0"), "train_00000.bin has 2 bytes"),
-    (lambda d: (d / "tokenizer.json").write_text("[]"), "tokenizer.json is damaged"),
-    (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json is damaged"),
+        (lambda d: (d / "manifest.json").write_text('{"a": 1}'), "manifest.json is damaged (not a data manifest"),
+        (lambda d: (d / "train_00000.bin").unlink(), "train_00000.bin is missing"),
+        (lambda d: (d / "train_00000.bin").write_bytes(b"\0\0"), "train_00000.bin has 2 bytes"),
+        (lambda d: (d / "tokenizer.json").write_text("[]"), "tokenizer.json is damaged"),
+        (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
+    ],
+)
 def test_inspect_names_the_damaged_file_and_what_to_do(data_copy, damage, says):
     damage(data_copy)
     with pytest.raises(InspectError, match="prepare") as e:
@@ -146,8 +158,16 @@ def jsonl_data_set(tmp_path_factory):
     texts = [f"def f{i}(x):\n    return x * {i} + json.dumps(x)\n" * 3 for i in range(40)]
     (root / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:20]) + "not json\n")
     (root / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[19:]))  # texts[19] twice
-    data = DataSpec.model_validate({"sources": [str(root / "*.jsonl")], "tokenizer": {"vocab_size": 300},
-                                    "val_fraction": 0.1, "unit_bytes": 4096, "workers": 1, "on_bad_record": "skip"})
+    data = DataSpec.model_validate(
+        {
+            "sources": [str(root / "*.jsonl")],
+            "tokenizer": {"vocab_size": 300},
+            "val_fraction": 0.1,
+            "unit_bytes": 4096,
+            "workers": 1,
+            "on_bad_record": "skip",
+        }
+    )
     lines: list[str] = []
     display = LineProgress("data", lines.append, unit="B", rated=("tokens",), interval_s=0)
     manifest = prepare(data, root / "data", work=root / "work", log=lambda *_: None, progress=show_on(display))
@@ -174,8 +194,9 @@ def test_inspect_shows_sources_skips_and_duplicates_of_a_v2_data_set(jsonl_data_
     assert f"sha256 {manifest['tokenizer_sha256'][:16]}" in text and text.count("@ token") == 1
 
 
-def test_inspect_reads_a_data_set_on_s3_by_ranges_with_credentials_from_the_environment(jsonl_data_set, seaweed,
-                                                                                      aws_env):
+def test_inspect_reads_a_data_set_on_s3_by_ranges_with_credentials_from_the_environment(
+    jsonl_data_set, seaweed, aws_env
+):
     manifest, _ = jsonl_data_set
     options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1"}  # what --s3-endpoint-url/--s3-region give
     location = f"s3://{BUCKET}/ux-inspect/{manifest['fingerprint']}"
@@ -204,9 +225,10 @@ def test_inspect_of_a_missing_path_or_a_data_root_says_what_to_give(data_copy, t
 
 # ---- the flow: Prefect progress artifact, MLflow dataset input ------------------------------
 def test_the_flow_publishes_progress_and_logs_the_data_set_to_the_campaign_run_once(prefect_harness, tmp_path):
-    from flows.prepare_data import prepare_data
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.prepare_data import prepare_data
     from tasks.artifacts import artifact_key
 
     spec = small_spec(tmp_path / "wd")
@@ -219,8 +241,9 @@ def test_the_flow_publishes_progress_and_logs_the_data_set_to_the_campaign_run_o
     prepare_data(spec=spec)  # again: the data set is reused, and logged once
     assert seen and seen[-1].phase == "done"
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[artifact_key("data-preparation", spec.name)])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key("data-preparation", spec.name)]))
+        )
     assert found and all(a.data == 100.0 for a in found) and "**done**" in found[0].description
     inputs = MlflowClient(spec.tracking_uri).get_run(run_id).inputs.dataset_inputs
     assert len(inputs) == 1
@@ -252,14 +275,22 @@ def test_an_mlflow_refusal_never_fails_data_preparation(prefect_harness, tmp_pat
 # ---- pretrain data prepare ------------------------------------------------------------------
 def data_cli(*args: str) -> subprocess.CompletedProcess:
     """``pretrain data ...`` in a fresh process on the session's Prefect server (no server of its own)."""
-    return subprocess.run([sys.executable, "-m", "pretrain.cli.app", "data", *args], capture_output=True, text=True,
-                          timeout=180, env=session_api_env())
+    return subprocess.run(
+        [sys.executable, "-m", "pretrain.cli.app", "data", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=session_api_env(),
+    )
 
 
 def write_spec(tmp_path: Path, data: dict) -> str:
     spec_file = tmp_path / "spec.yaml"
-    spec_file.write_text(yaml.safe_dump({"name": "ux", "workdir": str(tmp_path / "wd"), "data": data,
-                                         "stages": [{"name": "s", "steps": 2}]}))
+    spec_file.write_text(
+        yaml.safe_dump(
+            {"name": "ux", "workdir": str(tmp_path / "wd"), "data": data, "stages": [{"name": "s", "steps": 2}]}
+        )
+    )
     return str(spec_file)
 
 
@@ -268,15 +299,24 @@ def jsonl_corpus(tmp_path: Path, *, files: int, records: int, field: str, repeat
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for k in range(files):
-        (corpus / f"part{k}.jsonl").write_text("".join(
-            json.dumps({field: f"def f{k}_{i}(x):\n    return x * {i} + {k}\n" * repeat}) + "\n" for i in range(records)))
+        (corpus / f"part{k}.jsonl").write_text(
+            "".join(
+                json.dumps({field: f"def f{k}_{i}(x):\n    return x * {i} + {k}\n" * repeat}) + "\n"
+                for i in range(records)
+            )
+        )
     return corpus
 
 
 def test_cli_prepare_shows_progress_lines_off_a_terminal_and_ends_with_the_stats(prefect_harness, tmp_path):
     corpus = jsonl_corpus(tmp_path, files=2, records=30, field="content", repeat=4)
-    data = {"sources": [{"path": str(corpus / "*.jsonl"), "text_field": "content"}], "tokenizer": {"vocab_size": 300},
-            "val_fraction": 0.1, "unit_bytes": 4096, "workers": 1}
+    data = {
+        "sources": [{"path": str(corpus / "*.jsonl"), "text_field": "content"}],
+        "tokenizer": {"vocab_size": 300},
+        "val_fraction": 0.1,
+        "unit_bytes": 4096,
+        "workers": 1,
+    }
     result = data_cli("prepare", write_spec(tmp_path, data), "--interval", "0")
     assert result.returncode == 0, result.stderr
     assert "data: done" in result.stderr and "\x1b[" not in result.stderr  # progress lines on stderr, not a bar
@@ -285,10 +325,13 @@ def test_cli_prepare_shows_progress_lines_off_a_terminal_and_ends_with_the_stats
     assert f"{manifest['tokens']['train']:,}" in result.stdout and f"{manifest['tokens']['val']:,}" in result.stdout
 
 
-@pytest.mark.parametrize("case, says", [
-    ("no such source", "error: data.sources[0]"),
-    ("the workdir of another campaign", "error: "),
-])
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("no such source", "error: data.sources[0]"),
+        ("the workdir of another campaign", "error: "),
+    ],
+)
 def test_cli_prepare_refuses_wrong_input_in_one_line_exit_2(prefect_harness, tmp_path, case, says):
     if case == "no such source":
         spec_file = write_spec(tmp_path, {"sources": [str(tmp_path / "none" / "*.jsonl")]})
@@ -330,16 +373,28 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops_at_the_next_progress_rep
 
 def test_ctrl_c_stops_cli_prepare_in_one_line_exit_130_and_the_same_command_resumes(prefect_harness, tmp_path):
     corpus = jsonl_corpus(tmp_path, files=4, records=200, field="text", repeat=40)
-    spec_file = write_spec(tmp_path, {"sources": [str(corpus / "*.jsonl")], "tokenizer": {"vocab_size": 300},
-                                      "unit_bytes": 4096, "workers": 1})
+    spec_file = write_spec(
+        tmp_path,
+        {"sources": [str(corpus / "*.jsonl")], "tokenizer": {"vocab_size": 300}, "unit_bytes": 4096, "workers": 1},
+    )
 
-    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli.app", "data", "prepare", spec_file], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            env=session_api_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pretrain.cli.app", "data", "prepare", spec_file],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=session_api_env(),
+    )
     units = tmp_path / "wd" / "data" / ".work" / "units"
     try:
-        wait_for(lambda: proc.poll() is not None or (units.is_dir() and any(
-            not d.name.startswith(".") for d in units.iterdir())), 120, "a finished work unit")
+        wait_for(
+            lambda: (
+                proc.poll() is not None or (units.is_dir() and any(not d.name.startswith(".") for d in units.iterdir()))
+            ),
+            120,
+            "a finished work unit",
+        )
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole process group
         out, err = proc.communicate(timeout=120)
     finally:

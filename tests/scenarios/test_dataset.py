@@ -16,12 +16,12 @@ import psutil
 import pytest
 from tokenizers import Tokenizer
 
-from support.corpora import QUIET, data_set_bytes, docs, jsonl_corpus, spec, wide_tokenizer, write_jsonl
 from pretrain.data.prepare.errors import DataPrepError
 from pretrain.data.prepare.pipeline import prepare
+from support.corpora import QUIET, data_set_bytes, docs, jsonl_corpus, spec, wide_tokenizer, write_jsonl
 from trainer.common.atomic import sha256_file
-from trainer.data.sampler import TokenWindows, read_manifest
 from trainer.data.manifest import MANIFEST
+from trainer.data.sampler import TokenWindows, read_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,10 +37,14 @@ def test_a_prepared_data_set_is_versioned_complete_and_reused_never_rewritten(tm
         arr = np.concatenate([np.fromfile(location / s["file"], dtype=on_disk["dtype"]) for s in shards])
         assert len(arr) == on_disk["tokens"][split] > 0 and arr.max() < on_disk["vocab_size"]
         assert all(sha256_file(location / s["file"]) == s["sha256"] for s in shards)
-    assert [s["uri"].rsplit("/", 1)[1] for s in on_disk["sources"]] == sorted(s["uri"].rsplit("/", 1)[1] for s in on_disk["sources"])
+    assert [s["uri"].rsplit("/", 1)[1] for s in on_disk["sources"]] == sorted(
+        s["uri"].rsplit("/", 1)[1] for s in on_disk["sources"]
+    )
     assert sum(s["documents"] for s in on_disk["sources"]) == sum(on_disk["documents"].values())
     tok = Tokenizer.from_file(str(location / on_disk["tokenizer"]))
-    assert tok.decode(tok.encode('def f(x):\n    return json.dumps(x)\n').ids) == 'def f(x):\n    return json.dumps(x)\n'
+    assert (
+        tok.decode(tok.encode("def f(x):\n    return json.dumps(x)\n").ids) == "def f(x):\n    return json.dumps(x)\n"
+    )
     assert len(TokenWindows(location, "train", 32)) > 0  # what training reads
 
     before = {p.name: p.stat().st_mtime_ns for p in location.iterdir()}
@@ -52,13 +56,19 @@ def test_a_prepared_data_set_is_versioned_complete_and_reused_never_rewritten(tm
     assert changed["fingerprint"] != m["fingerprint"] and Path(changed["location"]).parent == location.parent
     assert {p.name: p.stat().st_mtime_ns for p in location.iterdir()} == before  # the old set stays as it was
 
+
 def test_the_data_set_is_byte_identical_for_any_number_of_workers(tmp_path):
     corpus = jsonl_corpus(tmp_path / "corpus")
     sets = []
     for workers in (1, 2):
         seen = []
-        m = prepare(spec([str(tmp_path / "corpus/*.jsonl")], workers=workers), tmp_path / f"data{workers}",
-                    work=tmp_path / f"work{workers}", progress=seen.append, **QUIET)
+        m = prepare(
+            spec([str(tmp_path / "corpus/*.jsonl")], workers=workers),
+            tmp_path / f"data{workers}",
+            work=tmp_path / f"work{workers}",
+            progress=seen.append,
+            **QUIET,
+        )
         units = sum(s["units"] for s in m["sources"])
         assert units > 2 * len(corpus)  # several units per file
         sets.append(data_set_bytes(m["location"]))
@@ -85,14 +95,20 @@ if __name__ == "__main__":
     prepare(data, sys.argv[2], work=Path(sys.argv[3]), log=lambda *_: None, progress=stop_at_unit)
 """
 
+
 def test_a_run_killed_mid_preparation_resumes_at_unfinished_units_with_an_identical_manifest(tmp_path):
     jsonl_corpus(tmp_path / "corpus", files=2, per_file=120)
     data = spec([str(tmp_path / "corpus/*.jsonl")])
     script = tmp_path / "killed_run.py"
     script.write_text(KILLED_RUN)
-    proc = subprocess.Popen([sys.executable, str(script), data.model_dump_json(), str(tmp_path / "data"),
-                             str(tmp_path / "work")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), data.model_dump_json(), str(tmp_path / "data"), str(tmp_path / "work")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+    )
     try:
         line = proc.stdout.readline().split()
         assert line[:2] == ["UNITS", "3"], line
@@ -111,6 +127,7 @@ def test_a_run_killed_mid_preparation_resumes_at_unfinished_units_with_an_identi
     clean = prepare(data, tmp_path / "clean", work=tmp_path / "clean-work", **QUIET)
     assert resumed["fingerprint"] == clean["fingerprint"]
     assert data_set_bytes(resumed["location"]) == data_set_bytes(clean["location"])  # manifest and shards
+
 
 def test_a_worker_that_dies_mid_preparation_is_a_clear_error_and_the_next_run_reuses_what_finished(tmp_path):
     """A tokenizing worker killed (as the kernel's OOM killer would) fails the run with what to
@@ -147,6 +164,7 @@ prepare(DataSpec.model_validate_json(sys.argv[1]), sys.argv[2], work=Path(sys.ar
 print("prepared")
 """
 
+
 def test_a_script_without_a_main_check_is_told_to_add_one(tmp_path):
     """Python's multiprocessing runs the calling script again in each worker: a script that calls
     preparation at its top level makes every worker fail at its start. The error says so and how
@@ -155,24 +173,38 @@ def test_a_script_without_a_main_check_is_told_to_add_one(tmp_path):
     data = spec([str(tmp_path / "corpus/*.jsonl")], workers=2)
     script = tmp_path / "prep.py"
     script.write_text(UNGUARDED)
-    proc = subprocess.run([sys.executable, str(script), data.model_dump_json(), str(tmp_path / "data"),
-                           str(tmp_path / "work")], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, str(script), data.model_dump_json(), str(tmp_path / "data"), str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode != 0 and "prepared" not in proc.stdout
     # the script's own error (Python's resource tracker may warn about the broken pool's semaphores after it)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("pretrain.data.prepare.errors.")]
-    assert errors and errors[-1].startswith("pretrain.data.prepare.errors.DataPrepError: the data preparation worker "
-                                            "processes ended before they could start"), proc.stderr[-2000:]
+    assert errors and errors[-1].startswith(
+        "pretrain.data.prepare.errors.DataPrepError: the data preparation worker "
+        "processes ended before they could start"
+    ), proc.stderr[-2000:]
     last = errors[-1]
     assert str(script) in last and 'if __name__ == "__main__":' in last and "memory" not in last
 
     guarded = tmp_path / "guarded.py"
-    guarded.write_text(UNGUARDED.replace("\nprepare(", '\nif __name__ == "__main__":\n    prepare(')
-                       .replace('\nprint("prepared")', '\n    print("prepared")'))
-    done = subprocess.run([sys.executable, str(guarded), data.model_dump_json(), str(tmp_path / "data"),
-                           str(tmp_path / "work")], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    guarded.write_text(
+        UNGUARDED.replace("\nprepare(", '\nif __name__ == "__main__":\n    prepare(').replace(
+            '\nprint("prepared")', '\n    print("prepared")'
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(guarded), data.model_dump_json(), str(tmp_path / "data"), str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0 and done.stdout == "prepared\n", done.stderr[-2000:]
+
 
 def test_with_a_given_tokenizer_a_changed_file_re_tokenizes_only_its_units(tmp_path):
     files = jsonl_corpus(tmp_path / "corpus", files=3, per_file=40)
@@ -193,6 +225,7 @@ def test_with_a_given_tokenizer_a_changed_file_re_tokenizes_only_its_units(tmp_p
     assert changed_units and after["tokenizer_sha256"] == before["tokenizer_sha256"]
     assert len(list((tmp_path / "work" / "units").iterdir())) == total  # the changed file's old units are gone
 
+
 def test_a_trained_tokenizer_says_a_changed_corpus_re_tokenizes_everything(tmp_path):
     files = jsonl_corpus(tmp_path / "corpus", files=2, per_file=30)
     data = spec([str(tmp_path / "corpus/*.jsonl")])
@@ -201,6 +234,7 @@ def test_a_trained_tokenizer_says_a_changed_corpus_re_tokenizes_everything(tmp_p
     logged: list[str] = []
     prepare(data, tmp_path / "data", work=tmp_path / "work", log=logged.append)
     assert any("trained on a sample of the corpus" in line and "tokenizer.path" in line for line in logged), logged
+
 
 def test_exact_duplicate_documents_are_dropped_first_wins_and_counted(tmp_path):
     texts = docs(50)
@@ -212,25 +246,34 @@ def test_exact_duplicate_documents_are_dropped_first_wins_and_counted(tmp_path):
     assert by_uri[str(b)]["skipped"]["duplicate"] == 20 and by_uri[str(b)]["documents"] == 10
     assert m["skipped"]["duplicate"] == 25 and sum(m["documents"].values()) == 60
 
+
 @pytest.mark.parametrize("weight, low, high", [(2.0, 2.0, 2.0), (3.0, 3.0, 3.0), (0.5, 0.3, 0.7), (1.5, 1.3, 1.7)])
 def test_a_source_weight_repeats_its_train_documents_and_never_its_val_documents(tmp_path, weight, low, high):
     texts = docs(200)
     corpus = write_jsonl(tmp_path / "c.jsonl", texts)
     base = prepare(spec([str(corpus)]), tmp_path / "base", work=tmp_path / "w", **QUIET)
-    weighted = prepare(spec([{"path": str(corpus), "weight": weight}]), tmp_path / "weighted", work=tmp_path / "w", **QUIET)
-    assert weighted["tokens"]["val"] == base["tokens"]["val"] and weighted["documents"]["val"] == base["documents"]["val"]
+    weighted = prepare(
+        spec([{"path": str(corpus), "weight": weight}]), tmp_path / "weighted", work=tmp_path / "w", **QUIET
+    )
+    assert (
+        weighted["tokens"]["val"] == base["tokens"]["val"] and weighted["documents"]["val"] == base["documents"]["val"]
+    )
     assert low <= weighted["tokens"]["train"] / base["tokens"]["train"] <= high
     again = prepare(spec([{"path": str(corpus), "weight": weight}]), tmp_path / "again", work=tmp_path / "w2", **QUIET)
     assert data_set_bytes(again["location"]) == data_set_bytes(weighted["location"])  # the chosen share is fixed
 
+
 def test_a_vocabulary_above_65536_gives_uint32_shards_with_the_separator_intact(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", docs(20))
     tokenizer = wide_tokenizer(tmp_path / "wide.json")
-    m = prepare(spec([str(corpus)], tokenizer={"path": str(tokenizer)}), tmp_path / "data", work=tmp_path / "w", **QUIET)
+    m = prepare(
+        spec([str(corpus)], tokenizer={"path": str(tokenizer)}), tmp_path / "data", work=tmp_path / "w", **QUIET
+    )
     assert m["dtype"] == "uint32" and m["vocab_size"] == 70_000 and m["eot_id"] == 69_999
     tokens = np.fromfile(Path(m["location"]) / m["splits"]["train"][0]["file"], dtype="uint32")
     assert (tokens == 69_999).sum() == m["documents"]["train"] and tokens[-1] == 69_999
     assert len(TokenWindows(m["location"], "train", 16)) > 0
+
 
 def test_every_source_format_yields_the_same_documents(tmp_path):
     """The same documents as JSONL, JSONL.gz, JSONL.zst and Parquet: every copy after the first is
@@ -246,18 +289,38 @@ def test_every_source_format_yields_the_same_documents(tmp_path):
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
     (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
     pq.write_table(pa.table({"body": texts}), tmp_path / "d.parquet", row_group_size=7)
-    m = prepare(spec([str(plain), str(tmp_path / "b.jsonl.gz"), str(tmp_path / "c.jsonl.zst"),
-                      {"path": str(tmp_path / "d.parquet"), "text_field": "body"}], workers=2),
-                tmp_path / "data", work=tmp_path / "w", **QUIET)
+    m = prepare(
+        spec(
+            [
+                str(plain),
+                str(tmp_path / "b.jsonl.gz"),
+                str(tmp_path / "c.jsonl.zst"),
+                {"path": str(tmp_path / "d.parquet"), "text_field": "body"},
+            ],
+            workers=2,
+        ),
+        tmp_path / "data",
+        work=tmp_path / "w",
+        **QUIET,
+    )
     assert [(s["format"], s["documents"], s["skipped"]["duplicate"]) for s in m["sources"]] == [
-        ("jsonl", 40, 0), ("jsonl", 0, 40), ("jsonl", 0, 40), ("parquet", 0, 40)]
+        ("jsonl", 40, 0),
+        ("jsonl", 0, 40),
+        ("jsonl", 0, 40),
+        ("parquet", 0, 40),
+    ]
 
-@pytest.mark.parametrize("batches", [
-    [[5, 3, 5, 1], [3, 7, 7], [], [1, 2, 3, 4, 5, 6, 7, 8]],
-    [[2**64 - 1, 0, 2**64 - 1], [0]],
-    [list(range(i, i + 50)) for i in range(0, 1000, 30)],  # overlapping runs: many merges
-    [list(np.random.default_rng(3).integers(0, 400, size=97)) for _ in range(40)],
-], ids=["small", "extremes", "overlapping", "random"])
+
+@pytest.mark.parametrize(
+    "batches",
+    [
+        [[5, 3, 5, 1], [3, 7, 7], [], [1, 2, 3, 4, 5, 6, 7, 8]],
+        [[2**64 - 1, 0, 2**64 - 1], [0]],
+        [list(range(i, i + 50)) for i in range(0, 1000, 30)],  # overlapping runs: many merges
+        [list(np.random.default_rng(3).integers(0, 400, size=97)) for _ in range(40)],
+    ],
+    ids=["small", "extremes", "overlapping", "random"],
+)
 def test_the_dedup_hash_set_agrees_with_a_python_set(batches):
     from pretrain.data.prepare.dedup import HashSet
 

@@ -4,12 +4,12 @@ they are written, the manifest only after every other file."""
 from __future__ import annotations
 
 import pytest
-from support import s3_servers
-from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
-from support.corpora import QUIET, data_set_bytes, docs, jsonl_corpus, spec, wide_tokenizer, write_jsonl
 
 from pretrain.data.prepare.errors import DataPrepError
 from pretrain.data.prepare.pipeline import prepare
+from support import s3_servers
+from support.corpora import QUIET, data_set_bytes, docs, jsonl_corpus, spec, wide_tokenizer, write_jsonl
+from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
 from trainer.data.manifest import MANIFEST
 from trainer.storage import LocalStorage, StorageError, open_storage
 
@@ -18,13 +18,21 @@ seaweed = s3_servers.seaweed  # the session's SeaweedFS (a fixture)
 
 def test_an_s3_root_gets_the_same_data_set_uploaded_manifest_last_and_reuses_it(seaweed, tmp_path):
     """Sources, tokenizer and data set all on SeaweedFS; the bytes equal a local run's."""
-    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY, "secret_key": SECRET_KEY}
+    options = {
+        "endpoint_url": seaweed.endpoint,
+        "region": "us-east-1",
+        "access_key": ACCESS_KEY,
+        "secret_key": SECRET_KEY,
+    }
     bucket = open_storage(f"s3://{BUCKET}/dataset-test", **options)
     for k, path in enumerate(jsonl_corpus(tmp_path / "corpus", files=2, per_file=30)):
         bucket.put_file(f"corpus/part{k}.jsonl", path)
     bucket.put_file("tok/tokenizer.json", wide_tokenizer(tmp_path / "t.json", 1000))
-    data = spec([f"s3://{BUCKET}/dataset-test/corpus/*.jsonl"], workers=2,
-                tokenizer={"path": f"s3://{BUCKET}/dataset-test/tok/tokenizer.json"})
+    data = spec(
+        [f"s3://{BUCKET}/dataset-test/corpus/*.jsonl"],
+        workers=2,
+        tokenizer={"path": f"s3://{BUCKET}/dataset-test/tok/tokenizer.json"},
+    )
     root = f"s3://{BUCKET}/dataset-test/datasets"
 
     m = prepare(data, root, work=tmp_path / "work", s3_options=options, **QUIET)
@@ -43,13 +51,30 @@ def test_an_s3_root_gets_the_same_data_set_uploaded_manifest_last_and_reuses_it(
     assert repaired["reused"] is False and remote.list() == names
 
 
-@pytest.mark.parametrize("root, secret, message", [
-    ("s3://no-such-bucket/sets", SECRET_KEY, r"cannot read data sets under s3://no-such-bucket/sets/.*create bucket"),
-    (f"s3://{BUCKET}/sets", "wrong-secret", rf"cannot read data sets under s3://{BUCKET}/sets/.*check the access key"),
-], ids=["missing bucket", "bad credentials"])
+@pytest.mark.parametrize(
+    "root, secret, message",
+    [
+        (
+            "s3://no-such-bucket/sets",
+            SECRET_KEY,
+            r"cannot read data sets under s3://no-such-bucket/sets/.*create bucket",
+        ),
+        (
+            f"s3://{BUCKET}/sets",
+            "wrong-secret",
+            rf"cannot read data sets under s3://{BUCKET}/sets/.*check the access key",
+        ),
+    ],
+    ids=["missing bucket", "bad credentials"],
+)
 def test_an_s3_root_that_cannot_be_used_is_a_clear_error(seaweed, tmp_path, root, secret, message):
-    options = {"endpoint_url": seaweed.endpoint, "region": "us-east-1", "access_key": ACCESS_KEY, "secret_key": secret,
-               "max_attempts": 1}
+    options = {
+        "endpoint_url": seaweed.endpoint,
+        "region": "us-east-1",
+        "access_key": ACCESS_KEY,
+        "secret_key": secret,
+        "max_attempts": 1,
+    }
     write_jsonl(tmp_path / "c.jsonl", docs(10))
     with pytest.raises(DataPrepError, match=message) as raised:
         prepare(spec([str(tmp_path / "c.jsonl")]), root, work=tmp_path / "w", s3_options=options, **QUIET)

@@ -45,7 +45,11 @@ def test_entrypoint_is_a_prefect_flow(name):
 
 @pytest.mark.parametrize("name", LOCAL)
 def test_local_deployments_use_the_process_pool(name):
-    assert DEPLOYMENTS[name]["work_pool"] == {"name": "local-process", "work_queue_name": "default", "job_variables": {}}
+    assert DEPLOYMENTS[name]["work_pool"] == {
+        "name": "local-process",
+        "work_queue_name": "default",
+        "job_variables": {},
+    }
 
 
 def test_campaign_deployment_runs_one_at_a_time_and_schedule_starts_paused():
@@ -108,7 +112,11 @@ def test_kubernetes_flow_runs_as_the_deployed_service_account():
 def test_serve_matches_the_project_file():
     campaign = DEPLOYMENTS["pretrain-campaign"]
     dep = build_deployment()
-    assert (dep.name, dep.entrypoint, dep.parameters) == (campaign["name"], campaign["entrypoint"], campaign["parameters"])
+    assert (dep.name, dep.entrypoint, dep.parameters) == (
+        campaign["name"],
+        campaign["entrypoint"],
+        campaign["parameters"],
+    )
     assert dep.concurrency_limit == 1 and not dep.schedules
     scheduled = build_deployment(**vars(parse_args(["--cron", "0 2 * * *", "--timezone", "Europe/Paris"])))
     [sched] = scheduled.schedules
@@ -120,9 +128,15 @@ def test_deploy_matches_the_project_file():
     assert set(built) == set(LOCAL)
     for name, dep in built.items():
         want = DEPLOYMENTS[name]
-        assert (dep.entrypoint, dep.parameters, dep.tags) == (want["entrypoint"], want.get("parameters", {}), want["tags"])
+        assert (dep.entrypoint, dep.parameters, dep.tags) == (
+            want["entrypoint"],
+            want.get("parameters", {}),
+            want["tags"],
+        )
         assert dep.concurrency_limit == want.get("concurrency_limit")
-        assert dep.storage.to_pull_step() == {"prefect.deployments.steps.set_working_directory": {"directory": str(DEPLOY_ROOT)}}
+        assert dep.storage.to_pull_step() == {
+            "prefect.deployments.steps.set_working_directory": {"directory": str(DEPLOY_ROOT)}
+        }
     [trigger] = built["evaluate-checkpoint"].triggers
     assert trigger.expect == {"pretrain.checkpoint.good"}
     assert [s.schedule.cron for s in built["pretrain-campaign"].schedules] == ["0 2 * * *"]

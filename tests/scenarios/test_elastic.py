@@ -14,22 +14,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.campaigns import (assert_no_duplicate_metric_steps, final_model, kept_trajectory, run_to_completion, seed_data,
-                      small_spec, wait_for)
 from flows.campaign import pretrain_campaign
 from pretrain.run.jobs import checkpoint_store
 from pretrain.state.ledger import Ledger
+from support.campaigns import (
+    assert_no_duplicate_metric_steps,
+    final_model,
+    kept_trajectory,
+    run_to_completion,
+    seed_data,
+    small_spec,
+    wait_for,
+)
 from trainer.agent.elastic import wait_to_stand_by
 from trainer.job.reporting import read_all
 from trainer.resilience.heartbeat import heartbeat_dir
 
 
 def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness, prepared_data, tmp_path):
-    spec = small_spec(tmp_path, cluster={"workers_per_node": 2, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3,
-                                         "rejoin_after_s": 0},
-                      stages=[{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
-                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
-                      chaos=[{"kind": "kill_node", "node": 1, "step": 12}])
+    spec = small_spec(
+        tmp_path,
+        cluster={"workers_per_node": 2, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3, "rejoin_after_s": 0},
+        stages=[{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
+        checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
+        chaos=[{"kind": "kill_node", "node": 1, "step": 12}],
+    )
     stage = run_to_completion(spec, prepared_data, attempts=1)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     causes = [f["cause"] for f in stage["failures"]]
@@ -53,9 +62,13 @@ def test_node_loss_shrinks_the_world_and_keeps_the_global_batch(prefect_harness,
 def test_node_check_excludes_a_slow_node(prefect_harness, prepared_data, tmp_path):
     """Two one-worker nodes; the second is slowed down (chaos drill): the node check measures it
     far above the median, excludes it, and training runs on the first node alone."""
-    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2},
-                      stages=[{"name": "main", "steps": 6, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
-                      checkpoint={"interval": 2, "memory_interval": 2}, chaos=[{"kind": "slow_worker", "rank": 1, "delay_s": 0.05}])
+    spec = small_spec(
+        tmp_path,
+        cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2},
+        stages=[{"name": "main", "steps": 6, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
+        checkpoint={"interval": 2, "memory_interval": 2},
+        chaos=[{"kind": "slow_worker", "rank": 1, "delay_s": 0.05}],
+    )
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
@@ -73,17 +86,21 @@ def test_a_lost_node_that_passes_its_recheck_scales_the_job_back_up(prefect_harn
     stopped (the saver persists the newest snapshot) and relaunched on both nodes. Across the
     world sizes (2 → 1, if the survivor got to train alone meanwhile → 2 workers) the global
     batch stays 4 and every sample position is trained on exactly once."""
-    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3,
-                                         "rejoin_after_s": 0.5},
-                      stages=[{"name": "main", "steps": 600, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
-                      checkpoint={"interval": 20, "memory_interval": 2, "keep": 2},
-                      # the survivor alone is slowed (10 ms a step): its ~590 steps (7 ms each idle) outlast the
-                      # loss's detection and the re-check also under load (in a CI run it finished first, no resize)
-                      chaos=[{"kind": "kill_node", "node": 1, "step": 10},
-                             {"kind": "slow_worker", "rank": 0, "step": 12, "delay_s": 0.01}],
-                      # node_check_threshold out of reach: on a loaded machine the check after a restart took
-                      # node 0 for slow (2.19× the median in a CI run) and excluded it, one resize more
-                      fault_tolerance={"node_check_threshold": 1000})
+    spec = small_spec(
+        tmp_path,
+        cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3, "rejoin_after_s": 0.5},
+        stages=[{"name": "main", "steps": 600, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
+        checkpoint={"interval": 20, "memory_interval": 2, "keep": 2},
+        # the survivor alone is slowed (10 ms a step): its ~590 steps (7 ms each idle) outlast the
+        # loss's detection and the re-check also under load (in a CI run it finished first, no resize)
+        chaos=[
+            {"kind": "kill_node", "node": 1, "step": 10},
+            {"kind": "slow_worker", "rank": 0, "step": 12, "delay_s": 0.01},
+        ],
+        # node_check_threshold out of reach: on a loaded machine the check after a restart took
+        # node 0 for slow (2.19× the median in a CI run) and excluded it, one resize more
+        fault_tolerance={"node_check_threshold": 1000},
+    )
     stage = run_to_completion(spec, prepared_data, attempts=2)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     assert [r["nodes_back"] for r in stage["resizes"]] == [[1]]
@@ -105,12 +122,17 @@ def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_har
     survivor instead, is off), the workers' node check after the restart finds the straggler's
     node far above the median and excludes it, and training finishes on the other node with the
     same global batch."""
-    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 4,
-                                         "rejoin_after_s": 0}, fault_tolerance={"fast_recovery_timeout_s": 0},
-                      stages=[{"name": "main", "steps": 24, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
-                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
-                      chaos=[{"kind": "slow_worker", "rank": 1, "step": 5, "delay_s": 0.05},
-                             {"kind": "kill_worker", "rank": 0, "step": 8}])
+    spec = small_spec(
+        tmp_path,
+        cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 4, "rejoin_after_s": 0},
+        fault_tolerance={"fast_recovery_timeout_s": 0},
+        stages=[{"name": "main", "steps": 24, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
+        checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
+        chaos=[
+            {"kind": "slow_worker", "rank": 1, "step": 5, "delay_s": 0.05},
+            {"kind": "kill_worker", "rank": 0, "step": 8},
+        ],
+    )
     stage = run_to_completion(spec, prepared_data, attempts=1)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
     assert Ledger.open(spec).reload().cluster.excluded == []  # both passed before training
@@ -128,8 +150,9 @@ def test_node_check_after_a_restart_excludes_a_node_that_became_slow(prefect_har
     assert (final[24]["world_size"], final[24]["grad_accum"]) == (1, 2)
 
 
-def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_rounds_store(prefect_harness,
-                                                                                       prepared_data, tmp_path):
+def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_rounds_store(
+    prefect_harness, prepared_data, tmp_path
+):
     """A job with a standby node keeps its workers' store in rank 0 (a fresh one every round).
     Rank 1 killed at step 8: node 1's agent hands its rank to node 1's warm spare through that
     store, rank 0 keeps its process, the standby is not needed. Rank 0 killed at step 16: the
@@ -139,13 +162,21 @@ def test_with_standby_nodes_a_lost_worker_is_replaced_unless_it_hosted_the_round
     its first attempt, every sample trained on once."""
     # survivors wait node_timeout_s / 2 for the announcement: 4 s, so that a node agent starved of
     # CPU for a second or two (the suite on 2 cores) still announces in time
-    spec = standby_spec(tmp_path, chaos=[{"kind": "kill_worker", "rank": 1, "step": 8},
-                                         {"kind": "kill_worker", "rank": 0, "step": 16},
-                                         {"kind": "kill_worker", "rank": 1, "step": 20}], node_timeout_s=8)
+    spec = standby_spec(
+        tmp_path,
+        chaos=[
+            {"kind": "kill_worker", "rank": 1, "step": 8},
+            {"kind": "kill_worker", "rank": 0, "step": 16},
+            {"kind": "kill_worker", "rank": 1, "step": 20},
+        ],
+        node_timeout_s=8,
+    )
     stage = run_to_completion(spec, prepared_data, attempts=1)
-    assert [(f["cause"], f["recovery_path"]) for f in stage["failures"]] == \
-        [("worker_killed", "spare"), ("worker_killed", "restart"), ("worker_killed", "spare")], \
-        stage["failures"]
+    assert [(f["cause"], f["recovery_path"]) for f in stage["failures"]] == [
+        ("worker_killed", "spare"),
+        ("worker_killed", "restart"),
+        ("worker_killed", "spare"),
+    ], stage["failures"]
     job = spec.workdir_path / "jobs" / "main" / "attempt_000"
     events = read_all(job / "events.jsonl")
     rejoined = [e for e in events if e["event"] == "rejoined"]
@@ -166,10 +197,14 @@ def standby_spec(root, chaos=(), **cluster):
     # wait list, and torch restarted the fault-free job to take it in
     # node_check_threshold out of reach: on a loaded machine the check before training took a node
     # for slow (4.4 × the median) and excluded it, and the job ran without a standby
-    return small_spec(root, cluster={"workers_per_node": 1, "nodes_min": 2, "nodes_max": 2, "spare_nodes": 1,
-                                     "max_restarts": 3, **cluster}, fault_tolerance={"node_check_threshold": 1000},
-                      stages=[{"name": "main", "steps": 24, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
-                      checkpoint={"interval": 8, "memory_interval": 2, "keep": 3}, chaos=list(chaos))
+    return small_spec(
+        root,
+        cluster={"workers_per_node": 1, "nodes_min": 2, "nodes_max": 2, "spare_nodes": 1, "max_restarts": 3, **cluster},
+        fault_tolerance={"node_check_threshold": 1000},
+        stages=[{"name": "main", "steps": 24, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
+        checkpoint={"interval": 8, "memory_interval": 2, "keep": 3},
+        chaos=list(chaos),
+    )
 
 
 def test_a_standby_node_takes_a_lost_nodes_place_and_the_run_stays_bit_exact(prefect_harness, prepared_data, tmp_path):
@@ -261,8 +296,9 @@ print(" ".join(_RendezvousJoinOp()(_RendezvousContext(me, s, settings), far).nam
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["REMOVE_FROM_WAIT_LIST", "ADD_TO_REDUNDANCY_LIST", "SYNC", "ERROR_CLOSED",
-                                  "SYNC"], out.stdout
+    assert out.stdout.split() == ["REMOVE_FROM_WAIT_LIST", "ADD_TO_REDUNDANCY_LIST", "SYNC", "ERROR_CLOSED", "SYNC"], (
+        out.stdout
+    )
 
 
 def test_a_fresh_interpreter_worker_gets_its_node_and_threads_in_its_own_environment():
@@ -282,10 +318,15 @@ def test_a_fresh_interpreter_worker_whose_agent_died_while_it_started_ends():
     agent by name and ends. (A CI run left such a spare behind a killed pod.)"""
     # the worker: still "starting" until the test says go, then its orphan watchdog, then "work" until the
     # test closes its end of stdin (so a watchdog that fails leaves no process behind once the test ends)
-    worker = ["-c", "import sys; from trainer.common.process import exit_when_orphaned; sys.stdin.readline(); "
-                    "exit_when_orphaned(interval=0.05); print('watching', flush=True); sys.stdin.readline()"]
-    agent = ("import subprocess; from trainer.agent.elastic import elastic_worker_command as c; "
-             f"p = subprocess.Popen(c(None, {worker!r}, {{}})); print(p.pid, flush=True)")
+    worker = [
+        "-c",
+        "import sys; from trainer.common.process import exit_when_orphaned; sys.stdin.readline(); "
+        "exit_when_orphaned(interval=0.05); print('watching', flush=True); sys.stdin.readline()",
+    ]
+    agent = (
+        "import subprocess; from trainer.agent.elastic import elastic_worker_command as c; "
+        f"p = subprocess.Popen(c(None, {worker!r}, {{}})); print(p.pid, flush=True)"
+    )
     started = subprocess.Popen([sys.executable, "-c", agent], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     pid = int(started.stdout.readline())
     assert started.wait(60) == 0  # the agent is gone, its worker still starting
@@ -346,8 +387,9 @@ def test_a_standby_waits_for_a_rendezvous_that_is_not_up_yet_and_leaves_one_that
         listener.close()
 
 
-def test_torchs_agent_starts_workers_that_write_to_the_agents_streams_and_leave_no_directories(tmp_path, monkeypatch,
-                                                                                             capfd):
+def test_torchs_agent_starts_workers_that_write_to_the_agents_streams_and_leave_no_directories(
+    tmp_path, monkeypatch, capfd
+):
     """Every launch of torch's agent on a node made a ``torchelastic_*`` directory (one per round
     and rank under it) in the machine's temporary directory and never removed it: ~1,300 were
     left by one day of test runs here. The worker's output goes to the agent's own streams (the

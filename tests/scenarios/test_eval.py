@@ -8,15 +8,23 @@ import math
 import uuid
 
 import pytest
-from support import s3_servers
 import yaml
 from mlflow.tracking import MlflowClient
-from support.s3_servers import BUCKET
 
-from support.campaigns import campaign_data_dir, copy_checkpoint, flip_byte, pretrain_cli, save_checkpoint, seed_data, small_spec
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from pretrain.checkpoints.info import CheckpointInfoError, CheckpointRejected, describe
 from pretrain.run.jobs import model_config
+from support import s3_servers
+from support.campaigns import (
+    campaign_data_dir,
+    copy_checkpoint,
+    flip_byte,
+    pretrain_cli,
+    save_checkpoint,
+    seed_data,
+    small_spec,
+)
+from support.s3_servers import BUCKET
 from tasks.evaluation import evaluate_stage_checkpoint
 from trainer.checkpoint.store import MANIFEST
 from trainer.evaluate import evaluate
@@ -50,8 +58,13 @@ def test_eval_prints_the_metrics_of_a_good_checkpoint(trained_checkpoint, tmp_pa
     out = json.loads(proc.stdout)
     assert client.get_run(run_id).data.metrics["val_loss"] == pytest.approx(out["val_loss"])
     data_dir = campaign_data_dir(spec)
-    expected = evaluate(ref.location, model_config(spec, 512), data_dir, spec.stages[0].seq_len,
-                        max_batches=spec.validation.eval_batches)
+    expected = evaluate(
+        ref.location,
+        model_config(spec, 512),
+        data_dir,
+        spec.stages[0].seq_len,
+        max_batches=spec.validation.eval_batches,
+    )
     assert out["checkpoint"] == ref.location and out["step"] == ref.step == 2
     for key in ("val_loss", "val_accuracy", "val_tokens"):
         assert out[key] == pytest.approx(expected[key])
@@ -82,7 +95,9 @@ def test_an_old_checkpoint_without_its_record_names_the_option_to_pass(trained_c
     assert "val_loss" in proc.stdout and "(step 2): valid" in proc.stdout
 
 
-def test_flow_logs_the_metrics_to_mlflow_at_the_checkpoint_step(prefect_harness, trained_checkpoint, tmp_path, own_tracking_store):
+def test_flow_logs_the_metrics_to_mlflow_at_the_checkpoint_step(
+    prefect_harness, trained_checkpoint, tmp_path, own_tracking_store
+):
     _, ref = trained_checkpoint
     uri, client, run_id = mlflow_run(tmp_path, own_tracking_store)
     result = evaluate_checkpoint(checkpoint=ref.location, tracking_uri=uri, run_id=run_id)
@@ -97,8 +112,15 @@ def test_flow_logs_the_metrics_to_mlflow_at_the_checkpoint_step(prefect_harness,
 
 
 def test_eval_of_a_checkpoint_on_s3(prepared_data, tmp_path, seaweed, aws_env):
-    spec = small_spec(tmp_path, checkpoint={"uri": f"s3://{BUCKET}/eval/{uuid.uuid4().hex[:8]}",
-                                            "s3_endpoint_url": seaweed.endpoint, "interval": 4, "memory_interval": 2})
+    spec = small_spec(
+        tmp_path,
+        checkpoint={
+            "uri": f"s3://{BUCKET}/eval/{uuid.uuid4().hex[:8]}",
+            "s3_endpoint_url": seaweed.endpoint,
+            "interval": 4,
+            "memory_interval": 2,
+        },
+    )
     seed_data(spec, prepared_data)
     ref = save_checkpoint(spec)
     assert ref.location.startswith("s3://")
@@ -115,5 +137,7 @@ def test_the_stage_evaluation_scores_validation_eval_batches(prefect_harness, tr
     scored = {}
     for batches in (1, 2):
         v = spec.validation.model_copy(update={"eval_batches": batches})
-        scored[batches] = evaluate_stage_checkpoint(spec.model_copy(update={"validation": v}), ref.location, seq_len)["val_tokens"]
+        scored[batches] = evaluate_stage_checkpoint(spec.model_copy(update={"validation": v}), ref.location, seq_len)[
+            "val_tokens"
+        ]
     assert scored == {1: 8 * seq_len, 2: 2 * 8 * seq_len}

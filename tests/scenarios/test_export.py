@@ -10,10 +10,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from support.campaigns import campaign_data_dir, copy_checkpoint, flip_byte, pretrain_cli
+from pretrain.checkpoints.export import PROVENANCE, WEIGHTS, export_checkpoint
 from pretrain.checkpoints.info import CheckpointRejected, describe
 from pretrain.data.prepare.tokenizer import EOT
-from pretrain.checkpoints.export import PROVENANCE, WEIGHTS, export_checkpoint
+from support.campaigns import campaign_data_dir, copy_checkpoint, flip_byte, pretrain_cli
 from trainer.checkpoint.store import CheckpointStore
 from trainer.data.sampler import TokenWindows, read_manifest
 from trainer.model import GPT
@@ -42,7 +42,9 @@ def test_export_round_trip_matches_our_model(trained_checkpoint, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"exported step 2 of {ref.location}" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary left behind
-    assert {WEIGHTS, "config.json", "tokenizer.json", "tokenizer_config.json", PROVENANCE} <= {p.name for p in out.iterdir()}
+    assert {WEIGHTS, "config.json", "tokenizer.json", "tokenizer_config.json", PROVENANCE} <= {
+        p.name for p in out.iterdir()
+    }
 
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     ours = our_model(ref.location)
@@ -108,17 +110,20 @@ def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
-@pytest.mark.parametrize("out, refused", [
-    ("wd", "holds the checkpoint"),                         # the campaign's workdir
-    ("wd/checkpoints", "holds the checkpoint"),             # a parent of the checkpoint
-    ("{ckpt}", "is the checkpoint"),                        # the checkpoint itself
-    ("{ckpt}/hf", "inside the checkpoint"),
-    (".", "holds the checkpoint"),                          # a parent of the workdir
-    ("unrelated", "not an earlier export"),                 # someone else's files
-    ("previous-export-in-wd", "ledger.json"),               # has pretrain.json, but holds a campaign
-    ("previous-export", None),                              # replaced
-    ("empty", None),                                        # replaced
-])
+@pytest.mark.parametrize(
+    "out, refused",
+    [
+        ("wd", "holds the checkpoint"),  # the campaign's workdir
+        ("wd/checkpoints", "holds the checkpoint"),  # a parent of the checkpoint
+        ("{ckpt}", "is the checkpoint"),  # the checkpoint itself
+        ("{ckpt}/hf", "inside the checkpoint"),
+        (".", "holds the checkpoint"),  # a parent of the workdir
+        ("unrelated", "not an earlier export"),  # someone else's files
+        ("previous-export-in-wd", "ledger.json"),  # has pretrain.json, but holds a campaign
+        ("previous-export", None),  # replaced
+        ("empty", None),  # replaced
+    ],
+)
 def test_export_overwrite_only_replaces_an_earlier_export(trained_checkpoint, tmp_path, out, refused):
     """`pretrain export CKPT OUT --overwrite` never deletes a campaign: OUT is replaced only if it
     is an earlier export (or empty); anything else is refused, exit 2, every file still there."""

@@ -21,17 +21,26 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support.agents import node_log, run_agent, run_agents, start_agent
-from support.campaigns import seed_data, small_spec, wait_for
+from pretrain.cluster.ports import free_port
 from pretrain.run.incidents import incidents
 from pretrain.run.jobs import build_job
-from pretrain.cluster.ports import free_port
-from trainer.job.config import JobConfig
+from support.agents import node_log, run_agent, run_agents, start_agent
+from support.campaigns import seed_data, small_spec, wait_for
 from trainer.dist import Identity, round_restart_count
+from trainer.job.config import JobConfig
 from trainer.job.reporting import EVENTS, METRICS, read_all
+from trainer.resilience.peers import (
+    PEER_LOST_EXIT,
+    CannotRejoin,
+    Peers,
+    arrive,
+    arrive_as_replacement,
+    exit_code,
+    may_be_peer_loss,
+    taken_key,
+    warm_key,
+)
 from trainer.resilience.survivor_interrupt import PeerLost
-from trainer.resilience.peers import (PEER_LOST_EXIT, CannotRejoin, Peers, arrive, arrive_as_replacement, exit_code,
-                                      may_be_peer_loss, taken_key, warm_key)
 
 STEPS = 14
 
@@ -39,10 +48,14 @@ STEPS = 14
 def two_worker_job(root: Path, prepared_data: Path, chaos: list[dict], **fields) -> JobConfig:
     """One node, two DDP workers, snapshots in memory every 2 steps (persisted every 4); the
     adaptive hang timeout does not start before the faults (a drill waits for the warm spare)."""
-    spec = small_spec(root, cluster={"workers_per_node": 2, "max_restarts": 3},
-                      stages=[{"name": "s", "steps": STEPS, "seq_len": 32, "micro_batch": 2, "warmup_steps": 2}],
-                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
-                      fault_tolerance={"hang_warmup_steps": 50}, chaos=chaos)
+    spec = small_spec(
+        root,
+        cluster={"workers_per_node": 2, "max_restarts": 3},
+        stages=[{"name": "s", "steps": STEPS, "seq_len": 32, "micro_batch": 2, "warmup_steps": 2}],
+        checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
+        fault_tolerance={"hang_warmup_steps": 50},
+        chaos=chaos,
+    )
     seed_data(spec, prepared_data)
     return dataclasses.replace(build_job(spec, 0, 0, None), **fields)
 
@@ -63,15 +76,19 @@ def clean_model(prepared_data, tmp_path_factory, zygote) -> dict:
     return final_model(job)
 
 
-def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_running(prepared_data, tmp_path,
-                                                                                  clean_model, zygote):
+def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_running(
+    prepared_data, tmp_path, clean_model, zygote
+):
     """Rank 1 SIGKILLed before step 6, then rank 0 (by then a survivor of the first fault) before
     step 10: each time the other worker keeps its process and its state (no rollback to the
     snapshot of step 4 or 8: training goes on from the step it completed), a warm spare takes
     the lost rank, a new spare is started for the next fault, and the result is bitwise the
     fault-free run's."""
-    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 6},
-                                                   {"kind": "kill_worker", "rank": 0, "step": 10}])
+    job = two_worker_job(
+        tmp_path,
+        prepared_data,
+        [{"kind": "kill_worker", "rank": 1, "step": 6}, {"kind": "kill_worker", "rank": 0, "step": 10}],
+    )
     assert run_agent(job, max_restarts=3, nproc=2, zygote=zygote) == 0, node_log(job)
     events = read_all(Path(job.job_dir) / EVENTS)
     starts = {e["rank"]: e for e in by_kind(events, "start") if not e["epoch"]}
@@ -103,8 +120,9 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_survivor_keeps_runn
     assert model.keys() == clean_model.keys() and all(torch.equal(model[k], clean_model[k]) for k in model)
 
 
-def test_a_hung_worker_is_killed_alone_and_replaced_while_the_other_keeps_running(prepared_data, tmp_path, clean_model,
-                                                                                  zygote):
+def test_a_hung_worker_is_killed_alone_and_replaced_while_the_other_keeps_running(
+    prepared_data, tmp_path, clean_model, zygote
+):
     """Rank 1 hangs at step 5 (3 s step timeout): rank 0, waiting for it in the step's
     collective, is not taken for hung; only rank 1 is killed, a spare takes its rank."""
     job = two_worker_job(tmp_path, prepared_data, [{"kind": "hang_worker", "rank": 1, "step": 5}])
@@ -122,10 +140,16 @@ def test_a_hung_worker_is_killed_alone_and_replaced_while_the_other_keeps_runnin
     assert all(torch.equal(model[k], clean_model[k]) for k in model)
 
 
-def test_a_fast_recovery_that_cannot_finish_in_time_falls_back_to_a_full_restart(prepared_data, tmp_path,
-                                                                                 clean_model, zygote):
-    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 5}],
-                         fast_recovery_timeout_s=0.001, spares_per_node=0)
+def test_a_fast_recovery_that_cannot_finish_in_time_falls_back_to_a_full_restart(
+    prepared_data, tmp_path, clean_model, zygote
+):
+    job = two_worker_job(
+        tmp_path,
+        prepared_data,
+        [{"kind": "kill_worker", "rank": 1, "step": 5}],
+        fast_recovery_timeout_s=0.001,
+        spares_per_node=0,
+    )
     assert run_agent(job, max_restarts=3, nproc=2, zygote=zygote) == 0, node_log(job)
     assert "(rank(s) [0, 1] not restored in the new process group): restarting every worker" in node_log(job)
     events = read_all(Path(job.job_dir) / EVENTS)
@@ -136,15 +160,26 @@ def test_a_fast_recovery_that_cannot_finish_in_time_falls_back_to_a_full_restart
     assert all(torch.equal(model[k], clean_model[k]) for k in model)
 
 
-@pytest.mark.parametrize("err, candidate", [
-    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12202: Connection reset"), True),
-    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms"), True),
-    (torch.distributed.DistStoreError("wait timeout"), True),
-    (PeerLost("a peer was lost: this step cannot complete"), True),  # the node agent interrupted the step
-    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),  # the worker's own error
-    (ValueError("gloo"), False),
-    (MemoryError(), False),
-])
+@pytest.mark.parametrize(
+    "err, candidate",
+    [
+        (
+            RuntimeError(
+                "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12202: Connection reset"
+            ),
+            True,
+        ),
+        (
+            RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms"),
+            True,
+        ),
+        (torch.distributed.DistStoreError("wait timeout"), True),
+        (PeerLost("a peer was lost: this step cannot complete"), True),  # the node agent interrupted the step
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),  # the worker's own error
+        (ValueError("gloo"), False),
+        (MemoryError(), False),
+    ],
+)
 def test_only_a_broken_collective_makes_a_worker_wait_for_a_new_epoch(err, candidate):
     assert may_be_peer_loss(err) is candidate
 
@@ -192,11 +227,14 @@ def test_a_rank_that_never_arrives_ends_the_recovery_within_the_agents_bound():
     assert joined.restart_count == 1
 
 
-@pytest.mark.parametrize("published, own, agreed", [
-    ({}, 2, 2),  # agents sharing their store count alike: nothing published, this node's count
-    ({0: "1"}, 0, 0),  # not every rank published: this node's count
-    ({0: "1", 1: "0"}, 0, 1),  # a standby node's agent counted 0 restarts, the round agreed on 1
-])
+@pytest.mark.parametrize(
+    "published, own, agreed",
+    [
+        ({}, 2, 2),  # agents sharing their store count alike: nothing published, this node's count
+        ({0: "1"}, 0, 0),  # not every rank published: this node's count
+        ({0: "1", 1: "0"}, 0, 1),  # a standby node's agent counted 0 restarts, the round agreed on 1
+    ],
+)
 def test_the_restart_count_a_recovery_uses_is_the_rounds(published, own, agreed):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     for rank, count in published.items():
@@ -212,8 +250,9 @@ ON_TWO_NODES = {  # the fault of rank 1 (node 1's worker) before step 6, spares 
 
 
 @pytest.mark.parametrize("fault", list(ON_TWO_NODES))
-def test_on_two_nodes_a_lost_worker_is_replaced_and_the_other_nodes_worker_keeps_running(fault, prepared_data,
-                                                                                        tmp_path, clean_model, zygote):
+def test_on_two_nodes_a_lost_worker_is_replaced_and_the_other_nodes_worker_keeps_running(
+    fault, prepared_data, tmp_path, clean_model, zygote
+):
     """Two nodes of one worker each (torch's elastic agents, c10d rendezvous): rank 1, node 1's
     worker, is SIGKILLed (or hangs, and its node's agent kills it: 3 s step timeout; node 0's
     agent, whose worker waits in the step's collective, leaves it alone). Node 0's worker keeps
@@ -225,12 +264,19 @@ def test_on_two_nodes_a_lost_worker_is_replaced_and_the_other_nodes_worker_keeps
     job = two_worker_job(tmp_path, prepared_data, [drill], spares_per_node=spares)
     job = dataclasses.replace(job, hang_timeouts={**job.hang_timeouts, "step": 3.0})
     # node timeout 10: survivors wait 5 s for the announcement (a node agent starved of CPU on a loaded machine)
-    assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2, node_timeout=10) == 0, node_log(job, nodes=2)
+    assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2, node_timeout=10) == 0, node_log(
+        job, nodes=2
+    )
     events = read_all(Path(job.job_dir) / EVENTS)
     starts = {e["rank"]: e for e in by_kind(events, "start") if not e["epoch"]}
     assert {starts[0]["node"], starts[1]["node"]} == {0, 1}
     [rejoined] = by_kind(events, "rejoined")
-    assert (rejoined["rank"], rejoined["epoch"], rejoined["lost_ranks"], rejoined["pid"]) == (0, 1, [1], starts[0]["pid"])
+    assert (rejoined["rank"], rejoined["epoch"], rejoined["lost_ranks"], rejoined["pid"]) == (
+        0,
+        1,
+        [1],
+        starts[0]["pid"],
+    )
     [replacement] = [e for e in by_kind(events, "start") if e["epoch"]]
     assert (replacement["rank"], replacement["node"]) == (1, starts[1]["node"])
     assert not [e for e in by_kind(events, "start") if e["restart_count"]], node_log(job, nodes=2)  # no full restart
@@ -249,15 +295,20 @@ def test_on_two_nodes_a_warm_spare_is_started_again_for_the_next_fault(prepared_
     """Node 1 loses its worker twice (rank 1 before step 6, then its replacement before step 10):
     each time a spare of node 1 that was warm before the fault takes the rank, node 0's worker
     keeps its process throughout, and the run is bitwise the one-node run."""
-    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 6},
-                                                   {"kind": "kill_worker", "rank": 1, "step": 10}])
+    job = two_worker_job(
+        tmp_path,
+        prepared_data,
+        [{"kind": "kill_worker", "rank": 1, "step": 6}, {"kind": "kill_worker", "rank": 1, "step": 10}],
+    )
     assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2) == 0, node_log(job, nodes=2)
     events = read_all(Path(job.job_dir) / EVENTS)
     starts = {e["rank"]: e for e in by_kind(events, "start") if not e["epoch"]}
     assert [(e["rank"], e["pid"]) for e in by_kind(events, "rejoined")] == [(0, starts[0]["pid"])] * 2
     replacements = [e for e in by_kind(events, "start") if e["epoch"]]
-    assert [(e["rank"], e["node"], e["epoch"]) for e in replacements] == [(1, starts[1]["node"], 1),
-                                                                          (1, starts[1]["node"], 2)]
+    assert [(e["rank"], e["node"], e["epoch"]) for e in replacements] == [
+        (1, starts[1]["node"], 1),
+        (1, starts[1]["node"], 2),
+    ]
     warm = {e["pid"]: e["time"] for e in by_kind(events, "spare_ready")}
     kills = by_kind(events, "chaos")
     assert [warm.get(e["pid"], float("inf")) < kill["time"] for e, kill in zip(replacements, kills)] == [True, True]
@@ -266,14 +317,20 @@ def test_on_two_nodes_a_warm_spare_is_started_again_for_the_next_fault(prepared_
     assert all(torch.equal(model[k], clean_model[k]) for k in model)
 
 
-def test_on_two_nodes_a_fast_recovery_that_cannot_finish_falls_back_to_torchs_full_restart(prepared_data, tmp_path,
-                                                                                          clean_model, zygote):
+def test_on_two_nodes_a_fast_recovery_that_cannot_finish_falls_back_to_torchs_full_restart(
+    prepared_data, tmp_path, clean_model, zygote
+):
     """The replacement cannot be restored in time (the bound is 1 ms): node 1's agent hands the
     failure to torch's agent, which restarts every worker of both nodes; the job completes, bitwise.
     (No warm spare, as on one node: a warm spare and the survivor arriving within the same
     millisecond finished the recovery in a CI run, just before the agent's fallback.)"""
-    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 1, "step": 5}],
-                         fast_recovery_timeout_s=0.001, spares_per_node=0)
+    job = two_worker_job(
+        tmp_path,
+        prepared_data,
+        [{"kind": "kill_worker", "rank": 1, "step": 5}],
+        fast_recovery_timeout_s=0.001,
+        spares_per_node=0,
+    )
     assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2) == 0, node_log(job, nodes=2)
     assert "not restored in the new process group): restarting every worker" in node_log(job, nodes=2)
     events = read_all(Path(job.job_dir) / EVENTS)
@@ -284,24 +341,40 @@ def test_on_two_nodes_a_fast_recovery_that_cannot_finish_falls_back_to_torchs_fu
     assert all(torch.equal(model[k], clean_model[k]) for k in model)
 
 
-@pytest.mark.parametrize("err, fast, code", [
-    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12202: Connection reset"),
-     True, PEER_LOST_EXIT),  # a survivor whose lost peer nobody replaces (its node is gone): not to be replaced itself
-    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error"), False, 1),  # survivors not kept
-    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), True, 1),  # the worker's own failure: replaced
-])
+@pytest.mark.parametrize(
+    "err, fast, code",
+    [
+        (
+            RuntimeError(
+                "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12202: Connection reset"
+            ),
+            True,
+            PEER_LOST_EXIT,
+        ),  # a survivor whose lost peer nobody replaces (its node is gone): not to be replaced itself
+        (
+            RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error"),
+            False,
+            1,
+        ),  # survivors not kept
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), True, 1),  # the worker's own failure: replaced
+    ],
+)
 def test_a_survivor_left_without_a_recovery_says_so_in_its_exit_code(err, fast, code):
     assert exit_code(err, fast) == code
 
 
-def test_on_two_nodes_workers_lost_on_both_at_once_are_recovered_by_one_full_restart(prepared_data, tmp_path,
-                                                                                    clean_model, zygote):
+def test_on_two_nodes_workers_lost_on_both_at_once_are_recovered_by_one_full_restart(
+    prepared_data, tmp_path, clean_model, zygote
+):
     """Both nodes lose their worker at the same step: both agents announce a recovery (two epochs,
     each waiting for a rank the other replaces). The agent that sees the other's announcement gives
     up at once and torch's agents restart every worker, instead of both waiting out the bound;
     the job completes, bitwise."""
-    job = two_worker_job(tmp_path, prepared_data, [{"kind": "kill_worker", "rank": 0, "step": 6},
-                                                   {"kind": "kill_worker", "rank": 1, "step": 6}])
+    job = two_worker_job(
+        tmp_path,
+        prepared_data,
+        [{"kind": "kill_worker", "rank": 0, "step": 6}, {"kind": "kill_worker", "rank": 1, "step": 6}],
+    )
     assert run_agents(job, max_restarts=3, nproc=1, zygote=zygote, nodes=2) == 0, node_log(job, nodes=2)
     log = node_log(job, nodes=2)
     assert "the fast recovery was not done within" not in log, log  # nobody waited for the bound (30 s)
@@ -332,7 +405,10 @@ def test_a_store_that_went_with_its_rank_0_is_given_up_at_once_not_after_torchs_
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: pytest.fail("a client was made for a store nobody serves"))
     asked = SimpleNamespace(_peers_store=None, _pcontext=object(), _store_retry_at=0.0)
     assert SurvivorsAgent._job_store(asked, gone) is None
-    assert f"no fast recovery: the job's store at 127.0.0.1:{gone['MASTER_PORT']} is not reachable" in capfd.readouterr().err
+    assert (
+        f"no fast recovery: the job's store at 127.0.0.1:{gone['MASTER_PORT']} is not reachable"
+        in capfd.readouterr().err
+    )
     assert SurvivorsAgent._job_store(asked, gone) is None and capfd.readouterr().err == ""  # not asked again at once
 
 
@@ -363,29 +439,42 @@ def test_a_store_whose_host_is_frozen_is_given_up_not_waited_for_for_ever():
         host.wait()
     # the client left waiting for the handshake ends once the host is gone for good (its last
     # words, torch's "Connection reset by peer", said here: after the test they reached the terminal)
-    wait_for(lambda: not [t for t in threading.enumerate() if t.name == CONNECT_THREAD], 30,
-             "the abandoned connection attempt to end")
+    wait_for(
+        lambda: not [t for t in threading.enumerate() if t.name == CONNECT_THREAD],
+        30,
+        "the abandoned connection attempt to end",
+    )
 
 
-def test_a_node_lost_while_the_survivors_are_outside_a_collective_restarts_them_at_once(prepared_data, tmp_path,
-                                                                                       zygote):
+def test_a_node_lost_while_the_survivors_are_outside_a_collective_restarts_them_at_once(
+    prepared_data, tmp_path, zygote
+):
     """Node 1 is killed while node 0's worker is busy outside any collective (a long step of its
     own; here a straggler drill's sleep of ``DELAY`` s): nothing fails for it to notice. Its agent
     announces the loss and, as no worker left, restarts them into the next round at once instead
     of leaving them until their next collective (seen once: a survivor that never left, its agent
     silent for minutes). The job completes on node 0."""
     delay = 12.0
-    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 2},
-                      stages=[{"name": "s", "steps": 4, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
-                      checkpoint={"interval": 2, "memory_interval": 1, "keep": 2},
-                      fault_tolerance={"hang_warmup_steps": 50},  # the sleep is no hang: the spec's 300 s bound
-                      chaos=[{"kind": "kill_node", "node": 1, "step": 4},
-                             *({"kind": "slow_worker", "rank": r, "step": 4, "delay_s": delay} for r in (0, 1))])
+    spec = small_spec(
+        tmp_path,
+        cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 2},
+        stages=[{"name": "s", "steps": 4, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
+        checkpoint={"interval": 2, "memory_interval": 1, "keep": 2},
+        fault_tolerance={"hang_warmup_steps": 50},  # the sleep is no hang: the spec's 300 s bound
+        chaos=[
+            {"kind": "kill_node", "node": 1, "step": 4},
+            *({"kind": "slow_worker", "rank": r, "step": 4, "delay_s": delay} for r in (0, 1)),
+        ],
+    )
     seed_data(spec, prepared_data)
     job = build_job(spec, 0, 0, None)
     endpoint = f"127.0.0.1:{free_port()}"
-    agents = [start_agent(job, max_restarts=2, zygote=zygote, node=n, nodes=2, nodes_min=1, endpoint=endpoint,
-                          start_new_session=True) for n in range(2)]
+    agents = [
+        start_agent(
+            job, max_restarts=2, zygote=zygote, node=n, nodes=2, nodes_min=1, endpoint=endpoint, start_new_session=True
+        )
+        for n in range(2)
+    ]
     try:
         assert agents[0].wait(180) == 0, node_log(job, nodes=2)
     finally:

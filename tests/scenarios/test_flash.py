@@ -15,18 +15,19 @@ import time
 import pytest
 import torch
 
+from pretrain.cluster.ports import free_port
 from support.campaigns import wait_for
 from support.jobs import CPU0, assert_same, tiny_job, trained
-from trainer.checkpoint import store as ckpt
-from trainer.checkpoint import state
-from pretrain.cluster.ports import free_port
-from trainer.checkpoint.flash import SnapshotStore, copies_in_flight
-from trainer.checkpoint.shm import ShmTooSmall, Slot
-from trainer.checkpoint.saver import BREAKPOINT_DELAY_S
-from trainer.job.config import JobConfig
-from trainer.loop import build_model, checkpoint, open_snapshots, snapshot_capacity
 from trainer.agent.single_node import AgentSettings, NodeAgent
+from trainer.checkpoint import state
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.flash import SnapshotStore, copies_in_flight
+from trainer.checkpoint.saver import BREAKPOINT_DELAY_S
+from trainer.checkpoint.shm import ShmTooSmall, Slot
+from trainer.job.config import JobConfig
 from trainer.job.reporting import JsonLines, read_all
+from trainer.loop import build_model, checkpoint, open_snapshots, snapshot_capacity
+
 
 def job(tmp_path, **kw) -> JobConfig:
     return tiny_job(tmp_path, **kw)
@@ -73,16 +74,22 @@ def test_a_snapshots_blocking_time_counts_gathering_the_state_not_only_the_copy(
     store.flush()
 
 
-@pytest.mark.parametrize("flags, held, persist, expected", [
-    # steps 5 (slot 0) and 10 (slot 1) taken with ``flags`` (persist?); ``held``: slots a reader holds
-    ((False, False), {0}, False, {5: 0, 15: 1}),  # the saver persists 5: 15 replaces 10, 5 stays whole
-    ((False, False), {0}, True, {5: 0, 15: 1}),
-    ((False, True), {0}, False, {5: 0, 10: 1}),  # 10 is for the saver to persist: 15 is skipped
-    ((False, True), {0}, True, {5: 0, 15: 1}),  # a newer step to persist replaces it
-    ((False, False), {0, 1}, False, {5: 0, 10: 1}),  # both read: skipped, neither torn
-    ((False, False), {1}, False, {15: 0, 10: 1}),  # the older one free: taken, as always
-], ids=["older-held", "older-held-persist", "newest-pending", "newest-pending-newer", "both-held", "newest-held"])
-def test_a_snapshot_goes_where_it_tears_nothing_and_takes_nothing_from_the_saver(tmp_path, flags, held, persist, expected):
+@pytest.mark.parametrize(
+    "flags, held, persist, expected",
+    [
+        # steps 5 (slot 0) and 10 (slot 1) taken with ``flags`` (persist?); ``held``: slots a reader holds
+        ((False, False), {0}, False, {5: 0, 15: 1}),  # the saver persists 5: 15 replaces 10, 5 stays whole
+        ((False, False), {0}, True, {5: 0, 15: 1}),
+        ((False, True), {0}, False, {5: 0, 10: 1}),  # 10 is for the saver to persist: 15 is skipped
+        ((False, True), {0}, True, {5: 0, 15: 1}),  # a newer step to persist replaces it
+        ((False, False), {0, 1}, False, {5: 0, 10: 1}),  # both read: skipped, neither torn
+        ((False, False), {1}, False, {15: 0, 10: 1}),  # the older one free: taken, as always
+    ],
+    ids=["older-held", "older-held-persist", "newest-pending", "newest-pending-newer", "both-held", "newest-held"],
+)
+def test_a_snapshot_goes_where_it_tears_nothing_and_takes_nothing_from_the_saver(
+    tmp_path, flags, held, persist, expected
+):
     """While a reader (the saver persisting, a peer restoring) holds the older slot, the next
     snapshot replaces the newest one instead of being skipped, so memory snapshots stay fresh
     through a slow persist; one complete snapshot (the held one) remains throughout."""
@@ -118,13 +125,17 @@ def test_flush_waits_for_every_snapshot_still_sealing_not_only_the_last(tmp_path
     assert store.sealed_steps() == {5: 0, 10: 1}
 
 
-@pytest.mark.parametrize("header, live, busy", [
-    ({"state": "writing"}, True, True),  # being copied
-    ({"state": "ready"}, True, True),  # copied, its digest still being computed
-    ({"state": "ready", "digest": "ab"}, True, False),  # sealed
-    ({"state": "writing"}, False, False),  # torn by a process that is gone: nothing to wait for
-    (None, True, False),  # never written
-], ids=["copying", "sealing", "sealed", "torn-by-the-dead", "empty"])
+@pytest.mark.parametrize(
+    "header, live, busy",
+    [
+        ({"state": "writing"}, True, True),  # being copied
+        ({"state": "ready"}, True, True),  # copied, its digest still being computed
+        ({"state": "ready", "digest": "ab"}, True, False),  # sealed
+        ({"state": "writing"}, False, False),  # torn by a process that is gone: nothing to wait for
+        (None, True, False),  # never written
+    ],
+    ids=["copying", "sealing", "sealed", "torn-by-the-dead", "empty"],
+)
 def test_copies_in_flight_are_the_live_workers_unsealed_snapshots(tmp_path, header, live, busy):
     slot = Slot(tmp_path / "rank000.slot0", 1 << 12)
     if header is not None:
@@ -158,8 +169,17 @@ def test_a_full_restart_lets_a_survivor_finish_the_snapshot_it_is_copying(tmp_pa
     ns, report = tmp_path / "shm", tmp_path / "at_sigterm"
     ns.mkdir()
     survivor = subprocess.Popen([sys.executable, "-c", COPYING_WORKER, str(ns / "rank000.slot0"), str(report)])
-    settings = AgentSettings(nproc=1, max_restarts=1, threads=1, node=0, port=free_port(), spares=0, fast=False,
-                             fast_timeout_s=0, shm=str(ns))
+    settings = AgentSettings(
+        nproc=1,
+        max_restarts=1,
+        threads=1,
+        node=0,
+        port=free_port(),
+        spares=0,
+        fast=False,
+        fast_timeout_s=0,
+        shm=str(ns),
+    )
     restarted = []
     agent = NodeAgent(settings, lambda extra, env: restarted.append(env) or subprocess.Popen(["sleep", "60"]))
     agent.workers = {0: survivor}
@@ -178,8 +198,9 @@ def test_restore_prefers_memory_and_falls_back_to_storage_when_memory_is_corrupt
     state.save(cfg, CPU0, step=10, consumed=20, model=model, optimizer=opt)
     trained_more, opt_more = trained(cfg, steps=3)
     store = SnapshotStore(tmp_path / "shm", 0, 0, 1, capacity=snapshot_capacity(cfg, 0))
-    store.snapshot(15, state.training_state(cfg, CPU0, step=15, consumed=30, model=trained_more, optimizer=opt_more),
-                   persist=False)
+    store.snapshot(
+        15, state.training_state(cfg, CPU0, step=15, consumed=30, model=trained_more, optimizer=opt_more), persist=False
+    )
     fresh, fresh_opt = build_model(cfg, torch.device("cpu"))
     got = state.restore(cfg, CPU0, model=fresh, optimizer=fresh_opt, snapshots=store)
     assert (got.source, got.step, got.consumed) == ("memory", 15, 30)
@@ -224,8 +245,9 @@ def test_a_world_that_changed_size_restores_the_last_worlds_rank_0_snapshot_from
     later, later_opt = trained(cfg, steps=3)
     old_rank0 = dataclasses.replace(CPU0, world_size=2)
     last_world = SnapshotStore(tmp_path / "shm", 0, 0, 2, capacity=snapshot_capacity(cfg, 0))
-    last_world.snapshot(14, state.training_state(cfg, old_rank0, step=14, consumed=28, model=later, optimizer=later_opt),
-                        persist=False)
+    last_world.snapshot(
+        14, state.training_state(cfg, old_rank0, step=14, consumed=28, model=later, optimizer=later_opt), persist=False
+    )
     last_world.flush()
     now = SnapshotStore(tmp_path / "shm", 0, 0, 1, capacity=snapshot_capacity(cfg, 0))  # world 1 on the same node
     assert now.sealed_steps() == {} and list(now.replicated_elsewhere()) == [14]
@@ -244,12 +266,15 @@ def test_a_world_that_changed_size_restores_the_last_worlds_rank_0_snapshot_from
     assert now.load_replicated(14) is None
 
 
-@pytest.mark.parametrize("fields, live, kept", [
-    ({}, (7, 14), ("survivors", 7, 14)),                      # DDP: the survivors go on from the step they hold
-    ({"model.dropout": 0.1}, (7, 14), None),                  # each rank's RNG shapes training: roll back
-    ({"parallelism": "fsdp"}, (7, 14), None),                 # each rank holds its own pieces: roll back
-    ({}, None, None),                                         # nobody holds live state
-])
+@pytest.mark.parametrize(
+    "fields, live, kept",
+    [
+        ({}, (7, 14), ("survivors", 7, 14)),  # DDP: the survivors go on from the step they hold
+        ({"model.dropout": 0.1}, (7, 14), None),  # each rank's RNG shapes training: roll back
+        ({"parallelism": "fsdp"}, (7, 14), None),  # each rank holds its own pieces: roll back
+        ({}, None, None),  # nobody holds live state
+    ],
+)
 def test_state_kept_by_survivors_only_when_it_is_replicated(tmp_path, fields, live, kept):
     cfg = job(tmp_path)
     for name, value in fields.items():
@@ -276,8 +301,9 @@ def test_too_little_shared_memory_is_a_clear_error_or_falls_back(tmp_path):
 def start_saver(tmp_path, ns, nproc=1):
     job_file = tmp_path / "saver-job.json"
     job_file.write_text(job(tmp_path, ckpt_keep=3).to_json())
-    return subprocess.Popen([sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc),
-                             "--job", str(job_file)])
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc), "--job", str(job_file)]
+    )
 
 
 def test_saver_persists_only_flagged_snapshots_bit_exact(tmp_path):
@@ -290,7 +316,9 @@ def test_saver_persists_only_flagged_snapshots_bit_exact(tmp_path):
     store.snapshot(10, st, persist=True)
     saver = start_saver(tmp_path, ns)
     try:
-        wait_for(lambda: ckpt.CheckpointStore.open(cfg.ckpt_dir).read_pointer() == 10, 60, "the saver to commit step 10")
+        wait_for(
+            lambda: ckpt.CheckpointStore.open(cfg.ckpt_dir).read_pointer() == 10, 60, "the saver to commit step 10"
+        )
     finally:
         saver.terminate()
         saver.wait(30)
@@ -316,7 +344,11 @@ def test_saver_killed_mid_persist_never_commits_a_torn_checkpoint(tmp_path):
     assert ckpt.CheckpointStore.open(tmp_path / "ckpt").latest_complete() is None
     saver = start_saver(tmp_path, ns)  # what the node agent does when its saver dies
     try:
-        wait_for(lambda: ckpt.CheckpointStore.open(tmp_path / "ckpt").read_pointer() == 8, 120, "the restarted saver to commit step 8")
+        wait_for(
+            lambda: ckpt.CheckpointStore.open(tmp_path / "ckpt").read_pointer() == 8,
+            120,
+            "the restarted saver to commit step 8",
+        )
     finally:
         saver.terminate()
         saver.wait(30)
@@ -349,7 +381,11 @@ def test_saver_saves_at_breakpoint_when_a_worker_dies(tmp_path):
         killed_at = time.time()
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
-        wait_for(lambda: ckpt.CheckpointStore.open(tmp_path / "ckpt").read_pointer() == 12, 60, "the breakpoint save of step 12")
+        wait_for(
+            lambda: ckpt.CheckpointStore.open(tmp_path / "ckpt").read_pointer() == 12,
+            60,
+            "the breakpoint save of step 12",
+        )
     finally:
         saver.terminate()
         saver.wait(30)

@@ -14,11 +14,11 @@ import time
 
 import psutil
 
-from support.campaigns import kept_trajectory, run_to_completion, small_spec, wait_for
 from pretrain.cluster.local import LocalJobHandle
-from trainer.liveness import NodeLiveness, liveness_path, silent_for
+from support.campaigns import kept_trajectory, run_to_completion, small_spec, wait_for
 from trainer.common.process import pid_alive
 from trainer.job.reporting import read_all
+from trainer.liveness import NodeLiveness, liveness_path, silent_for
 from trainer.resilience.heartbeat import heartbeat_dir
 
 AGENT = """
@@ -31,8 +31,9 @@ threading.Event().wait()
 
 
 def start_agent(job_dir, node: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", AGENT, str(job_dir), str(node)], stdout=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AGENT, str(job_dir), str(node)], stdout=subprocess.PIPE, start_new_session=True
+    )
     assert proc.stdout.readline() == b"alive\n"
     return proc
 
@@ -85,14 +86,24 @@ def test_a_liveness_file_of_another_process_or_damaged_is_never_taken_for_silenc
     assert silent_for(tmp_path, 1, pid=os.getpid()) is None  # no file yet: a node still starting
 
 
-def test_a_frozen_node_is_dropped_then_stopped_and_the_stage_completes(prefect_harness, prepared_data, tmp_path,
-                                                                       monkeypatch):
+def test_a_frozen_node_is_dropped_then_stopped_and_the_stage_completes(
+    prefect_harness, prepared_data, tmp_path, monkeypatch
+):
     monkeypatch.setenv("PRETRAIN_NODE_SILENT_S", "8")
-    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3,
-                                         "rejoin_after_s": 0, "node_timeout_s": 2},
-                      stages=[{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
-                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
-                      chaos=[{"kind": "freeze_node", "node": 1, "step": 10}])
+    spec = small_spec(
+        tmp_path,
+        cluster={
+            "workers_per_node": 1,
+            "nodes_min": 1,
+            "nodes_max": 2,
+            "max_restarts": 3,
+            "rejoin_after_s": 0,
+            "node_timeout_s": 2,
+        },
+        stages=[{"name": "main", "steps": 30, "seq_len": 32, "micro_batch": 2, "warmup_steps": 3}],
+        checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
+        chaos=[{"kind": "freeze_node", "node": 1, "step": 10}],
+    )
     stage = run_to_completion(spec, prepared_data, attempts=1)
     failure = stage["failures"][0]
     assert failure["cause"] == "node_lost" and failure["recovery_path"] == "restart", failure
@@ -125,14 +136,18 @@ def of_job(job_dir) -> list[psutil.Process]:
     return found
 
 
-def test_a_frozen_single_node_job_is_stopped_and_relaunched_from_its_last_checkpoint(prefect_harness, prepared_data,
-                                                                                      tmp_path, monkeypatch):
+def test_a_frozen_single_node_job_is_stopped_and_relaunched_from_its_last_checkpoint(
+    prefect_harness, prepared_data, tmp_path, monkeypatch
+):
     """A job of one node freezes: it is stopped once silent, its failure named a lost node, and the
     next attempt resumes from the newest good checkpoint."""
     monkeypatch.setenv("PRETRAIN_NODE_SILENT_S", "3")
-    spec = small_spec(tmp_path, stages=[{"name": "main", "steps": 12, "seq_len": 32, "micro_batch": 2, "warmup_steps": 2}],
-                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
-                      chaos=[{"kind": "freeze_node", "node": 0, "step": 6}])
+    spec = small_spec(
+        tmp_path,
+        stages=[{"name": "main", "steps": 12, "seq_len": 32, "micro_batch": 2, "warmup_steps": 2}],
+        checkpoint={"interval": 4, "memory_interval": 2, "keep": 3},
+        chaos=[{"kind": "freeze_node", "node": 0, "step": 6}],
+    )
     stage = run_to_completion(spec, prepared_data, attempts=2)
     [failure] = [f for f in stage["failures"] if not f.get("in_job")]
     assert failure["cause"] == "node_lost", failure  # not a worker failure, not a signal

@@ -13,22 +13,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
-from support.campaigns import assert_no_duplicate_metric_steps, campaign_data_dir, wait_for
-from support.fsdp_ranks import job
 from test_chaos import chaos_spec
+from test_flash import start_saver
+
 from flows.campaign import pretrain_campaign
 from pretrain.run.jobs import checkpoint_store, model_config
-from trainer.checkpoint import store as ckpt
+from support.campaigns import assert_no_duplicate_metric_steps, campaign_data_dir, wait_for
+from support.fsdp_ranks import job
+from support.jobs import CPU0, assert_same
 from trainer.checkpoint import state
+from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.sharded import PIECE, ShardLayoutError, chunk_bounds, consolidate, load_full_state
 from trainer.data.sampler import read_manifest
 from trainer.evaluate import evaluate, validate
-from trainer.loop import build_model
 from trainer.job.reporting import read_all
-from support.jobs import CPU0, assert_same
-from test_flash import start_saver
+from trainer.loop import build_model
 
 RANKS = Path(__file__).parents[1] / "support" / "fsdp_ranks.py"
 
@@ -46,7 +46,7 @@ def test_chunk_bounds_follow_torch_chunk():
 
 def piece(full: torch.Tensor, world: int, rank: int) -> dict:
     offset, length = chunk_bounds(full.shape[0], world, rank)
-    return {PIECE: full[offset:offset + length], "shape": list(full.shape), "dim": 0, "offset": offset}
+    return {PIECE: full[offset : offset + length], "shape": list(full.shape), "dim": 0, "offset": offset}
 
 
 def test_consolidate_joins_pieces_and_names_what_does_not_fit():
@@ -63,9 +63,12 @@ def test_consolidate_joins_pieces_and_names_what_does_not_fit():
 def test_an_incomplete_sharded_checkpoint_is_rejected_with_both_names(tmp_path):
     store = ckpt.CheckpointStore.open(tmp_path / "ckpt")
     w = torch.randn(4, 2)
-    entries = [store.write_shard(2, ckpt.model_shard_name(0), {"model": {"w": piece(w, 2, 0)}, "optimizer": {},
-                                                                 "scheduler": {}, "step": 2}),
-               store.write_shard(2, ckpt.rank_shard_name(0), {"consumed": 4})]
+    entries = [
+        store.write_shard(
+            2, ckpt.model_shard_name(0), {"model": {"w": piece(w, 2, 0)}, "optimizer": {}, "scheduler": {}, "step": 2}
+        ),
+        store.write_shard(2, ckpt.rank_shard_name(0), {"consumed": 4}),
+    ]
     store.commit(2, entries, {"world_size": 2})
     with pytest.raises(ShardLayoutError, match=r"world_size 2, found pieces of ranks \[0\]"):
         load_full_state(store, 2)
@@ -79,8 +82,14 @@ def test_a_sharded_checkpoint_commits_only_when_every_ranks_piece_is_persisted(t
     w = torch.randn(5, 3)
     for rank in (0, 1):
         snaps = SnapshotStore(tmp_path / f"node{rank}", 0, rank, 2, capacity=1 << 16)
-        snaps.snapshot(4, {"shard": {"model": {"w": piece(w, 2, rank)}, "optimizer": {}, "scheduler": {}, "step": 4},
-                           "rank": {"consumed": 8, "step": 4, "rank": rank}}, persist=True)
+        snaps.snapshot(
+            4,
+            {
+                "shard": {"model": {"w": piece(w, 2, rank)}, "optimizer": {}, "scheduler": {}, "step": 4},
+                "rank": {"consumed": 8, "step": 4, "rank": rank},
+            },
+            persist=True,
+        )
         snaps.flush()
     store = ckpt.CheckpointStore.open(tmp_path / "ckpt")
     first = start_saver(tmp_path, tmp_path / "node0")
@@ -105,13 +114,25 @@ def run_ranks(mode: str, root: Path, world: int, timeout: float = 240, script: P
     """Run ``SCRIPT MODE ROOT`` (``fsdp_ranks.py`` unless told) as ``world`` ranks around a store
     hosted here; a rank that fails ends the others (they would wait for it in a collective)."""
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), mode, str(root)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": str(world),
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), mode, str(root)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+        )
+        for r in range(world)
+    ]
     try:
-        wait_for(lambda: all(p.poll() is not None for p in procs) or any(p.poll() for p in procs), timeout,
-                 f"{world} ranks of {mode!r}")
+        wait_for(
+            lambda: all(p.poll() is not None for p in procs) or any(p.poll() for p in procs),
+            timeout,
+            f"{world} ranks of {mode!r}",
+        )
         codes = [p.poll() for p in procs]
         assert codes == [0] * world, f"ranks of {mode!r} exited {codes}"
     finally:
@@ -157,7 +178,9 @@ def test_consolidated_state_is_the_full_model_and_validates(trained):
 def test_fsdp_checkpoint_starts_or_resumes_a_ddp_run(trained, tmp_path):
     root, _ = trained
     full = load_full_state(ckpt.CheckpointStore.open(root / "ckpt"), 3)
-    ddp = dataclasses.replace(job(root, "ddp"), ckpt_dir=str(tmp_path / "next"), init_from=str(root / "ckpt" / "step_00000003"))
+    ddp = dataclasses.replace(
+        job(root, "ddp"), ckpt_dir=str(tmp_path / "next"), init_from=str(root / "ckpt" / "step_00000003")
+    )
     model, opt = build_model(ddp, torch.device("cpu"))
     got = state.restore(ddp, CPU0, model=model, optimizer=opt)
     assert (got.source, got.step) == ("init_from", 0)
@@ -185,8 +208,9 @@ def test_fsdp_and_ddp_checkpoints_reshard_into_fsdp_of_another_size(trained, wor
     for r in results:
         assert r["fsdp"] == ["checkpoint", 3, 12] and r["ddp"] == ["init_from", 0, 0]
     for source in ("fsdp", "ddp"):
-        got = consolidate([torch.load(root / f"resharded_from_{source}_{world}_{r}.pt", weights_only=True)
-                           for r in range(world)])
+        got = consolidate(
+            [torch.load(root / f"resharded_from_{source}_{world}_{r}.pt", weights_only=True) for r in range(world)]
+        )
         assert_same(got["model"], full["model"])
         assert_same(got["optimizer"]["state"], full["optimizer"]["state"])
 
@@ -226,7 +250,9 @@ def test_fsdp_worker_killed_after_a_snapshot_resumes_from_memory_bit_exact(prefe
     model_cfg = model_config(drilled, read_manifest(data_dir)["vocab_size"])
     assert validate(final, model_cfg).ok
     batches = drilled.validation.eval_batches
-    assert evaluate(final, model_cfg, data_dir, seq_len=32, max_batches=batches)["val_loss"] == stage["eval"]["val_loss"]
+    assert (
+        evaluate(final, model_cfg, data_dir, seq_len=32, max_batches=batches)["val_loss"] == stage["eval"]["val_loss"]
+    )
 
     clean = fsdp_spec(tmp_path / "clean", prepared_data)
     assert pretrain_campaign(spec=clean)["stages"][0]["failures"] == []

@@ -11,17 +11,23 @@ import sys
 import pytest
 import torch
 
-from support.campaigns import assert_no_duplicate_metric_steps, campaign_data_dir, flip_byte, save_checkpoint, seed_data, small_spec
 from pretrain.checkpoints.gate import gate_request, gate_timeout_s, judge, run_gate
 from pretrain.run.jobs import checkpoint_store, model_config
-from pretrain.state.ledger import Ledger
 from pretrain.settings import PretrainSettings, SettingsError
+from pretrain.state.ledger import Ledger
+from support.campaigns import (
+    assert_no_duplicate_metric_steps,
+    campaign_data_dir,
+    flip_byte,
+    save_checkpoint,
+    seed_data,
+    small_spec,
+)
 from tasks.checkpoints import find_resume_point
 from trainer.checkpoint.store import rank_shard_name, step_name
 from trainer.data.sampler import TokenWindows, read_manifest
 from trainer.evaluate import held_out_loss
 from trainer.model import GPT, lm_loss
-
 
 TIMEOUT = PretrainSettings().gate_timeout_floor_s  # run_gate called directly
 
@@ -48,10 +54,18 @@ def write_checkpoint(spec, step: int, *, nan: bool = False, reported_loss: float
             next(model.parameters()).view(-1)[0] = float("nan")
     loss = held_out_loss(model, data_dir, 32, 16)["loss"] if reported_loss is None else reported_loss
     store = checkpoint_store(spec, "s")
-    shards = [store.write_shard(step, "model.pt", {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                                   "scheduler": {"step": step}, "step": step}),
-              store.write_shard(step, rank_shard_name(0), {"rng_cpu": torch.get_rng_state(), "consumed": 4 * step,
-                                                           "step": step, "rank": 0, "loss": loss})]
+    shards = [
+        store.write_shard(
+            step,
+            "model.pt",
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {"step": step}, "step": step},
+        ),
+        store.write_shard(
+            step,
+            rank_shard_name(0),
+            {"rng_cpu": torch.get_rng_state(), "consumed": 4 * step, "step": step, "rank": 0, "loss": loss},
+        ),
+    ]
     store.commit(step, shards, {"world_size": 1})
 
 
@@ -142,12 +156,17 @@ def test_campaign_rewinds_past_a_silently_corrupted_checkpoint(prefect_harness, 
 
     from flows.campaign import pretrain_campaign
 
-    spec = small_spec(tmp_path, stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 4}],
-                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
-                      chaos=[{"kind": "corrupt_checkpoint", "step": 8},
-                             # steps slow enough for the saver to persist step 4 before step 8 is due (from step 2: a
-                             # slow_worker from step 1 also slows the node check before training, 30× its delay)
-                             {"kind": "slow_worker", "rank": 0, "step": 2, "delay_s": 0.3}])
+    spec = small_spec(
+        tmp_path,
+        stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 4}],
+        checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
+        chaos=[
+            {"kind": "corrupt_checkpoint", "step": 8},
+            # steps slow enough for the saver to persist step 4 before step 8 is due (from step 2: a
+            # slow_worker from step 1 also slows the node check before training, 30× its delay)
+            {"kind": "slow_worker", "rank": 0, "step": 2, "delay_s": 0.3},
+        ],
+    )
     seed_data(spec, prepared_data)
     status = pretrain_campaign(spec=spec)
     assert_no_duplicate_metric_steps(spec.tracking_uri)
@@ -237,23 +256,35 @@ def test_the_gate_runs_from_a_script_without_a_main_guard(tmp_path):
     fresh interpreter (a process forked by multiprocessing would run the script again), judges,
     and the script's top level runs once. (Under pytest the gate is forked: every other test here.)"""
     spec = small_spec(tmp_path)
-    request = {"location": str(tmp_path / "ckpt" / step_name(4)), "options": {}, "probe": None, "evaluate": None,
-               "model": dataclasses.asdict(model_config(spec, 512))}
+    request = {
+        "location": str(tmp_path / "ckpt" / step_name(4)),
+        "options": {},
+        "probe": None,
+        "evaluate": None,
+        "model": dataclasses.asdict(model_config(spec, 512)),
+    }
     script = tmp_path / "campaign.py"
-    script.write_text("import json, sys\nfrom pretrain.checkpoints.gate import run_gate\nprint('top level', flush=True)\n"
-                      "print(json.dumps(run_gate(json.loads(sys.argv[1]), 600)))\n")
-    ran = subprocess.run([sys.executable, str(script), json.dumps([request])], capture_output=True, text=True, timeout=300)
+    script.write_text(
+        "import json, sys\nfrom pretrain.checkpoints.gate import run_gate\nprint('top level', flush=True)\n"
+        "print(json.dumps(run_gate(json.loads(sys.argv[1]), 600)))\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, str(script), json.dumps([request])], capture_output=True, text=True, timeout=300
+    )
     assert ran.returncode == 0 and ran.stdout.count("top level") == 1, ran.stderr[-3000:]
     [out] = json.loads(ran.stdout.splitlines()[-1])
     assert out["verdict"]["ok"] is False and "no manifest.json" in out["verdict"]["problems"][0]
 
 
-@pytest.mark.parametrize("total_bytes, requests, expected", [
-    (0, 1, 600),  # small checkpoints: the floor
-    (100 * 2**20, 3, 600),
-    (10 * 2**30, 1, 60 + 2 * 10 * 2**30 / (20 * 2**20)),  # 10 GiB: hashed and loaded at the minimum rate
-    (10 * 2**30, 4, 4 * 60 + 2 * 10 * 2**30 / (20 * 2**20)),
-])
+@pytest.mark.parametrize(
+    "total_bytes, requests, expected",
+    [
+        (0, 1, 600),  # small checkpoints: the floor
+        (100 * 2**20, 3, 600),
+        (10 * 2**30, 1, 60 + 2 * 10 * 2**30 / (20 * 2**20)),  # 10 GiB: hashed and loaded at the minimum rate
+        (10 * 2**30, 4, 4 * 60 + 2 * 10 * 2**30 / (20 * 2**20)),
+    ],
+)
 def test_gate_timeout_scales_with_the_bytes_to_verify(total_bytes, requests, expected):
     assert gate_timeout_s(total_bytes, requests, PretrainSettings()) == pytest.approx(expected)
 
@@ -271,7 +302,9 @@ def test_the_gate_timeout_is_set_by_pretrain_environment_variables(prepared_data
 
     assert record["verdict"] == "unjudged" and "timed out after 0s" in record["problems"][0]
     monkeypatch.setenv("PRETRAIN_GATE_PER_REQUEST_S", "not a number")
-    with pytest.raises(SettingsError, match="PRETRAIN_GATE_PER_REQUEST_S='not a number': Input should be a valid number"):
+    with pytest.raises(
+        SettingsError, match="PRETRAIN_GATE_PER_REQUEST_S='not a number': Input should be a valid number"
+    ):
         judge(spec, 0, [4])
 
 

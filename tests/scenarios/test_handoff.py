@@ -9,12 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_fsdp import run_ranks
 
 from support.jobs import assert_same, tiny_job, trained
-from test_fsdp import run_ranks
 from trainer.loop import build_model
-from trainer.resilience.handoff import (BUCKET_MIN_BYTES, HandoffMismatch, adopt, live_tensors, messages, model_tensors,
-                                        pack, signature, unpack)
+from trainer.resilience.handoff import (
+    BUCKET_MIN_BYTES,
+    HandoffMismatch,
+    adopt,
+    live_tensors,
+    messages,
+    model_tensors,
+    pack,
+    signature,
+    unpack,
+)
 
 
 def handed(src, dst, backend: str = "gloo") -> None:
@@ -84,8 +93,9 @@ def test_state_the_survivor_holds_as_plain_values_travels_with_the_signature(tmp
 
 
 def test_over_a_process_group_the_replacement_gets_the_survivors_state_and_a_bystander_keeps_its_own(tmp_path):
-    survivor, replacement, bystander = run_ranks("handoff", tmp_path, world=3, timeout=120,
-                                                 script=Path(__file__).parents[1] / "support" / "handoff_ranks.py")
+    survivor, replacement, bystander = run_ranks(
+        "handoff", tmp_path, world=3, timeout=120, script=Path(__file__).parents[1] / "support" / "handoff_ranks.py"
+    )
     assert replacement["before"] != survivor["before"]
     assert replacement["after"] == survivor["after"] == survivor["before"]
     assert bystander["after"] == bystander["before"] != survivor["before"]

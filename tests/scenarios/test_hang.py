@@ -13,13 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from support.agents import run_agent
-from support.campaigns import seed_data, small_spec, wait_for
 from pretrain.run.incidents import incidents
 from pretrain.run.jobs import build_job
+from support.agents import run_agent
+from support.campaigns import seed_data, small_spec, wait_for
 from trainer.job.reporting import EVENTS, METRICS, read_all
+from trainer.resilience.heartbeat import (
+    AdaptiveTimeout,
+    HangDetector,
+    Heartbeat,
+    collective_timeout_s,
+    heartbeat_dir,
+    p99,
+)
 from trainer.resilience.stacks import dump_on_signal, stack_path, take_dump, where
-from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, Heartbeat, collective_timeout_s, heartbeat_dir, p99
 
 RULE = AdaptiveTimeout(factor=5.0, floor_s=2.0, warmup=10)
 
@@ -39,14 +46,17 @@ def test_adapted_timeout(case):
     assert rule.limit(upper, observed, p99_s) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("values, expected", [([1.0], 1.0), ([3.0, 1.0, 2.0], 3.0),
-                                              (list(range(1, 101)), 99), (list(range(1, 201)), 198)])
+@pytest.mark.parametrize(
+    "values, expected", [([1.0], 1.0), ([3.0, 1.0, 2.0], 3.0), (list(range(1, 101)), 99), (list(range(1, 201)), 198)]
+)
 def test_p99_is_the_nearest_rank(values, expected):
     assert p99(values) == expected
 
 
-@pytest.mark.parametrize("timeouts, expected", [({"startup": 600, "step": 300, "checkpoint": 600}, 660),
-                                               ({"startup": 60, "step": 900, "checkpoint": 60}, 960)])
+@pytest.mark.parametrize(
+    "timeouts, expected",
+    [({"startup": 600, "step": 300, "checkpoint": 600}, 660), ({"startup": 60, "step": 900, "checkpoint": 60}, 960)],
+)
 def test_the_process_group_outwaits_every_hang_timeout(timeouts, expected):
     """A stalled collective must be found by the hang detector (a ``hang``), not end first by the
     group's own timeout (an anonymous worker failure, as with step_timeout_s above 300 before)."""
@@ -103,8 +113,9 @@ def test_detector_judges_each_worker_by_its_own_durations(case, tmp_path, sleepe
     age, fields, hung = WORKERS[case]
     d = heartbeat_dir(tmp_path)
     d.mkdir()
-    (d / f"agent{os.getpid()}-local0.json").write_text(json.dumps(
-        {"phase": "step", "step": 30, "rank": 0, "pid": sleeper.pid, "time": time.time() - age, **fields}))
+    (d / f"agent{os.getpid()}-local0.json").write_text(
+        json.dumps({"phase": "step", "step": 30, "rank": 0, "pid": sleeper.pid, "time": time.time() - age, **fields})
+    )
     found = []
     HangDetector(tmp_path, {"step": 300.0}, found.append, adaptive=RULE).scan()
     assert bool(found) == hung
@@ -119,11 +130,14 @@ def test_a_hang_is_found_well_before_step_timeout_and_recorded_as_hang(prepared_
     """A worker hangs at step 6 of a job whose ``step_timeout_s`` is 120: the agent finds it
     after the adapted timeout (seconds), the job recovers and completes, and the incident says
     ``hang``, detected when the detector found it (not when the worker stopped)."""
-    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "max_restarts": 1},
-                      stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 2}],
-                      checkpoint={"interval": 4, "memory_interval": 1, "keep": 2},
-                      chaos=[{"kind": "hang_worker", "step": 6, "rank": 0}],
-                      fault_tolerance={"step_timeout_s": 120, "hang_warmup_steps": 3})  # default factor and floor
+    spec = small_spec(
+        tmp_path,
+        cluster={"workers_per_node": 1, "max_restarts": 1},
+        stages=[{"name": "s", "steps": 8, "seq_len": 32, "micro_batch": 2}],
+        checkpoint={"interval": 4, "memory_interval": 1, "keep": 2},
+        chaos=[{"kind": "hang_worker", "step": 6, "rank": 0}],
+        fault_tolerance={"step_timeout_s": 120, "hang_warmup_steps": 3},
+    )  # default factor and floor
     seed_data(spec, prepared_data)
     job = build_job(spec, 0, 0, None)
     assert run_agent(job, timeout=300, max_restarts=1, zygote=zygote) == 0
@@ -181,10 +195,13 @@ DUMPS = {  # name: a faulthandler dump → where
         'Current thread 0x2 (most recent call first):\n  File "/x/site-packages/torch/distributed/c10d.py", line 7 in '
         f'all_reduce\n  File "{Path(__file__).resolve().parents[2]}/trainer/loop.py", line 5 in step\n'
         '  File "<frozen runpy>", line 88 in _run_code\n  File "<string>", line 1 in <module>\n',
-        "all_reduce (torch/distributed/c10d.py:7) from step (trainer/loop.py:5)"),
+        "all_reduce (torch/distributed/c10d.py:7) from step (trainer/loop.py:5)",
+    ),
     "the innermost frame is ours": (
         f'Current thread 0x2 (most recent call first):\n  File "{Path(__file__).resolve().parents[2]}/trainer/x.py", '
-        'line 2 in f\n  File "m.py", line 1 in <module>\n', "f (trainer/x.py:2)"),
+        'line 2 in f\n  File "m.py", line 1 in <module>\n',
+        "f (trainer/x.py:2)",
+    ),
     "no frame (a dump cut short)": ("Current thread 0x2 (most recent call first):\n", None),
     "not a dump": ("garbage\n", None),
 }
@@ -224,8 +241,18 @@ def test_the_detector_kills_the_hung_rank_and_keeps_those_waiting_for_it(case, t
     d = heartbeat_dir(tmp_path)
     d.mkdir()
     for rank, ((age, collective), proc) in enumerate(zip(workers, sleepers)):
-        (d / f"agent{os.getpid()}-local{rank}.json").write_text(json.dumps(
-            {"phase": "step", "step": 30, "rank": rank, "pid": proc.pid, "time": time.time() - age, "collective": collective}))
+        (d / f"agent{os.getpid()}-local{rank}.json").write_text(
+            json.dumps(
+                {
+                    "phase": "step",
+                    "step": 30,
+                    "rank": rank,
+                    "pid": proc.pid,
+                    "time": time.time() - age,
+                    "collective": collective,
+                }
+            )
+        )
     found = []
     HangDetector(tmp_path, {"step": 5.0}, found.append, remote_grace_s=grace).scan()
     assert [(e["ranks"], e["kept"]) for e in found] == ([(killed, kept)] if killed else [])

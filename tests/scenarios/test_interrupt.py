@@ -14,11 +14,11 @@ from pathlib import Path
 import psutil
 import yaml
 from mlflow.tracking import MlflowClient
+from test_resume import SLOW_MODEL, assert_all_exit, assert_mlflow_steps_unique, ckpt_dir
 
-from support.campaigns import seed_data, session_api_env, small_spec, wait_for
 from pretrain.run.stop import CampaignInterrupted, current_stop, stop_on_signals
 from pretrain.views.status import campaign_status
-from test_resume import SLOW_MODEL, assert_all_exit, assert_mlflow_steps_unique, ckpt_dir
+from support.campaigns import seed_data, session_api_env, small_spec, wait_for
 from trainer.checkpoint import store as ckpt
 from trainer.job.reporting import read_all
 
@@ -79,13 +79,27 @@ class Cli:
     def __init__(self, tmp_path: Path, spec, name: str):
         spec_file = tmp_path / "spec.yaml"
         spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-        self.cmd = [sys.executable, "-m", "pretrain.cli.app", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "pretrain.cli.app",
+            "run",
+            str(spec_file),
+            "--workdir",
+            str(spec.workdir_path),
+        ]
         self.env = session_api_env(PREFECT_SERVER_ANALYTICS_ENABLED="false")
         self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=self.env,
-                                         start_new_session=True,
-                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
 
     def tree(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
@@ -109,13 +123,21 @@ class Cli:
 
 
 def start_training(tmp_path: Path, prepared_data, name: str, steps: int = STEPS, **overrides):
-    spec = small_spec(tmp_path / "wd", model=SLOW_MODEL, checkpoint={"interval": 10, "memory_interval": 5, "keep": 5},
-                      stages=[{"name": "main", "steps": steps, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}],
-                      **overrides)
+    spec = small_spec(
+        tmp_path / "wd",
+        model=SLOW_MODEL,
+        checkpoint={"interval": 10, "memory_interval": 5, "keep": 5},
+        stages=[{"name": "main", "steps": steps, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}],
+        **overrides,
+    )
     seed_data(spec, prepared_data)
     cli = Cli(tmp_path, spec, name)
     try:
-        wait_for(lambda: ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer() or cli.proc.poll() is not None, 240, "the first checkpoint")
+        wait_for(
+            lambda: ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer() or cli.proc.poll() is not None,
+            240,
+            "the first checkpoint",
+        )
         assert cli.proc.poll() is None, cli.output()[-3000:]
     except BaseException:
         cli.kill()
@@ -170,7 +192,9 @@ def test_ctrl_c_pauses_the_campaign_and_the_same_command_resumes_it(prefect_harn
     assert at_signal <= status["stages"][0]["latest_checkpoint"]["step"] < STEPS
     events = read_all(spec.workdir_path / "jobs" / "main" / "attempt_000" / "events.jsonl")
     saved = max(e["step"] for e in events if e["event"] == "checkpoint")
-    assert saved == ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()  # the savers' final save committed (at breakpoint)
+    assert (
+        saved == ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer()
+    )  # the savers' final save committed (at breakpoint)
     assert_all_exit(tree)
 
     second = subprocess.run(cli.cmd, capture_output=True, text=True, env=cli.env, timeout=300)
@@ -202,7 +226,9 @@ def test_sigterm_stops_the_campaign_and_a_second_signal_stops_it_at_once(prefect
         assert ckpt.CheckpointStore.open(store).verify(step) == []
 
 
-def test_sigterm_stops_everything_at_once_when_the_pause_outlasts_the_grace_period(prefect_harness, prepared_data, tmp_path):
+def test_sigterm_stops_everything_at_once_when_the_pause_outlasts_the_grace_period(
+    prefect_harness, prepared_data, tmp_path
+):
     """A pause that cannot be done within ``resume.grace_period_s`` (1 s here; the node's saver is
     frozen, so the job's final save never ends) is cut short: the job killed, the campaign recorded
     interrupted saying so, nothing torn; the next run resumes from the last good checkpoint."""

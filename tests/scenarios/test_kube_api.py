@@ -10,8 +10,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch import Watch
 
-from support.campaigns import wait_for
 from support import kube_api as double
+from support.campaigns import wait_for
 from support.kube_jobs import policy_action, ranges
 from support.kube_pods import expand
 from support.kube_store import label_matcher
@@ -51,17 +51,32 @@ def job(name: str, command: list[str], nodes: int = 2, image: str = "pretrain:te
     return client.V1Job(
         metadata=client.V1ObjectMeta(name=name, labels={"app": "pretrain", "run": name}),
         spec=client.V1JobSpec(
-            completion_mode="Indexed", completions=nodes, parallelism=nodes, **{"backoff_limit": 0, **spec},
+            completion_mode="Indexed",
+            completions=nodes,
+            parallelism=nodes,
+            **{"backoff_limit": 0, **spec},
             template=client.V1PodTemplateSpec(
                 metadata=client.V1ObjectMeta(labels={"app": "pretrain", "run": name}),
-                spec=client.V1PodSpec(restart_policy="Never", subdomain="train", containers=[
-                    client.V1Container(name="node", image=image, command=command)]))))
+                spec=client.V1PodSpec(
+                    restart_policy="Never",
+                    subdomain="train",
+                    containers=[client.V1Container(name="node", image=image, command=command)],
+                ),
+            ),
+        ),
+    )
 
 
 def headless_service() -> client.V1Service:
-    return client.V1Service(metadata=client.V1ObjectMeta(name="train"), spec=client.V1ServiceSpec(
-        cluster_ip="None", publish_not_ready_addresses=True, selector={"app": "pretrain"},
-        ports=[client.V1ServicePort(name="rdzv", port=29500)]))
+    return client.V1Service(
+        metadata=client.V1ObjectMeta(name="train"),
+        spec=client.V1ServiceSpec(
+            cluster_ip="None",
+            publish_not_ready_addresses=True,
+            selector={"app": "pretrain"},
+            ports=[client.V1ServicePort(name="rdzv", port=29500)],
+        ),
+    )
 
 
 @pytest.fixture
@@ -75,15 +90,22 @@ def pods_of(core: client.CoreV1Api, name: str) -> list[client.V1Pod]:
 
 def job_condition(batch: client.BatchV1Api, name: str) -> str | None:
     status = batch.read_namespaced_job_status(name, NS).status
-    return next((c.type for c in status.conditions or [] if c.type in ("Complete", "Failed") and c.status == "True"), None)
+    return next(
+        (c.type for c in status.conditions or [] if c.type in ("Complete", "Failed") and c.status == "True"), None
+    )
 
 
 def test_indexed_job_pods_reach_each_other_by_dns_name_and_complete(kube_api, api):
     core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
     core.create_namespaced_service(NS, headless_service())
     port = free_ports(1)[0]
-    batch.create_namespaced_job(NS, job("echo", ["python", "-c", ECHO, "$(JOB_COMPLETION_INDEX)",
-                                                 "echo-0.train.default.svc.cluster.local", str(port)]))
+    batch.create_namespaced_job(
+        NS,
+        job(
+            "echo",
+            ["python", "-c", ECHO, "$(JOB_COMPLETION_INDEX)", "echo-0.train.default.svc.cluster.local", str(port)],
+        ),
+    )
     assert wait_for(lambda: job_condition(batch, "echo"), 60, "the job to finish") == "Complete"
     pods = sorted(pods_of(core, "echo"), key=lambda p: p.metadata.name)
     assert [p.status.phase for p in pods] == ["Succeeded", "Succeeded"]
@@ -99,15 +121,20 @@ def test_indexed_job_pods_reach_each_other_by_dns_name_and_complete(kube_api, ap
 def test_watch_from_a_resource_version_sees_each_change_once_and_an_expired_one_is_410(kube_api, api):
     coord = client.CoordinationV1Api(api)
     since = coord.list_namespaced_lease(NS).metadata.resource_version
-    lease = client.V1Lease(metadata=client.V1ObjectMeta(name="campaign", labels={"app": "pretrain"}),
-                           spec=client.V1LeaseSpec(holder_identity="a", lease_duration_seconds=15))
+    lease = client.V1Lease(
+        metadata=client.V1ObjectMeta(name="campaign", labels={"app": "pretrain"}),
+        spec=client.V1LeaseSpec(holder_identity="a", lease_duration_seconds=15),
+    )
     coord.create_namespaced_lease(NS, lease)
     coord.create_namespaced_lease(NS, client.V1Lease(metadata=client.V1ObjectMeta(name="other", labels={"app": "x"})))
     coord.patch_namespaced_lease("campaign", NS, {"spec": {"holderIdentity": "b"}})
     coord.delete_namespaced_lease("campaign", NS)
-    seen = [(e["type"], e["object"].spec.holder_identity, e["object"].metadata.resource_version)
-            for e in Watch().stream(coord.list_namespaced_lease, NS, label_selector="app=pretrain",
-                                    resource_version=since, timeout_seconds=1)]  # the server ends it
+    seen = [
+        (e["type"], e["object"].spec.holder_identity, e["object"].metadata.resource_version)
+        for e in Watch().stream(
+            coord.list_namespaced_lease, NS, label_selector="app=pretrain", resource_version=since, timeout_seconds=1
+        )
+    ]  # the server ends it
     assert [(t, h) for t, h, _ in seen] == [("ADDED", "a"), ("MODIFIED", "b"), ("DELETED", "b")]
     versions = [int(rv) for _, _, rv in seen]
     assert versions == sorted(set(versions)) and versions[0] > int(since)
@@ -120,17 +147,27 @@ def test_watch_from_a_resource_version_sees_each_change_once_and_an_expired_one_
 
 def test_a_stale_replace_is_a_conflict_and_errors_are_status_bodies(kube_api, api):
     coord, batch = client.CoordinationV1Api(api), client.BatchV1Api(api)
-    coord.create_namespaced_lease(NS, client.V1Lease(metadata=client.V1ObjectMeta(name="l"), spec=client.V1LeaseSpec(holder_identity="a")))
+    coord.create_namespaced_lease(
+        NS, client.V1Lease(metadata=client.V1ObjectMeta(name="l"), spec=client.V1LeaseSpec(holder_identity="a"))
+    )
     stale = coord.read_namespaced_lease("l", NS)
     coord.patch_namespaced_lease("l", NS, {"spec": {"holderIdentity": "b"}})
     stale.spec.holder_identity = "c"
     cases = [
         (lambda: coord.replace_namespaced_lease("l", NS, stale), 409, "Conflict"),
-        (lambda: coord.create_namespaced_lease(NS, client.V1Lease(metadata=client.V1ObjectMeta(name="l"))), 409, "AlreadyExists"),
+        (
+            lambda: coord.create_namespaced_lease(NS, client.V1Lease(metadata=client.V1ObjectMeta(name="l"))),
+            409,
+            "AlreadyExists",
+        ),
         (lambda: coord.read_namespaced_lease("nope", NS), 404, "NotFound"),
         (lambda: batch.create_namespaced_job(NS, job("Bad_Name", SLEEP)), 422, "Invalid"),
         (lambda: client.CoreV1Api(api).read_namespace("missing"), 404, "NotFound"),
-        (lambda: batch.patch_namespaced_job("j", NS, {"spec": {"template": {"spec": {"subdomain": "x"}}}}), 422, "Invalid"),
+        (
+            lambda: batch.patch_namespaced_job("j", NS, {"spec": {"template": {"spec": {"subdomain": "x"}}}}),
+            422,
+            "Invalid",
+        ),
         (lambda: client.CoreV1Api(api).patch_namespaced_pod("lone", NS, {"spec": {"hostname": "x"}}), 422, "Invalid"),
     ]
     batch.create_namespaced_job(NS, job("j", SLEEP, nodes=1, suspend=True))
@@ -187,14 +224,28 @@ def test_a_deleted_pod_is_replaced_for_its_index_and_an_oom_kill_then_exhausts_t
     index = "batch.kubernetes.io/job-completion-index"
     lost = core.list_namespaced_pod(NS, label_selector=f"{index}=1").items[0].metadata.name
     core.delete_namespaced_pod(lost, NS, grace_period_seconds=0)  # a node lost, say
-    (new,) = wait_for(lambda: [p for p in core.list_namespaced_pod(NS, label_selector=f"{index}=1").items
-                               if p.metadata.name != lost and p.status.phase == "Running"], 30, "a new pod for index 1")
+    (new,) = wait_for(
+        lambda: [
+            p
+            for p in core.list_namespaced_pod(NS, label_selector=f"{index}=1").items
+            if p.metadata.name != lost and p.status.phase == "Running"
+        ],
+        30,
+        "a new pod for index 1",
+    )
     assert (batch.read_namespaced_job("replace", NS).status.failed, new.spec.hostname) == (1, "replace-1")
-    events = [(e["type"], e["object"].metadata.name) for e in Watch().stream(
-        core.list_namespaced_pod, NS, label_selector="run=replace", resource_version=since, timeout_seconds=1)]
+    events = [
+        (e["type"], e["object"].metadata.name)
+        for e in Watch().stream(
+            core.list_namespaced_pod, NS, label_selector="run=replace", resource_version=since, timeout_seconds=1
+        )
+    ]
     assert events.count(("DELETED", lost)) == 1 and events.count(("ADDED", new.metadata.name)) == 1
-    *listed, bookmark = list(Watch().stream(  # no version: the current pods first; a BOOKMARK at the end
-        core.list_namespaced_pod, NS, label_selector="run=replace", timeout_seconds=1, allow_watch_bookmarks=True))
+    *listed, bookmark = list(
+        Watch().stream(  # no version: the current pods first; a BOOKMARK at the end
+            core.list_namespaced_pod, NS, label_selector="run=replace", timeout_seconds=1, allow_watch_bookmarks=True
+        )
+    )
     names = [e["object"].metadata.name for e in listed]
     assert {e["type"] for e in listed} == {"ADDED"} and lost not in names and new.metadata.name in names
     assert bookmark["type"] == "BOOKMARK" and isinstance(bookmark["object"]["metadata"]["resourceVersion"], str)
@@ -210,20 +261,37 @@ def test_a_deleted_pod_is_replaced_for_its_index_and_an_oom_kill_then_exhausts_t
 
 
 def bare_pod(name: str, command: list[str], image: str = "pretrain:test", **container) -> client.V1Pod:
-    return client.V1Pod(metadata=client.V1ObjectMeta(name=name), spec=client.V1PodSpec(restart_policy="Never", containers=[
-        client.V1Container(name="c", image=image, command=command, **container)]))
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1PodSpec(
+            restart_policy="Never", containers=[client.V1Container(name="c", image=image, command=command, **container)]
+        ),
+    )
 
 
-SECRET_ENV = [client.V1EnvVar(name="TOKEN", value_from=client.V1EnvVarSource(
-    secret_key_ref=client.V1SecretKeySelector(name="mlflow", key="token")))]
+SECRET_ENV = [
+    client.V1EnvVar(
+        name="TOKEN",
+        value_from=client.V1EnvVarSource(secret_key_ref=client.V1SecretKeySelector(name="mlflow", key="token")),
+    )
+]
 GPU = client.V1ResourceRequirements(limits={"nvidia.com/gpu": "1"})
 
 
-@pytest.mark.parametrize("fault, container, waiting, scheduled", [
-    ("unpullable", {"image": "registry.example/missing:1"}, ("ImagePullBackOff", "registry.example/missing:1"), "True"),
-    ("no secret", {"env": SECRET_ENV}, ("CreateContainerConfigError", "Secret default/mlflow"), "True"),
-    ("no gpu", {"resources": GPU}, None, "False"),
-], ids=["unpullable", "no secret", "no gpu"])
+@pytest.mark.parametrize(
+    "fault, container, waiting, scheduled",
+    [
+        (
+            "unpullable",
+            {"image": "registry.example/missing:1"},
+            ("ImagePullBackOff", "registry.example/missing:1"),
+            "True",
+        ),
+        ("no secret", {"env": SECRET_ENV}, ("CreateContainerConfigError", "Secret default/mlflow"), "True"),
+        ("no gpu", {"resources": GPU}, None, "False"),
+    ],
+    ids=["unpullable", "no secret", "no gpu"],
+)
 def test_a_scripted_fault_leaves_the_pod_pending_with_its_reason(kube_api, api, fault, container, waiting, scheduled):
     core = client.CoreV1Api(api)
     kube_api.runner.unpullable.add("registry.example/missing:1")
@@ -235,8 +303,11 @@ def test_a_scripted_fault_leaves_the_pod_pending_with_its_reason(kube_api, api, 
         statuses = status.container_statuses or []
         if waiting and statuses and statuses[0].state.waiting and statuses[0].state.waiting.reason == waiting[0]:
             return status
-        if not waiting and any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in status.conditions or []):
+        if not waiting and any(
+            c.type == "PodScheduled" and c.reason == "Unschedulable" for c in status.conditions or []
+        ):
             return status
+
     status = wait_for(settled, 30, fault)
     assert status.phase == "Pending" and kube_api.runner.pids == []
     with pytest.raises(ApiException) as no_logs:
@@ -252,8 +323,14 @@ def test_a_scripted_fault_leaves_the_pod_pending_with_its_reason(kube_api, api, 
 def test_the_process_gets_secrets_fields_and_expanded_args_and_its_logs_are_served(kube_api, api):
     core = client.CoreV1Api(api)
     kube_api.runner.secrets[(NS, "mlflow")] = {"token": "s3cr3t"}
-    env = [*SECRET_ENV, client.V1EnvVar(name="ME", value_from=client.V1EnvVarSource(
-        field_ref=client.V1ObjectFieldSelector(field_path="metadata.name"))), client.V1EnvVar(name="GREETING", value="hi $(ME)")]
+    env = [
+        *SECRET_ENV,
+        client.V1EnvVar(
+            name="ME",
+            value_from=client.V1EnvVarSource(field_ref=client.V1ObjectFieldSelector(field_path="metadata.name")),
+        ),
+        client.V1EnvVar(name="GREETING", value="hi $(ME)"),
+    ]
     script = "import os, sys; print('first'); print(os.environ['TOKEN'], os.environ['GREETING'], sys.argv[1], os.environ['HOSTNAME'])"
     core.create_namespaced_pod(NS, bare_pod("talker", ["python", "-c", script, "$(ME)-$$(ME)"], env=env))
     wait_for(lambda: core.read_namespaced_pod("talker", NS).status.phase == "Succeeded", 30, "the pod to finish")
@@ -277,15 +354,26 @@ def test_pod_failure_policy_ignores_an_eviction_and_fails_the_job_on_a_config_ex
     core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
     exit_3 = client.V1PodFailurePolicyOnExitCodesRequirement(operator="In", values=[3])
     disrupted = client.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")
-    policy = client.V1PodFailurePolicy(rules=[client.V1PodFailurePolicyRule(action="FailJob", on_exit_codes=exit_3),
-                                              client.V1PodFailurePolicyRule(action="Ignore", on_pod_conditions=[disrupted])])
+    policy = client.V1PodFailurePolicy(
+        rules=[
+            client.V1PodFailurePolicyRule(action="FailJob", on_exit_codes=exit_3),
+            client.V1PodFailurePolicyRule(action="Ignore", on_pod_conditions=[disrupted]),
+        ]
+    )
     script = "import os, sys, time\nwhile not os.path.exists('fail'): time.sleep(0.05)\nsys.exit(3)"
     batch.create_namespaced_job(NS, job("policy", ["python", "-c", script], nodes=1, pod_failure_policy=policy))
-    (first,) = wait_for(lambda: [p for p in pods_of(core, "policy") if p.status.phase == "Running"], 30, "a running pod")
+    (first,) = wait_for(
+        lambda: [p for p in pods_of(core, "policy") if p.status.phase == "Running"], 30, "a running pod"
+    )
     eviction = client.V1Eviction(metadata=client.V1ObjectMeta(name=first.metadata.name))
     core.create_namespaced_pod_eviction(first.metadata.name, NS, eviction)
-    (second,) = wait_for(lambda: [p for p in pods_of(core, "policy") if p.metadata.name != first.metadata.name
-                                  and p.status.phase == "Running"], 30, "a replacement pod")
+    (second,) = wait_for(
+        lambda: [
+            p for p in pods_of(core, "policy") if p.metadata.name != first.metadata.name and p.status.phase == "Running"
+        ],
+        30,
+        "a replacement pod",
+    )
     assert batch.read_namespaced_job("policy", NS).status.failed == 0  # the eviction did not count
     (kube_api.runner.workdir / NS / "fail").touch()  # in the pods' working directory: exit 3
     assert wait_for(lambda: job_condition(batch, "policy"), 30, "the job to fail") == "Failed"
@@ -299,17 +387,32 @@ def test_self_subject_access_review_answers_from_the_allow_list(tmp_path):
         auth = client.AuthorizationV1Api(fake.client())
 
         def can(verb, group, resource, sub=None):
-            review = client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(
-                resource_attributes=client.V1ResourceAttributes(namespace=NS, verb=verb, group=group, resource=resource, subresource=sub)))
+            review = client.V1SelfSubjectAccessReview(
+                spec=client.V1SelfSubjectAccessReviewSpec(
+                    resource_attributes=client.V1ResourceAttributes(
+                        namespace=NS, verb=verb, group=group, resource=resource, subresource=sub
+                    )
+                )
+            )
             return auth.create_self_subject_access_review(review).status.allowed
-        assert [can("create", "batch", "jobs"), can("get", "", "pods", "log"), can("delete", "batch", "jobs")] == [True, True, False]
+
+        assert [can("create", "batch", "jobs"), can("get", "", "pods", "log"), can("delete", "batch", "jobs")] == [
+            True,
+            True,
+            False,
+        ]
 
 
 def test_no_pod_process_outlives_the_double_and_a_wrong_token_is_refused(tmp_path):
     with KubeAPI(tmp_path) as fake:
         core = client.CoreV1Api(fake.client())
-        core.create_namespaced_pod(NS, client.V1Pod(metadata=client.V1ObjectMeta(name="lone"), spec=client.V1PodSpec(
-            containers=[client.V1Container(name="c", image="x:1", command=SLEEP)])))
+        core.create_namespaced_pod(
+            NS,
+            client.V1Pod(
+                metadata=client.V1ObjectMeta(name="lone"),
+                spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="x:1", command=SLEEP)]),
+            ),
+        )
         wait_for(lambda: core.read_namespaced_pod("lone", NS).status.phase == "Running", 30, "the pod running")
         pids = list(fake.runner.pids)
         fake.token = "rotated"
@@ -319,23 +422,29 @@ def test_no_pod_process_outlives_the_double_and_a_wrong_token_is_refused(tmp_pat
     assert pids and not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.parametrize("selector, labels, expected", [
-    ("app=pretrain,run=r1", {"app": "pretrain", "run": "r1"}, True),
-    ("app==pretrain", {"app": "other"}, False),
-    ("stage!=main", {}, True),
-    ("stage in (warmup, main),app", {"stage": "main", "app": "x"}, True),
-    ("stage notin (main)", {"stage": "main"}, False),
-    ("!attempt", {"attempt": "1"}, False),
-    ("", {"any": "thing"}, True),
-])
+@pytest.mark.parametrize(
+    "selector, labels, expected",
+    [
+        ("app=pretrain,run=r1", {"app": "pretrain", "run": "r1"}, True),
+        ("app==pretrain", {"app": "other"}, False),
+        ("stage!=main", {}, True),
+        ("stage in (warmup, main),app", {"stage": "main", "app": "x"}, True),
+        ("stage notin (main)", {"stage": "main"}, False),
+        ("!attempt", {"attempt": "1"}, False),
+        ("", {"any": "thing"}, True),
+    ],
+)
 def test_label_selectors(selector, labels, expected):
     assert label_matcher(selector)(labels) is expected
 
 
-@pytest.mark.parametrize("text, env, expected", [
-    ("$(A)-$(B)", {"A": "1"}, "1-$(B)"),
-    ("$$(A) $$", {"A": "1"}, "$(A) $"),
-])
+@pytest.mark.parametrize(
+    "text, env, expected",
+    [
+        ("$(A)-$(B)", {"A": "1"}, "1-$(B)"),
+        ("$$(A) $$", {"A": "1"}, "$(A) $"),
+    ],
+)
 def test_kubelet_variable_expansion(text, env, expected):
     assert expand(text, env) == expected
 
@@ -345,15 +454,24 @@ def test_index_ranges(indexes, expected):
     assert ranges(indexes) == expected
 
 
-@pytest.mark.parametrize("exit_code, conditions, expected", [
-    (3, [], "FailJob"),
-    (137, [], "Count"),
-    (143, [{"type": "DisruptionTarget", "status": "True"}], "Ignore"),
-    (0, [{"type": "DisruptionTarget", "status": "False"}], "Count"),
-])
+@pytest.mark.parametrize(
+    "exit_code, conditions, expected",
+    [
+        (3, [], "FailJob"),
+        (137, [], "Count"),
+        (143, [{"type": "DisruptionTarget", "status": "True"}], "Ignore"),
+        (0, [{"type": "DisruptionTarget", "status": "False"}], "Count"),
+    ],
+)
 def test_pod_failure_policy_rules(exit_code, conditions, expected):
-    rules = [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [3]}},
-             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
-    pod = {"status": {"conditions": conditions, "containerStatuses": [
-        {"name": "node", "state": {"terminated": {"exitCode": exit_code}}}]}}
+    rules = [
+        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [3]}},
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    ]
+    pod = {
+        "status": {
+            "conditions": conditions,
+            "containerStatuses": [{"name": "node", "state": {"terminated": {"exitCode": exit_code}}}],
+        }
+    }
     assert policy_action(rules, pod)[0] == expected

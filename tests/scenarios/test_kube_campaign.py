@@ -11,16 +11,16 @@ import threading
 
 import psutil
 from kubernetes import client
-
-from support import kube_api as double
-from support.campaigns import kept_trajectory, run_to_completion, seed_data, wait_for
-from pretrain.cluster.kube.pods import INDEX
-from pretrain.state.layout import CampaignLayout
-from pretrain.state.ledger import Ledger
-from pretrain.spec.campaign import parse_spec
 from test_interrupt import Cli
 from test_kube_cluster import NS, kube_spec, live_pids, objects
 from test_resume import assert_all_exit
+
+from pretrain.cluster.kube.pods import INDEX
+from pretrain.spec.campaign import parse_spec
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from support import kube_api as double
+from support.campaigns import kept_trajectory, run_to_completion, seed_data, wait_for
 from trainer.checkpoint.store import CheckpointStore
 from trainer.job.reporting import read_all
 
@@ -45,8 +45,9 @@ def first_checkpoint(spec):
 STEPS_LEFT_ALONE = 80
 
 
-def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(prefect_harness, kube_api, prepared_data,
-                                                                             tmp_path, monkeypatch):
+def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(
+    prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch
+):
     from flows.campaign import pretrain_campaign
 
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))
@@ -65,6 +66,7 @@ def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(p
                 deleted.append(pod)
                 return
             done.wait(0.1)  # polls the checkpoint pointer and the pods
+
     chaos = threading.Thread(target=delete_node_1, daemon=True)
     chaos.start()
     try:
@@ -74,7 +76,9 @@ def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(p
         chaos.join(10)
     assert deleted, "the pod was never deleted: the stage ended before its first checkpoint was seen"
     stage = status["stages"][0]
-    assert status["status"] == "completed" and stage["steps_done"] == STEPS_LEFT_ALONE and stage["attempts"] == 1, status
+    assert status["status"] == "completed" and stage["steps_done"] == STEPS_LEFT_ALONE and stage["attempts"] == 1, (
+        status
+    )
     assert [f["cause"] for f in stage["failures"]][:1] == ["node_lost"], stage["failures"]
     metrics = read_all(spec.workdir_path / "jobs" / "s" / "attempt_000" / "metrics.jsonl")
     assert kept_trajectory(metrics, STEPS_LEFT_ALONE)[STEPS_LEFT_ALONE]["world_size"] == 1  # node 0 finished alone
@@ -82,18 +86,25 @@ def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(p
     assert live_pids(kube_api) == []
 
 
-def test_a_standby_pod_takes_a_lost_pods_place_and_the_world_keeps_its_size(prefect_harness, kube_api, prepared_data,
-                                                                              tmp_path, monkeypatch):
+def test_a_standby_pod_takes_a_lost_pods_place_and_the_world_keeps_its_size(
+    prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch
+):
     """``spare_nodes`` on Kubernetes: the Job has a third pod that stands by. When node 1's pod
     dies at step 12 the standby joins the next round in its place: ``nodes_min`` is 2, so without
     it the job would fail and be relaunched; with it the stage completes in its first attempt,
     every step on 2 workers, every sample once, and the Job's pods all end."""
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))
-    spec = kube_spec(tmp_path / "w", steps=24, max_restarts=3,
-                     cluster={"nodes_min": 2, "nodes_max": 2, "spare_nodes": 1},
-                     chaos=[{"kind": "kill_node", "node": 1, "step": 12}])
+    spec = kube_spec(
+        tmp_path / "w",
+        steps=24,
+        max_restarts=3,
+        cluster={"nodes_min": 2, "nodes_max": 2, "spare_nodes": 1},
+        chaos=[{"kind": "kill_node", "node": 1, "step": 12}],
+    )
     stage = run_to_completion(spec, prepared_data, attempts=1)
-    assert [f["recovery_path"] for f in stage["failures"] if f["cause"] == "node_lost"] == ["spare_node"], stage["failures"]
+    assert [f["recovery_path"] for f in stage["failures"] if f["cause"] == "node_lost"] == ["spare_node"], stage[
+        "failures"
+    ]
     job = spec.workdir_path / "jobs" / "s" / "attempt_000"
     metrics = read_all(job / "metrics.jsonl")
     kept_trajectory(metrics, 24, global_batch=4)  # 2 workers × 2
@@ -121,7 +132,8 @@ STEPS = 48  # a synchronous checkpoint every 2 steps: ~0.15 s a step, frozen at 
 
 
 def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_completes(
-        prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch):
+    prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch
+):
     """The flow-run process dies (SIGKILL: its Job trains on, orphaned); the re-run finds the Job of
     the stage's last attempt alive and takes it back: the same Job object finishes the stage, no
     attempt is counted, no second Job is created. The orphan's workers are frozen until the re-run
@@ -145,9 +157,14 @@ def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_comp
     uid = kube_api.store.get("jobs", NS, orphan)["metadata"]["uid"]
     second = Cli(tmp_path, spec, "second")
     try:
-        wait_for(lambda: "adopted the live Job" in second.output() or second.proc.poll() is not None, 240,
-                 "the re-run adopting the Job")
-        assert objects(kube_api)["jobs"] == [orphan] and kube_api.store.get("jobs", NS, orphan)["metadata"]["uid"] == uid
+        wait_for(
+            lambda: "adopted the live Job" in second.output() or second.proc.poll() is not None,
+            240,
+            "the re-run adopting the Job",
+        )
+        assert (
+            objects(kube_api)["jobs"] == [orphan] and kube_api.store.get("jobs", NS, orphan)["metadata"]["uid"] == uid
+        )
         for w in frozen:
             w.resume()
         code = second.wait(300)
@@ -167,8 +184,9 @@ def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_comp
     assert live_pids(kube_api) == []
 
 
-def test_sigterm_to_the_flow_process_leaves_no_object_and_no_process(prefect_harness, kube_api, prepared_data, tmp_path,
-                                                                    monkeypatch):
+def test_sigterm_to_the_flow_process_leaves_no_object_and_no_process(
+    prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch
+):
     """SIGTERM — what Prefect's cancellation does to a flow-run process — while its stage's Job
     trains: the Job, its pods and its Service are deleted before the process exits."""
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))

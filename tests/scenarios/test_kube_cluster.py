@@ -17,16 +17,16 @@ import psutil
 import pytest
 from kubernetes import client
 
-from support.campaigns import kept_trajectory, seed_data, small_spec, wait_for
-from support import kube_api as double
-from pretrain.cluster.ports import free_port
-from pretrain.run.incidents import NON_RETRYABLE, cause_of
-from pretrain.run.jobs import build_job, write_job
-from pretrain.cluster.local import DONE_SILENT_S, ClusterError
 from pretrain.cluster.kube.client import KubeUnavailable, api_client
 from pretrain.cluster.kube.cluster import KubernetesCluster
 from pretrain.cluster.kube.handle import KubeJobHandle
+from pretrain.cluster.local import DONE_SILENT_S, ClusterError
+from pretrain.cluster.ports import free_port
+from pretrain.run.incidents import NON_RETRYABLE, cause_of
+from pretrain.run.jobs import build_job, write_job
 from pretrain.state.layout import CampaignLayout
+from support import kube_api as double
+from support.campaigns import kept_trajectory, seed_data, small_spec, wait_for
 from trainer.checkpoint.store import CheckpointStore
 from trainer.common.process import signal_process
 from trainer.job.reporting import EVENTS, read_all
@@ -43,14 +43,29 @@ IMAGE_PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', 
 def kube_spec(workdir, steps: int = 6, max_restarts: int = 0, cluster: dict | None = None, chaos: tuple = (), **kube):
     """One stage on 2 nodes × 1 worker (nodes_min 1; ``cluster``: other settings), checkpoints every
     2 steps; its own rendezvous port."""
-    return small_spec(workdir, chaos=list(chaos),
-                      cluster={"kind": "kubernetes", "workers_per_node": 1, "nodes_min": 1, "nodes_max": 2,
-                               "max_restarts": max_restarts, "threads_per_worker": 1, **(cluster or {}),
-                               "kubernetes": {"image": IMAGE, "cpu_per_node": "1", "memory_per_node": "4Gi",
-                                              "env": {"PATH": IMAGE_PATH},
-                                              "rdzv_port": free_port(span=2), **kube}},  # node check: the next port
-                      stages=[{"name": "s", "steps": steps, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
-                      checkpoint={"interval": 2, "memory_interval": 0, "keep": 4})
+    return small_spec(
+        workdir,
+        chaos=list(chaos),
+        cluster={
+            "kind": "kubernetes",
+            "workers_per_node": 1,
+            "nodes_min": 1,
+            "nodes_max": 2,
+            "max_restarts": max_restarts,
+            "threads_per_worker": 1,
+            **(cluster or {}),
+            "kubernetes": {
+                "image": IMAGE,
+                "cpu_per_node": "1",
+                "memory_per_node": "4Gi",
+                "env": {"PATH": IMAGE_PATH},
+                "rdzv_port": free_port(span=2),
+                **kube,
+            },
+        },  # node check: the next port
+        stages=[{"name": "s", "steps": steps, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
+        checkpoint={"interval": 2, "memory_interval": 0, "keep": 4},
+    )
 
 
 def launch(api: double.KubeAPI, spec, prepared_data, attempt: int = 1):
@@ -66,7 +81,11 @@ def objects(api: double.KubeAPI) -> dict[str, list[str]]:
 
 
 def live_pids(api: double.KubeAPI) -> list[int]:
-    return [pid for pid in api.runner.pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    return [
+        pid
+        for pid in api.runner.pids
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 @contextmanager
@@ -82,8 +101,10 @@ def stacks_if_it_times_out(api: double.KubeAPI, job_dir: Path):
                 for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
                     if {"trainer.launch", "trainer.agent.node"} & set(proc.cmdline()):  # a node agent
                         signal_process(proc.pid, DUMP_SIGNAL)
-        dumps = [take_dump(json.loads(path.read_text())["pid"], stack_path(path))
-                 for path in heartbeat_dir(job_dir).glob("*.json")]
+        dumps = [
+            take_dump(json.loads(path.read_text())["pid"], stack_path(path))
+            for path in heartbeat_dir(job_dir).glob("*.json")
+        ]
         logs = sorted(api.runner.workdir.rglob("*.log"))
         with contextlib.suppress(pytest.fail.Exception):  # the agents' dumps are written at once: a bound, not a wait
             wait_for(lambda: all("\nCurrent thread 0x" in log.read_text(errors="replace") for log in logs), 5, "")
@@ -100,7 +121,9 @@ def test_a_two_node_job_trains_to_completion_and_stop_leaves_nothing(kube_api, p
         code = handle.wait(timeout=240)
         assert code == 0, [p.read_text()[-3000:] for p in handle.logs if p.exists()]
         assert handle.lost_nodes() == {}
-        assert CheckpointStore.open(job.ckpt_dir).committed_steps()[0] == 6  # the final checkpoint is committed (newest first)
+        assert (
+            CheckpointStore.open(job.ckpt_dir).committed_steps()[0] == 6
+        )  # the final checkpoint is committed (newest first)
         service = kube_api.store.get("services", NS, handle.name)
         assert service["metadata"]["ownerReferences"][0]["kind"] == "Job"  # it goes with the Job
     finally:
@@ -116,10 +139,13 @@ def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(kube_api,
 
     def checkpoints() -> list[int]:
         return [e["step"] for e in read_all(handle.job_dir / EVENTS) if e["event"] == "checkpoint"]
+
     try:
         wait_for(checkpoints, 180, "the first checkpoint of the 2-node job")
         kube_api.store.compact()  # the watch's resource version is gone: the handle must list afresh (410)
-        victim = next(p for p in kube_api.store.find("pods", NS) if p["metadata"]["name"].startswith(f"{handle.name}-1-"))
+        victim = next(
+            p for p in kube_api.store.find("pods", NS) if p["metadata"]["name"].startswith(f"{handle.name}-1-")
+        )
         client.CoreV1Api(kube_api.client()).delete_namespaced_pod(victim["metadata"]["name"], NS)
         lost = wait_for(handle.lost_nodes, 60, "node 1 reported lost")
         assert list(lost) == [1], handle.verdicts()
@@ -133,14 +159,23 @@ def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(kube_api,
     assert live_pids(kube_api) == []
 
 
-@pytest.mark.parametrize("node_silent_s, slow, stopped, verdict", [
-    # the survivor's steps slowed (0.2 s each, from step 5: after the freeze) so the probe acts while it trains
-    (2, [{"kind": "slow_worker", "rank": 0, "step": 5, "delay_s": 0.2}], "its liveness probe stopped its pod",
-     "stopped by its liveness probe"),
-    (0, [], "deleted its pod", "was deleted"),  # no probe: the pod goes once the job finished on node 0
-], ids=["liveness-probe", "job-done"])
-def test_a_frozen_pod_is_stopped_and_named_a_lost_node(kube_api, prepared_data, tmp_path, node_silent_s, slow, stopped,
-                                                       verdict):
+@pytest.mark.parametrize(
+    "node_silent_s, slow, stopped, verdict",
+    [
+        # the survivor's steps slowed (0.2 s each, from step 5: after the freeze) so the probe acts while it trains
+        (
+            2,
+            [{"kind": "slow_worker", "rank": 0, "step": 5, "delay_s": 0.2}],
+            "its liveness probe stopped its pod",
+            "stopped by its liveness probe",
+        ),
+        (0, [], "deleted its pod", "was deleted"),  # no probe: the pod goes once the job finished on node 0
+    ],
+    ids=["liveness-probe", "job-done"],
+)
+def test_a_frozen_pod_is_stopped_and_named_a_lost_node(
+    kube_api, prepared_data, tmp_path, node_silent_s, slow, stopped, verdict
+):
     """freeze_node on Kubernetes: every process of node 1's pod stops (sockets open, nothing
     exits). The rendezvous drops it and node 0 trains on. The pod's liveness probe finds its
     agent's liveness file silent past ``kubernetes.node_silent_s`` and the kubelet kills it (137,
@@ -149,8 +184,14 @@ def test_a_frozen_pod_is_stopped_and_named_a_lost_node(kube_api, prepared_data, 
     a worker failure), and nothing of it is left stopped behind."""
     from test_frozen_node import of_job
 
-    spec = kube_spec(tmp_path / "w", steps=100, max_restarts=2, cluster={"node_timeout_s": 2},
-                     chaos=[{"kind": "freeze_node", "node": 1, "step": 4}, *slow], node_silent_s=node_silent_s)
+    spec = kube_spec(
+        tmp_path / "w",
+        steps=100,
+        max_restarts=2,
+        cluster={"node_timeout_s": 2},
+        chaos=[{"kind": "freeze_node", "node": 1, "step": 4}, *slow],
+        node_silent_s=node_silent_s,
+    )
     cluster, job, path = launch(kube_api, spec, prepared_data)
     handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
     try:
@@ -203,8 +244,9 @@ def test_a_pod_no_node_can_take_fails_after_the_timeout_as_a_configuration_error
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
 
 
-def test_a_standby_pod_no_node_has_room_for_is_left_out_and_the_job_trains_without_it(kube_api, prepared_data,
-                                                                                         tmp_path):
+def test_a_standby_pod_no_node_has_room_for_is_left_out_and_the_job_trains_without_it(
+    kube_api, prepared_data, tmp_path
+):
     """A standby pod (``spare_nodes``) is optional: when no node has room for it the job trains on
     its two nodes and succeeds, the standby is named once as a notice (not a configuration error,
     not a lost node), and no standby is counted on to replace a lost node."""
@@ -221,7 +263,9 @@ def test_a_standby_pod_no_node_has_room_for_is_left_out_and_the_job_trains_witho
             notices += handle.new_notices()
             assert handle.lost_nodes() == {}
         assert code == 0 and handle.spare_nodes == 0
-        assert len(notices) == 1 and "standby node 2 cannot run" in notices[0] and "Insufficient cpu" in notices[0], notices
+        assert len(notices) == 1 and "standby node 2 cannot run" in notices[0] and "Insufficient cpu" in notices[0], (
+            notices
+        )
         assert "spare_nodes" in notices[0] and handle.new_notices() == []
         assert not any(e["event"] == "error" for e in read_all(handle.job_dir / EVENTS))
     finally:
@@ -264,7 +308,9 @@ def test_starting_a_launch_again_adopts_the_live_job(kube_api, prepared_data, tm
         wait_for(lambda: len(kube_api.store.find("pods", NS)) == 2, 30, "the first launch's 2 pods")
         uid = kube_api.store.get("jobs", NS, first.name)["metadata"]["uid"]
         assert cluster.live_job("s", 1) == f"{NS}/{first.name}" and cluster.live_job("s", 2) is None
-        again = KubernetesCluster(spec, kube_api.client()).start(job, path, CampaignLayout(spec.workdir_path))  # a re-run
+        again = KubernetesCluster(spec, kube_api.client()).start(
+            job, path, CampaignLayout(spec.workdir_path)
+        )  # a re-run
         assert again.adopted and again.name == first.name and "adopted the live Job" in again.notices[0]
         assert kube_api.store.get("jobs", NS, first.name)["metadata"]["uid"] == uid
         assert objects(kube_api)["jobs"] == [first.name] and len(objects(kube_api)["pods"]) == 2
@@ -277,8 +323,9 @@ def test_starting_a_launch_again_adopts_the_live_job(kube_api, prepared_data, tm
     assert live_pids(kube_api) == []
 
 
-def test_a_campaign_on_kubernetes_trains_its_stage_and_leaves_no_object(prefect_harness, kube_api, prepared_data,
-                                                                        tmp_path, monkeypatch):
+def test_a_campaign_on_kubernetes_trains_its_stage_and_leaves_no_object(
+    prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch
+):
     from flows.campaign import pretrain_campaign
 
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))  # the flow's API client comes from its environment
@@ -318,8 +365,13 @@ def test_the_api_client_comes_from_a_kubeconfig_or_a_prefect_cluster_config_bloc
     from prefect_kubernetes.credentials import KubernetesClusterConfig
 
     config = kube_api.kubeconfig()
-    for api in (api_client(env={"KUBECONFIG": str(config)}), api_client(kubeconfig=config),
-                api_client(cluster_config=KubernetesClusterConfig(config=json.loads(config.read_text()), context_name="double"))):
+    for api in (
+        api_client(env={"KUBECONFIG": str(config)}),
+        api_client(kubeconfig=config),
+        api_client(
+            cluster_config=KubernetesClusterConfig(config=json.loads(config.read_text()), context_name="double")
+        ),
+    ):
         with api:
             assert client.CoreV1Api(api).read_namespace(NS).metadata.name == NS
     with pytest.raises(KubeUnavailable, match="set KUBECONFIG"):
@@ -336,7 +388,9 @@ def test_excluded_nodes_start_fewer_pods_and_too_few_is_refused(kube_api, prepar
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
     handle = cluster.start(job, path, CampaignLayout(spec.workdir_path), exclude={1})
     try:
-        wait_for(lambda: handle.verdicts().get(0) and handle.verdicts()[0].state == "running", 30, "the one pod running")
+        wait_for(
+            lambda: handle.verdicts().get(0) and handle.verdicts()[0].state == "running", 30, "the one pod running"
+        )
         assert kube_api.store.get("jobs", NS, handle.name)["spec"]["completions"] == 1
         assert len(objects(kube_api)["pods"]) == 1
     finally:
@@ -354,13 +408,16 @@ def test_stop_with_the_api_gone_says_how_to_finish_the_teardown(prepared_data, t
     with socket.socket() as gone:
         gone.bind(("127.0.0.1", 0))
         double.point_at(handle.api, f"http://127.0.0.1:{gone.getsockname()[1]}")
-        with pytest.raises(ClusterError, match=f"could not tear down Job default/{handle.name}.*kubectl -n default delete job"):
+        with pytest.raises(
+            ClusterError, match=f"could not tear down Job default/{handle.name}.*kubectl -n default delete job"
+        ):
             handle.stop(grace_s=0)
     assert not [t for t in threading.enumerate() if t.name == f"kube-watch-{handle.name}"]  # no watcher outlives it
 
 
 def test_a_campaign_whose_image_cannot_be_pulled_stops_at_the_node_check_before_any_training(
-        prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch):
+    prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch
+):
     """The node check runs in pods of the training pods' shape: an unpullable image stops the
     campaign while provisioning, with what to fix, and no training job is ever launched."""
     from flows.campaign import pretrain_campaign
@@ -370,8 +427,11 @@ def test_a_campaign_whose_image_cannot_be_pulled_stops_at_the_node_check_before_
     kube_api.runner.unpullable.add("registry.example/pretrain:typo")
     spec = kube_spec(tmp_path / "w", steps=4, image="registry.example/pretrain:typo")
     seed_data(spec, prepared_data)
-    with pytest.raises(ClusterError, match=r"node health check: 0 healthy node\(s\).*ImagePullBackOff.*"
-                                           r"check cluster.kubernetes.image"):
+    with pytest.raises(
+        ClusterError,
+        match=r"node health check: 0 healthy node\(s\).*ImagePullBackOff.*"
+        r"check cluster.kubernetes.image",
+    ):
         pretrain_campaign(spec=spec)
     assert Ledger.open(spec).stage("s").attempts == 0
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}

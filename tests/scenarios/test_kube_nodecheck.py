@@ -7,14 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from test_kube_cluster import NS, kube_spec, launch, live_pids, objects
+from test_kube_manifests import assert_valid, k8s_spec
 
-from support import kube_api as double
 from pretrain.cluster.kube.cluster import KubernetesCluster
 from pretrain.cluster.kube.manifests import stage_launch
 from pretrain.cluster.kube.nodecheck import HOSTS, HostMemory, check_launch, checks_dir
 from pretrain.state.layout import CampaignLayout
-from test_kube_cluster import NS, kube_spec, launch, live_pids, objects
-from test_kube_manifests import assert_valid, k8s_spec
+from support import kube_api as double
 from trainer.resilience.node_judgement import judge_nodes
 
 kube_api = double.kube_api  # the fixture
@@ -22,11 +22,15 @@ HOST = "kube-double-node"  # the double's one Kubernetes node
 
 
 def test_the_node_check_runs_in_pods_judges_a_slow_node_and_keeps_the_next_launch_off_its_host(
-        kube_api, prepared_data, tmp_path):
+    kube_api, prepared_data, tmp_path
+):
     spec = kube_spec(tmp_path / "w", steps=400)
     cluster = KubernetesCluster(spec, kube_api.client(), unschedulable_after_s=5.0)
     rows = cluster.health_check(spec.workdir_path, delays={1: 0.05})  # chaos: node 1 burns 50 ms per matmul
-    assert [(r["node"], r["local_rank"], r["ok"], r["host"]) for r in rows] == [(0, 0, True, HOST), (1, 0, True, HOST)], rows
+    assert [(r["node"], r["local_rank"], r["ok"], r["host"]) for r in rows] == [
+        (0, 0, True, HOST),
+        (1, 0, True, HOST),
+    ], rows
     assert all(r["allreduce_MBps"] > 0 for r in rows)  # the two pods met through the Service's DNS name of pod 0
     _, excluded = judge_nodes(rows, spec.fault_tolerance.node_check_threshold)
     assert excluded == {1}
@@ -64,7 +68,14 @@ def test_the_node_check_manifests_are_valid_and_shaped_like_the_training_pods():
     pod = job["spec"]["template"]["spec"]
     same = ("image", "resources", "volumeMounts", "env", "imagePullPolicy")
     assert {k: pod["containers"][0][k] for k in same} == {k: train["containers"][0][k] for k in same}
-    for key in ("volumes", "serviceAccountName", "tolerations", "nodeSelector", "priorityClassName", "imagePullSecrets"):
+    for key in (
+        "volumes",
+        "serviceAccountName",
+        "tolerations",
+        "nodeSelector",
+        "priorityClassName",
+        "imagePullSecrets",
+    ):
         assert pod[key] == train[key], key
     assert job["spec"]["completions"] == 2 and pod["subdomain"] == service["metadata"]["name"] == check.name
     labels = job["spec"]["template"]["metadata"]["labels"]
@@ -84,13 +95,16 @@ def test_a_launch_avoiding_hosts_validates_on_the_oldest_and_newest_kubernetes()
     assert "affinity" not in base.job_manifest()["spec"]["template"]["spec"]
 
 
-@pytest.mark.parametrize("content, hosts, notice", [
-    (None, (), "is not recorded"),
-    ('{"hosts": {"0": "a", "1": "b"}}', ("b",), "kept off Kubernetes node(s) ['b']"),
-    ('{"hosts": {"0": "a"}', (), "unreadable (JSONDecodeError)"),
-    ('["a", "b"]', (), "unreadable"),
-    ('{"hosts": {"x": "b"}}', (), "unreadable (ValueError)"),
-])
+@pytest.mark.parametrize(
+    "content, hosts, notice",
+    [
+        (None, (), "is not recorded"),
+        ('{"hosts": {"0": "a", "1": "b"}}', ("b",), "kept off Kubernetes node(s) ['b']"),
+        ('{"hosts": {"0": "a"}', (), "unreadable (JSONDecodeError)"),
+        ('["a", "b"]', (), "unreadable"),
+        ('{"hosts": {"x": "b"}}', (), "unreadable (ValueError)"),
+    ],
+)
 def test_the_remembered_hosts_of_excluded_nodes(tmp_path, content, hosts, notice):
     path = tmp_path / HOSTS
     if content is not None:
@@ -111,13 +125,21 @@ def test_each_slot_s_row_says_why_it_has_no_result(tmp_path):
     out.mkdir(parents=True)
     (out / "node0-0.json").write_text('{"matmul_s": 0.01, "rank": 0}')
     (out / "node1-0.json").write_text('{"matmul_s": 0.0')  # torn
-    verdicts = {0: PodVerdict("p0", 0, "succeeded", host="n-a"), 1: PodVerdict("p1", 1, "succeeded", host="n-b"),
-                2: PodVerdict("p2", 2, "failed", "worker_failure", 1, "pod p2 exited with code 1", host="n-c"),
-                3: PodVerdict("p3", 3, "failed", "kube_config", 78, "pod p3: ErrImagePull: … check cluster.kubernetes.image"),
-                4: PodVerdict("p4", 4, "running", host="n-d")}
+    verdicts = {
+        0: PodVerdict("p0", 0, "succeeded", host="n-a"),
+        1: PodVerdict("p1", 1, "succeeded", host="n-b"),
+        2: PodVerdict("p2", 2, "failed", "worker_failure", 1, "pod p2 exited with code 1", host="n-c"),
+        3: PodVerdict("p3", 3, "failed", "kube_config", 78, "pod p3: ErrImagePull: … check cluster.kubernetes.image"),
+        4: PodVerdict("p4", 4, "running", host="n-d"),
+    }
     rows = result_rows(check, verdicts, {2: "Traceback …\nRuntimeError: gloo timed out\n"}, 42.0)
     assert [(r["node"], r["ok"], r["host"]) for r in rows] == [
-        (0, True, "n-a"), (1, False, "n-b"), (2, False, "n-c"), (3, False, None), (4, False, "n-d")]
+        (0, True, "n-a"),
+        (1, False, "n-b"),
+        (2, False, "n-c"),
+        (3, False, None),
+        (4, False, "n-d"),
+    ]
     errors = {r["node"]: r.get("error", "") for r in rows}
     assert rows[0]["matmul_s"] == 0.01
     assert f"{out}/node1-0.json is unreadable (JSONDecodeError)" in errors[1]

@@ -11,11 +11,11 @@ import yaml
 from kubernetes import config
 from kubernetes_validate import validate
 
-from support import kube_api as double
 from pretrain.cluster.kube.manifests import NEWEST_K8S, OLDEST_K8S
-from support.campaigns import small_spec
 from pretrain.cluster.kube.preflight import PreflightError, manifests_markdown, preflight
 from pretrain.cluster.kube.rbac import REQUIRED, render
+from support import kube_api as double
+from support.campaigns import small_spec
 from support.s3_servers import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,18 +26,29 @@ def _client(api: double.KubeAPI):
     return config.new_client_from_config(config_file=str(api.kubeconfig()))
 
 
-@pytest.mark.parametrize("allow, namespaces, expect", [
-    # exactly the verbs of the Role: ready
-    (EVERY_VERB, ("train",), []),
-    # one verb short on pods, no logs: both named, with the RBAC to apply
-    ([t for t in EVERY_VERB if t not in (("watch", "", "pods"), ("get", "", "pods/log"))], ("train",),
-     ["may not watch pods, get pods/log", "kubectl apply", "resources: [pods], verbs: [watch]",
-      "resources: [pods/log], verbs: [get]"]),
-    # nothing granted: every resource listed in one message
-    ([], ("train",), ["may not create/get/list/watch/delete/patch batch/jobs", "services", "pods/log"]),
-    # the namespace is missing: said first, how to create it
-    (EVERY_VERB, ("default",), ["namespace 'train' does not exist", "kubectl create namespace train"]),
-], ids=["allowed", "verbs-denied", "nothing-allowed", "namespace-missing"])
+@pytest.mark.parametrize(
+    "allow, namespaces, expect",
+    [
+        # exactly the verbs of the Role: ready
+        (EVERY_VERB, ("train",), []),
+        # one verb short on pods, no logs: both named, with the RBAC to apply
+        (
+            [t for t in EVERY_VERB if t not in (("watch", "", "pods"), ("get", "", "pods/log"))],
+            ("train",),
+            [
+                "may not watch pods, get pods/log",
+                "kubectl apply",
+                "resources: [pods], verbs: [watch]",
+                "resources: [pods/log], verbs: [get]",
+            ],
+        ),
+        # nothing granted: every resource listed in one message
+        ([], ("train",), ["may not create/get/list/watch/delete/patch batch/jobs", "services", "pods/log"]),
+        # the namespace is missing: said first, how to create it
+        (EVERY_VERB, ("default",), ["namespace 'train' does not exist", "kubectl create namespace train"]),
+    ],
+    ids=["allowed", "verbs-denied", "nothing-allowed", "namespace-missing"],
+)
 def test_preflight_reports_every_problem_in_one_message(tmp_path, allow, namespaces, expect):
     with double.KubeAPI(tmp_path, namespaces=namespaces, allow=allow) as api:
         result = preflight(_client(api), "train")
@@ -76,8 +87,13 @@ def test_deployed_rbac_is_exactly_what_preflight_checks():
     assert text == render(), "regenerate: python -m pretrain.cluster.kube.rbac > deploy/kubernetes/rbac.yaml"
     docs = list(yaml.safe_load_all(text))
     assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding"]
-    granted = {(v, g, r) for rule in docs[1]["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-               for v in rule["verbs"]}
+    granted = {
+        (v, g, r)
+        for rule in docs[1]["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     assert granted == set(EVERY_VERB)
     for version in (OLDEST_K8S, NEWEST_K8S):
         for doc in docs:
@@ -87,16 +103,25 @@ def test_deployed_rbac_is_exactly_what_preflight_checks():
 def test_the_deployed_rbac_passes_preflight(tmp_path):
     """The Role of deploy/kubernetes/ granted (as the double's allow-list) → preflight is clean."""
     role = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/rbac.yaml").read_text()))[1]
-    allow = [(v, g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-             for v in rule["verbs"]]
+    allow = [
+        (v, g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    ]
     with double.KubeAPI(tmp_path, namespaces=("pretrain",), allow=allow) as api:
         assert preflight(_client(api), "pretrain").problems == []
 
 
 # ---- provision-cluster: review artifact, then preflight, before anything starts --------------
 def kube_spec(workdir: Path, **kube):
-    return small_spec(workdir, cluster={"kind": "kubernetes", "workers_per_node": 2, "nodes_min": 1, "nodes_max": 2,
-                                        "kubernetes": {"image": "pretrain:test", "namespace": "train", **kube}})
+    return small_spec(
+        workdir,
+        cluster={
+            "kind": "kubernetes",
+            "workers_per_node": 2,
+            "nodes_min": 1,
+            "nodes_max": 2,
+            "kubernetes": {"image": "pretrain:test", "namespace": "train", **kube},
+        },
+    )
 
 
 def test_every_stage_is_rendered_for_review(tmp_path):
@@ -124,7 +149,9 @@ def test_provision_refuses_a_cluster_without_the_rbac(prefect_harness, tmp_path,
     from pretrain.state.ledger import Ledger
     from tasks.artifacts import artifact_key
 
-    spec = kube_spec(tmp_path / "wd").model_copy(update={"name": "refused-rbac"})  # its own artifact key in the shared harness
+    spec = kube_spec(tmp_path / "wd").model_copy(
+        update={"name": "refused-rbac"}
+    )  # its own artifact key in the shared harness
     allow = [t for t in EVERY_VERB if t[1] != "batch"]  # no Jobs at all
     with double.KubeAPI(tmp_path / "kube", namespaces=("train",), allow=allow) as api:
         monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig()))
@@ -133,6 +160,10 @@ def test_provision_refuses_a_cluster_without_the_rbac(prefect_harness, tmp_path,
         assert not [key for key in api.store.objects if key[0] in ("jobs", "pods", "services")]
     assert Ledger.open(spec).record.cluster is None
     with get_client(sync_client=True) as client:
-        [artifact] = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[artifact_key("kubernetes-manifests", spec.name)])), limit=1)
+        [artifact] = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[artifact_key("kubernetes-manifests", spec.name)])
+            ),
+            limit=1,
+        )
     assert "## Stage warmup" in artifact.data and "kind: Job" in artifact.data

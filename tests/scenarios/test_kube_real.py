@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from support.campaigns import small_spec, wait_for
 from pretrain.cluster.kube.manifests import label_value, launch_labels, stage_launch
 from pretrain.cluster.kube.preflight import preflight
+from support.campaigns import small_spec, wait_for
 
 KUBECONFIG = os.environ.get("KUBECONFIG", "")
 NAMESPACE = os.environ.get("PRETRAIN_K8S_NAMESPACE", "default")
@@ -34,8 +34,10 @@ IMAGE = os.environ.get("PRETRAIN_K8S_IMAGE", "ghcr.io/example-org/prefect-pretra
 
 pytestmark = [
     pytest.mark.kubernetes,
-    pytest.mark.skipif(not (KUBECONFIG and all(Path(p).is_file() for p in KUBECONFIG.split(os.pathsep))),
-                       reason="no real cluster: set KUBECONFIG to a kubeconfig file (and run with -m kubernetes)"),
+    pytest.mark.skipif(
+        not (KUBECONFIG and all(Path(p).is_file() for p in KUBECONFIG.split(os.pathsep))),
+        reason="no real cluster: set KUBECONFIG to a kubeconfig file (and run with -m kubernetes)",
+    ),
 ]
 
 
@@ -49,10 +51,23 @@ def api():
 
 
 def launch(tmp_path: Path, attempt: int = 1):
-    spec = small_spec(tmp_path / "wd", name=f"kube-real-{uuid.uuid4().hex[:8]}", cluster={
-        "kind": "kubernetes", "workers_per_node": 1, "nodes_min": 1, "nodes_max": 2,
-        "kubernetes": {"image": IMAGE, "namespace": NAMESPACE, "cpu_per_node": "100m", "memory_per_node": "1Gi",
-                       "ttl_seconds_after_finished": 600}})
+    spec = small_spec(
+        tmp_path / "wd",
+        name=f"kube-real-{uuid.uuid4().hex[:8]}",
+        cluster={
+            "kind": "kubernetes",
+            "workers_per_node": 1,
+            "nodes_min": 1,
+            "nodes_max": 2,
+            "kubernetes": {
+                "image": IMAGE,
+                "namespace": NAMESPACE,
+                "cpu_per_node": "100m",
+                "memory_per_node": "1Gi",
+                "ttl_seconds_after_finished": 600,
+            },
+        },
+    )
     return spec, stage_launch(spec, spec.stages[0].name, attempt)
 
 
@@ -70,10 +85,18 @@ def remove(api, spec, the_launch) -> None:
         batch.delete_namespaced_job(job.metadata.name, NAMESPACE, propagation_policy="Foreground")
     for svc in core.list_namespaced_service(NAMESPACE, label_selector=sel).items:
         core.delete_namespaced_service(svc.metadata.name, NAMESPACE)
-    wait_for(lambda: not (batch.list_namespaced_job(NAMESPACE, label_selector=sel).items
-                          or core.list_namespaced_service(NAMESPACE, label_selector=sel).items
-                          or core.list_namespaced_pod(NAMESPACE, label_selector=sel).items),
-             timeout=120, what=f"the objects of {sel} to be gone", interval=1.0)
+    wait_for(
+        lambda: (
+            not (
+                batch.list_namespaced_job(NAMESPACE, label_selector=sel).items
+                or core.list_namespaced_service(NAMESPACE, label_selector=sel).items
+                or core.list_namespaced_pod(NAMESPACE, label_selector=sel).items
+            )
+        ),
+        timeout=120,
+        what=f"the objects of {sel} to be gone",
+        interval=1.0,
+    )
 
 
 def test_preflight_passes(api):
@@ -118,27 +141,44 @@ CLAIM = os.environ.get("PRETRAIN_K8S_WORKDIR_CLAIM", "")
 needs_shared_workdir = pytest.mark.skipif(
     not (SHARED and CLAIM and os.environ.get("PRETRAIN_K8S_IMAGE")),
     reason="training on a real cluster needs PRETRAIN_K8S_WORKDIR + PRETRAIN_K8S_WORKDIR_CLAIM (a shared workdir) "
-           "and PRETRAIN_K8S_IMAGE (this project's image)")
+    "and PRETRAIN_K8S_IMAGE (this project's image)",
+)
 
 
 def training_spec(root: Path, steps: int = 6, image: str = IMAGE, **cluster):
     """2 nodes × 1 worker of a tiny model, checkpoints every 2 steps, on the shared workdir."""
     from pretrain.cluster.ports import free_port
 
-    return small_spec(root / f"kube-real-{uuid.uuid4().hex[:8]}", name=f"kube-real-{uuid.uuid4().hex[:8]}", cluster={
-        "kind": "kubernetes", "workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "threads_per_worker": 1,
-        **cluster, "kubernetes": {"image": image, "namespace": NAMESPACE, "cpu_per_node": "1", "memory_per_node": "2Gi",
-                                  "workdir_claim": CLAIM or None, "rdzv_port": free_port(span=2),
-                                  "ttl_seconds_after_finished": 600}},
+    return small_spec(
+        root / f"kube-real-{uuid.uuid4().hex[:8]}",
+        name=f"kube-real-{uuid.uuid4().hex[:8]}",
+        cluster={
+            "kind": "kubernetes",
+            "workers_per_node": 1,
+            "nodes_min": 1,
+            "nodes_max": 2,
+            "threads_per_worker": 1,
+            **cluster,
+            "kubernetes": {
+                "image": image,
+                "namespace": NAMESPACE,
+                "cpu_per_node": "1",
+                "memory_per_node": "2Gi",
+                "workdir_claim": CLAIM or None,
+                "rdzv_port": free_port(span=2),
+                "ttl_seconds_after_finished": 600,
+            },
+        },
         stages=[{"name": "s", "steps": steps, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
-        checkpoint={"interval": 2, "memory_interval": 0, "keep": 4})
+        checkpoint={"interval": 2, "memory_interval": 0, "keep": 4},
+    )
 
 
 def start_job(api, spec, prepared_data=None, exclude: frozenset = frozenset()):
-    from support.campaigns import seed_data
-    from pretrain.run.jobs import build_job, write_job
     from pretrain.cluster.kube.cluster import KubernetesCluster
+    from pretrain.run.jobs import build_job, write_job
     from pretrain.state.layout import CampaignLayout
+    from support.campaigns import seed_data
 
     if prepared_data is not None:
         seed_data(spec, prepared_data)
@@ -209,6 +249,7 @@ def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(api, prep
     def checkpoints() -> list[int]:
         path = Path(job.job_dir) / EVENTS
         return [e["step"] for e in read_all(path) if e["event"] == "checkpoint"] if path.exists() else []
+
     try:
         wait_for(checkpoints, 900, "the first checkpoint of the 2-node job", interval=2.0)
         pod = next(v.name for v in handle.verdicts().values() if v.index == 1)
@@ -236,15 +277,22 @@ def test_a_standby_pod_takes_a_deleted_pods_place(api, prepared_data):
     def events(kind: str) -> list[dict]:
         path = Path(job.job_dir) / EVENTS
         return [e for e in read_all(path) if e["event"] == kind] if path.exists() else []
+
     try:
         wait_for(lambda: events("checkpoint"), 900, "the first checkpoint of the 2-node job", interval=2.0)
         pod = next(v.name for v in handle.verdicts().values() if v.index == 1)
         client.CoreV1Api(api).delete_namespaced_pod(pod, NAMESPACE)
         assert list(wait_for(handle.lost_nodes, 120, "node 1 reported lost", interval=1.0)) == [1]
-        wait_for(lambda: any(e.get("node") == 2 for e in events("start")), 300, "the standby pod's workers", interval=2.0)
+        wait_for(
+            lambda: any(e.get("node") == 2 for e in events("start")), 300, "the standby pod's workers", interval=2.0
+        )
         before = max(e["step"] for e in events("checkpoint"))
-        wait_for(lambda: max(e["step"] for e in events("checkpoint")) > before + 2, 300, "two nodes training on",
-                 interval=2.0)
+        wait_for(
+            lambda: max(e["step"] for e in events("checkpoint")) > before + 2,
+            300,
+            "two nodes training on",
+            interval=2.0,
+        )
         assert handle.poll() is None
     finally:
         handle.stop(grace_s=10)
@@ -257,8 +305,9 @@ def test_stopping_a_running_job_leaves_nothing_behind(api, prepared_data):
     spec = training_spec(Path(SHARED), steps=2000)
     _, _, handle = start_job(api, spec, prepared_data)
     try:
-        wait_for(lambda: [v for v in handle.verdicts().values() if v.state == "running"], 900, "a running pod",
-                 interval=2.0)
+        wait_for(
+            lambda: [v for v in handle.verdicts().values() if v.state == "running"], 900, "a running pod", interval=2.0
+        )
     finally:
         handle.stop(grace_s=10)
     assert handle.poll() is not None

@@ -10,11 +10,11 @@ import threading
 import uuid
 
 import pytest
+
+from pretrain.state.lease import Lease, LeaseDamaged, LeaseHeld, LeaseLost, current_generation
 from support import s3_servers
 from support.campaigns import wait_for
 from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
-
-from pretrain.state.lease import Lease, LeaseDamaged, LeaseHeld, LeaseLost, current_generation
 from trainer.storage import LocalStorage, PreconditionFailed, StorageError
 from trainer.storage.s3 import S3Storage
 
@@ -25,8 +25,15 @@ TTL, MARGIN = 30.0, 5.0
 
 
 def s3_storage(endpoint: str, **kw) -> S3Storage:
-    return S3Storage(BUCKET, f"lease/{uuid.uuid4().hex[:12]}", endpoint_url=endpoint, region="us-east-1",
-                     access_key=ACCESS_KEY, secret_key=SECRET_KEY, **kw)
+    return S3Storage(
+        BUCKET,
+        f"lease/{uuid.uuid4().hex[:12]}",
+        endpoint_url=endpoint,
+        region="us-east-1",
+        access_key=ACCESS_KEY,
+        secret_key=SECRET_KEY,
+        **kw,
+    )
 
 
 @pytest.fixture(params=["local", "seaweed", "moto"])
@@ -65,6 +72,7 @@ def acquire(store, holder: str, clock: Clock | None = None, **kw) -> Lease:
 
 # --- conditional writes ------------------------------------------------------------------
 
+
 def test_put_if_absent_creates_once_and_never_overwrites(store):
     etag = store.put_if_absent("a/k", b"first")
     with pytest.raises(PreconditionFailed):
@@ -87,6 +95,7 @@ def test_put_if_match_replaces_only_the_version_read(store):
 
 
 # --- the lease ---------------------------------------------------------------------------
+
 
 def test_two_contenders_one_holder_and_the_refusal_names_it(store):
     first = acquire(store, "orchestrator A")
@@ -132,16 +141,25 @@ def test_release_frees_the_lease_and_the_generation_still_grows(store):
         lease.renew()
 
 
-@pytest.mark.parametrize("content, why", [
-    (b"\x00\xffgarbage", "not JSON"),
-    (b"[1, 2]\n", "not a pretrain-lease/1 record"),
-    (b'{"format": "other/1"}', "not a pretrain-lease/1 record"),
-    (b'{"format": "pretrain-lease/1", "holder": "A"}', "missing field"),
-    (b'{"format": "pretrain-lease/1", "holder": "A", "generation": 0, "token": "t", "expires_at": 1, "ttl_s": 1}',
-     "generation 0"),
-    (b'{"format": "pretrain-lease/1", "holder": "A", "generation": "2", "token": "t", "expires_at": 1, "ttl_s": 1}',
-     "generation as a string"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"\x00\xffgarbage", "not JSON"),
+        (b"[1, 2]\n", "not a pretrain-lease/1 record"),
+        (b'{"format": "other/1"}', "not a pretrain-lease/1 record"),
+        (b'{"format": "pretrain-lease/1", "holder": "A"}', "missing field"),
+        (
+            b'{"format": "pretrain-lease/1", "holder": "A", "generation": 0, "token": "t", "expires_at": 1, "ttl_s": '
+            b"1}",
+            "generation 0",
+        ),
+        (
+            b'{"format": "pretrain-lease/1", "holder": "A", "generation": "2", "token": "t", "expires_at": 1, '
+            b'"ttl_s": 1}',
+            "generation as a string",
+        ),
+    ],
+)
 def test_a_damaged_lease_is_refused_by_name_and_left_alone(store, content, why):
     store.put_if_absent(KEY, content)
     with pytest.raises(LeaseDamaged) as err:
@@ -204,6 +222,7 @@ def test_processes_racing_on_a_local_directory_leave_exactly_one_holder(tmp_path
 
 
 # --- keeping a lease in the background ---------------------------------------------------
+
 
 def test_the_keeper_renews_and_reports_a_takeover_once(store):
     clock = Clock()

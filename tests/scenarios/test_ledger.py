@@ -12,13 +12,13 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from support.campaigns import pretrain_cli, small_spec
 from pretrain.cli.app import app
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger, LedgerDamaged, LedgerError
 from pretrain.state.local import recover_ledger
 from pretrain.state.schema import CampaignStatus, CheckpointRef, Failure, StageStatus
 from pretrain.views.status import campaign_status
+from support.campaigns import pretrain_cli, small_spec
 from trainer.checkpoint.store import CheckpointStore, rank_shard_name
 
 
@@ -31,6 +31,7 @@ def _edit(change):
         data = json.loads(path.read_text())
         change(data)
         path.write_text(json.dumps(data))
+
     return edit
 
 
@@ -154,10 +155,17 @@ def test_a_workdir_that_is_a_file_is_one_line_in_every_command(tmp_path):
     assert afile.read_text() == "not a campaign"
 
 
-@pytest.mark.parametrize("make, says", [
-    (lambda tmp: (tmp / "notes.txt").write_text("x") and tmp / "notes.txt" / "campaign", "{tmp}/notes.txt is a file, not a directory"),
-    (lambda tmp: Path("/proc") / f"pretrain-{tmp.name}", "cannot make the workdir /proc/pretrain-"),
-], ids=["under a file", "cannot be made"])
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (
+            lambda tmp: (tmp / "notes.txt").write_text("x") and tmp / "notes.txt" / "campaign",
+            "{tmp}/notes.txt is a file, not a directory",
+        ),
+        (lambda tmp: Path("/proc") / f"pretrain-{tmp.name}", "cannot make the workdir /proc/pretrain-"),
+    ],
+    ids=["under a file", "cannot be made"],
+)
 def test_run_and_data_prepare_refuse_a_workdir_they_cannot_use_before_anything_starts(tmp_path, make, says):
     """Not ~10 s later from inside the flow as "campaign failed: [Errno 2] …": one line naming
     what is in the way and what to give, before the Prefect API server or the flow starts."""
@@ -213,8 +221,13 @@ def _release_before_workdir(tmp_path) -> tuple[Path, dict]:
     workdir.mkdir()
     text = RELEASE_BEFORE.read_text().replace("{WORKDIR}", str(workdir))
     (workdir / "ledger.json").write_text(text)
-    spec = small_spec(workdir, model=SLOW_MODEL, stages=ONE_STAGE, checkpoint={"interval": 10, "memory_interval": 5, "keep": 5},
-                      cluster={"workers_per_node": 2, "max_restarts": 0})
+    spec = small_spec(
+        workdir,
+        model=SLOW_MODEL,
+        stages=ONE_STAGE,
+        checkpoint={"interval": 10, "memory_interval": 5, "keep": 5},
+        cluster={"workers_per_node": 2, "max_restarts": 0},
+    )
     return spec, json.loads(text)
 
 
@@ -233,16 +246,21 @@ def test_a_ledger_written_by_the_release_before_is_read_and_resumed(tmp_path):
     # a new run resumes it: every write keeps what the old file said
     ledger.begin_run("next-run")
     assert layout.ledger.with_name("ledger.json.prev").read_text() == RELEASE_BEFORE.read_text().replace(
-        "{WORKDIR}", str(spec.workdir_path))  # .prev: the old file, as it was
+        "{WORKDIR}", str(spec.workdir_path)
+    )  # .prev: the old file, as it was
     attempt = ledger.start_attempt("main")
     ledger.record_failure("main", Failure(attempt=attempt, cause="hang", in_job=True, action="restart workers"))
     after = json.loads(layout.ledger.read_text())
-    assert after["version"] == 2 and after["invocations"] == before["invocations"] + 1 and after["flow_run"] == "next-run"
-    assert {k: v for k, v in after.items() if k in before and k not in ("status", "invocations", "flow_run", "stages")} == \
-        {k: v for k, v in before.items() if k not in ("status", "invocations", "flow_run", "stages")}
+    assert (
+        after["version"] == 2 and after["invocations"] == before["invocations"] + 1 and after["flow_run"] == "next-run"
+    )
+    assert {
+        k: v for k, v in after.items() if k in before and k not in ("status", "invocations", "flow_run", "stages")
+    } == {k: v for k, v in before.items() if k not in ("status", "invocations", "flow_run", "stages")}
     old, new = before["stages"]["main"], after["stages"]["main"]
-    assert {k: new[k] for k in old if k not in ("attempts", "failures")} == \
-        {k: v for k, v in old.items() if k not in ("attempts", "failures")}
+    assert {k: new[k] for k in old if k not in ("attempts", "failures")} == {
+        k: v for k, v in old.items() if k not in ("attempts", "failures")
+    }
     assert new["attempts"] == 3 and new["failures"][0] == old["failures"][0] and new["failures"][1]["cause"] == "hang"
 
     status = campaign_status(spec.workdir_path)  # what `pretrain status --json` shows
@@ -254,8 +272,11 @@ def test_a_ledger_of_a_newer_release_is_refused_saying_so(tmp_path):
     spec, before = _release_before_workdir(tmp_path)
     (spec.workdir_path / "ledger.json").write_text(json.dumps({**before, "version": 3}))
 
-    with pytest.raises(LedgerError, match=r"ledger\.json was written by a newer prefect-pretrain \(ledger version 3; "
-                                          r"this release reads up to 2\): .*upgrade") as err:
+    with pytest.raises(
+        LedgerError,
+        match=r"ledger\.json was written by a newer prefect-pretrain \(ledger version 3; "
+        r"this release reads up to 2\): .*upgrade",
+    ) as err:
         Ledger.open(spec)
     assert not isinstance(err.value, LedgerDamaged)  # nothing to recover: the file is sound
 
@@ -283,13 +304,15 @@ def test_a_moved_campaign_shows_its_checkpoints_and_its_next_run_records_the_new
     store.write_node_record(4, "model", 1, shards)
     store.commit(4, shards, {"stage": "main", "world_size": 1})
     store.set_verdict(4, {"verdict": "good", "problems": []})
-    Ledger.open(spec).mutate(lambda r: setattr(r.stages["main"], "good_checkpoint",
-                                               CheckpointRef(step=4, path=store.ref(4).location)))
+    Ledger.open(spec).mutate(
+        lambda r: setattr(r.stages["main"], "good_checkpoint", CheckpointRef(step=4, path=store.ref(4).location))
+    )
     moved = tmp_path / "elsewhere" / "c1"
     shutil.move(spec.workdir_path, moved)  # to a bigger disk, say
 
     def main_stage() -> dict:
         return next(s for s in campaign_status(moved)["stages"] if s["name"] == "main")
+
     assert main_stage()["steps_done"] == 4 and "moved or copied" in main_stage()["problems"][0]
 
     Ledger.read(CampaignLayout(moved)).begin_run("after-the-move", spec.with_workdir(moved))
@@ -297,4 +320,3 @@ def test_a_moved_campaign_shows_its_checkpoints_and_its_next_run_records_the_new
     assert record.checkpoints == str(moved / "checkpoints" / "main")
     assert record.good_checkpoint.path == str(moved / "checkpoints" / "main" / "step_00000004")  # what init_from takes
     assert main_stage()["steps_done"] == 4 and main_stage()["problems"] == []
-

@@ -14,16 +14,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from support.campaigns import small_spec
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.lock import CampaignBusy, LockUnavailable, campaign_lock, lock_failure, lock_fd, read_holder
+from support.campaigns import small_spec
 
 
 def try_lock(workdir, flow_run: str) -> dict:
     """Take the lock as another flow run of this process would: from another thread (its own context)."""
+
     def take():
         with campaign_lock(workdir, "c1", flow_run=flow_run) as holder:
             return holder
+
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(take).result()
 
@@ -32,16 +34,21 @@ def test_second_holder_is_refused_with_the_holder_named(tmp_path):
     with campaign_lock(tmp_path, "c1", flow_run="run-1") as holder:
         assert read_holder(tmp_path) == holder and holder["pid"] == os.getpid()
         started = time.monotonic()
-        with pytest.raises(CampaignBusy, match=rf"campaign 'c1' in {tmp_path} is already running \(pid {os.getpid()} on "
-                                               r".*, flow run run-1, since .*\)\. .*cancel it"):
+        with pytest.raises(
+            CampaignBusy,
+            match=rf"campaign 'c1' in {tmp_path} is already running \(pid {os.getpid()} on "
+            r".*, flow run run-1, since .*\)\. .*cancel it",
+        ):
             try_lock(tmp_path, "run-2")
         assert time.monotonic() - started < 1  # refused, not queued
     with campaign_lock(tmp_path, "c1", flow_run="run-3"):  # released on exit
         assert read_holder(tmp_path)["flow_run"] == "run-3"
 
 
-HOLD = ("import sys, threading; from pretrain.state.lock import campaign_lock\n"
-        "with campaign_lock(sys.argv[1], 'c1'):\n    print('held', flush=True); threading.Event().wait()\n")
+HOLD = (
+    "import sys, threading; from pretrain.state.lock import campaign_lock\n"
+    "with campaign_lock(sys.argv[1], 'c1'):\n    print('held', flush=True); threading.Event().wait()\n"
+)
 
 
 def test_lock_of_a_killed_process_is_free_at_once(tmp_path):
@@ -74,7 +81,9 @@ def test_prepare_data_is_refused_while_another_process_runs_the_campaign(prefect
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(spec.workdir_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(CampaignBusy, match=f"campaign 't' in {spec.workdir_path} is already running \\(pid {holder.pid}"):
+        with pytest.raises(
+            CampaignBusy, match=f"campaign 't' in {spec.workdir_path} is already running \\(pid {holder.pid}"
+        ):
             prepare_data(spec=spec)
     finally:
         os.kill(holder.pid, signal.SIGKILL)
@@ -86,8 +95,8 @@ def test_prepare_data_is_refused_while_another_process_runs_the_campaign(prefect
 def test_a_flow_holding_the_campaign_lock_prepares_data_as_its_subflow(prefect_harness, prepared_data, tmp_path):
     from prefect import flow
 
-    from support.campaigns import seed_data
     from flows.prepare_data import prepare_data
+    from support.campaigns import seed_data
 
     spec = small_spec(tmp_path / "wd")
     seed_data(spec, prepared_data)
@@ -104,11 +113,20 @@ def test_a_flow_holding_the_campaign_lock_prepares_data_as_its_subflow(prefect_h
     assert json.loads((spec.workdir_path / "ledger.json").read_text())["data"]["vocab_size"] == 512
 
 
-@pytest.mark.parametrize("err, says", [
-    (OSError(errno.EOPNOTSUPP, "Operation not supported"), f"does not support file locks: Operation not supported (errno {errno.errorcode[errno.EOPNOTSUPP]})"),
-    (OSError(errno.ENOLCK, "No locks available"), "does not support file locks: No locks available (errno ENOLCK)"),
-    (OSError(errno.EROFS, "Read-only file system"), "Read-only file system (errno EROFS). Check that the campaign's workdir is writable"),
-])
+@pytest.mark.parametrize(
+    "err, says",
+    [
+        (
+            OSError(errno.EOPNOTSUPP, "Operation not supported"),
+            f"does not support file locks: Operation not supported (errno {errno.errorcode[errno.EOPNOTSUPP]})",
+        ),
+        (OSError(errno.ENOLCK, "No locks available"), "does not support file locks: No locks available (errno ENOLCK)"),
+        (
+            OSError(errno.EROFS, "Read-only file system"),
+            "Read-only file system (errno EROFS). Check that the campaign's workdir is writable",
+        ),
+    ],
+)
 def test_a_filesystem_that_cannot_lock_gets_a_clear_error(tmp_path, err, says):
     message = str(lock_failure(tmp_path / "campaign.lock", err))
     assert message.startswith(f"cannot lock {tmp_path / 'campaign.lock'}: ") and says in message

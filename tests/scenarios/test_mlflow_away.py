@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import io
 import logging
-import socket
 import re
+import socket
 
 import pytest
 from mlflow.tracking import MlflowClient
 from rich.console import Console
-
-from support.campaigns import assert_no_duplicate_metric_steps, small_spec, seed_data, wait_for
-from support.mlflow_server import MlflowServer
-from pretrain.state.ledger import Ledger
-from pretrain.views.status import campaign_status, render
-from pretrain.tracking.runs import METRIC_KEYS, Backoff, MetricsForwarder, Tracker
-from support.s3_servers import free_ports
 from test_tracking import history, records
+
+from pretrain.state.ledger import Ledger
+from pretrain.tracking.runs import METRIC_KEYS, Backoff, MetricsForwarder, Tracker
+from pretrain.views.status import campaign_status, render
+from support.campaigns import assert_no_duplicate_metric_steps, seed_data, small_spec, wait_for
+from support.mlflow_server import MlflowServer
+from support.s3_servers import free_ports
 
 
 class Lines(logging.Handler):
@@ -43,10 +43,13 @@ def warnings_of_runs():
         lg.removeHandler(handler)
 
 
-@pytest.mark.parametrize("uri, away", [
-    ("sqlite:///{tmp}/nowhere/mlflow.db", None),  # a local store is not asked (its errors are real ones)
-    ("http://127.0.0.1:{port}", "connection refused"),  # nothing listens there
-])
+@pytest.mark.parametrize(
+    "uri, away",
+    [
+        ("sqlite:///{tmp}/nowhere/mlflow.db", None),  # a local store is not asked (its errors are real ones)
+        ("http://127.0.0.1:{port}", "connection refused"),  # nothing listens there
+    ],
+)
 def test_only_a_server_is_asked_whether_it_answers(uri, away, tmp_path):
     assert Tracker(uri.format(tmp=tmp_path, port=free_ports(1)[0]), "e", tmp_path).away() == away
 
@@ -61,8 +64,16 @@ def test_a_forwarder_without_runs_opens_them_once_mlflow_answers(tmp_path, migra
         return parent, tracker.stage_run("c1", parent, "t", "warmup", {})
 
     metrics = tmp_path / "metrics.jsonl"
-    fwd = MetricsForwarder(tracker, metrics, None, None, 100, log=logged.append,
-                           backoff=Backoff(initial_s=0.05, max_s=0.1), open_runs=open_runs)
+    fwd = MetricsForwarder(
+        tracker,
+        metrics,
+        None,
+        None,
+        100,
+        log=logged.append,
+        backoff=Backoff(initial_s=0.05, max_s=0.1),
+        open_runs=open_runs,
+    )
     records(metrics, [1, 2])
     assert fwd.pump() == 0 and not opened  # nothing raised, nothing opened: the steps wait
     assert len(logged) == 1 and "does not answer (connection refused)" in logged[0] and "training goes on" in logged[0]
@@ -79,7 +90,8 @@ def test_a_forwarder_without_runs_opens_them_once_mlflow_answers(tmp_path, migra
 
 
 def test_a_campaign_completes_while_mlflow_is_away_and_its_next_run_catches_mlflow_up(
-        prefect_harness, prepared_data, tmp_path, migrated_tracking_store, warnings_of_runs):
+    prefect_harness, prepared_data, tmp_path, migrated_tracking_store, warnings_of_runs
+):
     from flows.campaign import pretrain_campaign
 
     server = MlflowServer(tmp_path / "mlflow")  # away for the whole first run
@@ -92,8 +104,10 @@ def test_a_campaign_completes_while_mlflow_is_away_and_its_next_run_catches_mlfl
     assert record.mlflow.behind and record.mlflow.parent_run_id is None
     # the final model could not be registered: the campaign completed with the registration pending
     assert record.registered_model is None and "MLflow did not answer within 0 s" in record.registration_pending
-    assert any("the final model is not registered yet" in w and "run it again once MLflow answers" in w
-               for w in warnings_of_runs)
+    assert any(
+        "the final model is not registered yet" in w and "run it again once MLflow answers" in w
+        for w in warnings_of_runs
+    )
     away = [w for w in warnings_of_runs if "does not answer" in w]
     assert away and "training goes on" in away[0] and not any("Traceback" in w for w in warnings_of_runs)
     assert sum("training goes on:" in w for w in warnings_of_runs) == 1  # told once, not at every stage and sync
@@ -125,8 +139,9 @@ def test_a_campaign_completes_while_mlflow_is_away_and_its_next_run_catches_mlfl
         assert "node_check.json" in [a.path for a in client.list_artifacts(parent.info.run_id)]
         assert_no_duplicate_metric_steps(server.uri)
         # the same as a campaign that had MLflow all along: every metric at the same steps, the same tags
-        along = small_spec(tmp_path / "along", tracking={"uri": server.uri, "register_model": False,
-                                                          "experiment": "along"})
+        along = small_spec(
+            tmp_path / "along", tracking={"uri": server.uri, "register_model": False, "experiment": "along"}
+        )
         seed_data(along, prepared_data)
         assert pretrain_campaign(spec=along)["status"] == "completed"
         assert seen(client, Ledger.open(along).record) == seen(client, record)
@@ -142,10 +157,19 @@ def seen(client: MlflowClient, record) -> list[dict]:
     out = []
     for run_id in [record.mlflow.parent_run_id] + [record.stages[s].mlflow_run_id for s in ("warmup", "main")]:
         run = client.get_run(run_id)
-        out.append({"status": run.info.status, "metrics": sorted(run.data.metrics),
-                    "tags": sorted({re.sub(r"\d{8}", "N", k) for k in run.data.tags if not k.startswith("mlflow.")}),
-                    **{k: history(client, run_id, k) for k in METRIC_KEYS if k in run.data.metrics and k != "checkpoint_block_s"},
-                    **{k: history(client, run_id, k)[-1] for k in run.data.metrics if k.startswith("val_")}})
+        out.append(
+            {
+                "status": run.info.status,
+                "metrics": sorted(run.data.metrics),
+                "tags": sorted({re.sub(r"\d{8}", "N", k) for k in run.data.tags if not k.startswith("mlflow.")}),
+                **{
+                    k: history(client, run_id, k)
+                    for k in METRIC_KEYS
+                    if k in run.data.metrics and k != "checkpoint_block_s"
+                },
+                **{k: history(client, run_id, k)[-1] for k in run.data.metrics if k.startswith("val_")},
+            }
+        )
     return out
 
 
@@ -172,8 +196,15 @@ def test_the_job_loop_never_waits_on_an_mlflow_that_hangs(tmp_path, monkeypatch)
         logged: list[str] = []
         metrics = tmp_path / "metrics.jsonl"
         records(metrics, [1, 2])
-        fwd = MetricsForwarder(Tracker(f"http://127.0.0.1:{hole.getsockname()[1]}", "e", tmp_path), metrics,
-                               "run-a", "run-b", 0, log=logged.append, backoff=Backoff(initial_s=0.1, max_s=0.2))
+        fwd = MetricsForwarder(
+            Tracker(f"http://127.0.0.1:{hole.getsockname()[1]}", "e", tmp_path),
+            metrics,
+            "run-a",
+            "run-b",
+            0,
+            log=logged.append,
+            backoff=Backoff(initial_s=0.1, max_s=0.2),
+        )
         forwarding = ForwarderThread(fwd, poll_s=0.05, drain_s=0.2, margin_s=0.5).start()
         wait_for(lambda: fwd.offset > 0, 30, "the forwarder to read the steps and ask MLflow")
         assert forwarding.finish() is False  # the caller goes on; the request still hangs in the thread

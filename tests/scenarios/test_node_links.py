@@ -14,8 +14,8 @@ import threading
 
 from torch.distributed import PrefixStore, TCPStore
 
-from support.campaigns import wait_for
 from pretrain.cluster.ports import free_port
+from support.campaigns import wait_for
 from trainer.agent.node_links import LostNode, NodeLinks
 from trainer.agent.rendezvous_close import EXPIRED, LOST_KEY, lost_from, record_lost
 
@@ -82,11 +82,31 @@ ROUND_S = 30  # how long a round may take to form here
 class Node(subprocess.Popen):
     """A node agent's rendezvous (``NODE``); its lines read with a bound."""
 
-    def __init__(self, endpoint: str, number: int, nodes: tuple[int, int] = (2, 2), last_call_s: float = 1,
-                 slow_s: float = 0, keep_alive_s: int = 60):
-        super().__init__([sys.executable, "-c", NODE, endpoint, str(number), *map(str, nodes), str(last_call_s),
-                          str(slow_s), str(keep_alive_s)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    def __init__(
+        self,
+        endpoint: str,
+        number: int,
+        nodes: tuple[int, int] = (2, 2),
+        last_call_s: float = 1,
+        slow_s: float = 0,
+        keep_alive_s: int = 60,
+    ):
+        super().__init__(
+            [
+                sys.executable,
+                "-c",
+                NODE,
+                endpoint,
+                str(number),
+                *map(str, nodes),
+                str(last_call_s),
+                str(slow_s),
+                str(keep_alive_s),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [self.lines.put(line) for line in self.stdout], daemon=True).start()
 
@@ -111,7 +131,9 @@ def watchers_done() -> bool:
 
 def test_a_killed_nodes_place_goes_to_a_standby_at_once_and_a_node_saying_goodbye_is_not_lost():
     port = free_port()
-    host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # as node 0's rendezvous handler hosts it
+    host = TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False
+    )  # as node 0's rendezvous handler hosts it
     endpoint = f"127.0.0.1:{port}"
     a, b = Node(endpoint, 0), Node(endpoint, 1)
     standby = None
@@ -181,16 +203,27 @@ def test_two_neighbours_lost_together_are_both_reported_by_the_rank_before_them(
     host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     agents = [NodeLinks(node=n) for n in range(4)]
     try:
-        joins = [threading.Thread(target=a.join_round,
-                                  args=(PrefixStore("round-0", TCPStore("127.0.0.1", port, is_master=False)), rank, 4,
-                                        (f"node-{rank}", 10 + rank, 0)))
-                 for rank, a in enumerate(agents)]
+        joins = [
+            threading.Thread(
+                target=a.join_round,
+                args=(
+                    PrefixStore("round-0", TCPStore("127.0.0.1", port, is_master=False)),
+                    rank,
+                    4,
+                    (f"node-{rank}", 10 + rank, 0),
+                ),
+            )
+            for rank, a in enumerate(agents)
+        ]
         for t in joins:
             t.start()
         for t in joins:
             t.join(30)
-        wait_for(lambda: sum(len(a._accepted) for a in agents) == sum(len(a._watched) for a in agents), 30,
-                   "every link held at both ends")
+        wait_for(
+            lambda: sum(len(a._accepted) for a in agents) == sum(len(a._watched) for a in agents),
+            30,
+            "every link held at both ends",
+        )
         killed(agents[1])
         killed(agents[2])
         lost: list[LostNode] = []
@@ -244,7 +277,9 @@ def test_a_frozen_node_is_not_waited_for_once_its_keep_alives_lapsed():
         assert pid == frozen.pid
         survivor.tell("again")
         said = survivor.said()
-        if "silent" in said:  # the survivor's own look dropped it (not the frozen node's peers'): it says so, as an agent does
+        if (
+            "silent" in said
+        ):  # the survivor's own look dropped it (not the frozen node's peers'): it says so, as an agent does
             assert said == {"silent": ranks.index(0), "rank": 0}
             said = survivor.said()
         assert said == {"rank": 0, "world": 1}  # (within ROUND_S, far less than the last call)

@@ -11,22 +11,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from mlflow.tracking import MlflowClient
-from typer.testing import CliRunner
-
-from support.campaigns import seed_data, small_spec, wait_for
-from flows.campaign import pretrain_campaign
-from pretrain.run.budget import PauseRequest, pausing
-from pretrain.cli.app import app
-from pretrain.run.jobs import checkpoint_store
 from test_chaos import final_model
 from test_resume import SLOW_MODEL, assert_mlflow_steps_unique
+from typer.testing import CliRunner
+
+from flows.campaign import pretrain_campaign
+from pretrain.cli.app import app
+from pretrain.run.budget import PauseRequest, pausing
+from pretrain.run.jobs import checkpoint_store
+from support.campaigns import seed_data, small_spec, wait_for
 
 STEPS = 60  # ~0.1 s a step: the budget runs out well before the stage's end, even on a loaded machine
 
 
 def pause_spec(path, prepared_data):
-    spec = small_spec(path, model=SLOW_MODEL, checkpoint={"interval": 10, "memory_interval": 5, "keep": 5},
-                      stages=[{"name": "main", "steps": STEPS, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}])
+    spec = small_spec(
+        path,
+        model=SLOW_MODEL,
+        checkpoint={"interval": 10, "memory_interval": 5, "keep": 5},
+        stages=[{"name": "main", "steps": STEPS, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}],
+    )
     seed_data(spec, prepared_data)
     return spec
 
@@ -71,8 +75,10 @@ def test_a_time_boxed_run_pauses_and_the_next_run_completes_it_bit_exact(prefect
 
 
 def test_run_refuses_a_budget_it_cannot_read(tmp_path):
-    for args, says in ((["--for", "2 hours"], "--for '2 hours': expected a duration such as 2h"),
-                       (["--until", "6am"], "--until '6am': expected a time of day such as 06:00")):
+    for args, says in (
+        (["--for", "2 hours"], "--for '2 hours': expected a duration such as 2h"),
+        (["--until", "6am"], "--until '6am': expected a time of day such as 06:00"),
+    ):
         done = CliRunner().invoke(app, ["run", "builtin:tiny", "--workdir", str(tmp_path), *args])
         assert done.exit_code == 2, done.output
         assert says in " ".join(done.output.split()) and "Traceback" not in done.output

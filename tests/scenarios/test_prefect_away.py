@@ -8,23 +8,23 @@ notes of the outage show once a minute (table-driven)."""
 
 from __future__ import annotations
 
-import contextvars
 import asyncio
+import contextvars
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import pytest
-from support.campaigns import seed_data, small_spec, wait_for
-from support.tcp_proxy import SwitchableProxy
+from test_resume import SLOW_MODEL
 
 from deployments.console import OutageNotes, quiet_console
 from flows.campaign import pretrain_campaign
 from pretrain.run.jobs import checkpoint_store
-from test_resume import SLOW_MODEL
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
+from support.campaigns import seed_data, small_spec, wait_for
+from support.tcp_proxy import SwitchableProxy
 
 STEPS = 80  # 50–100 ms a step
 AWAY_AFTER_THE_JOB_S = 10.0  # longer than the stage flow run's end takes to fail without the API (~5 s, one retry)
@@ -35,8 +35,12 @@ def test_a_prefect_api_away_mid_stage_never_stops_training(prefect_harness, prep
     job trains to its last step, and the stage waits for the API before its flow run ends."""
     from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    spec = small_spec(tmp_path, model=SLOW_MODEL, checkpoint={"interval": 10, "memory_interval": 5, "keep": 3},
-                      stages=[{"name": "main", "steps": STEPS, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}])
+    spec = small_spec(
+        tmp_path,
+        model=SLOW_MODEL,
+        checkpoint={"interval": 10, "memory_interval": 5, "keep": 3},
+        stages=[{"name": "main", "steps": STEPS, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}],
+    )
     seed_data(spec, prepared_data)
     monkeypatch.setenv("PRETRAIN_GATE_POLL_S", "0.5")
     server = urlsplit(PREFECT_API_URL.value())
@@ -44,10 +48,15 @@ def test_a_prefect_api_away_mid_stage_never_stops_training(prefect_harness, prep
     store = checkpoint_store(spec, "main")
 
     def job_ended() -> bool:  # the stage recorded its job's end: what follows is the stage flow run's own end
-        return any(s.kind == "job" and s.end is not None for s in Ledger.read(CampaignLayout(spec.workdir_path)).record.spans)
+        return any(
+            s.kind == "job" and s.end is not None for s in Ledger.read(CampaignLayout(spec.workdir_path)).record.spans
+        )
+
     try:
-        with temporary_settings({PREFECT_API_URL: f"{proxy.url}{server.path}", PREFECT_CLIENT_MAX_RETRIES: 1}), \
-                ThreadPoolExecutor(1) as pool:
+        with (
+            temporary_settings({PREFECT_API_URL: f"{proxy.url}{server.path}", PREFECT_CLIENT_MAX_RETRIES: 1}),
+            ThreadPoolExecutor(1) as pool,
+        ):
             run = pool.submit(contextvars.copy_context().run, pretrain_campaign, spec=spec)
             away_from = wait_for(lambda: store.read_pointer() or run.done(), 240, "the first checkpoint")
             proxy.down()
@@ -61,7 +70,12 @@ def test_a_prefect_api_away_mid_stage_never_stops_training(prefect_harness, prep
         proxy.close()
     [stage] = status["stages"]
     assert waiting and trained_while_away > 0
-    assert (status["status"], stage["status"], stage["attempts"], stage["failures"]) == ("completed", "completed", 1, [])
+    assert (status["status"], stage["status"], stage["attempts"], stage["failures"]) == (
+        "completed",
+        "completed",
+        1,
+        [],
+    )
     assert stage["good_checkpoint"]["step"] == STEPS and stage["bad_checkpoints"] == []
 
 
@@ -70,15 +84,21 @@ def _record(name: str, message: str, level=logging.WARNING) -> logging.LogRecord
 
 
 RECONNECT = ("prefect.events.clients", "Unable to connect to 'ws://127.0.0.1:4200/api/events/in'. Please check ...")
-DROPPED = ("prefect._internal.concurrency", "Service 'EventsWorker' failed to process item Event(occurred=..., "
-           "event='pretrain.checkpoint.good', resource=... 3 kB of it ...)")
+DROPPED = (
+    "prefect._internal.concurrency",
+    "Service 'EventsWorker' failed to process item Event(occurred=..., "
+    "event='pretrain.checkpoint.good', resource=... 3 kB of it ...)",
+)
 
 
-@pytest.mark.parametrize("notes, shown", [  # (seconds since the outage began, logger and message) → shown?
-    ([(0, RECONNECT), (7, RECONNECT), (14, RECONNECT)], [True, False, False]),  # every ~7 s: once
-    ([(0, RECONNECT), (61, RECONNECT)], [True, True]),  # and again after a minute
-    ([(0, RECONNECT), (1, DROPPED), (2, DROPPED)], [True, True, False]),  # each kind once
-])
+@pytest.mark.parametrize(
+    "notes, shown",
+    [  # (seconds since the outage began, logger and message) → shown?
+        ([(0, RECONNECT), (7, RECONNECT), (14, RECONNECT)], [True, False, False]),  # every ~7 s: once
+        ([(0, RECONNECT), (61, RECONNECT)], [True, True]),  # and again after a minute
+        ([(0, RECONNECT), (1, DROPPED), (2, DROPPED)], [True, True, False]),  # each kind once
+    ],
+)
 def test_prefect_s_outage_notes_show_once_a_minute(notes, shown):
     now = [0.0]
     notes_filter = OutageNotes(clock=lambda: now[0])
@@ -109,8 +129,14 @@ def test_pretrain_run_s_console_shows_the_outage_notes_once_and_the_campaign_s_o
     finally:
         for logger in loggers:
             logger.removeHandler(shown)
-    assert [m[:24] for m in seen] == ["Unable to connect to 'ws", "Prefect's events worker ", "stage main: checkpoint 4",
-                                      "stage main: checkpoint 4", "stage main: checkpoint 4", DROPPED[1][:24]]
+    assert [m[:24] for m in seen] == [
+        "Unable to connect to 'ws",
+        "Prefect's events worker ",
+        "stage main: checkpoint 4",
+        "stage main: checkpoint 4",
+        "stage main: checkpoint 4",
+        DROPPED[1][:24],
+    ]
 
 
 class _Unreachable:

@@ -25,12 +25,20 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.states import Cancelled, Cancelling
 from prefect_kubernetes.worker import KubernetesWorker
 
-from support.campaigns import DATA, assert_no_duplicate_metric_steps, campaign_data_dir, campaign_events, campaign_processes, seed_data, wait_for
-from pretrain.state.ledger import Ledger
-from pretrain.state.layout import CampaignLayout
-from pretrain.state.lock import CampaignBusy
 from pretrain.run.outcome import TAG_END_CAUSE
 from pretrain.spec.campaign import parse_spec
+from pretrain.state.layout import CampaignLayout
+from pretrain.state.ledger import Ledger
+from pretrain.state.lock import CampaignBusy
+from support.campaigns import (
+    DATA,
+    assert_no_duplicate_metric_steps,
+    campaign_data_dir,
+    campaign_events,
+    campaign_processes,
+    seed_data,
+    wait_for,
+)
 from tasks.artifacts import artifact_key
 from trainer.checkpoint import store as ckpt
 from trainer.job.reporting import read_all
@@ -41,11 +49,16 @@ TRAINER = ("trainer.launch", "trainer.worker", "trainer.saver", "trainer.healthc
 
 def spec_file(tmp_path: Path, prepared_data: Path, name: str, **overrides) -> tuple[Path, object]:
     """A one-node, one-worker campaign in its own workdir with the session's data seeded."""
-    body = {"name": name, "workdir": str(tmp_path / name), "data": DATA,
-            "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 32},
-            "cluster": {"workers_per_node": 1, "max_restarts": 0},
-            "stages": [{"name": "main", "steps": 8, "seq_len": 32, "micro_batch": 4, "warmup_steps": 2}],
-            "checkpoint": {"interval": 4, "memory_interval": 2, "keep": 3}, "resume": {"max_attempts": 1}}
+    body = {
+        "name": name,
+        "workdir": str(tmp_path / name),
+        "data": DATA,
+        "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 32},
+        "cluster": {"workers_per_node": 1, "max_restarts": 0},
+        "stages": [{"name": "main", "steps": 8, "seq_len": 32, "micro_batch": 4, "warmup_steps": 2}],
+        "checkpoint": {"interval": 4, "memory_interval": 2, "keep": 3},
+        "resume": {"max_attempts": 1},
+    }
     body.update(overrides)
     spec = parse_spec(body)
     seed_data(spec, prepared_data)
@@ -59,6 +72,7 @@ def final_state(flow_run_id, timeout: float):
         with get_client(sync_client=True) as client:
             run = client.read_flow_run(flow_run_id)
         return run if run.state and run.state.is_final() else None
+
     return wait_for(done, timeout, f"flow run {flow_run_id} to end", interval=1.0).state
 
 
@@ -68,8 +82,11 @@ def start(deployment: str, **parameters):
 
 def latest_artifact(kind: str, campaign: str):
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(kind, campaign)])),
-                                      sort=ArtifactSort.CREATED_DESC, limit=1)
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(kind, campaign)])),
+            sort=ArtifactSort.CREATED_DESC,
+            limit=1,
+        )
     return found[0] if found else None
 
 
@@ -81,9 +98,12 @@ def trainer_processes(workdir: Path) -> list:
 def deployed(prefect_server):
     """Work pools as the README creates them, and ``prefect deploy --all`` from the checkout."""
     with prefect_server.settings(), get_client(sync_client=True) as client:
-        for pool in (WorkPoolCreate(name="local-process", type="process"),
-                     WorkPoolCreate(name="kubernetes", type="kubernetes",
-                                    base_job_template=KubernetesWorker.get_default_base_job_template())):
+        for pool in (
+            WorkPoolCreate(name="local-process", type="process"),
+            WorkPoolCreate(
+                name="kubernetes", type="kubernetes", base_job_template=KubernetesWorker.get_default_base_job_template()
+            ),
+        ):
             try:
                 client.create_work_pool(pool)
             except ObjectAlreadyExists:
@@ -110,8 +130,12 @@ def test_prefect_deploy_all_creates_every_deployment(deployed):
         automations = client.read_resource_related_automations(f"prefect.deployment.{evaluation.id}")
     assert campaign.global_concurrency_limit.limit == 1 and k8s.global_concurrency_limit.limit == 1
     assert [(s.schedule.cron, s.active) for s in campaign.schedules] == [("0 2 * * *", False)]
-    assert nightly.global_concurrency_limit.limit == 1 and nightly.concurrency_options.collision_strategy == "CANCEL_NEW"
-    assert nightly.parameters["run_for"] and [(s.schedule.cron, s.active) for s in nightly.schedules] == [("0 1 * * *", False)]
+    assert (
+        nightly.global_concurrency_limit.limit == 1 and nightly.concurrency_options.collision_strategy == "CANCEL_NEW"
+    )
+    assert nightly.parameters["run_for"] and [(s.schedule.cron, s.active) for s in nightly.schedules] == [
+        ("0 1 * * *", False)
+    ]
     for dep in (campaign, prepare, evaluation):
         assert dep.work_pool_name == "local-process"
         assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
@@ -146,9 +170,15 @@ def test_worker_runs_a_campaign_with_artifacts_events_and_trigger(worker, prepar
         assert link.type == "markdown" and parent in link.data
         assert latest_artifact("node-check", name).type == "table"
 
-        seen = wait_for(lambda: {e["event"] for e in campaign_events(worker.api_url, name)} >= {"pretrain.checkpoint.good",
-                                                                                 "pretrain.campaign.completed"}
-                        and campaign_events(worker.api_url, name), 60, "the campaign's events")
+        seen = wait_for(
+            lambda: (
+                {e["event"] for e in campaign_events(worker.api_url, name)}
+                >= {"pretrain.checkpoint.good", "pretrain.campaign.completed"}
+                and campaign_events(worker.api_url, name)
+            ),
+            60,
+            "the campaign's events",
+        )
         # the gate judges every committed checkpoint (step 4 too, if it was persisted): one event each
         goods = [e for e in seen if e["event"] == "pretrain.checkpoint.good"]
         assert {e["payload"]["step"] for e in goods} <= {4, 8}
@@ -156,16 +186,21 @@ def test_worker_runs_a_campaign_with_artifacts_events_and_trigger(worker, prepar
         assert good_event["payload"]["checkpoint"] == good and good_event["payload"]["final"]
         assert good_event["resource"]["prefect.resource.name"] == name
         assert {e["payload"]["step"]: e["resource"]["pretrain.checkpoint.final"] for e in goods} == {
-            e["payload"]["step"]: str(e["payload"]["step"] == 8).lower() for e in goods}
+            e["payload"]["step"]: str(e["payload"]["step"] == 8).lower() for e in goods
+        }
         [done] = [e for e in seen if e["event"] == "pretrain.campaign.completed"]  # names the model it registered
         assert (done["payload"]["registered_model"], done["payload"]["registration_pending"]) == (
-            f"models:/{name}@latest-good", None)
+            f"models:/{name}@latest-good",
+            None,
+        )
 
         def evaluation_runs():  # of this campaign's checkpoints
             with get_client(sync_client=True) as client:
-                runs = client.read_flow_runs(deployment_filter=DeploymentFilter(
-                    name=DeploymentFilterName(any_=["evaluate-checkpoint"])))
+                runs = client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["evaluate-checkpoint"]))
+                )
             return [r for r in runs if r.parameters.get("checkpoint", "").startswith(str(spec.workdir_path))]
+
         [triggered] = wait_for(evaluation_runs, 60, "the trigger to start the evaluation deployment")
         assert triggered.parameters == {"checkpoint": good, "data_dir": str(campaign_data_dir(spec))}
         assert final_state(triggered.id, 300).is_completed()
@@ -180,10 +215,14 @@ def training(worker, prepared_data, tmp_path_factory):
     """A campaign run by the worker that is busy training (a model slow enough to be caught in
     the act; periodic checkpoints never come, only the snapshots in memory)."""
     tmp = tmp_path_factory.mktemp("training")
-    path, spec = spec_file(tmp, prepared_data, f"busy-{uuid.uuid4().hex[:6]}",
-                           model={"n_layer": 4, "n_head": 4, "d_model": 128, "max_seq_len": 64},
-                           stages=[{"name": "main", "steps": 2000, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}],
-                           checkpoint={"interval": 1000, "memory_interval": 2, "keep": 3})
+    path, spec = spec_file(
+        tmp,
+        prepared_data,
+        f"busy-{uuid.uuid4().hex[:6]}",
+        model={"n_layer": 4, "n_head": 4, "d_model": 128, "max_seq_len": 64},
+        stages=[{"name": "main", "steps": 2000, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}],
+        checkpoint={"interval": 1000, "memory_interval": 2, "keep": 3},
+    )
     metrics = spec.workdir_path / "jobs" / "main" / "attempt_000" / "metrics.jsonl"
     with worker.settings():
         run = start("pretrain-campaign/pretrain-campaign", spec_path=str(path))
@@ -202,6 +241,7 @@ def test_a_second_run_of_a_training_campaign_never_trains(training, worker):
             with get_client(sync_client=True) as client:
                 state = client.read_flow_run(queued.id).state
             return state.name == "AwaitingConcurrencySlot"
+
         wait_for(held, 60, "the queued run to wait for the concurrency slot", interval=1.0)
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(queued.id, Cancelled(message="test: queued duplicate"), force=True)
@@ -210,8 +250,11 @@ def test_a_second_run_of_a_training_campaign_never_trains(training, worker):
         from flows.campaign import pretrain_campaign
 
         started = time.monotonic()
-        with pytest.raises(CampaignBusy, match=rf"campaign '{spec.name}' in .* is already running \(pid \d+ on .*, "
-                                               rf"flow run {run.id}, since .*\).*wait for that run to finish, or cancel it"):
+        with pytest.raises(
+            CampaignBusy,
+            match=rf"campaign '{spec.name}' in .* is already running \(pid \d+ on .*, "
+            rf"flow run {run.id}, since .*\).*wait for that run to finish, or cancel it",
+        ):
             pretrain_campaign(spec_path=str(path))
         assert time.monotonic() - started < 60
     record = Ledger.read(CampaignLayout(spec.workdir_path)).record
@@ -246,8 +289,13 @@ def test_cancelling_from_the_api_pauses_the_campaign_at_a_validated_checkpoint(t
 
 def _git_snapshot(dest: Path) -> str:
     """This checkout's files (tracked and new, not ignored) committed to a fresh repository."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
-                           check=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for f in filter(None, files):
         if (ROOT / f).is_file():
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
@@ -261,8 +309,14 @@ def _git_snapshot(dest: Path) -> str:
 @pytest.mark.slow
 def test_deploy_from_git_runs_the_cloned_code(worker, prepared_data, tmp_path):
     url = _git_snapshot(tmp_path / "repo")
-    proc = subprocess.run([sys.executable, "-m", "deployments.deploy", "--git", url, "--branch", "main"],
-                          cwd=ROOT, env=worker.env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "deployments.deploy", "--git", url, "--branch", "main"],
+        cwd=ROOT,
+        env=worker.env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     path, spec = spec_file(tmp_path, prepared_data, f"git-{uuid.uuid4().hex[:6]}")
     with worker.settings():

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from support.campaigns import pretrain_cli, save_checkpoint, seed_data, small_spec
 from pretrain.checkpoints.info import CheckpointRejected, describe
 from pretrain.state.ledger import Ledger
 from pretrain.views.status import campaign_status
+from support.campaigns import pretrain_cli, save_checkpoint, seed_data, small_spec
 from trainer.checkpoint.records import DamagedRecord, parse_manifest
 from trainer.checkpoint.store import GOOD, MANIFEST, POINTER, CheckpointStore, rank_shard_name, step_name
 from trainer.storage import LocalStorage
@@ -23,8 +23,10 @@ def _store(root) -> CheckpointStore:
 
 
 def _save(s: CheckpointStore, step: int) -> None:
-    shards = [s.write_shard(step, "model.pt", {"w": torch.full((4,), float(step)), "step": step}),
-              s.write_shard(step, rank_shard_name(0), {"consumed": step * 8})]
+    shards = [
+        s.write_shard(step, "model.pt", {"w": torch.full((4,), float(step)), "step": step}),
+        s.write_shard(step, rank_shard_name(0), {"consumed": step * 8}),
+    ]
     s.write_node_record(step, "model", 1, shards)
     s.commit(step, shards, {"stage": "s", "world_size": 1})
 
@@ -34,6 +36,7 @@ def _edit_manifest(change):
         m = json.loads(s.storage.get_bytes(key))
         change(m)
         s.storage.put_bytes(key, json.dumps(m).encode())
+
     return edit
 
 
@@ -62,9 +65,16 @@ CHECKPOINT_DAMAGE = {
     "files is a list": (M8, _edit_manifest(lambda m: m.update(files=list(m["files"]))), "'files'"),
     "entry lacks bytes": (M8, _edit_manifest(lambda m: m["files"]["model.pt"].pop("bytes")), "'bytes'"),
     "shard name ../x": (M8, _edit_manifest(lambda m: m["files"].update({"../x": m["files"]["model.pt"]})), "'../x'"),
-    "absolute shard name": (M8, _edit_manifest(lambda m: m["files"].update({"/etc/passwd": m["files"]["model.pt"]})),
-                            "'/etc/passwd'"),
-    "shard name with /": (M8, _edit_manifest(lambda m: m["files"].update({"a/b.pt": m["files"]["model.pt"]})), "'a/b.pt'"),
+    "absolute shard name": (
+        M8,
+        _edit_manifest(lambda m: m["files"].update({"/etc/passwd": m["files"]["model.pt"]})),
+        "'/etc/passwd'",
+    ),
+    "shard name with /": (
+        M8,
+        _edit_manifest(lambda m: m["files"].update({"a/b.pt": m["files"]["model.pt"]})),
+        "'a/b.pt'",
+    ),
     "manifest of another step": (M8, _edit_manifest(lambda m: m.update(step=m["step"] + 1)), "it says step"),
     "manifest is a directory": (M8, _a_directory, "a directory, not a file"),
     "truncated node record": (NODE8, _truncate, "not valid JSON"),
@@ -104,9 +114,13 @@ def test_a_damaged_verdict_makes_the_step_unjudged_again(tmp_path):
     assert s.latest_good() is None
 
 
-POINTER_DAMAGE = {"truncated": _truncate, "not JSON": _garbage, "a directory": _a_directory,
-                  "no step": lambda s, k: s.storage.put_bytes(k, b'{"dir": "step_00000008"}'),
-                  "step and dir disagree": lambda s, k: s.storage.put_bytes(k, b'{"step": 8, "dir": "step_00000004"}')}
+POINTER_DAMAGE = {
+    "truncated": _truncate,
+    "not JSON": _garbage,
+    "a directory": _a_directory,
+    "no step": lambda s, k: s.storage.put_bytes(k, b'{"dir": "step_00000008"}'),
+    "step and dir disagree": lambda s, k: s.storage.put_bytes(k, b'{"step": 8, "dir": "step_00000004"}'),
+}
 
 
 @pytest.mark.parametrize("damage", list(POINTER_DAMAGE))
@@ -171,17 +185,24 @@ def damage_of(campaign):
     def damage(key: str, harm) -> None:
         kept[key] = s.storage.get_bytes(key)
         harm(s, key)
+
     yield damage
     for key, data in kept.items():
         s.storage.put_bytes(key, data)
 
 
-STATUS_DAMAGE = {**{k: v for k, v in CHECKPOINT_DAMAGE.items()
-                    if k in ("truncated manifest", "files is a list", "manifest is a directory")},
-                 "latest pointer": (POINTER, _truncate, "damaged"), "good pointer": (GOOD, _truncate, "ignored"),
-                 "latest pointer is a directory": (POINTER, _a_directory, "a directory, not a file"),
-                 "verdict": (f"{step_name(8)}/verdict.json", _truncate, "unjudged again"),
-                 "verdict is a directory": (f"{step_name(8)}/verdict.json", _a_directory, "a directory, not a file")}
+STATUS_DAMAGE = {
+    **{
+        k: v
+        for k, v in CHECKPOINT_DAMAGE.items()
+        if k in ("truncated manifest", "files is a list", "manifest is a directory")
+    },
+    "latest pointer": (POINTER, _truncate, "damaged"),
+    "good pointer": (GOOD, _truncate, "ignored"),
+    "latest pointer is a directory": (POINTER, _a_directory, "a directory, not a file"),
+    "verdict": (f"{step_name(8)}/verdict.json", _truncate, "unjudged again"),
+    "verdict is a directory": (f"{step_name(8)}/verdict.json", _a_directory, "a directory, not a file"),
+}
 
 
 @pytest.mark.parametrize("damage", list(STATUS_DAMAGE))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from support.campaigns import assert_no_duplicate_metric_steps
 from flows.campaign import pretrain_campaign
 from pretrain.spec.file import load_spec
+from support.campaigns import assert_no_duplicate_metric_steps
 
 # `pretrain run spec.yaml` on main 6b4a8a5 (the last commit before the typed ledger, events and
 # records of issue 11), stopped with SIGTERM once the second stage had a checkpoint: warmup

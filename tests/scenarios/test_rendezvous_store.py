@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
+from pretrain.cluster.ports import free_port
+from pretrain.run.jobs import build_job
 from support.agents import node_log, run_id, start_agent
 from support.campaigns import kept_trajectory, seed_data, small_spec, wait_for
-from pretrain.run.jobs import build_job
-from pretrain.cluster.ports import free_port
 from trainer.agent.elastic import rendezvous_configs
 from trainer.agent.first_round import checked_in, gather_nodes
 from trainer.job.reporting import EVENTS, METRICS, read_all
@@ -51,28 +51,40 @@ def test_a_node_late_at_the_start_joins_the_running_job_which_goes_on_with_both(
     """Node 0 trains alone (the job may run on one node); node 1's agent starts later: node 0's
     agent restarts its worker, and the job goes on with both from the newest snapshot, every
     sample trained on once, the global batch unchanged."""
-    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3},
-                      stages=[{"name": "s", "steps": 5000, "seq_len": 32, "micro_batch": 2}],
-                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
-                      # far from its last step when node 1 comes, however slowly its agent starts
-                      chaos=[{"kind": "slow_worker", "rank": 0, "step": 1, "delay_s": 0.05}],
-                      # the round that takes node 1 in checks the nodes (as after any restart): on a loaded
-                      # machine its timing could take either node for slow (and the slowed rank 0 is slow)
-                      fault_tolerance={"node_check_threshold": 1000})
+    spec = small_spec(
+        tmp_path,
+        cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3},
+        stages=[{"name": "s", "steps": 5000, "seq_len": 32, "micro_batch": 2}],
+        checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
+        # far from its last step when node 1 comes, however slowly its agent starts
+        chaos=[{"kind": "slow_worker", "rank": 0, "step": 1, "delay_s": 0.05}],
+        # the round that takes node 1 in checks the nodes (as after any restart): on a loaded
+        # machine its timing could take either node for slow (and the slowed rank 0 is slow)
+        fault_tolerance={"node_check_threshold": 1000},
+    )
     seed_data(spec, prepared_data)
     job = build_job(spec, 0, 0, None)
     metrics = Path(job.job_dir) / METRICS
     endpoint = f"127.0.0.1:{free_port()}"
     # first_round_wait 0: node 1 comes after the first round gave up waiting for it
-    start = lambda node: start_agent(job, 3, 1, zygote, node=node, nodes=2, nodes_min=1,  # noqa: E731
-                                     endpoint=endpoint, first_round_wait=0, start_new_session=True)
+    start = lambda node: start_agent(
+        job,
+        3,
+        1,
+        zygote,
+        node=node,
+        nodes=2,
+        nodes_min=1,  # noqa: E731
+        endpoint=endpoint,
+        first_round_wait=0,
+        start_new_session=True,
+    )
     agents = [start(0)]
     try:
         wait_for(lambda: metrics.exists() and len(read_all(metrics)) >= 3, 120, "node 0 trains alone")
         agents.append(start(1))
         together = lambda: [m for m in read_all(metrics) if m["world_size"] == 2]  # noqa: E731
-        wait_for(lambda: len(together()) >= 5 or any(a.poll() is not None for a in agents), 180,
-                   "both nodes train")
+        wait_for(lambda: len(together()) >= 5 or any(a.poll() is not None for a in agents), 180, "both nodes train")
         assert len(together()) >= 5, node_log(job, 2)
     finally:
         stop(agents)
@@ -92,15 +104,27 @@ def test_a_node_late_at_the_start_joins_the_running_job_which_goes_on_with_both(
 def test_the_first_round_waits_for_a_node_that_starts_after_torchs_last_call(prepared_data, tmp_path, zygote):
     """Node 1's agent starts more than torch's last call (5 s) after node 0's checked in: the job
     still starts on both nodes at once (no restart to take the late node in), as launched."""
-    spec = small_spec(tmp_path, cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3},
-                      stages=[{"name": "s", "steps": 6, "seq_len": 32, "micro_batch": 2}],
-                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2})
+    spec = small_spec(
+        tmp_path,
+        cluster={"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3},
+        stages=[{"name": "s", "steps": 6, "seq_len": 32, "micro_batch": 2}],
+        checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
+    )
     seed_data(spec, prepared_data)
     job = build_job(spec, 0, 0, None)
     metrics = Path(job.job_dir) / METRICS
     endpoint, name = f"127.0.0.1:{free_port()}", run_id(job)
-    start = lambda node: start_agent(job, 3, 1, zygote, node=node, nodes=2, nodes_min=1,  # noqa: E731
-                                     endpoint=endpoint, start_new_session=True)
+    start = lambda node: start_agent(
+        job,
+        3,
+        1,
+        zygote,
+        node=node,
+        nodes=2,
+        nodes_min=1,  # noqa: E731
+        endpoint=endpoint,
+        start_new_session=True,
+    )
     agents = [start(0)]
     try:
         wait_for(lambda: checked_in(endpoint, name) >= 1, 120, "node 0's agent checks in")
@@ -120,15 +144,20 @@ def test_the_first_round_waits_for_a_node_that_starts_after_torchs_last_call(pre
     assert "waited" in node_log(job, 2)  # node 0 said why it started late
 
 
-@pytest.mark.parametrize("nodes, wait_s, late, expected", [
-    (2, 0.3, False, 1),  # the other node never comes: the first stops waiting and says so
-    (2, 30, True, 2),  # the other comes: both go on
-    (3, 0, False, 1),  # no wait asked for (it checks in all the same)
-    (1, 30, False, 1),  # a job of one node never waits
-])
+@pytest.mark.parametrize(
+    "nodes, wait_s, late, expected",
+    [
+        (2, 0.3, False, 1),  # the other node never comes: the first stops waiting and says so
+        (2, 30, True, 2),  # the other comes: both go on
+        (3, 0, False, 1),  # no wait asked for (it checks in all the same)
+        (1, 30, False, 1),  # a job of one node never waits
+    ],
+)
 def test_gather_nodes(nodes, wait_s, late, expected, capfd):
     port = free_port()
-    host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # as node 0's rendezvous handler hosts it
+    host = TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False
+    )  # as node 0's rendezvous handler hosts it
     endpoint, results = f"127.0.0.1:{port}", {}
     first = threading.Thread(target=lambda: results.update(first=gather_nodes(endpoint, "job", nodes, wait_s)))
     first.start()

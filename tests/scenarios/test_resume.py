@@ -14,11 +14,19 @@ import yaml
 from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
-from support.campaigns import (assert_no_duplicate_metric_steps, campaign_events, run_campaign_while, seed_data, session_api_env, small_spec,
-                      wait_for, worker_processes)
 from flows.campaign import pretrain_campaign
 from flows.train_stage import StageFailed
 from pretrain.views.status import campaign_status
+from support.campaigns import (
+    assert_no_duplicate_metric_steps,
+    campaign_events,
+    run_campaign_while,
+    seed_data,
+    session_api_env,
+    small_spec,
+    wait_for,
+    worker_processes,
+)
 from support.terminal import Terminal
 from trainer.checkpoint import store as ckpt
 from trainer.job.reporting import read_all
@@ -29,7 +37,13 @@ ONE_STAGE = [{"name": "main", "steps": 40, "seq_len": 64, "micro_batch": 8, "war
 
 
 def slow_spec(tmp_path, prepared_data, **overrides):
-    spec = small_spec(tmp_path, model=SLOW_MODEL, stages=ONE_STAGE, checkpoint={"interval": 10, "memory_interval": 5, "keep": 5}, **overrides)
+    spec = small_spec(
+        tmp_path,
+        model=SLOW_MODEL,
+        stages=ONE_STAGE,
+        checkpoint={"interval": 10, "memory_interval": 5, "keep": 5},
+        **overrides,
+    )
     seed_data(spec, prepared_data)
     return spec
 
@@ -86,9 +100,15 @@ def test_worker_sigkill_is_survived_by_an_in_job_restart(prefect_harness, prepar
     stage_run = next(r for r in runs if r.data.tags["pretrain.role"] == "stage")
     assert sorted(m.step for m in client.get_metric_history(stage_run.info.run_id, "loss")) == list(range(1, 41))
     assert not worker_processes(spec.workdir_path)
-    restarted = wait_for(lambda: [e for e in campaign_events(PREFECT_API_URL.value(), spec.name)
-                                  if e["event"] == "pretrain.stage.restarted"
-                                  and e["resource"]["pretrain.workdir"] == str(spec.workdir_path)], 30, "the restart event")
+    restarted = wait_for(
+        lambda: [
+            e
+            for e in campaign_events(PREFECT_API_URL.value(), spec.name)
+            if e["event"] == "pretrain.stage.restarted" and e["resource"]["pretrain.workdir"] == str(spec.workdir_path)
+        ],
+        30,
+        "the restart event",
+    )
     assert restarted[0]["payload"]["in_job"] is True and restarted[0]["payload"]["source"] == "memory"
 
 
@@ -108,10 +128,13 @@ def test_failed_job_is_relaunched_from_the_last_checkpoint(prefect_harness, prep
 def test_stage_fails_clearly_after_max_attempts(prefect_harness, prepared_data, tmp_path):
     # windows of 60001 tokens do not fit the validation-sized data: every launch fails in start-up
     # (one worker and no memory snapshots, so no saver: each launch starts two processes, not four)
-    spec = small_spec(tmp_path, model={"n_layer": 1, "n_head": 1, "d_model": 8, "max_seq_len": 65536},
-                      stages=[{"name": "main", "steps": 5, "seq_len": 60000}],
-                      cluster={"workers_per_node": 1, "max_restarts": 0},
-                      checkpoint={"interval": 4, "memory_interval": 0, "keep": 2})
+    spec = small_spec(
+        tmp_path,
+        model={"n_layer": 1, "n_head": 1, "d_model": 8, "max_seq_len": 65536},
+        stages=[{"name": "main", "steps": 5, "seq_len": 60000}],
+        cluster={"workers_per_node": 1, "max_restarts": 0},
+        checkpoint={"interval": 4, "memory_interval": 0, "keep": 2},
+    )
     seed_data(spec, prepared_data)
     with pytest.raises(StageFailed, match=r"stage main stopped at step 0/5 after 2 attempt\(s\).*DataError"):
         pretrain_campaign(spec=spec)
@@ -123,11 +146,20 @@ def test_stage_fails_clearly_after_max_attempts(prefect_harness, prepared_data, 
     assert all("stage main stopped at step 0/5" in r.data.tags["pretrain.end_cause"] for r in runs)  # the failure hook
 
     def stage_events():  # the stage's relaunch and its final failure, as Prefect events of this campaign
-        found = {e["event"]: e for e in campaign_events(PREFECT_API_URL.value(), spec.name)
-                 if e["resource"]["pretrain.workdir"] == str(spec.workdir_path)}
+        found = {
+            e["event"]: e
+            for e in campaign_events(PREFECT_API_URL.value(), spec.name)
+            if e["resource"]["pretrain.workdir"] == str(spec.workdir_path)
+        }
         return found if {"pretrain.stage.restarted", "pretrain.stage.failed"} <= set(found) else None
+
     found = wait_for(stage_events, 30, "the stage events", interval=0.5)
-    assert found["pretrain.stage.restarted"]["payload"] == {"stage": "main", "attempt": 1, "in_job": False, "from_step": None}
+    assert found["pretrain.stage.restarted"]["payload"] == {
+        "stage": "main",
+        "attempt": 1,
+        "in_job": False,
+        "from_step": None,
+    }
     assert found["pretrain.stage.failed"]["payload"]["cause"] == "data"
 
 
@@ -136,16 +168,25 @@ def test_a_campaign_that_fails_for_good_says_why_without_a_traceback(prefect_har
     what failed, where its logs are and what to do; Prefect's tracebacks stay in the run's logs.
     (It talks to the session's Prefect API, as with a configured server: the CLI's own server is
     the next test's.)"""
-    spec = small_spec(tmp_path / "wd", model={"n_layer": 1, "n_head": 1, "d_model": 8, "max_seq_len": 65536},
-                      stages=[{"name": "main", "steps": 5, "seq_len": 60000}], resume={"max_attempts": 1},
-                      cluster={"workers_per_node": 1, "max_restarts": 0},
-                      checkpoint={"interval": 4, "memory_interval": 0, "keep": 2})
+    spec = small_spec(
+        tmp_path / "wd",
+        model={"n_layer": 1, "n_head": 1, "d_model": 8, "max_seq_len": 65536},
+        stages=[{"name": "main", "steps": 5, "seq_len": 60000}],
+        resume={"max_attempts": 1},
+        cluster={"workers_per_node": 1, "max_restarts": 0},
+        checkpoint={"interval": 4, "memory_interval": 0, "keep": 2},
+    )
     seed_data(spec, prepared_data)
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
 
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli.app", "run", str(spec_file)], capture_output=True,
-                          text=True, timeout=300, env=session_api_env(PREFECT_SERVER_ANALYTICS_ENABLED="false"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli.app", "run", str(spec_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=session_api_env(PREFECT_SERVER_ANALYTICS_ENABLED="false"),
+    )
 
     shown = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in shown, shown[-4000:]
@@ -160,22 +201,29 @@ def test_killed_campaign_process_resumes_when_run_again(prefect_harness, prepare
     then the same command again (on the session's Prefect API: a server of its own costs seconds of
     CPU, and the first run's is what this test is about). Its MLflow store is new, as a first
     campaign's is."""
-    spec = slow_spec(tmp_path / "wd", prepared_data,
-                     tracking={"register_model": False, "uri": f"sqlite:///{tmp_path / 'new-store.db'}"})
+    spec = slow_spec(
+        tmp_path / "wd",
+        prepared_data,
+        tracking={"register_model": False, "uri": f"sqlite:///{tmp_path / 'new-store.db'}"},
+    )
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     cmd = [sys.executable, "-m", "pretrain.cli.app", "run", str(spec_file), "--workdir", str(spec.workdir_path)]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     terminal = Terminal()  # the first run on a terminal: it draws the live training bar
-    first = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=terminal.child, stderr=terminal.child,
-                             env={**env, "COLUMNS": "200"})
+    first = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=terminal.child, stderr=terminal.child, env={**env, "COLUMNS": "200"}
+    )
     terminal.opened()
     try:
         wait_for(lambda: ckpt.CheckpointStore.open(ckpt_dir(spec)).read_pointer(), 180, "the first checkpoint")
         started = psutil.Process(first.pid).children(recursive=True)  # agents, workers, savers, the Prefect API server
         try:
-            wait_for(lambda: re.search(r"training: stage main .*━.* \d+/40, loss", terminal.text()), 60,
-                     "the live training bar")
+            wait_for(
+                lambda: re.search(r"training: stage main .*━.* \d+/40, loss", terminal.text()),
+                60,
+                "the live training bar",
+            )
         except BaseException:
             print("the terminal showed:", terminal.text()[-3000:])
             raise
@@ -195,8 +243,9 @@ def test_killed_campaign_process_resumes_when_run_again(prefect_harness, prepare
     pointer = ckpt_dir(spec) / ckpt.POINTER  # and its pointer is a mess: a directory where the file was
     pointer.unlink()
     pointer.mkdir()
-    second = subprocess.run(cmd, capture_output=True, text=True, env=session_api_env(PREFECT_SERVER_ANALYTICS_ENABLED="false"),
-                            timeout=300)
+    second = subprocess.run(
+        cmd, capture_output=True, text=True, env=session_api_env(PREFECT_SERVER_ANALYTICS_ENABLED="false"), timeout=300
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     status = campaign_status(spec.workdir_path)
     stage = status["stages"][0]

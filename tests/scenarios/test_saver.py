@@ -12,14 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from pretrain.run.incidents import cause_of
+from support import s3_servers
 from support.agents import agent_job, node_log, run_agent, snapshot, start_agent
 from support.campaigns import wait_for
-from support import s3_servers
 from support.s3_servers import BUCKET
-from pretrain.run.incidents import cause_of
-from trainer.checkpoint import store as ckpt
-from trainer.checkpoint import fence
 from trainer.agent.node import SaverProcess
+from trainer.checkpoint import fence
+from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.saver import Saver
 from trainer.job.reporting import EVENTS, JsonLines, read_all
 
@@ -82,10 +82,17 @@ def test_checkpoint_storage_away_for_a_while_does_not_fail_the_job(prepared_data
     """S3 down while a job trains: its saver fails more often than ``saver_max_failures`` allows,
     yet the job trains on (on memory snapshots) and persists again once S3 is back."""
     server = seaweed_factory()
-    job = agent_job(tmp_path, prepared_data, steps=100_000, shm_dir=str(tmp_path / "shm"),
-                    uri=f"s3://{BUCKET}/away/{uuid.uuid4().hex[:8]}", s3_endpoint_url=server.endpoint)
-    job = dataclasses.replace(job, saver_max_failures=2, saver_backoff_s=0.05,
-                              storage_options={**job.storage_options, "max_attempts": 1})  # each try fails at once
+    job = agent_job(
+        tmp_path,
+        prepared_data,
+        steps=100_000,
+        shm_dir=str(tmp_path / "shm"),
+        uri=f"s3://{BUCKET}/away/{uuid.uuid4().hex[:8]}",
+        s3_endpoint_url=server.endpoint,
+    )
+    job = dataclasses.replace(
+        job, saver_max_failures=2, saver_backoff_s=0.05, storage_options={**job.storage_options, "max_attempts": 1}
+    )  # each try fails at once
     events = Path(job.job_dir) / EVENTS
     agent = start_agent(job, start_new_session=True)
     try:
@@ -93,28 +100,38 @@ def test_checkpoint_storage_away_for_a_while_does_not_fail_the_job(prepared_data
         wait_for(lambda: store.read_pointer() or agent.poll() is not None, 180, "a first committed checkpoint")
         first = store.read_pointer()
         server.stop()
-        wait_for(lambda: sum(e["event"] == "saver_start" for e in read_all(events)) > 3 or agent.poll() is not None,
-                 180, "the saver to fail more often than saver_max_failures while S3 is down")
+        wait_for(
+            lambda: sum(e["event"] == "saver_start" for e in read_all(events)) > 3 or agent.poll() is not None,
+            180,
+            "the saver to fail more often than saver_max_failures while S3 is down",
+        )
         assert agent.poll() is None, node_log(job)  # not failed: the job trains on
         assert "checkpoint storage unreachable" in node_log(job) and "training goes on" in node_log(job)
         server.start()
-        wait_for(lambda: (store.read_pointer() or 0) > first or agent.poll() is not None, 180,
-                 "a checkpoint persisted once S3 is back")
+        wait_for(
+            lambda: (store.read_pointer() or 0) > first or agent.poll() is not None,
+            180,
+            "a checkpoint persisted once S3 is back",
+        )
         assert agent.poll() is None and store.read_pointer() > first, node_log(job)
     finally:
         os.killpg(agent.pid, signal.SIGKILL)
         agent.wait()
 
 
-@pytest.mark.parametrize("failures, max_failures, outage_s, gives_up_at, says", [
-    (["StorageUnreachable"] * 20, 2, 600.0, None, None),  # S3 away a while: never counted as failures in a row
-    (["StorageUnreachable"], 2, 0.0, 1, "checkpoint storage unreachable for"),  # ... until it stays away too long
-    (["NotADirectoryError"] * 3, 2, 600.0, 2, "checkpoint saver failed 2 times in a row"),
-    (["NotADirectoryError", "StorageUnreachable", "NotADirectoryError"], 2, 600.0, 3, "failed 2 times in a row"),
-    ([None, None], 2, 600.0, 2, "failed 2 times in a row"),  # killed without an error file
-])
-def test_the_saver_watch_counts_refusals_and_gives_an_unreachable_storage_time(failures, max_failures, outage_s,
-                                                                                gives_up_at, says):
+@pytest.mark.parametrize(
+    "failures, max_failures, outage_s, gives_up_at, says",
+    [
+        (["StorageUnreachable"] * 20, 2, 600.0, None, None),  # S3 away a while: never counted as failures in a row
+        (["StorageUnreachable"], 2, 0.0, 1, "checkpoint storage unreachable for"),  # ... until it stays away too long
+        (["NotADirectoryError"] * 3, 2, 600.0, 2, "checkpoint saver failed 2 times in a row"),
+        (["NotADirectoryError", "StorageUnreachable", "NotADirectoryError"], 2, 600.0, 3, "failed 2 times in a row"),
+        ([None, None], 2, 600.0, 2, "failed 2 times in a row"),  # killed without an error file
+    ],
+)
+def test_the_saver_watch_counts_refusals_and_gives_an_unreachable_storage_time(
+    failures, max_failures, outage_s, gives_up_at, says
+):
     watch = SimpleNamespace(max_failures=max_failures, outage_s=outage_s, refusals=0, away_since=None, failed=None)
     at = next((i for i, kind in enumerate(failures, 1) if SaverProcess._gives_up(watch, "the error", kind)), None)
     assert at == gives_up_at  # the watch stops at its first give-up, as the agent's does

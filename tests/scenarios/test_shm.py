@@ -23,24 +23,30 @@ from support.tmpfs import small_tmpfs
 from trainer.checkpoint import shmdirs, state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.shm import ShmTooSmall, Slot, slot_paths
-from trainer.job.config import JobConfig
 from trainer.dist import DistInfo
-from trainer.loop import open_snapshots, snapshot_capacity
+from trainer.job.config import JobConfig
 from trainer.job.reporting import EVENTS, JsonLines, read_all
+from trainer.loop import open_snapshots, snapshot_capacity
 
 
 def test_a_sigkilled_agent_leaves_its_snapshot_dir_and_the_next_agent_sweeps_it(prepared_data, tmp_path):
     shm = tmp_path / "shm"
     killed = agent_job(tmp_path / "a", prepared_data, steps=100_000, shm_dir=str(shm))
     agent = start_agent(killed)
-    owned = wait_for(lambda: [p for p in shm.glob("pretrain-*") if (p / shmdirs.OWNER_FILE).exists()], 60,
-                     "the agent's snapshot directory")
+    owned = wait_for(
+        lambda: [p for p in shm.glob("pretrain-*") if (p / shmdirs.OWNER_FILE).exists()],
+        60,
+        "the agent's snapshot directory",
+    )
     wait_for(lambda: any(p.name.startswith("rank") for p in owned[0].iterdir()), 120, "the worker's snapshot slots")
     children = psutil.Process(agent.pid).children(recursive=True)
     agent.send_signal(signal.SIGKILL)  # what the OOM killer does
     agent.wait()
-    wait_for(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children), 60,
-             "the dead agent's workers and saver to exit")
+    wait_for(
+        lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
+        60,
+        "the dead agent's workers and saver to exit",
+    )
     assert owned[0].is_dir() and any(owned[0].iterdir()), "the killed agent's directory is left behind"
 
     live = shmdirs.create(shm, "/another/campaign/job")  # a live owner (this test process): never swept
@@ -70,17 +76,20 @@ def owned_dir(root, name, owner: dict | None, slot: bool = True):
     return d
 
 
-@pytest.mark.parametrize("case, swept", [
-    ("owner dead", True),
-    ("owner alive", False),
-    ("pid recycled: alive, started at another time", True),
-    ("owner in another pid namespace", False),
-    ("no owner record, pid in the name dead", True),
-    ("no owner record, pid in the name alive", False),
-    ("damaged owner record, pid in the name dead", True),
-    ("not a snapshot directory", False),
-    ("owner dead but a slot still locked", False),
-])
+@pytest.mark.parametrize(
+    "case, swept",
+    [
+        ("owner dead", True),
+        ("owner alive", False),
+        ("pid recycled: alive, started at another time", True),
+        ("owner in another pid namespace", False),
+        ("no owner record, pid in the name dead", True),
+        ("no owner record, pid in the name alive", False),
+        ("damaged owner record, pid in the name dead", True),
+        ("not a snapshot directory", False),
+        ("owner dead but a slot still locked", False),
+    ],
+)
 def test_sweep_removes_only_directories_whose_owner_is_dead(tmp_path, case, swept):
     me, gone = shmdirs.owner_record(), dead_pid()
     dead = {**me, "pid": gone, "start": None}
@@ -95,7 +104,11 @@ def test_sweep_removes_only_directories_whose_owner_is_dead(tmp_path, case, swep
         "not a snapshot directory": dead,
         "owner dead but a slot still locked": dead,
     }.get(case)
-    if case in ("owner alive", "pid recycled: alive, started at another time", "no owner record, pid in the name alive"):
+    if case in (
+        "owner alive",
+        "pid recycled: alive, started at another time",
+        "no owner record, pid in the name alive",
+    ):
         name = f"pretrain-{os.getpid()}-0123456789"
     if case == "not a snapshot directory":
         name = "pretrain-move-abc"
@@ -120,8 +133,12 @@ def test_agents_sweeping_the_same_orphans_at_once_never_fail(tmp_path):
     directory another had just deleted and failed at start-up (a lost node, a resize)."""
     gone = dead_pid()
     for round_ in range(20):
-        dirs = [owned_dir(tmp_path, f"pretrain-{gone}-{round_:04d}{i:06d}", {**shmdirs.owner_record(), "pid": gone,
-                                                                              "start": None}) for i in range(20)]
+        dirs = [
+            owned_dir(
+                tmp_path, f"pretrain-{gone}-{round_:04d}{i:06d}", {**shmdirs.owner_record(), "pid": gone, "start": None}
+            )
+            for i in range(20)
+        ]
         for d in dirs:
             for j in range(1, 8):
                 (d / f"rank{j:03d}.slot0").write_bytes(b"\0" * 512)

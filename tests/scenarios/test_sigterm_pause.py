@@ -17,9 +17,9 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.states import Cancelling, Running
 
-from support.campaigns import wait_for
 from flows.campaign import being_cancelled
 from pretrain.run.stop import StopRequest, current_stop, pause_on_termination, pause_window_s, supervise
+from support.campaigns import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,12 +48,15 @@ def campaign():
     release.set()
 
 
-@pytest.mark.parametrize("grace_period_s, kill_grace_s, window_s", [
-    (300, 30, 25),  # Prefect's worker and runner: SIGKILL 30 s after SIGTERM; 5 s kept to stop at once
-    (10, 30, 10),  # the spec's own grace period is shorter
-    (300, 600, 300),  # a pod with a long terminationGracePeriodSeconds
-    (300, 4, 1),  # a kill grace shorter than the stop at once: still a try
-])
+@pytest.mark.parametrize(
+    "grace_period_s, kill_grace_s, window_s",
+    [
+        (300, 30, 25),  # Prefect's worker and runner: SIGKILL 30 s after SIGTERM; 5 s kept to stop at once
+        (10, 30, 10),  # the spec's own grace period is shorter
+        (300, 600, 300),  # a pod with a long terminationGracePeriodSeconds
+        (300, 4, 1),  # a kill grace shorter than the stop at once: still a try
+    ],
+)
 def test_the_pause_window_fits_before_the_infrastructures_sigkill(grace_period_s, kill_grace_s, window_s):
     assert pause_window_s(grace_period_s, kill_grace_s) == window_s
 
@@ -69,8 +72,10 @@ def test_sigterm_pauses_and_the_campaign_returns_its_status(prefect_like_handler
             wait_for(lambda: len(asked) == 2, 10, "the pause to be asked, and the signal's origin looked up")
             forget()
             return {"status": "paused"}
+
         assert supervise(body, stop, 60, notices.append, on_request=lambda: asked.append("origin looked up")) == {
-            "status": "paused"}
+            "status": "paused"
+        }
     assert asked == ["SIGTERM", "origin looked up"] and killed == []
     assert notices[0].startswith("SIGTERM received: pausing the campaign")
     assert signal.getsignal(signal.SIGTERM) is previous_handler and current_stop() is None
@@ -88,8 +93,11 @@ def test_a_second_sigterm_stops_at_once_and_hands_the_signal_on(prefect_like_han
                 wait_for(stop.requested.is_set, 10, "the first signal")
                 os.kill(os.getpid(), signal.SIGTERM)
                 campaign.wait(60)  # the job would go on: the stop at once does not wait for it
+
             supervise(body, stop, 60, lambda _: None)
-    assert killed == ["job"] and recorded == ["campaign interrupted by SIGTERM, then stopped at once by a second signal"]
+    assert killed == ["job"] and recorded == [
+        "campaign interrupted by SIGTERM, then stopped at once by a second signal"
+    ]
     assert signal.getsignal(signal.SIGTERM) is previous_handler
 
 
@@ -103,9 +111,11 @@ def test_a_pause_that_outlasts_its_window_stops_at_once(prefect_like_handler, ca
                 stop.kill_at_once(lambda: killed.append("job"))
                 os.kill(os.getpid(), signal.SIGTERM)
                 campaign.wait(60)  # a saver stuck on a full disk
+
             supervise(body, stop, 1.0, notices.append, "the kill grace")
-    assert killed == ["job"] and recorded == ["campaign interrupted by SIGTERM, then stopped at once when the kill "
-                                              "grace (1s) ran out"]
+    assert killed == ["job"] and recorded == [
+        "campaign interrupted by SIGTERM, then stopped at once when the kill grace (1s) ran out"
+    ]
     assert notices[-1] == "the campaign did not pause within the kill grace (1s): stopping at once"
 
 
@@ -115,18 +125,25 @@ def test_outside_the_main_thread_nothing_is_installed(prefect_like_handler):
     def run():
         with pause_on_termination(lambda name: None) as stop:
             seen.append(stop)
+
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
     assert seen == [None] and signal.getsignal(signal.SIGTERM) is previous_handler
 
 
-@pytest.mark.parametrize("origin, cause, described", [
-    (None, "SIGTERM received", "SIGTERM received"),  # a pod eviction, a worker shutting down
-    ("cancelled from Prefect", "SIGTERM received", "cancelled from Prefect (SIGTERM from its worker)"),
-    ("cancelled from Prefect", "campaign interrupted by SIGTERM, then stopped at once by a second signal",
-     "campaign interrupted by SIGTERM (cancelled from Prefect), then stopped at once by a second signal"),
-])
+@pytest.mark.parametrize(
+    "origin, cause, described",
+    [
+        (None, "SIGTERM received", "SIGTERM received"),  # a pod eviction, a worker shutting down
+        ("cancelled from Prefect", "SIGTERM received", "cancelled from Prefect (SIGTERM from its worker)"),
+        (
+            "cancelled from Prefect",
+            "campaign interrupted by SIGTERM, then stopped at once by a second signal",
+            "campaign interrupted by SIGTERM (cancelled from Prefect), then stopped at once by a second signal",
+        ),
+    ],
+)
 def test_the_cause_names_where_the_signal_came_from(origin, cause, described):
     assert StopRequest(signum=signal.SIGTERM, origin=origin).describe(cause) == described
 
@@ -140,8 +157,8 @@ def test_a_run_is_being_cancelled_only_once_prefect_marks_it_cancelling(prefect_
             seen.append(being_cancelled())
             client.set_flow_run_state(flow_run.get_id(), Running(), force=True)  # let the run end
         return seen
-    assert probe() == [False, True]
 
+    assert probe() == [False, True]
 
 
 def test_with_the_default_handler_before_the_stop_at_once_ends_the_process_by_sigterm(tmp_path):
@@ -160,7 +177,9 @@ with pause_on_termination(lambda name: None) as stop:
 """
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, proc.stderr
-    assert (tmp_path / "cause").read_text() == "campaign interrupted by SIGTERM, then stopped at once when the window (0s) ran out"
+    assert (
+        tmp_path / "cause"
+    ).read_text() == "campaign interrupted by SIGTERM, then stopped at once when the window (0s) ran out"
 
 
 def test_a_keyboard_interrupt_of_the_supervising_thread_kills_the_job(campaign):
@@ -171,6 +190,7 @@ def test_a_keyboard_interrupt_of_the_supervising_thread_kills_the_job(campaign):
         stop.kill_at_once(lambda: killed.append("job"))
         os.kill(os.getpid(), signal.SIGINT)  # Python's default handler: KeyboardInterrupt in the main thread
         campaign.wait(60)
+
     with pytest.raises(KeyboardInterrupt):
         supervise(body, stop, 60, lambda _: None)
     assert killed == ["job"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from support.campaigns import wait_for
 from pretrain.cli.app import app
+from support.campaigns import wait_for
 from trainer.resilience.heartbeat import heartbeat_dir
 from trainer.resilience.stacks import stack_path
 
@@ -55,12 +55,14 @@ def test_stacks_names_where_each_live_worker_is_and_leaves_it_and_other_processe
     (beats / "agent1-local2.json").write_text("{damaged")
     wait_for(record.exists, 30, "the worker's heartbeat record")
     line = "stage main attempt 2 rank 1 (pid {}, step 7, in 'step'): read_forever (<string>:{})".format(
-        worker.pid, code.splitlines().index("        os.read(r, 1)") + 1)
+        worker.pid, code.splitlines().index("        os.read(r, 1)") + 1
+    )
 
     def shown() -> str:
         out = CliRunner().invoke(app, ["stacks", "--workdir", str(tmp_path / "wd")])
         assert out.exit_code == 0, out.output
         return out.output
+
     # (a first look may still find it writing its record: until one finds it in its read)
     wait_for(lambda: shown() == line + "\n", 30, "the worker shown blocked in its read")
     full = CliRunner().invoke(app, ["stacks", "--workdir", str(tmp_path / "wd"), "--full"])

@@ -7,18 +7,37 @@ import json
 
 import pytest
 
-from support.campaigns import assert_no_duplicate_metric_steps, small_spec
 from flows.campaign import pretrain_campaign
 from pretrain.run.jobs import checkpoint_store
+from support.campaigns import assert_no_duplicate_metric_steps, small_spec
 
-DATA = {"sources": {"json": ["{stdlib}/json/*.py"], "email": ["{stdlib}/email/*.py"]}, "max_bytes": 60_000,
-        "tokenizer": {"vocab_size": 300}, "val_fraction": 0.2}
+DATA = {
+    "sources": {"json": ["{stdlib}/json/*.py"], "email": ["{stdlib}/email/*.py"]},
+    "max_bytes": 60_000,
+    "tokenizer": {"vocab_size": 300},
+    "val_fraction": 0.2,
+}
 STAGES = [
     {"name": "warmup", "steps": 4, "seq_len": 32, "micro_batch": 4, "warmup_steps": 2, "mixture": {"json": 1}},
-    {"name": "main", "steps": 4, "seq_len": 64, "micro_batch": 4, "mixture": {"json": 3, "email": 1},
-     "carry_optimizer": False},
-    {"name": "anneal", "steps": 4, "seq_len": 64, "micro_batch": 2, "grad_accum": 2, "lr": 1e-3, "min_lr": 1e-5,
-     "warmup_steps": 0, "mixture": {"json": 1, "email": 1}},
+    {
+        "name": "main",
+        "steps": 4,
+        "seq_len": 64,
+        "micro_batch": 4,
+        "mixture": {"json": 3, "email": 1},
+        "carry_optimizer": False,
+    },
+    {
+        "name": "anneal",
+        "steps": 4,
+        "seq_len": 64,
+        "micro_batch": 2,
+        "grad_accum": 2,
+        "lr": 1e-3,
+        "min_lr": 1e-5,
+        "warmup_steps": 0,
+        "mixture": {"json": 1, "email": 1},
+    },
 ]
 
 
@@ -30,8 +49,12 @@ def optimizer_steps(spec, stage: str) -> float:
 
 @pytest.fixture(scope="module")
 def three_stages(prefect_harness, tmp_path_factory):
-    spec = small_spec(tmp_path_factory.mktemp("stages"), data=DATA, stages=STAGES,
-                      checkpoint={"interval": 4, "memory_interval": 2, "keep": 2})
+    spec = small_spec(
+        tmp_path_factory.mktemp("stages"),
+        data=DATA,
+        stages=STAGES,
+        checkpoint={"interval": 4, "memory_interval": 2, "keep": 2},
+    )
     return spec, pretrain_campaign(spec=spec)
 
 
@@ -55,8 +78,10 @@ def test_optimizer_state_is_reset_or_carried_as_the_stage_says(three_stages):
 
 def test_stage_settings_reach_the_workers(three_stages):
     spec, _ = three_stages
-    jobs = {s["name"]: json.loads((spec.workdir_path / "jobs" / s["name"] / "attempt_000" / "job.json").read_text())
-            for s in STAGES}
+    jobs = {
+        s["name"]: json.loads((spec.workdir_path / "jobs" / s["name"] / "attempt_000" / "job.json").read_text())
+        for s in STAGES
+    }
     assert jobs["main"]["mixture"] == {"json": 3, "email": 1} and jobs["main"]["optim"]["seq_len"] == 64
     assert (jobs["anneal"]["optim"]["micro_batch"], jobs["anneal"]["optim"]["grad_accum"]) == (2, 2)
     assert jobs["anneal"]["optim"]["global_batch"] == jobs["main"]["optim"]["global_batch"]

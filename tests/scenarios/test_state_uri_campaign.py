@@ -11,9 +11,8 @@ import shutil
 import uuid
 
 import pytest
-from support import s3_servers
-from support.campaigns import seed_data, small_spec
-from support.s3_servers import BUCKET
+from test_pause import run_until_budget_ends_after_first_checkpoint
+from test_resume import SLOW_MODEL, assert_mlflow_steps_unique
 from typer.testing import CliRunner
 
 from flows.campaign import pretrain_campaign
@@ -22,20 +21,24 @@ from pretrain.state.ledger import Ledger, LedgerError
 from pretrain.state.schema import StageStatus
 from pretrain.views.report import write_report_files
 from pretrain.views.status import campaign_status
-from test_pause import run_until_budget_ends_after_first_checkpoint
-from test_resume import SLOW_MODEL, assert_mlflow_steps_unique
+from support import s3_servers
+from support.campaigns import seed_data, small_spec
+from support.s3_servers import BUCKET
 
 seaweed, aws_env = s3_servers.seaweed, s3_servers.aws_env
-STAGES = [{"name": "warmup", "steps": 4, "seq_len": 32, "micro_batch": 4, "warmup_steps": 2},
-          {"name": "main", "steps": 40, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5}]
+STAGES = [
+    {"name": "warmup", "steps": 4, "seq_len": 32, "micro_batch": 4, "warmup_steps": 2},
+    {"name": "main", "steps": 40, "seq_len": 64, "micro_batch": 8, "warmup_steps": 5},
+]
 
 
 def state_spec(workdir, checkpoint: dict, **overrides):
     return small_spec(workdir, checkpoint={"interval": 10, "memory_interval": 5, "keep": 3, **checkpoint}, **overrides)
 
 
-def test_a_campaign_with_state_on_s3_survives_losing_its_orchestrators_disk(prefect_harness, prepared_data, tmp_path,
-                                                                           seaweed, aws_env):
+def test_a_campaign_with_state_on_s3_survives_losing_its_orchestrators_disk(
+    prefect_harness, prepared_data, tmp_path, seaweed, aws_env
+):
     prefix = f"s3://{BUCKET}/campaign-{uuid.uuid4().hex[:8]}"
     where = {"uri": f"{prefix}/checkpoints", "state_uri": f"{prefix}/state", "s3_endpoint_url": seaweed.endpoint}
 
@@ -51,15 +54,20 @@ def test_a_campaign_with_state_on_s3_survives_losing_its_orchestrators_disk(pref
     assert copy["copy_of"] == f"{prefix}/state/ledger.json" and copy["end"]["state"] == "paused"
     paused_at = copy["end"]["step"]
     shown = CliRunner().invoke(app, ["status", "--workdir", str(first.workdir_path)])
-    assert shown.exit_code == 0 and "paused" in shown.output and "State: the campaign's ledger is" in shown.output, \
+    assert shown.exit_code == 0 and "paused" in shown.output and "State: the campaign's ledger is" in shown.output, (
         shown.output
+    )
 
     shutil.rmtree(first.workdir_path)  # the orchestrator's disk is gone; S3 holds the state and checkpoints
     second = on(tmp_path / "b")
     status = pretrain_campaign(spec=second)
     warmup, main = status["stages"]
     assert (status["status"], status["invocations"]) == ("completed", 2)
-    assert (warmup["status"], warmup["attempts"], main["steps_done"]) == ("completed", 1, 40)  # warmup not trained again
+    assert (warmup["status"], warmup["attempts"], main["steps_done"]) == (
+        "completed",
+        1,
+        40,
+    )  # warmup not trained again
     [resumed] = [r for r in main["resumes"] if r["attempt"] == 1]
     assert (resumed["source"], resumed["step"]) == ("checkpoint", paused_at)
     assert main["good_checkpoint"]["path"] == f"{prefix}/checkpoints/main/step_00000040"
@@ -74,7 +82,10 @@ def test_a_campaign_with_state_on_s3_survives_losing_its_orchestrators_disk(pref
     assert campaign_status(second.workdir_path)["status"] == "completed"
     files = write_report_files(second.workdir_path, tmp_path / "report")
     assert all(p.stat().st_size > 0 for p in files.values())
-    assert Ledger.of_spec(second).record.revision == json.loads((second.workdir_path / "ledger.json").read_text())["revision"]
+    assert (
+        Ledger.of_spec(second).record.revision
+        == json.loads((second.workdir_path / "ledger.json").read_text())["revision"]
+    )
 
 
 @pytest.fixture

@@ -14,10 +14,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from support import s3_servers
 from support.s3_servers import ACCESS_KEY, BUCKET, SECRET_KEY
-
-from trainer.storage.s3 import S3Storage
 from trainer.storage import (
     LocalStorage,
     NotAFile,
@@ -26,6 +25,7 @@ from trainer.storage import (
     StorageUnreachable,
     open_storage,
 )
+from trainer.storage.s3 import S3Storage
 
 # Fixtures: one SeaweedFS for the session's contract tests; private servers for fault tests.
 seaweed, seaweed_factory = s3_servers.seaweed, s3_servers.seaweed_factory
@@ -36,8 +36,14 @@ SMALL_PARTS = {"multipart_threshold": 5 * MiB, "multipart_chunksize": 5 * MiB}  
 
 
 def s3_storage(endpoint: str, prefix: str | None = None, **kw) -> S3Storage:
-    opts = {"endpoint_url": endpoint, "region": "us-east-1", "access_key": ACCESS_KEY,
-            "secret_key": SECRET_KEY, **SMALL_PARTS, **kw}
+    opts = {
+        "endpoint_url": endpoint,
+        "region": "us-east-1",
+        "access_key": ACCESS_KEY,
+        "secret_key": SECRET_KEY,
+        **SMALL_PARTS,
+        **kw,
+    }
     return S3Storage(BUCKET, prefix if prefix is not None else f"t/{uuid.uuid4().hex[:12]}", **opts)
 
 
@@ -55,6 +61,7 @@ def _big_file(path: Path, size: int) -> bytes:
 
 
 # --- contract: both backends -------------------------------------------------------------
+
 
 def test_bytes_round_trip_and_overwrite(store):
     store.put_bytes("a/b/c.bin", b"v1")
@@ -85,11 +92,9 @@ def test_multipart_file_round_trip(store, tmp_path):
 
 
 def test_list_exists_size_delete(store):
-    for key in ["step_1/model.pt", "step_1/optim.pt", "step_10/model.pt", "step_2/model.pt",
-                "latest.json"]:
+    for key in ["step_1/model.pt", "step_1/optim.pt", "step_10/model.pt", "step_2/model.pt", "latest.json"]:
         store.put_bytes(key, key.encode())
-    assert store.list() == ["latest.json", "step_1/model.pt", "step_1/optim.pt",
-                            "step_10/model.pt", "step_2/model.pt"]
+    assert store.list() == ["latest.json", "step_1/model.pt", "step_1/optim.pt", "step_10/model.pt", "step_2/model.pt"]
     assert store.list("step_1/") == ["step_1/model.pt", "step_1/optim.pt"]
     assert store.list("step_1") == ["step_1/model.pt", "step_1/optim.pt", "step_10/model.pt"]
     assert store.list("step_1/m") == ["step_1/model.pt"]
@@ -111,16 +116,18 @@ def test_list_exists_size_delete(store):
 
 
 def test_missing_keys_raise_not_found(store, tmp_path):
-    for call in (lambda: store.get_bytes("no/such.bin"), lambda: store.size("no/such.bin"),
-                 lambda: store.get_file("no/such.bin", tmp_path / "x")):
+    for call in (
+        lambda: store.get_bytes("no/such.bin"),
+        lambda: store.size("no/such.bin"),
+        lambda: store.get_file("no/such.bin", tmp_path / "x"),
+    ):
         with pytest.raises(NotFound, match="no/such.bin"):
             call()
     assert not (tmp_path / "x").exists()
     assert issubclass(NotFound, StorageError)
 
 
-@pytest.mark.parametrize("bad", ["/etc/passwd", "../x", "a/../../x", "a//b", "a/./b", "",
-                                 "a\\b", "..", "a/", "./a"])
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../x", "a/../../x", "a//b", "a/./b", "", "a\\b", "..", "a/", "./a"])
 def test_keys_that_escape_the_root_are_rejected(store, bad):
     for call in (store.put_bytes, store.get_bytes, store.exists, store.delete):
         with pytest.raises(ValueError, match="invalid storage key"):
@@ -151,7 +158,10 @@ def test_a_directory_where_a_key_belongs_is_reported_then_moved_aside_by_the_nex
         store.get_bytes("k")
     with pytest.raises(NotAFile):
         store.size("k")
-    {"put_bytes": lambda: store.put_bytes("k", b"v"), "put_stream": lambda: store.put_stream("k", lambda f: f.write(b"v"))}[write]()
+    {
+        "put_bytes": lambda: store.put_bytes("k", b"v"),
+        "put_stream": lambda: store.put_stream("k", lambda f: f.write(b"v")),
+    }[write]()
 
     assert store.get_bytes("k") == b"v"
     (aside,) = [p for p in (tmp_path / "root").iterdir() if p.name.startswith("k.not-a-file-")]
@@ -160,12 +170,12 @@ def test_a_directory_where_a_key_belongs_is_reported_then_moved_aside_by_the_nex
 
 # --- URLs, secrets, credentials ----------------------------------------------------------
 
+
 def test_open_storage_urls(tmp_path):
     assert isinstance(open_storage(str(tmp_path)), LocalStorage)
     local = open_storage(tmp_path.as_uri())
     assert isinstance(local, LocalStorage) and local.root == tmp_path
-    s3 = open_storage("s3://my-bucket/runs/r1/", endpoint_url="http://127.0.0.1:1",
-                      secret_key="SUPERSECRET")
+    s3 = open_storage("s3://my-bucket/runs/r1/", endpoint_url="http://127.0.0.1:1", secret_key="SUPERSECRET")
     assert (s3.bucket, s3.prefix, s3.url) == ("my-bucket", "runs/r1", "s3://my-bucket/runs/r1")
     assert "SUPERSECRET" not in repr(s3) + s3.url
     assert s3.local_path("x") is None
@@ -182,8 +192,12 @@ def test_open_storage_urls(tmp_path):
 def test_wrong_secret_key_is_a_clear_error(seaweed):
     wrong = "wrong-secret-" + uuid.uuid4().hex
     store = s3_storage(seaweed.endpoint, secret_key=wrong, max_attempts=2)
-    for call in (lambda: store.put_bytes("k", b"x"), lambda: store.get_bytes("k"),
-                 lambda: store.exists("k"), lambda: store.list()):
+    for call in (
+        lambda: store.put_bytes("k", b"x"),
+        lambda: store.get_bytes("k"),
+        lambda: store.exists("k"),
+        lambda: store.list(),
+    ):
         with pytest.raises(StorageError) as info:
             call()
         msg = str(info.value)
@@ -195,9 +209,11 @@ def test_wrong_secret_key_is_a_clear_error(seaweed):
 
 def _chunks(data: bytes, size: int = MiB):
     """A producer that writes ``data`` in pieces, as ``torch.save`` does."""
+
     def write(f):
         for i in range(0, len(data), size):
-            f.write(memoryview(data)[i:i + size])
+            f.write(memoryview(data)[i : i + size])
+
     return write
 
 
@@ -241,6 +257,7 @@ def test_failing_producer_stores_nothing(store):
 
 # --- faults: the server dies in the middle of a multipart upload --------------------------
 
+
 def _kill_after_first_part(store: S3Storage, server) -> list[float]:
     """Kill ``server`` (SIGKILL) as soon as the first UploadPart of ``store`` is answered."""
     killed: list[float] = []
@@ -256,8 +273,7 @@ def _kill_after_first_part(store: S3Storage, server) -> list[float]:
 
 def test_server_killed_mid_upload_keeps_previous_object(seaweed_factory, tmp_path):
     server = seaweed_factory()
-    store = s3_storage(server.endpoint, prefix="run", max_attempts=2, connect_timeout=2,
-                       read_timeout=5)
+    store = s3_storage(server.endpoint, prefix="run", max_attempts=2, connect_timeout=2, read_timeout=5)
     store.put_bytes("ckpt/model.pt", b"v1")
     _big_file(tmp_path / "v2.bin", 16 * MiB)  # 4 parts of 5 MiB
 
@@ -293,8 +309,7 @@ def test_server_killed_mid_stream_fails_and_ends_the_producer(seaweed_factory):
 
 def test_endpoint_gone_mid_upload_fails_clearly_and_boundedly(moto_factory, tmp_path):
     server = moto_factory()
-    store = s3_storage(server.endpoint, prefix="run", max_attempts=3, connect_timeout=2,
-                       read_timeout=5)
+    store = s3_storage(server.endpoint, prefix="run", max_attempts=3, connect_timeout=2, read_timeout=5)
     store.put_bytes("ckpt/model.pt", b"v1")
     _big_file(tmp_path / "v2.bin", 16 * MiB)
 
@@ -317,24 +332,34 @@ def test_endpoint_gone_mid_upload_fails_clearly_and_boundedly(moto_factory, tmp_
         assert not isinstance(info.value, NotFound) and server.endpoint in str(info.value)
 
 
-@pytest.mark.parametrize("error, unreachable", [
-    ({"Code": "SlowDown"}, True),  # throttled: the same request later
-    ({"Code": "InternalError"}, True),
-    ({"Code": "ServiceUnavailable"}, True),
-    ({"Code": "502"}, True),
-    ({"Code": "AccessDenied"}, False),  # refusals: retrying changes nothing
-    ({"Code": "NoSuchBucket"}, False),
-    ({"Code": "InvalidRequest"}, False),
-])
+@pytest.mark.parametrize(
+    "error, unreachable",
+    [
+        ({"Code": "SlowDown"}, True),  # throttled: the same request later
+        ({"Code": "InternalError"}, True),
+        ({"Code": "ServiceUnavailable"}, True),
+        ({"Code": "502"}, True),
+        ({"Code": "AccessDenied"}, False),  # refusals: retrying changes nothing
+        ({"Code": "NoSuchBucket"}, False),
+        ({"Code": "InvalidRequest"}, False),
+    ],
+)
 def test_an_s3_error_says_whether_the_storage_may_answer_later(error, unreachable):
     from botocore.exceptions import ClientError
 
     err = open_storage(f"s3://{BUCKET}/x", endpoint_url="http://127.0.0.1:9")._error(
-        "upload", "k", ClientError({"Error": {**error, "Message": "m"}}, "PutObject"))
+        "upload", "k", ClientError({"Error": {**error, "Message": "m"}}, "PutObject")
+    )
     assert isinstance(err, StorageError) and isinstance(err, StorageUnreachable) is unreachable
 
 
 def test_an_endpoint_that_does_not_answer_is_unreachable_storage():
     with pytest.raises(StorageUnreachable, match="check that the S3 endpoint http://127.0.0.1:9 is up"):
-        open_storage(f"s3://{BUCKET}/x", endpoint_url="http://127.0.0.1:9", max_attempts=1, region="us-east-1",
-                     access_key=ACCESS_KEY, secret_key=SECRET_KEY).put_bytes("k", b"1")
+        open_storage(
+            f"s3://{BUCKET}/x",
+            endpoint_url="http://127.0.0.1:9",
+            max_attempts=1,
+            region="us-east-1",
+            access_key=ACCESS_KEY,
+            secret_key=SECRET_KEY,
+        ).put_bytes("k", b"1")

@@ -12,33 +12,37 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 from mlflow.tracking import MlflowClient
-
 from prefect import flow
 
+from pretrain.state.ledger import Ledger
+from pretrain.tracking.runs import TAG_WORKDIR, Backoff, MetricsForwarder, Tracker, describe_error, transient
 from support.campaigns import assert_no_duplicate_metric_steps, small_spec, wait_for
 from support.mlflow_server import MlflowServer
-from pretrain.tracking.runs import TAG_WORKDIR, Backoff, MetricsForwarder, Tracker, describe_error, transient
-from pretrain.state.ledger import Ledger
 from tasks.checkpoints import record_verdict
-from tasks.mlflow_sync import sync_stage_end
 from tasks.evaluation import log_evaluation
+from tasks.mlflow_sync import sync_stage_end
 from trainer.job.reporting import JsonLines, read_all, read_new_lines
 
 LINE = b'{"step": 1, "time": 1.0}\n'
 
 
-@pytest.mark.parametrize("content, final, steps, damaged, consumed", [
-    (LINE, False, [1], 0, len(LINE)),
-    (LINE + b'{"step": 2, "ti', False, [1], 0, len(LINE)),  # the last line is being written: wait for it
-    (LINE + b'{"step": 2, "ti', True, [1], 1, None),  # ... unless its writer is gone: damaged
-    (LINE + b'{"step": 2, "time": 2.0}', True, [1, 2], 0, None),  # complete but for the newline
-    (b'{"loss": 2.1, "st' + LINE, False, [], 1, None),  # a killed writer's fragment + the next writer's line
-    (b"\x00" * 40 + b"\n" + LINE, False, [1], 1, None),  # disk-full zeros
-    (b'[1, 2]\n"text"\n' + LINE, False, [1], 2, None),  # JSON, but not a record
-    (b"\xff\xfe\n" + LINE, False, [1], 1, None),  # not UTF-8
-    (b"\n  \n" + LINE, False, [1], 0, None),  # blank lines are no damage
-])
-def test_damaged_lines_are_skipped_and_counted_a_partial_last_line_waits(tmp_path, content, final, steps, damaged, consumed):
+@pytest.mark.parametrize(
+    "content, final, steps, damaged, consumed",
+    [
+        (LINE, False, [1], 0, len(LINE)),
+        (LINE + b'{"step": 2, "ti', False, [1], 0, len(LINE)),  # the last line is being written: wait for it
+        (LINE + b'{"step": 2, "ti', True, [1], 1, None),  # ... unless its writer is gone: damaged
+        (LINE + b'{"step": 2, "time": 2.0}', True, [1, 2], 0, None),  # complete but for the newline
+        (b'{"loss": 2.1, "st' + LINE, False, [], 1, None),  # a killed writer's fragment + the next writer's line
+        (b"\x00" * 40 + b"\n" + LINE, False, [1], 1, None),  # disk-full zeros
+        (b'[1, 2]\n"text"\n' + LINE, False, [1], 2, None),  # JSON, but not a record
+        (b"\xff\xfe\n" + LINE, False, [1], 1, None),  # not UTF-8
+        (b"\n  \n" + LINE, False, [1], 0, None),  # blank lines are no damage
+    ],
+)
+def test_damaged_lines_are_skipped_and_counted_a_partial_last_line_waits(
+    tmp_path, content, final, steps, damaged, consumed
+):
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(LINE + content)
     new = read_new_lines(path, len(LINE), final)  # from an offset, as a tailing reader reads
@@ -51,8 +55,17 @@ def test_damaged_lines_are_skipped_and_counted_a_partial_last_line_waits(tmp_pat
 def records(path, steps, stage_time=1000.0):
     out = JsonLines(path)
     for s in steps:
-        out.write({"step": s, "loss": 10.0 - s / 10, "lr": 0.001, "grad_norm": 1.0, "step_time": 0.1,
-                   "tokens_per_s": 100.0, "time": stage_time + s})
+        out.write(
+            {
+                "step": s,
+                "loss": 10.0 - s / 10,
+                "lr": 0.001,
+                "grad_norm": 1.0,
+                "step_time": 0.1,
+                "tokens_per_s": 100.0,
+                "time": stage_time + s,
+            }
+        )
     out.close()
 
 
@@ -74,7 +87,9 @@ def test_a_moved_campaign_s_run_is_found_again_and_says_where_it_ran_last(tmp_pa
     assert run.data.tags[TAG_WORKDIR] == str(tmp_path / "new") and run.data.params == {"lr": "0.1"}
 
 
-def test_running_a_copy_of_a_workdir_that_still_holds_its_campaign_says_so_a_move_does_not(tmp_path, own_tracking_store):
+def test_running_a_copy_of_a_workdir_that_still_holds_its_campaign_says_so_a_move_does_not(
+    tmp_path, own_tracking_store
+):
     from tasks.tracking import copy_warning
 
     original, copy = tmp_path / "a", tmp_path / "b"
@@ -129,8 +144,9 @@ def mlflow_server(tmp_path_factory, migrated_tracking_store):
     server.stop()
 
 
-def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlflow_server, prefect_harness, tmp_path,
-                                                                           monkeypatch):
+def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(
+    mlflow_server, prefect_harness, tmp_path, monkeypatch
+):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast: the forwarder's own retries are tested
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     tracker = Tracker(mlflow_server.uri, "outage", tmp_path / "artifacts")
@@ -138,14 +154,29 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlfl
     later_stage = tracker.stage_run("c1", parent, "t", "later", {})
     metrics, events = tmp_path / "metrics.jsonl", tmp_path / "events.jsonl"
     logged: list[str] = []
-    fwd = MetricsForwarder(tracker, metrics, stage, parent, 100, events_path=events, log=logged.append,
-                           backoff=Backoff(initial_s=0.2, max_s=1.0))
+    fwd = MetricsForwarder(
+        tracker,
+        metrics,
+        stage,
+        parent,
+        100,
+        events_path=events,
+        log=logged.append,
+        backoff=Backoff(initial_s=0.2, max_s=1.0),
+    )
     records(metrics, [1, 2, 3])
     assert fwd.pump() == 3
     spec = small_spec(tmp_path / "wd", tracking={"uri": mlflow_server.uri, "register_model": False})
     Ledger.open(spec).set_stage_run("warmup", stage)
-    verdict = {"step": 4, "path": "/ckpt/step_00000004", "verdict": "good", "problems": [], "probe": {},
-               "metrics": {"val_perplexity": 30.0}, "time": 1.0}
+    verdict = {
+        "step": 4,
+        "path": "/ckpt/step_00000004",
+        "verdict": "good",
+        "problems": [],
+        "probe": {},
+        "metrics": {"val_perplexity": 30.0},
+        "time": 1.0,
+    }
 
     mlflow_server.stop()
     wait_for(mlflow_server.down, 30, "the MLflow server to stop")
@@ -156,15 +187,27 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(mlfl
     assert len(logged) == 1 and "MLflow tracking failed" in logged[0] and "next try in" in logged[0]
     assert "\n" not in logged[0] and "Traceback" not in logged[0]
     # a job that starts while MLflow is away: its forwarder starts too (it asks MLflow later)
-    other = MetricsForwarder(Tracker(mlflow_server.uri, "outage", tmp_path / "artifacts"), tmp_path / "other.jsonl",
-                             later_stage, parent, 200, log=logged.append, backoff=Backoff(initial_s=0.2, max_s=1.0))
+    other = MetricsForwarder(
+        Tracker(mlflow_server.uri, "outage", tmp_path / "artifacts"),
+        tmp_path / "other.jsonl",
+        later_stage,
+        parent,
+        200,
+        log=logged.append,
+        backoff=Backoff(initial_s=0.2, max_s=1.0),
+    )
     records(tmp_path / "other.jsonl", [1])
     assert other.pump() == 0
     records(metrics, [6, 7])  # training goes on meanwhile
     # a Prefect task that talks to MLflow (the evaluation of a checkpoint) waits the outage out
     # (its retry delays shortened here; the retry condition is the task's own)
-    evaluation = ThreadPoolExecutor(1).submit(log_evaluation.with_options(retries=200, retry_delay_seconds=0.5),
-                                              mlflow_server.uri, stage, {"val_loss": 3.5}, 7)
+    evaluation = ThreadPoolExecutor(1).submit(
+        log_evaluation.with_options(retries=200, retry_delay_seconds=0.5),
+        mlflow_server.uri,
+        stage,
+        {"val_loss": 3.5},
+        7,
+    )
     wait_for(lambda: fwd.backoff.due(), 5, "the next try")
     assert fwd.pump() == 0 and fwd.backoff.failures == 2
     # the gate judges a checkpoint meanwhile: its verdict stands (ledger) and the stage goes on
@@ -205,30 +248,58 @@ def test_drain_gives_up_after_its_timeout_and_says_where_the_steps_are(tmp_path,
     logged: list[str] = []
     metrics = tmp_path / "metrics.jsonl"
     records(metrics, [1, 2])
-    fwd = MetricsForwarder(Tracker(nowhere, "e", tmp_path / "artifacts"), metrics, "run-a", "run-b", 0,
-                           log=logged.append, backoff=Backoff(initial_s=0.1, max_s=0.2))
+    fwd = MetricsForwarder(
+        Tracker(nowhere, "e", tmp_path / "artifacts"),
+        metrics,
+        "run-a",
+        "run-b",
+        0,
+        log=logged.append,
+        backoff=Backoff(initial_s=0.1, max_s=0.2),
+    )
     assert fwd.drain(timeout_s=1.0) is False
     assert "2 step(s) not sent" in logged[-1] and str(metrics) in logged[-1]
 
 
-@pytest.mark.parametrize("err, shown, hidden", [
-    (MlflowException("API request to https://alice:s3cret@mlflow.example/api/2.0/x failed with exception boom\nmore"),
-     "MlflowException: API request to https://***@mlflow.example/api/2.0/x failed with exception boom", "s3cret"),
-    (ConnectionRefusedError(111, "Connection refused"), "ConnectionRefusedError: [Errno 111] Connection refused", "\n"),
-    (MlflowException("x" * 1000), "MlflowException: " + "x" * 300 + "…", "x" * 301),
-])
+@pytest.mark.parametrize(
+    "err, shown, hidden",
+    [
+        (
+            MlflowException(
+                "API request to https://alice:s3cret@mlflow.example/api/2.0/x failed with exception boom\nmore"
+            ),
+            "MlflowException: API request to https://***@mlflow.example/api/2.0/x failed with exception boom",
+            "s3cret",
+        ),
+        (
+            ConnectionRefusedError(111, "Connection refused"),
+            "ConnectionRefusedError: [Errno 111] Connection refused",
+            "\n",
+        ),
+        (MlflowException("x" * 1000), "MlflowException: " + "x" * 300 + "…", "x" * 301),
+    ],
+)
 def test_a_tracking_error_is_one_line_without_credentials(err, shown, hidden):
     assert describe_error(err) == shown and hidden not in describe_error(err)
 
 
-@pytest.mark.parametrize("err, retry", [
-    (MlflowException("API request to http://h/api failed with exception Max retries exceeded"), True),  # unreachable
-    (MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE), True),
-    (ConnectionResetError(104, "Connection reset by peer"), True),
-    (OSError(28, "No space left on device"), True),
-    (MlflowException("Run 'x' not found", error_code=RESOURCE_DOES_NOT_EXIST), False),  # a refusal: retrying changes nothing
-    (MlflowException("bad value", error_code=INVALID_PARAMETER_VALUE), False),
-    (KeyError("val_loss"), False),  # a bug, not an outage
-])
+@pytest.mark.parametrize(
+    "err, retry",
+    [
+        (
+            MlflowException("API request to http://h/api failed with exception Max retries exceeded"),
+            True,
+        ),  # unreachable
+        (MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE), True),
+        (ConnectionResetError(104, "Connection reset by peer"), True),
+        (OSError(28, "No space left on device"), True),
+        (
+            MlflowException("Run 'x' not found", error_code=RESOURCE_DOES_NOT_EXIST),
+            False,
+        ),  # a refusal: retrying changes nothing
+        (MlflowException("bad value", error_code=INVALID_PARAMETER_VALUE), False),
+        (KeyError("val_loss"), False),  # a bug, not an outage
+    ],
+)
 def test_tasks_retry_what_mlflow_may_get_over_and_nothing_else(err, retry):
     assert transient(err) is retry

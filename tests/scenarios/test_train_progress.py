@@ -7,19 +7,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
-import socket
 from pathlib import Path
 
 import pytest
 
-from support.campaigns import small_spec, wait_for
-from support.terminal import Terminal
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import StageStatus, Verdict
 from pretrain.views.follow import CampaignFollower
 from pretrain.views.training_progress import TrainingWatch
+from support.campaigns import small_spec, wait_for
+from support.terminal import Terminal
 
 
 def write_lines(path: Path, *records: dict | bytes) -> None:
@@ -41,8 +41,9 @@ def ledger(tmp_path):
 
 def watch_of(ledger, attempt: int = 0) -> TrainingWatch:
     layout = ledger.layout
-    return TrainingWatch(layout.job_dir("main", attempt), "main", attempt, 100,
-                         lambda: Ledger.read(layout).record.stages["main"])
+    return TrainingWatch(
+        layout.job_dir("main", attempt), "main", attempt, 100, lambda: Ledger.read(layout).record.stages["main"]
+    )
 
 
 def test_a_stage_before_its_first_step_shows_no_numbers(ledger):
@@ -54,8 +55,13 @@ def test_a_stage_before_its_first_step_shows_no_numbers(ledger):
 @pytest.mark.parametrize("verdict, shown", [(None, "pending"), ("good", "good"), ("bad", "bad")])
 def test_step_loss_rate_eta_and_the_newest_checkpoint_with_its_verdict(ledger, verdict, shown):
     job = ledger.layout.job_dir("main", 0)
-    write_lines(job / "metrics.jsonl", metric(10, 1000.0), metric(20, 1010.0, loss=2.5),
-                b"{damaged\n", metric(30, 1020.0, loss=2.25))
+    write_lines(
+        job / "metrics.jsonl",
+        metric(10, 1000.0),
+        metric(20, 1010.0, loss=2.5),
+        b"{damaged\n",
+        metric(30, 1020.0, loss=2.25),
+    )
     write_lines(job / "events.jsonl", {"event": "checkpoint", "step": 20, "path": "x/step_20", "time": 1011.0})
     if verdict:
         ledger.record_verdict("main", Verdict(step=20, path="x/step_20", verdict=verdict))
@@ -63,7 +69,10 @@ def test_step_loss_rate_eta_and_the_newest_checkpoint_with_its_verdict(ledger, v
     assert (snap.step, snap.loss, snap.tokens_per_s) == (30, 2.25, 1500.0)
     assert snap.eta_s == pytest.approx(70.0)  # 1 step/s by the job's own clock, 70 steps to go
     assert (snap.checkpoint_step, snap.checkpoint_verdict) == (20, shown)
-    assert snap.line() == f"stage main: step 30/100 (30.0%), loss 2.25, tok/s 1.5k, ETA 0:01:10, restarts 0, checkpoint 20 {shown}"
+    assert (
+        snap.line()
+        == f"stage main: step 30/100 (30.0%), loss 2.25, tok/s 1.5k, ETA 0:01:10, restarts 0, checkpoint 20 {shown}"
+    )
 
 
 def test_restarts_count_relaunches_earlier_and_in_job_restarts_and_a_resume_restarts_the_pace(ledger):
@@ -82,12 +91,14 @@ def test_restarts_count_relaunches_earlier_and_in_job_restarts_and_a_resume_rest
 
 def test_a_lost_worker_replaced_while_the_others_kept_running_counts_as_a_restart_a_rollback_does_not(ledger):
     job = ledger.layout.job_dir("main", 0)
-    write_lines(job / "events.jsonl",
-                {"event": "rollback", "rank": 0, "path": "in_process", "step": 4, "time": 1.0},  # NaN: no process lost
-                {"event": "rollback", "rank": 1, "path": "in_process", "step": 4, "time": 1.0},
-                {"event": "rollback", "rank": 0, "path": "spare", "lost_ranks": [1], "step": 6, "time": 2.0},
-                {"event": "start", "rank": 1, "restart_count": 0, "epoch": 1, "step": 6, "time": 2.0},  # the spare
-                {"event": "rollback", "rank": 0, "path": "replacement", "lost_ranks": [1], "step": 8, "time": 3.0})
+    write_lines(
+        job / "events.jsonl",
+        {"event": "rollback", "rank": 0, "path": "in_process", "step": 4, "time": 1.0},  # NaN: no process lost
+        {"event": "rollback", "rank": 1, "path": "in_process", "step": 4, "time": 1.0},
+        {"event": "rollback", "rank": 0, "path": "spare", "lost_ranks": [1], "step": 6, "time": 2.0},
+        {"event": "start", "rank": 1, "restart_count": 0, "epoch": 1, "step": 6, "time": 2.0},  # the spare
+        {"event": "rollback", "rank": 0, "path": "replacement", "lost_ranks": [1], "step": 8, "time": 3.0},
+    )
     assert watch_of(ledger).poll().restarts == 2
 
 
@@ -96,8 +107,10 @@ def test_the_followed_attempts_restarts_count_once_after_its_job_ended_and_the_l
     the ledger: they were shown twice (the drills campaign ended on "restarts 4" for 2)."""
     ledger.add_restarts("main", 1)  # attempt 0's
     job = ledger.layout.job_dir("main", 1)
-    write_lines(job / "events.jsonl", {"event": "rollback", "rank": 0, "path": "spare", "lost_ranks": [1], "step": 6,
-                                       "time": 2.0})
+    write_lines(
+        job / "events.jsonl",
+        {"event": "rollback", "rank": 0, "path": "spare", "lost_ranks": [1], "step": 6, "time": 2.0},
+    )
     watch = watch_of(ledger, attempt=1)
     assert watch.poll().restarts == 1 + 1 + 1  # the relaunch, attempt 0's, the spare
     ledger.add_restarts("main", 1)  # the job ended: the flow records its restarts
@@ -112,6 +125,7 @@ def test_a_damaged_ledger_leaves_the_jobs_own_numbers(ledger):
 
 
 # ---- pretrain status --watch -----------------------------------------------------------------
+
 
 def running_campaign(ledger, holder_pid: int) -> Path:
     """The workdir as a campaign training stage main (attempt 0) leaves it, its lock file naming
@@ -129,8 +143,10 @@ def test_the_follower_shows_a_stage_once_more_after_it_ended_with_its_last_check
     """``pretrain run``'s last line of a stage says what became of its last checkpoint, not
     "pending": the gate judges it after the job ended, when the stage no longer runs."""
     root = running_campaign(ledger, os.getpid())
-    write_lines(ledger.layout.job_dir("main", 0) / "events.jsonl",
-                {"event": "checkpoint", "step": 20, "path": "x/step_20", "time": 1011.0})
+    write_lines(
+        ledger.layout.job_dir("main", 0) / "events.jsonl",
+        {"event": "checkpoint", "step": 20, "path": "x/step_20", "time": 1011.0},
+    )
     follower = CampaignFollower(root)
     assert follower.look().line().endswith("checkpoint 20 pending")
     ledger.record_verdict("main", Verdict(step=20, path="x/step_20", verdict="good"))
@@ -158,9 +174,19 @@ def test_status_watch_piped_prints_lines_and_ends_when_the_campaign_process_is_g
         wait_for(lambda: "20/100" in err.read_text(), 60, "a progress line")
         assert proc.poll() is None  # follows while the campaign runs
         write_lines(ledger.layout.job_dir("main", 0) / "metrics.jsonl", metric(55, 1020.0, loss=1.5))
-        write_lines(ledger.layout.job_dir("main", 0) / "events.jsonl",
-                    {"event": "rollback", "rank": 0, "path": "spare", "lost_ranks": [1], "step": 54, "source": "survivors",
-                     "seconds": 0.1, "time": 1019.0})
+        write_lines(
+            ledger.layout.job_dir("main", 0) / "events.jsonl",
+            {
+                "event": "rollback",
+                "rank": 0,
+                "path": "spare",
+                "lost_ranks": [1],
+                "step": 54,
+                "source": "survivors",
+                "seconds": 0.1,
+                "time": 1019.0,
+            },
+        )
         wait_for(lambda: "55/100" in err.read_text() and "lost" in err.read_text(), 60, "the next progress line")
     finally:
         runner.kill()
@@ -179,8 +205,14 @@ def test_status_watch_on_a_terminal_draws_a_bar_and_ctrl_c_ends_it_quietly(ledge
     try:
         root = running_campaign(ledger, runner.pid)
         terminal = Terminal()
-        proc = subprocess.Popen(watch_cmd(root), stdin=terminal.child, stdout=terminal.child, stderr=terminal.child,
-                                start_new_session=True, env={**os.environ, "COLUMNS": "200"})
+        proc = subprocess.Popen(
+            watch_cmd(root),
+            stdin=terminal.child,
+            stdout=terminal.child,
+            stderr=terminal.child,
+            start_new_session=True,
+            env={**os.environ, "COLUMNS": "200"},
+        )
         terminal.opened()
         wait_for(lambda: "20/100" in terminal.text() and "━" in terminal.text(), 60, "the bar")
         ledger.set_stage_status("main", StageStatus.RUNNING)  # unchanged status: still running
@@ -193,7 +225,6 @@ def test_status_watch_on_a_terminal_draws_a_bar_and_ctrl_c_ends_it_quietly(ledge
         runner.wait()
     assert "training: stage main" in text and "loss 3" in text and "ETA 0:01:20" in text
     assert "stopped watching; the campaign goes on" in text and "Traceback" not in text
-
 
 
 def test_model_saving_is_quiet_about_what_a_user_cannot_act_on_and_puts_logging_back(capsys):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from support.campaigns import pretrain_cli, small_spec
+from pretrain.cli.workdir_lookup import pick_workdir
 from pretrain.state.ledger import Ledger
 from pretrain.views.status import NoCampaign
-from pretrain.cli.workdir_lookup import pick_workdir
+from support.campaigns import pretrain_cli, small_spec
 
 
 def campaign(workdir: Path, name: str = "c") -> Path:
@@ -18,11 +18,14 @@ def campaign(workdir: Path, name: str = "c") -> Path:
     return workdir
 
 
-@pytest.mark.parametrize("made, expected", [
-    (["runs/tiny"], "runs/tiny"),
-    (["."], "."),
-    (["runs/tiny", "runs/empty-dir-without-ledger/"], "runs/tiny"),
-])
+@pytest.mark.parametrize(
+    "made, expected",
+    [
+        (["runs/tiny"], "runs/tiny"),
+        (["."], "."),
+        (["runs/tiny", "runs/empty-dir-without-ledger/"], "runs/tiny"),
+    ],
+)
 def test_the_one_campaign_here_is_found(tmp_path, made, expected):
     for rel in made:
         (tmp_path / rel).mkdir(parents=True, exist_ok=True)
@@ -31,11 +34,14 @@ def test_the_one_campaign_here_is_found(tmp_path, made, expected):
     assert pick_workdir(None, here=tmp_path) == tmp_path / expected
 
 
-@pytest.mark.parametrize("made, says", [
-    ([], "no campaign in"),
-    (["runs/a", "runs/b"], "2 campaigns here (runs/a, runs/b): pass --workdir DIR"),
-    ([".", "runs/a"], "2 campaigns here (., runs/a)"),
-])
+@pytest.mark.parametrize(
+    "made, says",
+    [
+        ([], "no campaign in"),
+        (["runs/a", "runs/b"], "2 campaigns here (runs/a, runs/b): pass --workdir DIR"),
+        ([".", "runs/a"], "2 campaigns here (., runs/a)"),
+    ],
+)
 def test_none_or_several_say_what_to_pass(tmp_path, made, says):
     for rel in made:
         campaign(tmp_path / rel)
@@ -63,8 +69,8 @@ def test_status_without_workdir_shows_the_campaign_run_made_here(tmp_path, monke
 
 
 def test_eval_without_a_checkpoint_takes_the_newest_good_one_of_the_campaign_here(tmp_path):
-    from pretrain.state.schema import Verdict
     from pretrain.cli.workdir_lookup import good_checkpoint
+    from pretrain.state.schema import Verdict
 
     workdir = campaign(tmp_path / "runs" / "tiny")
     with pytest.raises(NoCampaign, match="no good checkpoint yet: pass a checkpoint"):

@@ -16,9 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support.campaigns import wait_for
 from pretrain.cluster.local import LocalCluster
 from pretrain.spec.sections import ClusterSpec
+from support.campaigns import wait_for
 from trainer.common.process import wait_for_an_exit
 from trainer.zygote.client import Zygote, ZygoteProcess
 
@@ -82,8 +82,9 @@ def run(zygote: Zygote | None, env, tmp_path: Path, *argv: str, **kwargs):
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "wb") as o, open(err, "wb") as e:
         if zygote is None:
-            proc = subprocess.Popen([sys.executable, "-m", "zprobe", *argv], stdout=o, stderr=e, env=env,
-                                    stdin=subprocess.DEVNULL, **kwargs)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "zprobe", *argv], stdout=o, stderr=e, env=env, stdin=subprocess.DEVNULL, **kwargs
+            )
         else:
             proc = zygote.spawn("zprobe", argv, stdout=o, stderr=e, env=env, stdin=subprocess.DEVNULL, **kwargs)
     return proc.wait(60), out.read_text(), err.read_text()
@@ -94,8 +95,9 @@ def test_a_forked_module_runs_as_main_with_exactly_the_env_argv_cwd_and_fds_aske
     stdin.write_text("fed on stdin")
     out, err = tmp_path / "o", tmp_path / "e"
     with open(stdin, "rb") as i, open(out, "wb") as o, open(err, "wb") as e:
-        proc = zygote.spawn("zprobe", ["report", "an arg"], env=probe_env, cwd=tmp_path, stdin=i, stdout=o, stderr=e,
-                            new_session=True)
+        proc = zygote.spawn(
+            "zprobe", ["report", "an arg"], env=probe_env, cwd=tmp_path, stdin=i, stdout=o, stderr=e, new_session=True
+        )
     assert isinstance(proc, ZygoteProcess) and proc.wait(60) == 0 and proc.returncode == 0
     seen = json.loads(out.read_text())
     assert seen["name"] == "__main__" and seen["argv"][1:] == ["report", "an arg"]
@@ -105,8 +107,18 @@ def test_a_forked_module_runs_as_main_with_exactly_the_env_argv_cwd_and_fds_aske
     assert err.read_text() == "to stderr\n"
 
 
-@pytest.mark.parametrize("argv", [("exit", "0"), ("exit", "3"), ("message",), ("raise",), ("suicide", "SIGKILL"),
-                                  ("suicide", "SIGTERM"), ("suicide", "SIGINT")])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("exit", "0"),
+        ("exit", "3"),
+        ("message",),
+        ("raise",),
+        ("suicide", "SIGKILL"),
+        ("suicide", "SIGTERM"),
+        ("suicide", "SIGINT"),
+    ],
+)
 def test_exit_codes_and_signal_deaths_are_reported_as_popen_reports_them(zygote, probe_env, tmp_path, argv):
     forked, fresh = run(zygote, probe_env, tmp_path, *argv), run(None, probe_env, tmp_path, *argv)
     assert forked[0] == fresh[0]
@@ -127,8 +139,15 @@ def test_a_running_child_is_waited_signalled_and_listed_as_popen_would_show_it(z
 def test_an_agent_waiting_on_its_workers_wakes_when_one_dies_not_at_its_timeout(zygote, probe_env, forked):
     """The node agent starts a recovery as a worker dies (``wait_for_an_exit``), not at its next
     polling tick; a wait where nobody dies ends at its timeout."""
-    start = (lambda mode: zygote.spawn("zprobe", [mode], env=probe_env, stdout=subprocess.DEVNULL)) if forked else \
-        (lambda mode: subprocess.Popen([sys.executable, "-m", "zprobe", mode], env=probe_env, stdout=subprocess.DEVNULL))
+    start = (
+        (lambda mode: zygote.spawn("zprobe", [mode], env=probe_env, stdout=subprocess.DEVNULL))
+        if forked
+        else (
+            lambda mode: subprocess.Popen(
+                [sys.executable, "-m", "zprobe", mode], env=probe_env, stdout=subprocess.DEVNULL
+            )
+        )
+    )
     kept, doomed = start("sleep"), start("sleep")
     try:
         wait_for_an_exit([kept, doomed], 0.01)
@@ -158,17 +177,28 @@ def test_a_child_stopped_right_after_it_was_forked_ends_by_that_signal(zygote, p
 
 
 def sleeping_probes() -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if (p.info["cmdline"] or [])[:4] == [sys.executable, "-m", "zprobe", "sleep"]]
+    return [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if (p.info["cmdline"] or [])[:4] == [sys.executable, "-m", "zprobe", "sleep"]
+    ]
 
 
 def exec_through(zygote: Zygote, env, *argv: str) -> subprocess.Popen:
     """The probe as torch's elastic agent starts a worker: a command line, ``trainer.zygote_exec``."""
-    return subprocess.Popen([sys.executable, "-m", "trainer.zygote_exec", "--zygote", zygote.path, "zprobe", *argv],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer.zygote_exec", "--zygote", zygote.path, "zprobe", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
-@pytest.mark.parametrize("argv", [("exit", "0"), ("exit", "3"), ("message",), ("suicide", "SIGKILL"), ("suicide", "SIGTERM")])
+@pytest.mark.parametrize(
+    "argv", [("exit", "0"), ("exit", "3"), ("message",), ("suicide", "SIGKILL"), ("suicide", "SIGTERM")]
+)
 def test_a_command_line_run_through_the_zygote_ends_as_its_child_ended(zygote, probe_env, tmp_path, argv):
     shim = exec_through(zygote, probe_env, *argv)
     out, err = shim.communicate(timeout=60)
@@ -201,12 +231,14 @@ def gone(pids: list[int]) -> bool:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
+
     return not any(running(pid) for pid in pids)
 
 
 def test_the_owner_killed_leaves_no_forked_process_and_no_directory(probe_env, tmp_path):
     owner = tmp_path / "owner.py"
-    owner.write_text(textwrap.dedent("""
+    owner.write_text(
+        textwrap.dedent("""
         import json, os, sys, signal
         from trainer.zygote.client import Zygote
         env = json.loads(sys.argv[1])
@@ -219,9 +251,11 @@ def test_the_owner_killed_leaves_no_forked_process_and_no_directory(probe_env, t
         print(json.dumps([z._server.pid, agent.pid, worker, plain.pid]), flush=True)
         print(z.path, flush=True)
         signal.pause()
-    """))
-    proc = subprocess.Popen([sys.executable, str(owner), json.dumps(probe_env)], stdout=subprocess.PIPE, text=True,
-                            env=probe_env)
+    """)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(owner), json.dumps(probe_env)], stdout=subprocess.PIPE, text=True, env=probe_env
+    )
     try:
         pids = json.loads(proc.stdout.readline())
         home = Path(proc.stdout.readline().strip()).parent
@@ -266,13 +300,22 @@ def test_a_stopped_child_does_not_outlive_the_zygote(probe_env, client_gone):
 
 def sleeping_child_of_a_client(zygote: Zygote, probe_env) -> tuple[subprocess.Popen, int]:
     """Another process (as a node agent) that asked ``zygote`` for a sleeping child: (it, the child's pid)."""
-    client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    client = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import signal
         from trainer.zygote.client import Zygote
         child = Zygote.connect({zygote.path!r}).spawn("zprobe", ["sleep"], env={probe_env!r})
         print(child.pid, flush=True)
         signal.pause()
-    """)], stdout=subprocess.PIPE, text=True, env=probe_env)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=probe_env,
+    )
     return client, int(client.stdout.readline())
 
 
@@ -326,11 +369,22 @@ def test_a_child_whose_parent_died_before_its_watchdog_ran_still_ends(tmp_path):
     parent died (a slow start on a loaded machine) ends, instead of taking its new parent (init,
     a subreaper) for its own and living on."""
     go = tmp_path / "go"
-    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import subprocess, sys
         from trainer.common.process import child_env
         print(subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], env=child_env()).pid, flush=True)
-    """), CHILD, str(go)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    """),
+            CHILD,
+            str(go),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     child = int(parent.stdout.readline())
     assert parent.wait(30) == 0
     go.touch()  # the child's watchdog starts now, its parent long gone

@@ -7,16 +7,15 @@ import contextvars
 import fcntl
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
+
 import psutil
 import pytest
-from pretrain.data.campaign import data_record  # noqa: E402
-from pretrain.data.prepare.pipeline import prepare  # noqa: E402
-from pretrain.state.layout import CampaignLayout  # noqa: E402
-from pretrain.spec.campaign import CampaignSpec, parse_spec  # noqa: E402
 
+from pretrain.data.campaign import data_record  # noqa: E402
+from pretrain.spec.campaign import CampaignSpec, parse_spec  # noqa: E402
+from pretrain.state.layout import CampaignLayout  # noqa: E402
 
 HARNESS_DATABASE = "prefect-test.db"  # the name Prefect's test harness gives its server's database
 
@@ -51,10 +50,18 @@ def _migrate_prefect_database(path: Path) -> None:
     import subprocess
     import sys
 
-    env = {**os.environ, "PREFECT_HOME": str(path.parent / ".prefect-home"),
-           "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{path}"}
-    done = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(path.parent / ".prefect-home"),
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{path}",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0 and not Path(f"{path}-wal").exists(), done.stdout + done.stderr
 
 
@@ -65,11 +72,15 @@ def _tracking_template(prepared: Path) -> Path:
 def small_spec(workdir: Path, **overrides) -> CampaignSpec:
     """A campaign that trains in seconds on 2 CPU workers; overrides replace top-level sections."""
     body = {
-        "name": "t", "workdir": str(workdir), "data": DATA,
+        "name": "t",
+        "workdir": str(workdir),
+        "data": DATA,
         "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "max_seq_len": 64},
         "cluster": {"workers_per_node": 2, "max_restarts": 1},
-        "stages": [{"name": "warmup", "steps": 6, "seq_len": 32, "micro_batch": 4, "warmup_steps": 2},
-                   {"name": "main", "steps": 10, "seq_len": 64, "micro_batch": 4, "grad_accum": 2}],
+        "stages": [
+            {"name": "warmup", "steps": 6, "seq_len": 32, "micro_batch": 4, "warmup_steps": 2},
+            {"name": "main", "steps": 10, "seq_len": 64, "micro_batch": 4, "grad_accum": 2},
+        ],
         "checkpoint": {"interval": 4, "memory_interval": 2, "keep": 2},
         "resume": {"max_attempts": 2},
         # registration (export + MLflow model, ≈ 5 s) is tested where it is asked for
@@ -211,7 +222,9 @@ def pretrain_cli(*args: str, timeout: float = 180):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "pretrain.cli.app", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pretrain.cli.app", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def copy_checkpoint(ref, dest: Path, edit=None) -> str:
@@ -236,8 +249,9 @@ def campaign_events(api_url: str, campaign: str) -> list[dict]:
     import httpx
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    flt = EventFilter(event=EventNameFilter(prefix=["pretrain."]),
-                      resource=EventResourceFilter(id=[f"pretrain.campaign.{campaign}"]))
+    flt = EventFilter(
+        event=EventNameFilter(prefix=["pretrain."]), resource=EventResourceFilter(id=[f"pretrain.campaign.{campaign}"])
+    )
     r = httpx.post(f"{api_url}/events/filter", json={"filter": flt.model_dump(mode="json"), "limit": 50}, timeout=10)
     r.raise_for_status()
     return r.json()["events"]

@@ -4,14 +4,9 @@ them back."""
 from __future__ import annotations
 
 import json
-import os
-import random
-import sysconfig
 from pathlib import Path
-import pytest
-from pretrain.data.corpus import CorpusError, Doc, Skip, expand_sources, plan_units, read_unit, resolve_format
-from pretrain.data.corpus.globs import glob_regex
-from pretrain.data.corpus.units import batch_row_groups, byte_ranges
+
+from pretrain.data.corpus import Doc, Skip, expand_sources, plan_units, read_unit
 from pretrain.spec.data import DataSpec
 
 

@@ -25,10 +25,11 @@ from support.jobs import tiny_job
 from trainer.checkpoint import state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.sharded import localize
-from trainer.job.config import JobConfig
 from trainer.dist import init_distributed, shutdown_and_exit
+from trainer.job.config import JobConfig
 from trainer.loop import build_model, seed_everything, snapshot_capacity
 from trainer.model import lm_loss
+
 
 def job(root: Path, parallelism: str = "fsdp") -> JobConfig:
     # vocab 65 and 33 positions: the embeddings split unevenly (33 + 32 and 17 + 16 rows)
@@ -49,12 +50,14 @@ def train_step(model, opt, rank: int, step: int) -> None:
 
 def pieces(model, opt) -> dict:
     """This rank's pieces of model and optimizer, copied."""
+
     def copy(obj):
         if isinstance(obj, torch.Tensor):
             return obj.detach().clone()
         if isinstance(obj, dict):
             return {k: copy(v) for k, v in obj.items()}
         return obj
+
     return copy({"model": localize(model.state_dict()), "optimizer": localize(opt.state_dict())})
 
 
@@ -98,9 +101,16 @@ def main(mode: str, root: Path) -> None:
         if info.rank == 0:
             torch.save(full3, root / "full_step3.pt")
         train_step(model, opt, info.rank, 4)
-        snaps = SnapshotStore(root / "shm", info.local_rank, info.rank, info.world_size,
-                              snapshot_capacity(cfg, info.rank, info.world_size))
-        snaps.snapshot(4, state.training_state(cfg, info, step=4, consumed=16, model=model, optimizer=opt), persist=False)
+        snaps = SnapshotStore(
+            root / "shm",
+            info.local_rank,
+            info.rank,
+            info.world_size,
+            snapshot_capacity(cfg, info.rank, info.world_size),
+        )
+        snaps.snapshot(
+            4, state.training_state(cfg, info, step=4, consumed=16, model=model, optimizer=opt), persist=False
+        )
         snaps.flush()
         at4 = pieces(model, opt)
 
@@ -124,8 +134,17 @@ def main(mode: str, root: Path) -> None:
         same(pieces(m, o), at3)
         out["storage"] = [got.source, got.step, got.consumed]
     elif mode == "reshard":  # this rank's pieces after restoring at this world size
-        for name, run in (("fsdp", cfg), ("ddp", dataclasses.replace(cfg, ckpt_dir=str(root / f"fsdp_from_ddp_{info.world_size}"),
-                                                                      init_from=str(root / "ddp_ckpt" / "step_00000003")))):
+        for name, run in (
+            ("fsdp", cfg),
+            (
+                "ddp",
+                dataclasses.replace(
+                    cfg,
+                    ckpt_dir=str(root / f"fsdp_from_ddp_{info.world_size}"),
+                    init_from=str(root / "ddp_ckpt" / "step_00000003"),
+                ),
+            ),
+        ):
             m, o = fresh(run, seed=9)
             got = state.restore(run, info, model=m, optimizer=o)
             torch.save(pieces(m, o), root / f"resharded_from_{name}_{info.world_size}_{info.rank}.pt")

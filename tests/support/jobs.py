@@ -11,30 +11,59 @@ import torch
 
 from pretrain.run.jobs import job_config
 from pretrain.spec.campaign import parse_spec
-from trainer.job.config import JobConfig
 from trainer.dist import DistInfo
+from trainer.job.config import JobConfig
 from trainer.loop import build_model
 
 CPU0 = DistInfo(rank=0, local_rank=0, world_size=1, restart_count=0, device=torch.device("cpu"), backend="gloo")
 
 
-def tiny_job(root: Path, *, parallelism: str = "ddp", vocab_size: int = 64, max_seq_len: int = 32, steps: int = 20,
-             lr: float = 1e-3, min_lr: float = 1e-4, **changes) -> JobConfig:
+def tiny_job(
+    root: Path,
+    *,
+    parallelism: str = "ddp",
+    vocab_size: int = 64,
+    max_seq_len: int = 32,
+    steps: int = 20,
+    lr: float = 1e-3,
+    min_lr: float = 1e-4,
+    **changes,
+) -> JobConfig:
     """A 2-layer GPT (d_model 16) trained on micro-batches of 2 × 8 tokens; its data, checkpoints
     and job directory under ``root``; no memory snapshots, and one optimizer step takes one
     micro-batch per worker whatever the world size. ``changes``: other JobConfig fields."""
-    spec = parse_spec({
-        "name": "t", "workdir": str(root), "seed": 1,
-        "model": {"n_layer": 2, "n_head": 2, "d_model": 16, "max_seq_len": max_seq_len},
-        "cluster": {"workers_per_node": 1, "parallelism": parallelism},
-        "stages": [{"name": "s", "steps": steps, "lr": lr, "min_lr": min_lr, "warmup_steps": 1, "micro_batch": 2,
-                    "seq_len": 8}],
-        "checkpoint": {"memory_interval": 0},
-    })
+    spec = parse_spec(
+        {
+            "name": "t",
+            "workdir": str(root),
+            "seed": 1,
+            "model": {"n_layer": 2, "n_head": 2, "d_model": 16, "max_seq_len": max_seq_len},
+            "cluster": {"workers_per_node": 1, "parallelism": parallelism},
+            "stages": [
+                {
+                    "name": "s",
+                    "steps": steps,
+                    "lr": lr,
+                    "min_lr": min_lr,
+                    "warmup_steps": 1,
+                    "micro_batch": 2,
+                    "seq_len": 8,
+                }
+            ],
+            "checkpoint": {"memory_interval": 0},
+        }
+    )
     job = job_config(spec, 0, 0, None, vocab_size)
     root = Path(root)
-    return dataclasses.replace(job, data_dir=str(root / "data"), ckpt_dir=str(root / "ckpt"), job_dir=str(root / "job"),
-                               optim=dataclasses.replace(job.optim, global_batch=0), threads_per_worker=0, **changes)
+    return dataclasses.replace(
+        job,
+        data_dir=str(root / "data"),
+        ckpt_dir=str(root / "ckpt"),
+        job_dir=str(root / "job"),
+        optim=dataclasses.replace(job.optim, global_batch=0),
+        threads_per_worker=0,
+        **changes,
+    )
 
 
 def trained(cfg: JobConfig, steps: int = 2):

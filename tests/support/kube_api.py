@@ -21,14 +21,16 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
-from support.kube_objects import RESOURCES, KubeError
 from support.kube_jobs import JobController
+from support.kube_objects import RESOURCES, KubeError
 from support.kube_pods import PodRunner
 from support.kube_store import Store, now
 
 # /api/v1/namespaces/NS/pods/NAME/log, /apis/batch/v1/jobs (all namespaces), …
-_PATH = re.compile(r"^/(?:api/v1|apis/(?P<group>[\w.]+)/v1)(?:/namespaces/(?P<ns>[\w.-]+))?"
-                   r"/(?P<plural>[\w]+)(?:/(?P<name>[\w.-]+)(?:/(?P<sub>\w+))?)?$")
+_PATH = re.compile(
+    r"^/(?:api/v1|apis/(?P<group>[\w.]+)/v1)(?:/namespaces/(?P<ns>[\w.-]+))?"
+    r"/(?P<plural>[\w]+)(?:/(?P<name>[\w.-]+)(?:/(?P<sub>\w+))?)?$"
+)
 DEFAULT_WATCH_TIMEOUT_S = 300  # a watch without timeoutSeconds (the real server picks 30-60 min)
 
 
@@ -72,8 +74,14 @@ class KubeAPI:
     ``"*"`` matches anything; resource may be ``"pods/log"``. ``namespaces``: those that exist.
     """
 
-    def __init__(self, workdir: Path, namespaces=("default",), allow=(("*", "*", "*"),),
-                 history: int = 1000, token: str | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        namespaces=("default",),
+        allow=(("*", "*", "*"),),
+        history: int = 1000,
+        token: str | None = None,
+    ):
         self.workdir = Path(workdir)
         self.token = token or uuid.uuid4().hex
         self.namespaces = set(namespaces)
@@ -90,11 +98,20 @@ class KubeAPI:
     def kubeconfig(self, namespace: str = "default") -> Path:
         """A kubeconfig file naming this server with a bearer token (as a cluster's would)."""
         path = self.workdir / "kubeconfig"
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "double",
-            "clusters": [{"name": "double", "cluster": {"server": self.url}}],
-            "users": [{"name": "tester", "user": {"token": self.token}}],
-            "contexts": [{"name": "double", "context": {"cluster": "double", "user": "tester", "namespace": namespace}}]}))
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "double",
+                    "clusters": [{"name": "double", "cluster": {"server": self.url}}],
+                    "users": [{"name": "tester", "user": {"token": self.token}}],
+                    "contexts": [
+                        {"name": "double", "context": {"cluster": "double", "user": "tester", "namespace": namespace}}
+                    ],
+                }
+            )
+        )
         return path
 
     def client(self):
@@ -117,7 +134,7 @@ class KubeAPI:
         self.server.server_close()
         self._thread.join(10)
 
-    def __enter__(self) -> "KubeAPI":
+    def __enter__(self) -> KubeAPI:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -172,14 +189,35 @@ def _handler(api: KubeAPI):
                 attrs = (body.get("spec") or {}).get("resourceAttributes") or {}
                 ok = api.allowed(attrs)
                 status = {"allowed": ok, **({} if ok else {"reason": "not in the double's allow-list"})}
-                return self._json(201, {**body, "kind": "SelfSubjectAccessReview", "apiVersion": "authorization.k8s.io/v1",
-                                        "metadata": {"creationTimestamp": now()}, "status": status})
+                return self._json(
+                    201,
+                    {
+                        **body,
+                        "kind": "SelfSubjectAccessReview",
+                        "apiVersion": "authorization.k8s.io/v1",
+                        "metadata": {"creationTimestamp": now()},
+                        "status": status,
+                    },
+                )
             m = re.match(r"^/api/v1/namespaces/([\w.-]+)$", path)
             if m and method == "GET":
                 if m.group(1) not in api.namespaces:
-                    raise KubeError(404, "NotFound", f'namespaces "{m.group(1)}" not found', {"name": m.group(1), "kind": "namespaces"})
-                return self._json(200, {"kind": "Namespace", "apiVersion": "v1", "metadata": {"name": m.group(1), "uid": m.group(1),
-                                        "resourceVersion": "1"}, "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}})
+                    raise KubeError(
+                        404,
+                        "NotFound",
+                        f'namespaces "{m.group(1)}" not found',
+                        {"name": m.group(1), "kind": "namespaces"},
+                    )
+                return self._json(
+                    200,
+                    {
+                        "kind": "Namespace",
+                        "apiVersion": "v1",
+                        "metadata": {"name": m.group(1), "uid": m.group(1), "resourceVersion": "1"},
+                        "spec": {"finalizers": ["kubernetes"]},
+                        "status": {"phase": "Active"},
+                    },
+                )
             m = _PATH.match(path)
             if not m or m["plural"] not in RESOURCES or (m["group"] or "") != RESOURCES[m["plural"]].group:
                 raise KubeError(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
@@ -198,8 +236,15 @@ def _handler(api: KubeAPI):
                     return self._json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
                 if method == "GET":
                     items, rv = store.list(plural, ns, query.get("labelSelector"), query.get("fieldSelector"))
-                    return self._json(200, {"kind": RESOURCES[plural].kind + "List", "apiVersion": RESOURCES[plural].api_version,
-                                            "metadata": {"resourceVersion": rv}, "items": items})
+                    return self._json(
+                        200,
+                        {
+                            "kind": RESOURCES[plural].kind + "List",
+                            "apiVersion": RESOURCES[plural].api_version,
+                            "metadata": {"resourceVersion": rv},
+                            "items": items,
+                        },
+                    )
             elif sub == "log" and plural == "pods" and method == "GET":
                 return self._text(200, api.runner.logs(store.get(plural, ns, name), query))
             elif sub == "eviction" and plural == "pods" and method == "POST":
@@ -214,10 +259,14 @@ def _handler(api: KubeAPI):
                     if policy is None and body.get("orphanDependents") is not None:
                         policy = "Orphan" if body["orphanDependents"] else "Background"
                     grace = query.get("gracePeriodSeconds", body.get("gracePeriodSeconds"))
-                    return self._json(200, store.delete(plural, ns, name, policy, None if grace is None else int(grace)))
+                    return self._json(
+                        200, store.delete(plural, ns, name, policy, None if grace is None else int(grace))
+                    )
                 if method == "PUT":
                     expect = (body.get("metadata") or {}).get("resourceVersion")
-                    return self._json(200, store.update(plural, ns, name, lambda o: (o.clear(), o.update(body)), expect, client=True))
+                    return self._json(
+                        200, store.update(plural, ns, name, lambda o: (o.clear(), o.update(body)), expect, client=True)
+                    )
                 if method == "PATCH":
                     kind = self.headers.get("Content-Type", "")
                     if isinstance(body, list) or kind.startswith("application/json-patch"):
@@ -230,8 +279,15 @@ def _handler(api: KubeAPI):
 
         def _watch(self, plural, ns, query):
             timeout = float(query.get("timeoutSeconds") or DEFAULT_WATCH_TIMEOUT_S)
-            events = api.store.watch(plural, ns, query.get("labelSelector"), query.get("fieldSelector"),
-                                     query.get("resourceVersion"), timeout, query.get("allowWatchBookmarks") == "true")
+            events = api.store.watch(
+                plural,
+                ns,
+                query.get("labelSelector"),
+                query.get("fieldSelector"),
+                query.get("resourceVersion"),
+                timeout,
+                query.get("allowWatchBookmarks") == "true",
+            )
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Transfer-Encoding", "chunked")

@@ -40,9 +40,11 @@ def pod_index(pod: dict) -> int | None:
 
 
 def exit_codes(pod: dict) -> dict[str, int]:
-    return {s["name"]: s["state"]["terminated"]["exitCode"]
-            for s in (pod.get("status") or {}).get("containerStatuses") or []
-            if (s.get("state") or {}).get("terminated")}
+    return {
+        s["name"]: s["state"]["terminated"]["exitCode"]
+        for s in (pod.get("status") or {}).get("containerStatuses") or []
+        if (s.get("state") or {}).get("terminated")
+    }
 
 
 def policy_action(rules: list[dict], pod: dict) -> tuple[str, int | None]:
@@ -137,7 +139,9 @@ class JobController:
             self.store.delete("jobs", ns, name, "Background")  # the TTL-after-finished controller
             return
         pods = [p for p in self.store.find("pods", ns) if uid in owner_uids(p)]
-        live = [p for p in pods if p["status"].get("phase") not in TERMINAL and not p["metadata"].get("deletionTimestamp")]
+        live = [
+            p for p in pods if p["status"].get("phase") not in TERMINAL and not p["metadata"].get("deletionTimestamp")
+        ]
         indexed = spec.get("completionMode") == "Indexed"
         completions, parallelism = spec.get("completions"), spec.get("parallelism", 1)
         rules = (spec.get("podFailurePolicy") or {}).get("rules") or []
@@ -155,8 +159,11 @@ class JobController:
                 continue
             failed += 1
             if action == "FailJob" and verdict is None:
-                verdict = ("PodFailurePolicy", f"Pod {ns}/{pod['metadata']['name']} failed with exit codes "
-                           f"{exit_codes(pod)} or conditions matching FailJob rule at index {rule}")
+                verdict = (
+                    "PodFailurePolicy",
+                    f"Pod {ns}/{pod['metadata']['name']} failed with exit codes "
+                    f"{exit_codes(pod)} or conditions matching FailJob rule at index {rule}",
+                )
             elif action == "FailIndex":
                 failed_indexes.add(index)
             else:
@@ -166,14 +173,23 @@ class JobController:
             failed_indexes |= {i for i, n in per_index.items() if n > per_limit}
         if verdict is None and failed > spec.get("backoffLimit", 6):
             verdict = ("BackoffLimitExceeded", "Job has reached the specified backoff limit")
-        complete = (len(succeeded - {None}) >= completions) if indexed else (completions is not None and done_pods >= completions)
+        complete = (
+            (len(succeeded - {None}) >= completions)
+            if indexed
+            else (completions is not None and done_pods >= completions)
+        )
         if verdict is None and indexed and failed_indexes and len(succeeded | failed_indexes) >= completions:
             verdict = ("FailedIndexes", f"Job has failed indexes {ranges(failed_indexes)}")
 
         # with a podFailurePolicy the only replacement policy is Failed: a terminating pod is replaced
         # only once it has failed (and then counts against the backoff limits)
-        terminating = [p for p in pods if p["metadata"].get("deletionTimestamp") and p["status"].get("phase") not in TERMINAL
-                       and (rules or spec.get("podReplacementPolicy") == "Failed")]
+        terminating = [
+            p
+            for p in pods
+            if p["metadata"].get("deletionTimestamp")
+            and p["status"].get("phase") not in TERMINAL
+            and (rules or spec.get("podReplacementPolicy") == "Failed")
+        ]
         if not finished and verdict is None and not complete and not spec.get("suspend"):
             busy = {pod_index(p) for p in live + terminating}
             if indexed:
@@ -182,10 +198,13 @@ class JobController:
                 running = len(live) + len(terminating)
                 left = (completions - done_pods - running) if completions is not None else parallelism - running
                 todo = [None] * max(0, left)
-            for index in todo[:max(0, parallelism - len(live) - len(terminating))]:
+            for index in todo[: max(0, parallelism - len(live) - len(terminating))]:
                 live.append(self.store.create("pods", ns, self._pod(job, index)))
-        stop = live if finished or verdict or complete or spec.get("suspend") else \
-            sorted(live, key=lambda p: pod_index(p) or 0)[parallelism:]  # scaled down: the highest indexes go
+        stop = (
+            live
+            if finished or verdict or complete or spec.get("suspend")
+            else sorted(live, key=lambda p: pod_index(p) or 0)[parallelism:]
+        )  # scaled down: the highest indexes go
         for pod in stop:
             self.discarded.add(pod["metadata"]["uid"])
             self.store.delete("pods", ns, pod["metadata"]["name"], "Background")
@@ -193,11 +212,21 @@ class JobController:
 
         stamp = now()
         if not finished and verdict:
-            conditions += [self._condition("FailureTarget", *verdict, stamp), self._condition("Failed", *verdict, stamp)]
+            conditions += [
+                self._condition("FailureTarget", *verdict, stamp),
+                self._condition("Failed", *verdict, stamp),
+            ]
         elif not finished and complete:
             conditions.append(self._condition("Complete", "", "", stamp))
-        new = {"active": len(live), "ready": sum(1 for p in live if _ready(p)), "succeeded": done_pods, "failed": failed,
-               "startTime": status.get("startTime") or stamp, "conditions": conditions, "uncountedTerminatedPods": {}}
+        new = {
+            "active": len(live),
+            "ready": sum(1 for p in live if _ready(p)),
+            "succeeded": done_pods,
+            "failed": failed,
+            "startTime": status.get("startTime") or stamp,
+            "conditions": conditions,
+            "uncountedTerminatedPods": {},
+        }
         if indexed:
             new["completedIndexes"] = ranges(succeeded - {None})
             if per_limit is not None:
@@ -210,8 +239,11 @@ class JobController:
     def _expired(self, ttl: int | None, conditions: list[dict]) -> bool:
         if ttl is None:
             return False
-        ended = max(datetime.strptime(c["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-                    for c in conditions if c["type"] in ("Complete", "Failed"))
+        ended = max(
+            datetime.strptime(c["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+            for c in conditions
+            if c["type"] in ("Complete", "Failed")
+        )
         if datetime.now(timezone.utc) >= ended + timedelta(seconds=ttl):
             return True
         self._ttl_pending = True
@@ -236,12 +268,29 @@ class JobController:
             for container in spec["containers"] + (spec.get("initContainers") or []):
                 env = container.setdefault("env", [])
                 if not any(e["name"] == "JOB_COMPLETION_INDEX" for e in env):
-                    env.append({"name": "JOB_COMPLETION_INDEX",
-                                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX}']"}}})
-        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"],
-                 "controller": True, "blockOwnerDeletion": True}
-        return {"metadata": {"generateName": prefix[:58], "labels": labels, "annotations": annotations,
-                             "ownerReferences": [owner]}, "spec": spec}
+                    env.append(
+                        {
+                            "name": "JOB_COMPLETION_INDEX",
+                            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX}']"}},
+                        }
+                    )
+        owner = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": name,
+            "uid": job["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        return {
+            "metadata": {
+                "generateName": prefix[:58],
+                "labels": labels,
+                "annotations": annotations,
+                "ownerReferences": [owner],
+            },
+            "spec": spec,
+        }
 
 
 def _ready(pod: dict) -> bool:

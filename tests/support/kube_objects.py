@@ -47,15 +47,30 @@ class KubeError(Exception):
         self.code, self.reason, self.message, self.details = code, reason, message, details or {}
 
     def status(self) -> dict:
-        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                "message": self.message, "reason": self.reason, "details": self.details, "code": self.code}
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "details": self.details,
+            "code": self.code,
+        }
 
 
 def invalid(plural: str, name: str, causes: list[tuple[str, str]]) -> KubeError:
     text = "; ".join(f"{field}: {msg}" for field, msg in causes)
-    return KubeError(422, "Invalid", f'{KINDS[plural]} "{name}" is invalid: {text}',
-                     {"name": name, "kind": KINDS[plural],
-                      "causes": [{"reason": "FieldValueInvalid", "field": f, "message": m} for f, m in causes]})
+    return KubeError(
+        422,
+        "Invalid",
+        f'{KINDS[plural]} "{name}" is invalid: {text}',
+        {
+            "name": name,
+            "kind": KINDS[plural],
+            "causes": [{"reason": "FieldValueInvalid", "field": f, "message": m} for f, m in causes],
+        },
+    )
 
 
 def validate(plural: str, obj: dict) -> None:
@@ -86,7 +101,9 @@ def validate(plural: str, obj: dict) -> None:
             causes.append(("spec.template.spec.restartPolicy", "must be Never when podFailurePolicy is set"))
         for i, rule in enumerate((spec.get("podFailurePolicy") or {}).get("rules") or []):
             if rule.get("action") not in ("FailJob", "FailIndex", "Ignore", "Count"):
-                causes.append((f"spec.podFailurePolicy.rules[{i}].action", f"Unsupported value: {rule.get('action')!r}"))
+                causes.append(
+                    (f"spec.podFailurePolicy.rules[{i}].action", f"Unsupported value: {rule.get('action')!r}")
+                )
     elif plural == "services":
         for i, port in enumerate(spec.get("ports") or []):
             if not isinstance(port.get("port"), int):
@@ -129,7 +146,10 @@ def complete(plural: str, obj: dict) -> None:
     elif plural == "pods":
         spec.setdefault("restartPolicy", "Always")
         for c in spec["containers"]:
-            c.setdefault("imagePullPolicy", "Always" if c["image"].endswith(":latest") or ":" not in c["image"] else "IfNotPresent")
+            c.setdefault(
+                "imagePullPolicy",
+                "Always" if c["image"].endswith(":latest") or ":" not in c["image"] else "IfNotPresent",
+            )
         obj.setdefault("status", {"phase": "Pending", "conditions": [], "qosClass": "BestEffort"})
     elif plural == "services":
         spec.setdefault("type", "ClusterIP")
@@ -153,11 +173,25 @@ def check_immutable(plural: str, old: dict, new: dict) -> None:
     """422 when a client's update changes an immutable field (controllers may, e.g. nodeName)."""
     before, after = old.get("spec") or {}, new.get("spec") or {}
     if plural == "pods":
-        changed = sorted(k for k in set(before) | set(after) if k not in _POD_MUTABLE and before.get(k) != after.get(k)
-                         and not (k == "containers" and _images_only(before[k], after.get(k) or [])))
+        changed = sorted(
+            k
+            for k in set(before) | set(after)
+            if k not in _POD_MUTABLE
+            and before.get(k) != after.get(k)
+            and not (k == "containers" and _images_only(before[k], after.get(k) or []))
+        )
         if changed:
-            raise invalid(plural, old["metadata"]["name"], [(f"spec.{changed[0]}", "Forbidden: pod updates may not change "
-                                                             "fields other than image, activeDeadlineSeconds, tolerations")])
+            raise invalid(
+                plural,
+                old["metadata"]["name"],
+                [
+                    (
+                        f"spec.{changed[0]}",
+                        "Forbidden: pod updates may not change "
+                        "fields other than image, activeDeadlineSeconds, tolerations",
+                    )
+                ],
+            )
         return
     for field in _IMMUTABLE.get(plural, ()):
         if before.get(field) != after.get(field):

@@ -95,9 +95,12 @@ class PodRunner:
     # -- scripted faults and inspection
     def evict(self, ns: str, name: str) -> None:
         """The Eviction API: a DisruptionTarget condition, then a graceful delete."""
+
         def disrupt(pod):
-            pod["status"]["conditions"] = _with_condition(pod["status"], "DisruptionTarget", "True",
-                                                          "EvictionByEvictionAPI", "Eviction API: evicting")
+            pod["status"]["conditions"] = _with_condition(
+                pod["status"], "DisruptionTarget", "True", "EvictionByEvictionAPI", "Eviction API: evicting"
+            )
+
         self.store.update("pods", ns, name, disrupt)
         self.store.delete("pods", ns, name)
 
@@ -117,14 +120,20 @@ class PodRunner:
         statuses = (pod.get("status") or {}).get("containerStatuses") or []
         waiting = not statuses or statuses[0]["state"].get("waiting") is not None
         if waiting or query.get("previous") == "true":
-            why = "previous terminated container not found" if not waiting else "is waiting to start: " + (
-                statuses[0]["state"]["waiting"]["reason"] if statuses else "ContainerCreating")
-            raise KubeError(400, "BadRequest", f'container "{pod["spec"]["containers"][0]["name"]}" in pod "{name}" {why}')
+            why = (
+                "previous terminated container not found"
+                if not waiting
+                else "is waiting to start: "
+                + (statuses[0]["state"]["waiting"]["reason"] if statuses else "ContainerCreating")
+            )
+            raise KubeError(
+                400, "BadRequest", f'container "{pod["spec"]["containers"][0]["name"]}" in pod "{name}" {why}'
+            )
         path = self.workdir / ns / f"{name}.log"
         text = path.read_text(errors="replace") if path.exists() else ""
         tail = query.get("tailLines")
         lines = text.splitlines(keepends=True)
-        return "".join(lines[max(0, len(lines) - int(tail)):]) if tail else text
+        return "".join(lines[max(0, len(lines) - int(tail)) :]) if tail else text
 
     def address(self, ns: str, subdomain: str, hostname: str) -> str:
         with self._lock:
@@ -178,13 +187,25 @@ class PodRunner:
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         container = spec["containers"][0]
         try:
-            wanted = {r for part in ("requests", "limits") for r in ((container.get("resources") or {}).get(part) or {})}
+            wanted = {
+                r for part in ("requests", "limits") for r in ((container.get("resources") or {}).get(part) or {})
+            }
             short = sorted(wanted & self.unschedulable)
             if not short and pod_index(pod) in self.no_room_for:
                 short = ["cpu"]
             if short:
-                self._set(pod, lambda s: s.update(conditions=_with_condition(
-                    s, "PodScheduled", "False", "Unschedulable", f"0/1 nodes are available: 1 Insufficient {short[0]}.")))
+                self._set(
+                    pod,
+                    lambda s: s.update(
+                        conditions=_with_condition(
+                            s,
+                            "PodScheduled",
+                            "False",
+                            "Unschedulable",
+                            f"0/1 nodes are available: 1 Insufficient {short[0]}.",
+                        )
+                    ),
+                )
                 return
             self.store.update("pods", ns, name, lambda p: p["spec"].__setitem__("nodeName", self.node_name))
             if container["image"] in self.unpullable:
@@ -196,7 +217,10 @@ class PodRunner:
             ip = self.address(ns, spec.get("subdomain") or "", hostname)
             try:
                 env = self._env(pod, container, ip, hostname)
-                argv = [self._rewrite(ns, spec, expand(a, env)) for a in (container.get("command") or []) + (container.get("args") or [])]
+                argv = [
+                    self._rewrite(ns, spec, expand(a, env))
+                    for a in (container.get("command") or []) + (container.get("args") or [])
+                ]
                 if not argv:
                     raise ConfigError("the double runs the manifest's command: this container has none")
             except ConfigError as e:
@@ -209,8 +233,15 @@ class PodRunner:
                 if uid in self._deleting or self._closed:
                     return
                 try:
-                    proc = subprocess.Popen(argv, env=env, cwd=container.get("workingDir") or log.parent, stdout=out,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                    proc = subprocess.Popen(
+                        argv,
+                        env=env,
+                        cwd=container.get("workingDir") or log.parent,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
                 except OSError as e:
                     proc = None
                     failure = str(e)
@@ -221,10 +252,21 @@ class PodRunner:
                 self._terminated(pod, container, ip, 128, "StartError", failure, now())
                 return
             started = now()
-            self._set(pod, lambda s: s.update(
-                phase="Running", podIP=ip, podIPs=[{"ip": ip}], hostIP="127.0.0.1", hostIPs=[{"ip": "127.0.0.1"}],
-                startTime=started, conditions=_ready_conditions(s, True, ""),
-                containerStatuses=[_container_status(container, {"running": {"startedAt": started}}, True, proc.pid)]))
+            self._set(
+                pod,
+                lambda s: s.update(
+                    phase="Running",
+                    podIP=ip,
+                    podIPs=[{"ip": ip}],
+                    hostIP="127.0.0.1",
+                    hostIPs=[{"ip": "127.0.0.1"}],
+                    startTime=started,
+                    conditions=_ready_conditions(s, True, ""),
+                    containerStatuses=[
+                        _container_status(container, {"running": {"startedAt": started}}, True, proc.pid)
+                    ],
+                ),
+            )
             probe = container.get("livenessProbe") or {}
             if "exec" in probe:
                 grace = min(self.max_grace_s, spec.get("terminationGracePeriodSeconds", 30))
@@ -259,8 +301,18 @@ class PodRunner:
             except subprocess.TimeoutExpired:
                 wait = probe.get("periodSeconds", 10)
             try:
-                ok = subprocess.run(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, timeout=probe.get("timeoutSeconds", 1)).returncode == 0
+                ok = (
+                    subprocess.run(
+                        argv,
+                        env=env,
+                        cwd=cwd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        timeout=probe.get("timeoutSeconds", 1),
+                    ).returncode
+                    == 0
+                )
             except subprocess.TimeoutExpired:
                 ok = False
             failures = 0 if ok else failures + 1
@@ -269,22 +321,43 @@ class PodRunner:
                 return
 
     def _terminated(self, pod, container, ip, code, reason, message, started, pid=0) -> None:
-        state = {"terminated": {"exitCode": code, "reason": reason, "startedAt": started, "finishedAt": now(),
-                                "containerID": f"double://{pid}", **({"message": message} if message else {})}}
-        self._set(pod, lambda s: s.update(
-            phase="Succeeded" if code == 0 else "Failed", podIP=ip, podIPs=[{"ip": ip}],
-            conditions=_ready_conditions(s, False, "PodCompleted"),
-            containerStatuses=[_container_status(container, state, False, pid)]))
+        state = {
+            "terminated": {
+                "exitCode": code,
+                "reason": reason,
+                "startedAt": started,
+                "finishedAt": now(),
+                "containerID": f"double://{pid}",
+                **({"message": message} if message else {}),
+            }
+        }
+        self._set(
+            pod,
+            lambda s: s.update(
+                phase="Succeeded" if code == 0 else "Failed",
+                podIP=ip,
+                podIPs=[{"ip": ip}],
+                conditions=_ready_conditions(s, False, "PodCompleted"),
+                containerStatuses=[_container_status(container, state, False, pid)],
+            ),
+        )
 
     def _waiting(self, pod: dict, reason: str, message: str) -> None:
         container = pod["spec"]["containers"][0]
-        self._set(pod, lambda s: s.update(
-            conditions=_ready_conditions(s, False, "ContainersNotReady"),
-            containerStatuses=[_container_status(container, {"waiting": {"reason": reason, "message": message}}, False, 0)]))
+        self._set(
+            pod,
+            lambda s: s.update(
+                conditions=_ready_conditions(s, False, "ContainersNotReady"),
+                containerStatuses=[
+                    _container_status(container, {"waiting": {"reason": reason, "message": message}}, False, 0)
+                ],
+            ),
+        )
 
     def _set(self, pod: dict, change) -> None:
-        self.store.update("pods", pod["metadata"]["namespace"], pod["metadata"]["name"],
-                          lambda p: change(p.setdefault("status", {})))
+        self.store.update(
+            "pods", pod["metadata"]["namespace"], pod["metadata"]["name"], lambda p: change(p.setdefault("status", {}))
+        )
 
     def _env(self, pod: dict, container: dict, ip: str, hostname: str) -> dict[str, str]:
         ns = pod["metadata"]["namespace"]
@@ -302,7 +375,7 @@ class PodRunner:
                 ref = source["secretKeyRef"]
                 value = self.secrets.get((ns, ref["name"]), {}).get(ref["key"])
                 if value is None and not ref.get("optional"):
-                    raise ConfigError(f'couldn\'t find key {ref["key"]} in Secret {ns}/{ref["name"]}')
+                    raise ConfigError(f"couldn't find key {ref['key']} in Secret {ns}/{ref['name']}")
                 if value is not None:
                     env[item["name"]] = value
             else:
@@ -316,8 +389,13 @@ class PodRunner:
         if not services:
             return text
         names = "|".join(re.escape(s) for s in sorted(services, key=len, reverse=True))
-        pattern = (r"(?<![\w.-])([a-z0-9](?:[-a-z0-9]*[a-z0-9])?)\.(" + names + r")(?:\." + re.escape(ns)
-                   + r"(?:\.svc(?:\.cluster\.local)?)?)?(?![\w-])")
+        pattern = (
+            r"(?<![\w.-])([a-z0-9](?:[-a-z0-9]*[a-z0-9])?)\.("
+            + names
+            + r")(?:\."
+            + re.escape(ns)
+            + r"(?:\.svc(?:\.cluster\.local)?)?)?(?![\w-])"
+        )
         return re.sub(pattern, lambda m: self.address(ns, m[2], m[1]), text)
 
     def close(self) -> None:
@@ -378,13 +456,24 @@ def _with_condition(status: dict, type_: str, value: str, reason: str, message: 
 def _ready_conditions(status: dict, ready: bool, reason: str) -> list[dict]:
     value = "True" if ready else "False"
     conditions = status.get("conditions") or []
-    for type_, v, why in (("PodScheduled", "True", ""), ("Initialized", "True", ""),
-                          ("ContainersReady", value, reason), ("Ready", value, reason)):
+    for type_, v, why in (
+        ("PodScheduled", "True", ""),
+        ("Initialized", "True", ""),
+        ("ContainersReady", value, reason),
+        ("Ready", value, reason),
+    ):
         conditions = _with_condition({"conditions": conditions}, type_, v, why)
     return conditions
 
 
 def _container_status(container: dict, state: dict, ready: bool, pid: int) -> dict:
-    return {"name": container["name"], "image": container["image"], "imageID": f"double://{container['image']}",
-            "containerID": f"double://{pid}", "ready": ready, "restartCount": 0, "started": "running" in state,
-            "state": state}
+    return {
+        "name": container["name"],
+        "image": container["image"],
+        "imageID": f"double://{container['image']}",
+        "containerID": f"double://{pid}",
+        "ready": ready,
+        "restartCount": 0,
+        "started": "running" in state,
+        "state": state,
+    }

@@ -15,9 +15,9 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable, Iterator
 
 from support.kube_objects import DEFAULT_PROPAGATION, KINDS, PLURALS, KubeError, check_immutable, complete, validate
 
@@ -87,6 +87,7 @@ def _dig(obj, path):
 
 # ---------------------------------------------------------------- the store
 
+
 class Store:
     """All objects of the double, keyed by (plural, namespace, name)."""
 
@@ -126,8 +127,12 @@ class Store:
         with self.cond:
             key = (plural, ns, meta["name"])
             if key in self.objects:
-                raise KubeError(409, "AlreadyExists", f'{plural} "{meta["name"]}" already exists',
-                                {"name": meta["name"], "kind": plural})
+                raise KubeError(
+                    409,
+                    "AlreadyExists",
+                    f'{plural} "{meta["name"]}" already exists',
+                    {"name": meta["name"], "kind": plural},
+                )
             meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
             for stray in ("deletionTimestamp", "resourceVersion"):
                 meta.pop(stray, None)
@@ -148,24 +153,40 @@ class Store:
     def find(self, plural: str, ns: str | None, labels: str | None = None, fields: str | None = None) -> list[dict]:
         """Live objects (not copies: hold the lock) matching the selectors; ns None = all."""
         by_label, by_field = label_matcher(labels), field_matcher(fields)
-        return [o for (p, n, _), o in sorted(self.objects.items())
-                if p == plural and ns in (None, n) and by_label(o["metadata"].get("labels")) and by_field(o)]
+        return [
+            o
+            for (p, n, _), o in sorted(self.objects.items())
+            if p == plural and ns in (None, n) and by_label(o["metadata"].get("labels")) and by_field(o)
+        ]
 
-    def list(self, plural: str, ns: str | None, labels: str | None = None, fields: str | None = None) -> tuple[list[dict], str]:
+    def list(
+        self, plural: str, ns: str | None, labels: str | None = None, fields: str | None = None
+    ) -> tuple[list[dict], str]:
         with self.cond:
             return copy.deepcopy(self.find(plural, ns, labels, fields)), str(self.rv)
 
-    def update(self, plural: str, ns: str, name: str, change: Callable[[dict], None],
-               expect_rv: str | None = None, client: bool = False) -> dict:
+    def update(
+        self,
+        plural: str,
+        ns: str,
+        name: str,
+        change: Callable[[dict], None],
+        expect_rv: str | None = None,
+        client: bool = False,
+    ) -> dict:
         """Apply ``change`` to a copy of the object and write it when it changed (one event).
         ``expect_rv``: optimistic concurrency as for PUT/patch with a resourceVersion (409);
         ``client``: a request's update, held to the immutable fields (422)."""
         with self.cond:
             old = self._get(plural, ns, name)
             if expect_rv and expect_rv != old["metadata"]["resourceVersion"]:
-                raise KubeError(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}": the object '
-                                "has been modified; please apply your changes to the latest version and try again",
-                                {"name": name, "kind": plural})
+                raise KubeError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {plural} "{name}": the object '
+                    "has been modified; please apply your changes to the latest version and try again",
+                    {"name": name, "kind": plural},
+                )
             new = copy.deepcopy(old)
             change(new)
             meta = new["metadata"]
@@ -185,8 +206,9 @@ class Store:
             return result
 
     # -- deletion and garbage collection
-    def delete(self, plural: str, ns: str, name: str, propagation: str | None = None,
-               grace_seconds: int | None = None) -> dict:
+    def delete(
+        self, plural: str, ns: str, name: str, propagation: str | None = None, grace_seconds: int | None = None
+    ) -> dict:
         """Delete like the API server: pods end gracefully (their deleter kills the process, then
         calls :meth:`remove`); ``Foreground`` keeps the owner (deletionTimestamp, finalizer
         ``foregroundDeletion``) until its dependents are gone; ``Background`` removes it and then
@@ -202,18 +224,25 @@ class Store:
             dependents = [o for o in self.objects.values() if uid in owner_uids(o)]
             if propagation == "Orphan":
                 for dep in dependents:
-                    self.update(_plural(dep), dep["metadata"]["namespace"], dep["metadata"]["name"],
-                                lambda d, u=uid: d["metadata"].__setitem__(
-                                    "ownerReferences", [r for r in d["metadata"]["ownerReferences"] if r.get("uid") != u]))
+                    self.update(
+                        _plural(dep),
+                        dep["metadata"]["namespace"],
+                        dep["metadata"]["name"],
+                        lambda d, u=uid: d["metadata"].__setitem__(
+                            "ownerReferences", [r for r in d["metadata"]["ownerReferences"] if r.get("uid") != u]
+                        ),
+                    )
                 dependents = []
             graceful = plural in self.deleters
             if (propagation == "Foreground" and dependents) or graceful:
+
                 def mark(o):
                     o["metadata"]["deletionTimestamp"] = now()
                     if grace_seconds is not None:
                         o["metadata"]["deletionGracePeriodSeconds"] = grace_seconds
                     if propagation == "Foreground" and dependents:
                         o["metadata"]["finalizers"] = [*o["metadata"].get("finalizers", []), "foregroundDeletion"]
+
                 result = self.update(plural, ns, name, mark)
                 for dep in dependents:
                     self.delete(_plural(dep), dep["metadata"]["namespace"], dep["metadata"]["name"], "Background")
@@ -235,8 +264,11 @@ class Store:
         for dep in [o for o in self.objects.values() if uid in owner_uids(o)]:  # the garbage collector
             self.delete(_plural(dep), dep["metadata"]["namespace"], dep["metadata"]["name"], "Background")
         for (p, n, owner_name), owner in list(self.objects.items()):  # a foreground owner whose last dependent went
-            if (owner["metadata"]["uid"] in owner_uids(obj) and "foregroundDeletion" in owner["metadata"].get("finalizers", [])
-                    and not any(owner["metadata"]["uid"] in owner_uids(o) for o in self.objects.values())):
+            if (
+                owner["metadata"]["uid"] in owner_uids(obj)
+                and "foregroundDeletion" in owner["metadata"].get("finalizers", [])
+                and not any(owner["metadata"]["uid"] in owner_uids(o) for o in self.objects.values())
+            ):
                 self._remove(p, n, owner_name)
         return result
 
@@ -247,8 +279,16 @@ class Store:
             self.compacted = self.rv
             self.events.clear()
 
-    def watch(self, plural: str, ns: str | None, labels: str | None, fields: str | None,
-              since: str | None, timeout_s: float, bookmarks: bool = False) -> Iterator[dict]:
+    def watch(
+        self,
+        plural: str,
+        ns: str | None,
+        labels: str | None,
+        fields: str | None,
+        since: str | None,
+        timeout_s: float,
+        bookmarks: bool = False,
+    ) -> Iterator[dict]:
         """Watch events (wire dicts) for changes after ``since``; without it, ADDED for every
         current object first. Ends at ``timeout_s`` (the server closes the stream) or on close.
         A bad selector or version raises here, before the stream starts."""
@@ -273,17 +313,32 @@ class Store:
         while True:
             with self.cond:
                 if pos < self.compacted:
-                    yield {"type": "ERROR", "object": {
-                        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 410,
-                        "reason": "Expired", "message": f"too old resource version: {pos} ({self.compacted})"}}
+                    yield {
+                        "type": "ERROR",
+                        "object": {
+                            "kind": "Status",
+                            "apiVersion": "v1",
+                            "metadata": {},
+                            "status": "Failure",
+                            "code": 410,
+                            "reason": "Expired",
+                            "message": f"too old resource version: {pos} ({self.compacted})",
+                        },
+                    }
                     return
                 while not self.closed and self.rv <= pos and time.monotonic() < deadline:
                     self.cond.wait(max(0.0, min(1.0, deadline - time.monotonic())))
                 batch = [e for e in self.events if e.rv > pos]
                 if self.closed or (not batch and time.monotonic() >= deadline):
                     if bookmarks:
-                        yield {"type": "BOOKMARK", "object": {"kind": KINDS[plural], "apiVersion": "v1",
-                                                              "metadata": {"resourceVersion": str(self.rv)}}}
+                        yield {
+                            "type": "BOOKMARK",
+                            "object": {
+                                "kind": KINDS[plural],
+                                "apiVersion": "v1",
+                                "metadata": {"resourceVersion": str(self.rv)},
+                            },
+                        }
                     return
                 if not batch:
                     pos = self.rv

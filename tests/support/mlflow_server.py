@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import httpx
+
 from support.s3_servers import _Server, free_ports
 
 
@@ -31,9 +32,25 @@ class MlflowServer(_Server):
             shutil.copyfile(template, store)
         # no job runner (MLflow 3 starts huey consumers for server-side jobs): nothing here uses them
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        self._spawn([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--workers", "1", "--backend-store-uri", f"sqlite:///{store}",
-                     "--artifacts-destination", str(self.workdir / "artifacts")], env)
+        self._spawn(
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{store}",
+                "--artifacts-destination",
+                str(self.workdir / "artifacts"),
+            ],
+            env,
+        )
         self._wait_ready(lambda: httpx.get(f"{self.uri}/health", timeout=2).raise_for_status(), timeout)
         return self
 

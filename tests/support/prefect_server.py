@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from support.s3_servers import _Server, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,8 +43,12 @@ class PrefectServer(_Server):
         """Environment of a client process (CLI, worker) of this server; flow runs inherit it, and
         PYTHONPATH makes them import this checkout."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        env.update(PREFECT_HOME=str(self.home), PREFECT_API_URL=self.api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        env.update(
+            PREFECT_HOME=str(self.home),
+            PREFECT_API_URL=self.api_url,
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        )
         env.update(extra)
         return env
 
@@ -60,8 +65,10 @@ class PrefectServer(_Server):
             httpx.get(f"{self.api_url}/health", timeout=2).raise_for_status()
 
         for attempt in range(attempts):
-            self._spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                         "--port", str(self.port)], env)
+            self._spawn(
+                [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                env,
+            )
             try:
                 self._wait_ready(probe, timeout)
                 return self
@@ -75,17 +82,28 @@ class PrefectServer(_Server):
     def start_worker(self, pool: str, log: Path, *extra: str) -> subprocess.Popen:
         """``prefect worker start --pool POOL --type process`` polling every second, run from the checkout."""
         out = open(log, "ab")  # noqa: SIM115 - the worker writes to it while it runs
-        proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
-                                 *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=self.env(PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="5"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process", *extra],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=self.env(PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="5"),
+        )
         out.close()
         self.workers.append(proc)
         return proc
 
     def prefect(self, *args: str, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
         """Run the ``prefect`` CLI against this server."""
-        return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=cwd, env=self.env(PWD=str(cwd)),
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "prefect", *args],
+            cwd=cwd,
+            env=self.env(PWD=str(cwd)),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     @contextlib.contextmanager
     def settings(self):

@@ -7,9 +7,9 @@ with a deadline. Test modules bind the fixtures they use: ``seaweed = s3_servers
 from __future__ import annotations
 
 import os
-import signal
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,10 +61,13 @@ def s3_client(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SEC
     from botocore.config import Config
 
     return boto3.session.Session().client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=access_key,
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=access_key,
         aws_secret_access_key=secret_key,
-        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
-                      connect_timeout=1, read_timeout=2))
+        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}, connect_timeout=1, read_timeout=2),
+    )
 
 
 class _Server:
@@ -75,8 +78,7 @@ class _Server:
 
     def _spawn(self, cmd: list[str], env: dict[str, str]) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - open while the server runs
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def _wait_ready(self, probe, timeout: float) -> None:
         """Poll ``probe`` until it succeeds; fail with the server log after ``timeout``."""
@@ -94,8 +96,10 @@ class _Server:
         tail = self.log_path.read_text(errors="replace")[-3000:]
         code = self.proc.poll()
         self.kill()
-        raise RuntimeError(f"{self.name} at {self.endpoint} not ready after {timeout}s "
-                           f"(exit code {code}, last error {last!r}); log:\n{tail}")
+        raise RuntimeError(
+            f"{self.name} at {self.endpoint} not ready after {timeout}s "
+            f"(exit code {code}, last error {last!r}); log:\n{tail}"
+        )
 
     def _signal(self, sig: int) -> None:
         """Signal the server and every process it started (its own session)."""
@@ -143,10 +147,21 @@ class SeaweedServer(_Server):
         # -master.resumeState=false: on a restart over an existing -dir, a resumed master may
         # answer the volume server's first heartbeat before it is raft leader; the volume
         # server then retries only after 5 s and writes hang meanwhile (seen 4 in 14 restarts).
-        cmd = [_weed_binary(), "-logtostderr", "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1",
-               "-ip.bind=127.0.0.1", "-admin.ui=false", "-webdav=false",
-               "-master.telemetry=false", "-master.resumeState=false",
-               "-volume.preStopSeconds=0", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+        cmd = [
+            _weed_binary(),
+            "-logtostderr",
+            "mini",
+            f"-dir={self.data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-master.telemetry=false",
+            "-master.resumeState=false",
+            "-volume.preStopSeconds=0",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+        ]
         for name, port in p.items():
             cmd += [f"-{name}.port={port}", f"-{name}.port.grpc={port + 10000}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -234,7 +249,11 @@ def moto_factory(tmp_path):
 @pytest.fixture
 def aws_env(monkeypatch):
     """The test servers' credentials in the standard AWS environment (inherited by subprocesses)."""
-    for k, v in {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
 
 

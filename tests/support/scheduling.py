@@ -7,11 +7,32 @@ from __future__ import annotations
 # on processes that take whole files (`--dist loadfile`), and a long file started last would run
 # alone at the end. xdist would reorder the files by their number of tests (many short unit tests
 # first): `--no-loadscope-reorder` in pyproject.toml keeps this order. Order within a file is kept.
-LONGEST_FIRST = ("test_kube_campaign.py", "test_interrupt.py", "test_resume.py", "test_prefect_server.py",
-                 "test_s3_campaign.py", "test_elastic.py", "test_gate.py", "test_kube_cluster.py", "test_fast_recovery.py",
-                 "test_data_ux.py", "test_chaos.py", "test_tracking.py", "test_fsdp.py", "test_compare.py", "test_saver.py",
-                 "test_storage.py", "test_export.py", "test_pause.py", "test_campaign.py", "test_anomaly.py",
-                 "test_release_before.py", "test_spec.py", "test_stages.py", "test_blocks.py")
+LONGEST_FIRST = (
+    "test_kube_campaign.py",
+    "test_interrupt.py",
+    "test_resume.py",
+    "test_prefect_server.py",
+    "test_s3_campaign.py",
+    "test_elastic.py",
+    "test_gate.py",
+    "test_kube_cluster.py",
+    "test_fast_recovery.py",
+    "test_data_ux.py",
+    "test_chaos.py",
+    "test_tracking.py",
+    "test_fsdp.py",
+    "test_compare.py",
+    "test_saver.py",
+    "test_storage.py",
+    "test_export.py",
+    "test_pause.py",
+    "test_campaign.py",
+    "test_anomaly.py",
+    "test_release_before.py",
+    "test_spec.py",
+    "test_stages.py",
+    "test_blocks.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,7 +19,7 @@ class Terminal:
         self.seen = bytearray()
         self._reader = threading.Thread(target=self._read, daemon=True)
 
-    def opened(self) -> "Terminal":
+    def opened(self) -> Terminal:
         """The child process has its end: close ours of it and start reading."""
         os.close(self.child)
         self._reader.start()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from support.agents import agent_job, node_log, run_agent
 from pretrain.run.incidents import cause_of
+from support.agents import agent_job, node_log, run_agent
 from trainer.job.reporting import EVENTS, read_all
 from trainer.resilience.anomaly import SpikeDetector, skip_past
 
@@ -42,17 +42,28 @@ def test_skip_past_steps_over_every_window_it_lands_in():
     assert skip_past(50, windows) == 56
 
 
-@pytest.mark.parametrize("in_process, errors", [
-    (True, ["TooManyRollbacks", "TooManyRollbacks"]),  # the live worker refuses to roll back, then its restart does
-    (False, ["LossAnomaly", "TooManyRollbacks"]),  # the NaN step ends the worker, the restarted one refuses
-])
-def test_too_many_rollbacks_fail_the_job_saying_which_setting_to_raise(prepared_data, tmp_path, zygote, in_process, errors):
+@pytest.mark.parametrize(
+    "in_process, errors",
+    [
+        (True, ["TooManyRollbacks", "TooManyRollbacks"]),  # the live worker refuses to roll back, then its restart does
+        (False, ["LossAnomaly", "TooManyRollbacks"]),  # the NaN step ends the worker, the restarted one refuses
+    ],
+)
+def test_too_many_rollbacks_fail_the_job_saying_which_setting_to_raise(
+    prepared_data, tmp_path, zygote, in_process, errors
+):
     """A NaN step with ``max_rollbacks: 0``: whether rolled back inside the live workers or by
     restarting them, the worker refuses to go on; the job fails with the cause the stage policy
     stops on (``too_many_rollbacks`` → give up, no relaunch: tests/test_policy.py)."""
-    job = agent_job(tmp_path, prepared_data, steps=6, sections={
-        "chaos": [{"kind": "nan_loss", "step": 3}],
-        "fault_tolerance": {"max_rollbacks": 0, "rollback_in_process": in_process}})
+    job = agent_job(
+        tmp_path,
+        prepared_data,
+        steps=6,
+        sections={
+            "chaos": [{"kind": "nan_loss", "step": 3}],
+            "fault_tolerance": {"max_rollbacks": 0, "rollback_in_process": in_process},
+        },
+    )
     assert run_agent(job, max_restarts=1, zygote=zygote) == 1, node_log(job)
     events = read_all(Path(job.job_dir) / EVENTS)
     assert [e["kind"] for e in events if e["event"] == "anomaly"] == ["nonfinite"]

@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.campaigns import small_spec
 
-from pretrain.spec.campaign import parse_spec
-
-from pretrain.data.corpus.files import CorpusError
-from pretrain.state.layout import UnusableWorkdir
-from pretrain.state.layout import CampaignLayout
-from pretrain.state.ledger import CampaignMismatch, Ledger, LedgerError, ledger_location
 from pretrain.cli.before_start import refuse_before_starting
+from pretrain.data.corpus.files import CorpusError
+from pretrain.spec.campaign import parse_spec
+from pretrain.state.layout import CampaignLayout, UnusableWorkdir
+from pretrain.state.ledger import CampaignMismatch, Ledger, LedgerError, ledger_location
+from support.campaigns import small_spec
 
 OTHER_MODEL = {"n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 64}
 
@@ -48,22 +46,57 @@ CASES = {  # name: (what is in the workdir, spec sections, check sources, refuse
     "an empty workdir is made": (None, {}, False, None, True),
     "a file where the workdir should be": (a_file, {}, False, UnusableWorkdir, False),
     "another spec's campaign": (started_by_another_spec, {}, False, CampaignMismatch, True),
-    "another spec's campaign, spec with a block (hashed as resolved: the flow checks)":
-        (started_by_another_spec, {"blocks": {"tracking": "mlflow-tracking/team"}}, False, None, True),
+    "another spec's campaign, spec with a block (hashed as resolved: the flow checks)": (
+        started_by_another_spec,
+        {"blocks": {"tracking": "mlflow-tracking/team"}},
+        False,
+        None,
+        True,
+    ),
     "a damaged ledger": (damaged, {}, False, LedgerError, True),
-    "a damaged ledger file in the workdir of a campaign kept at state_uri (it may be another campaign's)":
-        (damaged, {"checkpoint": STATE_ON_S3}, False, LedgerError, True),
-    "a campaign kept in the workdir, the spec's state at state_uri": (started_by_another_spec,
-                                                                     {"checkpoint": STATE_ON_S3}, False, LedgerError, True),
+    "a damaged ledger file in the workdir of a campaign kept at state_uri (it may be another campaign's)": (
+        damaged,
+        {"checkpoint": STATE_ON_S3},
+        False,
+        LedgerError,
+        True,
+    ),
+    "a campaign kept in the workdir, the spec's state at state_uri": (
+        started_by_another_spec,
+        {"checkpoint": STATE_ON_S3},
+        False,
+        LedgerError,
+        True,
+    ),
     "the workdir's copy of the ledger kept at state_uri": (a_copy, {"checkpoint": STATE_ON_S3}, False, None, True),
-    "a storage block decides the workdir: the spec's is not made":
-        (None, {"blocks": {"storage": "local-campaign-storage/shared"}}, False, None, False),
-    "local sources that match nothing (data prepare)":
-        (None, {"data": {"sources": ["/nonexistent/corpus/*.jsonl"]}}, True, CorpusError, True),
-    "the same sources, run (a prepared campaign may have dropped its raw corpus)":
-        (None, {"data": {"sources": ["/nonexistent/corpus/*.jsonl"]}}, False, None, True),
-    "sources on S3 are the flow's to list (credentials)":
-        (None, {"data": {"sources": ["s3://bucket/corpus/*.jsonl"]}}, True, None, True),
+    "a storage block decides the workdir: the spec's is not made": (
+        None,
+        {"blocks": {"storage": "local-campaign-storage/shared"}},
+        False,
+        None,
+        False,
+    ),
+    "local sources that match nothing (data prepare)": (
+        None,
+        {"data": {"sources": ["/nonexistent/corpus/*.jsonl"]}},
+        True,
+        CorpusError,
+        True,
+    ),
+    "the same sources, run (a prepared campaign may have dropped its raw corpus)": (
+        None,
+        {"data": {"sources": ["/nonexistent/corpus/*.jsonl"]}},
+        False,
+        None,
+        True,
+    ),
+    "sources on S3 are the flow's to list (credentials)": (
+        None,
+        {"data": {"sources": ["s3://bucket/corpus/*.jsonl"]}},
+        True,
+        None,
+        True,
+    ),
 }
 
 

@@ -12,77 +12,80 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.data.corpus import CorpusError, Doc, Skip, expand_sources, plan_units, read_unit, resolve_format
+from pretrain.data.corpus import CorpusError, expand_sources, plan_units, read_unit, resolve_format
 from pretrain.data.corpus.globs import glob_regex
 from pretrain.data.corpus.units import batch_row_groups, byte_ranges
-from pretrain.spec.data import DataSpec
 from support.corpus_files import compress, read_all, skips, spec, texts, write_jsonl, write_parquet
-
-
-
-
-
-
-
-
-
-
-
 
 # ---- formats and globs (pure) ----
 
-@pytest.mark.parametrize("name, declared, expected", [
-    ("a.txt", "auto", ("text", "")),
-    ("a.py", "auto", ("text", "")),
-    ("a.jsonl", "auto", ("jsonl", "")),
-    ("a.NDJSON", "auto", ("jsonl", "")),
-    ("a.json", "auto", ("jsonl", "")),
-    ("a.jsonl.gz", "auto", ("jsonl", "gz")),
-    ("a.jsonl.zst", "auto", ("jsonl", "zst")),
-    ("a.txt.gz", "auto", ("text", "gz")),
-    ("a.parquet", "auto", ("parquet", "")),
-    ("s3://b/x/a.parquet", "auto", ("parquet", "")),
-    ("a.log", "jsonl", ("jsonl", "")),
-    ("a.jsonl.zst", "text", ("text", "zst")),
-    ("data.gz.txt", "auto", ("text", "")),
-])
+
+@pytest.mark.parametrize(
+    "name, declared, expected",
+    [
+        ("a.txt", "auto", ("text", "")),
+        ("a.py", "auto", ("text", "")),
+        ("a.jsonl", "auto", ("jsonl", "")),
+        ("a.NDJSON", "auto", ("jsonl", "")),
+        ("a.json", "auto", ("jsonl", "")),
+        ("a.jsonl.gz", "auto", ("jsonl", "gz")),
+        ("a.jsonl.zst", "auto", ("jsonl", "zst")),
+        ("a.txt.gz", "auto", ("text", "gz")),
+        ("a.parquet", "auto", ("parquet", "")),
+        ("s3://b/x/a.parquet", "auto", ("parquet", "")),
+        ("a.log", "jsonl", ("jsonl", "")),
+        ("a.jsonl.zst", "text", ("text", "zst")),
+        ("data.gz.txt", "auto", ("text", "")),
+    ],
+)
 def test_format_follows_the_extension_unless_declared(name, declared, expected):
     assert resolve_format(name, declared) == expected
 
 
-@pytest.mark.parametrize("pattern, path, matches", [
-    ("corpus/**.jsonl", "corpus/a.jsonl", True),
-    ("corpus/**.jsonl", "corpus/x/y/a.jsonl", True),
-    ("corpus/**.jsonl", "corpus/a.jsonl.gz", False),
-    ("corpus/**/*.jsonl", "corpus/a.jsonl", True),
-    ("corpus/**/*.jsonl", "corpus/d/a.jsonl", True),
-    ("corpus/*.jsonl", "corpus/d/a.jsonl", False),
-    ("corpus/?.txt", "corpus/a.txt", True),
-    ("corpus/?.txt", "corpus/ab.txt", False),
-    ("corpus/[ab].txt", "corpus/b.txt", True),
-    ("corpus/[!ab].txt", "corpus/b.txt", False),
-    ("corpus/[!ab].txt", "corpus/c.txt", True),
-    ("c+p/(x).txt", "c+p/(x).txt", True),
-    ("corpus/**", "corpus/x/y", True),
-])
+@pytest.mark.parametrize(
+    "pattern, path, matches",
+    [
+        ("corpus/**.jsonl", "corpus/a.jsonl", True),
+        ("corpus/**.jsonl", "corpus/x/y/a.jsonl", True),
+        ("corpus/**.jsonl", "corpus/a.jsonl.gz", False),
+        ("corpus/**/*.jsonl", "corpus/a.jsonl", True),
+        ("corpus/**/*.jsonl", "corpus/d/a.jsonl", True),
+        ("corpus/*.jsonl", "corpus/d/a.jsonl", False),
+        ("corpus/?.txt", "corpus/a.txt", True),
+        ("corpus/?.txt", "corpus/ab.txt", False),
+        ("corpus/[ab].txt", "corpus/b.txt", True),
+        ("corpus/[!ab].txt", "corpus/b.txt", False),
+        ("corpus/[!ab].txt", "corpus/c.txt", True),
+        ("c+p/(x).txt", "c+p/(x).txt", True),
+        ("corpus/**", "corpus/x/y", True),
+    ],
+)
 def test_glob_rules(pattern, path, matches):
     assert bool(glob_regex(pattern).match(path)) is matches
 
 
 # ---- expanding sources ----
 
+
 def test_groups_entries_and_matches_keep_their_order_and_a_file_named_twice_is_kept_once(tmp_path):
     for name in ("b.txt", "a.txt", "c.jsonl"):
         (tmp_path / name).write_text("x\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "d.txt").write_text("x\n")
-    data = spec({"web": [str(tmp_path / "c.jsonl"), str(tmp_path / "*.txt"), str(tmp_path / "a.txt")],
-                 "code": [{"path": str(tmp_path / "**.txt"), "weight": 2.0}]})
+    data = spec(
+        {
+            "web": [str(tmp_path / "c.jsonl"), str(tmp_path / "*.txt"), str(tmp_path / "a.txt")],
+            "code": [{"path": str(tmp_path / "**.txt"), "weight": 2.0}],
+        }
+    )
     groups = expand_sources(data)
     assert list(groups) == ["web", "code"]
     assert [Path(f.uri).name for f in groups["web"]] == ["c.jsonl", "a.txt", "b.txt"]
     assert [(Path(f.uri).name, f.format, f.weight, f.group) for f in groups["code"]] == [
-        ("a.txt", "text", 2.0, "code"), ("b.txt", "text", 2.0, "code"), ("d.txt", "text", 2.0, "code")]
+        ("a.txt", "text", 2.0, "code"),
+        ("b.txt", "text", 2.0, "code"),
+        ("d.txt", "text", 2.0, "code"),
+    ]
     assert groups["web"][0].entry == "data.sources.web[0]"
 
 
@@ -114,35 +117,53 @@ def test_the_identity_changes_with_the_file(tmp_path):
     assert plan_units(before, 4096)[0].key != plan_units(after, 4096)[0].key
 
 
-@pytest.mark.parametrize("sources, field", [
-    (["{missing}/nothing/*.txt"], "data.sources[0]"),
-    (["{stdlib}/json/*.py", "/nonexistent/dir/*.jsonl"], "data.sources[1]"),
-    ({"web": ["{stdlib}/json/*.py"], "code": ["/nonexistent/x.py"]}, "data.sources.code[0]"),
-])
+@pytest.mark.parametrize(
+    "sources, field",
+    [
+        (["{missing}/nothing/*.txt"], "data.sources[0]"),
+        (["{stdlib}/json/*.py", "/nonexistent/dir/*.jsonl"], "data.sources[1]"),
+        ({"web": ["{stdlib}/json/*.py"], "code": ["/nonexistent/x.py"]}, "data.sources.code[0]"),
+    ],
+)
 def test_an_entry_matching_nothing_is_named(sources, field):
-    with pytest.raises(CorpusError, match=rf"^{field.replace('[', '.').replace(']', '.')} .*matched no files: fix the path"):
+    with pytest.raises(
+        CorpusError, match=rf"^{field.replace('[', '.').replace(']', '.')} .*matched no files: fix the path"
+    ):
         expand_sources(spec(sources))
 
 
 # ---- work units ----
 
-@pytest.mark.parametrize("size, unit, expected", [
-    (0, 10, [(0, 0)]), (10, 10, [(0, 10)]), (11, 10, [(0, 10), (10, 11)]), (25, 10, [(0, 10), (10, 20), (20, 25)]),
-])
+
+@pytest.mark.parametrize(
+    "size, unit, expected",
+    [
+        (0, 10, [(0, 0)]),
+        (10, 10, [(0, 10)]),
+        (11, 10, [(0, 10), (10, 11)]),
+        (25, 10, [(0, 10), (10, 20), (20, 25)]),
+    ],
+)
 def test_byte_ranges(size, unit, expected):
     assert byte_ranges(size, unit) == expected
 
 
-@pytest.mark.parametrize("sizes, unit, expected", [
-    ([], 10, []), ([4, 4, 4], 10, [(0, 3)]), ([6, 6, 6], 10, [(0, 2), (2, 3)]), ([20, 1, 20], 10, [(0, 1), (1, 3)]),
-])
+@pytest.mark.parametrize(
+    "sizes, unit, expected",
+    [
+        ([], 10, []),
+        ([4, 4, 4], 10, [(0, 3)]),
+        ([6, 6, 6], 10, [(0, 2), (2, 3)]),
+        ([20, 1, 20], 10, [(0, 1), (1, 3)]),
+    ],
+)
 def test_row_groups_are_batched_to_about_unit_bytes(sizes, unit, expected):
     assert batch_row_groups(sizes, unit) == expected
 
 
 def test_every_jsonl_line_is_read_exactly_once_whatever_the_unit_size(tmp_path):
     rng = random.Random(0)
-    records = ["".join(rng.choice("abc é\n\t{}\"") for _ in range(rng.randrange(1, 40))) for _ in range(60)]
+    records = ["".join(rng.choice('abc é\n\t{}"') for _ in range(rng.randrange(1, 40))) for _ in range(60)]
     path = write_jsonl(tmp_path / "c.jsonl", records)
     data = spec([str(path)])
     for unit_bytes in (1, 2, 3, 7, 16, 50, 64, 333, path.stat().st_size, 10**6):
@@ -164,22 +185,29 @@ def test_a_large_text_file_splits_after_newlines_and_loses_nothing(tmp_path):
 
 # ---- bad input ----
 
+
 def test_a_bad_jsonl_line_stops_with_file_and_line_number_even_in_a_later_unit(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(50)) + "{oops\n")
-    with pytest.raises(CorpusError, match=rf"{path} \(from data.sources\[0\]\): line 51: not JSON .*"
-                                          "set data.on_bad_record: skip"):
+    with pytest.raises(
+        CorpusError,
+        match=rf"{path} \(from data.sources\[0\]\): line 51: not JSON .*"
+        "set data.on_bad_record: skip",
+    ):
         read_all(spec([str(path)]), unit_bytes=64)
 
 
-@pytest.mark.parametrize("line, problem", [
-    ("not json", "not JSON"),
-    ("[1, 2]", "a JSON list, not an object"),
-    ('{"body": "x", "id": 3}', "no field 'text' \\(its fields: 'body', 'id'\\)"),
-    ('{"text": 42}', "field 'text' is int, not a string"),
-    ('{"text": null}', "field 'text' is NoneType"),
-    ("[" * 100000, "not JSON"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "a JSON list, not an object"),
+        ('{"body": "x", "id": 3}', "no field 'text' \\(its fields: 'body', 'id'\\)"),
+        ('{"text": 42}', "field 'text' is int, not a string"),
+        ('{"text": null}', "field 'text' is NoneType"),
+        ("[" * 100000, "not JSON"),
+    ],
+)
 def test_bad_records_error_or_are_skipped_and_counted(tmp_path, line, problem):
     path = tmp_path / "c.jsonl"
     path.write_text(f'{{"text": "good one"}}\n{line}\n{{"text": "good two"}}\n')
@@ -199,8 +227,12 @@ def test_empty_documents_are_skipped_and_blank_lines_ignored(tmp_path):
     blank.write_text("\n \n")
     items = read_all(spec([str(path), str(empty), str(blank)]))
     assert texts(items) == ["a", "b"]
-    assert skips(items) == [("empty", f"{path} line 4"), ("empty", f"{path} line 5"),
-                            ("empty", str(empty)), ("empty", str(blank))]
+    assert skips(items) == [
+        ("empty", f"{path} line 4"),
+        ("empty", f"{path} line 5"),
+        ("empty", str(empty)),
+        ("empty", str(blank)),
+    ]
 
 
 def test_binary_files_are_skipped_whole_and_counted_once(tmp_path):
@@ -217,10 +249,13 @@ def test_binary_files_are_skipped_whole_and_counted_once(tmp_path):
     assert skips(items) == [("binary", str(nul)), ("binary", str(noise)), ("binary", str(fake))]
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("replace", (["caf\ufffd ok\n"], [])),
-    ("skip", ([], [("decode", "FILE")])),
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("replace", (["caf\ufffd ok\n"], [])),
+        ("skip", ([], [("decode", "FILE")])),
+    ],
+)
 def test_isolated_invalid_bytes_follow_decode_errors(tmp_path, mode, expected):
     text = tmp_path / "a.txt"
     text.write_bytes(b"caf\xe9 ok\n")
@@ -256,9 +291,6 @@ def test_a_file_changed_or_removed_after_listing_is_an_error_naming_it(tmp_path)
 # ---- compression and Parquet ----
 
 
-
-
-
 @pytest.mark.parametrize("kind", ["gz", "zst"])
 def test_compressed_files_read_like_the_plain_ones(tmp_path, kind):
     records = [f"document {i} " + "é" * (i % 5) for i in range(40)]
@@ -270,7 +302,9 @@ def test_compressed_files_read_like_the_plain_ones(tmp_path, kind):
     text = tmp_path / "t.txt"
     text.write_text("".join(f"line {i}\n" for i in range(500)))
     for unit_bytes in (4096, 100, 10**6):  # cut every unit_bytes as the plain file's units are
-        assert texts(read_all(spec([str(compress(text, kind))]), unit_bytes)) == texts(read_all(spec([str(text)]), unit_bytes))
+        assert texts(read_all(spec([str(compress(text, kind))]), unit_bytes)) == texts(
+            read_all(spec([str(text)]), unit_bytes)
+        )
 
 
 @pytest.mark.parametrize("kind", ["gz", "zst"])
@@ -310,8 +344,11 @@ def test_parquet_nulls_empties_and_binary_columns(tmp_path):
 
 def test_parquet_without_the_text_column_or_damaged_is_an_error_naming_it(tmp_path):
     path = write_parquet(tmp_path / "a.parquet", ["x"], column="content")
-    with pytest.raises(CorpusError, match=r"a.parquet \(from data.sources\[0\]\) has no column 'text' "
-                                          r"\(its columns: 'content'\); set text_field"):
+    with pytest.raises(
+        CorpusError,
+        match=r"a.parquet \(from data.sources\[0\]\) has no column 'text' "
+        r"\(its columns: 'content'\); set text_field",
+    ):
         read_all(spec([str(path)]))
     numbers = write_parquet(tmp_path / "n.parquet", [1, 2], column="text")
     with pytest.raises(CorpusError, match="column 'text' holds int64, not text"):
@@ -328,7 +365,9 @@ def test_a_zstd_file_of_several_frames_reads_whole(tmp_path):
     import zstandard
 
     path = tmp_path / "multi.jsonl.zst"
-    parts = [write_jsonl(tmp_path / f"p{i}.jsonl", [f"part {i} doc {j}" for j in range(5)]).read_bytes() for i in range(3)]
+    parts = [
+        write_jsonl(tmp_path / f"p{i}.jsonl", [f"part {i} doc {j}" for j in range(5)]).read_bytes() for i in range(3)
+    ]
     path.write_bytes(b"".join(zstandard.ZstdCompressor().compress(p) for p in parts))
     assert texts(read_all(spec([str(path)]))) == [f"part {i} doc {j}" for i in range(3) for j in range(5)]
 
@@ -351,8 +390,11 @@ def test_a_line_longer_than_several_units_is_read_once_and_whole(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux /proc")
 def test_an_unreadable_file_is_an_error_naming_it_and_its_entry():
     data = spec(["{stdlib}/json/__init__.py", "/proc/self/mem"])  # listed as a file; reading it fails (EIO)
-    with pytest.raises(CorpusError, match=r"^/proc/self/mem \(from data.sources\[1\]\) is unreadable \(OSError: .*\); "
-                                          "replace or fix the file, or remove it from data.sources"):
+    with pytest.raises(
+        CorpusError,
+        match=r"^/proc/self/mem \(from data.sources\[1\]\) is unreadable \(OSError: .*\); "
+        "replace or fix the file, or remove it from data.sources",
+    ):
         read_all(data)
 
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from support.agents import agent_job, run_agent, snapshot
-from support.campaigns import small_spec
 from pretrain.run.incidents import NON_RETRYABLE, cause_of
 from pretrain.state.ledger import Ledger, LedgerDiskFull
+from support.agents import agent_job, run_agent, snapshot
+from support.campaigns import small_spec
 from support.tmpfs import small_tmpfs
-from trainer.common.atomic import atomic_write_bytes
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.saver import CheckpointDiskFull, Saver
+from trainer.common.atomic import atomic_write_bytes
 from trainer.job.reporting import EVENTS, METRICS, read_all
 
 
@@ -49,19 +49,22 @@ def test_a_persist_that_fills_the_disk_takes_back_its_shards_and_says_what_to_ch
         assert f"no space left on {fs} (tmpfs" in message and "for checkpoint step 8" in message
         assert "needs about 2.0 MiB" in message and "lower checkpoint.keep (now 2)" in message
         assert "step 4) stays the resume point" in message
-        assert [f for f in files_under(fs) if not f.startswith("step_00000008/node_")] == before  # no shard, no temporary
+        assert [
+            f for f in files_under(fs) if not f.startswith("step_00000008/node_")
+        ] == before  # no shard, no temporary
         assert location.read_pointer() == 4 and location.latest_complete().step == 4
 
 
-def test_a_full_checkpoint_disk_stops_the_job_with_the_message_while_training_went_on(prepared_data, tmp_path,
-                                                                                        zygote):
+def test_a_full_checkpoint_disk_stops_the_job_with_the_message_while_training_went_on(prepared_data, tmp_path, zygote):
     job = agent_job(tmp_path, prepared_data, steps=100_000, shm_dir=str(tmp_path / "shm"))
     with small_tmpfs(tmp_path / "fs", "128k") as fs:
         job = dataclasses.replace(job, ckpt_dir=str(fs / "s"), saver_max_failures=3, saver_backoff_s=0.05)
         assert run_agent(job, zygote=zygote) == 1
         events = read_all(Path(job.job_dir) / EVENTS)
         failed = [e["error"] for e in events if e["event"] == "error"]
-        assert len(failed) == 1 and "CheckpointDiskFull: no space left on" in failed[0] and "checkpoint.keep" in failed[0]
+        assert (
+            len(failed) == 1 and "CheckpointDiskFull: no space left on" in failed[0] and "checkpoint.keep" in failed[0]
+        )
         assert cause_of(events, 1) == "disk_full" and "disk_full" in NON_RETRYABLE  # a human frees space first
         assert max(m["step"] for m in read_all(Path(job.job_dir) / METRICS)) > 2  # trained on past the failed persist
         assert ckpt.CheckpointStore.open(job.ckpt_dir).read_pointer() is None

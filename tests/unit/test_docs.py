@@ -12,9 +12,11 @@ REFERENCE = re.compile(r"\b(test_[a-z0-9_]+)::(test_[a-z0-9_]+)\b")
 
 
 def test_every_test_the_docs_name_exists_in_the_file_they_name():
-    named = {(m[1], m[2], doc.relative_to(ROOT).as_posix())
-             for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-             for m in REFERENCE.finditer(doc.read_text(encoding="utf-8"))}
+    named = {
+        (m[1], m[2], doc.relative_to(ROOT).as_posix())
+        for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+        for m in REFERENCE.finditer(doc.read_text(encoding="utf-8"))
+    }
     assert len(named) > 50  # docs/fault-tolerance.md alone names dozens
     defined: dict[str, set[str]] = {}
     for module in {m for m, _, _ in named}:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.views.goodput import ALL, goodput_report, split
 from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import CampaignRecord
+from pretrain.views.goodput import ALL, goodput_report, split
 from pretrain.views.status import goodput_table
 
 DATA = Path(__file__).parents[1] / "data"
@@ -21,12 +21,21 @@ DATA = Path(__file__).parents[1] / "data"
 SPLITS = {
     "nothing covered: all idle": ([(0, 10)], [], {"idle": 10}),
     "a step inside its window": ([(0, 10)], [("productive", 2, 5)], {"productive": 3, "idle": 7}),
-    "outside the window: not counted": ([(0, 10)], [("recovery", 8, 14), ("provisioning", -5, -1)],
-                                        {"recovery": 2, "idle": 8}),
-    "overlap goes to the first category": ([(0, 10)], [("recovery", 0, 6), ("productive", 4, 8)],
-                                           {"recovery": 4, "productive": 4, "idle": 2}),
-    "a window counted once when overlapping": ([(0, 6), (4, 10)], [("validation_eval", 3, 5)],
-                                               {"validation_eval": 2, "idle": 8}),
+    "outside the window: not counted": (
+        [(0, 10)],
+        [("recovery", 8, 14), ("provisioning", -5, -1)],
+        {"recovery": 2, "idle": 8},
+    ),
+    "overlap goes to the first category": (
+        [(0, 10)],
+        [("recovery", 0, 6), ("productive", 4, 8)],
+        {"recovery": 4, "productive": 4, "idle": 2},
+    ),
+    "a window counted once when overlapping": (
+        [(0, 6), (4, 10)],
+        [("validation_eval", 3, 5)],
+        {"validation_eval": 2, "idle": 8},
+    ),
     "two windows with a gap": ([(0, 2), (5, 7)], [("data_preparation", 0, 7)], {"data_preparation": 4}),
     "empty interval ignored": ([(0, 4)], [("detection", 3, 3)], {"idle": 4}),
 }
@@ -46,12 +55,28 @@ def _lines(path: Path, records: list[dict]) -> None:
 
 
 def _ledger(tmp_path: Path, spans: list[dict], failures: list[dict] = (), status: str = "completed") -> CampaignRecord:
-    record = CampaignRecord.model_validate({
-        "campaign": "g", "campaign_id": "x", "spec_hash": "h", "status": status, "invocations": 1,
-        "mlflow": {"tracking_uri": "sqlite:///m.db", "experiment": "e"},
-        "stages": {"main": {"status": "completed", "steps": 6, "checkpoints": str(tmp_path / "ckpt"), "attempts": 2,
-                            "restarts": 1, "failures": list(failures), "resumes": []}},
-        "spans": spans})
+    record = CampaignRecord.model_validate(
+        {
+            "campaign": "g",
+            "campaign_id": "x",
+            "spec_hash": "h",
+            "status": status,
+            "invocations": 1,
+            "mlflow": {"tracking_uri": "sqlite:///m.db", "experiment": "e"},
+            "stages": {
+                "main": {
+                    "status": "completed",
+                    "steps": 6,
+                    "checkpoints": str(tmp_path / "ckpt"),
+                    "attempts": 2,
+                    "restarts": 1,
+                    "failures": list(failures),
+                    "resumes": [],
+                }
+            },
+            "spans": spans,
+        }
+    )
     return record
 
 
@@ -65,23 +90,37 @@ def test_a_stage_with_an_in_job_restart_and_a_relaunch_is_split_exactly(tmp_path
     workers back from step 2 at 13, step 3 again at 15, then the job dies at 20 (noticed at 20).
     Job 1 restarts from step 3 at 26, steps 4-6 until 29, the final flush until 30."""
     job0 = tmp_path / "jobs" / "main" / "attempt_000"
-    _lines(job0 / "events.jsonl", [
-        {"time": 5.0, "event": "start", "rank": 0, "step": 0, "source": "scratch"},
-        {"time": 10.0, "event": "chaos", "kind": "hang_worker"},  # the drill: noticed only by the hang event
-        {"time": 12.0, "event": "hang", "ranks": [0]},
-        {"time": 13.0, "event": "start", "rank": 0, "step": 2, "source": "memory"}])
-    _lines(job0 / "metrics.jsonl", [_step(6.0, 1), _step(7.5, 2, block=0.5), _step(8.5, 3), _step(9.5, 4),
-                                     _step(15.0, 3)])
+    _lines(
+        job0 / "events.jsonl",
+        [
+            {"time": 5.0, "event": "start", "rank": 0, "step": 0, "source": "scratch"},
+            {"time": 10.0, "event": "chaos", "kind": "hang_worker"},  # the drill: noticed only by the hang event
+            {"time": 12.0, "event": "hang", "ranks": [0]},
+            {"time": 13.0, "event": "start", "rank": 0, "step": 2, "source": "memory"},
+        ],
+    )
+    _lines(
+        job0 / "metrics.jsonl", [_step(6.0, 1), _step(7.5, 2, block=0.5), _step(8.5, 3), _step(9.5, 4), _step(15.0, 3)]
+    )
     job1 = tmp_path / "jobs" / "main" / "attempt_001"
-    _lines(job1 / "events.jsonl", [{"time": 26.0, "event": "start", "rank": 0, "step": 3, "source": "checkpoint"},
-                                   {"time": 30.0, "event": "done", "rank": 0, "step": 6}])
+    _lines(
+        job1 / "events.jsonl",
+        [
+            {"time": 26.0, "event": "start", "rank": 0, "step": 3, "source": "checkpoint"},
+            {"time": 30.0, "event": "done", "rank": 0, "step": 6},
+        ],
+    )
     _lines(job1 / "metrics.jsonl", [_step(27.0, 4), _step(28.0, 5), _step(29.0, 6)])
-    spans = [{"kind": "run", "start": 0.0, "end": 41.0}, {"kind": "data_preparation", "start": 0.0, "end": 2.0},
-             {"kind": "node_check", "start": 2.0, "end": 3.0}, {"kind": "stage", "stage": "main", "start": 3.0, "end": 40.0},
-             {"kind": "job", "stage": "main", "attempt": 0, "start": 4.0, "end": 20.0},
-             {"kind": "job", "stage": "main", "attempt": 1, "start": 24.0, "end": 36.0},
-             {"kind": "validation_eval", "stage": "main", "start": 37.0, "end": 39.0},
-             {"kind": "registration", "start": 40.0, "end": 41.0}]  # after the stage: the final model's
+    spans = [
+        {"kind": "run", "start": 0.0, "end": 41.0},
+        {"kind": "data_preparation", "start": 0.0, "end": 2.0},
+        {"kind": "node_check", "start": 2.0, "end": 3.0},
+        {"kind": "stage", "stage": "main", "start": 3.0, "end": 40.0},
+        {"kind": "job", "stage": "main", "attempt": 0, "start": 4.0, "end": 20.0},
+        {"kind": "job", "stage": "main", "attempt": 1, "start": 24.0, "end": 36.0},
+        {"kind": "validation_eval", "stage": "main", "start": 37.0, "end": 39.0},
+        {"kind": "registration", "start": 40.0, "end": 41.0},
+    ]  # after the stage: the final model's
     failure = {"attempt": 0, "cause": "worker_killed", "in_job": False, "detected_at": 20.0, "time_lost_s": 0.1}
     report = goodput_report(_ledger(tmp_path, spans, [failure]), CampaignLayout(tmp_path))
     stage = report["stages"]["main"]
@@ -120,18 +159,29 @@ def test_a_launch_whose_records_are_lost_counts_as_idle_not_provisioning(tmp_pat
     job1 = tmp_path / "jobs" / "main" / "attempt_001"
     _lines(job1 / "events.jsonl", [{"time": 61.0, "event": "start", "rank": 0, "step": 3, "source": "checkpoint"}])
     _lines(job1 / "metrics.jsonl", [_step(62.0, 4), _step(63.0, 5)])
-    spans = [{"kind": "run", "start": 0.0}, {"kind": "stage", "stage": "main", "start": 3.0},
-             {"kind": "job", "stage": "main", "attempt": 0, "start": 4.0},
-             {"kind": "run", "start": 58.0}, {"kind": "stage", "stage": "main", "start": 59.0},
-             {"kind": "job", "stage": "main", "attempt": 1, "start": 60.0}]
-    stage = goodput_report(_ledger(tmp_path, spans, status="running"), CampaignLayout(tmp_path), now=64.0)["stages"]["main"]
+    spans = [
+        {"kind": "run", "start": 0.0},
+        {"kind": "stage", "stage": "main", "start": 3.0},
+        {"kind": "job", "stage": "main", "attempt": 0, "start": 4.0},
+        {"kind": "run", "start": 58.0},
+        {"kind": "stage", "stage": "main", "start": 59.0},
+        {"kind": "job", "stage": "main", "attempt": 1, "start": 60.0},
+    ]
+    stage = goodput_report(_ledger(tmp_path, spans, status="running"), CampaignLayout(tmp_path), now=64.0)["stages"][
+        "main"
+    ]
     assert stage["parts_s"]["provisioning"] == pytest.approx(61.0 - 60.0)  # job 1's launch only
     assert stage["parts_s"]["productive"] == pytest.approx(2.0)
     assert stage["parts_s"]["idle"] == pytest.approx(61.0 - 2.0 - 1.0)
     assert [m for m in stage["missing"] if "no records of job attempt(s) 0 in" in m and "counts as idle" in m]
-    fresh = [{"kind": "run", "start": 0.0}, {"kind": "stage", "stage": "main", "start": 0.0},
-             {"kind": "job", "stage": "main", "attempt": 2, "start": 63.5}]  # just launched: nothing written yet
-    stage = goodput_report(_ledger(tmp_path, fresh, status="running"), CampaignLayout(tmp_path), now=64.0)["stages"]["main"]
+    fresh = [
+        {"kind": "run", "start": 0.0},
+        {"kind": "stage", "stage": "main", "start": 0.0},
+        {"kind": "job", "stage": "main", "attempt": 2, "start": 63.5},
+    ]  # just launched: nothing written yet
+    stage = goodput_report(_ledger(tmp_path, fresh, status="running"), CampaignLayout(tmp_path), now=64.0)["stages"][
+        "main"
+    ]
     assert stage["parts_s"]["provisioning"] == pytest.approx(0.5) and stage["missing"] == []
 
 
@@ -150,8 +200,9 @@ def test_a_ledger_of_the_release_before_reports_goodput_unknown(tmp_path):
     assert report["campaign"]["known"] is False and report["campaign"]["goodput"] is None
     assert "release before goodput was recorded" in report["campaign"]["missing"][0]
     assert all(s["known"] is False for s in report["stages"].values())
-    text = goodput_table({"stages": [{"name": n, "goodput": g} for n, g in report["stages"].items()],
-                          "goodput": report["campaign"]})
+    text = goodput_table(
+        {"stages": [{"name": n, "goodput": g} for n, g in report["stages"].items()], "goodput": report["campaign"]}
+    )
     assert text.startswith("goodput: unknown — the ledger has no timed spans")
 
 
@@ -160,8 +211,10 @@ def test_runs_of_a_release_before_are_reported_as_not_measured(tmp_path):
     record.invocations = 3  # two runs before this release, one measured
     campaign = goodput_report(record, CampaignLayout(tmp_path))["campaign"]
     assert campaign["known"] and campaign["wall_s"] == 10.0
-    assert campaign["missing"] == ["2 earlier run(s) of the campaign were not measured (a release before goodput was "
-                                   "recorded): the wall time counts the measured runs only"]
+    assert campaign["missing"] == [
+        "2 earlier run(s) of the campaign were not measured (a release before goodput was "
+        "recorded): the wall time counts the measured runs only"
+    ]
 
 
 def test_timed_spans_are_written_to_the_ledger_and_closed_when_the_block_fails(tmp_path):
@@ -187,9 +240,14 @@ def test_steps_redone_after_an_in_process_rollback_are_recomputation(event, redo
 
     metrics = [{"time": float(s), "step": s, "step_time": 0.5} for s in range(1, 7)]
     metrics += [{"time": 7.0 + s, "step": s, "step_time": 0.5} for s in (5, 6)]  # redone after the event
-    events = [{"event": EventKind.START, "rank": 0, "step": 0, "time": 0.0},
-              {"event": event, "rank": 0, "step": 4, "time": 6.5}]
+    events = [
+        {"event": EventKind.START, "rank": 0, "step": 0, "time": 0.0},
+        {"event": event, "rank": 0, "step": 4, "time": 6.5},
+    ]
     out = step_intervals([JobStreams(0, events, metrics)])
-    recomputed = {m["step"] for m, (cat, b, e) in zip(
-        [m for m in metrics for _ in range(3)], out) if cat == "recomputation" and e > b and m["time"] < 6.5}
+    recomputed = {
+        m["step"]
+        for m, (cat, b, e) in zip([m for m in metrics for _ in range(3)], out)
+        if cat == "recomputation" and e > b and m["time"] < 6.5
+    }
     assert recomputed == redone

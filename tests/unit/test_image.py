@@ -6,8 +6,9 @@ agent importable, and a non-root user."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,8 +45,11 @@ def test_every_package_is_copied_and_the_node_agent_imports():
     copied = {a.split()[0] for a in args_of("COPY")}
     for pattern in packages:
         assert pattern.rstrip("*") in copied, f"package {pattern} is not copied into the image"
-    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert not ignored & (copied | {"pyproject.toml", "README.md", "constraints.txt"}), ignored & copied
     assert any("import trainer.launch" in cmd for cmd in args_of("RUN"))
 

@@ -18,10 +18,18 @@ def job_files(workdir, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
-RECORDS = {"jobs/main/attempt_000/events.jsonl": "e\n", "jobs/main/attempt_000/metrics.jsonl": "m\n",
-           "jobs/main/attempt_000/node0.log": "log\n", "jobs/warmup/attempt_001/events.jsonl": "e\n"}
-NOT_RECORDS = {"jobs/main/attempt_000/job.json": "{}", "jobs/main/attempt_000/heartbeat/agent1-local0.json": "{}",
-               "jobs/main/.node0.lock": "", "jobs/main/attempt_x/events.jsonl": "e\n"}
+RECORDS = {
+    "jobs/main/attempt_000/events.jsonl": "e\n",
+    "jobs/main/attempt_000/metrics.jsonl": "m\n",
+    "jobs/main/attempt_000/node0.log": "log\n",
+    "jobs/warmup/attempt_001/events.jsonl": "e\n",
+}
+NOT_RECORDS = {
+    "jobs/main/attempt_000/job.json": "{}",
+    "jobs/main/attempt_000/heartbeat/agent1-local0.json": "{}",
+    "jobs/main/.node0.lock": "",
+    "jobs/main/attempt_x/events.jsonl": "e\n",
+}
 
 
 @pytest.fixture
@@ -44,13 +52,23 @@ def test_a_workdir_that_lacks_them_gets_them_back_and_keeps_its_own(tmp_path, st
     job_files(tmp_path / "b", {"jobs/main/attempt_000/node0.log": "newer\n"})
     restored = restore_records(state, tmp_path / "b")
     assert sorted(restored.files) == sorted(set(RECORDS) - {"jobs/main/attempt_000/node0.log"})
-    assert {k: p.read_text() for k, p in local_records(tmp_path / "b").items()} == \
-        {**RECORDS, "jobs/main/attempt_000/node0.log": "newer\n"}
+    assert {k: p.read_text() for k, p in local_records(tmp_path / "b").items()} == {
+        **RECORDS,
+        "jobs/main/attempt_000/node0.log": "newer\n",
+    }
     assert restore_records(state, tmp_path / "b").files == []
 
 
-@pytest.mark.parametrize("key", ["jobs/main/attempt_000/job.json", "jobs/.hidden/attempt_000/events.jsonl",
-                                 "jobs/main/attempt_000/heartbeat/x.json", "ledger.json", "jobs/events.jsonl"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "jobs/main/attempt_000/job.json",
+        "jobs/.hidden/attempt_000/events.jsonl",
+        "jobs/main/attempt_000/heartbeat/x.json",
+        "ledger.json",
+        "jobs/events.jsonl",
+    ],
+)
 def test_nothing_but_a_job_record_is_written_into_a_workdir(tmp_path, state, key):
     state.put_bytes(key, b"foreign")
     assert restore_records(state, tmp_path / "b").files == []
@@ -72,19 +90,24 @@ def test_a_run_that_lost_the_campaign_s_lease_copies_no_job_records(tmp_path):
     the lease, they are copied."""
     from prefect.logging import disable_run_logger
 
-    from support.campaigns import small_spec, wait_for
-    from pretrain.state.guard import LEASE_KEY, campaign_guard, held, state_storage
     from pretrain.settings import PretrainSettings
+    from pretrain.state.guard import LEASE_KEY, campaign_guard, held, state_storage
+    from support.campaigns import small_spec, wait_for
     from tasks.job_records import keep_job_records
     from trainer.checkpoint.fence import LeaseRecord
 
     spec = small_spec(tmp_path / "wd", checkpoint={"state_uri": str(tmp_path / "state")})
     job_files(spec.workdir_path, RECORDS)
-    with campaign_guard(spec, "run-A", settings=PretrainSettings(lease_ttl_s=3, lease_margin_s=0)), disable_run_logger():
+    with (
+        campaign_guard(spec, "run-A", settings=PretrainSettings(lease_ttl_s=3, lease_margin_s=0)),
+        disable_run_logger(),
+    ):
         assert sorted(keep_job_records.fn(spec)) == sorted(RECORDS)
         job_files(spec.workdir_path, {"jobs/main/attempt_002/events.jsonl": "e\n"})
-        state_storage(spec).put_bytes(LEASE_KEY, LeaseRecord(holder="run B on host-b", generation=2, token="b",
-                                                             expires_at=4e9, ttl_s=60).to_bytes())
+        state_storage(spec).put_bytes(
+            LEASE_KEY,
+            LeaseRecord(holder="run B on host-b", generation=2, token="b", expires_at=4e9, ttl_s=60).to_bytes(),
+        )
         wait_for(lambda: held(spec).lost, 30, "the keeper to find the lease lost")
         assert keep_job_records.fn(spec) == []
     assert "jobs/main/attempt_002/events.jsonl" not in state_storage(spec).list("jobs/")

@@ -20,19 +20,24 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
             found.add(".".join(p for p in (base, node.module or "") if p))
     return found
 
 
-@pytest.mark.parametrize("layer, forbidden", [
-    ("trainer", {"pretrain", "flows", "tasks", "blocks", "deployments", "prefect", "mlflow"}),
-    # pretrain/cli/app.py, the command line at the top, starts a campaign through deployments/
-    ("pretrain", {"flows", "tasks", "blocks", "prefect"}),
-])
+@pytest.mark.parametrize(
+    "layer, forbidden",
+    [
+        ("trainer", {"pretrain", "flows", "tasks", "blocks", "deployments", "prefect", "mlflow"}),
+        # pretrain/cli/app.py, the command line at the top, starts a campaign through deployments/
+        ("pretrain", {"flows", "tasks", "blocks", "prefect"}),
+    ],
+)
 def test_a_layer_imports_nothing_above_it(layer, forbidden):
-    wrong = sorted(f"{path.relative_to(ROOT)} imports {module}"
-                   for path in (ROOT / layer).rglob("*.py")
-                   for module in imported_modules(path)
-                   if module.split(".")[0] in forbidden)
+    wrong = sorted(
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in (ROOT / layer).rglob("*.py")
+        for module in imported_modules(path)
+        if module.split(".")[0] in forbidden
+    )
     assert not wrong, f"{layer}/ must not import {sorted(forbidden)}:\n" + "\n".join(wrong)

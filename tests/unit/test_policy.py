@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.state.schema import Failure, Span, SpanKind
 from pretrain.run.policy import Action, Budget, adoptable_attempt, after_job, before_launch, stage_end
+from pretrain.state.schema import Failure, Span, SpanKind
 
 
 @dataclass
@@ -55,20 +55,63 @@ def test_before_launch(case):
 # (job, budget) → action, budget after, the failure recorded (cause, action) or None, a resize recorded
 AFTER_JOB = {
     "success: the pointer decides": (Job(), Budget(1, 2), Action.CHECK, Budget(1, 2), None, False),
-    "retryable failure, launches left": (failed("worker_failure:exit_1"), Budget(1, 2), Action.RELAUNCH, Budget(1, 2),
-                                         ("worker_failure:exit_1", "relaunch the job"), False),
-    "retryable failure, no launch left": (failed("hang"), Budget(0, 2), Action.RELAUNCH, Budget(0, 2),
-                                          ("hang", "relaunch the job"), False),  # before_launch then gives up
-    "killed by a signal": (failed("signal:SIGKILL", exit_code=-9), Budget(1, 2), Action.RELAUNCH, Budget(1, 2),
-                           ("signal:SIGKILL", "relaunch the job"), False),
-    "too many rollbacks": (failed("too_many_rollbacks"), Budget(1, 2), Action.GIVE_UP, Budget(1, 2),
-                           ("too_many_rollbacks", "stop"), False),
-    "shm too small": (failed("shm_too_small"), Budget(1, 2), Action.GIVE_UP, Budget(1, 2), ("shm_too_small", "stop"), False),
+    "retryable failure, launches left": (
+        failed("worker_failure:exit_1"),
+        Budget(1, 2),
+        Action.RELAUNCH,
+        Budget(1, 2),
+        ("worker_failure:exit_1", "relaunch the job"),
+        False,
+    ),
+    "retryable failure, no launch left": (
+        failed("hang"),
+        Budget(0, 2),
+        Action.RELAUNCH,
+        Budget(0, 2),
+        ("hang", "relaunch the job"),
+        False,
+    ),  # before_launch then gives up
+    "killed by a signal": (
+        failed("signal:SIGKILL", exit_code=-9),
+        Budget(1, 2),
+        Action.RELAUNCH,
+        Budget(1, 2),
+        ("signal:SIGKILL", "relaunch the job"),
+        False,
+    ),
+    "too many rollbacks": (
+        failed("too_many_rollbacks"),
+        Budget(1, 2),
+        Action.GIVE_UP,
+        Budget(1, 2),
+        ("too_many_rollbacks", "stop"),
+        False,
+    ),
+    "shm too small": (
+        failed("shm_too_small"),
+        Budget(1, 2),
+        Action.GIVE_UP,
+        Budget(1, 2),
+        ("shm_too_small", "stop"),
+        False,
+    ),
     "disk full": (failed("disk_full"), Budget(2, 2), Action.GIVE_UP, Budget(2, 2), ("disk_full", "stop"), False),
-    "scale up with scale-ups left": (failed("scale_up", scaled_up=[1]), Budget(0, 2), Action.SCALE_UP, Budget(1, 1),
-                                     None, True),  # gives its launch back
-    "scale up, none left: a failure": (failed("scale_up", scaled_up=[1]), Budget(1, 0), Action.RELAUNCH, Budget(1, 0),
-                                       ("scale_up", "relaunch the job"), False),
+    "scale up with scale-ups left": (
+        failed("scale_up", scaled_up=[1]),
+        Budget(0, 2),
+        Action.SCALE_UP,
+        Budget(1, 1),
+        None,
+        True,
+    ),  # gives its launch back
+    "scale up, none left: a failure": (
+        failed("scale_up", scaled_up=[1]),
+        Budget(1, 0),
+        Action.RELAUNCH,
+        Budget(1, 0),
+        ("scale_up", "relaunch the job"),
+        False,
+    ),
 }
 
 
@@ -84,9 +127,16 @@ def test_after_job(case):
 def test_a_failed_job_is_recorded_with_what_the_release_before_wrote():
     job = failed("data", errors=["DataError: no window of 60001 tokens"], exit_code=1)
     recorded = after_job(job, 1, Budget(1, 1)).failure.model_dump(mode="json")
-    assert recorded == {"attempt": 1, "in_job": False, "cause": "data", "action": "relaunch the job", "exit_code": 1,
-                        "time_lost_s": 3.46, "errors": ["DataError: no window of 60001 tokens"],
-                        "log": "/w/jobs/main/attempt_000/node0.log"}  # "time" is added when the ledger records it
+    assert recorded == {
+        "attempt": 1,
+        "in_job": False,
+        "cause": "data",
+        "action": "relaunch the job",
+        "exit_code": 1,
+        "time_lost_s": 3.46,
+        "errors": ["DataError: no window of 60001 tokens"],
+        "log": "/w/jobs/main/attempt_000/node0.log",
+    }  # "time" is added when the ledger records it
 
 
 def test_a_scale_up_records_the_nodes_back():
@@ -96,15 +146,25 @@ def test_a_scale_up_records_the_nodes_back():
 
 LOGS = Path("/w/jobs/main")
 # what the worker raises (the job-level test: tests/test_anomaly.py)
-ROLLBACKS = "TooManyRollbacks: 1 loss anomalies in stage main (max_rollbacks=0): ... raise fault_tolerance.max_rollbacks"
+ROLLBACKS = (
+    "TooManyRollbacks: 1 loss anomalies in stage main (max_rollbacks=0): ... raise fault_tolerance.max_rollbacks"
+)
 # (newest good step, last job) → trained, the message's "last failure"
 STAGE_END = {
     "last step good": (10, Job(), True, None),
-    "failed job, errors reported": (4, failed("data", errors=["DataError: x", "DataError: y"]), False,
-                                    "last failure: data (DataError: x; DataError: y)."),
+    "failed job, errors reported": (
+        4,
+        failed("data", errors=["DataError: x", "DataError: y"]),
+        False,
+        "last failure: data (DataError: x; DataError: y).",
+    ),
     "failed job, no errors": (4, failed("hang"), False, "last failure: hang."),
-    "too many rollbacks: says which setting": (4, failed("too_many_rollbacks", errors=[ROLLBACKS]), False,
-                                               f"last failure: too_many_rollbacks ({ROLLBACKS})."),
+    "too many rollbacks: says which setting": (
+        4,
+        failed("too_many_rollbacks", errors=[ROLLBACKS]),
+        False,
+        f"last failure: too_many_rollbacks ({ROLLBACKS}).",
+    ),
     "job ended cleanly, pointer short": (4, Job(), False, "last failure: the job ended cleanly without committing"),
     "never launched": (None, None, False, "last failure: unknown."),
 }
@@ -116,7 +176,10 @@ def test_stage_end(case):
     end = stage_end("main", 10, good, 2, last, LOGS)
     assert end.trained is trained and end.step == (good or 0)
     if not trained:
-        assert end.message.startswith(f"stage main stopped at step {good or 0}/10 after 2 attempt(s); ") and says in end.message
+        assert (
+            end.message.startswith(f"stage main stopped at step {good or 0}/10 after 2 attempt(s); ")
+            and says in end.message
+        )
         assert f"Logs: {LOGS}. Fix the cause and run the same command again" in end.message
         assert end.cause == (last.cause if last else None)
 
@@ -136,7 +199,13 @@ def job_span(attempt: int, end: float | None = None, stage: str = "main") -> Spa
 
 # (attempts launched, spans, failures, cluster adopts live jobs) → attempt to take back (None: launch the next)
 ADOPTABLE = {
-    "its flow process died while attempt 1 ran": (2, [job_span(0, 150.0), job_span(1)], [Failure(attempt=0, cause="hang")], True, 1),
+    "its flow process died while attempt 1 ran": (
+        2,
+        [job_span(0, 150.0), job_span(1)],
+        [Failure(attempt=0, cause="hang")],
+        True,
+        1,
+    ),
     "the first launch's flow process died": (1, [job_span(0)], [], True, 0),
     "in-job failures of it do not end it": (1, [job_span(0)], [Failure(attempt=0, cause="hang", in_job=True)], True, 0),
     "local cluster: its agents died too": (1, [job_span(0)], [], False, None),
@@ -146,7 +215,13 @@ ADOPTABLE = {
     "counted but never started (no span)": (2, [job_span(0, 150.0)], [], True, None),
     "an open span of an earlier attempt only": (2, [job_span(0), job_span(1, 160.0)], [], True, None),
     "an open span of another stage only": (1, [job_span(0, stage="other")], [], True, None),
-    "the span of a run, not of a job": (1, [Span(kind=SpanKind.RUN, start=1.0, stage="main", attempt=0)], [], True, None),
+    "the span of a run, not of a job": (
+        1,
+        [Span(kind=SpanKind.RUN, start=1.0, stage="main", attempt=0)],
+        [],
+        True,
+        None,
+    ),
 }
 
 

@@ -11,14 +11,17 @@ import pytest
 from pretrain.cluster import ports
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("32768\t60999\n", (32768, 60999)),
-    ("40000 50000", (40000, 50000)),
-    ("", (32768, 60999)),            # empty
-    ("abc def", (32768, 60999)),     # foreign
-    ("70000 80000", (32768, 60999)),  # out of range
-    ("5000 4000", (32768, 60999)),   # reversed
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("32768\t60999\n", (32768, 60999)),
+        ("40000 50000", (40000, 50000)),
+        ("", (32768, 60999)),  # empty
+        ("abc def", (32768, 60999)),  # foreign
+        ("70000 80000", (32768, 60999)),  # out of range
+        ("5000 4000", (32768, 60999)),  # reversed
+    ],
+)
 def test_the_ephemeral_range_is_read_and_a_damaged_file_falls_back_to_linux_default(tmp_path, text, expected):
     path = tmp_path / "ip_local_port_range"
     path.write_text(text)

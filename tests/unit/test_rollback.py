@@ -10,22 +10,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.campaigns import seed_data, small_spec
-from support.jobs import CPU0
 from pretrain.run.incidents import incidents
 from pretrain.run.jobs import build_job
+from support.campaigns import seed_data, small_spec
+from support.jobs import CPU0
 from trainer.job.config import JobConfig, drill_from_dict
-from trainer.loop import train
 from trainer.job.reporting import EVENTS, METRICS, read_all
+from trainer.loop import train
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips
-
 
 
 def direct_job(root: Path, prepared_data: Path, **fields) -> JobConfig:
     """A one-worker job of 12 steps checkpointing straight to storage every 4 steps."""
-    spec = small_spec(root, cluster={"workers_per_node": 1},
-                      stages=[{"name": "s", "steps": 12, "seq_len": 32, "micro_batch": 2, "warmup_steps": 2}],
-                      checkpoint={"interval": 4, "memory_interval": 0, "keep": 5})
+    spec = small_spec(
+        root,
+        cluster={"workers_per_node": 1},
+        stages=[{"name": "s", "steps": 12, "seq_len": 32, "micro_batch": 2, "warmup_steps": 2}],
+        checkpoint={"interval": 4, "memory_interval": 0, "keep": 5},
+    )
     seed_data(spec, prepared_data)
     return dataclasses.replace(build_job(spec, 0, 0, None), threads_per_worker=0, **fields)
 
@@ -47,8 +49,11 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def rolled_back(prepared_data, tmp_path_factory):
-    cfg = direct_job(tmp_path_factory.mktemp("nan"), prepared_data,
-                     chaos=[drill_from_dict({"kind": "nan_loss", "step": 7, "rank": 0})])
+    cfg = direct_job(
+        tmp_path_factory.mktemp("nan"),
+        prepared_data,
+        chaos=[drill_from_dict({"kind": "nan_loss", "step": 7, "rank": 0})],
+    )
     assert train(cfg, CPU0) == 12
     return cfg
 
@@ -74,8 +79,9 @@ def test_in_process_rollback_is_bitwise_exact(rolled_back, prepared_data, tmp_pa
 
 
 def test_too_many_rollbacks_still_stop_the_stage(prepared_data, tmp_path):
-    cfg = direct_job(tmp_path, prepared_data, max_rollbacks=0,
-                     chaos=[drill_from_dict({"kind": "nan_loss", "step": 5, "rank": 0})])
+    cfg = direct_job(
+        tmp_path, prepared_data, max_rollbacks=0, chaos=[drill_from_dict({"kind": "nan_loss", "step": 5, "rank": 0})]
+    )
     with pytest.raises(TooManyRollbacks, match="max_rollbacks=0"):
         train(cfg, CPU0)
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.dist import Identity
-from trainer.resilience.survivor_interrupt import INTERRUPT_SIGNAL, Interrupt, PeerLost, interrupt
 from trainer.resilience.peers import Peers, announce
+from trainer.resilience.survivor_interrupt import INTERRUPT_SIGNAL, Interrupt, PeerLost, interrupt
 
 
 class Slow(torch.nn.Module):
@@ -42,9 +42,11 @@ def restore_handler():
 
 def signalled_midway(model: Slow, go_on: threading.Event):
     """Run a forward and backward pass; the agent's signal arrives while it is at layer 3."""
+
     def agent():
         interrupt([os.getpid()])
         go_on.set()
+
     threading.Timer(0.05, agent).start()
     model(torch.ones(2, 4)).sum().backward()
 

@@ -10,20 +10,36 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from support.campaigns import _tracking_template, small_spec
 from pretrain.state.ledger import Ledger
 from pretrain.tracking.runs import MetricsForwarder, Tracker
-from pretrain.tracking.store import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_root, default_tracking_uri,
-                                     recorded_store)
+from pretrain.tracking.store import (
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    artifact_root,
+    default_tracking_uri,
+    recorded_store,
+)
+from support.campaigns import _tracking_template, small_spec
 from trainer.job.reporting import JsonLines
 
 
-@pytest.mark.parametrize("own_store, env, expected", [
-    (False, {}, "sqlite:///{cwd}/mlflow.db"),  # MLflow's convention: mlflow.db where campaigns are run from
-    (False, {"MLFLOW_TRACKING_URI": "http://mlflow:5000"}, "http://mlflow:5000"),  # ... or the server MLflow is told of
-    (False, {"MLFLOW_TRACKING_URI": "  "}, "sqlite:///{cwd}/mlflow.db"),
-    (True, {"MLFLOW_TRACKING_URI": "http://mlflow:5000"}, "sqlite:///{workdir}/mlflow.db"),  # a store of an earlier release stays
-])
+@pytest.mark.parametrize(
+    "own_store, env, expected",
+    [
+        (False, {}, "sqlite:///{cwd}/mlflow.db"),  # MLflow's convention: mlflow.db where campaigns are run from
+        (
+            False,
+            {"MLFLOW_TRACKING_URI": "http://mlflow:5000"},
+            "http://mlflow:5000",
+        ),  # ... or the server MLflow is told of
+        (False, {"MLFLOW_TRACKING_URI": "  "}, "sqlite:///{cwd}/mlflow.db"),
+        (
+            True,
+            {"MLFLOW_TRACKING_URI": "http://mlflow:5000"},
+            "sqlite:///{workdir}/mlflow.db",
+        ),  # a store of an earlier release stays
+    ],
+)
 def test_the_default_store_is_shared_unless_the_workdir_has_its_own(tmp_path, own_store, env, expected):
     workdir, cwd = tmp_path / "w", tmp_path / "here"
     workdir.mkdir()
@@ -32,21 +48,28 @@ def test_the_default_store_is_shared_unless_the_workdir_has_its_own(tmp_path, ow
     assert default_tracking_uri(workdir, env, cwd) == expected.format(cwd=cwd, workdir=workdir)
 
 
-@pytest.mark.parametrize("recorded, used", [
-    ("sqlite:////runs/mlflow.db", "sqlite:////runs/mlflow.db"),
-    ("http://mlflow:5000", "http://mlflow:5000"),
-    ("https://***@mlflow.example.com", None),  # recorded with its credentials masked: the environment's is used
-    (None, None), ("", None),
-])
+@pytest.mark.parametrize(
+    "recorded, used",
+    [
+        ("sqlite:////runs/mlflow.db", "sqlite:////runs/mlflow.db"),
+        ("http://mlflow:5000", "http://mlflow:5000"),
+        ("https://***@mlflow.example.com", None),  # recorded with its credentials masked: the environment's is used
+        (None, None),
+        ("", None),
+    ],
+)
 def test_a_recorded_store_is_used_as_recorded_unless_masked(recorded, used):
     assert recorded_store(recorded) == used
 
 
-@pytest.mark.parametrize("uri, expected", [
-    ("sqlite:////shared/mlflow.db", "/shared/mlartifacts"),  # beside a shared store: every campaign finds them
-    ("sqlite:////w/mlflow.db", "/w/mlartifacts"),  # the workdir's own store: as before
-    ("http://mlflow:5000", "/w/mlartifacts"),
-])
+@pytest.mark.parametrize(
+    "uri, expected",
+    [
+        ("sqlite:////shared/mlflow.db", "/shared/mlartifacts"),  # beside a shared store: every campaign finds them
+        ("sqlite:////w/mlflow.db", "/w/mlartifacts"),  # the workdir's own store: as before
+        ("http://mlflow:5000", "/w/mlartifacts"),
+    ],
+)
 def test_artifacts_go_beside_a_shared_store(uri, expected):
     assert str(artifact_root(uri, Path("/w/mlartifacts"))) == expected
 
@@ -66,7 +89,9 @@ def test_a_campaign_resumed_from_another_directory_uses_the_store_it_started_wit
     assert resumed.tracking_uri == f"sqlite:///{first}/mlflow.db"
     assert resumed.spec_hash() == spec.spec_hash()  # where it is tracked is not what it is
     named = small_spec(tmp_path / "w", tracking={"uri": "http://mlflow:5000", "register_model": False})
-    assert named.with_tracking_uri(ledger.record.mlflow.tracking_uri).tracking_uri == "http://mlflow:5000"  # the spec's wins
+    assert (
+        named.with_tracking_uri(ledger.record.mlflow.tracking_uri).tracking_uri == "http://mlflow:5000"
+    )  # the spec's wins
 
 
 @pytest.fixture
@@ -97,8 +122,16 @@ def test_tokens_seen_count_over_the_whole_campaign(store, tmp_path):
     path = tmp_path / "metrics.jsonl"
     out = JsonLines(path)
     for step in (1, 2):
-        out.write({"step": step, "time": 100.0 + step, "loss": 3.0, "lr": 1e-3, "tokens": 512 * step,
-                   **({"ckpt_block_s": 0.25} if step == 2 else {})})
+        out.write(
+            {
+                "step": step,
+                "time": 100.0 + step,
+                "loss": 3.0,
+                "lr": 1e-3,
+                "tokens": 512 * step,
+                **({"ckpt_block_s": 0.25} if step == 2 else {}),
+            }
+        )
     out.close()
     forwarder = MetricsForwarder(tracker, path, stage, parent, step_offset=4, log=lambda _: None)
     assert forwarder.pump(final=True) == 2

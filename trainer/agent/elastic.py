@@ -22,12 +22,12 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from trainer.job.config import JobConfig
-from trainer.dist import FAST_RECOVERY_ENV, listening
-from trainer.agent.survivors import launch
-from trainer.job.events import EventKind
-from trainer.common.process import PARENT_ENV
 from trainer.agent.rendezvous_close import record_expired_nodes
+from trainer.agent.survivors import launch
+from trainer.common.process import PARENT_ENV
+from trainer.dist import FAST_RECOVERY_ENV, listening
+from trainer.job.config import JobConfig
+from trainer.job.events import EventKind
 from trainer.job.reporting import EVENTS, JsonLines, read_all
 from trainer.resilience.heartbeat import AGENT_ENV, heartbeat_dir
 from trainer.resilience.nodecheck import NODE_ENV
@@ -48,8 +48,17 @@ def elastic_worker_command(zygote: Zygote | None, worker_args: list[str], env: d
         env = {**env, PARENT_ENV: str(os.getpid())}
         return [ENV_COMMAND, *(f"{k}={v}" for k, v in env.items()), sys.executable, *worker_args]
     env = {**env, AGENT_ENV: str(os.getpid())}  # its heartbeats name this agent, not the zygote (its parent)
-    return [sys.executable, "-m", "trainer.zygote_exec", "--zygote", zygote.path, "--unbuffered",
-            *(a for k, v in env.items() for a in ("--env", f"{k}={v}")), "trainer.worker", *worker_args[3:]]
+    return [
+        sys.executable,
+        "-m",
+        "trainer.zygote_exec",
+        "--zygote",
+        zygote.path,
+        "--unbuffered",
+        *(a for k, v in env.items() for a in ("--env", f"{k}={v}")),
+        "trainer.worker",
+        *worker_args[3:],
+    ]
 
 
 def rendezvous_configs(args: argparse.Namespace) -> dict:
@@ -57,8 +66,14 @@ def rendezvous_configs(args: argparse.Namespace) -> dict:
     a second); a round waits 5 s for late joiners beyond nodes_min (all nodes start together, so
     the first round gathers every healthy node; a full round completes at once); a node joining
     later makes the agents restart to take it in."""
-    return {"timeout": 120, "join_timeout": 600, "last_call_timeout": 5, "keep_alive_interval": 1,
-            "keep_alive_max_attempt": args.node_timeout, "is_host": args.rdzv_host}
+    return {
+        "timeout": 120,
+        "join_timeout": 600,
+        "last_call_timeout": 5,
+        "keep_alive_interval": 1,
+        "keep_alive_max_attempt": args.node_timeout,
+        "is_host": args.rdzv_host,
+    }
 
 
 def fast_rendezvous_polls(poll_s: float = RENDEZVOUS_POLL_S) -> None:
@@ -107,8 +122,13 @@ def stand_by_when_round_full() -> None:
 
     def call(self, ctx, deadline):
         state = ctx.state
-        if (not state.closed and state.complete and ctx.node in state.wait_list
-                and ctx.node not in state.participants and len(state.participants) >= ctx.settings.max_nodes):
+        if (
+            not state.closed
+            and state.complete
+            and ctx.node in state.wait_list
+            and ctx.node not in state.participants
+            and len(state.participants) >= ctx.settings.max_nodes
+        ):
             return action.REMOVE_FROM_WAIT_LIST  # the next look: ADD_TO_REDUNDANCY_LIST
         return join(self, ctx, deadline)
 
@@ -122,8 +142,9 @@ def first_round_formed(job_dir: str | Path) -> bool:
     return any(heartbeat_dir(job_dir).glob("agent*-local*.json"))
 
 
-def wait_to_stand_by(job_dir: str | Path, endpoint: str, poll_s: float = 0.1,
-                     never_up_s: float = STANDBY_NEVER_UP_S) -> bool:
+def wait_to_stand_by(
+    job_dir: str | Path, endpoint: str, poll_s: float = 0.1, never_up_s: float = STANDBY_NEVER_UP_S
+) -> bool:
     """A standby node joins once the job's own nodes formed their first round (True), so that it
     stands by instead of taking one of their places. False: the job's rendezvous went away first
     (the job ended or failed before it started training), or never listened within ``never_up_s``.
@@ -155,38 +176,71 @@ def _terminate(signum, frame) -> None:
     raise SignalException(f"agent {os.getpid()} got signal {signal.Signals(signum).name}", signal.Signals(signum))
 
 
-def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None, worker_args: list[str],
-                fast_timeout_s: float = 0.0, spares_wanted=lambda: True, before_round=lambda: None) -> int:
+def run_elastic(
+    args: argparse.Namespace,
+    job: JobConfig,
+    zygote: Zygote | None,
+    worker_args: list[str],
+    fast_timeout_s: float = 0.0,
+    spares_wanted=lambda: True,
+    before_round=lambda: None,
+) -> int:
     """Torch's elastic agent for this node of a job of several nodes (``args``: ``trainer.launch``'s),
     keeping the survivors of a lost worker when ``fast_timeout_s`` > 0 (``trainer.agent.survivors``),
     and ``job.spares_per_node`` warm spares once ``spares_wanted()``; ``before_round()`` runs before this
     node joins each rendezvous round."""
     spares = job.spares_per_node if fast_timeout_s > 0 else 0
     signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
-    env = {"OMP_NUM_THREADS": str(args.threads), NODE_ENV: str(args.node),  # workers name their node (node check, events)
-           FAST_RECOVERY_ENV: str(fast_timeout_s), WARM_SPARES_ENV: str(spares),
-           # a lost node announces no epoch: its survivors leave for the full restart once its keep-alives lapse
-           NOTICE_ENV: str(notice_for_nodes(args.node_timeout))}
+    env = {
+        "OMP_NUM_THREADS": str(args.threads),
+        NODE_ENV: str(args.node),  # workers name their node (node check, events)
+        FAST_RECOVERY_ENV: str(fast_timeout_s),
+        WARM_SPARES_ENV: str(spares),
+        # a lost node announces no epoch: its survivors leave for the full restart once its keep-alives lapse
+        NOTICE_ENV: str(notice_for_nodes(args.node_timeout)),
+    }
     command = elastic_worker_command(zygote, worker_args, env)
     try:
         if args.standby and not wait_to_stand_by(job.job_dir, args.rdzv_endpoint):
             print(f"standby node {args.node}: the job ended before training started", file=sys.stderr, flush=True)
             return 0
     except SignalException as err:
-        print(f"standby node {args.node}: stopped by {err.sigval.name} before it was needed", file=sys.stderr, flush=True)
+        print(
+            f"standby node {args.node}: stopped by {err.sigval.name} before it was needed", file=sys.stderr, flush=True
+        )
         return 128 + err.sigval
     fast_rendezvous_polls()
     stand_by_when_round_full()
     events = JsonLines(Path(job.job_dir) / EVENTS)
-    record_expired_nodes(on_expired=lambda desc: events.write({
-        "event": EventKind.NODE_LOST, "source": "rendezvous", "agent_node": args.node, "standby": False,
-        "identity": ":".join(map(str, desc)), "reason": f"no keep-alive for {args.node_timeout}s"}))
+    record_expired_nodes(
+        on_expired=lambda desc: events.write(
+            {
+                "event": EventKind.NODE_LOST,
+                "source": "rendezvous",
+                "agent_node": args.node,
+                "standby": False,
+                "identity": ":".join(map(str, desc)),
+                "reason": f"no keep-alive for {args.node_timeout}s",
+            }
+        )
+    )
     try:
-        trained = launch(min_nodes=args.nnodes_min, max_nodes=args.nnodes_max, nproc=args.nproc, run_id=args.run_id,
-                         endpoint=args.rdzv_endpoint, rdzv_configs=rendezvous_configs(args),
-                         max_restarts=args.max_restarts, command=command, fast_timeout_s=fast_timeout_s, spares=spares,
-                         node=args.node, spares_wanted=spares_wanted, before_round=before_round,
-                         first_round_wait_s=None if args.standby else args.first_round_wait)
+        trained = launch(
+            min_nodes=args.nnodes_min,
+            max_nodes=args.nnodes_max,
+            nproc=args.nproc,
+            run_id=args.run_id,
+            endpoint=args.rdzv_endpoint,
+            rdzv_configs=rendezvous_configs(args),
+            max_restarts=args.max_restarts,
+            command=command,
+            fast_timeout_s=fast_timeout_s,
+            spares=spares,
+            node=args.node,
+            spares_wanted=spares_wanted,
+            before_round=before_round,
+            first_round_wait_s=None if args.standby else args.first_round_wait,
+        )
     except ChildFailedError as err:
         print(f"training job failed: {err.format_msg()}", file=sys.stderr, flush=True)
         return 1
@@ -195,13 +249,19 @@ def run_elastic(args: argparse.Namespace, job: JobConfig, zygote: Zygote | None,
         return 128 + err.sigval
     except Exception as err:  # noqa: BLE001 - a standby whose job ended: torch fails on the closed rendezvous
         if args.standby and not ran_workers(job.job_dir, args.node):
-            print(f"standby node {args.node}: the job ended without needing it ({type(err).__name__})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"standby node {args.node}: the job ended without needing it ({type(err).__name__})",
+                file=sys.stderr,
+                flush=True,
+            )
             return 0
         raise
     if not trained:  # the rendezvous closed while this node stood by
-        print(f"standby node {args.node}: the job ended without needing it" if args.standby and not
-              ran_workers(job.job_dir, args.node) else
-              f"node {args.node}: the job ended while this node stood by (its place taken in a later round)",
-              file=sys.stderr, flush=True)
+        print(
+            f"standby node {args.node}: the job ended without needing it"
+            if args.standby and not ran_workers(job.job_dir, args.node)
+            else f"node {args.node}: the job ended while this node stood by (its place taken in a later round)",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0

@@ -50,8 +50,11 @@ def gather_nodes(endpoint: str, run_id: str, nodes: int, timeout_s: float, node:
     arrived_key, all_key = _keys(run_id)
     store = _client(endpoint, timeout_s)
     arrived = store.add(arrived_key, 1)
-    print(f"{time.strftime('%H:%M:%S')} node {node}: checked in, {arrived} of the job's {nodes} nodes so far",
-          file=sys.stderr, flush=True)
+    print(
+        f"{time.strftime('%H:%M:%S')} node {node}: checked in, {arrived} of the job's {nodes} nodes so far",
+        file=sys.stderr,
+        flush=True,
+    )
     if arrived >= nodes:
         store.set(all_key, b"1")
         return arrived
@@ -63,8 +66,12 @@ def gather_nodes(endpoint: str, run_id: str, nodes: int, timeout_s: float, node:
     except dist.DistStoreError:
         arrived = store.add(arrived_key, 0)
         if arrived < nodes:
-            print(f"node {node}: {arrived} of the job's {nodes} nodes started within {timeout_s:.0f} s; the job starts "
-                  "without the others (they join a later round when they come)", file=sys.stderr, flush=True)
+            print(
+                f"node {node}: {arrived} of the job's {nodes} nodes started within {timeout_s:.0f} s; the job starts "
+                "without the others (they join a later round when they come)",
+                file=sys.stderr,
+                flush=True,
+            )
             return arrived
     waited = time.monotonic() - started
     if waited >= 5:

@@ -23,17 +23,17 @@ import threading
 import time
 from pathlib import Path
 
-from trainer.common.backoff import Backoff
+from trainer.agent.elastic import host_port, run_elastic
+from trainer.agent.single_node import AgentSettings, run_local
 from trainer.checkpoint import fence, shmdirs
 from trainer.checkpoint.saver import ERROR_FILE, PROGRESS_FILE
-from trainer.job.config import JobConfig, NodeDrill
-from trainer.dist import pick_backend
-from trainer.agent.elastic import host_port, run_elastic
-from trainer.job.events import EventKind
-from trainer.liveness import NodeLiveness
-from trainer.agent.single_node import AgentSettings, run_local
+from trainer.common.backoff import Backoff
 from trainer.common.process import exit_when_orphaned
+from trainer.dist import pick_backend
+from trainer.job.config import JobConfig, NodeDrill
+from trainer.job.events import EventKind
 from trainer.job.reporting import EVENTS, JsonLines
+from trainer.liveness import NodeLiveness
 from trainer.resilience.chaos import claim, reached_marker
 from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, worker_pids
 from trainer.resilience.nodecheck import exclusion_marker
@@ -59,7 +59,9 @@ def hold_lock(path: Path, timeout_s: float) -> int:
             return fd
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise LockBusy(f"{path} is held by another training job (pid {Path(path).read_text().strip()})") from None
+                raise LockBusy(
+                    f"{path} is held by another training job (pid {Path(path).read_text().strip()})"
+                ) from None
             time.sleep(0.2)  # poll the lock; the holder is an orphan that exits within a second
 
 
@@ -74,8 +76,17 @@ class SaverProcess:
 
     BACKOFF_CAP_S = 60.0
 
-    def __init__(self, ns: Path, nproc: int, job_path: str, max_failures: int = 5, backoff_s: float = 1.0,
-                 on_give_up=None, zygote: Zygote | None = None, outage_s: float = 600.0):
+    def __init__(
+        self,
+        ns: Path,
+        nproc: int,
+        job_path: str,
+        max_failures: int = 5,
+        backoff_s: float = 1.0,
+        on_give_up=None,
+        zygote: Zygote | None = None,
+        outage_s: float = 600.0,
+    ):
         self.argv = ["--ns", str(ns), "--nproc", str(nproc), "--job", job_path, "--agent", str(os.getpid())]
         self.zygote = zygote
         self.ns, self.max_failures, self.on_give_up, self.outage_s = ns, max_failures, on_give_up, outage_s
@@ -126,12 +137,19 @@ class SaverProcess:
                     self.on_give_up(self.failed, error_type)
                 return
             if self.away_since is not None:
-                print(f"checkpoint storage unreachable ({error}); training goes on on memory snapshots; restarting "
-                      f"the saver in {delay:.1f} s (the job fails if the storage stays away {self.outage_s:.0f} s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"checkpoint storage unreachable ({error}); training goes on on memory snapshots; restarting "
+                    f"the saver in {delay:.1f} s (the job fails if the storage stays away {self.outage_s:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             else:
-                print(f"checkpoint saver failed ({error}); restarting it in {delay:.1f} s "
-                      f"(failure {self.refusals} of {self.max_failures} in a row)", file=sys.stderr, flush=True)
+                print(
+                    f"checkpoint saver failed ({error}); restarting it in {delay:.1f} s "
+                    f"(failure {self.refusals} of {self.max_failures} in a row)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if self.closing.wait(delay):
                 return
             self.restarts += 1
@@ -143,8 +161,10 @@ class SaverProcess:
             self.away_since = self.away_since if self.away_since is not None else time.monotonic()
             away_s = time.monotonic() - self.away_since
             if away_s >= self.outage_s:
-                self.failed = (f"checkpoint storage unreachable for {away_s:.0f} s (fault_tolerance.storage_outage_s: "
-                               f"{self.outage_s:.0f}); last error: {error}")
+                self.failed = (
+                    f"checkpoint storage unreachable for {away_s:.0f} s (fault_tolerance.storage_outage_s: "
+                    f"{self.outage_s:.0f}); last error: {error}"
+                )
             return self.failed is not None
         self.refusals, self.away_since = self.refusals + 1, None
         if self.refusals >= self.max_failures:
@@ -164,9 +184,16 @@ class SaverProcess:
 def fail_job(job: JobConfig, node: int, message: str, saver_error_type: str | None = None) -> None:
     """Record why this node fails the job, then stop the workers: torch's agent turns SIGTERM
     into its orderly shutdown, and ``main`` exits non-zero."""
-    JsonLines(Path(job.job_dir) / EVENTS).write({"source": "agent", "node": node, "event": EventKind.ERROR,
-                                                 "error": f"SaverFailed: {message}", "error_type": "SaverFailed",
-                                                 "cause_types": [saver_error_type] if saver_error_type else []})
+    JsonLines(Path(job.job_dir) / EVENTS).write(
+        {
+            "source": "agent",
+            "node": node,
+            "event": EventKind.ERROR,
+            "error": f"SaverFailed: {message}",
+            "error_type": "SaverFailed",
+            "cause_types": [saver_error_type] if saver_error_type else [],
+        }
+    )
     print(f"training job failed: {message}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -177,8 +204,13 @@ REMOTE_GRACE_S = 5.0  # on several nodes: the node of a hung worker kills it fir
 def watch_workers(job: JobConfig, node: int, saver, several_nodes: bool = False) -> HangDetector:
     """Hang detection for this node's workers, and the agent-side chaos drills."""
     report = agent_report(job, node)
-    detector = HangDetector(job.job_dir, job.hang_timeouts, report, adaptive=AdaptiveTimeout(**job.hang_adaptive),
-                            remote_grace_s=REMOTE_GRACE_S if several_nodes else 0.0)
+    detector = HangDetector(
+        job.job_dir,
+        job.hang_timeouts,
+        report,
+        adaptive=AdaptiveTimeout(**job.hang_adaptive),
+        remote_grace_s=REMOTE_GRACE_S if several_nodes else 0.0,
+    )
     for i, drill in enumerate(job.chaos):
         if isinstance(drill, NodeDrill) and drill.node == node:
             detector.observers.append(lambda step, i=i, d=drill: agent_drill(job, i, d, step, saver(), report))
@@ -240,10 +272,20 @@ def sweep_shared_memory(job: JobConfig, node: int) -> None:
     swept = shmdirs.sweep_orphans(job.shm_dir)
     if swept:
         freed = sum(size for _, size in swept)
-        print(f"freed {freed / 2**20:.0f} MiB of shared memory left by dead agents: {', '.join(str(p) for p, _ in swept)}",
-              file=sys.stderr, flush=True)
-        JsonLines(Path(job.job_dir) / EVENTS).write({"source": "agent", "node": node, "event": EventKind.SHM_SWEPT,
-                                                     "dirs": [str(p) for p, _ in swept], "bytes": freed})
+        print(
+            f"freed {freed / 2**20:.0f} MiB of shared memory left by dead agents: {', '.join(str(p) for p, _ in swept)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        JsonLines(Path(job.job_dir) / EVENTS).write(
+            {
+                "source": "agent",
+                "node": node,
+                "event": EventKind.SHM_SWEPT,
+                "dirs": [str(p) for p, _ in swept],
+                "bytes": freed,
+            }
+        )
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -265,27 +307,44 @@ def run_node(args: argparse.Namespace) -> int:
     if args.lock:
         hold_lock(args.lock, timeout_s=args.lock_wait)
     worker_args = ["-u", "-m", "trainer.worker", args.job]
-    zygote = Zygote.connect(args.zygote, log=lambda line: print(line, file=sys.stderr, flush=True)) if args.zygote else None
+    zygote = (
+        Zygote.connect(args.zygote, log=lambda line: print(line, file=sys.stderr, flush=True)) if args.zygote else None
+    )
     fence.claim(job.checkpoints(), job.job_dir)  # savers of older jobs of this stage commit nothing from now on
     if job.memory_interval > 0:
         sweep_shared_memory(job, args.node)
         ns = shmdirs.create(job.shm_dir, job.job_dir)
-        saver = SaverProcess(ns, args.nproc, args.job, job.saver_max_failures, job.saver_backoff_s,
-                             outage_s=job.saver_outage_s,
-                             on_give_up=lambda message, error_type: fail_job(job, args.node, message, error_type),
-                             zygote=zygote)
+        saver = SaverProcess(
+            ns,
+            args.nproc,
+            args.job,
+            job.saver_max_failures,
+            job.saver_backoff_s,
+            outage_s=job.saver_outage_s,
+            on_give_up=lambda message, error_type: fail_job(job, args.node, message, error_type),
+            zygote=zygote,
+        )
         worker_args += ["--shm", str(ns)]
     detector = watch_workers(job, args.node, lambda: saver, several_nodes=args.nnodes_max > 1)
     report = agent_report(job, args.node)
     try:
         if args.nnodes_max == 1:
-            code = run_local(local_settings(job, args, ns), worker_starter(zygote, worker_args[3:]),
-                             spares_wanted=lambda: detector.max_step >= 1)
+            code = run_local(
+                local_settings(job, args, ns),
+                worker_starter(zygote, worker_args[3:]),
+                spares_wanted=lambda: detector.max_step >= 1,
+            )
         else:
             fast = keeps_survivors(job, args.nproc * args.nnodes_max)
-            code = run_elastic(args, job, zygote, worker_args, job.fast_recovery_timeout_s if fast else 0.0,
-                               spares_wanted=lambda: detector.max_step >= 1,
-                               before_round=lambda: leave_if_excluded(job, args.node, report, saver))
+            code = run_elastic(
+                args,
+                job,
+                zygote,
+                worker_args,
+                job.fast_recovery_timeout_s if fast else 0.0,
+                spares_wanted=lambda: detector.max_step >= 1,
+                before_round=lambda: leave_if_excluded(job, args.node, report, saver),
+            )
     finally:
         liveness.stop()
         cleanup()
@@ -296,17 +355,26 @@ def worker_starter(zygote: Zygote | None, worker_argv: list[str]):
     """How our own agent starts a worker (``extra``: more arguments, e.g. ``--spare N``; ``env``: its
     complete environment): forked from the campaign run's zygote, torch imported, else
     ``python -m trainer.worker`` in a fresh interpreter; unbuffered either way."""
+
     def start(extra: list[str], env: dict[str, str]):
         return spawn("trainer.worker", [*worker_argv, *extra], zygote=zygote, env={**env, "PYTHONUNBUFFERED": "1"})
+
     return start
 
 
 def local_settings(job: JobConfig, args: argparse.Namespace, shm: Path | None = None) -> AgentSettings:
     """Our own agent's settings for a job of one node (``keeps_survivors``: the fast path)."""
-    return AgentSettings(nproc=args.nproc, max_restarts=args.max_restarts, threads=args.threads, node=args.node,
-                         port=host_port(args.rdzv_endpoint)[1], spares=job.spares_per_node,
-                         fast=keeps_survivors(job, args.nproc), fast_timeout_s=job.fast_recovery_timeout_s,
-                         shm=None if shm is None else str(shm))
+    return AgentSettings(
+        nproc=args.nproc,
+        max_restarts=args.max_restarts,
+        threads=args.threads,
+        node=args.node,
+        port=host_port(args.rdzv_endpoint)[1],
+        spares=job.spares_per_node,
+        fast=keeps_survivors(job, args.nproc),
+        fast_timeout_s=job.fast_recovery_timeout_s,
+        shm=None if shm is None else str(shm),
+    )
 
 
 def keeps_survivors(job: JobConfig, world: int) -> bool:
@@ -314,5 +382,9 @@ def keeps_survivors(job: JobConfig, world: int) -> bool:
     under DDP over gloo with more than one worker (an FSDP model is sharded over the broken group;
     an NCCL collective with a dead peer does not fail, it waits for the group's timeout), unless
     ``fast_recovery_timeout_s`` is 0."""
-    return world > 1 and job.parallelism == "ddp" and pick_backend(job.backend) == "gloo" \
+    return (
+        world > 1
+        and job.parallelism == "ddp"
+        and pick_backend(job.backend) == "gloo"
         and job.fast_recovery_timeout_s > 0
+    )

@@ -28,9 +28,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-LINKS_KEY = "pretrain/links"  # + /<rank>: where a round's node agent listens, in the round's part of the rendezvous store
-LINK_WAIT_S = 5.0  # how long an agent waits for the watched ranks' addresses (published as its round forms) and to connect
-WATCHED = 2  # how many of the next ranks each agent watches: every lost node is found unless more than this many in a row go
+LINKS_KEY = (
+    "pretrain/links"  # + /<rank>: where a round's node agent listens, in the round's part of the rendezvous store
+)
+LINK_WAIT_S = (
+    5.0  # how long an agent waits for the watched ranks' addresses (published as its round forms) and to connect
+)
+WATCHED = (
+    2  # how many of the next ranks each agent watches: every lost node is found unless more than this many in a row go
+)
 BYE = b"B"  # sent before an agent closes its links on purpose (the job ended): not a loss
 
 
@@ -40,7 +46,9 @@ class LostNode:
     node: int  # the job's node number (its agent's ``--node``)
     desc: tuple | None  # its rendezvous identity (torch's node descriptor: addr, pid, local id), None if unknown
     at: float  # when its connection closed (epoch seconds)
-    silent: bool = False  # found by the rendezvous (its keep-alives lapsed), not by a closed link: its sockets may be open
+    silent: bool = (
+        False  # found by the rendezvous (its keep-alives lapsed), not by a closed link: its sockets may be open
+    )
 
 
 class NodeLinks:
@@ -68,11 +76,17 @@ class NodeLinks:
             return
         try:
             host, port = self._serve()
-            store.set(f"{LINKS_KEY}/{rank}", json.dumps({"host": host, "port": port, "node": self.node,
-                                                         "desc": list(desc) if desc else None}))
+            store.set(
+                f"{LINKS_KEY}/{rank}",
+                json.dumps({"host": host, "port": port, "node": self.node, "desc": list(desc) if desc else None}),
+            )
         except (dist.DistError, OSError) as err:
-            print(f"no links to the other agents: their loss will be found by the rendezvous's keep-alives "
-                  f"({type(err).__name__}: {err})", file=sys.stderr, flush=True)
+            print(
+                f"no links to the other agents: their loss will be found by the rendezvous's keep-alives "
+                f"({type(err).__name__}: {err})",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         deadline = time.monotonic() + LINK_WAIT_S  # for all the links together: the round's workers wait for them
         for ahead in range(1, min(self.watched, world_size - 1) + 1):
@@ -83,11 +97,16 @@ class NodeLinks:
         try:
             store.wait([f"{LINKS_KEY}/{nxt}"], timedelta(seconds=max(0.1, deadline - time.monotonic())))
             peer = json.loads(store.get(f"{LINKS_KEY}/{nxt}"))
-            sock = socket.create_connection((peer["host"], int(peer["port"])),
-                                            timeout=max(0.1, deadline - time.monotonic()))
+            sock = socket.create_connection(
+                (peer["host"], int(peer["port"])), timeout=max(0.1, deadline - time.monotonic())
+            )
         except (dist.DistError, OSError, ValueError, KeyError, TypeError) as err:
-            print(f"no link to the agent of rank {nxt}: its loss will be found by the rendezvous's keep-alives "
-                  f"({type(err).__name__}: {err})", file=sys.stderr, flush=True)
+            print(
+                f"no link to the agent of rank {nxt}: its loss will be found by the rendezvous's keep-alives "
+                f"({type(err).__name__}: {err})",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         sock.settimeout(None)
         self._watched.append(sock)
@@ -143,7 +162,9 @@ class NodeLinks:
             data = sock.recv(1)
         except OSError:
             data = b""
-        if all(sock is not w for w in self._watched) or data == BYE:  # let go on purpose (a new round), or the job ended there
+        if (
+            all(sock is not w for w in self._watched) or data == BYE
+        ):  # let go on purpose (a new round), or the job ended there
             return
         with self._lock:
             self._lost.append(replace(lost, at=time.time()))

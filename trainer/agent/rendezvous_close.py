@@ -82,7 +82,9 @@ def record_expired_nodes(on_expired=None) -> None:
 
     def _sanitize(self) -> None:
         state = getattr(self, "_state", None)
-        was_in = {dataclasses.astuple(n) for n in getattr(state, "participants", None) or () if dataclasses.is_dataclass(n)}
+        was_in = {
+            dataclasses.astuple(n) for n in getattr(state, "participants", None) or () if dataclasses.is_dataclass(n)
+        }
         sanitize(self)
         dead = {dataclasses.astuple(n) for n in getattr(self, "_dead_nodes", None) or () if dataclasses.is_dataclass(n)}
         recorded = self.__dict__.setdefault("_pretrain_recorded", set())
@@ -135,8 +137,11 @@ class CloseWhenBack:
             while not self._stopped.wait(POLL_S) and not self.closed_early:
                 self.closed_early = self._close_if_all_back()
         except (RendezvousError, RuntimeError, OSError, ValueError) as err:
-            print(f"rendezvous: the round waits for its last call ({type(err).__name__}: {err})", file=sys.stderr,
-                  flush=True)
+            print(
+                f"rendezvous: the round waits for its last call ({type(err).__name__}: {err})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _close_if_all_back(self) -> bool:
         self._holder.sync()
@@ -154,8 +159,12 @@ class CloseWhenBack:
         self._holder.mark_dirty()
         if not self._holder.sync():
             return False  # another node changed the state meanwhile: look again
-        print(f"rendezvous: every node of the last round but {len(self._last & self._lost())} lost is back: the round "
-              "closes without its last call", file=sys.stderr, flush=True)
+        print(
+            f"rendezvous: every node of the last round but {len(self._last & self._lost())} lost is back: the round "
+            "closes without its last call",
+            file=sys.stderr,
+            flush=True,
+        )
         return True
 
 

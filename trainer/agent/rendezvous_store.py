@@ -40,7 +40,6 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from trainer.agent.node_links import LINKS_KEY, LostNode, NodeLinks
 from trainer.agent.rendezvous_close import EXPIRED, CloseWhenBack, lost_from, members, record_lost
 
-
 ROUNDS_KEY = "pretrain/rounds"  # the counter, in the rendezvous's store (outside any round's prefix)
 ROUND_KEY = "pretrain/round"  # the round's number, in the round's part of it
 FINISHED_KEY = "pretrain/finished"  # + /<round>/<node identity>: the node's workers finished the job
@@ -72,8 +71,11 @@ class RoundStoreAddress:
         # (the last round's rank 0 and the agents that found a node lost: a few per job, not every agent)
         lost = lambda: lost_from(store, last_round) | lost_from(store, EXPIRED)  # noqa: E731 - read on every look
         last = frozenset(self._ranks)
-        closer = CloseWhenBack(self._handler, last, lost) \
-            if store is not None and last and (self._closes or self._expired_of_last(store)) else None
+        closer = (
+            CloseWhenBack(self._handler, last, lost)
+            if store is not None and last and (self._closes or self._expired_of_last(store))
+            else None
+        )
         try:
             info = self._handler.next_rendezvous()
         finally:
@@ -83,9 +85,12 @@ class RoundStoreAddress:
         self._store, self._closes = info.store.underlying_store, info.rank == 0
         agreed = self._agree(info)
         self._round_store, self._expired_seen = agreed.store, set()
-        print(f"{time.strftime('%H:%M:%S', time.localtime(asked))} rendezvous: round {self.round}, this node rank "
-              f"{info.rank} of {info.world_size} node(s), formed after {time.time() - asked:.1f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"{time.strftime('%H:%M:%S', time.localtime(asked))} rendezvous: round {self.round}, this node rank "
+            f"{info.rank} of {info.world_size} node(s), formed after {time.time() - asked:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         self.links.join_round(agreed.store, agreed.rank, agreed.world_size, self._node_desc())
         return agreed
 
@@ -113,12 +118,15 @@ class RoundStoreAddress:
         if not gone:
             return []
         try:
-            gone = {d for d in gone - lost_from(self._store, self.round)
-                    if not self._store.check([self._finished_key(d)])}  # at the job's end: not silent
+            gone = {
+                d for d in gone - lost_from(self._store, self.round) if not self._store.check([self._finished_key(d)])
+            }  # at the job's end: not silent
         except (dist.DistError, RuntimeError):
             return []  # the store is away for a moment: the next look
         self._expired_seen |= gone
-        return [LostNode(self._ranks[d], self._node_of(self._ranks[d]), d, time.time(), silent=True) for d in sorted(gone)]
+        return [
+            LostNode(self._ranks[d], self._node_of(self._ranks[d]), d, time.time(), silent=True) for d in sorted(gone)
+        ]
 
     def record_finished(self) -> None:
         """Note in the rendezvous's store that this node's workers finished the job."""
@@ -169,8 +177,12 @@ class RoundStoreAddress:
                     if holder.sync():
                         return True
         except (RendezvousError, RuntimeError, OSError) as err:
-            print(f"could not take the lost node out of the rendezvous ({type(err).__name__}: {err}): it leaves once "
-                  "its keep-alives lapse", file=sys.stderr, flush=True)
+            print(
+                f"could not take the lost node out of the rendezvous ({type(err).__name__}: {err}): it leaves once "
+                "its keep-alives lapse",
+                file=sys.stderr,
+                flush=True,
+            )
         return False
 
     def _record_lost(self, desc: tuple) -> None:
@@ -179,8 +191,11 @@ class RoundStoreAddress:
                 record_lost(self._store, self.round, desc)
                 self._closes = True
         except (dist.DistError, RuntimeError, OSError) as err:
-            print(f"could not record the lost node ({type(err).__name__}: {err}): the next round waits for its "
-                  "last call", file=sys.stderr, flush=True)
+            print(
+                f"could not record the lost node ({type(err).__name__}: {err}): the next round waits for its last call",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _agree(self, info: RendezvousInfo) -> RendezvousInfo:
         if info.rank == 0:  # the round's prefixed store: its underlying one is the rendezvous's, shared by all rounds

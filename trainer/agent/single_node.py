@@ -24,8 +24,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainer.checkpoint.flash import copies_in_flight
-from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
 from trainer.common.process import wait_for_an_exit
+from trainer.dist import EPOCH_ENV, FAST_RECOVERY_ENV, Identity
 from trainer.resilience.heartbeat import AGENT_ENV
 from trainer.resilience.nodecheck import NODE_ENV
 from trainer.resilience.peers import PEER_LOST_EXIT, WARM_SPARES_ENV, all_ready, announce, hand_rank, not_ready
@@ -74,8 +74,9 @@ class NodeAgent:
     def __init__(self, settings: AgentSettings, start_worker, spares_wanted=lambda: True):
         # start_worker(extra_args, env) -> a Popen-like process (trainer.agent.node.worker_starter)
         self.s, self.start, self.spares_wanted = settings, start_worker, spares_wanted
-        self.store = dist.TCPStore("127.0.0.1", settings.port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+        self.store = dist.TCPStore(
+            "127.0.0.1", settings.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
         self.restart = self.epoch = self.recoveries = 0
         self.workers: dict[int, subprocess.Popen] = {}
         self.spares: list[Spare] = []
@@ -83,11 +84,20 @@ class NodeAgent:
 
     def _env(self, **extra) -> dict[str, str]:
         s = self.s
-        env = {**os.environ, "OMP_NUM_THREADS": str(s.threads), NODE_ENV: str(s.node), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(s.port), "WORLD_SIZE": str(s.nproc), "LOCAL_WORLD_SIZE": str(s.nproc),
-               "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(self.restart),
-               FAST_RECOVERY_ENV: str(s.fast_timeout_s if s.fast else 0), WARM_SPARES_ENV: str(s.spares if s.fast else 0),
-               AGENT_ENV: str(os.getpid())}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(s.threads),
+            NODE_ENV: str(s.node),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(s.port),
+            "WORLD_SIZE": str(s.nproc),
+            "LOCAL_WORLD_SIZE": str(s.nproc),
+            "GROUP_RANK": "0",
+            "TORCHELASTIC_RESTART_COUNT": str(self.restart),
+            FAST_RECOVERY_ENV: str(s.fast_timeout_s if s.fast else 0),
+            WARM_SPARES_ENV: str(s.spares if s.fast else 0),
+            AGENT_ENV: str(os.getpid()),
+        }
         return env | {k: str(v) for k, v in extra.items()}
 
     def _start_worker(self, rank: int) -> subprocess.Popen:
@@ -115,8 +125,12 @@ class NodeAgent:
     def tend_spares(self) -> None:
         """Keep ``spares`` warm spares once training is under way (a spare that died is replaced)."""
         self.spares = [sp for sp in self.spares if sp.proc.poll() is None]
-        if not self.s.fast or len(self.spares) >= self.s.spares or time.monotonic() < self.replenish_at \
-                or not self.spares_wanted():
+        if (
+            not self.s.fast
+            or len(self.spares) >= self.s.spares
+            or time.monotonic() < self.replenish_at
+            or not self.spares_wanted()
+        ):
             return
         self.spares.append(Spare(self.next_spare, self.start(["--spare", str(self.next_spare)], self._env())))
         self.next_spare += 1
@@ -124,7 +138,7 @@ class NodeAgent:
     def fast_recover(self, lost: list[int]) -> bool:
         """Replace the ``lost`` ranks while the others are kept; False: not done within the bound."""
         t0 = time.monotonic()
-        warm = [sp for sp in self.spares if sp.proc.poll() is None][:len(lost)]
+        warm = [sp for sp in self.spares if sp.proc.poll() is None][: len(lost)]
         self.spares = [sp for sp in self.spares if sp not in warm]
         path = "spare" if len(warm) == len(lost) else "replacement"  # (replacement: one or more started cold)
         self.epoch = announce(self.store, self.restart, lost, path, time.time())
@@ -147,8 +161,12 @@ class NodeAgent:
                 return True
             time.sleep(POLL_S)  # polls exit codes and the ranks' ready keys
         late = not_ready(self.store, self.restart, self.epoch, self.s.nproc)
-        print(f"the fast recovery was not done within {self.s.fast_timeout_s:.1f} s (rank(s) {late} not restored "
-              "in the new process group): restarting every worker", file=sys.stderr, flush=True)
+        print(
+            f"the fast recovery was not done within {self.s.fast_timeout_s:.1f} s (rank(s) {late} not restored "
+            "in the new process group): restarting every worker",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
 
     def settle_snapshots(self) -> None:
@@ -159,12 +177,16 @@ class NodeAgent:
             return
         deadline = time.monotonic() + SETTLE_S
         # a worker dying meanwhile leaves its copy torn for good: only the live ones are waited for
-        while (busy := copies_in_flight(self.s.shm, {p.pid for p in self.workers.values() if p.poll() is None})) \
-                and time.monotonic() < deadline:
+        while (
+            busy := copies_in_flight(self.s.shm, {p.pid for p in self.workers.values() if p.poll() is None})
+        ) and time.monotonic() < deadline:
             time.sleep(POLL_S)  # polls the slot headers and the workers
         if busy:
-            print(f"stopping workers with snapshots still in progress after {SETTLE_S:.0f} s: {', '.join(busy)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"stopping workers with snapshots still in progress after {SETTLE_S:.0f} s: {', '.join(busy)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def full_restart(self) -> None:
         self.settle_snapshots()
@@ -184,11 +206,18 @@ class NodeAgent:
                 why = ", ".join(f"rank {r}: {describe_exit(codes[r])}" for r in failed)
                 self.recoveries += 1
                 if self.recoveries > self.s.max_restarts:
-                    print(f"training job failed: {why} (after {self.s.max_restarts} restart(s))", file=sys.stderr, flush=True)
+                    print(
+                        f"training job failed: {why} (after {self.s.max_restarts} restart(s))",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self.stop_workers()
                     return 1
-                print(f"worker failure ({why}); recovery {self.recoveries} of {self.s.max_restarts}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"worker failure ({why}); recovery {self.recoveries} of {self.s.max_restarts}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 survivors = [c for r, c in codes.items() if r not in failed]
                 # a worker that left because a peer was lost with no recovery announced is not replaced
                 fast = self.s.fast and PEER_LOST_EXIT not in (codes[r] for r in failed)
@@ -208,13 +237,17 @@ class NodeAgent:
 
 def run_local(settings: AgentSettings, start_worker, spares_wanted=lambda: True) -> int:
     """Run the node's workers; the agent's exit code (0, 1, or 128 + the signal that stopped it)."""
+
     def stop(signum, frame):
         raise Stopped(signum)
 
     agent = NodeAgent(settings, start_worker, spares_wanted)
     # SIGINT left ignored when it was (a background job is not stopped by a Ctrl-C meant for others)
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)
-                if signal.getsignal(sig) is not signal.SIG_IGN}
+    previous = {
+        sig: signal.signal(sig, stop)
+        for sig in (signal.SIGTERM, signal.SIGINT)
+        if signal.getsignal(sig) is not signal.SIG_IGN
+    }
     try:
         return agent.run()
     except Stopped as err:

@@ -19,8 +19,8 @@ import time
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, get_subprocess_handler
 
-from trainer.dist import Identity
 from trainer.agent.single_node import REPLENISH_DELAY_S
+from trainer.dist import Identity
 from trainer.resilience.peers import hand_rank, taken_key, warm_key
 
 SPARE_IDS = 100_000  # spare ids per node: node n's spares are n × SPARE_IDS + 0, 1, …
@@ -29,9 +29,15 @@ SPARE_IDS = 100_000  # spare ids per node: node n's spares are n × SPARE_IDS + 
 def start_process(pc, lr: int, extra: tuple[str, ...] = ()) -> SubprocessHandler:
     """A process started as torch started local rank ``lr`` of the round ``pc`` (its process
     context), with ``extra`` arguments."""
-    return get_subprocess_handler(entrypoint=pc.entrypoint, args=(*pc.args[lr], *extra), env=pc.envs[lr],
-                                  stdout=pc.stdouts[lr], stderr=pc.stderrs[lr], local_rank_id=lr,
-                                  numa_options=getattr(pc, "_numa_options", None))
+    return get_subprocess_handler(
+        entrypoint=pc.entrypoint,
+        args=(*pc.args[lr], *extra),
+        env=pc.envs[lr],
+        stdout=pc.stdouts[lr],
+        stderr=pc.stderrs[lr],
+        local_rank_id=lr,
+        numa_options=getattr(pc, "_numa_options", None),
+    )
 
 
 class WarmSpares:

@@ -37,12 +37,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from trainer.dist import EPOCH_ENV, Identity, listening, own_round_store, round_restart_count
-from trainer.agent.spares import WarmSpares, start_process
 from trainer.agent.first_round import gather_nodes
-from trainer.agent.single_node import describe_exit
 from trainer.agent.node_links import LostNode, NodeLinks
 from trainer.agent.rendezvous_store import RoundStoreAddress
+from trainer.agent.single_node import describe_exit
+from trainer.agent.spares import WarmSpares, start_process
+from trainer.dist import EPOCH_ENV, Identity, listening, own_round_store, round_restart_count
 from trainer.resilience.peers import NODE_LOST_PATH, PEER_LOST_EXIT, all_ready, announce, epochs_key, not_ready
 from trainer.resilience.survivor_interrupt import interrupt
 
@@ -99,7 +99,9 @@ def job_store_client(host: str, port: int) -> dist.TCPStore:
     if "error" in made:
         raise made["error"]
     if "store" not in made:
-        raise RuntimeError(f"it accepted the connection but did not answer in {3 * CONNECT_TIMEOUT_S:.0f}s (its host is frozen?)")
+        raise RuntimeError(
+            f"it accepted the connection but did not answer in {3 * CONNECT_TIMEOUT_S:.0f}s (its host is frozen?)"
+        )
     store = made["store"]
     store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
     return store
@@ -108,8 +110,16 @@ def job_store_client(host: str, port: int) -> dist.TCPStore:
 class SurvivorsAgent(LocalElasticAgent):
     """Torch's agent for one node of the job, keeping the survivors of a lost worker."""
 
-    def __init__(self, spec: WorkerSpec, fast_timeout_s: float, spares: int = 0, node: int = 0,
-                 spares_wanted=lambda: True, before_round=lambda: None, **kwargs):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        fast_timeout_s: float,
+        spares: int = 0,
+        node: int = 0,
+        spares_wanted=lambda: True,
+        before_round=lambda: None,
+        **kwargs,
+    ):
         super().__init__(spec=spec, **kwargs)
         self.before_round = before_round  # called before this node joins a rendezvous round (it may end the node)
         self.fast_timeout_s = fast_timeout_s
@@ -166,24 +176,39 @@ class SurvivorsAgent(LocalElasticAgent):
             if all(h.proc.poll() is None for h in handlers.values()):  # (a worker that ended: the round ends, and
                 self.spares.tend(self._pcontext, self._job_store)  # the store its rank 0 hosted may have gone)
             rendezvous = worker_group.spec.rdzv_handler
-            stuck = [node for node in [*rendezvous.links.take_lost(), *rendezvous.take_expired()]
-                     if not self._node_lost(worker_group, node)]
+            stuck = [
+                node
+                for node in [*rendezvous.links.take_lost(), *rendezvous.take_expired()]
+                if not self._node_lost(worker_group, node)
+            ]
             if any(node.silent for node in stuck):  # its sockets are open: a collective with it never fails
-                print("the workers are stuck in a collective with the silent node: restarting them", file=sys.stderr,
-                      flush=True)
+                print(
+                    "the workers are stuck in a collective with the silent node: restarting them",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return RunResult(state=WorkerState.UNHEALTHY)
             if stuck:  # none left: not in a collective that failed (a store wait, a long step of its own)
-                print(f"the workers did not leave within {LEAVE_WAIT_S:g} s: restarting them for the next round",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"the workers did not leave within {LEAVE_WAIT_S:g} s: restarting them for the next round",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return RunResult(state=WorkerState.UNHEALTHY)
         lost = self._lost_with_survivors() if self.fast_timeout_s > 0 else {}
         if lost:
             if self._remaining_restarts - self.fast_recoveries <= 0:
                 self._remaining_restarts = 0  # fast recoveries spent the budget: torch's agent fails the job
             else:
-                failures = {worker_group.workers[lr].global_rank: ProcessFailure(
-                    local_rank=lr, pid=self._pcontext.subprocess_handlers[lr].proc.pid, exitcode=code,
-                    error_file=self._pcontext.error_files[lr]) for lr, code in lost.items()}
+                failures = {
+                    worker_group.workers[lr].global_rank: ProcessFailure(
+                        local_rank=lr,
+                        pid=self._pcontext.subprocess_handlers[lr].proc.pid,
+                        exitcode=code,
+                        error_file=self._pcontext.error_files[lr],
+                    )
+                    for lr, code in lost.items()
+                }
                 recovered = self._recover_fast(worker_group, lost)
                 if recovered is True:
                     self.fast_recoveries += 1
@@ -203,9 +228,12 @@ class SurvivorsAgent(LocalElasticAgent):
         rendezvous = worker_group.spec.rdzv_handler
         evicted = lost.desc is not None and rendezvous.evict(lost.desc)
         how = "its keep-alives lapsed (frozen, or cut off)" if lost.silent else "its agent's link closed"
-        print(f"node {lost.node} (rank {lost.rank} of round {self._round()}) is gone: {how}; "
-              f"{'taken out of the rendezvous, ' if evicted else ''}the workers leave for a new round",
-              file=sys.stderr, flush=True)
+        print(
+            f"node {lost.node} (rank {lost.rank} of round {self._round()}) is gone: {how}; "
+            f"{'taken out of the rendezvous, ' if evicted else ''}the workers leave for a new round",
+            file=sys.stderr,
+            flush=True,
+        )
         pc = self._pcontext
         env = pc.envs[0]
         if lost.silent:
@@ -217,8 +245,9 @@ class SurvivorsAgent(LocalElasticAgent):
             if store is not None:
                 announce(store, self._agreed_restart(store, env), [], NODE_LOST_PATH, lost.at)
         except (dist.DistError, RuntimeError) as err:
-            print(f"could not tell the workers ({err}): they leave after their notice window", file=sys.stderr,
-                  flush=True)
+            print(
+                f"could not tell the workers ({err}): they leave after their notice window", file=sys.stderr, flush=True
+            )
             return False
         deadline = time.monotonic() + LEAVE_WAIT_S
         procs = [h.proc for h in pc.subprocess_handlers.values()]
@@ -241,8 +270,11 @@ class SurvivorsAgent(LocalElasticAgent):
                 store = job_store_client(*where)
             except (dist.DistError, RuntimeError) as err:
                 self._store_retry_at = time.monotonic() + STORE_RETRY_S
-                print(f"no fast recovery: the job's store at {where[0]}:{where[1]} is not reachable ({err})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"no fast recovery: the job's store at {where[0]}:{where[1]} is not reachable ({err})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return None
             self._peers_store = self._pcontext, store
         return self._peers_store[1]
@@ -285,8 +317,11 @@ class SurvivorsAgent(LocalElasticAgent):
             if time.monotonic() >= next_look:  # another node's agent restarting (its workers gave up): join it
                 next_look = time.monotonic() + MEMBERSHIP_LOOK_S
                 if rendezvous.num_nodes_waiting() > 0:
-                    print("another node restarts the job during the fast recovery: restarting every worker",
-                          file=sys.stderr, flush=True)
+                    print(
+                        "another node restarts the job during the fast recovery: restarting every worker",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return False
             try:
                 ready = all_ready(store, restart, epoch, world)
@@ -294,8 +329,11 @@ class SurvivorsAgent(LocalElasticAgent):
             except (dist.DistError, RuntimeError):
                 ready, concurrent = False, False  # the store is away for a moment: look again
             if concurrent:  # two nodes lost workers at once (or a collective hung everywhere): one round for all
-                print("another node announced a recovery at the same time: restarting every worker", file=sys.stderr,
-                      flush=True)
+                print(
+                    "another node announced a recovery at the same time: restarting every worker",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return False
             if ready:
                 print(f"recovered in {time.monotonic() - t0:.2f} s ({path})", flush=True)
@@ -306,31 +344,57 @@ class SurvivorsAgent(LocalElasticAgent):
             late = not_ready(store, restart, epoch, world)
         except (dist.DistError, RuntimeError):
             late = list(range(world))  # the store is gone: none of them is known to be restored
-        print(f"the fast recovery was not done within {self.fast_timeout_s:.1f} s (rank(s) {late} not restored "
-              "in the new process group): restarting every worker", file=sys.stderr, flush=True)
+        print(
+            f"the fast recovery was not done within {self.fast_timeout_s:.1f} s (rank(s) {late} not restored "
+            "in the new process group): restarting every worker",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
 
 
-def launch(*, min_nodes: int, max_nodes: int, nproc: int, run_id: str, endpoint: str, rdzv_configs: dict,
-           max_restarts: int, command: list[str], fast_timeout_s: float, spares: int = 0, node: int = 0,
-           spares_wanted=lambda: True, monitor_interval: float = 0.2, first_round_wait_s: float | None = 0.0,
-           before_round=lambda: None) -> bool:
+def launch(
+    *,
+    min_nodes: int,
+    max_nodes: int,
+    nproc: int,
+    run_id: str,
+    endpoint: str,
+    rdzv_configs: dict,
+    max_restarts: int,
+    command: list[str],
+    fast_timeout_s: float,
+    spares: int = 0,
+    node: int = 0,
+    spares_wanted=lambda: True,
+    monitor_interval: float = 0.2,
+    first_round_wait_s: float | None = 0.0,
+    before_round=lambda: None,
+) -> bool:
     """This node's part of the job (what ``torch.distributed.launcher.api.elastic_launch`` does,
     with ``SurvivorsAgent`` keeping ``spares`` warm spares once ``spares_wanted()``; the first
     round waits up to ``first_round_wait_s`` for all ``max_nodes`` nodes; None: a standby node,
     which neither checks in nor waits; ``before_round()`` runs before every round this node joins);
     raises ``ChildFailedError`` when the job failed; False when this node stood by as the job ended
     (torch's agent left the closed rendezvous gracefully), else True."""
-    params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
-                                  max_nodes=max_nodes, **rdzv_configs)
+    params = RendezvousParameters(
+        backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, **rdzv_configs
+    )
     rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params), NodeLinks(node))  # (store up now)
     if first_round_wait_s is not None:
         gather_nodes(endpoint, run_id, max_nodes, first_round_wait_s, node)
-    spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=command[0], args=tuple(command[1:]),
-                      rdzv_handler=rendezvous, max_restarts=max_restarts,
-                      monitor_interval=monitor_interval)
-    agent = SurvivorsAgent(spec, fast_timeout_s, spares, node, spares_wanted, before_round,
-                           logs_specs=ConsoleLogs(), start_method="spawn")
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=nproc,
+        entrypoint=command[0],
+        args=tuple(command[1:]),
+        rdzv_handler=rendezvous,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+    )
+    agent = SurvivorsAgent(
+        spec, fast_timeout_s, spares, node, spares_wanted, before_round, logs_specs=ConsoleLogs(), start_method="spawn"
+    )
     shutdown_rendezvous = True
     try:
         result = agent.run()

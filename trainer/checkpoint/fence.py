@@ -72,14 +72,20 @@ class LeaseRecord:
         return (json.dumps(body, sort_keys=True) + "\n").encode()
 
     @classmethod
-    def parse(cls, data: bytes, where: str) -> "LeaseRecord":
+    def parse(cls, data: bytes, where: str) -> LeaseRecord:
         try:
             body = json.loads(data.decode())
             if not isinstance(body, dict) or body.get("format") != LEASE_FORMAT:
                 raise ValueError(f"not a {LEASE_FORMAT} record")
-            record = cls(holder=str(body["holder"]), generation=body["generation"], token=str(body["token"]),
-                         expires_at=float(body["expires_at"]), ttl_s=float(body["ttl_s"]),
-                         released=bool(body.get("released", False)), acquired_at=float(body.get("acquired_at", 0)))
+            record = cls(
+                holder=str(body["holder"]),
+                generation=body["generation"],
+                token=str(body["token"]),
+                expires_at=float(body["expires_at"]),
+                ttl_s=float(body["ttl_s"]),
+                released=bool(body.get("released", False)),
+                acquired_at=float(body.get("acquired_at", 0)),
+            )
             if not isinstance(record.generation, int) or isinstance(record.generation, bool) or record.generation < 1:
                 raise ValueError(f"generation {record.generation!r} is not a positive integer")
             return record
@@ -87,7 +93,8 @@ class LeaseRecord:
             raise LeaseRecordDamaged(
                 f"the lease {where} is damaged ({exc}); nobody can hold it until it is fixed. Make sure no run of "
                 f"this campaign is still running (the lease keeps two from running at once), then delete {where} "
-                "and run again") from None
+                "and run again"
+            ) from None
 
     def describe(self) -> str:
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.expires_at))
@@ -104,7 +111,7 @@ class LeaseFence:
     options: dict = field(default_factory=dict)  # storage options for ``location`` (no secrets)
 
     @classmethod
-    def of_job(cls, lease: dict, options: dict) -> "LeaseFence | None":
+    def of_job(cls, lease: dict, options: dict) -> LeaseFence | None:
         """The fence of a job's ``JobConfig.lease`` entry; None when it has none (local state)."""
         return cls(lease["location"], lease["key"], int(lease["generation"]), dict(options)) if lease else None
 
@@ -121,7 +128,9 @@ class LeaseFence:
 
         now = LeaseRecord.parse(open_storage(self.location, **self.options).get_bytes(self.key), self.where)
         if now.generation != self.generation:
-            return (f"fenced: the campaign's lease {self.where} is at generation {now.generation}, held by "
-                    f"{now.holder}, and this job runs under generation {self.generation}: another run of the "
-                    "campaign took it over, so this job commits nothing")
+            return (
+                f"fenced: the campaign's lease {self.where} is at generation {now.generation}, held by "
+                f"{now.holder}, and this job runs under generation {self.generation}: another run of the "
+                "campaign took it over, so this job commits nothing"
+            )
         return None

@@ -28,8 +28,11 @@ DIGEST_THREAD = "snapshot-digest"  # the thread that seals a snapshot after its 
 
 def node_missing(ns: Path, capacities: dict[int, int]) -> int:
     """Bytes still to allocate for the slots of every local rank (local rank → bytes per slot)."""
-    return sum(max(0, cap - (p.stat().st_size if p.exists() else 0))
-               for lr, cap in capacities.items() for p in slot_paths(ns, lr))
+    return sum(
+        max(0, cap - (p.stat().st_size if p.exists() else 0))
+        for lr, cap in capacities.items()
+        for p in slot_paths(ns, lr)
+    )
 
 
 def finish_digests(timeout_s: float) -> None:
@@ -45,21 +48,32 @@ def finish_digests(timeout_s: float) -> None:
 def copies_in_flight(ns: str | Path, pids: set[int]) -> list[str]:
     """The slots under ``ns`` that a process of ``pids`` is copying a snapshot into or sealing
     (``writing``, or ``ready`` without its digest yet); a slot left so by a dead process is not."""
-    return [path.name for path in sorted(Path(ns).glob("rank*.slot*"))
-            if (h := read_header(path)) and h.get("pid") in pids and (h.get("state") == "writing" or not h.get("digest"))]
+    return [
+        path.name
+        for path in sorted(Path(ns).glob("rank*.slot*"))
+        if (h := read_header(path)) and h.get("pid") in pids and (h.get("state") == "writing" or not h.get("digest"))
+    ]
 
 
 class SnapshotStore:
-    def __init__(self, ns: str | Path, local_rank: int, rank: int, world_size: int, capacity: int,
-                 node: dict[int, int] | None = None):
+    def __init__(
+        self,
+        ns: str | Path,
+        local_rank: int,
+        rank: int,
+        world_size: int,
+        capacity: int,
+        node: dict[int, int] | None = None,
+    ):
         """``node``: bytes per slot of every local rank on this node (default: this rank alone).
         The check counts them all, so the node's ranks together cannot overcommit shared memory."""
         self.ns = Path(ns)
         self.rank, self.world_size = rank, world_size
         self.ns.mkdir(parents=True, exist_ok=True)
         node = {**(node or {}), local_rank: capacity}
-        check_capacity(self.ns, node_missing(self.ns, node),
-                       f" more (2 slots for each of the node's {len(node)} local rank(s))")
+        check_capacity(
+            self.ns, node_missing(self.ns, node), f" more (2 slots for each of the node's {len(node)} local rank(s))"
+        )
         self.slots = [Slot(p, capacity) for p in slot_paths(self.ns, local_rank)]
         self._digests: list[threading.Thread] = []  # sealing snapshots (two may overlap: one per slot)
 
@@ -87,8 +101,17 @@ class SnapshotStore:
         for target in self._targets(persist, wait):
             with target.lock(exclusive=True, blocking=wait) as held:
                 if held:
-                    target.write(state, {"step": step, "rank": self.rank, "world_size": self.world_size,
-                                         "pid": os.getpid(), "persist": persist, "time": time.time()})
+                    target.write(
+                        state,
+                        {
+                            "step": step,
+                            "rank": self.rank,
+                            "world_size": self.world_size,
+                            "pid": os.getpid(),
+                            "persist": persist,
+                            "time": time.time(),
+                        },
+                    )
                     break
         else:
             return None
@@ -155,8 +178,14 @@ class SnapshotStore:
         found: dict[int, Path] = {}
         for path in sorted(self.ns.glob("rank*.slot*")):
             h = read_header(path)
-            if h and h.get("state") == "ready" and h.get("digest") and h.get("rank") == 0 \
-                    and h.get("world_size") != self.world_size and isinstance(h.get("step"), int):
+            if (
+                h
+                and h.get("state") == "ready"
+                and h.get("digest")
+                and h.get("rank") == 0
+                and h.get("world_size") != self.world_size
+                and isinstance(h.get("step"), int)
+            ):
                 found.setdefault(h["step"], path)
         return found
 

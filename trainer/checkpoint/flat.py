@@ -13,9 +13,21 @@ from dataclasses import dataclass
 import torch
 
 ALIGN = 64
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def _align(n: int) -> int:
@@ -61,7 +73,7 @@ class Layout:
     entries_json: bytes = b""  # ``entries`` encoded once, for every later state of the same signature
 
     @classmethod
-    def of(cls, state, like: "Layout | None" = None) -> tuple["Layout", list[torch.Tensor]]:
+    def of(cls, state, like: Layout | None = None) -> tuple[Layout, list[torch.Tensor]]:
         """The layout of ``state`` and its tensors in layout order. ``like``: the layout of an
         earlier state; when this one's tensors have the same dtypes and shapes (every snapshot of
         a training run does) its entries are reused, not computed and encoded again."""
@@ -82,11 +94,14 @@ class Layout:
 
     def to_json(self) -> bytes:
         entries = self.entries_json or json.dumps(self.entries).encode()
-        return b'{"skeleton": %s, "entries": %s, "data_bytes": %d}' % (json.dumps(self.skeleton).encode(), entries,
-                                                                        self.data_bytes)
+        return b'{"skeleton": %s, "entries": %s, "data_bytes": %d}' % (
+            json.dumps(self.skeleton).encode(),
+            entries,
+            self.data_bytes,
+        )
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "Layout":
+    def from_json(cls, raw: bytes) -> Layout:
         d = json.loads(raw)
         return cls(d["skeleton"], d["entries"], d["data_bytes"])
 
@@ -98,7 +113,11 @@ def views(buf: memoryview, layout: Layout) -> list[torch.Tensor]:
     for e in layout.entries:
         dtype = _DTYPES[e["dtype"]]
         if e["nbytes"]:
-            out.append(torch.frombuffer(buf, dtype=torch.uint8, count=e["nbytes"], offset=e["offset"]).view(dtype).view(e["shape"]))
+            out.append(
+                torch.frombuffer(buf, dtype=torch.uint8, count=e["nbytes"], offset=e["offset"])
+                .view(dtype)
+                .view(e["shape"])
+            )
         else:
             out.append(torch.empty(e["shape"], dtype=dtype))
     return out

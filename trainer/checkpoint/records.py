@@ -121,8 +121,10 @@ def parse_manifest(key: str, data: bytes, step: int | None = None) -> Manifest:
         raise DamagedRecord(key, f"it says step {got}, but lies in the directory of step {step}")
     files = obj.get("files")
     if not isinstance(files, dict) or not files:
-        raise DamagedRecord(key, f"'files' is {type(files).__name__ if files is not None else 'missing'}, "
-                                 "not an object naming the shards")
+        raise DamagedRecord(
+            key,
+            f"'files' is {type(files).__name__ if files is not None else 'missing'}, not an object naming the shards",
+        )
     parsed = {shard_name(key, n): _file_entry(key, n, e) for n, e in files.items()}
     world = _int(key, obj, "world_size", 1) if "world_size" in obj else 1
     meta = {k: v for k, v in obj.items() if k not in ("step", "files", "world_size")}

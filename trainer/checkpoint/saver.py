@@ -35,17 +35,17 @@ import time
 import traceback
 from pathlib import Path
 
-from trainer.common.atomic import atomic_write_bytes, atomic_write_json
-from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import fence
+from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.shm import Slot, read_header, slot_paths
+from trainer.common.atomic import atomic_write_bytes, atomic_write_json
+from trainer.common.diskfull import describe, is_disk_full
+from trainer.common.process import pid_alive
 from trainer.job.config import Drill, JobConfig
 from trainer.job.events import EventKind
-from trainer.common.process import pid_alive
 from trainer.job.reporting import EVENTS, JsonLines
-from trainer.storage import StorageError
 from trainer.resilience.chaos import corrupt_committed
-from trainer.common.diskfull import describe, is_disk_full
+from trainer.storage import StorageError
 
 POLL_S = 0.05
 # a save at breakpoint starts this long after a worker died: the recovery gets the CPU first (a fast
@@ -54,7 +54,9 @@ POLL_S = 0.05
 # is not delayed)
 BREAKPOINT_DELAY_S = 1.0
 FINAL_COMMIT_WAIT_S = 5.0  # on the way out, how long the committer waits for other nodes' shards
-ERROR_FILE = "saver.error"  # in the snapshot directory: the last saver's error, for the node agent ({"error_type", "error"})
+ERROR_FILE = (
+    "saver.error"  # in the snapshot directory: the last saver's error, for the node agent ({"error_type", "error"})
+)
 PROGRESS_FILE = "saver.progress"  # in the snapshot directory: touched after each persisted step
 
 
@@ -68,9 +70,20 @@ class CheckpointDiskFull(RuntimeError):
 
 
 class Saver:
-    def __init__(self, ns: Path, nproc: int, store: ckpt.CheckpointStore, keep: int, events: JsonLines | None,
-                 drills: list[Drill] = (), job_dir: str | None = None, meta: dict | None = None,
-                 fence_owner: str | None = None, lease: fence.LeaseFence | None = None, agent: int | None = None):
+    def __init__(
+        self,
+        ns: Path,
+        nproc: int,
+        store: ckpt.CheckpointStore,
+        keep: int,
+        events: JsonLines | None,
+        drills: list[Drill] = (),
+        job_dir: str | None = None,
+        meta: dict | None = None,
+        fence_owner: str | None = None,
+        lease: fence.LeaseFence | None = None,
+        agent: int | None = None,
+    ):
         # the node agent this saver serves (its events name it; the saver ends when it is gone):
         # not always the parent process (a saver forked by the zygote is the zygote's child)
         self.agent = os.getppid() if agent is None else agent
@@ -125,8 +138,14 @@ class Saver:
         its lease? (Then this saver refuses to write, for good.) A lease that cannot be read now
         holds this write back (True) without giving up: the next poll tries again."""
         owner = fence.superseded(self.store, self.fence_owner)
-        reason = (f"{self.store.location} is claimed by a newer job ({owner}); this saver's job "
-                  f"({self.fence_owner}) was superseded, so it writes nothing") if owner is not None else None
+        reason = (
+            (
+                f"{self.store.location} is claimed by a newer job ({owner}); this saver's job "
+                f"({self.fence_owner}) was superseded, so it writes nothing"
+            )
+            if owner is not None
+            else None
+        )
         if reason is None and self.lease is not None:
             try:
                 reason = self.lease.fenced()
@@ -155,10 +174,16 @@ class Saver:
             if is_disk_full(err):
                 need = sum(h["data_len"] for hs in self.headers() for h in hs if h["step"] == step)
                 resume = self.store.read_pointer()
-                raise CheckpointDiskFull(describe(
-                    self.store.location, need, f"checkpoint step {step}",
-                    f"Free space there, or keep fewer checkpoints: lower checkpoint.keep (now {self.keep}). "
-                    f"The previous checkpoint ({'none' if resume is None else f'step {resume}'}) stays the resume point."))
+                raise CheckpointDiskFull(
+                    describe(
+                        self.store.location,
+                        need,
+                        f"checkpoint step {step}",
+                        f"Free space there, or keep fewer checkpoints: lower checkpoint.keep (now {self.keep}). "
+                        f"The previous checkpoint ({'none' if resume is None else f'step {resume}'}) stays the resume "
+                        f"point.",
+                    )
+                )
             raise
 
     def _discard(self, step: int, entries: list[dict]) -> None:
@@ -187,14 +212,22 @@ class Saver:
                         if "shared" in state:  # DDP: rank 0's replica
                             entries.append(self.store.write_shard(step, ckpt.MODEL_SHARD, state["shared"]))
                         if "shard" in state:  # FSDP: this rank's piece
-                            entries.append(self.store.write_shard(step, ckpt.model_shard_name(h["rank"]), state["shard"]))
+                            entries.append(
+                                self.store.write_shard(step, ckpt.model_shard_name(h["rank"]), state["shard"])
+                            )
                         entries.append(self.store.write_shard(step, ckpt.rank_shard_name(h["rank"]), state["rank"]))
                         del state
                         break
                 finally:
                     slot.close()
             else:
-                self._emit({"event": EventKind.PERSIST_SKIPPED, "step": step, "reason": f"no verified snapshot in {path.parent}"})
+                self._emit(
+                    {
+                        "event": EventKind.PERSIST_SKIPPED,
+                        "step": step,
+                        "reason": f"no verified snapshot in {path.parent}",
+                    }
+                )
                 return False
         self.store.write_node_record(step, min(e["name"] for e in entries).removesuffix(".pt"), world, entries)
         if any(e["name"] == ckpt.rank_shard_name(0) for e in entries):  # this node commits
@@ -219,8 +252,16 @@ class Saver:
             sharded = bool(ckpt.model_shard_ranks(names))
             if self.fenced(step):  # checked immediately before the manifest and the pointer
                 return
-            ref = self.store.commit(step, shards, {**self.meta, "world_size": world, "persisted_by": "saver",
-                                                   "parallelism": "fsdp" if sharded else "ddp"})
+            ref = self.store.commit(
+                step,
+                shards,
+                {
+                    **self.meta,
+                    "world_size": world,
+                    "persisted_by": "saver",
+                    "parallelism": "fsdp" if sharded else "ddp",
+                },
+            )
             del self.pending[step]
             self.store.prune(self.keep)
             self._emit({"event": EventKind.CHECKPOINT, "step": step, "path": ref.location})
@@ -259,17 +300,29 @@ def serve(ns: Path, nproc: int, job_path: Path, agent: int | None = None) -> int
     """Run the node's saver until SIGTERM (then save at breakpoint); the process's exit code.
     A failure is written to ``ns/saver.error`` for the node agent."""
     job = JobConfig.load(job_path)
-    saver = Saver(ns, nproc, job.checkpoints(), job.ckpt_keep, JsonLines(Path(job.job_dir) / EVENTS),
-                  drills=job.chaos, job_dir=job.job_dir, meta=job.checkpoint_meta(), fence_owner=job.job_dir,
-                  lease=fence.LeaseFence.of_job(job.lease, job.storage_options), agent=agent)
+    saver = Saver(
+        ns,
+        nproc,
+        job.checkpoints(),
+        job.ckpt_keep,
+        JsonLines(Path(job.job_dir) / EVENTS),
+        drills=job.chaos,
+        job_dir=job.job_dir,
+        meta=job.checkpoint_meta(),
+        fence_owner=job.job_dir,
+        lease=fence.LeaseFence.of_job(job.lease, job.storage_options),
+        agent=agent,
+    )
     signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "stopping", True))  # finish, save at breakpoint, exit
     saver._emit({"event": EventKind.SAVER_START})
     try:
         saver.run()
         if saver.superseded:
-            raise SupersededJob(f"a newer job claimed {saver.store.location} (see its {fence.FENCE} record) or another "
-                                f"run took the campaign's lease over: this job ({job.job_dir}) no longer commits "
-                                "checkpoints there (its commit_refused event says which)")
+            raise SupersededJob(
+                f"a newer job claimed {saver.store.location} (see its {fence.FENCE} record) or another "
+                f"run took the campaign's lease over: this job ({job.job_dir}) no longer commits "
+                "checkpoints there (its commit_refused event says which)"
+            )
     except Exception as err:  # noqa: BLE001 - reported to the node agent, which restarts or fails the job
         message = f"{type(err).__name__}: {err}"
         atomic_write_json(ns / ERROR_FILE, {"error_type": type(err).__name__, "error": message})
@@ -277,4 +330,3 @@ def serve(ns: Path, nproc: int, job_path: Path, agent: int | None = None) -> int
         print(f"checkpoint saver failed: {message}", file=sys.stderr, flush=True)
         return 1
     return 0
-

@@ -48,8 +48,10 @@ def _shard_dim(t, where: str) -> int | None:
 
     placements = tuple(t.placements)
     if t.device_mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], (Shard, Replicate)):
-        raise ShardLayoutError(f"{where}: placements {placements} on a {t.device_mesh.ndim}-D mesh are not supported "
-                               "(only fully_shard's Shard(dim) or Replicate on a 1-D mesh)")
+        raise ShardLayoutError(
+            f"{where}: placements {placements} on a {t.device_mesh.ndim}-D mesh are not supported "
+            "(only fully_shard's Shard(dim) or Replicate on a 1-D mesh)"
+        )
     return placements[0].dim if isinstance(placements[0], Shard) else None
 
 
@@ -61,8 +63,10 @@ def _piece_of(t, where: str) -> dict:
         mesh = t.device_mesh
         offset, length = chunk_bounds(t.shape[dim], mesh.size(), mesh.get_local_rank())
         if local.shape[dim] != length:
-            raise ShardLayoutError(f"{where}: local shard has {local.shape[dim]} rows along dim {dim}, expected {length} "
-                                   f"(torch.chunk of {t.shape[dim]} over {mesh.size()} ranks)")
+            raise ShardLayoutError(
+                f"{where}: local shard has {local.shape[dim]} rows along dim {dim}, expected {length} "
+                f"(torch.chunk of {t.shape[dim]} over {mesh.size()} ranks)"
+            )
     return {PIECE: local, "shape": list(t.shape), "dim": dim, "offset": offset}
 
 
@@ -80,16 +84,20 @@ def localize(obj, where: str = "state"):
 def _join(pieces: list[dict], where: str) -> torch.Tensor:
     head = pieces[0]
     if any(p["shape"] != head["shape"] or p["dim"] != head["dim"] for p in pieces):
-        raise ShardLayoutError(f"{where}: ranks disagree on the global shape or sharded dim "
-                               f"({sorted({(tuple(p['shape']), p['dim']) for p in pieces})})")
+        raise ShardLayoutError(
+            f"{where}: ranks disagree on the global shape or sharded dim "
+            f"({sorted({(tuple(p['shape']), p['dim']) for p in pieces})})"
+        )
     if head["dim"] is None:
         return head[PIECE]
     dim, expected = head["dim"], 0
     ordered = sorted(pieces, key=lambda p: p["offset"])
     for p in ordered:
         if p["offset"] != expected:
-            raise ShardLayoutError(f"{where}: rows {expected}..{p['offset']} along dim {dim} are in no rank's shard "
-                                   "(or two shards overlap)")
+            raise ShardLayoutError(
+                f"{where}: rows {expected}..{p['offset']} along dim {dim} are in no rank's shard "
+                "(or two shards overlap)"
+            )
         expected += p[PIECE].shape[dim]
     if expected != head["shape"][dim]:
         raise ShardLayoutError(f"{where}: the shards cover {expected} of {head['shape'][dim]} rows along dim {dim}")
@@ -125,9 +133,11 @@ def _from_piece_or_full(value, like, where: str):
     offset, length = chunk_bounds(like.shape[dim], mesh.size(), mesh.get_local_rank()) if dim is not None else (0, None)
     if is_piece(value):
         if list(value["shape"]) != list(like.shape) or value["dim"] != dim or value["offset"] != offset:
-            raise ShardLayoutError(f"{where}: the stored piece (shape {value['shape']}, dim {value['dim']}, offset "
-                                   f"{value['offset']}) does not match this rank's shard (shape {list(like.shape)}, "
-                                   f"dim {dim}, offset {offset})")
+            raise ShardLayoutError(
+                f"{where}: the stored piece (shape {value['shape']}, dim {value['dim']}, offset "
+                f"{value['offset']}) does not match this rank's shard (shape {list(like.shape)}, "
+                f"dim {dim}, offset {offset})"
+            )
         local = value[PIECE]
     else:
         if tuple(value.shape) != tuple(like.shape):
@@ -151,13 +161,17 @@ def model_files_of(store: ckpt.CheckpointStore, step: int) -> list[str]:
     """The files of a committed checkpoint that hold its model state (see ``ckpt.model_files``)."""
     manifest = store.manifest(step)
     if manifest is None:
-        raise FileNotFoundError(f"{store.ref(step).location} has no {ckpt.MANIFEST}: the checkpoint was never committed")
+        raise FileNotFoundError(
+            f"{store.ref(step).location} has no {ckpt.MANIFEST}: the checkpoint was never committed"
+        )
     names = list(manifest.files)
     files = ckpt.model_files(names, manifest.world_size)
     if not files:
-        raise ShardLayoutError(f"{store.ref(step).location}: no {ckpt.MODEL_SHARD} and not every rank's model shard "
-                               f"(world_size {manifest.world_size}, found pieces of ranks "
-                               f"{ckpt.model_shard_ranks(names)})")
+        raise ShardLayoutError(
+            f"{store.ref(step).location}: no {ckpt.MODEL_SHARD} and not every rank's model shard "
+            f"(world_size {manifest.world_size}, found pieces of ranks "
+            f"{ckpt.model_shard_ranks(names)})"
+        )
     return files
 
 
@@ -191,7 +205,10 @@ def apply_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, sav
         like = params[int(idx)]
         # per-parameter moments have the parameter's shape and are sharded like it; scalars
         # (AdamW's step) are replicated plain tensors
-        state[idx] = {k: _fit(v, like, f"optimizer.state.{idx}.{k}")
-                      if is_piece(v) or (isinstance(v, torch.Tensor) and v.dim()) else v
-                      for k, v in per_param.items()}
+        state[idx] = {
+            k: _fit(v, like, f"optimizer.state.{idx}.{k}")
+            if is_piece(v) or (isinstance(v, torch.Tensor) and v.dim())
+            else v
+            for k, v in per_param.items()
+        }
     optimizer.load_state_dict({**opt, "state": state})

@@ -42,7 +42,8 @@ def too_small(shm_dir: str | Path, free: int, need: int, detail: str = "") -> Sh
     return ShmTooSmall(
         f"{shm_dir} has {free / 2**20:.0f} MiB free but the checkpoint snapshots need {need / 2**20:.0f} MiB{detail}: "
         f"give the node more shared memory (docker --shm-size, Kubernetes emptyDir medium: Memory) or set "
-        f"checkpoint.shm_fallback: true to persist checkpoints directly without snapshots")
+        f"checkpoint.shm_fallback: true to persist checkpoints directly without snapshots"
+    )
 
 
 def check_capacity(shm_dir: str | Path, need: int, detail: str = "") -> None:
@@ -104,8 +105,12 @@ class Slot:
             if err.errno != errno.ENOSPC:
                 raise
             os.ftruncate(self.fd, before)  # give back what a partial allocation took
-            raise too_small(self.path.parent, shutil.disk_usage(self.path.parent).free, capacity - before,
-                            f" more (snapshot slot {self.path.name})") from None
+            raise too_small(
+                self.path.parent,
+                shutil.disk_usage(self.path.parent).free,
+                capacity - before,
+                f" more (snapshot slot {self.path.name})",
+            ) from None
         self._map()
         np.frombuffer(self.mm, dtype=np.uint8)[::PAGE] = 0
 
@@ -155,12 +160,24 @@ class Slot:
         if data_off + layout.data_bytes > self.size:
             self.grow(data_off + layout.data_bytes)
         if not (self._written and self._written[0].entries is layout.entries and self._written[1] == data_off):
-            self._written = (layout, data_off, views(memoryview(self.mm)[data_off : data_off + layout.data_bytes], layout))
+            self._written = (
+                layout,
+                data_off,
+                views(memoryview(self.mm)[data_off : data_off + layout.data_bytes], layout),
+            )
         self.set_header({**header, "state": "writing"})
         self.mm[HEADER_BYTES : HEADER_BYTES + len(meta)] = meta
         copy_into(self._written[2], tensors)
-        self.set_header({**header, "state": "ready", "meta_len": len(meta), "data_off": data_off,
-                         "data_len": layout.data_bytes, "digest": None})
+        self.set_header(
+            {
+                **header,
+                "state": "ready",
+                "meta_len": len(meta),
+                "data_off": data_off,
+                "data_len": layout.data_bytes,
+                "digest": None,
+            }
+        )
 
     def compute_digest(self, h: dict) -> str:
         """xxh3-128 of layout + data: a corruption check at memory speed (~0.05 s/GiB), where

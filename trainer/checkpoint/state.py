@@ -19,8 +19,8 @@ from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.flat import Layout, read_state, write_tensors
 from trainer.checkpoint.sharded import apply_sharded, load_full_state, localize
-from trainer.job.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object, broadcast_object, is_initialized, local_world_size
+from trainer.job.config import JobConfig
 from trainer.job.events import SURVIVORS
 from trainer.resilience.handoff import hand_over, signature
 
@@ -36,8 +36,14 @@ def schedule_state(cfg: JobConfig, step: int) -> dict:
     """The learning-rate schedule is a pure function of the step (``model.lr_at``); its
     parameters are stored so a checkpoint says which schedule produced it."""
     o = cfg.optim
-    return {"kind": "warmup_cosine", "step": step, "lr": o.lr, "min_lr": o.min_lr,
-            "warmup_steps": o.warmup_steps, "total_steps": o.steps}
+    return {
+        "kind": "warmup_cosine",
+        "step": step,
+        "lr": o.lr,
+        "min_lr": o.min_lr,
+        "warmup_steps": o.warmup_steps,
+        "total_steps": o.steps,
+    }
 
 
 @dataclass(frozen=True)
@@ -48,29 +54,37 @@ class Restored:
     checkpoint: str | None  # directory the state came from
 
 
-def training_state(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer,
-                   loss: float | None = None) -> dict:
+def training_state(
+    cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer, loss: float | None = None
+) -> dict:
     """What a checkpoint holds for this rank: ``shared`` (replicated under DDP, so rank 0 only:
     model, optimizer, schedule) or, under FSDP, ``shard`` (every rank: its pieces of model and
     optimizer, the schedule); and ``rank`` (this rank's RNG, data position, and the training loss
     of the step, which the validation gate's probe compares against)."""
-    rank_state = {"rng_cpu": torch.get_rng_state(), "consumed": consumed, "step": step, "rank": info.rank,
-                  "loss": loss}
+    rank_state = {"rng_cpu": torch.get_rng_state(), "consumed": consumed, "step": step, "rank": info.rank, "loss": loss}
     if info.device.type == "cuda":
         rank_state["rng_cuda"] = torch.cuda.get_rng_state(info.device)
     out = {"rank": rank_state}
     if is_sharded(cfg):
-        out["shard"] = {"model": localize(model.state_dict(), "model"),
-                        "optimizer": localize(optimizer.state_dict(), "optimizer"),
-                        "scheduler": schedule_state(cfg, step), "step": step}
+        out["shard"] = {
+            "model": localize(model.state_dict(), "model"),
+            "optimizer": localize(optimizer.state_dict(), "optimizer"),
+            "scheduler": schedule_state(cfg, step),
+            "step": step,
+        }
     elif info.rank == 0:
-        out["shared"] = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scheduler": schedule_state(cfg, step), "step": step}
+        out["shared"] = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": schedule_state(cfg, step),
+            "step": step,
+        }
     return out
 
 
-def save(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer,
-         loss: float | None = None) -> ckpt.CheckpointRef:
+def save(
+    cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, optimizer, loss: float | None = None
+) -> ckpt.CheckpointRef:
     """Direct (synchronous) save to storage, used when shared-memory snapshots are off."""
     st = training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer, loss=loss)
     store = cfg.checkpoints()
@@ -82,8 +96,16 @@ def save(cfg: JobConfig, info: DistInfo, *, step: int, consumed: int, model, opt
     shards.append(store.write_shard(step, ckpt.rank_shard_name(info.rank), st["rank"]))
     gathered = [entry for per_rank in all_gather_object(shards) for entry in per_rank]
     if info.rank == 0:
-        store.commit(step, gathered, {**cfg.checkpoint_meta(), "world_size": info.world_size, "consumed": consumed,
-                                      "parallelism": cfg.parallelism})
+        store.commit(
+            step,
+            gathered,
+            {
+                **cfg.checkpoint_meta(),
+                "world_size": info.world_size,
+                "consumed": consumed,
+                "parallelism": cfg.parallelism,
+            },
+        )
         store.prune(cfg.ckpt_keep)
     broadcast_object(None)  # every rank waits for the commit
     return store.ref(step)
@@ -105,8 +127,12 @@ def _model_state(cfg: JobConfig, info: DistInfo, store: ckpt.CheckpointStore, st
     resumes an FSDP checkpoint of the same world size; otherwise the full state (consolidated
     from the pieces if the checkpoint is sharded), which FSDP then cuts into this rank's piece."""
     manifest = store.manifest(step)
-    if is_sharded(cfg) and manifest is not None and manifest.world_size == info.world_size and \
-            ckpt.model_shard_name(info.rank) in manifest.files:
+    if (
+        is_sharded(cfg)
+        and manifest is not None
+        and manifest.world_size == info.world_size
+        and ckpt.model_shard_name(info.rank) in manifest.files
+    ):
         return store.load_shard(step, ckpt.model_shard_name(info.rank), map_location=info.device)
     return load_full_state(store, step, map_location=info.device)
 
@@ -126,7 +152,9 @@ def _apply(cfg: JobConfig, info: DistInfo, model_state: dict, mine: dict, model,
         torch.cuda.set_rng_state(mine["rng_cuda"], info.device)
 
 
-def newest_common_snapshot(snapshots: SnapshotStore, floor: int, fresh_ranks_allowed: bool = False) -> tuple[int, bool] | None:
+def newest_common_snapshot(
+    snapshots: SnapshotStore, floor: int, fresh_ranks_allowed: bool = False
+) -> tuple[int, bool] | None:
     """The newest step at least ``floor`` of which every rank holds a verified snapshot, and
     whether some ranks hold none at all (``fresh_ranks_allowed``: a standby node's, in place of
     a lost node's; they take the replicated state from rank 0's snapshot). Ranks exchange their
@@ -165,7 +193,9 @@ def any_rank_will_do(cfg: JobConfig) -> bool:
     return not is_sharded(cfg) and cfg.model.dropout == 0
 
 
-def kept_by_survivors(cfg: JobConfig, info: DistInfo, live: tuple[int, int] | None, *, model, optimizer) -> Restored | None:
+def kept_by_survivors(
+    cfg: JobConfig, info: DistInfo, live: tuple[int, int] | None, *, model, optimizer
+) -> Restored | None:
     """A fast recovery's state without a rollback (every rank of the new group calls it): the
     surviving ranks pass ``live`` (the step they completed and the data position), a replacement
     None. If the survivors agree on one step (a peer lost inside the next step changed nothing
@@ -175,16 +205,26 @@ def kept_by_survivors(cfg: JobConfig, info: DistInfo, live: tuple[int, int] | No
     Else None for every rank (the survivors disagree, or a rank's state is its own: FSDP's
     pieces, dropout's RNG): the newest snapshot every rank holds (:func:`restore`)."""
     # a survivor's step comes with what it holds (trainer.resilience.handoff), for the replacement
-    lives = all_gather_object(None if live is None else
-                              (tuple(live), signature(model, optimizer, info.backend) if any_rank_will_do(cfg) else None))
+    lives = all_gather_object(
+        None
+        if live is None
+        else (tuple(live), signature(model, optimizer, info.backend) if any_rank_will_do(cfg) else None)
+    )
     kept = {held[0] for held in lives if held is not None}
     if len(kept) != 1 or not any_rank_will_do(cfg):
         return None
     step, consumed = kept.pop()
     if None in lives:  # straight from the survivor's tensors into the replacement's
         src = next(r for r, held in enumerate(lives) if held is not None)
-        hand_over(info.rank, src, [r for r, held in enumerate(lives) if held is None], model, optimizer,
-                  info.backend, lives[src][1])
+        hand_over(
+            info.rank,
+            src,
+            [r for r, held in enumerate(lives) if held is None],
+            model,
+            optimizer,
+            info.backend,
+            lives[src][1],
+        )
     return Restored(step, consumed, SURVIVORS, None)
 
 

@@ -101,12 +101,12 @@ class CheckpointStore:
         self.storage, self.location = storage, location
 
     @classmethod
-    def open(cls, location: str | Path, options: dict | None = None) -> "CheckpointStore":
+    def open(cls, location: str | Path, options: dict | None = None) -> CheckpointStore:
         location = os.fspath(location)
         return cls(open_storage(location, **(options or {})), location)
 
     @classmethod
-    def of_step(cls, step_location: str | Path, options: dict | None = None) -> tuple["CheckpointStore", int]:
+    def of_step(cls, step_location: str | Path, options: dict | None = None) -> tuple[CheckpointStore, int]:
         """The store holding the checkpoint at ``step_location``, and its step."""
         parent, _, name = os.fspath(step_location).rstrip("/").rpartition("/")
         m = _STEP.match(name)
@@ -175,7 +175,9 @@ class CheckpointStore:
 
     def commit(self, step: int, shards: list[dict], meta: dict) -> CheckpointRef:
         """Write the manifest (all shards are already durable), then move the pointer."""
-        self.storage.put_bytes(f"{step_name(step)}/{MANIFEST}", records.encode_manifest(step, shards, {"created": time.time(), **meta}))
+        self.storage.put_bytes(
+            f"{step_name(step)}/{MANIFEST}", records.encode_manifest(step, shards, {"created": time.time(), **meta})
+        )
         self._write_pointer(POINTER, step)
         return self.ref(step)
 
@@ -201,11 +203,15 @@ class CheckpointStore:
             except DamagedRecord as err:
                 if name == POINTER:
                     derived = max(self._manifest_steps(), default=None)
-                    notes.append(f"{err}: treated as step {derived} (the newest step with a {MANIFEST}); "
-                                 "the next commit or resume writes it anew")
+                    notes.append(
+                        f"{err}: treated as step {derived} (the newest step with a {MANIFEST}); "
+                        "the next commit or resume writes it anew"
+                    )
                 else:
-                    notes.append(f"{err}: ignored (the good checkpoint is recomputed from the verdicts; "
-                                 "the next good verdict writes it anew)")
+                    notes.append(
+                        f"{err}: ignored (the good checkpoint is recomputed from the verdicts; "
+                        "the next good verdict writes it anew)"
+                    )
         return notes
 
     def record_problems(self) -> list[str]:
@@ -215,8 +221,10 @@ class CheckpointStore:
             try:
                 self._checked_manifest(step)
             except DamagedRecord as err:
-                notes.append(f"{err}: the checkpoint is unusable; the validation gate judges it bad and the stage "
-                             "rewinds past it")
+                notes.append(
+                    f"{err}: the checkpoint is unusable; the validation gate judges it bad and the stage "
+                    "rewinds past it"
+                )
             try:
                 self._read(f"{step_name(step)}/{VERDICT}", records.parse_verdict)
             except DamagedRecord as err:
@@ -277,7 +285,9 @@ class CheckpointStore:
             if size != entry.bytes:
                 problems.append(f"{name}/{fname}: {size} bytes, manifest says {entry.bytes}")
             elif deep and (digest := self._sha256(key)) != entry.sha256:
-                problems.append(f"{name}/{fname}: " + ("missing" if digest is None else "sha256 does not match the manifest"))
+                problems.append(
+                    f"{name}/{fname}: " + ("missing" if digest is None else "sha256 does not match the manifest")
+                )
         return problems
 
     def _sha256(self, key: str) -> str | None:
@@ -375,4 +385,3 @@ class CheckpointStore:
             self.storage.delete(f"{step_name(step)}/{MANIFEST}")
             self.storage.delete_prefix(step_name(step))
         return deleted
-

@@ -55,5 +55,6 @@ def describe(path: str | Path, need: int, what: str, fix: str) -> str:
     """One message: what could not be written, where, the bytes needed and free, what to do."""
     free = free_bytes(path)
     have = "" if free is None else f", {free / 2**20:.1f} MiB free"
-    return (f"no space left on {filesystem_of(path)} for {what} in {path}: needs about {need / 2**20:.1f} MiB{have}. "
-            f"{fix}")
+    return (
+        f"no space left on {filesystem_of(path)} for {what} in {path}: needs about {need / 2**20:.1f} MiB{have}. {fix}"
+    )

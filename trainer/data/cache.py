@@ -19,13 +19,13 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from trainer.common.atomic import atomic_write_bytes, atomic_write_json, fsync_dir, sha256_file
-from trainer.data.manifest import MANIFEST, DataError, load_manifest, read_manifest
 from trainer.common.diskfull import describe, is_disk_full
+from trainer.data.manifest import MANIFEST, DataError, load_manifest, read_manifest
 from trainer.storage import NotFound, Storage, StorageError, check_key, open_storage
 
 VERIFIED = ".verified.json"  # {"session", "manifest": sha256, "files": {name: [size, mtime_ns]}}
@@ -40,9 +40,16 @@ def is_remote(location: str | Path) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
-def local_data_dir(location: str | Path, cache_root: str | Path, s3_options: dict | None = None, *,
-                   splits: Iterable[str] | None = None, fingerprint: str | None = None, session: str = "",
-                   on_progress: Progress | None = None) -> Path:
+def local_data_dir(
+    location: str | Path,
+    cache_root: str | Path,
+    s3_options: dict | None = None,
+    *,
+    splits: Iterable[str] | None = None,
+    fingerprint: str | None = None,
+    session: str = "",
+    on_progress: Progress | None = None,
+) -> Path:
     """A local directory holding the data set at ``location`` (a local directory, returned as is,
     or an ``s3://`` URL, fetched into the cache). ``splits``: only the shards of these splits
     (None: all); ``fingerprint``: the data set the caller was built for (another one is a
@@ -84,9 +91,15 @@ def local_data_dir(location: str | Path, cache_root: str | Path, s3_options: dic
         if not is_disk_full(err):
             raise
         need = sum(int(s.get("tokens", 0)) for split in manifest["splits"].values() for s in split) * 4
-        raise DataError(describe(target, need, f"the data set {location}",
-                                 "Free space there, or point the node cache at a larger disk; the cache never "
-                                 "uses a partly fetched file.")) from None
+        raise DataError(
+            describe(
+                target,
+                need,
+                f"the data set {location}",
+                "Free space there, or point the node cache at a larger disk; the cache never "
+                "uses a partly fetched file.",
+            )
+        ) from None
     return target
 
 
@@ -96,8 +109,10 @@ def fetch_manifest(location: str, s3_options: dict | None = None) -> tuple[Stora
     try:
         raw = storage.get_bytes(MANIFEST)
     except NotFound:
-        raise DataError(f"no data set at {location} (no {MANIFEST}): prepare it first (`pretrain run` or "
-                        "`pretrain data prepare` does), or fix data.uri") from None
+        raise DataError(
+            f"no data set at {location} (no {MANIFEST}): prepare it first (`pretrain run` or "
+            "`pretrain data prepare` does), or fix data.uri"
+        ) from None
     return storage, raw, load_manifest(raw, f"{location}/{MANIFEST}")
 
 
@@ -112,7 +127,8 @@ def _complete_copy(cache_root: Path, fingerprint: str | None, splits: Iterable[s
         with _locked(target, lambda: None):
             ok = manifest.get("fingerprint") == fingerprint and all(
                 (target / name).is_file() and (sha256 is None or sha256_file(target / name) == sha256)
-                for name, sha256 in _files(manifest, splits))
+                for name, sha256 in _files(manifest, splits)
+            )
     except (DataError, OSError, ValueError):
         return None
     return target if ok else None
@@ -120,9 +136,11 @@ def _complete_copy(cache_root: Path, fingerprint: str | None, splits: Iterable[s
 
 def _check_fingerprint(manifest: dict, fingerprint: str, where: str) -> None:
     if manifest.get("fingerprint") != fingerprint:
-        raise DataError(f"the data set at {where} has fingerprint {manifest.get('fingerprint')}, but this job was "
-                        f"built for data set {fingerprint}: run the campaign again so it prepares and records the "
-                        "data set it trains on")
+        raise DataError(
+            f"the data set at {where} has fingerprint {manifest.get('fingerprint')}, but this job was "
+            f"built for data set {fingerprint}: run the campaign again so it prepares and records the "
+            "data set it trains on"
+        )
 
 
 def _files(manifest: dict, splits: Iterable[str] | None) -> list[tuple[str, str | None]]:
@@ -166,8 +184,10 @@ def _ensure(storage: Storage, target: Path, name: str, sha256: str | None, trust
         got = _fetch(storage, name, path, sha256)
         if got is None:
             return
-    raise DataError(f"{storage.url}/{name} does not match the sha256 its manifest records (got {got}, expected "
-                    f"{sha256}): the data set there is damaged; delete it and run data preparation again")
+    raise DataError(
+        f"{storage.url}/{name} does not match the sha256 its manifest records (got {got}, expected "
+        f"{sha256}): the data set there is damaged; delete it and run data preparation again"
+    )
 
 
 def _fetch(storage: Storage, name: str, path: Path, sha256: str | None) -> str | None:

@@ -57,8 +57,13 @@ def parse_manifest(raw: bytes) -> dict:
         if not isinstance(shards, list):
             _fail(f"splits.{split} is not a list of shards")
         for s in shards:
-            if not (isinstance(s, dict) and isinstance(s.get("file"), str) and _FILE_NAME.match(s["file"])
-                    and isinstance(s.get("tokens"), int) and s["tokens"] >= 0):
+            if not (
+                isinstance(s, dict)
+                and isinstance(s.get("file"), str)
+                and _FILE_NAME.match(s["file"])
+                and isinstance(s.get("tokens"), int)
+                and s["tokens"] >= 0
+            ):
                 _fail(f"splits.{split} has a bad shard entry {s!r}")
     if version == VERSION:
         for key, kind in (("fingerprint", str), ("tokenizer_sha256", str), ("sources", list), ("settings", dict)):
@@ -69,18 +74,36 @@ def parse_manifest(raw: bytes) -> dict:
     return m
 
 
-def encode_manifest(*, fingerprint: str, dtype: str, vocab_size: int, eot_id: int, tokenizer_sha256: str,
-                    splits: dict[str, list[dict]], documents: dict[str, int], groups: list[str],
-                    sources: list[dict], settings: dict) -> bytes:
+def encode_manifest(
+    *,
+    fingerprint: str,
+    dtype: str,
+    vocab_size: int,
+    eot_id: int,
+    tokenizer_sha256: str,
+    splits: dict[str, list[dict]],
+    documents: dict[str, int],
+    groups: list[str],
+    sources: list[dict],
+    settings: dict,
+) -> bytes:
     """The version-2 manifest; totals are derived here so they always agree with the shards."""
     skipped = {r: sum(s["skipped"].get(r, 0) for s in sources) for r in SKIP_REASONS}
     manifest = {
-        "version": VERSION, "fingerprint": fingerprint, "dtype": dtype, "vocab_size": vocab_size,
-        "eot_id": eot_id, "tokenizer": TOKENIZER_FILE, "tokenizer_sha256": tokenizer_sha256,
-        "splits": splits, "documents": documents,
+        "version": VERSION,
+        "fingerprint": fingerprint,
+        "dtype": dtype,
+        "vocab_size": vocab_size,
+        "eot_id": eot_id,
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": tokenizer_sha256,
+        "splits": splits,
+        "documents": documents,
         "tokens": {k: sum(s["tokens"] for s in v) for k, v in splits.items()},
         "groups": {g: {k: sum(s["tokens"] for s in v if s["group"] == g) for k, v in splits.items()} for g in groups},
-        "sources": sources, "skipped": skipped, "settings": settings,
+        "sources": sources,
+        "skipped": skipped,
+        "settings": settings,
     }
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
@@ -98,8 +121,9 @@ def read_manifest(data_dir: str | Path) -> dict:
     except (FileNotFoundError, NotADirectoryError):
         raise DataError(f"no data manifest at {path}: run data preparation first (`pretrain run` does)") from None
     except IsADirectoryError:
-        raise DataError(f"{path} is damaged (a directory, not a file): run data preparation again "
-                        "(`pretrain run` redoes it)") from None
+        raise DataError(
+            f"{path} is damaged (a directory, not a file): run data preparation again (`pretrain run` redoes it)"
+        ) from None
     except OSError as err:  # no permission, an I/O error
         raise DataError(f"cannot read the data manifest {path} ({err.strerror or err})") from None
     return load_manifest(raw, str(path))

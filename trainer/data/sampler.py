@@ -47,7 +47,9 @@ class TokenWindows:
             self._starts.append(total)
             total += n
         if total == 0:
-            raise DataError(f"split {split!r} in {data_dir} has no window of {seq_len + 1} tokens: add data or shorten seq_len")
+            raise DataError(
+                f"split {split!r} in {data_dir} has no window of {seq_len + 1} tokens: add data or shorten seq_len"
+            )
         self._len = total
 
     def __len__(self) -> int:
@@ -121,7 +123,7 @@ class MixtureSampler:
         return self.ranges[g].start + self.samplers[g].index(k)
 
 
-def make_sampler(windows: "TokenWindows", mixture: dict[str, float], seed: int, stream: int):
+def make_sampler(windows: TokenWindows, mixture: dict[str, float], seed: int, stream: int):
     """The stage's sampler: the whole split in one permutation, or the stage's mixture."""
     if not mixture:
         return GlobalSampler(len(windows), seed, stream=stream)
@@ -136,6 +138,8 @@ def micro_batch_positions(consumed: int, *, world: int, rank: int, micro: int, a
     return range(start, start + micro)
 
 
-def make_batch(windows: TokenWindows, sampler: GlobalSampler | MixtureSampler, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    windows: TokenWindows, sampler: GlobalSampler | MixtureSampler, positions: range
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.stack([windows[sampler.index(p)] for p in positions])
     return rows[:, :-1], rows[:, 1:]

@@ -46,8 +46,11 @@ class OptimConfig:
             return self.grad_accum
         per_micro = self.micro_batch * world
         if self.global_batch % per_micro:
-            raise ValueError(f"global batch {self.global_batch} is not a multiple of micro_batch × world "
-                             f"({self.micro_batch} × {world}): choose sizes that divide it for every world size in nodes_min..nodes_max")
+            raise ValueError(
+                f"global batch {self.global_batch} is not a multiple of micro_batch × world "
+                f"({self.micro_batch} × {world}): choose sizes that divide it for every world size in "
+                f"nodes_min..nodes_max"
+            )
         return self.global_batch // per_micro
 
 
@@ -88,8 +91,14 @@ class CorruptCheckpoint(Drill):
 
 
 DRILLS: dict[str, type[Drill]] = {
-    "kill_worker": WorkerDrill, "hang_worker": WorkerDrill, "nan_loss": WorkerDrill, "loss_spike": LossSpike,
-    "slow_worker": SlowWorker, "kill_saver": NodeDrill, "kill_node": NodeDrill, "freeze_node": NodeDrill,
+    "kill_worker": WorkerDrill,
+    "hang_worker": WorkerDrill,
+    "nan_loss": WorkerDrill,
+    "loss_spike": LossSpike,
+    "slow_worker": SlowWorker,
+    "kill_saver": NodeDrill,
+    "kill_node": NodeDrill,
+    "freeze_node": NodeDrill,
     "corrupt_checkpoint": CorruptCheckpoint,
 }
 
@@ -120,7 +129,9 @@ class JobConfig:
     shm_fallback: bool  # too little shared memory: persist directly instead of failing
     storage_options: dict  # S3 options for ckpt_dir (endpoint_url, region); never secrets
     hang_timeouts: dict  # phase → seconds without a heartbeat before a worker counts as hung
-    hang_adaptive: dict  # factor, floor_s, warmup: the step timeout adapted to observed steps (heartbeat.AdaptiveTimeout)
+    hang_adaptive: (
+        dict  # factor, floor_s, warmup: the step timeout adapted to observed steps (heartbeat.AdaptiveTimeout)
+    )
     spike: dict  # window, zscore, min_steps of the loss-spike detector (zscore 0: off)
     max_rollbacks: int  # loss anomalies tolerated in the stage before it fails
     rollback_in_process: bool  # roll anomalies back inside the running workers (else: restart them)
@@ -140,8 +151,12 @@ class JobConfig:
     lease: dict  # the campaign lease the job runs under: {"location", "key", "generation"} (trainer.checkpoint.fence.LeaseFence); {}: none (local state, the flock)
     # fast recovery under the single-node agent (trainer.agent.single_node); defaults for a job file of the release before
     spares_per_node: int = 1  # warm spare workers kept per node (0: a lost worker is replaced by a cold start)
-    fast_recovery_timeout_s: float = 30.0  # a lost worker not replaced (all ranks restored) by then: full restart; 0: always
-    saver_outage_s: float = 600.0  # checkpoint storage unreachable this long (the saver retried meanwhile): the job fails
+    fast_recovery_timeout_s: float = (
+        30.0  # a lost worker not replaced (all ranks restored) by then: full restart; 0: always
+    )
+    saver_outage_s: float = (
+        600.0  # checkpoint storage unreachable this long (the saver retried meanwhile): the job fails
+    )
 
     def checkpoints(self):
         """This stage's checkpoint store (local directory or S3 prefix)."""
@@ -160,23 +175,35 @@ class JobConfig:
         spec (``pretrain eval`` / ``pretrain export``): the model, the data set it was trained
         on (where: its tokenizer and validation split; which: its fingerprint) and the stage's
         sequence length."""
-        return {"stage": self.stage, "model": asdict(self.model), "data_dir": self.data_dir,
-                "data_fingerprint": self.data_fingerprint, "data_options": self.data_options,
-                "seq_len": self.optim.seq_len}
+        return {
+            "stage": self.stage,
+            "model": asdict(self.model),
+            "data_dir": self.data_dir,
+            "data_fingerprint": self.data_fingerprint,
+            "data_options": self.data_options,
+            "seq_len": self.optim.seq_len,
+        }
 
     def local_data(self, splits: tuple[str, ...] = ("train",), on_progress=None) -> Path:
         """The local directory of this job's data set (its ``splits`` fetched into the node cache
         when it is on S3; the ranks of one launch verify the cache once)."""
         from trainer.data.cache import local_data_dir
 
-        return local_data_dir(self.data_dir, self.data_cache_dir, self.data_options, splits=splits,
-                              fingerprint=self.data_fingerprint or None, session=self.job_dir, on_progress=on_progress)
+        return local_data_dir(
+            self.data_dir,
+            self.data_cache_dir,
+            self.data_options,
+            splits=splits,
+            fingerprint=self.data_fingerprint or None,
+            session=self.job_dir,
+            on_progress=on_progress,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "JobConfig":
+    def from_dict(cls, d: dict) -> JobConfig:
         d = dict(d)
         d["model"] = ModelConfig(**d["model"])
         d["optim"] = OptimConfig(**d["optim"])
@@ -184,7 +211,7 @@ class JobConfig:
         return cls(**d)
 
     @classmethod
-    def load(cls, path: str | Path) -> "JobConfig":
+    def load(cls, path: str | Path) -> JobConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 

@@ -45,7 +45,9 @@ REPLACEMENT_PATHS = ("spare", "replacement")  # fast recoveries that replaced a 
 def replaced_workers(event: dict) -> bool:
     """Whether ``event`` marks a fast recovery that replaced lost workers (rank 0's rollback with
     a spare / replacement path; each rank writes its own in-process rollbacks)."""
-    return event.get("event") == EventKind.ROLLBACK and event.get("rank") == 0 and event.get("path") in REPLACEMENT_PATHS
+    return (
+        event.get("event") == EventKind.ROLLBACK and event.get("rank") == 0 and event.get("path") in REPLACEMENT_PATHS
+    )
 
 
 def cause_types(err: BaseException) -> list[str]:
@@ -61,5 +63,10 @@ def cause_types(err: BaseException) -> list[str]:
 def error_event(err: BaseException, **fields) -> dict:
     """The error event for ``err``: its text, and its class (and its causes' classes) as data,
     which failure classification reads instead of the text."""
-    return {"event": EventKind.ERROR, **fields, "error": f"{type(err).__name__}: {err}",
-            "error_type": type(err).__name__, "cause_types": cause_types(err)}
+    return {
+        "event": EventKind.ERROR,
+        **fields,
+        "error": f"{type(err).__name__}: {err}",
+        "error_type": type(err).__name__,
+        "cause_types": cause_types(err),
+    }

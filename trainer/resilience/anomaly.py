@@ -68,8 +68,16 @@ def read_skips(job_dir: str | Path) -> list[dict]:
 def record_skip(job_dir: str | Path, anomaly: LossAnomaly) -> None:
     skips = read_skips(job_dir)
     if not any(s["start"] == anomaly.window[0] for s in skips):
-        skips.append({"start": anomaly.window[0], "end": anomaly.window[1], "kind": anomaly.kind,
-                      "step": anomaly.step, "loss": repr(anomaly.loss), "pid": os.getpid()})
+        skips.append(
+            {
+                "start": anomaly.window[0],
+                "end": anomaly.window[1],
+                "kind": anomaly.kind,
+                "step": anomaly.step,
+                "loss": repr(anomaly.loss),
+                "pid": os.getpid(),
+            }
+        )
         atomic_write_json(skips_path(job_dir), skips)
 
 

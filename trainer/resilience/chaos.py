@@ -59,9 +59,12 @@ class WorkerChaos:
         """``before_loss(index, victim)``: called by every rank at a ``kill_worker`` / ``hang_worker``
         drill's step before it fires (waits for the victim's node's warm spare; ``index``: the
         drill's; ``victim``: whether this rank is the one the drill takes)."""
-        self.drills: list[tuple[int, WorkerDrill]] = [(i, d) for i, d in enumerate(drills) if isinstance(d, WorkerDrill)]
-        self.agent_drills: list[tuple[int, NodeDrill]] = [(i, d) for i, d in enumerate(drills)
-                                                          if isinstance(d, NodeDrill) and d.node == node]
+        self.drills: list[tuple[int, WorkerDrill]] = [
+            (i, d) for i, d in enumerate(drills) if isinstance(d, WorkerDrill)
+        ]
+        self.agent_drills: list[tuple[int, NodeDrill]] = [
+            (i, d) for i, d in enumerate(drills) if isinstance(d, NodeDrill) and d.node == node
+        ]
         self.job_dir, self.rank, self.report = job_dir, rank, report
         self.before_loss = before_loss
         self._slowed: set[int] = set()
@@ -101,8 +104,11 @@ class WorkerChaos:
     def check_delay(self) -> float:
         """Extra seconds per matmul of this rank's node check after a restart: a ``slow_worker``
         drill slows the check too once it is active (from its ``step`` on, recorded by a marker)."""
-        return sum(d.delay_s for i, d in self.drills if isinstance(d, SlowWorker)
-                   and d.rank == self.rank and (d.step <= 1 or claimed(self.job_dir, i)))
+        return sum(
+            d.delay_s
+            for i, d in self.drills
+            if isinstance(d, SlowWorker) and d.rank == self.rank and (d.step <= 1 or claimed(self.job_dir, i))
+        )
 
     def loss_factor(self, step: int) -> float:
         """What this rank's loss at ``step`` is multiplied by: NaN (``nan_loss``), ``factor``

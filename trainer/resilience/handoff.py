@@ -70,10 +70,14 @@ def _state_entry(value, param: torch.Tensor, backend: str) -> dict:
 def signature(model, optimizer, backend: str) -> dict:
     """What the source holds: its model's tensors, each parameter's optimizer state (tensors
     described, other values as they are) and the hyperparameters of each parameter group."""
-    state = [{k: _state_entry(v, p, backend) for k, v in optimizer.state.get(p, {}).items()}
-             for p in _params(optimizer)]
-    return {"model": [(name, *_described(t)) for name, t in model_tensors(model)], "optimizer": state,
-            "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+    state = [
+        {k: _state_entry(v, p, backend) for k, v in optimizer.state.get(p, {}).items()} for p in _params(optimizer)
+    ]
+    return {
+        "model": [(name, *_described(t)) for name, t in model_tensors(model)],
+        "optimizer": state,
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+    }
 
 
 def adopt(sig: dict, model, optimizer) -> None:
@@ -136,9 +140,12 @@ def hand_over(rank: int, src: int, receivers: list[int], model, optimizer, backe
     elif rank != src:
         return
     large, groups = messages(live_tensors(model, optimizer, backend))
-    packed = [pack(group) if rank == src else
-              torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=group[0].device)
-              for group in groups]
+    packed = [
+        pack(group)
+        if rank == src
+        else torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=group[0].device)
+        for group in groups
+    ]
     if 1 + len(receivers) == dist.get_world_size():  # no bystander: a broadcast (gloo's first send to a peer
         works = [dist.broadcast(t, src, async_op=True) for t in large + packed]  # in a new group waits ~20 ms)
     elif rank == src:

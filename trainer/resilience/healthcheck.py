@@ -35,7 +35,9 @@ def matmul_seconds(n: int = 256, reps: int = 6, trials: int = 5, extra_delay_s: 
     return best
 
 
-def allreduce_mbps(rank: int, world: int, port: int, megabytes: int = 4, reps: int = 5, host: str = "127.0.0.1") -> float:
+def allreduce_mbps(
+    rank: int, world: int, port: int, megabytes: int = 4, reps: int = 5, host: str = "127.0.0.1"
+) -> float:
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:

@@ -13,8 +13,8 @@ of 50 ms steps is found in seconds, not after ``step_timeout_s``.
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import signal
 import threading
 import time
@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.job.events import EventKind
 from trainer.common.process import pid_alive, signal_process
+from trainer.job.events import EventKind
 from trainer.resilience.stacks import hung_stacks
 
 
@@ -31,7 +31,9 @@ def heartbeat_dir(job_dir: str | Path) -> Path:
     return Path(job_dir) / "heartbeat"
 
 
-ADAPTED_PHASES = ("step",)  # a checkpoint's duration is bimodal (memory copy / final commit to storage): fixed bound only
+ADAPTED_PHASES = (
+    "step",
+)  # a checkpoint's duration is bimodal (memory copy / final commit to storage): fixed bound only
 RECENT = 100  # step durations a worker's p99 is taken over
 FLUSH_S = 0.05  # the most a heartbeat file lags the worker's newest beat
 
@@ -68,7 +70,9 @@ def collective_timeout_s(hang_timeouts: dict[str, float]) -> float:
     return max(hang_timeouts.values(), default=0.0) + COLLECTIVE_MARGIN_S
 
 
-AGENT_ENV = "PRETRAIN_AGENT_PID"  # set by our own node agent: its process id (a worker forked by the zygote is not its child)
+AGENT_ENV = (
+    "PRETRAIN_AGENT_PID"  # set by our own node agent: its process id (a worker forked by the zygote is not its child)
+)
 
 
 def agent_pid() -> int:
@@ -112,8 +116,15 @@ class Heartbeat:
             self._observed = {p: [len(d), p99(d)] for p, d in self.durations.items() if d}
         if not same:
             self.last = (phase, step, now)
-        record = {"phase": phase, "step": step, "rank": self.rank, "pid": os.getpid(), "time": time.time(),
-                  "observed": self._observed, "collective": collective}
+        record = {
+            "phase": phase,
+            "step": step,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "observed": self._observed,
+            "collective": collective,
+        }
         with self._changed:
             self._record, self._version = record, self._version + 1
             self._changed.notify()
@@ -158,8 +169,15 @@ def worker_pids(job_dir: str | Path, agent_pid: int | None = None) -> list[int]:
 class HangDetector:
     """Runs in the node agent; ``on_event`` receives hang records (and may drive other drills)."""
 
-    def __init__(self, job_dir: str | Path, timeouts: dict[str, float], on_event, interval: float = 0.5,
-                 adaptive: AdaptiveTimeout = FIXED, remote_grace_s: float = 0.0):
+    def __init__(
+        self,
+        job_dir: str | Path,
+        timeouts: dict[str, float],
+        on_event,
+        interval: float = 0.5,
+        adaptive: AdaptiveTimeout = FIXED,
+        remote_grace_s: float = 0.0,
+    ):
         # remote_grace_s: the node's workers have peers on other nodes, whose hang this node cannot
         # see; when all of its workers wait in a collective, they are taken for hung only this much
         # later than their timeout, so that the node of a hung peer kills it first (its death then
@@ -199,10 +217,19 @@ class HangDetector:
             first = min(hung, key=lambda hb: hb["time"])
             kept = sorted(set(live) - {hb["rank"] for hb in hung})  # the node's other workers, not killed
             stacks = [hung_stacks(self.job_dir, paths[hb["pid"]], hb) for hb in sorted(hung, key=lambda hb: hb["rank"])]
-            self.on_event({"event": EventKind.HANG, "ranks": sorted(hb["rank"] for hb in hung), "phase": first["phase"],
-                           "step": first["step"], "stalled_s": round(now - first["time"], 1),
-                           "timeout_s": round(first["timeout_s"], 2), "stalled_since": first["time"], "kept": kept,
-                           "stacks": stacks})
+            self.on_event(
+                {
+                    "event": EventKind.HANG,
+                    "ranks": sorted(hb["rank"] for hb in hung),
+                    "phase": first["phase"],
+                    "step": first["step"],
+                    "stalled_s": round(now - first["time"], 1),
+                    "timeout_s": round(first["timeout_s"], 2),
+                    "stalled_since": first["time"],
+                    "kept": kept,
+                    "stacks": stacks,
+                }
+            )
             for hb in hung:
                 signal_process(hb["pid"], signal.SIGKILL)
         for observe in self.observers:
@@ -219,7 +246,7 @@ class HangDetector:
             return upper
         return self.adaptive.limit(upper, int(observed[0]), float(observed[1]))
 
-    def start(self) -> "HangDetector":
+    def start(self) -> HangDetector:
         def loop() -> None:
             while not self.stop.wait(self.interval):
                 self.scan()

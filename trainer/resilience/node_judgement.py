@@ -15,7 +15,9 @@ def judge_nodes(rows: list[dict], threshold: float) -> tuple[list[dict], set[int
     for r in rows:
         if r["ok"]:
             node_times[r["node"]] = max(node_times.get(r["node"], 0.0), r["matmul_s"])
-    median = statistics.median_low(node_times.values()) if node_times else 0.0  # low median: one straggler of two stands out
+    median = (
+        statistics.median_low(node_times.values()) if node_times else 0.0
+    )  # low median: one straggler of two stands out
     failed = {r["node"] for r in rows if not r["ok"]}
     excluded = failed | {n for n, t in node_times.items() if median and t / median > threshold}
     for r in rows:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from trainer.job.config import JobConfig
 from trainer.dist import DistInfo, all_gather_object
+from trainer.job.config import JobConfig
 from trainer.job.events import EventKind
 from trainer.resilience.healthcheck import matmul_seconds
 from trainer.resilience.node_judgement import judge_nodes
@@ -33,7 +33,12 @@ def this_node() -> int:
 def check_after_restart(cfg: JobConfig, info: DistInfo, extra_delay_s: float, report) -> set[int]:
     """Run the check among all ranks; returns the excluded nodes (and marks this one if it is)."""
     node = this_node()
-    mine = {"rank": info.rank, "node": node, "ok": True, "matmul_s": round(matmul_seconds(extra_delay_s=extra_delay_s), 4)}
+    mine = {
+        "rank": info.rank,
+        "node": node,
+        "ok": True,
+        "matmul_s": round(matmul_seconds(extra_delay_s=extra_delay_s), 4),
+    }
     rows, excluded = judge_nodes(all_gather_object(mine), cfg.node_check_threshold)
     nodes = {r["node"] for r in rows}
     if len(nodes) - len(excluded) < cfg.nodes_min:

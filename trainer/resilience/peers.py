@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from trainer.checkpoint import state
 from trainer.checkpoint.state import Restored
-from trainer.job.config import JobConfig
 from trainer.dist import FAST_RECOVERY_ENV, DistInfo, Identity, join_group, round_restart_count
+from trainer.job.config import JobConfig
 from trainer.job.events import IN_PROCESS_SOURCES, EventKind
 from trainer.resilience.nodecheck import NODE_ENV
 from trainer.resilience.survivor_interrupt import PeerLost
@@ -128,7 +128,9 @@ def wait_for_rank(store: dist.Store, spare: int, node: int) -> Identity:
         try:
             store.wait([key], timedelta(hours=1))
             return Identity(**json.loads(store.get(key)))
-        except dist.DistStoreError:  # an hour without a fault: keep waiting (the orphan watchdog ends us with the agent)
+        except (
+            dist.DistStoreError
+        ):  # an hour without a fault: keep waiting (the orphan watchdog ends us with the agent)
             continue
 
 
@@ -191,9 +193,17 @@ class Peers:
     node: int = 0  # the node this worker runs on (its agent's spares)
 
     @classmethod
-    def from_env(cls, store: dist.Store, me: Identity, backend: str, timeout_s: float, env=os.environ) -> "Peers":
-        return cls(store, me, backend, timeout_s, int(env.get(WARM_SPARES_ENV) or 0),
-                   float(env.get(NOTICE_ENV) or NOTICE_S), fast_recovery_bound_s(env), int(env.get(NODE_ENV) or 0))
+    def from_env(cls, store: dist.Store, me: Identity, backend: str, timeout_s: float, env=os.environ) -> Peers:
+        return cls(
+            store,
+            me,
+            backend,
+            timeout_s,
+            int(env.get(WARM_SPARES_ENV) or 0),
+            float(env.get(NOTICE_ENV) or NOTICE_S),
+            fast_recovery_bound_s(env),
+            int(env.get(NODE_ENV) or 0),
+        )
 
     def announced(self, err: BaseException) -> dict | None:
         """After ``err`` in a collective: the agent's record of the next epoch, if it announces
@@ -259,9 +269,19 @@ class Peers:
             return
         record = json.loads(self.store.get(epoch_key(self.me.restart_count, self.me.epoch)))
         if self.me.rank == 0:
-            write_event({"event": EventKind.ROLLBACK, "rank": 0, "path": record["path"], "lost_ranks": record["lost"],
-                         "epoch": self.me.epoch, "step": restored.step, "source": restored.source,
-                         "checkpoint": restored.checkpoint, "seconds": round(time.time() - record["detected_at"], 4)})
+            write_event(
+                {
+                    "event": EventKind.ROLLBACK,
+                    "rank": 0,
+                    "path": record["path"],
+                    "lost_ranks": record["lost"],
+                    "epoch": self.me.epoch,
+                    "step": restored.step,
+                    "source": restored.source,
+                    "checkpoint": restored.checkpoint,
+                    "seconds": round(time.time() - record["detected_at"], 4),
+                }
+            )
         self.store.set(ready_key(self.me.restart_count, self.me.epoch, self.me.rank), "1")
 
 
@@ -269,17 +289,21 @@ class CannotRejoin(RuntimeError):
     """The survivors have nothing to roll back to in place: the node agent restarts every worker."""
 
 
-def rejoin(cfg: JobConfig, info: DistInfo, peers: Peers, live: tuple[int, int], *, model, optimizer,
-           snapshots) -> tuple[DistInfo, Restored]:
+def rejoin(
+    cfg: JobConfig, info: DistInfo, peers: Peers, live: tuple[int, int], *, model, optimizer, snapshots
+) -> tuple[DistInfo, Restored]:
     """A survivor's part of a fast recovery: the next epoch's group, then the state it holds
     (``live``: its completed step and data position) if every survivor holds the same step
     (``state.kept_by_survivors``), else the newest state every rank agrees on restored into its
     live model and optimizer (what a restarted worker would load)."""
     info = replace(info, epoch=peers.rejoin().epoch)
     optimizer.zero_grad(set_to_none=True)  # the broken step's gradients
-    restored = state.kept_by_survivors(cfg, info, live, model=model, optimizer=optimizer) or \
-        state.restore(cfg, info, model=model, optimizer=optimizer, snapshots=snapshots)
+    restored = state.kept_by_survivors(cfg, info, live, model=model, optimizer=optimizer) or state.restore(
+        cfg, info, model=model, optimizer=optimizer, snapshots=snapshots
+    )
     if restored.source not in IN_PROCESS_SOURCES:
-        raise CannotRejoin(f"a peer was lost before this stage's first snapshot or checkpoint ({restored.source}): "
-                           "only fresh processes can start the model over")
+        raise CannotRejoin(
+            f"a peer was lost before this stage's first snapshot or checkpoint ({restored.source}): "
+            "only fresh processes can start the model over"
+        )
     return info, restored

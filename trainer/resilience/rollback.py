@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 
 from trainer.checkpoint import state
-from trainer.job.config import JobConfig
 from trainer.dist import DistInfo, broadcast_object
+from trainer.job.config import JobConfig
 from trainer.job.events import IN_PROCESS_SOURCES, EventKind
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, TooManyRollbacks, read_skips, skips_path
 
@@ -30,14 +30,17 @@ def skip_windows(cfg: JobConfig) -> list[tuple[int, int]]:
     rollbacks stop the stage for a human to look at."""
     recorded = read_skips(cfg.job_dir)
     if len(recorded) > cfg.max_rollbacks:
-        raise TooManyRollbacks(f"{len(recorded)} loss anomalies in stage {cfg.stage} (max_rollbacks={cfg.max_rollbacks}): "
-                               f"inspect the skipped samples in {skips_path(cfg.job_dir)}, lower the learning rate or "
-                               "raise fault_tolerance.max_rollbacks")
+        raise TooManyRollbacks(
+            f"{len(recorded)} loss anomalies in stage {cfg.stage} (max_rollbacks={cfg.max_rollbacks}): "
+            f"inspect the skipped samples in {skips_path(cfg.job_dir)}, lower the learning rate or "
+            "raise fault_tolerance.max_rollbacks"
+        )
     return [tuple(w) for w in cfg.skip] + [(s["start"], s["end"]) for s in recorded]
 
 
-def roll_back(cfg: JobConfig, info: DistInfo, err: LossAnomaly, *, model, optimizer, snapshots, spikes: SpikeDetector,
-              write_event) -> tuple[state.Restored, list[tuple[int, int]]]:
+def roll_back(
+    cfg: JobConfig, info: DistInfo, err: LossAnomaly, *, model, optimizer, snapshots, spikes: SpikeDetector, write_event
+) -> tuple[state.Restored, list[tuple[int, int]]]:
     """Every rank, after ``err`` (its skip window already recorded by rank 0): the restored
     state and the skip windows from now on; raises ``err`` when fresh processes are needed."""
     t0 = time.perf_counter()
@@ -49,7 +52,16 @@ def roll_back(cfg: JobConfig, info: DistInfo, err: LossAnomaly, *, model, optimi
         raise err
     spikes.forget(err.step - 1 - restored.step)  # the losses of the steps about to be redone
     if info.rank == 0:
-        write_event({"event": EventKind.ROLLBACK, "rank": info.rank, "path": "in_process", "anomaly_step": err.step,
-                     "step": restored.step, "source": restored.source, "checkpoint": restored.checkpoint,
-                     "seconds": round(time.perf_counter() - t0, 4)})
+        write_event(
+            {
+                "event": EventKind.ROLLBACK,
+                "rank": info.rank,
+                "path": "in_process",
+                "anomaly_step": err.step,
+                "step": restored.step,
+                "source": restored.source,
+                "checkpoint": restored.checkpoint,
+                "seconds": round(time.perf_counter() - t0, 4),
+            }
+        )
     return restored, windows

@@ -49,7 +49,9 @@ class Interrupt:
         self.announced = announced  # whether the agent announced the next recovery (one look at the store)
         self.patience_s = patience_s
         self.signalled_at: float | None = None
-        self.fired = False  # whether the last PeerLost came from here (the rejoined event says how the loss was noticed)
+        self.fired = (
+            False  # whether the last PeerLost came from here (the rejoined event says how the loss was noticed)
+        )
 
     def install(self, model) -> list:
         """Handle ``INTERRUPT_SIGNAL`` in this (the main) thread and check before the forward of
@@ -60,8 +62,9 @@ class Interrupt:
         signal.signal(INTERRUPT_SIGNAL, self._on_signal)
         blocks = [model] + [m for ml in model.modules() if isinstance(ml, torch.nn.ModuleList) for m in ml]
         firsts = [p for p in (next(m.parameters(), None) for m in blocks) if p is not None and p.requires_grad]
-        return [m.register_forward_pre_hook(self._check_forward) for m in blocks] + \
-            [p.register_hook(self._check_grad) for p in dict.fromkeys(firsts)]
+        return [m.register_forward_pre_hook(self._check_forward) for m in blocks] + [
+            p.register_hook(self._check_grad) for p in dict.fromkeys(firsts)
+        ]
 
     def _on_signal(self, signum, frame) -> None:
         self.signalled_at = time.monotonic()

@@ -6,10 +6,28 @@ Keys are "/"-separated paths relative to the storage root; writes are atomic (a 
 old object or the complete new one).
 """
 
-from trainer.storage.base import (MiB, NotAFile, NotFound, PreconditionFailed, Storage, StorageError, StorageUnreachable,
-                                  check_key)
+from trainer.storage.base import (
+    MiB,
+    NotAFile,
+    NotFound,
+    PreconditionFailed,
+    Storage,
+    StorageError,
+    StorageUnreachable,
+    check_key,
+)
 from trainer.storage.local import LocalStorage
 from trainer.storage.url import open_storage
 
-__all__ = ["LocalStorage", "MiB", "NotAFile", "NotFound", "PreconditionFailed", "Storage", "StorageError",
-           "StorageUnreachable", "check_key", "open_storage"]
+__all__ = [
+    "LocalStorage",
+    "MiB",
+    "NotAFile",
+    "NotFound",
+    "PreconditionFailed",
+    "Storage",
+    "StorageError",
+    "StorageUnreachable",
+    "check_key",
+    "open_storage",
+]

@@ -13,8 +13,9 @@ import os
 import tempfile
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
 from trainer.common.atomic import fsync_dir, replace_moving_aside
 
@@ -48,11 +49,16 @@ class PreconditionFailed(StorageError):
 def check_key(key: str, *, prefix: bool = False) -> str:
     """``key`` if it is a safe relative key; a prefix may also be "" or end in "/"."""
     body = key[:-1] if prefix and isinstance(key, str) and key.endswith("/") else key
-    if not (isinstance(key, str) and not key.startswith("/") and not {"\\", "\x00"} & set(key)
-            and ((prefix and key == "") or (body and all(seg not in ("", ".", "..")
-                                                         for seg in body.split("/"))))):
-        raise ValueError(f"invalid storage key {key!r}: keys are '/'-separated relative paths "
-                         "without a leading '/', '..', '.', empty segments or backslashes")
+    if not (
+        isinstance(key, str)
+        and not key.startswith("/")
+        and not {"\\", "\x00"} & set(key)
+        and ((prefix and key == "") or (body and all(seg not in ("", ".", "..") for seg in body.split("/"))))
+    ):
+        raise ValueError(
+            f"invalid storage key {key!r}: keys are '/'-separated relative paths "
+            "without a leading '/', '..', '.', empty segments or backslashes"
+        )
     return key
 
 
@@ -101,6 +107,7 @@ class Storage(ABC):
     @abstractmethod
     def put_stream(self, key: str, write: Callable[[BinaryIO], None]) -> None:
         """Store what ``write(f)`` writes sequentially to ``f``; nothing if it raises."""
+
     @abstractmethod
     def get_bytes(self, key: str) -> bytes: ...
 
@@ -110,19 +117,24 @@ class Storage(ABC):
     @abstractmethod
     def get_versioned(self, key: str) -> tuple[bytes, str]:
         """The object's bytes and its ETag (NotFound if missing)."""
+
     @abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> str:
         """Create ``key`` only if it does not exist; its new ETag. PreconditionFailed if it does."""
+
     @abstractmethod
     def put_if_match(self, key: str, data: bytes, etag: str) -> str:
         """Replace ``key`` only if its ETag is still ``etag``; the new ETag. PreconditionFailed
         if it changed or is gone."""
+
     @abstractmethod
     def iter_bytes(self, key: str, chunk: int = 4 * MiB) -> Iterator[bytes]:
         """The object's bytes in blocks of at most ``chunk`` (never all of it in memory at once)."""
+
     @abstractmethod
     def get_file(self, key: str, path: str | Path) -> None:
         """Download to the local ``path``, atomically replacing it."""
+
     @abstractmethod
     def exists(self, key: str) -> bool: ...
     @abstractmethod
@@ -130,9 +142,11 @@ class Storage(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys starting with the string ``prefix`` ("step_1" matches "step_10/a")."""
+
     @abstractmethod
     def delete(self, key: str) -> None:
         """Delete ``key``; a missing key is fine."""
+
     @abstractmethod
     def delete_prefix(self, prefix: str) -> None:
         """Delete every key under the directory ``prefix`` ("a" means "a/", "" means all)."""
@@ -145,7 +159,7 @@ class Storage(ABC):
             for key in self.list(src):
                 local = Path(tmp) / "object"
                 self.get_file(key, local)
-                self.put_file(dst + key[len(src):], local)
+                self.put_file(dst + key[len(src) :], local)
         self.delete_prefix(src)
 
     def local_path(self, key: str) -> Path | None:

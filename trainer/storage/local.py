@@ -6,13 +6,25 @@ import fcntl
 import hashlib
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
 from trainer.common.atomic import atomic_write_bytes, fsync_dir
-from trainer.storage.base import (_TMP_MARK, MiB, NotAFile, NotFound, PreconditionFailed, Storage, StorageError, _dir_prefix,
-                                  _mkdirs, _write_local_atomic, check_key)
+from trainer.storage.base import (
+    _TMP_MARK,
+    MiB,
+    NotAFile,
+    NotFound,
+    PreconditionFailed,
+    Storage,
+    StorageError,
+    _dir_prefix,
+    _mkdirs,
+    _write_local_atomic,
+    check_key,
+)
 
 
 def _etag(data: bytes) -> str:
@@ -62,6 +74,7 @@ class LocalStorage(Storage):
         def fill(tmp: Path) -> None:
             with open(tmp, "wb") as f:
                 write(f)
+
         _write_local_atomic(self._path(key), fill)
 
     def get_bytes(self, key: str) -> bytes:
@@ -83,8 +96,10 @@ class LocalStorage(Storage):
         except FileExistsError:
             raise PreconditionFailed(f"{self.url}: key {key!r} already exists") from None
         except OSError as err:
-            raise StorageError(f"cannot create {path} exclusively: {err.strerror or err}; conditional writes need "
-                               "a writable filesystem with hard links (a local disk or NFS)") from None
+            raise StorageError(
+                f"cannot create {path} exclusively: {err.strerror or err}; conditional writes need "
+                "a writable filesystem with hard links (a local disk or NFS)"
+            ) from None
         return _etag(data)
 
     def put_if_match(self, key: str, data: bytes, etag: str) -> str:
@@ -107,14 +122,17 @@ class LocalStorage(Storage):
             _mkdirs(path.parent)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            raise StorageError(f"cannot open lock file {lock}: {err.strerror or err}; check that {self.root} "
-                               "is writable") from None
+            raise StorageError(
+                f"cannot open lock file {lock}: {err.strerror or err}; check that {self.root} is writable"
+            ) from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except OSError as err:
-                raise StorageError(f"cannot lock {lock}: {err.strerror or err}; conditional writes on a local "
-                                   "directory need a filesystem with file locks (a local disk, or NFS with locking)") from None
+                raise StorageError(
+                    f"cannot lock {lock}: {err.strerror or err}; conditional writes on a local "
+                    "directory need a filesystem with file locks (a local disk, or NFS with locking)"
+                ) from None
             yield
         finally:
             os.close(fd)

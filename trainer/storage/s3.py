@@ -6,16 +6,33 @@ from __future__ import annotations
 import io
 import os
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
-from trainer.storage.base import (MiB, NotFound, PreconditionFailed, Storage, StorageError, StorageUnreachable,
-                                  _dir_prefix, _write_local_atomic, check_key)
+from trainer.storage.base import (
+    MiB,
+    NotFound,
+    PreconditionFailed,
+    Storage,
+    StorageError,
+    StorageUnreachable,
+    _dir_prefix,
+    _write_local_atomic,
+    check_key,
+)
 from trainer.storage.streaming import pipe_to
 
-_AUTH_CODES = {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403",
-               "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
+_AUTH_CODES = {
+    "SignatureDoesNotMatch",
+    "InvalidAccessKeyId",
+    "AccessDenied",
+    "403",
+    "InvalidToken",
+    "ExpiredToken",
+    "AuthorizationHeaderMalformed",
+}
 
 
 @dataclass(frozen=True)
@@ -42,13 +59,24 @@ class S3Storage(Storage):
     and ``abort_incomplete_uploads`` reclaims those parts later.
     """
 
-    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
-                 region: str | None = None, access_key: str | None = None,
-                 secret_key: str | None = None, session_token: str | None = None,
-                 profile: str | None = None, multipart_threshold: int = 8 * MiB,
-                 multipart_chunksize: int = 8 * MiB, max_attempts: int = 5,
-                 connect_timeout: float = 5.0, read_timeout: float = 30.0,
-                 max_concurrency: int = 4, addressing_style: str | None = None):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        session_token: str | None = None,
+        profile: str | None = None,
+        multipart_threshold: int = 8 * MiB,
+        multipart_chunksize: int = 8 * MiB,
+        max_attempts: int = 5,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 30.0,
+        max_concurrency: int = 4,
+        addressing_style: str | None = None,
+    ):
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
         self.bucket, self.prefix = bucket, check_key(p) if (p := prefix.strip("/")) else ""
@@ -84,18 +112,28 @@ class S3Storage(Storage):
                 from boto3.s3.transfer import TransferConfig
                 from botocore.config import Config
 
-                config = Config(retries={"max_attempts": self.max_attempts, "mode": "standard"},
-                                connect_timeout=self.timeouts[0], read_timeout=self.timeouts[1],
-                                s3={"addressing_style": self.addressing_style},
-                                max_pool_connections=max(10, 2 * self.max_concurrency))
+                config = Config(
+                    retries={"max_attempts": self.max_attempts, "mode": "standard"},
+                    connect_timeout=self.timeouts[0],
+                    read_timeout=self.timeouts[1],
+                    s3={"addressing_style": self.addressing_style},
+                    max_pool_connections=max(10, 2 * self.max_concurrency),
+                )
                 self._client = boto3.session.Session(profile_name=self._profile).client(
-                    "s3", endpoint_url=self.endpoint_url, region_name=self.region,
-                    aws_access_key_id=self._access_key, aws_secret_access_key=self._secret_key,
-                    aws_session_token=self._session_token, config=config)
+                    "s3",
+                    endpoint_url=self.endpoint_url,
+                    region_name=self.region,
+                    aws_access_key_id=self._access_key,
+                    aws_secret_access_key=self._secret_key,
+                    aws_session_token=self._session_token,
+                    config=config,
+                )
                 self._transfer = TransferConfig(
                     multipart_threshold=self.multipart_threshold,
                     multipart_chunksize=self.multipart_chunksize,
-                    max_concurrency=self.max_concurrency, preferred_transfer_client="classic")
+                    max_concurrency=self.max_concurrency,
+                    preferred_transfer_client="classic",
+                )
             return self._client
 
     def _key(self, key: str) -> str:
@@ -120,16 +158,23 @@ class S3Storage(Storage):
         elif code == "NoSuchBucket":
             hint = f"create bucket {self.bucket!r} or fix the storage URL"
         elif code in _CONDITION_CODES:
-            return PreconditionFailed(f"S3 {op} of {where} failed ({detail}): the object changed since it was "
-                                      "listed or read (its ETag differs), or already exists; run again")
+            return PreconditionFailed(
+                f"S3 {op} of {where} failed ({detail}): the object changed since it was "
+                "listed or read (its ETag differs), or already exists; run again"
+            )
         elif isinstance(exc, (ConnectionError, HTTPClientError)):
-            hint = (f"gave up after {self.max_attempts} attempts; check that the S3 endpoint "
-                    f"{self.endpoint_url or '(AWS)'} is up and reachable, then retry")
+            hint = (
+                f"gave up after {self.max_attempts} attempts; check that the S3 endpoint "
+                f"{self.endpoint_url or '(AWS)'} is up and reachable, then retry"
+            )
         else:
             hint = "check the S3 server and retry"
         msg = f"S3 {op} of {where} failed ({detail}); {hint}"
-        away = isinstance(exc, (ConnectionError, HTTPClientError)) or code in _SERVER_SIDE_CODES \
+        away = (
+            isinstance(exc, (ConnectionError, HTTPClientError))
+            or code in _SERVER_SIDE_CODES
             or (code or "").startswith("5")
+        )
         msg = msg.replace(self._secret_key, "***") if self._secret_key else msg
         return StorageUnreachable(msg) if away else StorageError(msg)
 
@@ -144,20 +189,22 @@ class S3Storage(Storage):
 
     def put_bytes(self, key: str, data: bytes) -> None:
         k = self._key(key)
-        self._call("upload", key, self.client.upload_fileobj, io.BytesIO(data), self.bucket, k,
-                   Config=self._transfer)
+        self._call("upload", key, self.client.upload_fileobj, io.BytesIO(data), self.bucket, k, Config=self._transfer)
 
     def put_file(self, key: str, path: str | Path) -> None:
         k = self._key(key)
-        self._call("upload", key, self.client.upload_file, os.fspath(path), self.bucket, k,
-                   Config=self._transfer)
+        self._call("upload", key, self.client.upload_file, os.fspath(path), self.bucket, k, Config=self._transfer)
 
     def put_stream(self, key: str, write: Callable[[BinaryIO], None]) -> None:
         """Upload straight from ``write`` through a pipe (multipart above the threshold, in
         chunks of ``multipart_chunksize``): no local temporary file, no full copy in memory."""
         k, client = self._key(key), self.client
-        pipe_to(write, lambda reader: self._call("upload", key, client.upload_fileobj, reader, self.bucket, k,
-                                                 Config=self._transfer))
+        pipe_to(
+            write,
+            lambda reader: self._call(
+                "upload", key, client.upload_fileobj, reader, self.bucket, k, Config=self._transfer
+            ),
+        )
 
     def get_bytes(self, key: str) -> bytes:
         k = self._key(key)
@@ -182,8 +229,9 @@ class S3Storage(Storage):
 
     def _put_conditional(self, key: str, data: bytes, **condition: str) -> str:
         k = self._key(key)
-        resp = self._call("conditional upload", key, self.client.put_object, Bucket=self.bucket, Key=k,
-                          Body=data, **condition)
+        resp = self._call(
+            "conditional upload", key, self.client.put_object, Bucket=self.bucket, Key=k, Body=data, **condition
+        )
         return resp["ETag"].strip('"')
 
     def iter_bytes(self, key: str, chunk: int = 4 * MiB) -> Iterator[bytes]:
@@ -203,14 +251,25 @@ class S3Storage(Storage):
         if stop <= start:
             return b""
         k, extra = self._key(key), {"IfMatch": etag} if etag else {}
-        resp = self._call("download", key, self.client.get_object, Bucket=self.bucket, Key=k,
-                          Range=f"bytes={start}-{stop - 1}", **extra)
+        resp = self._call(
+            "download",
+            key,
+            self.client.get_object,
+            Bucket=self.bucket,
+            Key=k,
+            Range=f"bytes={start}-{stop - 1}",
+            **extra,
+        )
         return self._call("download", key, resp["Body"].read)
 
     def get_file(self, key: str, path: str | Path) -> None:
         k, client = self._key(key), self.client
-        _write_local_atomic(path, lambda tmp: self._call(
-            "download", key, client.download_file, self.bucket, k, str(tmp), Config=self._transfer))
+        _write_local_atomic(
+            path,
+            lambda tmp: self._call(
+                "download", key, client.download_file, self.bucket, k, str(tmp), Config=self._transfer
+            ),
+        )
 
     def exists(self, key: str) -> bool:
         try:
@@ -221,13 +280,11 @@ class S3Storage(Storage):
 
     def size(self, key: str) -> int:
         k = self._key(key)
-        return self._call("stat", key, self.client.head_object, Bucket=self.bucket,
-                          Key=k)["ContentLength"]
+        return self._call("stat", key, self.client.head_object, Bucket=self.bucket, Key=k)["ContentLength"]
 
     def _paginate(self, op: str, prefix: str, item: str) -> list[dict]:
         root = f"{self.prefix}/" if self.prefix else ""
-        pages = self.client.get_paginator(op).paginate(
-            Bucket=self.bucket, Prefix=root + check_key(prefix, prefix=True))
+        pages = self.client.get_paginator(op).paginate(Bucket=self.bucket, Prefix=root + check_key(prefix, prefix=True))
         return [x for page in self._call("list", prefix, list, pages) for x in page.get(item, [])]
 
     def list(self, prefix: str = "") -> list[str]:
@@ -238,8 +295,13 @@ class S3Storage(Storage):
     def list_objects(self, prefix: str = "") -> list[ObjectInfo]:
         """Like :meth:`list`, with each object's size and ETag (its version identity)."""
         skip = len(self.prefix) + 1 if self.prefix else 0
-        return sorted((ObjectInfo(o["Key"][skip:], o["Size"], o.get("ETag", "").strip('"'))
-                       for o in self._paginate("list_objects_v2", prefix, "Contents")), key=lambda o: o.key)
+        return sorted(
+            (
+                ObjectInfo(o["Key"][skip:], o["Size"], o.get("ETag", "").strip('"'))
+                for o in self._paginate("list_objects_v2", prefix, "Contents")
+            ),
+            key=lambda o: o.key,
+        )
 
     def delete(self, key: str) -> None:
         k = self._key(key)
@@ -248,19 +310,32 @@ class S3Storage(Storage):
     def delete_prefix(self, prefix: str) -> None:
         keys = self.list(_dir_prefix(prefix))
         for i in range(0, len(keys), 1000):
-            batch = [{"Key": self._key(k)} for k in keys[i:i + 1000]]
-            resp = self._call("delete", prefix, self.client.delete_objects, Bucket=self.bucket,
-                              Delete={"Objects": batch, "Quiet": True})
+            batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
+            resp = self._call(
+                "delete",
+                prefix,
+                self.client.delete_objects,
+                Bucket=self.bucket,
+                Delete={"Objects": batch, "Quiet": True},
+            )
             if errors := resp.get("Errors"):
                 e = errors[0]
-                raise StorageError(f"S3 delete of {self.url}/{prefix} failed for {len(errors)} "
-                                   f"keys (first: {e.get('Key')}: {e.get('Code')} "
-                                   f"{e.get('Message')}); retry delete_prefix")
+                raise StorageError(
+                    f"S3 delete of {self.url}/{prefix} failed for {len(errors)} "
+                    f"keys (first: {e.get('Key')}: {e.get('Code')} "
+                    f"{e.get('Message')}); retry delete_prefix"
+                )
 
     def abort_incomplete_uploads(self, prefix: str = "") -> int:
         """Abort unfinished multipart uploads under ``prefix``; returns how many were aborted."""
         uploads = self._paginate("list_multipart_uploads", prefix, "Uploads")
         for u in uploads:
-            self._call("abort upload", prefix, self.client.abort_multipart_upload,
-                       Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+            self._call(
+                "abort upload",
+                prefix,
+                self.client.abort_multipart_upload,
+                Bucket=self.bucket,
+                Key=u["Key"],
+                UploadId=u["UploadId"],
+            )
         return len(uploads)

@@ -12,7 +12,8 @@ import fcntl
 import io
 import os
 import threading
-from typing import BinaryIO, Callable
+from collections.abc import Callable
+from typing import BinaryIO
 
 PIPE_BYTES = 1 << 20  # a larger kernel pipe buffer: fewer wake-ups per MiB
 

@@ -23,8 +23,9 @@ def open_storage(url: str | Path, **s3_options) -> Storage:
         return LocalStorage(unquote(parsed.path) if parsed is not None else url)
     if parsed.scheme == "s3":
         if "@" in parsed.netloc or not parsed.netloc:
-            raise ValueError("an s3:// URL must be s3://bucket/prefix, without credentials; "
-                             "pass access_key/secret_key as options")
+            raise ValueError(
+                "an s3:// URL must be s3://bucket/prefix, without credentials; pass access_key/secret_key as options"
+            )
         from trainer.storage.s3 import S3Storage  # boto3 only where S3 is used
 
         return S3Storage(parsed.netloc, parsed.path.strip("/"), **s3_options)

@@ -1,1 +1,2 @@
-"""A fork server with torch imported, so processes start without paying ``import torch`` (``python -m trainer.zygote``)."""
+"""A fork server with torch imported, so processes start without paying ``import torch`` (``python -m
+trainer.zygote``)."""

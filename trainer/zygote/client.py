@@ -45,7 +45,9 @@ from trainer.zygote.server import HEADER, LOG
 # it): ~1 CPU-s in each forked worker, about two thirds of a small job's worker CPU, if not here
 PRELOAD = ("torch", "torch._inductor.config", "trainer.launch", "trainer.worker", "trainer.healthcheck", "trainer.gate")
 TITLE_ROOM = 4096  # bytes of the zygote's argv its children rewrite into their own command lines
-READY_TIMEOUT_S = 120.0  # a zygote still importing when asked: wait this long (a fresh interpreter pays the same imports)
+READY_TIMEOUT_S = (
+    120.0  # a zygote still importing when asked: wait this long (a fresh interpreter pays the same imports)
+)
 
 
 def _running(pid: int) -> bool:
@@ -182,8 +184,15 @@ def _open(fd: int) -> bool:
 class Zygote:
     """A client of one zygote (see the module's docstring); owns the server when it started it."""
 
-    def __init__(self, path: str, server: subprocess.Popen | None = None, log: Callable[[str], None] | None = None,
-                 python: str = sys.executable, ready_timeout_s: float = READY_TIMEOUT_S, why_not: str | None = None):
+    def __init__(
+        self,
+        path: str,
+        server: subprocess.Popen | None = None,
+        log: Callable[[str], None] | None = None,
+        python: str = sys.executable,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+        why_not: str | None = None,
+    ):
         self.path, self.python, self.ready_timeout_s = path, python, ready_timeout_s
         self._server = server
         self._log = log or (lambda message: print(message, file=sys.stderr, flush=True))
@@ -191,9 +200,14 @@ class Zygote:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, preload: Sequence[str] = PRELOAD, env: Mapping[str, str] | None = None,
-              log: Callable[[str], None] | None = None, python: str = sys.executable,
-              ready_timeout_s: float = READY_TIMEOUT_S) -> Zygote:
+    def start(
+        cls,
+        preload: Sequence[str] = PRELOAD,
+        env: Mapping[str, str] | None = None,
+        log: Callable[[str], None] | None = None,
+        python: str = sys.executable,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+    ) -> Zygote:
         """Start a zygote owned by this process (it ends when this process does); returns at
         once, the imports run meanwhile. ``env``: the server's environment (what its imports
         read; default this process's); each child gets the environment its request gives."""
@@ -202,9 +216,25 @@ class Zygote:
         try:
             with open(os.path.join(home, LOG), "wb") as err:
                 server = subprocess.Popen(
-                    [python, "-m", "trainer.zygote", "--socket", path, "--owner", str(os.getpid()),
-                     "--preload", ",".join(preload), "--title-room", "." * TITLE_ROOM], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                    start_new_session=True, env=None if env is None else dict(env))
+                    [
+                        python,
+                        "-m",
+                        "trainer.zygote",
+                        "--socket",
+                        path,
+                        "--owner",
+                        str(os.getpid()),
+                        "--preload",
+                        ",".join(preload),
+                        "--title-room",
+                        "." * TITLE_ROOM,
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    start_new_session=True,
+                    env=None if env is None else dict(env),
+                )
         except OSError as e:
             return cls(path, None, log, python, ready_timeout_s, why_not=f"it could not start ({e})")
         return cls(path, server, log, python, ready_timeout_s)
@@ -218,9 +248,18 @@ class Zygote:
     def usable(self) -> bool:
         return self._why_not is None
 
-    def spawn(self, module: str, argv: Sequence[str] = (), *, env: Mapping[str, str] | None = None,
-              cwd: str | os.PathLike | None = None, stdin: Stream = None, stdout: Stream = None,
-              stderr: Stream = None, new_session: bool = False) -> ZygoteProcess | subprocess.Popen:
+    def spawn(
+        self,
+        module: str,
+        argv: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        stdin: Stream = None,
+        stdout: Stream = None,
+        stderr: Stream = None,
+        new_session: bool = False,
+    ) -> ZygoteProcess | subprocess.Popen:
         """Start ``python -m module argv`` (forked from the zygote; a fresh interpreter if the
         zygote is unusable). ``env``: the child's complete environment (default: this
         process's now); ``stderr`` may be ``subprocess.STDOUT``."""
@@ -232,8 +271,9 @@ class Zygote:
                 return self._fork(args, module, argv, env, cwd, _fds((stdin, stdout, stderr)), new_session)
             except (OSError, ValueError, ConnectionError, TimeoutError) as e:
                 self._unusable(f"{type(e).__name__}: {e}")
-        return subprocess.Popen(args, env=child_env(env), cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
-                                start_new_session=new_session)
+        return subprocess.Popen(
+            args, env=child_env(env), cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=new_session
+        )
 
     def _unusable(self, why: str) -> None:
         with self._lock:
@@ -245,7 +285,9 @@ class Zygote:
                     self._server.kill()  # stuck: never let it fork a request we have given up on
                 self._server.wait()
                 why += self._server_log()
-        self._log(f"the zygote (fork server) is unusable ({why}); starting processes with a fresh interpreter from now on")
+        self._log(
+            f"the zygote (fork server) is unusable ({why}); starting processes with a fresh interpreter from now on"
+        )
 
     def _server_log(self) -> str:
         try:
@@ -254,10 +296,26 @@ class Zygote:
             return ""
         return f"; its log ends: {' | '.join(tail)}" if tail else ""
 
-    def _fork(self, args: list[str], module: str, argv: Sequence[str], env: dict[str, str], cwd,
-              streams: tuple[list[int], list[int]], new_session: bool) -> ZygoteProcess:
-        request = json.dumps({"module": module, "argv": list(map(str, argv)), "env": env, "title": args,
-                              "cwd": None if cwd is None else os.fspath(cwd), "new_session": new_session}).encode()
+    def _fork(
+        self,
+        args: list[str],
+        module: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        cwd,
+        streams: tuple[list[int], list[int]],
+        new_session: bool,
+    ) -> ZygoteProcess:
+        request = json.dumps(
+            {
+                "module": module,
+                "argv": list(map(str, argv)),
+                "env": env,
+                "title": args,
+                "cwd": None if cwd is None else os.fspath(cwd),
+                "new_session": new_session,
+            }
+        ).encode()
         fds, opened = streams
         try:
             conn = self._connect()
@@ -296,7 +354,7 @@ class Zygote:
         while b"\n" not in data:
             try:
                 more = conn.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 raise TimeoutError(f"the zygote did not answer within {self.ready_timeout_s:.0f}s") from None
             if not more:
                 raise ConnectionError("the zygote closed the connection (it died)")
@@ -336,8 +394,9 @@ def current_zygote() -> Zygote | None:
 
 
 @contextmanager
-def zygote_running(preload: Sequence[str] = PRELOAD, env: Mapping[str, str] | None = None,
-                   log: Callable[[str], None] | None = None) -> Iterator[Zygote]:
+def zygote_running(
+    preload: Sequence[str] = PRELOAD, env: Mapping[str, str] | None = None, log: Callable[[str], None] | None = None
+) -> Iterator[Zygote]:
     """A zygote for the block, the context's :func:`current_zygote` (code run in a context copied
     inside the block sees it: Prefect's task threads do); stopped at the block's end. Inside a
     block that has a usable zygote already (a process that keeps one warm for the campaigns it
@@ -355,13 +414,30 @@ def zygote_running(preload: Sequence[str] = PRELOAD, env: Mapping[str, str] | No
         zygote.close()
 
 
-def spawn(module: str, argv: Sequence[str] = (), *, zygote: Zygote | None = None, python: str = sys.executable,
-          env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None, stdin: Stream = None,
-          stdout: Stream = None, stderr: Stream = None, new_session: bool = False) -> ZygoteProcess | subprocess.Popen:
+def spawn(
+    module: str,
+    argv: Sequence[str] = (),
+    *,
+    zygote: Zygote | None = None,
+    python: str = sys.executable,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    stdin: Stream = None,
+    stdout: Stream = None,
+    stderr: Stream = None,
+    new_session: bool = False,
+) -> ZygoteProcess | subprocess.Popen:
     """``python -m module argv``: forked from ``zygote`` when given, else a fresh interpreter."""
     if zygote is not None:
-        return zygote.spawn(module, argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
-                            new_session=new_session)
-    return subprocess.Popen([python, "-m", module, *map(str, argv)], env=child_env(env), cwd=cwd,
-                            stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=new_session)
-
+        return zygote.spawn(
+            module, argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, new_session=new_session
+        )
+    return subprocess.Popen(
+        [python, "-m", module, *map(str, argv)],
+        env=child_env(env),
+        cwd=cwd,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=new_session,
+    )

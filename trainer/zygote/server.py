@@ -69,7 +69,7 @@ def read_request(conn: socket.socket) -> tuple[dict, list[int]]:
             raise ConnectionError("the client hung up in the middle of its request")
         data += more
     (size,) = HEADER.unpack_from(data)
-    return json.loads(data[HEADER.size:HEADER.size + size]), fds
+    return json.loads(data[HEADER.size : HEADER.size + size]), fds
 
 
 def send(conn: socket.socket | None, message: dict) -> None:
@@ -236,8 +236,14 @@ class Server:
             return
         sys.stdout.flush()
         sys.stderr.flush()
-        close = [self.listener.fileno(), self.selector.fileno(), self.wake_r, self.wake_w, conn.fileno(),
-                 *(c.conn.fileno() for c in self.children.values() if c.conn is not None)]
+        close = [
+            self.listener.fileno(),
+            self.selector.fileno(),
+            self.wake_r,
+            self.wake_w,
+            conn.fileno(),
+            *(c.conn.fileno() for c in self.children.values() if c.conn is not None),
+        ]
         # SIGTERM is blocked across the fork: the child inherits the server's handler, and one sent
         # to it before ``become`` restored the default would be taken by that handler and lost
         # (its client, told the pid at once, may stop it right away); ``become`` unblocks it

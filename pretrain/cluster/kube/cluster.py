@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pretrain.cluster.local import Cluster, ClusterError, JobHandle
 from pretrain.cluster.kube.handle import KubeJobHandle
 from pretrain.cluster.kube.manifests import LABEL, Launch, launch_labels
 from pretrain.cluster.kube.nodecheck import HOSTS, HostMemory, check_launch, checks_dir, result_rows, wait_settled
-from pretrain.state.layout import CampaignLayout
+from pretrain.cluster.local import Cluster, ClusterError, JobHandle
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.state.layout import CampaignLayout
 from trainer.job.config import JobConfig
 
 ADOPT_WAIT_S = 60.0  # how long a Job left over from an earlier, stopped launch may take to go
@@ -50,16 +50,29 @@ class KubernetesCluster(Cluster):
 
         ns = self.spec.cluster.kubernetes.namespace
         try:
-            jobs = client.BatchV1Api(self.api).list_namespaced_job(
-                ns, label_selector=selector(launch_labels(self.spec.name, stage, attempt))).items
+            jobs = (
+                client.BatchV1Api(self.api)
+                .list_namespaced_job(ns, label_selector=selector(launch_labels(self.spec.name, stage, attempt)))
+                .items
+            )
         except client.ApiException as e:
             raise ClusterError(_api_error(e, f"list Jobs in {ns}")) from e
-        return next((f"{ns}/{j.metadata.name}" for j in jobs if j.metadata.deletion_timestamp is None and not any(
-            c.type in ("Complete", "Failed") and c.status == "True" for c in (j.status and j.status.conditions) or ())),
-            None)
+        return next(
+            (
+                f"{ns}/{j.metadata.name}"
+                for j in jobs
+                if j.metadata.deletion_timestamp is None
+                and not any(
+                    c.type in ("Complete", "Failed") and c.status == "True"
+                    for c in (j.status and j.status.conditions) or ()
+                )
+            ),
+            None,
+        )
 
-    def health_check(self, workdir: Path, delays: dict[int, float] | None = None,
-                     nodes: list[int] | None = None) -> list[dict]:
+    def health_check(
+        self, workdir: Path, delays: dict[int, float] | None = None, nodes: list[int] | None = None
+    ) -> list[dict]:
         """The node check as an Indexed Job of pods shaped like training's (``pretrain.cluster.kube.nodecheck``):
         one row per worker slot, with ``host``, the Kubernetes node its pod ran on. ``workdir`` is the
         campaign's (the pods write their rows there). Torn down before it returns."""
@@ -76,8 +89,16 @@ class KubernetesCluster(Cluster):
         Path(launch.out_dir).mkdir(parents=True, exist_ok=True)  # on the shared workdir: the pods write here
         core, batch = client.CoreV1Api(self.api), client.BatchV1Api(self.api)
         ns, name = launch.kube.namespace, launch.name
-        handle = KubeJobHandle(self.api, ns, name, selector(launch.selector()), len(picked), len(picked),
-                               Path(launch.out_dir), self.unschedulable_after_s)
+        handle = KubeJobHandle(
+            self.api,
+            ns,
+            name,
+            selector(launch.selector()),
+            len(picked),
+            len(picked),
+            Path(launch.out_dir),
+            self.unschedulable_after_s,
+        )
         try:
             core.create_namespaced_service(ns, service)
             self._own_service(core, ns, name, batch.create_namespaced_job(ns, manifest).metadata.uid)
@@ -86,16 +107,21 @@ class KubernetesCluster(Cluster):
             raise ClusterError(_api_error(e, f"create the node check {ns}/{name}")) from e
         handle.begin()
         try:
-            verdicts, waited = wait_settled(handle, len(picked), self.settings.health_check_timeout_s
-                                            + self.unschedulable_after_s)
-            logs = {k: handle.read_log(v.name) or "" for k, v in verdicts.items() if v.state == "failed" and not v.fatal}
+            verdicts, waited = wait_settled(
+                handle, len(picked), self.settings.health_check_timeout_s + self.unschedulable_after_s
+            )
+            logs = {
+                k: handle.read_log(v.name) or "" for k, v in verdicts.items() if v.state == "failed" and not v.fatal
+            }
             rows = result_rows(launch, verdicts, logs, waited)
         finally:
             handle.stop(grace_s=self.settings.stop_grace_s)
         HostMemory(checks_dir(self.spec.workdir_path) / HOSTS).update({r["node"]: r["host"] for r in rows if r["host"]})
         return rows
 
-    def start(self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()) -> JobHandle:
+    def start(
+        self, job: JobConfig, job_path: Path, layout: CampaignLayout, exclude: set[int] = frozenset()
+    ) -> JobHandle:
         """Create the launch's Service and Indexed Job — or adopt them if they exist (a re-run flow
         process finds the Job it started before) — and return a handle that watches its pods."""
         from kubernetes import client
@@ -103,8 +129,10 @@ class KubernetesCluster(Cluster):
         c = self.spec.cluster
         healthy = c.node_count - len(set(exclude) & set(range(c.node_count)))
         if healthy < c.nodes_min:
-            raise ClusterError(f"only {healthy} healthy node(s) (excluded: {sorted(exclude)}), cluster.nodes_min is "
-                               f"{c.nodes_min}: repair or replace the nodes, or lower nodes_min")
+            raise ClusterError(
+                f"only {healthy} healthy node(s) (excluded: {sorted(exclude)}), cluster.nodes_min is "
+                f"{c.nodes_min}: repair or replace the nodes, or lower nodes_min"
+            )
         nodes = min(c.nodes_max, healthy)  # the rest stand by: one takes a lost pod's place
         hosts, avoid_notices = HostMemory(checks_dir(layout.root) / HOSTS).avoid(set(exclude)) if exclude else ((), [])
         launch = Launch(self.spec, job, str(job_path), nodes, avoid_hosts=hosts, spare_nodes=healthy - nodes)
@@ -126,12 +154,28 @@ class KubernetesCluster(Cluster):
         if live is None:
             live = batch.read_namespaced_job(name, ns)
         self._own_service(core, ns, name, live.metadata.uid)
-        handle = KubeJobHandle(self.api, ns, name, selector(labels), healthy, c.nodes_min, Path(job.job_dir),
-                               self.unschedulable_after_s, adopted=adopted, spare_nodes=healthy - nodes,
-                               silent_after_s=launch.kube.node_silent_s)
-        handle.notices = tuple([f"adopted the live Job {ns}/{name} of this launch"] * adopted + [
-            f"deleted Job {ns}/{r} of an earlier launch of this stage (its orchestrator is gone; this launch "
-            "resumes from the newest good checkpoint)" for r in retired] + avoid_notices)
+        handle = KubeJobHandle(
+            self.api,
+            ns,
+            name,
+            selector(labels),
+            healthy,
+            c.nodes_min,
+            Path(job.job_dir),
+            self.unschedulable_after_s,
+            adopted=adopted,
+            spare_nodes=healthy - nodes,
+            silent_after_s=launch.kube.node_silent_s,
+        )
+        handle.notices = tuple(
+            [f"adopted the live Job {ns}/{name} of this launch"] * adopted
+            + [
+                f"deleted Job {ns}/{r} of an earlier launch of this stage (its orchestrator is gone; this launch "
+                "resumes from the newest good checkpoint)"
+                for r in retired
+            ]
+            + avoid_notices
+        )
         handle.begin()
         return handle
 
@@ -159,8 +203,16 @@ class KubernetesCluster(Cluster):
         stale = [j for j in jobs if (j.metadata.labels or {}).get(f"{LABEL}/attempt") != str(attempt)]
         for j in stale:
             old = {**stage, f"{LABEL}/attempt": (j.metadata.labels or {}).get(f"{LABEL}/attempt", "")}
-            KubeJobHandle(self.api, ns, j.metadata.name, selector(old), 0, 1, Path(self.spec.workdir_path),
-                          self.unschedulable_after_s).stop(grace_s=self.settings.stop_grace_s)
+            KubeJobHandle(
+                self.api,
+                ns,
+                j.metadata.name,
+                selector(old),
+                0,
+                1,
+                Path(self.spec.workdir_path),
+                self.unschedulable_after_s,
+            ).stop(grace_s=self.settings.stop_grace_s)
         return [j.metadata.name for j in stale]
 
     def _create_job(self, batch, ns: str, name: str, manifest: dict, labels: dict[str, str]):
@@ -186,17 +238,21 @@ class KubernetesCluster(Cluster):
             if live.metadata.deletion_timestamp is None:
                 return live
             if time.monotonic() > deadline:
-                raise ClusterError(f"Job {ns}/{name} of an earlier launch is still being deleted after "
-                                   f"{ADOPT_WAIT_S:.0f}s: check its pods (kubectl -n {ns} get pods -l "
-                                   f"{selector(labels)}) and delete them")
+                raise ClusterError(
+                    f"Job {ns}/{name} of an earlier launch is still being deleted after "
+                    f"{ADOPT_WAIT_S:.0f}s: check its pods (kubectl -n {ns} get pods -l "
+                    f"{selector(labels)}) and delete them"
+                )
             threading.Event().wait(0.2)  # the API's garbage collector removes it: poll with a deadline
 
     @staticmethod
     def _check_ours(obj, labels: dict[str, str], kind: str) -> None:
         found = obj.metadata.labels or {}
         if any(found.get(k) != v for k, v in labels.items()):
-            raise ClusterError(f"{kind} {obj.metadata.namespace}/{obj.metadata.name} exists but is not this launch's "
-                               f"(labels {found}): delete it, or rename the campaign")
+            raise ClusterError(
+                f"{kind} {obj.metadata.namespace}/{obj.metadata.name} exists but is not this launch's "
+                f"(labels {found}): delete it, or rename the campaign"
+            )
 
 
 def _api_error(e, what: str) -> str:
@@ -207,6 +263,9 @@ def _api_error(e, what: str) -> str:
         message = json.loads(e.body).get("message") or e.reason
     except (TypeError, ValueError, AttributeError):
         message = e.reason
-    hint = {401: "the credentials in your kubeconfig are not accepted", 403: "the service account lacks this "
-            "permission: apply deploy/kubernetes (RBAC)", 404: "check cluster.kubernetes.namespace exists"}.get(e.status, "")
+    hint = {
+        401: "the credentials in your kubeconfig are not accepted",
+        403: "the service account lacks this permission: apply deploy/kubernetes (RBAC)",
+        404: "check cluster.kubernetes.namespace exists",
+    }.get(e.status, "")
     return f"Kubernetes API: cannot {what}: {e.status} {message}" + (f" ({hint})" if hint else "")

@@ -17,22 +17,37 @@ import threading
 import time
 from pathlib import Path
 
-from pretrain.cluster.local import DONE_SILENT_S, ClusterError, JobHandle
 from pretrain.cluster.kube.pods import CONFIG_EXIT, PodVerdict, frozen, pod_verdict, probe_stopped
+from pretrain.cluster.local import DONE_SILENT_S, ClusterError, JobHandle
 from trainer.job.events import EventKind
-from trainer.liveness import silent_for
 from trainer.job.reporting import EVENTS, JsonLines
+from trainer.liveness import silent_for
 
 WATCH_S = 2  # each watch request's server-side timeout: how soon the thread notices it should stop
 LOG_TAIL_LINES = 2000
 STOPPED_EXIT = 143  # what poll() says after stop() when no pod ended on its own (SIGTERM)
-ERROR_TYPES = {"kube_config": ("KubeConfigError", []), "node_lost": ("PodLost", []),
-               "oom": ("PodOOMKilled", ["OutOfMemoryError"])}
+ERROR_TYPES = {
+    "kube_config": ("KubeConfigError", []),
+    "node_lost": ("PodLost", []),
+    "oom": ("PodOOMKilled", ["OutOfMemoryError"]),
+}
 
 
 class KubeJobHandle(JobHandle):
-    def __init__(self, api, namespace: str, name: str, selector: str, nodes: int, nodes_min: int, job_dir: Path,
-                 unschedulable_after_s: float, adopted: bool = False, spare_nodes: int = 0, silent_after_s: float = 0.0):
+    def __init__(
+        self,
+        api,
+        namespace: str,
+        name: str,
+        selector: str,
+        nodes: int,
+        nodes_min: int,
+        job_dir: Path,
+        unschedulable_after_s: float,
+        adopted: bool = False,
+        spare_nodes: int = 0,
+        silent_after_s: float = 0.0,
+    ):
         """``silent_after_s``: the pods' liveness probe limit (``kubernetes.node_silent_s``; 0: none)."""
         self.api, self.namespace, self.name, self.selector = api, namespace, name, selector
         self.nodes, self.nodes_min, self.job_dir = nodes, nodes_min, Path(job_dir)  # nodes: the standby pods' included
@@ -90,9 +105,14 @@ class KubeJobHandle(JobHandle):
             try:
                 if version is None:
                     version = self._sync()
-                for event in watch.Watch().stream(core.list_namespaced_pod, self.namespace, label_selector=self.selector,
-                                                  resource_version=version, timeout_seconds=WATCH_S,
-                                                  allow_watch_bookmarks=True):
+                for event in watch.Watch().stream(
+                    core.list_namespaced_pod,
+                    self.namespace,
+                    label_selector=self.selector,
+                    resource_version=version,
+                    timeout_seconds=WATCH_S,
+                    allow_watch_bookmarks=True,
+                ):
                     if not event or event.get("type") == "BOOKMARK":
                         if event and isinstance(event.get("object"), dict):
                             version = event["object"].get("metadata", {}).get("resourceVersion") or version
@@ -119,8 +139,11 @@ class KubeJobHandle(JobHandle):
         now = time.time()
         with self._lock:
             pods = sorted(self._pods.values(), key=lambda t: t[0])
-        return [self._probed(v, pod) for _, pod, deleted in pods
-                if (v := pod_verdict(pod, now, self.unschedulable_after_s, deleted)).index is not None]
+        return [
+            self._probed(v, pod)
+            for _, pod, deleted in pods
+            if (v := pod_verdict(pod, now, self.unschedulable_after_s, deleted)).index is not None
+        ]
 
     def _probed(self, v: PodVerdict, pod: dict) -> PodVerdict:
         """A pod its liveness probe stopped (its agent's liveness file in the job directory had
@@ -139,7 +162,9 @@ class KubeJobHandle(JobHandle):
     def _stopped_silent(self, node: int, silent: float, how: str) -> None:
         if node not in self.silent:
             self.silent[node] = silent
-            self._silent_notices.append(f"node {node} gave no sign of life for {silent:.0f}s (frozen, or cut off): {how}")
+            self._silent_notices.append(
+                f"node {node} gave no sign of life for {silent:.0f}s (frozen, or cut off): {how}"
+            )
 
     def _delete_silent_after_done(self, verdicts: dict[int, PodVerdict]) -> None:
         """Once a node finished the job the others are only leaving: a running pod whose agent
@@ -151,14 +176,18 @@ class KubeJobHandle(JobHandle):
         if self._stopped or not any(v.state == "succeeded" for v in verdicts.values()):
             return
         for v in verdicts.values():
-            silent = silent_for(self.job_dir, v.index, None) if v.state == "running" and v.index not in self.silent else None
+            silent = (
+                silent_for(self.job_dir, v.index, None) if v.state == "running" and v.index not in self.silent else None
+            )
             if silent is None or silent < DONE_SILENT_S:
                 continue
             try:
                 client.CoreV1Api(self.api).delete_namespaced_pod(v.name, self.namespace, grace_period_seconds=0)
             except (client.ApiException, HTTPError, OSError):
                 continue  # the next poll tries again
-            self._stopped_silent(v.index, round(silent, 1), f"deleted its pod {v.name} (the job finished on another node)")
+            self._stopped_silent(
+                v.index, round(silent, 1), f"deleted its pod {v.name} (the job finished on another node)"
+            )
 
     @property
     def spare_nodes(self) -> int:
@@ -173,7 +202,9 @@ class KubeJobHandle(JobHandle):
         newest = {v.index: v for v in judged}
         for index, v in newest.items():
             if self._standby(index) and v.fatal and v.exit_code == CONFIG_EXIT:
-                self._unplaced.setdefault(index, v.message)  # never ran (unschedulable, image): only a standby is missing
+                self._unplaced.setdefault(
+                    index, v.message
+                )  # never ran (unschedulable, image): only a standby is missing
         return {index: v for index, v in newest.items() if index not in self._unplaced}
 
     def verdicts(self) -> dict[int, PodVerdict]:
@@ -181,11 +212,14 @@ class KubeJobHandle(JobHandle):
         return self._placed(self._judged())
 
     def new_notices(self) -> list[str]:
-        fresh = list(self._unplaced.items())[self._told:]
+        fresh = list(self._unplaced.items())[self._told :]
         self._told += len(fresh)
         told, self._silent_notices = self._silent_notices, []
-        return [f"standby node {index} cannot run ({why.split(' — ')[0]}): the job goes on without it; free room on the "
-                "cluster for it or lower cluster.spare_nodes" for index, why in fresh] + told
+        return [
+            f"standby node {index} cannot run ({why.split(' — ')[0]}): the job goes on without it; free room on the "
+            "cluster for it or lower cluster.spare_nodes"
+            for index, why in fresh
+        ] + told
 
     def lost_nodes(self) -> dict[int, int]:
         """Nodes with a pod that failed (index → its exit code), even if the Job replaced the pod
@@ -206,8 +240,11 @@ class KubeJobHandle(JobHandle):
             if v.state in ("failed", "succeeded"):
                 self._keep_log(v, failed=v.state == "failed")
         if self._stopped:
-            return 0 if any(v.state == "succeeded" for v in verdicts.values()) else (
-                failed[0].exit_code if failed else STOPPED_EXIT)
+            return (
+                0
+                if any(v.state == "succeeded" for v in verdicts.values())
+                else (failed[0].exit_code if failed else STOPPED_EXIT)
+            )
         fatal = next((v for v in failed if v.fatal), None) or self._missing(verdicts)
         if fatal is not None:
             return self._failed(fatal)
@@ -229,10 +266,16 @@ class KubeJobHandle(JobHandle):
         missing = [i for i in missing if i not in self._unplaced]
         if not missing:
             return None
-        return PodVerdict(self.name, missing[0], "failed", "kube_config", CONFIG_EXIT,
-                          f"Job {self.namespace}/{self.name} made no pod for node(s) {missing} in {waited:.0f}s: a "
-                          "ResourceQuota, LimitRange or admission policy refuses them — see `kubectl -n "
-                          f"{self.namespace} describe job {self.name}` and fix the quota or cluster.kubernetes resources")
+        return PodVerdict(
+            self.name,
+            missing[0],
+            "failed",
+            "kube_config",
+            CONFIG_EXIT,
+            f"Job {self.namespace}/{self.name} made no pod for node(s) {missing} in {waited:.0f}s: a "
+            "ResourceQuota, LimitRange or admission policy refuses them — see `kubectl -n "
+            f"{self.namespace} describe job {self.name}` and fix the quota or cluster.kubernetes resources",
+        )
 
     def _failed(self, v: PodVerdict) -> int:
         """Record (once) why the job failed: an error event the incident classification reads."""
@@ -241,8 +284,17 @@ class KubeJobHandle(JobHandle):
             error_type, causes = ERROR_TYPES[v.cause]
             events = JsonLines(self.job_dir / EVENTS)
             try:
-                events.write({"event": EventKind.ERROR, "error": f"{error_type}: {v.message}", "error_type": error_type,
-                              "cause_types": causes, "node": v.index, "exit_code": v.exit_code, "source": "kubernetes"})
+                events.write(
+                    {
+                        "event": EventKind.ERROR,
+                        "error": f"{error_type}: {v.message}",
+                        "error_type": error_type,
+                        "cause_types": causes,
+                        "node": v.index,
+                        "exit_code": v.exit_code,
+                        "source": "kubernetes",
+                    }
+                )
             finally:
                 events.close()
         return v.exit_code if v.exit_code else 1
@@ -290,13 +342,17 @@ class KubeJobHandle(JobHandle):
         from kubernetes import client
         from urllib3.exceptions import HTTPError
 
-        cleanup = (f"kubectl -n {self.namespace} delete job {self.name} --cascade=foreground; "
-                   f"kubectl -n {self.namespace} delete pods,services -l {self.selector}")
+        cleanup = (
+            f"kubectl -n {self.namespace} delete job {self.name} --cascade=foreground; "
+            f"kubectl -n {self.namespace} delete pods,services -l {self.selector}"
+        )
         try:
             self._teardown(max(0, int(grace_s)))
         except (client.ApiException, HTTPError, OSError) as e:
-            raise ClusterError(f"could not tear down Job {self.namespace}/{self.name} ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:200]}): its TTL removes it later, or run: {cleanup}") from e
+            raise ClusterError(
+                f"could not tear down Job {self.namespace}/{self.name} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}): its TTL removes it later, or run: {cleanup}"
+            ) from e
         except TimeoutError as e:
             raise ClusterError(f"{e}: run {cleanup} --force") from e
         finally:
@@ -313,9 +369,14 @@ class KubeJobHandle(JobHandle):
                 self._keep_log(v, failed=False)
         self._stopped = True
         pods = [p.metadata.name for p in core.list_namespaced_pod(self.namespace, label_selector=self.selector).items]
-        calls = [lambda: batch.delete_namespaced_job(self.name, self.namespace, propagation_policy="Foreground",
-                                                     grace_period_seconds=grace)]
-        calls += [lambda pod=pod: core.delete_namespaced_pod(pod, self.namespace, grace_period_seconds=grace) for pod in pods]
+        calls = [
+            lambda: batch.delete_namespaced_job(
+                self.name, self.namespace, propagation_policy="Foreground", grace_period_seconds=grace
+            )
+        ]
+        calls += [
+            lambda pod=pod: core.delete_namespaced_pod(pod, self.namespace, grace_period_seconds=grace) for pod in pods
+        ]
         calls += [lambda: core.delete_namespaced_service(self.name, self.namespace)]
         for call in calls:
             try:
@@ -326,7 +387,9 @@ class KubeJobHandle(JobHandle):
         deadline = time.monotonic() + grace + 30
         while core.list_namespaced_pod(self.namespace, label_selector=self.selector).items or self._job_exists(batch):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"pods of Job {self.namespace}/{self.name} still exist {grace + 30}s after it was deleted")
+                raise TimeoutError(
+                    f"pods of Job {self.namespace}/{self.name} still exist {grace + 30}s after it was deleted"
+                )
             self._closed.wait(0.2)  # the kubelet ends the containers: poll with a deadline
 
     def _job_exists(self, batch) -> bool:

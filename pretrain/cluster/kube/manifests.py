@@ -50,9 +50,13 @@ def label_value(value: str) -> str:
 
 def launch_labels(campaign: str, stage: str, attempt: int) -> dict[str, str]:
     """Labels that select every object of one launch (the backend adopts live objects by them)."""
-    return {"app.kubernetes.io/name": "pretrain", "app.kubernetes.io/managed-by": "prefect-pretrain",
-            f"{LABEL}/campaign": label_value(campaign), f"{LABEL}/stage": label_value(stage),
-            f"{LABEL}/attempt": str(attempt)}
+    return {
+        "app.kubernetes.io/name": "pretrain",
+        "app.kubernetes.io/managed-by": "prefect-pretrain",
+        f"{LABEL}/campaign": label_value(campaign),
+        f"{LABEL}/stage": label_value(stage),
+        f"{LABEL}/attempt": str(attempt),
+    }
 
 
 def node_shm_bytes(job: JobConfig, workers_per_node: int, nodes: int) -> int:
@@ -63,6 +67,7 @@ def node_shm_bytes(job: JobConfig, workers_per_node: int, nodes: int) -> int:
 
     def slot(rank: int) -> int:
         return -(-(HEADER_BYTES + snapshot_capacity(job, rank, world)) // PAGE) * PAGE
+
     return max(sum(2 * slot(n * workers_per_node + lr) for lr in range(workers_per_node)) for n in range(nodes))
 
 
@@ -74,15 +79,19 @@ def shm_limit(kube: KubernetesSpec, need: int, shm_fallback: bool) -> int:
     else:
         size = quantity_bytes(kube.shm_size)
         if size < need and not shm_fallback:
-            raise ValueError(f"cluster.kubernetes.shm_size {kube.shm_size} ({size // mib} MiB) is smaller than the "
-                             f"{-(-need // mib)} MiB the checkpoint snapshots of a node need: set shm_size: auto or "
-                             "larger, or checkpoint.shm_fallback: true")
+            raise ValueError(
+                f"cluster.kubernetes.shm_size {kube.shm_size} ({size // mib} MiB) is smaller than the "
+                f"{-(-need // mib)} MiB the checkpoint snapshots of a node need: set shm_size: auto or "
+                "larger, or checkpoint.shm_fallback: true"
+            )
     memory = quantity_bytes(kube.memory_per_node)
     if size > memory:
-        raise ValueError(f"/dev/shm needs {size // mib} MiB (flash checkpoint snapshots {-(-need // mib)} MiB) but the "
-                         f"pod's memory limit cluster.kubernetes.memory_per_node is {kube.memory_per_node} "
-                         f"({memory // mib} MiB), and memory-backed volumes count against it: raise memory_per_node, "
-                         "or set checkpoint.memory_interval: 0 to checkpoint without snapshots")
+        raise ValueError(
+            f"/dev/shm needs {size // mib} MiB (flash checkpoint snapshots {-(-need // mib)} MiB) but the "
+            f"pod's memory limit cluster.kubernetes.memory_per_node is {kube.memory_per_node} "
+            f"({memory // mib} MiB), and memory-backed volumes count against it: raise memory_per_node, "
+            "or set checkpoint.memory_interval: 0 to checkpoint without snapshots"
+        )
     return size
 
 
@@ -95,7 +104,9 @@ class Launch:
     job_location: str  # where the pods read the job's JobConfig JSON (a path on the workdir volume)
     nodes: int  # pods that train (≤ cluster.nodes_max): completion indices 0 … nodes - 1
     avoid_hosts: tuple[str, ...] = ()  # Kubernetes nodes that failed the node check: the pods must not run there
-    spare_nodes: int = 0  # standby pods after them (indices nodes … nodes + spare_nodes - 1): one takes a lost pod's place
+    spare_nodes: int = (
+        0  # standby pods after them (indices nodes … nodes + spare_nodes - 1): one takes a lost pod's place
+    )
 
     @property
     def kube(self) -> KubernetesSpec:
@@ -118,12 +129,21 @@ class Launch:
         return {**self.kube.labels, **self.selector()}
 
     def annotations(self) -> dict[str, str]:
-        return {**self.kube.annotations, f"{LABEL}/campaign": self.spec.name, f"{LABEL}/stage": self.job.stage,
-                f"{LABEL}/attempt": str(self.job.attempt), f"{LABEL}/spec-hash": self.spec.spec_hash()}
+        return {
+            **self.kube.annotations,
+            f"{LABEL}/campaign": self.spec.name,
+            f"{LABEL}/stage": self.job.stage,
+            f"{LABEL}/attempt": str(self.job.attempt),
+            f"{LABEL}/spec-hash": self.spec.spec_hash(),
+        }
 
     def metadata(self, name: str) -> dict:
-        return {"name": name, "namespace": self.kube.namespace, "labels": self.labels(),
-                "annotations": self.annotations()}
+        return {
+            "name": name,
+            "namespace": self.kube.namespace,
+            "labels": self.labels(),
+            "annotations": self.annotations(),
+        }
 
     def endpoint(self) -> str:
         return f"{self.host0()}:{self.port}"
@@ -141,21 +161,48 @@ class Launch:
         """The node agent, its node index from the Job's completion index (node 0 hosts the rendezvous;
         indices from ``nodes`` on stand by, as a local cluster's standby nodes do)."""
         c = self.spec.cluster
-        agent = ["python", "-m", "trainer.launch", self.job_location, "--nproc", str(c.workers_per_node),
-                 "--nnodes-min", str(c.nodes_min), "--nnodes-max", str(self.nodes),
-                 "--rdzv-endpoint", self.endpoint(), "--run-id", f"{self.job.stage}-{self.job.attempt}",
-                 "--max-restarts", str(c.max_restarts), "--threads", str(self.threads())]
-        standby = f'standby=""; [ "$JOB_COMPLETION_INDEX" -ge {self.nodes} ] && standby=--standby; ' if self.spare_nodes else ""
-        script = (f'host=""; [ "$JOB_COMPLETION_INDEX" = 0 ] && host=--rdzv-host; {standby}'
-                  f'exec {shlex.join(agent)} --node "$JOB_COMPLETION_INDEX" $host' + (" $standby" if standby else ""))
+        agent = [
+            "python",
+            "-m",
+            "trainer.launch",
+            self.job_location,
+            "--nproc",
+            str(c.workers_per_node),
+            "--nnodes-min",
+            str(c.nodes_min),
+            "--nnodes-max",
+            str(self.nodes),
+            "--rdzv-endpoint",
+            self.endpoint(),
+            "--run-id",
+            f"{self.job.stage}-{self.job.attempt}",
+            "--max-restarts",
+            str(c.max_restarts),
+            "--threads",
+            str(self.threads()),
+        ]
+        standby = (
+            f'standby=""; [ "$JOB_COMPLETION_INDEX" -ge {self.nodes} ] && standby=--standby; '
+            if self.spare_nodes
+            else ""
+        )
+        script = (
+            f'host=""; [ "$JOB_COMPLETION_INDEX" = 0 ] && host=--rdzv-host; {standby}'
+            f'exec {shlex.join(agent)} --node "$JOB_COMPLETION_INDEX" $host' + (" $standby" if standby else "")
+        )
         return ["sh", "-c", script]
 
     def env(self) -> list[dict]:
-        plain = {"PYTHONUNBUFFERED": "1", **({"MLFLOW_TRACKING_URI": self.spec.tracking.uri} if self.spec.tracking.uri else {}),
-                 **(STANDBY_NODE_ENV if self.spare_nodes else {}), **self.kube.env}
-        return ([{"name": k, "value": v} for k, v in plain.items()]
-                + [{"name": k, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
-                   for k, ref in self.kube.secret_env.items()])
+        plain = {
+            "PYTHONUNBUFFERED": "1",
+            **({"MLFLOW_TRACKING_URI": self.spec.tracking.uri} if self.spec.tracking.uri else {}),
+            **(STANDBY_NODE_ENV if self.spare_nodes else {}),
+            **self.kube.env,
+        }
+        return [{"name": k, "value": v} for k, v in plain.items()] + [
+            {"name": k, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
+            for k, ref in self.kube.secret_env.items()
+        ]
 
     def resources(self) -> dict:
         amounts = {"cpu": self.kube.cpu_per_node, "memory": self.kube.memory_per_node}
@@ -176,57 +223,100 @@ class Launch:
     def liveness_probe(self) -> dict:
         """The agent's liveness file (``trainer.liveness``) checked every 5 s: one older than
         ``node_silent_s`` stops the container (a file not written yet is no failure)."""
-        check = (f'exec python -m trainer.liveness {shlex.quote(str(self.job.job_dir))} "$JOB_COMPLETION_INDEX" '
-                 f"{self.kube.node_silent_s}")
-        return {"exec": {"command": ["sh", "-c", check]}, "periodSeconds": 5, "timeoutSeconds": 10,
-                "failureThreshold": 1}
+        check = (
+            f'exec python -m trainer.liveness {shlex.quote(str(self.job.job_dir))} "$JOB_COMPLETION_INDEX" '
+            f"{self.kube.node_silent_s}"
+        )
+        return {
+            "exec": {"command": ["sh", "-c", check]},
+            "periodSeconds": 5,
+            "timeoutSeconds": 10,
+            "failureThreshold": 1,
+        }
 
     def tolerations(self) -> list[dict]:
         """The spec's tolerations, and a shorter stay on a node that stopped reporting
         (``unreachable_eviction_s``) unless they name those taints."""
         own = [{_camel(f): v for f, v in t.model_dump(exclude_none=True).items()} for t in self.kube.tolerations]
         named = {t.get("key") for t in own}
-        return own + [{"key": key, "operator": "Exists", "effect": "NoExecute",
-                       "tolerationSeconds": self.kube.unreachable_eviction_s}
-                      for key in UNREACHABLE_TAINTS if key not in named]
+        return own + [
+            {
+                "key": key,
+                "operator": "Exists",
+                "effect": "NoExecute",
+                "tolerationSeconds": self.kube.unreachable_eviction_s,
+            }
+            for key in UNREACHABLE_TAINTS
+            if key not in named
+        ]
 
     def service(self) -> dict:
-        return {"apiVersion": "v1", "kind": "Service", "metadata": self.metadata(self.name),
-                "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                         "selector": self.selector(),
-                         "ports": [{"name": "rdzv", "port": self.port, "targetPort": self.port,
-                                    "protocol": "TCP"}]}}
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": self.metadata(self.name),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": self.selector(),
+                "ports": [{"name": "rdzv", "port": self.port, "targetPort": self.port, "protocol": "TCP"}],
+            },
+        }
 
     def pod_failure_policy(self) -> dict:
         """Configuration errors fail the whole Job at once; disruptions (preemption, eviction,
         node drain) do not count against any retry budget."""
-        return {"rules": [
-            {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                                                  "values": CONFIG_EXIT_CODES}},
-            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-        ]}
+        return {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": CONFIG_EXIT_CODES},
+                },
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]
+        }
 
     def job_manifest(self) -> dict:
         k = self.kube
         volumes, mounts = self.volumes()
-        pod = {"subdomain": self.name, "restartPolicy": "Never", "volumes": volumes,
-               "containers": [{"name": CONTAINER, "image": k.image, "imagePullPolicy": k.image_pull_policy,
-                               "command": self.command(), "env": self.env(), "resources": self.resources(),
-                               "volumeMounts": mounts,
-                               "ports": [{"name": "rdzv", "containerPort": self.port, "protocol": "TCP"}]}]}
+        pod = {
+            "subdomain": self.name,
+            "restartPolicy": "Never",
+            "volumes": volumes,
+            "containers": [
+                {
+                    "name": CONTAINER,
+                    "image": k.image,
+                    "imagePullPolicy": k.image_pull_policy,
+                    "command": self.command(),
+                    "env": self.env(),
+                    "resources": self.resources(),
+                    "volumeMounts": mounts,
+                    "ports": [{"name": "rdzv", "containerPort": self.port, "protocol": "TCP"}],
+                }
+            ],
+        }
         if k.node_silent_s:
             pod["containers"][0]["livenessProbe"] = self.liveness_probe()
-        optional = {"serviceAccountName": k.service_account_name, "priorityClassName": k.priority_class_name,
-                    "nodeSelector": dict(k.node_selector) or None,
-                    "imagePullSecrets": [{"name": s} for s in k.image_pull_secrets] or None,
-                    "tolerations": self.tolerations() or None}
+        optional = {
+            "serviceAccountName": k.service_account_name,
+            "priorityClassName": k.priority_class_name,
+            "nodeSelector": dict(k.node_selector) or None,
+            "imagePullSecrets": [{"name": s} for s in k.image_pull_secrets] or None,
+            "tolerations": self.tolerations() or None,
+        }
         pod.update({key: v for key, v in optional.items() if v is not None})
         if self.avoid_hosts:
             pod["affinity"] = avoid_hosts_affinity(self.avoid_hosts)
         pods = self.nodes + self.spare_nodes
-        spec = {"completionMode": "Indexed", "completions": pods, "parallelism": pods,
-                "backoffLimitPerIndex": 0, "podFailurePolicy": self.pod_failure_policy(),
-                "template": {"metadata": {"labels": self.labels(), "annotations": self.annotations()}, "spec": pod}}
+        spec = {
+            "completionMode": "Indexed",
+            "completions": pods,
+            "parallelism": pods,
+            "backoffLimitPerIndex": 0,
+            "podFailurePolicy": self.pod_failure_policy(),
+            "template": {"metadata": {"labels": self.labels(), "annotations": self.annotations()}, "spec": pod},
+        }
         if k.ttl_seconds_after_finished is not None:
             spec["ttlSecondsAfterFinished"] = k.ttl_seconds_after_finished
         return {"apiVersion": "batch/v1", "kind": "Job", "metadata": self.metadata(self.name), "spec": spec}
@@ -240,8 +330,15 @@ def avoid_hosts_affinity(hosts: tuple[str, ...]) -> dict:
     """A required node affinity that keeps pods off the Kubernetes nodes named ``hosts``. By the
     node's name (``matchFields`` ``metadata.name``, what a pod's ``spec.nodeName`` records), not its
     ``kubernetes.io/hostname`` label, which differs from the name on some providers."""
-    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": sorted(set(hosts))}]}]}}}
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": sorted(set(hosts))}]}
+                ]
+            }
+        }
+    }
 
 
 def stage_launch(spec: CampaignSpec, stage: str, attempt: int = 1, vocab_size: int | None = None) -> Launch:

@@ -51,12 +51,20 @@ class NodeCheckLaunch(Launch):
         return self.kube.rdzv_port + 1  # not training's: a re-check may run beside a training job
 
     def selector(self) -> dict[str, str]:
-        return {"app.kubernetes.io/name": "pretrain", "app.kubernetes.io/managed-by": "prefect-pretrain",
-                f"{LABEL}/campaign": super().selector()[f"{LABEL}/campaign"], f"{LABEL}/node-check": self.check_id}
+        return {
+            "app.kubernetes.io/name": "pretrain",
+            "app.kubernetes.io/managed-by": "prefect-pretrain",
+            f"{LABEL}/campaign": super().selector()[f"{LABEL}/campaign"],
+            f"{LABEL}/node-check": self.check_id,
+        }
 
     def annotations(self) -> dict[str, str]:
-        return {**self.kube.annotations, f"{LABEL}/campaign": self.spec.name, f"{LABEL}/node-check": self.check_id,
-                f"{LABEL}/nodes": ",".join(map(str, self.picked))}
+        return {
+            **self.kube.annotations,
+            f"{LABEL}/campaign": self.spec.name,
+            f"{LABEL}/node-check": self.check_id,
+            f"{LABEL}/nodes": ",".join(map(str, self.picked)),
+        }
 
     def out(self, node: int, slot: int) -> str:
         return f"{self.out_dir}/node{node}-{slot}.json"
@@ -68,25 +76,54 @@ class NodeCheckLaunch(Launch):
         for k, node in enumerate(self.picked):
             slots = []
             for slot in range(wpn):
-                argv = ["python", "-m", "trainer.healthcheck", "--workdir", str(self.spec.workdir_path),
-                        "--rank", str(k * wpn + slot), "--world", str(world), "--master-addr", self.host0(),
-                        "--master-port", str(self.port), "--extra-delay", str(delays.get(node * wpn + slot, 0.0)),
-                        "--out", self.out(node, slot)]
+                argv = [
+                    "python",
+                    "-m",
+                    "trainer.healthcheck",
+                    "--workdir",
+                    str(self.spec.workdir_path),
+                    "--rank",
+                    str(k * wpn + slot),
+                    "--world",
+                    str(world),
+                    "--master-addr",
+                    self.host0(),
+                    "--master-port",
+                    str(self.port),
+                    "--extra-delay",
+                    str(delays.get(node * wpn + slot, 0.0)),
+                    "--out",
+                    self.out(node, slot),
+                ]
                 slots.append(f"{shlex.join(argv)} & p{slot}=$!")
             waits = " ".join(f"wait $p{slot} || rc=1;" for slot in range(wpn))
             cases.append(f"{k}) {'; '.join(slots)}; {waits} exit $rc;;")
-        return ["sh", "-c", 'rc=0; case "$JOB_COMPLETION_INDEX" in ' + " ".join(cases)
-                + ' *) echo "no node check for index $JOB_COMPLETION_INDEX" >&2; exit 78;; esac']
+        return [
+            "sh",
+            "-c",
+            'rc=0; case "$JOB_COMPLETION_INDEX" in '
+            + " ".join(cases)
+            + ' *) echo "no node check for index $JOB_COMPLETION_INDEX" >&2; exit 78;; esac',
+        ]
 
 
-def check_launch(spec, nodes: list[int], delays: dict[int, float] | None, check_id: str | None = None) -> NodeCheckLaunch:
+def check_launch(
+    spec, nodes: list[int], delays: dict[int, float] | None, check_id: str | None = None
+) -> NodeCheckLaunch:
     """The node check of ``nodes`` (campaign node indices), shaped like the first stage's launch."""
     base = stage_launch(spec, spec.stages[0].name)
     check_id = check_id or uuid.uuid4().hex[:8]
-    return NodeCheckLaunch(spec, base.job, base.job_location, len(nodes), check_id=check_id, picked=tuple(nodes),
-                           workers_per_node=spec.cluster.workers_per_node,
-                           delays=tuple(sorted((delays or {}).items())),
-                           out_dir=str(checks_dir(spec.workdir_path) / check_id))
+    return NodeCheckLaunch(
+        spec,
+        base.job,
+        base.job_location,
+        len(nodes),
+        check_id=check_id,
+        picked=tuple(nodes),
+        workers_per_node=spec.cluster.workers_per_node,
+        delays=tuple(sorted((delays or {}).items())),
+        out_dir=str(checks_dir(spec.workdir_path) / check_id),
+    )
 
 
 @dataclass
@@ -103,9 +140,11 @@ class HostMemory:
             hosts = json.loads(self.path.read_text())["hosts"]
             return {int(n): str(h) for n, h in hosts.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            self.problems.append(f"{self.path} is unreadable ({type(e).__name__}): nodes that failed the node check "
-                                 "are not kept off their Kubernetes nodes this time; delete the file (the next node "
-                                 "check writes it anew)")
+            self.problems.append(
+                f"{self.path} is unreadable ({type(e).__name__}): nodes that failed the node check "
+                "are not kept off their Kubernetes nodes this time; delete the file (the next node "
+                "check writes it anew)"
+            )
             return {}
 
     def update(self, hosts: dict[int, str]) -> None:
@@ -117,17 +156,21 @@ class HostMemory:
         unknown = sorted(n for n in exclude if n not in known)
         notices = list(self.problems)
         if unknown and not self.problems:
-            notices.append(f"node(s) {unknown} failed the node check but its Kubernetes node is not recorded in "
-                           f"{self.path}: their pods may land on it again")
+            notices.append(
+                f"node(s) {unknown} failed the node check but its Kubernetes node is not recorded in "
+                f"{self.path}: their pods may land on it again"
+            )
         hosts = tuple(sorted({known[n] for n in exclude if n in known}))
         if hosts:
-            notices.append(f"pods kept off Kubernetes node(s) {list(hosts)}, where node(s) {sorted(exclude)} failed "
-                           "the node check")
+            notices.append(
+                f"pods kept off Kubernetes node(s) {list(hosts)}, where node(s) {sorted(exclude)} failed the node check"
+            )
         return hosts, notices
 
 
-def result_rows(launch: NodeCheckLaunch, verdicts: dict[int, PodVerdict], logs: dict[int, str],
-                waited_s: float) -> list[dict]:
+def result_rows(
+    launch: NodeCheckLaunch, verdicts: dict[int, PodVerdict], logs: dict[int, str], waited_s: float
+) -> list[dict]:
     """One row per worker slot: the slot's measurements, or ``ok`` False with why (the pod's
     failure, its log tail, or no result in time)."""
     rows = []
@@ -153,8 +196,10 @@ def _why_missing(v: PodVerdict | None, log: str | None, waited_s: float, path: P
         tail = (log or "").strip()[-1500:]
         return v.message + (f"; log: {tail}" if tail and not v.fatal else "")
     if v.state == "succeeded":
-        return (f"pod {v.name} ended well but its result {path} is not here: the campaign workdir must be the "
-                "same volume in the pods and here (cluster.kubernetes.workdir_claim, mounted at the workdir's path)")
+        return (
+            f"pod {v.name} ended well but its result {path} is not here: the campaign workdir must be the "
+            "same volume in the pods and here (cluster.kubernetes.workdir_claim, mounted at the workdir's path)"
+        )
     return f"no result in {waited_s:.0f}s (pod {v.name} is {v.state})"
 
 

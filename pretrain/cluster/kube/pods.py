@@ -24,7 +24,7 @@ CONFIG_WAITING = {
     "InvalidImageName": "cluster.kubernetes.image is not a valid image reference",
     "ErrImageNeverPull": "image_pull_policy is Never and the image is not on the node: use IfNotPresent or pre-load it",
     "CreateContainerConfigError": "the container cannot be configured: create the Secrets named in "
-                                  "cluster.kubernetes.secret_env (with those keys) in the namespace",
+    "cluster.kubernetes.secret_env (with those keys) in the namespace",
     "CreateContainerError": "the container cannot be created: check the image's entrypoint and the pod's settings",
 }
 
@@ -65,7 +65,9 @@ def pod_verdict(pod: dict, now: float, unschedulable_after_s: float, deleted: bo
     raw_index = (meta.get("annotations") or {}).get(INDEX) or (meta.get("labels") or {}).get(INDEX)
     index = int(raw_index) if raw_index is not None and str(raw_index).isdigit() else None
     host = (pod.get("spec") or {}).get("nodeName") or None
-    verdict = lambda state, cause=None, code=None, message="": PodVerdict(name, index, state, cause, code, message, host)  # noqa: E731
+    verdict = lambda state, cause=None, code=None, message="": PodVerdict(
+        name, index, state, cause, code, message, host
+    )  # noqa: E731
     states = [s.get("state") or {} for s in status.get("containerStatuses") or []]
     terminated = next((s["terminated"] for s in states if s.get("terminated")), None)
     waiting = next((s["waiting"] for s in states if s.get("waiting")), None)
@@ -76,36 +78,67 @@ def pod_verdict(pod: dict, now: float, unschedulable_after_s: float, deleted: bo
     disruption = _condition(status, "DisruptionTarget")
     if disruption and disruption.get("status") == "True":
         reason = disruption.get("reason") or "DisruptionTarget"
-        what = ("preempted" if "Preemption" in reason else "node not ready or unreachable"
-                if reason == "DeletionByTaintManager" else "evicted")
-        return verdict("failed", "node_lost", code if code is not None else LOST_EXIT,
-                       f"pod {name} {what} ({reason}: {disruption.get('message', '')})")
+        what = (
+            "preempted"
+            if "Preemption" in reason
+            else "node not ready or unreachable"
+            if reason == "DeletionByTaintManager"
+            else "evicted"
+        )
+        return verdict(
+            "failed",
+            "node_lost",
+            code if code is not None else LOST_EXIT,
+            f"pod {name} {what} ({reason}: {disruption.get('message', '')})",
+        )
     if status.get("reason") in ("Evicted", "NodeLost", "Terminated", "Shutdown", "NodeShutdown"):
-        return verdict("failed", "node_lost", code if code is not None else LOST_EXIT,
-                       f"pod {name}: {status['reason']}: {status.get('message', '')}")
+        return verdict(
+            "failed",
+            "node_lost",
+            code if code is not None else LOST_EXIT,
+            f"pod {name}: {status['reason']}: {status.get('message', '')}",
+        )
     if terminated and terminated.get("reason") == "OOMKilled":
-        return verdict("failed", "oom", code, f"pod {name} was OOM-killed: its memory limit "
-                       "(cluster.kubernetes.memory_per_node, /dev/shm included) is too small for the model")
+        return verdict(
+            "failed",
+            "oom",
+            code,
+            f"pod {name} was OOM-killed: its memory limit "
+            "(cluster.kubernetes.memory_per_node, /dev/shm included) is too small for the model",
+        )
     if meta.get("deletionTimestamp") or (deleted and status.get("phase") not in ("Succeeded", "Failed")):
         return verdict("failed", "node_lost", code if code is not None else LOST_EXIT, f"pod {name} was deleted")
     if code in CONFIG_EXIT_CODES:
-        return verdict("failed", "kube_config", code, f"pod {name}: the node agent exited with {code} (its command or "
-                       "image is wrong: the image must contain this project's trainer package and `python`)")
+        return verdict(
+            "failed",
+            "kube_config",
+            code,
+            f"pod {name}: the node agent exited with {code} (its command or "
+            "image is wrong: the image must contain this project's trainer package and `python`)",
+        )
     if code is not None:
         return verdict("failed", "worker_failure", code, f"pod {name} exited with code {code}")
     if deleted:
         return verdict("failed", "node_lost", LOST_EXIT, f"pod {name} was deleted")
     if waiting and waiting.get("reason") in CONFIG_WAITING:
         reason = waiting["reason"]
-        return verdict("failed", "kube_config", CONFIG_EXIT,
-                       f"pod {name}: {reason}: {waiting.get('message', '')} — {CONFIG_WAITING[reason]}")
+        return verdict(
+            "failed",
+            "kube_config",
+            CONFIG_EXIT,
+            f"pod {name}: {reason}: {waiting.get('message', '')} — {CONFIG_WAITING[reason]}",
+        )
     scheduled = _condition(status, "PodScheduled")
     if scheduled and scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         since = _time(scheduled.get("lastTransitionTime"))
         if since is not None and now - since >= unschedulable_after_s:
-            return verdict("failed", "kube_config", CONFIG_EXIT,
-                           f"pod {name} unschedulable for {now - since:.0f}s: {scheduled.get('message', '')} — no node "
-                           "fits it: lower cluster.kubernetes cpu/memory/gpus_per_node or fix node_selector/tolerations")
+            return verdict(
+                "failed",
+                "kube_config",
+                CONFIG_EXIT,
+                f"pod {name} unschedulable for {now - since:.0f}s: {scheduled.get('message', '')} — no node "
+                "fits it: lower cluster.kubernetes cpu/memory/gpus_per_node or fix node_selector/tolerations",
+            )
     if status.get("phase") == "Running":
         return verdict("running")
     return verdict("pending")
@@ -129,5 +162,9 @@ def probe_stopped(v: PodVerdict, pod: dict, last_sign_of_life: float | None, sil
 
 def frozen(v: PodVerdict, silent_s: float) -> PodVerdict:
     """``v`` as the lost node it was: its liveness probe stopped it after ``silent_s`` of silence."""
-    return replace(v, cause="node_lost", message=f"pod {v.name} was stopped by its liveness probe: its agent gave no "
-                   f"sign of life for {silent_s:.0f}s (frozen: a hung process or machine)")
+    return replace(
+        v,
+        cause="node_lost",
+        message=f"pod {v.name} was stopped by its liveness probe: its agent gave no "
+        f"sign of life for {silent_s:.0f}s (frozen: a hung process or machine)",
+    )

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from pretrain.cluster.local import ClusterError
 from pretrain.cluster.kube.rbac import REQUIRED, Access, role_rules
+from pretrain.cluster.local import ClusterError
 
 
 class PreflightError(ClusterError):
@@ -51,26 +51,32 @@ def _api_reason(e) -> str:
 
 
 def _unreachable(server: str, e: Exception) -> str:
-    return (f"the Kubernetes API at {server} does not answer ({type(e).__name__}: {str(e)[:200]}): check the "
-            "kubeconfig (KUBECONFIG, its current context) or, in a pod, that the API server is reachable")
+    return (
+        f"the Kubernetes API at {server} does not answer ({type(e).__name__}: {str(e)[:200]}): check the "
+        "kubeconfig (KUBECONFIG, its current context) or, in a pod, that the API server is reachable"
+    )
 
 
 def _can(authz, namespace: str, group: str, resource: str, verb: str) -> bool:
     from kubernetes import client
 
     plural, _, sub = resource.partition("/")
-    attrs = client.V1ResourceAttributes(namespace=namespace, group=group, resource=plural, verb=verb,
-                                        subresource=sub or None)
+    attrs = client.V1ResourceAttributes(
+        namespace=namespace, group=group, resource=plural, verb=verb, subresource=sub or None
+    )
     review = authz.create_self_subject_access_review(
-        client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(resource_attributes=attrs)))
+        client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(resource_attributes=attrs))
+    )
     return bool(review.status and review.status.allowed)
 
 
 def _rbac_hint(namespace: str, denied: list[Access]) -> str:
     rules = yaml.safe_dump(role_rules(denied), default_flow_style=True, width=1000).strip()
-    return (f"apply the orchestrator's RBAC (`python -m pretrain.cluster.kube.rbac {namespace} | kubectl apply -f -`, "
-            "deploy/kubernetes/rbac.yaml) and run the flow as its service account prefect-pretrain, or grant "
-            f"these Role rules in namespace {namespace!r}: {rules}")
+    return (
+        f"apply the orchestrator's RBAC (`python -m pretrain.cluster.kube.rbac {namespace} | kubectl apply -f -`, "
+        "deploy/kubernetes/rbac.yaml) and run the flow as its service account prefect-pretrain, or grant "
+        f"these Role rules in namespace {namespace!r}: {rules}"
+    )
 
 
 def preflight(api, namespace: str) -> Preflight:
@@ -84,16 +90,21 @@ def preflight(api, namespace: str) -> Preflight:
         client.CoreV1Api(api).read_namespace(namespace)
     except ApiException as e:
         if e.status == 401:
-            result.problems.append(f"the API rejected the credentials ({_api_reason(e)}): renew the token or "
-                                   "certificate of the kubeconfig's user")
+            result.problems.append(
+                f"the API rejected the credentials ({_api_reason(e)}): renew the token or "
+                "certificate of the kubeconfig's user"
+            )
             return result
         if e.status == 404:
-            result.problems.append(f"namespace {namespace!r} does not exist: create it (`kubectl create namespace "
-                                   f"{namespace}`) or set cluster.kubernetes.namespace to an existing one")
+            result.problems.append(
+                f"namespace {namespace!r} does not exist: create it (`kubectl create namespace "
+                f"{namespace}`) or set cluster.kubernetes.namespace to an existing one"
+            )
             return result
         # 403 and others: reading namespaces is cluster-scoped, a namespaced Role cannot grant it
-        result.notes.append(f"could not read namespace {namespace!r} ({e.status} {_api_reason(e)}); "
-                            "checking access in it anyway")
+        result.notes.append(
+            f"could not read namespace {namespace!r} ({e.status} {_api_reason(e)}); checking access in it anyway"
+        )
     except Exception as e:  # connection refused, DNS, TLS: the API is not there
         result.problems.append(_unreachable(result.server, e))
         return result
@@ -104,9 +115,11 @@ def preflight(api, namespace: str) -> Preflight:
             if verbs:
                 result.denied.append(Access(need.group, need.resource, verbs))
     except ApiException as e:
-        result.problems.append(f"the API refused a SelfSubjectAccessReview ({e.status} {_api_reason(e)}): the "
-                               "credentials cannot even check their own access; use an account bound to the "
-                               "cluster's default system:basic-user role")
+        result.problems.append(
+            f"the API refused a SelfSubjectAccessReview ({e.status} {_api_reason(e)}): the "
+            "credentials cannot even check their own access; use an account bound to the "
+            "cluster's default system:basic-user role"
+        )
         return result
     except Exception as e:
         result.problems.append(_unreachable(result.server, e))
@@ -123,9 +136,11 @@ def manifests_markdown(spec, vocab_size: int | None = None) -> str:
     pod's memory): a configuration error, found before anything starts."""
     from pretrain.cluster.kube.manifests import stage_launch
 
-    parts = [f"# Kubernetes manifests of campaign {spec.name}\n\nSecrets appear by reference only. "
-             "Later attempts differ in names and the attempt label; `pretrain cluster render SPEC --stage NAME "
-             "--attempt N` prints any of them.\n"]
+    parts = [
+        f"# Kubernetes manifests of campaign {spec.name}\n\nSecrets appear by reference only. "
+        "Later attempts differ in names and the attempt label; `pretrain cluster render SPEC --stage NAME "
+        "--attempt N` prints any of them.\n"
+    ]
     for stage in spec.stages:
         try:
             docs = stage_launch(spec, stage.name, 1, vocab_size).manifests()

@@ -6,5 +6,16 @@ from pretrain.data.corpus.files import CorpusError, SourceFile, expand_sources, 
 from pretrain.data.corpus.readers import read_unit, reader_settings
 from pretrain.data.corpus.units import WorkUnit, plan_units
 
-__all__ = ["SKIP_REASONS", "CorpusError", "Doc", "Skip", "SourceFile", "WorkUnit", "expand_sources",
-           "plan_units", "read_unit", "reader_settings", "resolve_format"]
+__all__ = [
+    "SKIP_REASONS",
+    "CorpusError",
+    "Doc",
+    "Skip",
+    "SourceFile",
+    "WorkUnit",
+    "expand_sources",
+    "plan_units",
+    "read_unit",
+    "reader_settings",
+    "resolve_format",
+]

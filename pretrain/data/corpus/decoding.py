@@ -55,8 +55,10 @@ def _invalid(data: DataSpec, where: str, detail: str) -> Skip | str:
     """The outcome of invalid text that is not binary, per ``data.decode_errors``."""
     if data.decode_errors == "skip":
         return Skip("decode", where)
-    raise CorpusError(f"{where}: {detail}; fix the file, or set data.decode_errors: replace (or skip) "
-                      "to accept (or skip and count) such documents")
+    raise CorpusError(
+        f"{where}: {detail}; fix the file, or set data.decode_errors: replace (or skip) "
+        "to accept (or skip and count) such documents"
+    )
 
 
 def decode(raw: bytes, data: DataSpec, where: str, *, binary_check: bool = True) -> str | Skip:
@@ -71,7 +73,7 @@ def decode(raw: bytes, data: DataSpec, where: str, *, binary_check: bool = True)
             return Skip("binary", where)
         if data.decode_errors == "replace":
             return raw.decode("utf-8", "replace")
-        return _invalid(data, where, f"invalid UTF-8 at byte {err.start} ({raw[err.start:err.start + 4]!r})")
+        return _invalid(data, where, f"invalid UTF-8 at byte {err.start} ({raw[err.start : err.start + 4]!r})")
 
 
 def clean(text: str, data: DataSpec, where: str) -> str | Skip:

@@ -84,8 +84,7 @@ def _local_matches(path: str) -> list[tuple[str, int, str]]:
         found = []
         for dirpath, dirs, files in os.walk(base):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
-            found += [p for name in files if not name.startswith(".")
-                      and regex.match(p := os.path.join(dirpath, name))]
+            found += [p for name in files if not name.startswith(".") and regex.match(p := os.path.join(dirpath, name))]
     elif has_glob(expanded):
         found = glob.glob(expanded)
     elif os.path.isdir(expanded):  # a directory: every (non-hidden) file under it
@@ -117,8 +116,9 @@ def _s3_matches(url: str, s3_options: dict | None) -> list[tuple[str, int, str]]
         exact = [o for o in listed if o.key == key]
         under = key.rstrip("/") + "/" if key.strip("/") else ""
         objects = exact or [o for o in listed if o.key.startswith(under)]
-    return [(f"s3://{bucket}/{o.key}", o.size, o.etag) for o in objects
-            if not o.key.endswith("/")]  # "directory" marker objects hold no text
+    return [
+        (f"s3://{bucket}/{o.key}", o.size, o.etag) for o in objects if not o.key.endswith("/")
+    ]  # "directory" marker objects hold no text
 
 
 def _matches(spec: SourceSpec, entry: str, s3_options: dict | None) -> list[tuple[str, int, str]]:
@@ -129,8 +129,7 @@ def _matches(spec: SourceSpec, entry: str, s3_options: dict | None) -> list[tupl
         raise CorpusError(f"{entry} ({spec.path!r}) cannot be listed: {err}") from None
     if not found:
         shown = spec.path if path == spec.path else f"{spec.path!r} → {path}"
-        raise CorpusError(f"{entry} ({shown}) matched no files: fix the path or pattern "
-                          "(or remove the entry)")
+        raise CorpusError(f"{entry} ({shown}) matched no files: fix the path or pattern (or remove the entry)")
     return found
 
 
@@ -153,11 +152,14 @@ def expand_sources(data: DataSpec, s3_options: dict | None = None) -> dict[str, 
                     continue
                 fmt, compression = resolve_format(uri, spec.format)
                 if fmt == "parquet" and compression:
-                    raise CorpusError(f"{entry}: {uri} is a compressed Parquet file; Parquet compresses "
-                                      "its columns itself: store it uncompressed (or fix data.sources)")
+                    raise CorpusError(
+                        f"{entry}: {uri} is a compressed Parquet file; Parquet compresses "
+                        "its columns itself: store it uncompressed (or fix data.sources)"
+                    )
                 seen.add(uri)
                 total += size
-                chosen.append(SourceFile(uri, fmt, compression, spec.text_field, spec.weight, group,
-                                         size, identity, entry))
+                chosen.append(
+                    SourceFile(uri, fmt, compression, spec.text_field, spec.weight, group, size, identity, entry)
+                )
         out[group] = chosen
     return out

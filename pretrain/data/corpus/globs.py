@@ -36,7 +36,7 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
             out.append("[^/]")
             i += 1
         elif pattern[i] == "[" and (end := pattern.find("]", i + 2)) > 0:
-            body = pattern[i + 1:end]
+            body = pattern[i + 1 : end]
             negate = body.startswith("!")
             body = re.sub(r"([\\\]^])", r"\\\1", body[1:] if negate else body)
             out.append(f"[{'^/' if negate else ''}{body}]")

@@ -7,7 +7,8 @@ trained on comes out as a counted :class:`Skip`; what must stop preparation is a
 from __future__ import annotations
 
 import json
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from pretrain.data.corpus.decoding import SKIP_REASONS, Doc, Skip, clean, decode, document, looks_binary
 from pretrain.data.corpus.files import CorpusError
@@ -100,8 +101,10 @@ def _jsonl(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec, s3_options: di
     def bad(problem: str, offset: int) -> Skip:
         if data.on_bad_record == "skip":
             return Skip("bad_record", where(offset))
-        raise CorpusError(f"{located(offset)}: {problem}; fix the record, or set data.on_bad_record: skip "
-                          "to skip (and count) such records")
+        raise CorpusError(
+            f"{located(offset)}: {problem}; fix the record, or set data.on_bad_record: skip "
+            "to skip (and count) such records"
+        )
 
     while src.compression or pos < unit.stop:
         raw = f.readline()
@@ -116,9 +119,11 @@ def _jsonl(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec, s3_options: di
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
             if data.decode_errors == "error":
-                raise CorpusError(f"{located(offset)}: invalid UTF-8 at byte {err.start + 1} of the line; fix the "
-                                  "file, or set data.decode_errors: replace (or skip) to accept (or skip and count) "
-                                  "such records") from None
+                raise CorpusError(
+                    f"{located(offset)}: invalid UTF-8 at byte {err.start + 1} of the line; fix the "
+                    "file, or set data.decode_errors: replace (or skip) to accept (or skip and count) "
+                    "such records"
+                ) from None
             if data.decode_errors == "skip":
                 yield Skip("decode", where(offset))
                 continue
@@ -134,8 +139,11 @@ def _jsonl(f: BinaryIO, pos: int, unit: WorkUnit, data: DataSpec, s3_options: di
         text = record.get(field)
         if not isinstance(text, str):
             fields = ", ".join(map(repr, list(record)[:8])) or "none"
-            problem = (f"no field {field!r} (its fields: {fields}); set text_field in data.sources"
-                       if field not in record else f"field {field!r} is {type(text).__name__}, not a string")
+            problem = (
+                f"no field {field!r} (its fields: {fields}); set text_field in data.sources"
+                if field not in record
+                else f"field {field!r} is {type(text).__name__}, not a string"
+            )
             yield bad(problem, offset)
             continue
         if "\\u" in line:  # JSON escapes may encode lone surrogates

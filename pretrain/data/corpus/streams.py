@@ -7,8 +7,9 @@ from __future__ import annotations
 import gzip
 import io
 import os
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from pretrain.data.corpus.files import CorpusError, SourceFile, bucket_storage
 from trainer.storage import StorageError
@@ -50,7 +51,7 @@ class S3RangeFile(io.RawIOBase):
         if n <= 0:
             return 0
         data = self.storage.read_range(self.key, self.pos, self.pos + n, self.etag)
-        buf[:len(data)] = data
+        buf[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
@@ -84,14 +85,16 @@ class ZstdReader(io.RawIOBase):
                 self.fed = True
                 data = self.d.unused_data if self.d.eof else b""
         n = min(len(buf), len(self.pending) - self.at)
-        buf[:n] = memoryview(self.pending)[self.at:self.at + n]
+        buf[:n] = memoryview(self.pending)[self.at : self.at + n]
         self.at += n
         return n
 
 
 def _changed(source: SourceFile) -> CorpusError:
-    return CorpusError(f"{source.describe()} changed while the corpus was being prepared (size or "
-                       "modification time differ from when it was listed); run again")
+    return CorpusError(
+        f"{source.describe()} changed while the corpus was being prepared (size or "
+        "modification time differ from when it was listed); run again"
+    )
 
 
 def _open_stored(source: SourceFile, s3_options: dict | None, stop: int | None, buffered: bool) -> BinaryIO:
@@ -119,17 +122,21 @@ def reading(source: SourceFile) -> Iterator[None]:
     except StorageError as err:
         raise CorpusError(f"{source.describe()} cannot be read: {err}") from None
     except FileNotFoundError:
-        raise CorpusError(f"{source.describe()} no longer exists: restore it (or remove it from "
-                          "data.sources) and run again") from None
+        raise CorpusError(
+            f"{source.describe()} no longer exists: restore it (or remove it from data.sources) and run again"
+        ) from None
     except (OSError, EOFError, zstandard.ZstdError) as err:
         what = f"a damaged {source.compression} file" if source.compression else "unreadable"
-        raise CorpusError(f"{source.describe()} is {what} ({type(err).__name__}: {err}); replace or "
-                          "fix the file, or remove it from data.sources") from None
+        raise CorpusError(
+            f"{source.describe()} is {what} ({type(err).__name__}: {err}); replace or "
+            "fix the file, or remove it from data.sources"
+        ) from None
 
 
 @contextmanager
-def open_source(source: SourceFile, s3_options: dict | None, *, decoded: bool = True, stop: int | None = None,
-                buffered: bool = True) -> Iterator[BinaryIO]:
+def open_source(
+    source: SourceFile, s3_options: dict | None, *, decoded: bool = True, stop: int | None = None, buffered: bool = True
+) -> Iterator[BinaryIO]:
     """The file's bytes (decompressed unless ``decoded=False``), closed on exit; read failures
     inside the block are :class:`CorpusError`. ``stop``: the stored byte near which reading
     will end; ``buffered=False``: raw reads (no read-ahead)."""

@@ -32,8 +32,9 @@ class WorkUnit:
         unit's output also keys it by :func:`pretrain.data.corpus.readers.reader_settings` and the
         tokenizer."""
         s = self.source
-        text = json.dumps([s.uri, s.identity, s.format, s.compression, s.text_field, self.start, self.stop,
-                           self.chunk_bytes])
+        text = json.dumps(
+            [s.uri, s.identity, s.format, s.compression, s.text_field, self.start, self.stop, self.chunk_bytes]
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -7,15 +7,15 @@ workers made them; memory is one shard buffer per split plus the set of document
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from trainer.common.atomic import atomic_write_bytes
 from pretrain.data.prepare.dedup import HashSet
 from pretrain.data.prepare.unitcache import UnitResult, load_docs, load_tokens
+from trainer.common.atomic import atomic_write_bytes
 
 TWO64 = 1 << 64
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -44,8 +44,16 @@ class ShardWriter:
     """Packs token runs into ``<stem>_NNNNN.bin`` files of ``shard_tokens`` tokens (the last one
     shorter), each written atomically as soon as it is full."""
 
-    def __init__(self, out: Path, stem: str, group: str, dtype: str, shard_tokens: int, written: list[Path],
-                 on_shard: Callable[[Path], None] | None = None):
+    def __init__(
+        self,
+        out: Path,
+        stem: str,
+        group: str,
+        dtype: str,
+        shard_tokens: int,
+        written: list[Path],
+        on_shard: Callable[[Path], None] | None = None,
+    ):
         self.out, self.stem, self.group, self.written, self.on_shard = out, stem, group, written, on_shard
         self.buf = np.empty(shard_tokens, dtype=dtype)
         self.fill = 0
@@ -54,7 +62,7 @@ class ShardWriter:
     def add(self, tokens: np.ndarray) -> None:
         while len(tokens):
             take = min(len(tokens), len(self.buf) - self.fill)
-            self.buf[self.fill:self.fill + take] = tokens[:take]
+            self.buf[self.fill : self.fill + take] = tokens[:take]
             self.fill += take
             tokens = tokens[take:]
             if self.fill == len(self.buf):
@@ -65,7 +73,7 @@ class ShardWriter:
             name = f"{self.stem}_{len(self.shards):05d}.bin"
             path = self.out / name
             self.written.append(path)
-            digest = atomic_write_bytes(path, self.buf[:self.fill].tobytes())
+            digest = atomic_write_bytes(path, self.buf[: self.fill].tobytes())
             self.shards.append({"file": name, "tokens": int(self.fill), "sha256": digest, "group": self.group})
             self.fill = 0
             if self.on_shard:
@@ -89,9 +97,19 @@ def repeats(hashes: np.ndarray, weight: float) -> np.ndarray:
     return whole + extra.astype(np.int64)
 
 
-def assemble(units: list[AssembledUnit], groups: list[str], *, out: Path, dtype: str, eot_id: int,
-             val_fraction: float, shard_tokens: int, n_sources: int, written: list[Path],
-             on_shard: Callable[[Path], None] | None = None):
+def assemble(
+    units: list[AssembledUnit],
+    groups: list[str],
+    *,
+    out: Path,
+    dtype: str,
+    eot_id: int,
+    val_fraction: float,
+    shard_tokens: int,
+    n_sources: int,
+    written: list[Path],
+    on_shard: Callable[[Path], None] | None = None,
+):
     """Write every shard into ``out`` (``on_shard(path)`` after each); returns (splits, documents
     per split, per-source stats)."""
     threshold, forced_val, forced_train = split_rule(units, val_fraction)
@@ -101,8 +119,12 @@ def assemble(units: list[AssembledUnit], groups: list[str], *, out: Path, dtype:
     documents = {"train": 0, "val": 0}
     eot = np.asarray([eot_id], dtype=dtype)
     for group in groups:
-        writers = {split: ShardWriter(out, split if group == "all" else f"{split}_{group}", group, dtype,
-                                      shard_tokens, written, on_shard) for split in splits}
+        writers = {
+            split: ShardWriter(
+                out, split if group == "all" else f"{split}_{group}", group, dtype, shard_tokens, written, on_shard
+            )
+            for split in splits
+        }
         for u in (u for u in units if u.group == group):
             st = stats[u.source_index]
             st.units += 1

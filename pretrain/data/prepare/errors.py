@@ -25,6 +25,12 @@ def removed_if_disk_full(out: Path, need: int, what: str = "the data set"):
             raise
         for path in written:
             path.unlink(missing_ok=True)
-        raise DataPrepError(describe(out, need, what,
-                                     "Free space there (or lower data.max_bytes) and run again; the half-written "
-                                     "data set has no manifest and is never used.")) from None
+        raise DataPrepError(
+            describe(
+                out,
+                need,
+                what,
+                "Free space there (or lower data.max_bytes) and run again; the half-written "
+                "data set has no manifest and is never used.",
+            )
+        ) from None

@@ -19,13 +19,20 @@ from pretrain.data.prepare.pool import UnitJob, run_units
 from pretrain.data.prepare.progress import PrepProgress, ProgressCallback
 from pretrain.data.prepare.sample import trained_tokenizer
 from pretrain.data.prepare.tokenizer import LoadedTokenizer, load_tokenizer
-from pretrain.data.prepare.upload import Uploader
 from pretrain.data.prepare.unitcache import UnitResult, clear_stale_temporaries, prune, read_unit_result, unit_dir_name
+from pretrain.data.prepare.upload import Uploader
 from pretrain.spec.data import DataSpec
 from trainer.common.atomic import atomic_write_bytes, move_aside
-from trainer.data.manifest import MANIFEST, SKIP_REASONS, TOKENIZER_FILE, DamagedManifest, encode_manifest, parse_manifest
-from trainer.storage import NotAFile, NotFound, StorageError, open_storage
 from trainer.common.diskfull import describe, is_disk_full
+from trainer.data.manifest import (
+    MANIFEST,
+    SKIP_REASONS,
+    TOKENIZER_FILE,
+    DamagedManifest,
+    encode_manifest,
+    parse_manifest,
+)
+from trainer.storage import NotAFile, NotFound, StorageError, open_storage
 
 
 def _is_s3(url: str) -> bool:
@@ -86,6 +93,7 @@ def _guarded(progress: ProgressCallback | None, log) -> ProgressCallback:
         except Exception as err:  # whatever the display raises
             state["failed"] = True
             log(f"progress reporting failed ({type(err).__name__}: {err}); data preparation goes on without it")
+
     return report
 
 
@@ -102,8 +110,15 @@ def _unit_bytes(unit, n_units: int) -> int:
     return unit.source.size // n_units if unit.source.format == "parquet" else unit.stop - unit.start
 
 
-def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | None = None, log=print,
-            progress: ProgressCallback | None = None) -> dict:
+def prepare(
+    data: DataSpec,
+    root: str | Path,
+    *,
+    work: Path,
+    s3_options: dict | None = None,
+    log=print,
+    progress: ProgressCallback | None = None,
+) -> dict:
     """Build (or reuse) the data set for ``data`` under ``root``; returns its manifest plus
     ``reused`` and ``location`` (the data set's directory or s3 URL)."""
     report = _guarded(progress, log)
@@ -127,14 +142,17 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
     units = [(i, u, _unit_bytes(u, len(p))) for i, p in enumerate(plans) for u in p]
     work = Path(work)
     report(PrepProgress("tokenizer", units_total=len(units), bytes_total=sum(b for *_, b in units)))
-    tok = given or trained_tokenizer(data, [u for _, u, _ in units], work / "tokenizers" / f"{fp}.json",
-                                     s3_options, log)
+    tok = given or trained_tokenizer(
+        data, [u for _, u, _ in units], work / "tokenizers" / f"{fp}.json", s3_options, log
+    )
     results = _tokenize(data, units, tok, work, s3_options, log, report)
     if not any(r.documents for _, r in results):
         skipped = {r: sum(res.skipped.get(r, 0) for _, res in results) for r in SKIP_REASONS}
         what = ", ".join(f"{n} {r}" for r, n in skipped.items() if n) or "every file is empty"
-        raise DataPrepError(f"data.sources gave no documents ({len(flat)} file(s); skipped: {what}): point "
-                            "data.sources at text, JSONL or Parquet files with text in them")
+        raise DataPrepError(
+            f"data.sources gave no documents ({len(flat)} file(s); skipped: {what}): point "
+            "data.sources at text, JSONL or Parquet files with text in them"
+        )
     report(PrepProgress("assemble", len(units), len(units), *_totals(units, results)))
     out = Path(location) if not _is_s3(location) else work / "staging" / fp
     uploader = Uploader(target, location) if _is_s3(location) else None
@@ -153,12 +171,17 @@ def prepare(data: DataSpec, root: str | Path, *, work: Path, s3_options: dict | 
 
 
 def _totals(units, results) -> tuple[int, int, int, int]:
-    return (sum(b for *_, b in units), sum(b for *_, b in units), sum(r.tokens for _, r in results),
-            sum(r.documents for _, r in results))
+    return (
+        sum(b for *_, b in units),
+        sum(b for *_, b in units),
+        sum(r.tokens for _, r in results),
+        sum(r.documents for _, r in results),
+    )
 
 
-def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_options, log,
-              report) -> list[tuple[Path, UnitResult]]:
+def _tokenize(
+    data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_options, log, report
+) -> list[tuple[Path, UnitResult]]:
     """Every unit's result, in unit order: finished ones reused, the rest tokenized on the pool."""
     cache = work / "units"
     clear_stale_temporaries(cache)
@@ -182,8 +205,11 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
         done["bytes"] += units[i][2]
         done["tokens"] += r.tokens
         done["docs"] += r.documents
-        report(PrepProgress("tokenize", done["units"], len(units), done["bytes"], total_bytes, done["tokens"],
-                            done["docs"]))
+        report(
+            PrepProgress(
+                "tokenize", done["units"], len(units), done["bytes"], total_bytes, done["tokens"], done["docs"]
+            )
+        )
 
     for i, r in enumerate(results):
         if r is not None:
@@ -192,26 +218,49 @@ def _tokenize(data: DataSpec, units: list, tok: LoadedTokenizer, work: Path, s3_
         reused = f"; {len(units) - len(todo)} finished earlier are reused" if len(todo) < len(units) else ""
         log(f"tokenizing {len(todo)} of {len(units)} work unit(s) on {min(workers, len(todo))} process(es){reused}")
         wanted = {p.name for p in paths}
-        if not data.tokenizer.path and cache.is_dir() and any(
-                not p.name.startswith(".") and p.name not in wanted for p in cache.iterdir()):
-            log("the tokenizer is trained on a sample of the corpus, so a changed corpus changes it and every "
+        if (
+            not data.tokenizer.path
+            and cache.is_dir()
+            and any(not p.name.startswith(".") and p.name not in wanted for p in cache.iterdir())
+        ):
+            log(
+                "the tokenizer is trained on a sample of the corpus, so a changed corpus changes it and every "
                 "unit is tokenized again; set data.tokenizer.path to a fixed tokenizer.json to re-tokenize only "
-                "the changed files")
+                "the changed files"
+            )
         try:
-            run_units([UnitJob(units[i][1], paths[i]) for i in todo], workers=workers, tokenizer_json=tok.json,
-                      dtype=tok.dtype, data=data, s3_options=s3_options, done=lambda k, r: finished(todo[k], r))
+            run_units(
+                [UnitJob(units[i][1], paths[i]) for i in todo],
+                workers=workers,
+                tokenizer_json=tok.json,
+                dtype=tok.dtype,
+                data=data,
+                s3_options=s3_options,
+                done=lambda k, r: finished(todo[k], r),
+            )
         except OSError as err:
             if not is_disk_full(err):
                 raise
-            raise DataPrepError(describe(cache, 0, "tokenized work units",
-                                         "Free space there and run again; finished units are kept.")) from None
+            raise DataPrepError(
+                describe(cache, 0, "tokenized work units", "Free space there and run again; finished units are kept.")
+            ) from None
     else:
         log(f"all {len(units)} work unit(s) were tokenized earlier; assembling the data set")
     return [(p, r) for p, r in zip(paths, results)]
 
 
-def _write_data_set(data, sources, flat, units, results, tok: LoadedTokenizer, fp: str, settings: dict,
-                    out: Path, uploader: Uploader | None) -> dict:
+def _write_data_set(
+    data,
+    sources,
+    flat,
+    units,
+    results,
+    tok: LoadedTokenizer,
+    fp: str,
+    settings: dict,
+    out: Path,
+    uploader: Uploader | None,
+) -> dict:
     """Tokenizer, shards and (last) the manifest into ``out`` (each but the manifest handed to
     ``uploader`` once written, for an S3 data set); returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
@@ -220,24 +269,51 @@ def _write_data_set(data, sources, flat, units, results, tok: LoadedTokenizer, f
     (out / MANIFEST).unlink(missing_ok=True)
     itemsize = 2 if tok.dtype == "uint16" else 4
     need = sum((r.tokens + r.documents) * itemsize for _, r in results) + len(tok.json)
-    assembled = [AssembledUnit(i, flat[i].group, flat[i].weight, p, r)
-                 for (i, _, _), (p, r) in zip(units, results)]
+    assembled = [AssembledUnit(i, flat[i].group, flat[i].weight, p, r) for (i, _, _), (p, r) in zip(units, results)]
     with removed_if_disk_full(out, need) as written:
         written.append(out / TOKENIZER_FILE)
         atomic_write_bytes(out / TOKENIZER_FILE, tok.json.encode())
         if uploader:
             uploader(out / TOKENIZER_FILE)
-        splits, documents, stats = assemble(assembled, list(sources), out=out, dtype=tok.dtype, eot_id=tok.eot_id,
-                                            val_fraction=data.val_fraction, shard_tokens=data.shard_tokens,
-                                            n_sources=len(flat), written=written, on_shard=uploader)
+        splits, documents, stats = assemble(
+            assembled,
+            list(sources),
+            out=out,
+            dtype=tok.dtype,
+            eot_id=tok.eot_id,
+            val_fraction=data.val_fraction,
+            shard_tokens=data.shard_tokens,
+            n_sources=len(flat),
+            written=written,
+            on_shard=uploader,
+        )
         if not (documents["train"] and documents["val"]):
-            raise DataPrepError(f"data.sources gave {sum(documents.values())} distinct document(s); need at least 2 "
-                                "(one for training, one for validation): add data")
-        src = [{**source_entry(s), "units": st.units, "documents": st.documents, "tokens": st.tokens,
-                "skipped": {r: st.skipped.get(r, 0) for r in SKIP_REASONS}} for s, st in zip(flat, stats)]
-        raw = encode_manifest(fingerprint=fp, dtype=tok.dtype, vocab_size=tok.vocab_size, eot_id=tok.eot_id,
-                              tokenizer_sha256=tok.sha256, splits=splits, documents=documents,
-                              groups=list(sources), sources=src, settings={**settings, "tokenizer": _tok_settings(data, tok)})
+            raise DataPrepError(
+                f"data.sources gave {sum(documents.values())} distinct document(s); need at least 2 "
+                "(one for training, one for validation): add data"
+            )
+        src = [
+            {
+                **source_entry(s),
+                "units": st.units,
+                "documents": st.documents,
+                "tokens": st.tokens,
+                "skipped": {r: st.skipped.get(r, 0) for r in SKIP_REASONS},
+            }
+            for s, st in zip(flat, stats)
+        ]
+        raw = encode_manifest(
+            fingerprint=fp,
+            dtype=tok.dtype,
+            vocab_size=tok.vocab_size,
+            eot_id=tok.eot_id,
+            tokenizer_sha256=tok.sha256,
+            splits=splits,
+            documents=documents,
+            groups=list(sources),
+            sources=src,
+            settings={**settings, "tokenizer": _tok_settings(data, tok)},
+        )
         written.append(out / MANIFEST)
         atomic_write_bytes(out / MANIFEST, raw)  # last: the data set counts from here
     return parse_manifest(raw)
@@ -245,9 +321,16 @@ def _write_data_set(data, sources, flat, units, results, tok: LoadedTokenizer, f
 
 def _tok_settings(data: DataSpec, tok: LoadedTokenizer) -> dict:
     t = data.tokenizer
-    return ({"path": t.path, "sha256": tok.sha256, "eos_token": t.eos_token} if t.path else
-            {"vocab_size": t.vocab_size, "min_frequency": t.min_frequency, "sample_bytes": t.sample_bytes,
-             "eos_token": t.eos_token})
+    return (
+        {"path": t.path, "sha256": tok.sha256, "eos_token": t.eos_token}
+        if t.path
+        else {
+            "vocab_size": t.vocab_size,
+            "min_frequency": t.min_frequency,
+            "sample_bytes": t.sample_bytes,
+            "eos_token": t.eos_token,
+        }
+    )
 
 
 def _prune(work: Path, units: set[str], tokenizer: str) -> None:
@@ -261,7 +344,10 @@ def _prune(work: Path, units: set[str], tokenizer: str) -> None:
 
 def _log_summary(log, manifest: dict, location: str, flat, examples: list[str]) -> None:
     skipped = ", ".join(f"{n} {r}" for r, n in manifest["skipped"].items() if n)
-    log(f"prepared {manifest['tokens']['train']} train / {manifest['tokens']['val']} val tokens "
+    log(
+        f"prepared {manifest['tokens']['train']} train / {manifest['tokens']['val']} val tokens "
         f"({manifest['documents']['train']} / {manifest['documents']['val']} documents, vocab "
         f"{manifest['vocab_size']}, {manifest['dtype']}) from {len(flat)} file(s) in {location}"
-        + (f"; skipped: {skipped}" if skipped else "") + (f" (e.g. {'; '.join(examples)})" if examples else ""))
+        + (f"; skipped: {skipped}" if skipped else "")
+        + (f" (e.g. {'; '.join(examples)})" if examples else "")
+    )

@@ -11,11 +11,11 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -57,7 +57,9 @@ def _init_worker(started, tokenizer_json: str, dtype: str, data_json: str, s3_op
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
-    _state = _WorkerState(Tokenizer.from_str(tokenizer_json), dtype, DataSpec.model_validate_json(data_json), s3_options)
+    _state = _WorkerState(
+        Tokenizer.from_str(tokenizer_json), dtype, DataSpec.model_validate_json(data_json), s3_options
+    )
     started.set()
 
 
@@ -110,8 +112,16 @@ def tokenize_unit(job: UnitJob, state: _WorkerState | None = None) -> UnitResult
     return write_unit(job.out, fill)
 
 
-def run_units(jobs: list[UnitJob], *, workers: int, tokenizer_json: str, dtype: str, data: DataSpec,
-              s3_options: dict | None, done: Callable[[int, UnitResult], None]) -> None:
+def run_units(
+    jobs: list[UnitJob],
+    *,
+    workers: int,
+    tokenizer_json: str,
+    dtype: str,
+    data: DataSpec,
+    s3_options: dict | None,
+    done: Callable[[int, UnitResult], None],
+) -> None:
     """Tokenize ``jobs`` on ``workers`` processes; ``done(index, result)`` as each finishes (in
     completion order). The first failure stops the rest (finished units stay recorded)."""
     if not jobs:
@@ -122,8 +132,12 @@ def run_units(jobs: list[UnitJob], *, workers: int, tokenizer_json: str, dtype: 
     ctx.set_forkserver_preload(["pretrain.data.prepare.pool"])
     n = max(1, min(workers, len(jobs)))
     started = ctx.Event()  # set by the first worker that is ready: one that dies later is not a failed start
-    pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
-                               initargs=(started, tokenizer_json, dtype, data.model_dump_json(), s3_options))
+    pool = ProcessPoolExecutor(
+        n,
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=(started, tokenizer_json, dtype, data.model_dump_json(), s3_options),
+    )
     try:
         queue = iter(enumerate(jobs))
         pending: dict = {}
@@ -146,15 +160,20 @@ def _pool_broke(started: bool) -> DataPrepError:
     """What to tell the user when a worker process died: while working (memory, most likely), or
     before any was ready."""
     if started:
-        return DataPrepError("a data preparation worker process died (out of memory?): lower data.workers or "
-                             "data.unit_bytes and run again; finished work units are kept")
+        return DataPrepError(
+            "a data preparation worker process died (out of memory?): lower data.workers or "
+            "data.unit_bytes and run again; finished work units are kept"
+        )
     script = _unguarded_script()
     if script:
-        return DataPrepError(f"the data preparation worker processes ended before they could start: each one runs "
-                             f"{script} again first (Python's multiprocessing does), which calls this again; put "
-                             "that script's own work under `if __name__ == \"__main__\":` and run it again")
-    return DataPrepError("the data preparation worker processes ended before they could start; the error they "
-                         "printed above says why")
+        return DataPrepError(
+            f"the data preparation worker processes ended before they could start: each one runs "
+            f"{script} again first (Python's multiprocessing does), which calls this again; put "
+            'that script\'s own work under `if __name__ == "__main__":` and run it again'
+        )
+    return DataPrepError(
+        "the data preparation worker processes ended before they could start; the error they printed above says why"
+    )
 
 
 def _unguarded_script() -> str | None:

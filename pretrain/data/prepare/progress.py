@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 Phase = Literal["scan", "tokenizer", "tokenize", "assemble", "upload", "done"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pretrain.data.prepare.assemble import TWO64
-from pretrain.data.prepare.tokenizer import LoadedTokenizer, tokenizer_from_json, train_tokenizer
 from pretrain.data.prepare.errors import DataPrepError
+from pretrain.data.prepare.tokenizer import LoadedTokenizer, tokenizer_from_json, train_tokenizer
 from pretrain.data.prepare.unitcache import doc_hash
 from pretrain.spec.data import DataSpec
 from trainer.common.atomic import atomic_write_bytes
@@ -43,8 +43,10 @@ def trained_tokenizer(data: DataSpec, units: list, cache: Path, s3_options: dict
         except (OSError, UnicodeDecodeError, DataPrepError):
             log(f"{cache} is damaged; training the tokenizer again")
     texts = sample_texts(data, units, s3_options)
-    log(f"training a {data.tokenizer.vocab_size}-token BPE tokenizer on a {sum(map(len, texts)) / 1024:,.0f} KiB "
-        f"sample of {len(units)} work unit(s)")
+    log(
+        f"training a {data.tokenizer.vocab_size}-token BPE tokenizer on a {sum(map(len, texts)) / 1024:,.0f} KiB "
+        f"sample of {len(units)} work unit(s)"
+    )
     tok = train_tokenizer(texts, data.tokenizer)
     atomic_write_bytes(cache, tok.json.encode())
     return tok

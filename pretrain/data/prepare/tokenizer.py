@@ -4,9 +4,9 @@ train documents, or an existing Hugging Face ``tokenizer.json`` (local or S3).""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -39,12 +39,16 @@ def _loaded(text: str, eos_token: str, where: str) -> LoadedTokenizer:
     try:
         tok = Tokenizer.from_str(text)
     except Exception as err:  # the tokenizers library raises plain Exception subclasses
-        raise DataPrepError(f"{where} is not a Hugging Face tokenizer.json ({err}): point tokenizer.path "
-                            "at a tokenizer.json file, or leave it empty to train one") from None
+        raise DataPrepError(
+            f"{where} is not a Hugging Face tokenizer.json ({err}): point tokenizer.path "
+            "at a tokenizer.json file, or leave it empty to train one"
+        ) from None
     eot_id = tok.token_to_id(eos_token)
     if eot_id is None:
-        raise DataPrepError(f"{where} has no token {eos_token!r} to separate documents: set tokenizer.eos_token "
-                            "to one of its special tokens (e.g. '</s>')")
+        raise DataPrepError(
+            f"{where} has no token {eos_token!r} to separate documents: set tokenizer.eos_token "
+            "to one of its special tokens (e.g. '</s>')"
+        )
     return LoadedTokenizer(text, hashlib.sha256(text.encode()).hexdigest(), eot_id, tok.get_vocab_size())
 
 
@@ -61,8 +65,9 @@ def load_tokenizer(spec: TokenizerSpec, s3_options: dict | None = None) -> Loade
             raw = Path(path).expanduser().read_bytes()
         text = raw.decode("utf-8")
     except (OSError, StorageError, UnicodeDecodeError, ValueError) as err:
-        raise DataPrepError(f"tokenizer.path {path!r} cannot be read ({err}): fix the path or leave it "
-                            "empty to train a tokenizer") from None
+        raise DataPrepError(
+            f"tokenizer.path {path!r} cannot be read ({err}): fix the path or leave it empty to train a tokenizer"
+        ) from None
     return _loaded(text, spec.eos_token, f"tokenizer.path {path!r}")
 
 
@@ -71,9 +76,13 @@ def train_tokenizer(sample: Iterable[str], spec: TokenizerSpec) -> LoadedTokeniz
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, min_frequency=spec.min_frequency,
-                                  special_tokens=[spec.eos_token], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        min_frequency=spec.min_frequency,
+        special_tokens=[spec.eos_token],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(sample, trainer=trainer)
     return _loaded(tok.to_str(), spec.eos_token, "the trained tokenizer")
 

@@ -80,8 +80,9 @@ def read_unit_result(path: Path, itemsize: int) -> UnitResult | None:
     try:
         meta = json.loads((path / META).read_bytes())
         result = UnitResult(**meta)
-        ok = ((path / TOKENS).stat().st_size == result.tokens * itemsize
-              and (path / DOCS).stat().st_size == result.documents * DOC_DTYPE.itemsize)
+        ok = (path / TOKENS).stat().st_size == result.tokens * itemsize and (
+            path / DOCS
+        ).stat().st_size == result.documents * DOC_DTYPE.itemsize
     except (OSError, ValueError, TypeError):
         return None
     return result if ok else None

@@ -31,8 +31,10 @@ class Uploader:
         try:
             future.result()
         except StorageError as err:
-            raise DataPrepError(f"uploading the data set to {self.location} failed: {err}; run again (the "
-                                "tokenized units are kept, and a data set without its manifest is never used)") from None
+            raise DataPrepError(
+                f"uploading the data set to {self.location} failed: {err}; run again (the "
+                "tokenized units are kept, and a data set without its manifest is never used)"
+            ) from None
 
     def __call__(self, path: Path) -> None:
         self.pending.append(self.pool.submit(self._put, path))
