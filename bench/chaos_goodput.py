@@ -136,7 +136,7 @@ def main() -> None:
     report(
         [
             Check(
-                "stage goodput with a fault every %.0f s" % a.fault_every,
+                f"stage goodput with a fault every {a.fault_every:.0f} s",
                 round(stage["goodput"] or 0.0, 3),
                 0.95,
                 ">=",

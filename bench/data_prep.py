@@ -68,58 +68,69 @@ def make_corpus(out: Path, mib: int, copies: int = 1) -> list[Path]:
     return files
 
 
+def encode_raw(mode: str, corpus: str, tokenizer: str) -> tuple[int, float]:
+    """Tokens and seconds of the tokenizer alone on one core over the corpus's texts, in batches of ~1 MiB."""
+    os.environ["RAYON_NUM_THREADS"] = "1"  # this child only: one core
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer)
+    texts = [json.loads(line)["text"] for p in sorted(Path(corpus).glob("*.jsonl")) for line in open(p)]
+    encode = tok.encode_batch if mode == "raw" else tok.encode_batch_fast  # _fast: no offsets (the pipeline's)
+    t0 = time.perf_counter()
+    tokens, batch, size = 0, [], 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= 1 << 20:
+            tokens += sum(len(e.ids) for e in encode(batch))
+            batch, size = [], 0
+    tokens += sum(len(e.ids) for e in encode(batch))
+    return tokens, time.perf_counter() - t0
+
+
+def run_pipeline(corpus: str, tokenizer: str, workers: int) -> tuple[int, float, dict[str, float]]:
+    """Tokens and seconds of the preparation pipeline, and where its wall time went."""
+    from pretrain.data.prepare.pipeline import prepare
+    from pretrain.spec.data import DataSpec
+
+    data = DataSpec(
+        sources=[f"{corpus}/*.jsonl"],
+        tokenizer={"path": tokenizer},
+        workers=workers,
+        unit_bytes=1 << 20,
+        shard_tokens=10_000_000,
+        val_fraction=0.01,
+    )
+    began: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-prep-") as tmp:
+        t0 = time.perf_counter()
+        m = prepare(
+            data,
+            Path(tmp) / "data",
+            work=Path(tmp) / "work",
+            log=lambda *_: None,
+            progress=lambda p: began.setdefault(p.phase, time.perf_counter() - t0),
+        )
+        seconds = time.perf_counter() - t0
+    tokens = sum(s["tokens"] for s in m["sources"]) - sum(s["documents"] for s in m["sources"])  # no separators
+    # the pool works from the "tokenizer" report (a given tokenizer loads at once) to "assemble"
+    extra = {"pool_s": began["assemble"] - began["tokenizer"], "assemble_s": seconds - began["assemble"]}
+    # the workers are children of multiprocessing's fork server: stop and reap it, so their CPU
+    # time and peak RSS (which it collected when it reaped them) count in RUSAGE_CHILDREN below
+    # (a private CPython helper, which its own tests use; the bench's measurement only)
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
+    return tokens, seconds, extra
+
+
 def child(mode: str, corpus: str, tokenizer: str, workers: int) -> None:
     """One measurement; prints one JSON line."""
     extra: dict[str, float] = {}
     if mode in ("raw", "raw-fast"):
-        os.environ["RAYON_NUM_THREADS"] = "1"  # this child only: one core
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(tokenizer)
-        texts = [json.loads(line)["text"] for p in sorted(Path(corpus).glob("*.jsonl")) for line in open(p)]
-        encode = tok.encode_batch if mode == "raw" else tok.encode_batch_fast  # _fast: no offsets (the pipeline's)
-        t0 = time.perf_counter()
-        tokens, batch, size = 0, [], 0
-        for text in texts:
-            batch.append(text)
-            size += len(text)
-            if size >= 1 << 20:
-                tokens += sum(len(e.ids) for e in encode(batch))
-                batch, size = [], 0
-        tokens += sum(len(e.ids) for e in encode(batch))
-        seconds = time.perf_counter() - t0
+        tokens, seconds = encode_raw(mode, corpus, tokenizer)
     else:
-        from pretrain.data.prepare.pipeline import prepare
-        from pretrain.spec.data import DataSpec
-
-        data = DataSpec(
-            sources=[f"{corpus}/*.jsonl"],
-            tokenizer={"path": tokenizer},
-            workers=workers,
-            unit_bytes=1 << 20,
-            shard_tokens=10_000_000,
-            val_fraction=0.01,
-        )
-        began: dict[str, float] = {}
-        with tempfile.TemporaryDirectory(prefix="bench-prep-") as tmp:
-            t0 = time.perf_counter()
-            m = prepare(
-                data,
-                Path(tmp) / "data",
-                work=Path(tmp) / "work",
-                log=lambda *_: None,
-                progress=lambda p: began.setdefault(p.phase, time.perf_counter() - t0),
-            )
-            seconds = time.perf_counter() - t0
-        tokens = sum(s["tokens"] for s in m["sources"]) - sum(s["documents"] for s in m["sources"])  # no separators
-        # the pool works from the "tokenizer" report (a given tokenizer loads at once) to "assemble"
-        extra = {"pool_s": began["assemble"] - began["tokenizer"], "assemble_s": seconds - began["assemble"]}
-        # the workers are children of multiprocessing's fork server: stop and reap it, so their CPU
-        # time and peak RSS (which it collected when it reaped them) count in RUSAGE_CHILDREN below
-        # (a private CPython helper, which its own tests use; the bench's measurement only)
-        from multiprocessing import forkserver
-
-        forkserver._forkserver._stop()
+        tokens, seconds, extra = run_pipeline(corpus, tokenizer, workers)
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     print(
         json.dumps(
@@ -146,40 +157,45 @@ def run_child(mode: str, corpus: Path, tokenizer: Path, workers: int = 1) -> dic
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=12, help="corpus size (text MiB) for the throughput runs")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--workers", type=int, default=0, help="the 'all workers' run (0: one per core)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats of the three throughput runs")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        mode, corpus, tokenizer, workers = args.child
-        return child(mode, corpus, tokenizer, int(workers))
+    return ap.parse_args()
+
+
+def train_tokenizer(corpus: Path, vocab: int, out: Path) -> Path:
+    """A byte-level BPE tokenizer trained once on the corpus's first file, saved to ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    all_workers = args.workers or os.cpu_count() or 1
-    load0 = os.getloadavg()[0]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [json.loads(line)["text"] for line in open(sorted(corpus.glob("*.jsonl"))[0])]
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab,
+            special_tokens=["<|endoftext|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tok.save(str(out))
+    return out
+
+
+def measure(args: argparse.Namespace, all_workers: int) -> tuple[dict[str, dict], dict]:
+    """The least disturbed of the interleaved repeats of each throughput run (raw, fast, one,
+    many), and the run of all workers on the 4× corpus."""
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         small, large = Path(tmp) / "small", Path(tmp) / "large"
         make_corpus(small, args.mib)
         make_corpus(large, args.mib, copies=4)
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        texts = [json.loads(line)["text"] for line in open(sorted(small.glob("*.jsonl"))[0])]
-        tok.train_from_iterator(
-            texts,
-            trainers.BpeTrainer(
-                vocab_size=args.vocab,
-                special_tokens=["<|endoftext|>"],
-                show_progress=False,
-                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            ),
-        )
-        tokenizer = Path(tmp) / "tokenizer.json"
-        tok.save(str(tokenizer))
+        tokenizer = train_tokenizer(small, args.vocab, Path(tmp) / "tokenizer.json")
 
         runs: dict[str, list[dict]] = {"raw": [], "fast": [], "one": [], "many": []}
         for _ in range(args.repeats):  # interleaved: a busy spell of the shared machine hits every way alike
@@ -189,6 +205,10 @@ def main() -> None:
             runs["many"].append(run_child("pipeline", small, tokenizer, all_workers))
         big = run_child("pipeline", large, tokenizer, all_workers)
     best = {k: max(v, key=lambda r: r["tokens"] / r["seconds"]) for k, v in runs.items()}  # least disturbed run
+    return best, big
+
+
+def print_table(args: argparse.Namespace, all_workers: int, load0: float, best: dict[str, dict], big: dict) -> None:
     raw, one, many = best["raw"], best["one"], best["many"]
     rate = {k: r["tokens"] / r["seconds"] for k, r in best.items()}
     cpu = {k: r["tokens"] / r["cpu_s"] for k, r in best.items()}
@@ -220,10 +240,18 @@ def main() -> None:
         )
     for name, r in (("1× corpus", many), ("4× corpus", big)):
         print(f"peak RSS {name}: preparing process {r['self_mib']:.0f} MiB, largest worker {r['worker_mib']:.0f} MiB")
-    grow = max(big["self_mib"], big["worker_mib"]) / max(many["self_mib"], many["worker_mib"]) - 1
-    print(f"peak RSS growth for a 4× corpus: {grow * 100:+.1f} % (target < 20 %)")
+    print(f"peak RSS growth for a 4× corpus: {rss_growth(many, big) * 100:+.1f} % (target < 20 %)")
+
+
+def rss_growth(many: dict, big: dict) -> float:
+    """How much more the largest process held on the 4× corpus (0.1: 10 % more)."""
+    return max(big["self_mib"], big["worker_mib"]) / max(many["self_mib"], many["worker_mib"]) - 1
+
+
+def report_checks(args: argparse.Namespace, all_workers: int, load0: float, best: dict[str, dict], big: dict) -> None:
     from bench.results import Check, report
 
+    rate = {k: r["tokens"] / r["seconds"] for k, r in best.items()}
     report(
         [
             Check(
@@ -245,15 +273,27 @@ def main() -> None:
             ),
             Check(
                 "peak RSS growth for a 4× corpus, %",
-                round(grow * 100, 1),
+                round(rss_growth(best["many"], big) * 100, 1),
                 20,
                 "<=",
                 "something the preparing process holds grows with the corpus",
             ),
         ],
         corpus_mib=args.mib,
-        tokens=raw["tokens"],
+        tokens=best["raw"]["tokens"],
     )
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        mode, corpus, tokenizer, workers = args.child
+        return child(mode, corpus, tokenizer, int(workers))
+    all_workers = args.workers or os.cpu_count() or 1
+    load0 = os.getloadavg()[0]
+    best, big = measure(args, all_workers)
+    print_table(args, all_workers, load0, best, big)
+    report_checks(args, all_workers, load0, best, big)
 
 
 if __name__ == "__main__":

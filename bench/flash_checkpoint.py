@@ -17,7 +17,6 @@ Prints, for one rank's model + AdamW state:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shutil
 import statistics
 import sys
@@ -35,6 +34,7 @@ from pretrain.spec.campaign import parse_spec
 from trainer.checkpoint import state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.saver import Saver
+from trainer.checkpoint.store import stage_store
 from trainer.dist import DistInfo
 from trainer.evaluate import iter_tensors
 from trainer.loop import build_model, snapshot_capacity
@@ -84,129 +84,159 @@ def dcp_async(model, opt, where: Path, repeats: int) -> tuple[float, float]:
     return statistics.median(blocked), statistics.median(durable)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--disk-dir", default=None, help="where direct saves go (default: a temp dir on the work disk)")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def bench_config(a: argparse.Namespace, work: Path):
+    """The job config of one rank of a one-stage campaign of the model asked for, in ``work``."""
+    spec = parse_spec(
+        {
+            "name": "bench",
+            "workdir": str(work),
+            "seed": 0,
+            "cluster": {"workers_per_node": 1},
+            "model": {
+                "n_layer": a.layers,
+                "n_head": max(1, a.d_model // 64),
+                "d_model": a.d_model,
+                "max_seq_len": 256,
+            },
+            "stages": [
+                {
+                    "name": "bench",
+                    "steps": 10,
+                    "lr": 1e-3,
+                    "min_lr": 1e-4,
+                    "warmup_steps": 1,
+                    "micro_batch": 1,
+                    "seq_len": 8,
+                }
+            ],
+        }
+    )
+    return job_config(spec, 0, 0, None, a.vocab).amended(
+        data={"uri": ""}, checkpoint={"location": str(work / "ckpt")}, job_dir=str(work)
+    )
+
+
+def trained_state(cfg, vocab: int):
+    """The model and AdamW after one step (the optimizer state exists), their training state and its bytes."""
+    model, opt = build_model(cfg, torch.device("cpu"))
+    model(torch.randint(0, vocab, (1, 8))).float().mean().backward()
+    opt.step()
+    st = state.training_state(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt)
+    nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(st))
+    print(
+        f"state: {nbytes / 2**30:.2f} GiB ({model.num_params() / 1e6:.0f}M params + AdamW), torch "
+        f"{torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    return model, opt, st, nbytes
+
+
+def memcpy_floor(nbytes: int, repeats: int) -> float:
+    """The floor: one copy of the same bytes, pre-touched (the 2 GiB are freed on return)."""
+    src, dst = torch.empty(nbytes, dtype=torch.uint8).fill_(1), torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    return timed(lambda: dst.copy_(src), repeats)
+
+
+def flash_snapshots(cfg, st, shm: Path, repeats: int) -> tuple[SnapshotStore, dict[str, float]]:
+    """The store of the steady snapshots, the first copy's seconds into untouched shared memory
+    and a steady snapshot's blocking seconds (median)."""
+    cold = SnapshotStore(shm / "cold", 0, 0, 1, capacity=0)  # no pre-allocation: pays page faults
+    t0 = time.perf_counter()
+    cold.snapshot(1, st, persist=False)
+    first_cold = time.perf_counter() - t0
+    cold.flush()
+    store = SnapshotStore(shm / "warm", 0, 0, 1, capacity=snapshot_capacity(cfg, 0))  # allocated + touched
+    blocked = []
+    for step in range(2, 2 + repeats):
+        blocked.append(store.snapshot(step, st, persist=False))  # returns the blocking seconds
+        store.flush()  # let the digest finish, as the interval between snapshots would
+    return store, {"first_cold": first_cold, "flash": statistics.median(blocked)}
+
+
+def restore_times(cfg, store: SnapshotStore, repeats: int) -> tuple[int, dict[str, float]]:
+    """The newest snapshot's step, and the seconds of a restore from disk, of its digest check and
+    of a restore from shared memory (digest check included)."""
+    ref = stage_store(cfg).latest_complete()
+    fresh, fresh_opt = build_model(cfg, torch.device("cpu"))
+
+    def from_disk():
+        s = stage_store(cfg).load_shard(ref.step, state.MODEL_SHARD)
+        fresh.load_state_dict(s["model"])
+        fresh_opt.load_state_dict(s["optimizer"])
+
+    newest = max(store.sealed_steps())
+
+    def from_memory():
+        assert store.verify(newest)
+        snap = store.load(newest)
+        fresh.load_state_dict(snap["shared"]["model"])
+        fresh_opt.load_state_dict(snap["shared"]["optimizer"])
+
+    disk_restore = timed(from_disk, repeats)
+    verify = timed(lambda: store.verify(newest), repeats)
+    mem_restore = timed(from_memory, repeats)
+    return newest, {"disk_restore": disk_restore, "verify": verify, "mem_restore": mem_restore}
+
+
+def print_table(t: dict[str, float]) -> None:
+    direct, flash, memcpy, first_cold = t["direct"], t["flash"], t["memcpy"], t["first_cold"]
+    dcp_blocked, disk_restore, mem_restore = t["dcp_blocked"], t["disk_restore"], t["mem_restore"]
+    print(f"{'blocking save: direct (torch.save+fsync)':46s} {dur(direct)}")
+    print(f"{'blocking save: flash (copy to shared memory)':46s} {dur(flash)}   → {direct / flash:5.1f}× less blocking")
+    print(f"{'  raw memcpy of the same bytes (the floor)':46s} {dur(memcpy)}   (flash = {flash / memcpy:4.2f}× memcpy)")
+    print(
+        f"{'  first copy into untouched shared memory':46s} {dur(first_cold)}   ({first_cold / flash:4.1f}× a "
+        f"steady copy)"
+    )
+    print(
+        f"{'blocking save: torch DCP async_save (staging)':46s} {dur(dcp_blocked)}   "
+        f"(flash = {flash / dcp_blocked:4.2f}× DCP async)"
+    )
+    print(f"{'to durable: direct':46s} {dur(direct)}")
+    print(f"{'to durable: DCP async_save (future resolved)':46s} {dur(t['dcp_durable'])}")
+    print(f"{'to durable: flash (blocking + saver persist)':46s} {dur(flash + t['persist'])}")
+    print(f"{'restore: torch.load + load_state_dict':46s} {dur(disk_restore)}")
+    print(
+        f"{'restore: shared memory (incl. digest check)':46s} {dur(mem_restore)}   "
+        f"→ {disk_restore / mem_restore:5.1f}× faster"
+    )
+    print(f"{'  of which xxh3 digest check':46s} {dur(t['verify'])}")
+    print(f"{'saver persist (background, fsynced)':46s} {dur(t['persist'])}")
+
+
+def main() -> None:
+    a = parse_args()
     work = Path(tempfile.mkdtemp(dir=a.disk_dir or "."))
     shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
-        spec = parse_spec(
-            {
-                "name": "bench",
-                "workdir": str(work),
-                "seed": 0,
-                "cluster": {"workers_per_node": 1},
-                "model": {
-                    "n_layer": a.layers,
-                    "n_head": max(1, a.d_model // 64),
-                    "d_model": a.d_model,
-                    "max_seq_len": 256,
-                },
-                "stages": [
-                    {
-                        "name": "bench",
-                        "steps": 10,
-                        "lr": 1e-3,
-                        "min_lr": 1e-4,
-                        "warmup_steps": 1,
-                        "micro_batch": 1,
-                        "seq_len": 8,
-                    }
-                ],
-            }
-        )
-        cfg = dataclasses.replace(
-            job_config(spec, 0, 0, None, a.vocab), data_dir="", ckpt_dir=str(work / "ckpt"), job_dir=str(work)
-        )
-        model, opt = build_model(cfg, torch.device("cpu"))
-        model(torch.randint(0, a.vocab, (1, 8))).float().mean().backward()
-        opt.step()
-        st = state.training_state(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt)
-        nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(st))
-        print(
-            f"state: {nbytes / 2**30:.2f} GiB ({model.num_params() / 1e6:.0f}M params + AdamW), torch "
-            f"{torch.__version__}, "
-            f"{torch.get_num_threads()} threads"
-        )
-
-        direct = timed(lambda: state.save(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt), a.repeats)
-        dcp_blocked, dcp_durable = dcp_async(model, opt, work / "dcp", a.repeats)
-        src, dst = torch.empty(nbytes, dtype=torch.uint8).fill_(1), torch.empty(nbytes, dtype=torch.uint8).fill_(0)
-        memcpy = timed(lambda: dst.copy_(src), a.repeats)  # the floor: one copy of the same bytes, pre-touched
-        src = dst = None  # free 2 GiB before the rest
-
-        cold = SnapshotStore(shm / "cold", 0, 0, 1, capacity=0)  # no pre-allocation: pays page faults
-        t0 = time.perf_counter()
-        cold.snapshot(1, st, persist=False)
-        first_cold = time.perf_counter() - t0
-        cold.flush()
-        store = SnapshotStore(shm / "warm", 0, 0, 1, capacity=snapshot_capacity(cfg, 0))  # allocated + touched
-        blocked = []
-        for step in range(2, 2 + a.repeats):
-            blocked.append(store.snapshot(step, st, persist=False))  # returns the blocking seconds
-            store.flush()  # let the digest finish, as the interval between snapshots would
-        flash = statistics.median(blocked)
-
-        ref = cfg.checkpoints().latest_complete()
-        fresh, fresh_opt = build_model(cfg, torch.device("cpu"))
-
-        def from_disk():
-            s = cfg.checkpoints().load_shard(ref.step, state.MODEL_SHARD)
-            fresh.load_state_dict(s["model"])
-            fresh_opt.load_state_dict(s["optimizer"])
-
-        newest = max(store.sealed_steps())
-
-        def from_memory():
-            assert store.verify(newest)
-            snap = store.load(newest)
-            fresh.load_state_dict(snap["shared"]["model"])
-            fresh_opt.load_state_dict(snap["shared"]["optimizer"])
-
-        disk_restore = timed(from_disk, a.repeats)
-        verify = timed(lambda: store.verify(newest), a.repeats)
-        mem_restore = timed(from_memory, a.repeats)
+        cfg = bench_config(a, work)
+        model, opt, st, nbytes = trained_state(cfg, a.vocab)
+        t = {"direct": timed(lambda: state.save(cfg, CPU0, step=1, consumed=1, model=model, optimizer=opt), a.repeats)}
+        t["dcp_blocked"], t["dcp_durable"] = dcp_async(model, opt, work / "dcp", a.repeats)
+        t["memcpy"] = memcpy_floor(nbytes, a.repeats)
+        store, flash = flash_snapshots(cfg, st, shm, a.repeats)
+        newest, restore = restore_times(cfg, store, a.repeats)
+        t.update(flash, **restore)
 
         shutil.rmtree(work / "ckpt")
-        saver = Saver(shm / "warm", 1, cfg.checkpoints(), keep=1, events=None)
-        persist = timed(lambda: saver.persist(newest), 1)
-
-        print(f"{'blocking save: direct (torch.save+fsync)':46s} {dur(direct)}")
-        print(
-            f"{'blocking save: flash (copy to shared memory)':46s} {dur(flash)}   → {direct / flash:5.1f}× less "
-            f"blocking"
-        )
-        print(
-            f"{'  raw memcpy of the same bytes (the floor)':46s} {dur(memcpy)}   (flash = {flash / memcpy:4.2f}× "
-            f"memcpy)"
-        )
-        print(
-            f"{'  first copy into untouched shared memory':46s} {dur(first_cold)}   ({first_cold / flash:4.1f}× a "
-            f"steady copy)"
-        )
-        print(
-            f"{'blocking save: torch DCP async_save (staging)':46s} {dur(dcp_blocked)}   "
-            f"(flash = {flash / dcp_blocked:4.2f}× DCP async)"
-        )
-        print(f"{'to durable: direct':46s} {dur(direct)}")
-        print(f"{'to durable: DCP async_save (future resolved)':46s} {dur(dcp_durable)}")
-        print(f"{'to durable: flash (blocking + saver persist)':46s} {dur(flash + persist)}")
-        print(f"{'restore: torch.load + load_state_dict':46s} {dur(disk_restore)}")
-        print(
-            f"{'restore: shared memory (incl. digest check)':46s} {dur(mem_restore)}   → {disk_restore / mem_restore:5.1f}× faster"
-        )
-        print(f"{'  of which xxh3 digest check':46s} {dur(verify)}")
-        print(f"{'saver persist (background, fsynced)':46s} {dur(persist)}")
+        saver = Saver(shm / "warm", 1, stage_store(cfg), keep=1, events=None)
+        t["persist"] = timed(lambda: saver.persist(newest), 1)
+        print_table(t)
         report(
             [
                 Check(
                     "flash blocking / DCP async_save blocking",
-                    round(flash / dcp_blocked, 3),
+                    round(t["flash"] / t["dcp_blocked"], 3),
                     1.0,
                     "<=",
                     "flash copies the whole state into shared memory, DCP stages into private memory it may reuse",

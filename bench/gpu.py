@@ -208,7 +208,7 @@ def checkpoint_times(a, device: torch.device, model, opt) -> dict[str, float | s
         shutil.rmtree(ns, ignore_errors=True)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--d-model", type=int, default=1024)
@@ -222,16 +222,13 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (default: by name)")
     ap.add_argument("--smoke", action="store_true", help="no CUDA: run the same code on CPU at a toy size")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        if not a.smoke:
-            print("skipped: no CUDA device")
-            report(skipped="no CUDA device")
-            return
-        a.layers, a.d_model, a.heads, a.vocab, a.seq_len, a.micro_batch = 2, 64, 2, 512, 64, 2
-        a.steps, a.warmup, a.repeats, a.compile = min(a.steps, 3), 1, 1, False
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, local, world = init_dist(device)
+    return ap.parse_args()
+
+
+def measure(a, device: torch.device, local: int):
+    """Training throughput (eager again if ``torch.compile`` fails), then the checkpoint times of
+    the trained state; the process group is destroyed after. Returns (tokens/s, raw model, last
+    loss, checkpoint times, why compile failed or None)."""
     import torch.distributed as dist
 
     compile_failed = None
@@ -246,12 +243,10 @@ def main() -> None:
         ckpt = checkpoint_times(a, device, model, opt)
     finally:
         dist.destroy_process_group()
-    if rank != 0:
-        return
-    name = torch.cuda.get_device_name(local) if device.type == "cuda" else "CPU (smoke run)"
-    n = model.num_params() - model.wpe.weight.numel()
-    peak = a.peak_tflops or (peak_tflops(name) if device.type == "cuda" else None)
-    mfu = rate * flops_per_token(n, a.layers, a.d_model, a.seq_len) / (peak * 1e12) if peak else None
+    return rate, model, loss, ckpt, compile_failed
+
+
+def print_setup(a, device: torch.device, world: int, name: str, model, compile_failed: str | None) -> None:
     nccl = torch.cuda.nccl.version() if device.type == "cuda" else "n/a (gloo)"
     print(
         f"{name}, {world} rank(s), torch {torch.__version__}, CUDA {torch.version.cuda}, "
@@ -264,6 +259,9 @@ def main() -> None:
     )
     if compile_failed:
         print(f"torch.compile failed ({compile_failed}): measured eager")
+
+
+def print_results(a, rate: float, loss: float, mfu: float | None, peak: float | None, ckpt: dict) -> None:
     print(
         f"{'training, per GPU':44s} {rate:>12,.0f} tokens/s   ({a.steps} steps after {a.warmup} warm-up; loss "
         f"{loss:.2f})"
@@ -274,17 +272,19 @@ def main() -> None:
     )
     if "skipped" in ckpt:
         print(f"flash checkpoint: skipped: {ckpt['skipped']}")
-    else:
-        print(f"{'state (model + AdamW) on the device':44s} {ckpt['state_gib']:11.2f} GiB")
-        print(
-            f"{'flash blocking: device → shared memory':44s} {ckpt['direct_s']:11.3f} s   (what the trainer does today)"
-        )
-        print(
-            f"{'flash blocking: device → ' + ckpt['pinned'][:8] + ' host':44s} {ckpt['staged_s']:11.3f} s   "
-            f"→ {ckpt['direct_s'] / ckpt['staged_s']:.1f}× less blocking"
-        )
-        print(f"{'  then host → shared memory (background)':44s} {ckpt['staged_background_s']:11.3f} s")
-        print(f"{'restore: shared memory → device (with digest)':44s} {ckpt['restore_s']:11.3f} s")
+        return
+    print(f"{'state (model + AdamW) on the device':44s} {ckpt['state_gib']:11.2f} GiB")
+    print(f"{'flash blocking: device → shared memory':44s} {ckpt['direct_s']:11.3f} s   (what the trainer does today)")
+    print(
+        f"{'flash blocking: device → ' + ckpt['pinned'][:8] + ' host':44s} {ckpt['staged_s']:11.3f} s   "
+        f"→ {ckpt['direct_s'] / ckpt['staged_s']:.1f}× less blocking"
+    )
+    print(f"{'  then host → shared memory (background)':44s} {ckpt['staged_background_s']:11.3f} s")
+    print(f"{'restore: shared memory → device (with digest)':44s} {ckpt['restore_s']:11.3f} s")
+
+
+def report_checks(a, on_cuda: bool, mfu: float | None, **facts) -> None:
+    """The MFU check (when the peak is known) to the runner; ``facts``: what to keep besides."""
     checks = []
     if mfu is not None:
         checks.append(
@@ -298,13 +298,30 @@ def main() -> None:
                 else "micro-batch or sequence too small to fill the device, or DDP's all-reduce not overlapped",
             )
         )
-    report(
-        checks,
-        skipped=None if device.type == "cuda" else "no CUDA device (smoke run on CPU)",
-        tokens_per_s=round(rate),
-        world=world,
-        device=name,
-    )
+    report(checks, skipped=None if on_cuda else "no CUDA device (smoke run on CPU)", **facts)
+
+
+def main() -> None:
+    a = parse_args()
+    if not torch.cuda.is_available():
+        if not a.smoke:
+            print("skipped: no CUDA device")
+            report(skipped="no CUDA device")
+            return
+        a.layers, a.d_model, a.heads, a.vocab, a.seq_len, a.micro_batch = 2, 64, 2, 512, 64, 2
+        a.steps, a.warmup, a.repeats, a.compile = min(a.steps, 3), 1, 1, False
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, local, world = init_dist(device)
+    rate, model, loss, ckpt, compile_failed = measure(a, device, local)
+    if rank != 0:
+        return
+    name = torch.cuda.get_device_name(local) if device.type == "cuda" else "CPU (smoke run)"
+    n = model.num_params() - model.wpe.weight.numel()
+    peak = a.peak_tflops or (peak_tflops(name) if device.type == "cuda" else None)
+    mfu = rate * flops_per_token(n, a.layers, a.d_model, a.seq_len) / (peak * 1e12) if peak else None
+    print_setup(a, device, world, name, model, compile_failed)
+    print_results(a, rate, loss, mfu, peak, ckpt)
+    report_checks(a, device.type == "cuda", mfu, tokens_per_s=round(rate), world=world, device=name)
 
 
 if __name__ == "__main__":

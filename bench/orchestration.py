@@ -21,7 +21,6 @@ launched directly (`python -m trainer.launch`) for the same stages and steps.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -104,15 +103,14 @@ def run_direct(
         job = JobConfig.load(campaign / "jobs" / stage / "attempt_000" / "job.json")
         here = root / stage
         shm = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="bench-orch-"))
-        direct = dataclasses.replace(
-            job,
-            ckpt_dir=str(here / "ckpt"),
+        init_from = job.stage.init_from
+        direct = job.amended(
+            checkpoint={"location": str(here / "ckpt"), "shm_dir": str(shm)},
             job_dir=str(here / "job"),
-            shm_dir=str(shm),
-            init_from=ckpts.get(job.init_from, job.init_from) if job.init_from else None,
+            stage={"init_from": ckpts.get(init_from, init_from) if init_from else None},
             chaos=[],
         )
-        ckpts[job.ckpt_dir] = direct.ckpt_dir
+        ckpts[job.checkpoint.location] = direct.checkpoint.location
         (here / "job").mkdir(parents=True)
         path = here / "job" / "job.json"
         path.write_text(direct.to_json())
@@ -242,7 +240,9 @@ def main() -> None:
         wall, lines, code = run_campaign(spec, env)
         (root / "campaign.log").write_text("".join(f"{t:8.2f} {line}\n" for t, line in lines))
         if code != 0:
-            raise SystemExit(f"pretrain run failed (exit {code}); its output:\n" + "\n".join(l for _, l in lines[-20:]))
+            raise SystemExit(
+                f"pretrain run failed (exit {code}); its output:\n" + "\n".join(line for _, line in lines[-20:])
+            )
         threads = job_threads(Path(raw["workdir"]), stages[0])
         direct = run_direct(
             Path(raw["workdir"]), stages, raw["cluster"]["workers_per_node"], threads, env, root / "direct"

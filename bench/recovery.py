@@ -17,10 +17,11 @@ on a larger model (d_model 384, 6 layers: 130 MB of model and optimizer state, a
 Prints, per fault, the recovery path, the
 detection-to-first-step recovery time and the time lost (recovery + steps redone), as recorded
 in the campaign ledger, and checks the worker kill's fast path against issue 16's targets
-(≤ 1.0 s, ≤ 0.5 × the full restart in the same run), the NaN rolled back in process (≤ 0.5 s), the node loss with a standby node
-(``cluster.spare_nodes``) against ≤ 3 s, and without one (the world shrinks, a node killed or
-frozen: the freeze to the first step, keep-alive window included) against ≤ 3 s too. ``--only nan`` / ``--only kill`` / ``--only kill-large`` /
-``--only node`` / ``--only nodes-kill``: those runs alone (a quick comparison).
+(≤ 1.0 s, ≤ 0.5 × the full restart in the same run), the NaN rolled back in process (≤ 0.5 s), the node loss with a
+standby node (``cluster.spare_nodes``) against ≤ 3 s, and without one (the world shrinks, a node killed or
+frozen: the freeze to the first step, keep-alive window included) against ≤ 3 s too.
+``--only nan`` / ``--only kill`` / ``--only kill-large`` / ``--only node`` / ``--only nodes-kill``: those runs alone
+(a quick comparison).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import os
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
@@ -47,7 +49,10 @@ from bench.results import Check, report  # noqa: E402
 from flows.campaign import pretrain_campaign  # noqa: E402
 from pretrain.spec.campaign import parse_spec  # noqa: E402
 
-DLROVER = "DLRover 0.6.1, measured here (docs/benchmarks.md): state back after a worker kill in 1.9 s (1 process) to 3.1 s (2)"
+DLROVER = (
+    "DLRover 0.6.1, measured here (docs/benchmarks.md): "
+    "state back after a worker kill in 1.9 s (1 process) to 3.1 s (2)"
+)
 KILL_STEPS = (12, 24, 36, 48)  # the worker kills of each path's run (one kill alone is too noisy to compare)
 LARGE = {
     "n_layer": 6,
@@ -75,7 +80,51 @@ def spec(workdir: Path, model: dict, cluster: dict, chaos: list[dict], steps: in
     )
 
 
-def main() -> None:
+ONE_NODE = {"workers_per_node": 2, "max_restarts": 6}
+TWO_NODES = {"workers_per_node": 1, "nodes_min": 2, "nodes_max": 2, "max_restarts": 6}
+NAN = [{"kind": "nan_loss", "step": 30}]
+KILLS = [{"kind": "kill_worker", "step": s, "rank": 1} for s in KILL_STEPS]  # several samples per path
+LOSE_NODE = [{"kind": "kill_node", "node": 1, "step": 20}]
+EVERY_FAULT = [
+    {"kind": "kill_worker", "step": 12, "rank": 1},
+    {"kind": "kill_saver", "step": 20},
+    {"kind": "hang_worker", "step": 28},
+    {"kind": "nan_loss", "step": 40},
+]
+# the checks of the other recoveries, one per sample: Samples' field → (what, target s, why)
+TARGETS = {
+    "nans": (
+        "NaN loss → rolled back in process, first step, s",
+        0.5,
+        "the workers restore the newest memory snapshot every rank holds, then one step",
+    ),
+    "hangs": (
+        "hang → found and first step after recovery, s (default settings)",
+        10.0,
+        "the default adapted step timeout (floor 5 s) is most of it",
+    ),
+    "standby": (
+        "node loss → first step with a standby node, s (node_timeout_s 2)",
+        3.0,
+        "new workers on both nodes (forked, the state from the survivor's memory snapshot, one step) after the "
+        "lost node's agent link closed; a node whose sockets stay open waits for its keep-alives to lapse (2 s)",
+    ),
+    "shrunk": (
+        "node loss without a standby → first step, s (the world shrinks)",
+        3.0,
+        "the survivors' round closes once every other node of the last one is back (not after torch's 5 s last "
+        "call), the state from the last world's rank-0 memory snapshot",
+    ),
+    "frozen": (
+        "frozen node without a standby → first step, s (node_timeout_s 2, from the freeze)",
+        3.0,
+        "its sockets stay open: found when its keep-alives lapse (2 s after its last one, which may precede the "
+        "freeze by up to 1 s), then the survivors restart without it",
+    ),
+}
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--workdir", default=None)
     p.add_argument("--d-model", type=int, default=128)
@@ -87,32 +136,25 @@ def main() -> None:
         "restart; kill-large: the same on the larger model; node: only the node loss, shrinking and with a "
         "standby node; nodes-kill: only the worker kill on two nodes, fast and by restart",
     )
-    a = p.parse_args()
-    root = Path(a.workdir or tempfile.mkdtemp(prefix="pretrain-recovery-"))
-    model = {"n_layer": a.layers, "n_head": 4, "d_model": a.d_model, "max_seq_len": 64}
-    one_node = {"workers_per_node": 2, "max_restarts": 6}
-    nan = [{"kind": "nan_loss", "step": 30}]
-    kill = [{"kind": "kill_worker", "step": s, "rank": 1} for s in KILL_STEPS]  # several samples per path
-    kill_fast, kill_restart = (
-        spec(root / "kill-fast", model, one_node, kill),
-        spec(root / "kill-restart", model, one_node, kill, fast_recovery_timeout_s=0),
-    )
-    kill_large = [
-        spec(root / "kill-large-fast", LARGE, one_node, kill),
-        spec(root / "kill-large-restart", LARGE, one_node, kill, fast_recovery_timeout_s=0),
+    return p.parse_args()
+
+
+def kill_pair(root: Path, name: str, model: dict, cluster: dict) -> list:
+    """The worker kills recovered by the fast path, and the same with it off (every worker restarts)."""
+    return [
+        spec(root / f"{name}-fast", model, cluster, KILLS),
+        spec(root / f"{name}-restart", model, cluster, KILLS, fast_recovery_timeout_s=0),
     ]
-    two_nodes = {"workers_per_node": 1, "nodes_min": 2, "nodes_max": 2, "max_restarts": 6}
-    nodes_kill = [
-        spec(root / "two-nodes-kill-fast", model, two_nodes, kill),
-        spec(root / "two-nodes-kill-restart", model, two_nodes, kill, fast_recovery_timeout_s=0),
-    ]
-    lose_node = [{"kind": "kill_node", "node": 1, "step": 20}]
-    node_runs = [
+
+
+def node_loss_runs(root: Path, model: dict) -> list:
+    """Two nodes, one lost: the world shrinks, a standby node takes its place, or the node freezes."""
+    return [
         spec(
             root / "two-nodes",
             model,
             {"workers_per_node": 1, "nodes_min": 1, "nodes_max": 2, "max_restarts": 3},
-            lose_node,
+            LOSE_NODE,
         ),
         spec(
             root / "two-nodes-standby",
@@ -125,7 +167,7 @@ def main() -> None:
                 "node_timeout_s": 2,
                 "max_restarts": 3,
             },
-            lose_node,
+            LOSE_NODE,
         ),
         spec(
             root / "two-nodes-frozen",
@@ -134,49 +176,61 @@ def main() -> None:
             [{"kind": "freeze_node", "node": 1, "step": 20}],
         ),
     ]
-    runs = (
-        [
-            spec(root / "nan-in-process", model, one_node, nan),
-            spec(root / "nan-restart", model, one_node, nan, rollback_in_process=False),
-        ]
-        if a.only == "nan"
-        else [kill_fast, kill_restart]
-        if a.only == "kill"
-        else kill_large
-        if a.only == "kill-large"
-        else node_runs
-        if a.only == "node"
-        else nodes_kill
-        if a.only == "nodes-kill"
-        else [
-            spec(
-                root / "one-node",
-                model,
-                one_node,
-                [
-                    {"kind": "kill_worker", "step": 12, "rank": 1},
-                    {"kind": "kill_saver", "step": 20},
-                    {"kind": "hang_worker", "step": 28},
-                    {"kind": "nan_loss", "step": 40},
-                ],
-            ),
-            kill_fast,
-            kill_restart,
-            spec(root / "nan-restart", model, one_node, nan, rollback_in_process=False),
-            *node_runs,
-            *nodes_kill,
-            *kill_large,
-        ]
-    )
+
+
+def planned_runs(only: str | None, root: Path, model: dict) -> tuple[list, list]:
+    """The campaigns ``--only`` asks for (None: all of them), and the larger model's runs (their
+    worker kills are checked apart)."""
+    kill = kill_pair(root, "kill", model, ONE_NODE)
+    kill_large = kill_pair(root, "kill-large", LARGE, ONE_NODE)
+    nodes_kill = kill_pair(root, "two-nodes-kill", model, TWO_NODES)
+    node_runs = node_loss_runs(root, model)
+    nan_restart = spec(root / "nan-restart", model, ONE_NODE, NAN, rollback_in_process=False)
+    if only == "nan":
+        return [spec(root / "nan-in-process", model, ONE_NODE, NAN), nan_restart], kill_large
+    if only:
+        return {"kill": kill, "kill-large": kill_large, "node": node_runs, "nodes-kill": nodes_kill}[only], kill_large
+    every_fault = spec(root / "one-node", model, ONE_NODE, EVERY_FAULT)
+    return [every_fault, *kill, nan_restart, *node_runs, *nodes_kill, *kill_large], kill_large
+
+
+@dataclass
+class Samples:
+    """The recovery times the campaigns' ledgers recorded, by fault kind."""
+
+    kills: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # where (kill_checks) → path → recovery_s
+    hangs: list[float] = field(default_factory=list)  # detection_s + recovery_s of each hang
+    standby: list[float] = field(default_factory=list)  # kill → first step of a node loss with a standby node
+    shrunk: list[float] = field(default_factory=list)  # kill → first step of a node loss without one (world shrinks)
+    frozen: list[float] = field(default_factory=list)  # freeze → first step (the keep-alive window, the restart)
+    nans: list[float] = field(default_factory=list)  # anomaly found → first step of a NaN rolled back in process
+
+    def add(self, s, f: dict, kill_large: list) -> None:
+        """Count failure ``f`` of campaign ``s`` where it belongs (if it recorded its recovery)."""
+        if f["cause"] == "worker_killed" and f.get("recovery_s") is not None:
+            where = " on two nodes" if s.cluster.nodes_max > 1 else ON_LARGE if any(s is r for r in kill_large) else ""
+            self.kills.setdefault(where, {}).setdefault(f["recovery_path"], []).append(f["recovery_s"])
+        if (
+            f["cause"] == "nonfinite_loss"
+            and f.get("recovery_path") == "in_process"
+            and f.get("recovery_s") is not None
+        ):
+            self.nans.append(f["recovery_s"])
+        if f["cause"] == "hang" and f.get("recovery_s") is not None:
+            self.hangs.append(f.get("detection_s", 0.0) + f["recovery_s"])
+        if f["cause"] == "node_lost" and f.get("recovery_path") == "spare_node" and f.get("recovery_s") is not None:
+            self.standby.append(f["recovery_s"])
+        if f["cause"] == "node_lost" and f.get("recovery_path") == "restart" and f.get("recovery_s") is not None:
+            if any(d.kind == "freeze_node" for d in s.chaos):
+                self.frozen.append(round(f.get("detection_s", 0.0) + f["recovery_s"], 2))
+            else:
+                self.shrunk.append(f["recovery_s"])
+
+
+def run_campaigns(runs: list, kill_large: list) -> Samples:
+    """Run each campaign; print a row per failure its ledger recorded."""
     print(f"{'fault':16s} {'path':10s} {'action':42s} {'recovery_s':>10s} {'steps redone':>12s} {'time lost s':>11s}")
-    kills: dict[
-        str, dict[str, list[float]]
-    ] = {}  # where (kill_checks) → recovery path → recovery_s of each worker kill
-    hangs: list[float] = []  # detection_s + recovery_s of each hang
-    standby: list[float] = []  # kill → first step of a node loss recovered with a standby node
-    shrunk: list[float] = []  # kill → first step of a node loss without a standby (the world shrinks)
-    frozen: list[float] = []  # freeze → first step (the keep-alive window, the restart without it)
-    nans: list[float] = []  # anomaly found → first step of a NaN rolled back in the live workers
+    samples = Samples()
     for s in runs:
         status = pretrain_campaign(spec=s)
         for f in status["stages"][0]["failures"]:
@@ -185,84 +239,32 @@ def main() -> None:
                 f"{str(f.get('recovery_s')):>10s} "
                 f"{f.get('steps_redone', 0):>12d} {f['time_lost_s']:>11.2f}"
             )
-            if f["cause"] == "worker_killed" and f.get("recovery_s") is not None:
-                where = (
-                    " on two nodes" if s.cluster.nodes_max > 1 else ON_LARGE if any(s is r for r in kill_large) else ""
-                )
-                kills.setdefault(where, {}).setdefault(f["recovery_path"], []).append(f["recovery_s"])
-            if (
-                f["cause"] == "nonfinite_loss"
-                and f.get("recovery_path") == "in_process"
-                and f.get("recovery_s") is not None
-            ):
-                nans.append(f["recovery_s"])
-            if f["cause"] == "hang" and f.get("recovery_s") is not None:
-                hangs.append(f.get("detection_s", 0.0) + f["recovery_s"])
-            if f["cause"] == "node_lost" and f.get("recovery_path") == "spare_node" and f.get("recovery_s") is not None:
-                standby.append(f["recovery_s"])
-            if f["cause"] == "node_lost" and f.get("recovery_path") == "restart" and f.get("recovery_s") is not None:
-                if any(d.kind == "freeze_node" for d in s.chaos):
-                    frozen.append(round(f.get("detection_s", 0.0) + f["recovery_s"], 2))
-                else:
-                    shrunk.append(f["recovery_s"])
+            samples.add(s, f, kill_large)
+    return samples
+
+
+def recovery_checks(only: str | None, samples: Samples) -> list[Check]:
+    """The worker kills' checks of the topologies that ran, then one check per other recovery."""
+    kills = samples.kills
+    checks = kill_checks(kills.get("", {}), "") if only in (None, "kill") else []
+    checks += kill_checks(kills.get(" on two nodes", {}), " on two nodes") if only in (None, "nodes-kill") else []
+    checks += kill_checks(kills.get(ON_LARGE, {}), ON_LARGE) if only in (None, "kill-large") else []
+    checks += [
+        Check(what, value, target, "<=", why)
+        for name, (what, target, why) in TARGETS.items()
+        for value in getattr(samples, name)
+    ]
+    return checks
+
+
+def main() -> None:
+    a = parse_args()
+    root = Path(a.workdir or tempfile.mkdtemp(prefix="pretrain-recovery-"))
+    model = {"n_layer": a.layers, "n_head": 4, "d_model": a.d_model, "max_seq_len": 64}
+    runs, kill_large = planned_runs(a.only, root, model)
+    samples = run_campaigns(runs, kill_large)
     print(f"reference: {DLROVER}")
-    checks = kill_checks(kills.get("", {}), "") if a.only in (None, "kill") else []
-    checks += kill_checks(kills.get(" on two nodes", {}), " on two nodes") if a.only in (None, "nodes-kill") else []
-    checks += kill_checks(kills.get(ON_LARGE, {}), ON_LARGE) if a.only in (None, "kill-large") else []
-    checks += [
-        Check(
-            "NaN loss → rolled back in process, first step, s",
-            s,
-            0.5,
-            "<=",
-            "the workers restore the newest memory snapshot every rank holds, then one step",
-        )
-        for s in nans
-    ]
-    checks += [
-        Check(
-            "hang → found and first step after recovery, s (default settings)",
-            h,
-            10.0,
-            "<=",
-            "the default adapted step timeout (floor 5 s) is most of it",
-        )
-        for h in hangs
-    ]
-    checks += [
-        Check(
-            "node loss → first step with a standby node, s (node_timeout_s 2)",
-            s,
-            3.0,
-            "<=",
-            "new workers on both nodes (forked, the state from the survivor's memory snapshot, one step) after the "
-            "lost node's agent link closed; a node whose sockets stay open waits for its keep-alives to lapse (2 s)",
-        )
-        for s in standby
-    ]
-    checks += [
-        Check(
-            "node loss without a standby → first step, s (the world shrinks)",
-            s,
-            3.0,
-            "<=",
-            "the survivors' round closes once every other node of the last one is back (not after torch's 5 s last "
-            "call), the state from the last world's rank-0 memory snapshot",
-        )
-        for s in shrunk
-    ]
-    checks += [
-        Check(
-            "frozen node without a standby → first step, s (node_timeout_s 2, from the freeze)",
-            s,
-            3.0,
-            "<=",
-            "its sockets stay open: found when its keep-alives lapse (2 s after its last one, which may precede the "
-            "freeze by up to 1 s), then the survivors restart without it",
-        )
-        for s in frozen
-    ]
-    report(checks)
+    report(recovery_checks(a.only, samples))
 
 
 def kill_checks(kills: dict[str, list[float]], where: str) -> list[Check]:
@@ -295,9 +297,8 @@ def kill_checks(kills: dict[str, list[float]], where: str) -> list[Check]:
         ON_LARGE: "a full restart rebuilds the model and reads 130 MB of state from shared memory; the fast path "
         "sends it from the survivor over gloo (~1 GB/s here) into the warm spare's tensors",
     }[where]
-    print(
-        f"worker kills{where} recovered: {', '.join(f'{path} {sorted(times)}' for path, times in sorted(kills.items()))}"
-    )
+    recovered = ", ".join(f"{path} {sorted(times)}" for path, times in sorted(kills.items()))
+    print(f"worker kills{where} recovered: {recovered}")
     return [
         Check(f"worker kill{where} → first step, fast path (median), s", fast, 1.0, "<=", why),
         Check(f"worker kill{where}: fast path / full restart (medians)", round(fast / restart, 3), 0.5, "<=", why),

@@ -17,7 +17,6 @@ the metrics file, deterministic CPU kernels, and the data sampler's permutation.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -88,8 +87,11 @@ def job(a, root: Path):
         }
     )
     cfg = job_config(spec, 0, 0, None, a.vocab)
-    return dataclasses.replace(
-        cfg, data_dir=str(root / "data"), ckpt_dir=str(root / "ckpt"), job_dir=str(root / "job"), threads_per_worker=0
+    return cfg.amended(
+        data={"uri": str(root / "data")},
+        checkpoint={"location": str(root / "ckpt")},
+        job_dir=str(root / "job"),
+        cluster={"threads_per_worker": 0},
     )
 
 
@@ -116,12 +118,12 @@ def plain(cfg) -> dict:
 
     from trainer.model import GPT, lm_loss, param_groups
 
-    o = cfg.optim
+    o = cfg.stage
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
     opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(0.9, 0.95), eps=1e-8)
-    tokens = np.memmap(Path(cfg.data_dir) / "train_0000.bin", dtype=np.uint16, mode="r")
+    tokens = np.memmap(Path(cfg.data.uri) / "train_0000.bin", dtype=np.uint16, mode="r")
     windows = (len(tokens) - 1) // o.seq_len
     for _ in range(o.steps):
         idx = torch.randint(0, windows, (o.micro_batch,)).tolist()

@@ -1,5 +1,5 @@
-"""Blocks: where a stage's training job runs — local processes, or (configuration only, for now)
-a Kubernetes cluster."""
+"""Blocks: where a stage's training job runs — local processes, or a Kubernetes cluster (one
+Indexed Job per stage launch, ``pretrain.cluster.kube``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from prefect.blocks.core import Block
 from prefect_kubernetes.credentials import KubernetesCredentials
 from pydantic import Field, model_validator
 
+from pretrain.spec.cluster import ClusterSpec
 from pretrain.spec.kube import KubernetesSpec, SecretKeyRef, Toleration
-from pretrain.spec.sections import ClusterSpec
 
 _SPEC_FIELDS = ClusterSpec.model_fields
 
@@ -60,7 +60,8 @@ class _ElasticJob(Block, ABC):
         return {"cluster": self.to_spec().model_dump(mode="json")}
 
     def environment(self) -> dict[str, str]:
-        """Nothing yet: local processes need no credentials."""
+        """No credentials: local processes need none, and the Kubernetes client reads its own
+        (the kubeconfig, or the pod's service account in-cluster)."""
         return {}
 
 
@@ -91,9 +92,9 @@ class LocalProcessCluster(_ElasticJob):
 
 class KubernetesCluster(_ElasticJob):
     """A Kubernetes cluster for training jobs: one pod per node, ``workers_per_node`` workers in
-    each; the pod settings are the spec's ``cluster.kubernetes`` section. This version renders the
-    manifests (``pretrain cluster render``); a campaign that refers to it is refused with a clear
-    error before anything starts until the backend exists.
+    each; the pod settings are the spec's ``cluster.kubernetes`` section. A campaign that refers to
+    it runs each stage as an Indexed Job there (``pretrain cluster render`` prints the manifests
+    without creating anything).
 
     Example:
         Inspect the stored cluster configuration:

@@ -13,7 +13,7 @@ from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials, MinIOCredentials
 from pydantic import Field, SecretStr, field_validator
 
-from pretrain.spec.sections import S3_CREDENTIALS_GO, no_credentials_in_url
+from pretrain.spec.uris import S3_CREDENTIALS_GO, no_credentials_in_url
 
 _ROOT_DESCRIPTION = (
     "Directory where campaigns keep their workdirs, one sub-directory per campaign; '~' expands and a "

@@ -5,7 +5,8 @@ from __future__ import annotations
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator
 
-from pretrain.spec.sections import MLFLOW_CREDENTIALS_GO, TrackingSpec, no_credentials_in_url
+from pretrain.spec.tracking import TrackingSpec
+from pretrain.spec.uris import MLFLOW_CREDENTIALS_GO, no_credentials_in_url
 
 
 class MlflowTracking(Block):

@@ -68,8 +68,8 @@ class MessageOnly(logging.Formatter):
 @contextmanager
 def quiet_console() -> Iterator[None]:
     """For the block: Prefect's console handlers show messages only, MLflow's store setup notes
-    and its HTTP client's retry notes are not shown. The handlers are left so on ``StoppedAtOnce``: the flow thread goes on logging
-    until the process exits."""
+    and its HTTP client's retry notes are not shown. The handlers are left so on ``StoppedAtOnce``: the flow thread
+    goes on logging until the process exits."""
     with loggers_at(logging.WARNING, STORE_SETUP_LOGGERS), loggers_at(logging.ERROR, RETRY_LOGGERS):
         with _handler_errors_unprinted(), _messages_only():
             yield

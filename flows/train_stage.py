@@ -12,9 +12,9 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from flows.locking import holds_campaign_lock
-from pretrain.run.budget import current_pause, margin_s, measured_times
+from pretrain.run.budget import PauseRequest, current_pause, margin_s, measured_times
 from pretrain.run.incidents import where_hung
-from pretrain.run.policy import Action, Budget, after_job, before_launch, stage_end
+from pretrain.run.policy import Action, Budget, Decision, after_job, before_launch, stage_end
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.guard import state_location
@@ -69,79 +69,113 @@ def _wait_for_api(spec: CampaignSpec, stage_index: int) -> None:
 
 
 def _train_stage(spec: CampaignSpec, stage_index: int, init_from: str | None) -> dict:
-    logger = get_run_logger()
+    """Launch the stage's job until the stage policy says to stop; then end the stage trained, failed
+    or paused."""
     stage = spec.stages[stage_index]
     ledger = Ledger.open(spec)
     open_stage_run(spec, ledger, stage_index)  # while MLflow is away, the job's metrics forwarder opens them
     ledger.set_stage_status(stage.name, StageStatus.RUNNING)
-    last, budget, pause, paused = None, Budget.of(spec.resume.max_attempts), current_pause(), None
-    while True:
-        point = find_resume_point(spec, stage_index)
-        decision = before_launch(stage.steps, _step(point), budget)
-        if decision.action is Action.LAUNCH and pause is not None:
-            pause.margin_s = margin_s(
-                *measured_times(spec.workdir_path / "jobs" / stage.name, ledger.reload().stages[stage.name].verdicts),
-                pause.budget_s,
-            )
-            if paused := pause.due():
-                break
-        if decision.action is not Action.LAUNCH:
-            if decision.action is Action.GIVE_UP:
-                logger.warning("stage %s: not launched again: %s", stage.name, decision.reason)
-            break
-        budget = decision.budget
-        adopted = adoptable_launch(spec, stage_index, ledger.reload(), logger)
-        if adopted is not None:  # its flow process died while it trained: take it back, no new attempt
-            attempt = adopted[0]
-            logger.warning(
-                "stage %s: adopted the live Job %s of attempt %d (the flow process that launched it is "
-                "gone; it trained on meanwhile)",
-                stage.name,
-                adopted[1],
-                attempt,
-            )
-        else:
-            attempt = ledger.start_attempt(stage.name)
-            logger.info(
-                "stage %s: launching attempt %d from %s",
-                stage.name,
-                attempt,
-                f"checkpoint step {point['step']}" if point else (init_from or "scratch"),
-            )
-            if attempt:
-                stage_relaunched(spec, stage.name, attempt, _step(point))
-        last = run_job(spec, stage_index, attempt, init_from, ledger, adopted is not None)
-        decision = after_job(last, attempt, budget)
-        budget = decision.budget
-        if decision.action is Action.PAUSE:
-            paused, point = last.paused, find_resume_point(spec, stage_index)  # the gate judged the final save
-            break
-        if decision.resize is not None:  # a planned relaunch, not a failure
-            logger.info(
-                "stage %s: %s; relaunching on all nodes from the newest checkpoint", stage.name, decision.reason
-            )
-            ledger.record_resize(stage.name, decision.resize)
-        if decision.failure is not None:
-            logger.warning(
-                "stage %s attempt %d failed (%s: %s) after %.1fs; %.1fs of work lost; log: %s; next: %s",
-                stage.name,
-                attempt,
-                last.cause,
-                "; ".join(last.errors) or "no worker error reported",
-                last.duration_s,
-                last.time_lost_s,
-                last.log,
-                decision.reason,
-            )
-            ledger.record_failure(stage.name, decision.failure)
-        if decision.action is Action.GIVE_UP:
-            point = find_resume_point(spec, stage_index)
-            break
+    last, point, paused = _launch_until_done(spec, stage_index, init_from, ledger)
     if paused:
         # the stage is marked paused with the campaign's end, in one ledger write (record_pause): a stop at
         # once between two writes would leave a paused stage in an interrupted campaign
-        logger.info("stage %s: paused at step %s (%s)", stage.name, _step(point) or 0, paused)
+        get_run_logger().info("stage %s: paused at step %s (%s)", stage.name, _step(point) or 0, paused)
         return {"step": _step(point) or 0, "path": point["path"] if point else None, "paused": paused}
+    return _end_stage(spec, stage_index, point, last, ledger)
+
+
+def _launch_until_done(
+    spec: CampaignSpec, stage_index: int, init_from: str | None, ledger: Ledger
+) -> tuple[JobResult | None, dict | None, str | None]:
+    """Launch the stage's job again and again until the stage policy says to stop: the last job's
+    result, the resume point then, and why the campaign pauses (None: it does not)."""
+    logger, stage = get_run_logger(), spec.stages[stage_index]
+    last, budget, pause = None, Budget.of(spec.resume.max_attempts), current_pause()
+    while True:
+        point = find_resume_point(spec, stage_index)
+        decision = before_launch(stage.steps, _step(point), budget)
+        if decision.action is Action.LAUNCH and (paused := _pause_due(spec, stage.name, ledger, pause)):
+            return last, point, paused
+        if decision.action is not Action.LAUNCH:
+            if decision.action is Action.GIVE_UP:
+                logger.warning("stage %s: not launched again: %s", stage.name, decision.reason)
+            return last, point, None
+        attempt, adopted = _next_attempt(spec, stage_index, init_from, ledger, point)
+        last = run_job(spec, stage_index, attempt, init_from, ledger, adopted)
+        decision = after_job(last, attempt, decision.budget)
+        budget = decision.budget
+        if decision.action is Action.PAUSE:
+            return last, find_resume_point(spec, stage_index), last.paused  # the gate judged the final save
+        _record_job_end(stage.name, attempt, last, decision, ledger)
+        if decision.action is Action.GIVE_UP:
+            return last, find_resume_point(spec, stage_index), None
+
+
+def _pause_due(spec: CampaignSpec, stage: str, ledger: Ledger, pause: PauseRequest | None) -> str | None:
+    """Why the campaign pauses instead of this launch (None: launch), once the pause's margin is
+    measured on the stage's jobs so far."""
+    if pause is None:
+        return None
+    pause.margin_s = margin_s(
+        *measured_times(spec.workdir_path / "jobs" / stage, ledger.reload().stages[stage].verdicts),
+        pause.budget_s,
+    )
+    return pause.due()
+
+
+def _next_attempt(
+    spec: CampaignSpec, stage_index: int, init_from: str | None, ledger: Ledger, point: dict | None
+) -> tuple[int, bool]:
+    """The attempt to run now, and whether it is the live job of the last one, adopted."""
+    logger, stage = get_run_logger(), spec.stages[stage_index]
+    adopted = adoptable_launch(spec, stage_index, ledger.reload(), logger)
+    if adopted is not None:  # its flow process died while it trained: take it back, no new attempt
+        logger.warning(
+            "stage %s: adopted the live Job %s of attempt %d (the flow process that launched it is "
+            "gone; it trained on meanwhile)",
+            stage.name,
+            adopted[1],
+            adopted[0],
+        )
+        return adopted[0], True
+    attempt = ledger.start_attempt(stage.name)
+    logger.info(
+        "stage %s: launching attempt %d from %s",
+        stage.name,
+        attempt,
+        f"checkpoint step {point['step']}" if point else (init_from or "scratch"),
+    )
+    if attempt:
+        stage_relaunched(spec, stage.name, attempt, _step(point))
+    return attempt, False
+
+
+def _record_job_end(stage: str, attempt: int, last: JobResult, decision: Decision, ledger: Ledger) -> None:
+    """Record a job's end that calls for another launch: a planned resize, or a failure."""
+    logger = get_run_logger()
+    if decision.resize is not None:  # a planned relaunch, not a failure
+        logger.info("stage %s: %s; relaunching on all nodes from the newest checkpoint", stage, decision.reason)
+        ledger.record_resize(stage, decision.resize)
+    if decision.failure is not None:
+        logger.warning(
+            "stage %s attempt %d failed (%s: %s) after %.1fs; %.1fs of work lost; log: %s; next: %s",
+            stage,
+            attempt,
+            last.cause,
+            "; ".join(last.errors) or "no worker error reported",
+            last.duration_s,
+            last.time_lost_s,
+            last.log,
+            decision.reason,
+        )
+        ledger.record_failure(stage, decision.failure)
+
+
+def _end_stage(
+    spec: CampaignSpec, stage_index: int, point: dict | None, last: JobResult | None, ledger: Ledger
+) -> dict:
+    """Mark the stage trained at ``point`` (returned), or failed (``StageFailed``)."""
+    stage = spec.stages[stage_index]
     end = stage_end(
         stage.name,
         stage.steps,

@@ -1,7 +1,7 @@
 """Redact anything credential-shaped before it is written where people and tools read it: MLflow
 params and tags, Prefect artifacts, the ledger, ``pretrain status`` and log lines.
 
-The spec already refuses credentials in URIs (:mod:`pretrain.spec.sections`); this is the
+The spec already refuses credentials in URIs (:mod:`pretrain.spec.uris`); this is the
 second line of defence for values that reach a writer some other way (a block, an error
 message, a path).
 Redaction keeps the shape of the text (scheme, host, parameter names), so what remains still
@@ -17,7 +17,10 @@ from urllib.parse import urlsplit
 MASK = "***"
 
 # key names whose value is a secret, alone or as the end of a longer name (MLFLOW_TRACKING_TOKEN)
-_SECRET_NAME = r"[A-Za-z0-9_.-]*?(?:secret(?:_access)?(?:_key)?|password|passwd|pwd|token|api[_-]?key|access[_-]?key(?:_id)?|credentials?|authorization)"
+_SECRET_NAME = (
+    r"[A-Za-z0-9_.-]*?(?:secret(?:_access)?(?:_key)?|password|passwd|pwd|token|api[_-]?key"
+    r"|access[_-]?key(?:_id)?|credentials?|authorization)"
+)
 _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     # scheme://user:password@host → scheme://***@host
     (re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"]+@"), rf"\g<scheme>{MASK}@"),

@@ -3,7 +3,8 @@
 - ``campaign-report-<campaign>``  markdown: stages, attempts, goodput, checkpoints, node check, time lost per cause
   (at the campaign's end, with its pictures: ``publish_goodput``)
 - ``checkpoints-<campaign>``      table: every stored checkpoint with its verdict and eval loss
-- ``training-progress-<campaign>`` progress (0-100 %) over all stages, updated while a job trains (``tasks.training_progress``)
+- ``training-progress-<campaign>`` progress (0-100 %) over all stages, updated while a job trains
+  (``tasks.training_progress``)
 - ``data-preparation-<campaign>`` progress (0-100 %) of data preparation (``tasks.data_progress``)
 - ``mlflow-run-<campaign>``       link to the campaign's MLflow parent run
 - ``node-check-<campaign>``       table: the node health check (made by ``tasks.cluster``)
@@ -20,7 +21,6 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 
 from pretrain.redact import redact
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.views.goodput import ALL
 from pretrain.views.report import campaign_report, checkpoint_rows
@@ -68,7 +68,7 @@ def publish_goodput(spec: CampaignSpec, status: dict, run_id: str | None) -> dic
     from pretrain.views.plots import write_plots  # matplotlib: only at the end
 
     logger = get_run_logger()
-    layout = CampaignLayout(spec.workdir_path)
+    layout = spec.layout
     goodput = {"campaign": status["goodput"], "stages": {s["name"]: s["goodput"] for s in status["stages"]}}
     try:
         pictures = write_plots(Ledger.read(layout).record, layout, goodput, layout.root / "report")

@@ -10,7 +10,7 @@ from pretrain.run.jobs import checkpoint_store
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.ledger import Ledger
-from pretrain.state.schema import Rewind, Verdict
+from pretrain.state.schema import Rewind, VerdictRecord
 from pretrain.tracking.runs import describe_error, transient
 from tasks.events import checkpoint_verdict
 from tasks.tracking import mark_mlflow_behind, tracker_for
@@ -64,7 +64,8 @@ def record_verdict(spec: CampaignSpec, stage_index: int, record: dict) -> None:
     checkpoint_verdict(spec, stage, record["path"], record)
     ledger = Ledger.open(spec)
     ledger.record_verdict(
-        stage, Verdict(**{k: record[k] for k in ("step", "path", "verdict", "problems", "probe", "metrics", "time")})
+        stage,
+        VerdictRecord(**{k: record[k] for k in ("step", "path", "verdict", "problems", "probe", "metrics", "time")}),
     )
     run_id = ledger.stage(stage).mlflow_run_id
     if run_id:

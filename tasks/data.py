@@ -11,12 +11,11 @@ from pretrain.data.identity import DataChanged, refuse_changed_data, trained_sta
 from pretrain.data.prepare.pipeline import prepare
 from pretrain.data.prepare.progress import PrepProgress, ProgressCallback
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.locations import data_client_options
 from pretrain.state.schema import DataRecord
 from trainer.data.cache import fetch_manifest
-from trainer.data.sampler import DataError
+from trainer.data.manifest import DataError
 
 
 @task(name="prepare-dataset", cache_policy=NO_CACHE)
@@ -39,7 +38,7 @@ def prepare_dataset(spec: CampaignSpec, progress: ProgressCallback | None = None
     prepared = prepare(
         spec.data,
         data_root(spec),
-        work=CampaignLayout(spec.workdir_path).data_work,
+        work=spec.layout.data_work,
         s3_options=data_client_options(spec),
         log=logger.info,
         progress=progress,

@@ -22,7 +22,7 @@ from pretrain.data.campaign import campaign_data
 from pretrain.run.incidents import where_hung
 from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.ledger import LedgerError
-from trainer.data.sampler import DataError
+from trainer.data.manifest import DataError
 from trainer.job.events import REPLACEMENT_PATHS
 
 CHECKPOINT_GOOD = "pretrain.checkpoint.good"

@@ -17,11 +17,11 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import CampaignStatus, StageStatus
 from pretrain.tracking.dataset_input import log_data_set
-from pretrain.tracking.runs import MetricsForwarder, Tracker, describe_error, transient
+from pretrain.tracking.metrics import MetricsForwarder
+from pretrain.tracking.runs import Tracker, describe_error, transient
 from pretrain.views.compare import ledger_counters
 from tasks.checkpoints import verdicts_to_mlflow
 from tasks.tracking import log_node_check, mark_mlflow_behind, open_runs_now, tracker_for
@@ -78,7 +78,7 @@ def sync_campaign(spec: CampaignSpec, ledger: Ledger, log: Callable[[str], None]
     attempt's steps and checkpoint tags, its verdicts and evaluation, its run finished once the
     stage completed. Then the ledger is no longer ``behind``. Raises what MLflow fails with."""
     parent, _ = open_runs_now(spec, ledger)  # checks first that MLflow answers
-    tracker, record, layout = tracker_for(spec), ledger.reload(), CampaignLayout(spec.workdir_path)
+    tracker, record, layout = tracker_for(spec), ledger.reload(), spec.layout
     if record.data is not None:
         log_data_set(tracker.client, parent, f"{spec.name}-data", record.data.to_json())
     if record.cluster is not None:

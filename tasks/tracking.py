@@ -9,7 +9,6 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.tracking.dataset_input import log_data_set
 from pretrain.tracking.health import MlflowAway
@@ -34,9 +33,7 @@ def tracker_for(spec: CampaignSpec) -> Tracker:
     """The campaign's tracker; a new experiment keeps artifacts beside a shared sqlite store, in
     the workdir otherwise (:func:`pretrain.tracking.store.artifact_root`)."""
     uri = spec.tracking_uri
-    return Tracker(
-        uri, spec.tracking.experiment, artifact_root(uri, CampaignLayout(spec.workdir_path).mlflow_artifacts)
-    )
+    return Tracker(uri, spec.tracking.experiment, artifact_root(uri, spec.layout.mlflow_artifacts))
 
 
 def copy_warning(tracker: Tracker, campaign_id: str, workdir: Path) -> str | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -10,72 +12,24 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pretrain.cluster.factory import make_cluster
-from pretrain.cluster.local import recheck_nodes
 from pretrain.redact import redact
 from pretrain.run.budget import current_pause
 from pretrain.run.incidents import cause_of, incidents
 from pretrain.run.jobs import build_job, threads_per_worker, write_job
 from pretrain.run.policy import PAUSED, adoptable_attempt
-from pretrain.run.stop import CampaignInterrupted, current_stop
+from pretrain.run.stop import CampaignInterrupted, StopRequest, current_stop
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.guard import job_lease
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import CampaignRecord
 from pretrain.tracking.forwarder import ForwarderThread
-from pretrain.tracking.runs import MetricsForwarder, forwarder_backoff
+from pretrain.tracking.metrics import MetricsForwarder, forwarder_backoff
+from tasks.job_supervisor import JobSupervisor
 from tasks.tracking import open_runs_now, tracker_for
-from tasks.training_progress import StageProgress
 from trainer.job.config import JobConfig
 from trainer.job.events import EventKind
-from trainer.job.reporting import EVENTS, METRICS, JsonLines, read_all
-
-
-@dataclass
-class RejoinWatch:
-    """When lost nodes are due for a re-check (``after_s`` after they were lost; 0: never)."""
-
-    after_s: float
-    since: dict[int, float] = field(default_factory=dict)
-
-    def lost(self, node: int) -> None:
-        self.since[node] = time.monotonic()
-
-    def due(self) -> list[int]:
-        now = time.monotonic()
-        return sorted(n for n, t in self.since.items() if self.after_s and now - t >= self.after_s)
-
-
-def try_scale_up(
-    spec: CampaignSpec,
-    stage: str,
-    due: list[int],
-    rejoin: RejoinWatch,
-    events: JsonLines,
-    logger,
-    settings: PretrainSettings,
-) -> list[int]:
-    """Re-check lost nodes; the ones that pass make the job scale back up (returned). The ones
-    that fail are checked again after another ``rejoin_after_s``."""
-    baseline = Ledger.open(spec).record.node_health()
-    fit, rows = recheck_nodes(
-        make_cluster(spec.cluster, threads_per_worker(spec), settings=settings, campaign=spec),
-        spec.workdir_path,
-        due,
-        baseline,
-        spec.fault_tolerance.node_check_threshold,
-    )
-    for node in due:
-        rejoin.lost(node)  # restart its clock: re-checked later if it did not pass now
-    events.write({"event": EventKind.NODE_RECHECK, "nodes": due, "fit": fit, "rows": rows, "source": "orchestrator"})
-    if fit:
-        logger.info("stage %s: node(s) %s passed the health check again; stopping the job to scale back up", stage, fit)
-    else:
-        logger.warning(
-            "stage %s: lost node(s) %s still fail the health check; training continues without them", stage, due
-        )
-    return fit
+from trainer.job.reporting import EVENTS, METRICS, read_all
 
 
 def adoptable_launch(
@@ -92,7 +46,7 @@ def adoptable_launch(
     )
     if attempt is None:
         return None
-    path = CampaignLayout(spec.workdir_path).job_dir(stage, attempt) / "job.json"
+    path = spec.layout.job_dir(stage, attempt) / "job.json"
     try:
         launched = JobConfig.load(path)
         live = cluster.live_job(stage, attempt)
@@ -106,7 +60,7 @@ def adoptable_launch(
             stage,
             live,
             attempt,
-            launched.lease.get("generation"),
+            launched.lease.generation if launched.lease else None,
         )
         return None
     return (attempt, live) if live else None
@@ -139,7 +93,8 @@ class JobResult:
         return asdict(self)
 
 
-def summarize(job_dir: Path, attempt: int, exit_code: int, started: float, log: Path) -> JobResult:
+def read_result(job_dir: Path, attempt: int, exit_code: int, started: float, log: Path) -> JobResult:
+    """The job's result, read from its events and metrics."""
     events = read_all(job_dir / EVENTS)
     metrics = read_all(job_dir / METRICS)
     last_start = max((e["time"] for e in events if e["event"] == EventKind.START), default=started)
@@ -194,10 +149,33 @@ def run_training_job(
     read (again at every in-job restart), is used as it is, never rewritten."""
     logger = get_run_logger()
     settings = settings or PretrainSettings.from_env()
-    layout = CampaignLayout(spec.workdir_path)
     stop, pause = current_stop(), current_pause()
     if stop is not None and pause is None:  # with a pause request, train-stage does not launch once it is due
         stop.raise_if_requested(f"before stage {spec.stages[stage_index].name} attempt {attempt} started")
+    job, handle = launch(spec, stage_index, attempt, init_from, exclude, settings, adopt, logger)
+    forwarding = forward_metrics(spec, stage_index, job, stage_run_id, parent_run_id, step_offset, settings, logger)
+    supervisor = JobSupervisor(spec, stage_index, attempt, job, handle, stop, pause, logger, settings)
+    with _cleaned_up(handle, forwarding, stop):
+        supervisor.until_end()
+        if not forwarding.finish():
+            Ledger.open(spec).set_mlflow_behind(True)  # a later sync sends the rest (tasks.mlflow_sync)
+        supervisor.progress.update(final=True)
+    return summarize(supervisor, logger)
+
+
+def launch(
+    spec: CampaignSpec,
+    stage_index: int,
+    attempt: int,
+    init_from: str | None,
+    exclude: list[int],
+    settings: PretrainSettings,
+    adopt: bool,
+    logger,
+):
+    """Write the attempt's ``job.json`` (``adopt``: read the live job's own) and start the job on the
+    cluster: ``(job, handle)``."""
+    layout = spec.layout
     if adopt:
         job_path = layout.job_dir(spec.stages[stage_index].name, attempt) / "job.json"
         job = JobConfig.load(job_path)
@@ -205,19 +183,33 @@ def run_training_job(
         job = build_job(spec, stage_index, attempt, init_from)
         job_path = write_job(job)
     env = spec.credentials.child_env() if spec.credentials else None  # the blocks' credentials, for this job only
-    handle = make_cluster(spec.cluster, job.threads_per_worker, env, settings, campaign=spec).start(
+    handle = make_cluster(spec.cluster, job.cluster.threads_per_worker, env, settings, campaign=spec).start(
         job, job_path, layout, set(exclude)
     )
     for notice in handle.notices:
-        logger.warning("stage %s attempt %d: %s", job.stage, attempt, notice)
+        logger.warning("stage %s attempt %d: %s", job.stage.name, attempt, notice)
     logger.info(
         "stage %s attempt %d: %d node(s) × %d workers, job dir %s",
-        job.stage,
+        job.stage.name,
         attempt,
         spec.cluster.nodes_in_use(len(exclude)),
         spec.cluster.workers_per_node,
         job.job_dir,
     )
+    return job, handle
+
+
+def forward_metrics(
+    spec: CampaignSpec,
+    stage_index: int,
+    job: JobConfig,
+    stage_run_id: str | None,
+    parent_run_id: str | None,
+    step_offset: int,
+    settings: PretrainSettings,
+    logger,
+) -> ForwarderThread:
+    """The started thread that forwards the job's metrics and events to MLflow, never in the watch's way."""
     forwarder = MetricsForwarder(
         tracker_for(spec),
         Path(job.job_dir) / METRICS,
@@ -229,111 +221,45 @@ def run_training_job(
         backoff=forwarder_backoff(settings),
         open_runs=lambda: open_runs_now(spec, Ledger.open(spec), stage_index),
     )
-    forwarding = ForwarderThread(
-        forwarder, settings.job_poll_s, settings.mlflow_drain_s
-    ).start()  # never in this loop's way
-    progress = StageProgress(spec, stage_index, attempt, logger, settings)
-    started = time.time()
-    rejoin = RejoinWatch(spec.cluster.rejoin_after_s)
-    scaled_up: list[int] = []
-    interrupted, paused = False, None
-    # a second signal kills the job from the main thread, without waiting for this one
+    return ForwarderThread(forwarder, settings.job_poll_s, settings.mlflow_drain_s).start()
+
+
+@contextmanager
+def _cleaned_up(handle, forwarding: ForwarderThread, stop: StopRequest | None) -> Iterator[None]:
+    """While the job is watched, a second signal kills it from the main thread, without waiting for
+    the watch; after, no process and no forwarding is left, whatever ended the block."""
     forget_job = stop.kill_at_once(lambda: handle.stop(grace_s=0)) if stop is not None else None
     try:
-        code, lost, events = None, {}, JsonLines(Path(job.job_dir) / EVENTS)
-        while code is None:
-            code = handle.wait(timeout=settings.job_poll_s)
-            # not a failure: the operator's stop (under `pretrain run` a signal asks for the pause below instead)
-            if stop is not None and stop.requested.is_set() and pause is None and code != 0:
-                if code is None:
-                    logger.warning(
-                        "stage %s: %s received; stopping the job (its savers save at breakpoint, up to %.0fs)",
-                        job.stage,
-                        stop.name,
-                        settings.stop_grace_s,
-                    )
-                    handle.stop(grace_s=settings.stop_grace_s)
-                interrupted, code = True, handle.poll()
-            if code is None and pause is not None and (paused := pause.due()):
-                logger.info(
-                    "stage %s: pausing the campaign: %s; stopping the job (its savers save at breakpoint, up to %.0fs)",
-                    job.stage,
-                    paused,
-                    settings.stop_grace_s,
-                )
-                handle.stop(grace_s=settings.stop_grace_s)
-                code = handle.poll()
-            for node, exit_code in handle.lost_nodes().items() if code is None else ():
-                if node not in lost:  # a node died while the others go on
-                    lost[node] = exit_code
-                    replaced = (
-                        len(lost) <= handle.spare_nodes
-                    )  # a standby node takes its place: nothing to scale up later
-                    if not replaced:
-                        rejoin.lost(node)
-                    logger.warning(
-                        "stage %s: node %d lost (exit %s); training continues %s",
-                        job.stage,
-                        node,
-                        exit_code,
-                        "with a standby node in its place" if replaced else "on the others",
-                    )
-                    events.write(node_lost(handle, node, exit_code, standby=replaced))
-            for notice in handle.new_notices():
-                logger.warning("stage %s attempt %d: %s", job.stage, attempt, notice)
-            progress.update()
-            if code is None and (due := rejoin.due()):
-                scaled_up = try_scale_up(spec, job.stage, due, rejoin, events, logger, settings)
-                if scaled_up:
-                    handle.stop(
-                        grace_s=settings.scale_up_grace_s
-                    )  # the savers persist the newest snapshot on the way out
-                    code = handle.poll()
-        for node in set(handle.silent) - set(lost):  # stopped as the job ended (a job of one node: its failure)
-            events.write(node_lost(handle, node, handle.lost_nodes().get(node), standby=False))
-        if code and not (interrupted or paused) and stop is not None and stop.requested.is_set():
-            interrupted = True  # killed at once by the operator's second signal before a pause began: no job failure
-        if not forwarding.finish():
-            Ledger.open(spec).set_mlflow_behind(True)  # a later sync sends the rest (tasks.mlflow_sync)
-        progress.update(final=True)
+        yield
     finally:
         forwarding.stop()  # on any error: it drains on its own, nobody waits for it
         handle.stop()  # no-op after a clean exit; on any error (or cancel) no process is left
         if forget_job is not None:
             forget_job()
+
+
+def summarize(supervisor: JobSupervisor, logger) -> JobResult:
+    """The ended job's result, with what its supervisor saw; raises ``CampaignInterrupted`` when the
+    operator stopped it."""
+    handle, code, stage, stop = supervisor.handle, supervisor.code, supervisor.stage, supervisor.stop
     for node, tail in handle.failure_logs().items() if code else ():
-        logger.error("stage %s: node %d failed; the end of its log:\n%s", job.stage, node, redact(tail))
-    result = summarize(Path(job.job_dir), attempt, code, started, Path(handle.logs[0]))
-    if interrupted:
+        logger.error("stage %s: node %d failed; the end of its log:\n%s", stage, node, redact(tail))
+    result = read_result(supervisor.job_dir, supervisor.attempt, code, supervisor.started, Path(handle.logs[0]))
+    if supervisor.interrupted:
         saved = result.last_checkpoint_step
         raise CampaignInterrupted(
-            f"campaign interrupted by {stop.name}: stage {job.stage} stopped ("
+            f"campaign interrupted by {stop.name}: stage {stage} stopped ("
             + (f"newest checkpoint: step {saved})" if saved else "no checkpoint in this attempt)"),
             stop.signum,
         )
-    if scaled_up:
-        result.cause, result.scaled_up = "scale_up", scaled_up
-    if paused and code != 0:
-        result.cause, result.paused, result.time_lost_s = PAUSED, paused, 0.0
+    if supervisor.scaled_up:
+        result.cause, result.scaled_up = "scale_up", supervisor.scaled_up
+    if supervisor.paused and code != 0:
+        result.cause, result.paused, result.time_lost_s = PAUSED, supervisor.paused, 0.0
     for r in result.resumes:
         if r["source"] == "checkpoint":
-            logger.info(
-                "stage %s: workers resumed from step %d (%s)", job.stage, r["step"], redact(str(r["checkpoint"]))
-            )
+            logger.info("stage %s: workers resumed from step %d (%s)", stage, r["step"], redact(str(r["checkpoint"])))
     return result
-
-
-def node_lost(handle, node: int, exit_code: int | None, standby: bool) -> dict:
-    """The orchestrator's record of a lost node (``standby``: a standby node takes its place), with
-    how long it had been silent when the handle stopped it for that."""
-    return {
-        "event": EventKind.NODE_LOST,
-        "node": node,
-        "exit_code": exit_code,
-        "standby": standby,
-        "source": "orchestrator",
-        **({"silent_s": handle.silent[node]} if node in handle.silent else {}),
-    }
 
 
 __all__ = ["JobResult", "adoptable_launch", "run_training_job"]

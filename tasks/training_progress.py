@@ -15,7 +15,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import StageRecord
 from pretrain.views.training_progress import Throttle, TrainingSnapshot, job_watch, progress_extra
@@ -32,7 +32,7 @@ class StageProgress:
         self.logger, self._campaign = logger, spec.name
         self.campaign_total = sum(s.steps for s in spec.stages)
         self.offset = spec.step_offset(stage_index)
-        layout = CampaignLayout(spec.workdir_path)
+        layout = spec.layout
         self.watch = job_watch(
             spec.workdir_path, stage.name, attempt, stage.steps, lambda: _stage_record(layout, stage.name)
         )

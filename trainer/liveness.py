@@ -19,12 +19,13 @@ import time
 from pathlib import Path
 
 from trainer.common.atomic import atomic_write_json
+from trainer.job.layout import JobLayout
 
 LIVENESS_INTERVAL_S = 1.0  # how often an agent refreshes its liveness file
 
 
 def liveness_path(job_dir: str | Path, node: int) -> Path:
-    return Path(job_dir) / "nodes" / f"node{node}.json"
+    return JobLayout.of(job_dir).liveness(node)
 
 
 class NodeLiveness:

@@ -1,4 +1,6 @@
-"""The training loop of one stage, run by every worker of the job."""
+"""The training loop of one stage, run by every worker of the job: ``train`` steps a ``Trainer``
+(the rank's state) to the stage's last step, rolling back after a loss anomaly and, when a peer
+is lost, rejoining the survivors' next group."""
 
 from __future__ import annotations
 
@@ -11,54 +13,23 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.checkpoint import state
-from trainer.checkpoint.flash import SnapshotStore
-from trainer.checkpoint.shm import ShmTooSmall
+from trainer.checkpoint.checkpointer import Checkpointer, open_snapshots, snapshot_capacity
+from trainer.checkpoint.checkpointer import checkpoint as checkpoint  # imported from here by tests
+from trainer.data.cache import job_data
 from trainer.data.sampler import TokenWindows, make_batch, make_sampler, micro_batch_positions
-from trainer.dist import DistInfo, all_reduce_mean, is_initialized, local_world_size
+from trainer.dist import DistInfo, all_reduce_mean, is_initialized
 from trainer.job.config import JobConfig
 from trainer.job.events import EventKind
 from trainer.job.reporting import EVENTS, METRICS, JsonLines
 from trainer.model import GPT, lm_loss, lr_at, param_groups
+from trainer.resilience import rollback
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, record_skip, skip_past
 from trainer.resilience.chaos import WorkerChaos
 from trainer.resilience.heartbeat import Heartbeat
 from trainer.resilience.nodecheck import check_after_restart, this_node
-from trainer.resilience.peers import Peers, rejoin
-from trainer.resilience.rollback import roll_back, skip_windows
+from trainer.resilience.peers import Peers
+from trainer.resilience.peers import rejoin as rejoin_survivors
 from trainer.resilience.survivor_interrupt import Interrupt
-
-
-def checkpoint(
-    cfg: JobConfig,
-    info: DistInfo,
-    snapshots,
-    events: JsonLines,
-    *,
-    step: int,
-    consumed: int,
-    model,
-    optimizer,
-    loss: float | None = None,
-) -> float | None:
-    """Take the checkpoint due at ``step``, if any; returns the seconds training was blocked (the
-    state gathered and saved, or copied into shared memory), None if no checkpoint was due."""
-    last = step == cfg.optim.steps
-    persist = step % cfg.ckpt_interval == 0 or last
-    if snapshots is None:
-        if not persist:
-            return None
-        t0 = time.perf_counter()
-        ref = state.save(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer, loss=loss)
-        if info.rank == 0:
-            events.write({"event": EventKind.CHECKPOINT, "step": step, "path": str(ref.path)})
-        return time.perf_counter() - t0
-    if not (persist or step % cfg.memory_interval == 0):
-        return None
-    t0 = time.perf_counter()  # training waits for the state dict to be gathered as well as copied
-    st = state.training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer, loss=loss)
-    if snapshots.snapshot(step, st, persist=persist, wait=last) is None:
-        events.write({"event": EventKind.SNAPSHOT_SKIPPED, "rank": info.rank, "step": step, "reason": "slot busy"})
-    return time.perf_counter() - t0
 
 
 def seed_everything(seed: int, device: torch.device) -> None:
@@ -86,21 +57,8 @@ def build_model(cfg: JobConfig, device: torch.device) -> tuple[GPT, torch.optim.
         for block in model.h:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(param_groups(model, cfg.stage.weight_decay), lr=cfg.stage.lr, betas=(0.9, 0.95), eps=1e-8)
     return model, opt
-
-
-def snapshot_capacity(cfg: JobConfig, rank: int, world_size: int = 1) -> int:
-    """Bytes one shared-memory slot needs, known before the model is built: fp32 model (its
-    state dict lists the tied embedding twice) + two AdamW moments — on rank 0, where the DDP
-    replica is snapshotted, or a 1/world piece (plus a row of rounding per tensor) on every
-    FSDP rank; RNG and data position on every rank; room for the layout record."""
-    m = cfg.model
-    model_bytes = 4 * (m.num_params() + m.vocab_size * m.d_model)
-    if state.is_sharded(cfg):
-        rounding = 4 * 4 * m.d_model * (12 * m.n_layer + 8)  # at most one (≤ 4·d_model wide) row per tensor
-        return 3 * (-(-model_bytes // world_size) + rounding) + (1 << 20)
-    return (3 * model_bytes if rank == 0 else 0) + (1 << 20)
 
 
 def grad_sync(net, model, last: bool):
@@ -110,22 +68,6 @@ def grad_sync(net, model, last: bool):
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(last)
     return nullcontext()
-
-
-def open_snapshots(cfg: JobConfig, info: DistInfo, capacity: int, shm_ns: str | None, events: JsonLines):
-    """The rank's snapshot slots, allocated and touched now (off the training path); None for
-    direct checkpoints (no shared memory configured, or too little of it with fallback on)."""
-    if not shm_ns:
-        return None
-    first = info.rank - info.local_rank  # ranks are laid out node by node
-    node = {lr: snapshot_capacity(cfg, first + lr, info.world_size) for lr in range(local_world_size())}
-    try:
-        return SnapshotStore(shm_ns, info.local_rank, info.rank, info.world_size, capacity, node)
-    except ShmTooSmall as err:
-        if not cfg.shm_fallback:
-            raise
-        events.write({"event": EventKind.SHM_FALLBACK, "rank": info.rank, "reason": str(err)})
-        return None
 
 
 class NodeExcluded(RuntimeError):
@@ -156,7 +98,8 @@ def wrap(cfg: JobConfig, info: DistInfo, model):
 
 
 def spike_detector(cfg: JobConfig) -> SpikeDetector:
-    return SpikeDetector(**cfg.spike) if cfg.spike else SpikeDetector(50, 0.0, 1)
+    ft = cfg.fault_tolerance
+    return SpikeDetector(ft.spike_window, ft.spike_zscore, ft.spike_min_steps)
 
 
 def train(
@@ -171,197 +114,261 @@ def train(
     are flash snapshots persisted by the node's saver; without, they are written directly.
     ``warm``: model and optimizer a warm spare built ahead; ``peers``: the link to the node
     agent's fast recovery (survivors of a lost peer rejoin a new group instead of exiting)."""
-    o = cfg.optim
-    if warm is None:  # a warm spare seeded before it built its model
-        seed_everything(cfg.seed, info.device)
-    job_dir = Path(cfg.job_dir)
-    events = JsonLines(job_dir / EVENTS)
-    metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
-    beat = heartbeat.beat if heartbeat is not None else (lambda phase, step, collective=False: None)
-
-    def wait_for_spare(drill: int, victim: bool) -> None:
-        """Before a drill takes a worker away. Waiting is not a step (its time must not stretch
-        the adapted step timeout); the step goes on after it (a hang in the drill is a step's)."""
-        peers.wait_for_spare(lambda: beat("startup", step), drill, victim)
-        beat("step", step)
-
-    chaos = WorkerChaos(
-        cfg.chaos,
-        cfg.job_dir,
-        info.rank,
-        events.write,
-        node=this_node(),
-        before_loss=wait_for_spare if peers is not None and peers.warm_spares else None,
-    )
-    spikes = spike_detector(cfg)
-    windows_to_skip = skip_windows(cfg)
-    accum = o.accum_for(info.world_size)
-
-    if info.restart_count > 0 and info.world_size > 1 and info.epoch == 0:  # not a replacement joining survivors
-        recheck_nodes(cfg, info, chaos, events)
-    snapshots = open_snapshots(cfg, info, snapshot_capacity(cfg, info.rank, info.world_size), shm_ns, events)
-    model, opt = warm or build_model(cfg, info.device)
-    interrupt = Interrupt(peers.next_epoch_announced) if peers is not None else None
-    if interrupt is not None:  # the agent stops a step that cannot complete as soon as it saw a peer die
-        interrupt.install(model)
-    # a replacement joining survivors (epoch > 0) takes the state they kept, if they agree on it
-    restored = (
-        info.epoch > 0 and state.kept_by_survivors(cfg, info, None, model=model, optimizer=opt)
-    ) or state.restore(cfg, info, model=model, optimizer=opt, snapshots=snapshots)
-    step, consumed = restored.step, restored.consumed
-    events.write(
-        {
-            "event": EventKind.START,
-            "rank": info.rank,
-            "node": this_node(),
-            "world_size": info.world_size,
-            "restart_count": info.restart_count,
-            "epoch": info.epoch,
-            "step": step,
-            "source": restored.source,
-            "checkpoint": restored.checkpoint,
-        }
-    )
-
-    net = wrap(cfg, info, model)
-    if peers is not None:
-        peers.ready(restored, events.write)
-    windows = TokenWindows(cfg.local_data(on_progress=lambda: beat("startup", step)), "train", o.seq_len)
-    sampler = make_sampler(windows, cfg.mixture, cfg.seed, cfg.stage_index)
-    global_batch = info.world_size * o.micro_batch * accum
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext()
-
-    stalled = 0.0  # seconds checkpoints blocked training since the last metrics line
-    while step < o.steps:
+    trainer = Trainer(cfg, info, shm_ns, heartbeat, warm, peers)
+    while trainer.step < cfg.stage.steps:
         try:
-            beat("step", step)
-            chaos.before_step(step + 1)
-            beat("step", step, collective=True)  # waiting from here on is waiting for the peers
-            t0 = time.perf_counter()
-            consumed = skip_past(consumed, windows_to_skip)
-            lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=o.warmup_steps, total=o.steps)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            loss_sum = torch.zeros((), device=info.device)
-            factor = chaos.loss_factor(step + 1)
-            for m in range(accum):
-                positions = micro_batch_positions(
-                    consumed, world=info.world_size, rank=info.rank, micro=o.micro_batch, accum_index=m
-                )
-                x, y = (t.to(info.device, non_blocking=True) for t in make_batch(windows, sampler, positions))
-                with grad_sync(net, model, last=m == accum - 1):
-                    with autocast:
-                        loss = lm_loss(net(x), y) / accum
-                        if factor != 1.0:
-                            loss = loss * factor
-                    loss.backward()
-                loss_sum += loss.detach().float()
-            mean_loss = all_reduce_mean(loss_sum).item()
-            anomaly = spikes.check(mean_loss)
-            if anomaly:  # before the update: the rollback target never contains this step
-                err = LossAnomaly(anomaly, step + 1, mean_loss, (consumed, consumed + global_batch))
-                if info.rank == 0:
-                    record_skip(cfg.job_dir, err)
-                    events.write(
-                        {
-                            "event": EventKind.ANOMALY,
-                            "kind": anomaly,
-                            "step": step + 1,
-                            "loss": repr(mean_loss),
-                            "skip": list(err.window),
-                        }
-                    )
-                if not cfg.rollback_in_process:
-                    raise err  # the elastic agent restarts the workers, which roll back on start-up
-                beat("startup", step)  # restoring, as a restarted worker would
-                restored, windows_to_skip = roll_back(
-                    cfg,
-                    info,
-                    err,
-                    model=model,
-                    optimizer=opt,
-                    snapshots=snapshots,
-                    spikes=spikes,
-                    write_event=events.write,
-                )
-                step, consumed = restored.step, restored.consumed
+            try:
+                loss = trainer.train_step()
+            except LossAnomaly as err:
+                trainer.roll_back(err)  # in process, or raised again for the agent to restart the workers
                 continue
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            consumed += global_batch
-            dt = time.perf_counter() - t0
-            beat("checkpoint", step)
-            record = None
-            if metrics is not None and (step % cfg.log_every == 0 or step == o.steps):
-                record = {
-                    "step": step,
-                    "loss": mean_loss,
-                    "lr": lr,
-                    "grad_norm": float(grad_norm),
-                    "step_time": dt,
-                    "tokens_per_s": global_batch * o.seq_len / dt,
-                    "consumed": consumed,
-                    "tokens": consumed * o.seq_len,  # tokens seen in this stage (MLflow: tokens_seen)
-                    "world_size": info.world_size,
-                    "grad_accum": accum,
-                }
-            last = step == o.steps
-            if record is not None and not last:
-                # written before this step's checkpoint: a worker stopped during or right after it resumes from
-                # this step and never trains it again, so a line written afterwards would be lost; ``ckpt_block_s``
-                # is then the time checkpoints blocked training since the previous line
-                metrics.write(record if not stalled else {**record, "ckpt_block_s": stalled})
-                stalled = 0.0
-            stalled += (
-                checkpoint(
-                    cfg,
-                    info,
-                    snapshots,
-                    events,
-                    step=step,
-                    consumed=consumed,
-                    model=model,
-                    optimizer=opt,
-                    loss=mean_loss,
-                )
-                or 0.0
-            )
-            if record is not None and last:  # the last line carries the final checkpoint's own blocking
-                metrics.write(record if not stalled else {**record, "ckpt_block_s": stalled})
+            trainer.after_step(loss)
         except RuntimeError as err:
-            beat("startup", step)  # not stalled: hearing from the agent whether a peer was lost
+            trainer.beat("startup", trainer.step)  # not stalled: hearing from the agent whether a peer was lost
             if peers is None or (lost := peers.announced(err)) is None:
                 raise
         else:
             continue
-        net = loss = None  # the broken group's DDP reducer goes with its wrapper
-        info, restored = rejoin(cfg, info, peers, (step, consumed), model=model, optimizer=opt, snapshots=snapshots)
-        step, consumed, spikes, windows_to_skip = (
-            restored.step,
-            restored.consumed,
-            spike_detector(cfg),
-            skip_windows(cfg),
+        trainer.rejoin(lost)
+    return trainer.finish()
+
+
+class Trainer:
+    """One rank's run of a stage: what ``train`` steps through, set up as the worker starts (its
+    state restored) and kept across a rollback or a survivor's rejoin."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        info: DistInfo,
+        shm_ns: str | None = None,
+        heartbeat: Heartbeat | None = None,
+        warm: tuple | None = None,
+        peers: Peers | None = None,
+    ):
+        if warm is None:  # a warm spare seeded before it built its model
+            seed_everything(cfg.seed, info.device)
+        self.cfg, self.info, self.peers = cfg, info, peers
+        job_dir = Path(cfg.job_dir)
+        self.events = JsonLines(job_dir / EVENTS)
+        self.metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
+        self.beat = heartbeat.beat if heartbeat is not None else (lambda phase, step, collective=False: None)
+        self.chaos = WorkerChaos(
+            cfg.chaos,
+            cfg.job_dir,
+            info.rank,
+            self.events.write,
+            node=this_node(),
+            before_loss=self.wait_for_spare if peers is not None and peers.warm_spares else None,
         )
-        net = wrap(cfg, info, model)
-        peers.ready(restored, events.write)
-        events.write(
+        self.spikes = spike_detector(cfg)
+        self.windows_to_skip = rollback.skip_windows(cfg)
+        self.accum = cfg.stage.accum_for(info.world_size)
+
+        if info.restart_count > 0 and info.world_size > 1 and info.epoch == 0:  # not a replacement joining survivors
+            recheck_nodes(cfg, info, self.chaos, self.events)
+        self.snapshots = open_snapshots(
+            cfg, info, snapshot_capacity(cfg, info.rank, info.world_size), shm_ns, self.events
+        )
+        self.model, self.optimizer = warm or build_model(cfg, info.device)
+        self.checkpointer = Checkpointer(
+            cfg, info, self.snapshots, self.events, model=self.model, optimizer=self.optimizer
+        )
+        self.interrupt = Interrupt(peers.next_epoch_announced) if peers is not None else None
+        if self.interrupt is not None:  # the agent stops a step that cannot complete as soon as it saw a peer die
+            self.interrupt.install(self.model)
+        self.start()
+
+    def start(self) -> None:
+        """The state to train from (restored), the model's wrapper, the data."""
+        cfg, info, o = self.cfg, self.info, self.cfg.stage
+        # a replacement joining survivors (epoch > 0) takes the state they kept, if they agree on it
+        restored = (
+            info.epoch > 0 and state.kept_by_survivors(cfg, info, None, model=self.model, optimizer=self.optimizer)
+        ) or state.restore(cfg, info, model=self.model, optimizer=self.optimizer, snapshots=self.snapshots)
+        self.step, self.consumed = restored.step, restored.consumed
+        self.events.write(
             {
-                "event": EventKind.REJOINED,
+                "event": EventKind.START,
                 "rank": info.rank,
+                "node": this_node(),
+                "world_size": info.world_size,
+                "restart_count": info.restart_count,
                 "epoch": info.epoch,
-                "lost_ranks": lost["lost"],
-                "step": step,
-                "interrupted": interrupt.clear(),
+                "step": self.step,
+                "source": restored.source,
+                "checkpoint": restored.checkpoint,
             }
         )
-    if snapshots is not None:
-        beat("checkpoint", step)
-        snapshots.flush()
-        state.wait_committed(cfg, info, o.steps)
-    events.write({"event": EventKind.DONE, "rank": info.rank, "step": step})
-    events.close()
-    if metrics is not None:
-        metrics.close()
-    return step
+
+        self.net = wrap(cfg, info, self.model)
+        if self.peers is not None:
+            self.peers.ready(restored, self.events.write)
+        data = job_data(cfg, on_progress=lambda: self.beat("startup", self.step))
+        self.windows = TokenWindows(data, "train", o.seq_len)
+        self.sampler = make_sampler(self.windows, cfg.stage.mixture, cfg.seed, cfg.stage.index)
+        self.global_batch = info.world_size * o.micro_batch * self.accum
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext()
+        self.lr = self.grad_norm = self.step_time = None  # the last step's, for its metrics line
+        self.stalled = 0.0  # seconds checkpoints blocked training since the last metrics line
+
+    def wait_for_spare(self, drill: int, victim: bool) -> None:
+        """Before a drill takes a worker away. Waiting is not a step (its time must not stretch
+        the adapted step timeout); the step goes on after it (a hang in the drill is a step's)."""
+        self.peers.wait_for_spare(lambda: self.beat("startup", self.step), drill, victim)
+        self.beat("step", self.step)
+
+    def train_step(self) -> float:
+        """One optimizer step: the learning rate, the micro-batches (gradients reduced on the last),
+        the loss averaged over the ranks, the update; returns the mean loss. A loss anomaly is
+        raised (``LossAnomaly``) before the update."""
+        info, o, step = self.info, self.cfg.stage, self.step
+        self.beat("step", step)
+        self.chaos.before_step(step + 1)
+        self.beat("step", step, collective=True)  # waiting from here on is waiting for the peers
+        t0 = time.perf_counter()
+        self.consumed = skip_past(self.consumed, self.windows_to_skip)
+        self.lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=o.warmup_steps, total=o.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+        loss_sum = torch.zeros((), device=info.device)
+        factor = self.chaos.loss_factor(step + 1)
+        for m in range(self.accum):
+            positions = micro_batch_positions(
+                self.consumed, world=info.world_size, rank=info.rank, micro=o.micro_batch, accum_index=m
+            )
+            x, y = (t.to(info.device, non_blocking=True) for t in make_batch(self.windows, self.sampler, positions))
+            with grad_sync(self.net, self.model, last=m == self.accum - 1):
+                with self.autocast:
+                    loss = lm_loss(self.net(x), y) / self.accum
+                    if factor != 1.0:
+                        loss = loss * factor
+                loss.backward()
+            loss_sum += loss.detach().float()
+        mean_loss = all_reduce_mean(loss_sum).item()
+        anomaly = self.spikes.check(mean_loss)
+        if anomaly:  # before the update: the rollback target never contains this step
+            raise self.anomaly(anomaly, mean_loss)
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.consumed += self.global_batch
+        self.step_time = time.perf_counter() - t0
+        return mean_loss
+
+    def anomaly(self, kind: str, loss: float) -> LossAnomaly:
+        """The anomaly of the step being trained; rank 0 records its samples to skip and reports it."""
+        err = LossAnomaly(kind, self.step + 1, loss, (self.consumed, self.consumed + self.global_batch))
+        if self.info.rank == 0:
+            record_skip(self.cfg.job_dir, err)
+            self.events.write(
+                {
+                    "event": EventKind.ANOMALY,
+                    "kind": kind,
+                    "step": self.step + 1,
+                    "loss": repr(loss),
+                    "skip": list(err.window),
+                }
+            )
+        return err
+
+    def after_step(self, loss: float) -> None:
+        """The step's metrics line (rank 0, every ``log_every`` steps and at the last) and the
+        checkpoint, if the checkpointer finds one due."""
+        cfg, step = self.cfg, self.step
+        self.beat("checkpoint", step)
+        record = None
+        if self.metrics is not None and (step % cfg.tracking.log_every == 0 or step == cfg.stage.steps):
+            record = self.record(loss)
+        last = step == cfg.stage.steps
+        if record is not None and not last:
+            # written before this step's checkpoint: a worker stopped during or right after it resumes from
+            # this step and never trains it again, so a line written afterwards would be lost; ``ckpt_block_s``
+            # is then the time checkpoints blocked training since the previous line
+            self.log(record)
+        self.stalled += self.checkpointer.save(step, consumed=self.consumed, loss=loss) or 0.0
+        if record is not None and last:  # the last line carries the final checkpoint's own blocking
+            self.log(record)
+
+    def record(self, loss: float) -> dict:
+        """The metrics line of the step just trained."""
+        o, dt = self.cfg.stage, self.step_time
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": self.lr,
+            "grad_norm": float(self.grad_norm),
+            "step_time": dt,
+            "tokens_per_s": self.global_batch * o.seq_len / dt,
+            "consumed": self.consumed,
+            "tokens": self.consumed * o.seq_len,  # tokens seen in this stage (MLflow: tokens_seen)
+            "world_size": self.info.world_size,
+            "grad_accum": self.accum,
+        }
+
+    def log(self, record: dict) -> None:
+        self.metrics.write(record if not self.stalled else {**record, "ckpt_block_s": self.stalled})
+        self.stalled = 0.0
+
+    def roll_back(self, err: LossAnomaly) -> None:
+        """After a loss anomaly: every rank back to the newest state before it, the anomaly's samples
+        skipped from now on; or ``err`` raised again when the workers are to be restarted."""
+        if not self.cfg.fault_tolerance.rollback_in_process:
+            raise err  # the elastic agent restarts the workers, which roll back on start-up
+        self.beat("startup", self.step)  # restoring, as a restarted worker would
+        restored, self.windows_to_skip = rollback.roll_back(
+            self.cfg,
+            self.info,
+            err,
+            model=self.model,
+            optimizer=self.optimizer,
+            snapshots=self.snapshots,
+            spikes=self.spikes,
+            write_event=self.events.write,
+        )
+        self.step, self.consumed = restored.step, restored.consumed
+
+    def rejoin(self, lost: dict) -> None:
+        """A survivor's part of a fast recovery (``lost``: the agent's record of the next epoch): the
+        next epoch's group, the state every rank agrees on, the model wrapped for the new group."""
+        self.net = None  # the broken group's DDP reducer goes with its wrapper
+        self.info, restored = rejoin_survivors(
+            self.cfg,
+            self.info,
+            self.peers,
+            (self.step, self.consumed),
+            model=self.model,
+            optimizer=self.optimizer,
+            snapshots=self.snapshots,
+        )
+        self.step, self.consumed, self.spikes, self.windows_to_skip = (
+            restored.step,
+            restored.consumed,
+            spike_detector(self.cfg),
+            rollback.skip_windows(self.cfg),
+        )
+        self.checkpointer.info = self.info  # checkpoints are the new group's
+        self.net = wrap(self.cfg, self.info, self.model)
+        self.peers.ready(restored, self.events.write)
+        self.events.write(
+            {
+                "event": EventKind.REJOINED,
+                "rank": self.info.rank,
+                "epoch": self.info.epoch,
+                "lost_ranks": lost["lost"],
+                "step": self.step,
+                "interrupted": self.interrupt.clear(),
+            }
+        )
+
+    def finish(self) -> int:
+        """After the last step: the snapshots persisted and committed, the run's last event; the final step."""
+        if self.snapshots is not None:
+            self.beat("checkpoint", self.step)
+            self.checkpointer.flush()
+        self.events.write({"event": EventKind.DONE, "rank": self.info.rank, "step": self.step})
+        self.events.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        return self.step

@@ -13,7 +13,6 @@ import os
 import sys
 import traceback
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from trainer.common.process import exit_when_orphaned
 from trainer.dist import Identity, connect_store, init_distributed, pick_backend, shutdown_and_exit
 from trainer.job.config import JobConfig
 from trainer.job.events import EventKind, error_event
-from trainer.job.reporting import EVENTS, JsonLines
+from trainer.job.reporting import JsonLines
 from trainer.loop import build_model, seed_everything, train
 from trainer.resilience.heartbeat import Heartbeat, collective_timeout_s
 from trainer.resilience.nodecheck import this_node
@@ -37,7 +36,7 @@ def warm_up(cfg: JobConfig) -> tuple | None:
     """A spare's model and optimizer, built on the CPU as a fresh worker builds them (a fresh
     worker builds on the CPU too, then moves the model to its device). None under FSDP: its model
     is sharded over the process group, so it is built after joining."""
-    if cfg.parallelism == "fsdp":
+    if cfg.cluster.parallelism == "fsdp":
         return None
     seed_everything(cfg.seed, torch.device("cpu"))
     return build_model(cfg, torch.device("cpu"))
@@ -46,7 +45,7 @@ def warm_up(cfg: JobConfig) -> tuple | None:
 def placed(warm: tuple | None, cfg: JobConfig, me: Identity) -> tuple | None:
     """The spare's model on the device of the rank it took (the optimizer has no state yet: its
     parameters are moved in place)."""
-    if warm is not None and pick_backend(cfg.backend) == "nccl":
+    if warm is not None and pick_backend(cfg.cluster.backend) == "nccl":
         warm[0].to(torch.device("cuda", me.local_rank))
     return warm
 
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = JobConfig.load(args.job)
     # OMP_NUM_THREADS from the agent counts too when this process was forked with torch imported
     # (trainer.zygote.client): torch read the variable when the zygote imported it
-    threads = cfg.threads_per_worker or int(os.environ.get("OMP_NUM_THREADS") or 0)
+    threads = cfg.cluster.threads_per_worker or int(os.environ.get("OMP_NUM_THREADS") or 0)
     if threads:
         torch.set_num_threads(threads)
     code, me, bound_s = 0, Identity.from_env(), fast_recovery_bound_s()
@@ -76,13 +75,13 @@ def main(argv: list[str] | None = None) -> None:
         me = replace(me, restart_count=args.round)
     fast = bound_s > 0
     try:
-        timeout_s = collective_timeout_s(cfg.hang_timeouts)
+        timeout_s = collective_timeout_s(cfg.fault_tolerance.phase_timeouts)
         # rank 0 hosts a round's own store; a spare (whose RANK is not its own yet) never does
         store = connect_store(timeout_s, me.rank if args.spare is None else -1) if fast else None
         warm = None
         if args.spare is not None:
             warm = warm_up(cfg)
-            JsonLines(Path(cfg.job_dir) / EVENTS).write({"event": EventKind.SPARE_READY, "spare": args.spare})
+            JsonLines(cfg.layout.events).write({"event": EventKind.SPARE_READY, "spare": args.spare})
             try:
                 me = wait_for_rank(store, args.spare, this_node())
             except dist.DistError as err:  # the round's store went away (its rank 0 was lost): it was no rank yet
@@ -98,12 +97,12 @@ def main(argv: list[str] | None = None) -> None:
         heartbeat = Heartbeat(cfg.job_dir, me.local_rank, me.rank)
         dump_on_signal(stack_path(heartbeat.path))  # a hung worker's stacks, taken before it is killed
         heartbeat.beat("startup", 0)
-        info = init_distributed(cfg.backend, timeout_s=timeout_s, me=me, base=store)
+        info = init_distributed(cfg.cluster.backend, timeout_s=timeout_s, me=me, base=store)
         peers = Peers.from_env(store, me, info.backend, timeout_s) if fast else None
         train(cfg, info, shm_ns=args.shm, heartbeat=heartbeat, warm=warm, peers=peers)
     except BaseException as err:  # noqa: BLE001 - report every failure, then exit non-zero
         traceback.print_exc()
-        report = JsonLines(Path(cfg.job_dir) / EVENTS)
+        report = JsonLines(cfg.layout.events)
         report.write(error_event(err, rank=me.rank, traceback=traceback.format_exc()[-2000:]))
         finish_digests(DIGEST_WAIT_S)
         code = exit_code(err, fast)

@@ -1,5 +1,6 @@
-"""``python -m trainer.zygote_exec --zygote PATH [--unbuffered] [--env NAME=VALUE] MODULE ARGV...``: run ``python -m MODULE ARGV``
-forked from a zygote, for a launcher that can only start a command line (torch's elastic agent).
+"""``python -m trainer.zygote_exec --zygote PATH [--unbuffered] [--env NAME=VALUE] MODULE ARGV...``: run
+``python -m MODULE ARGV`` forked from a zygote, for a launcher that can only start a command line (torch's elastic
+agent).
 
 It stands in for the process it asks for: the child gets this process's environment, working
 directory and standard streams; SIGTERM, SIGINT and SIGHUP sent to this process are passed on to

@@ -7,7 +7,7 @@ campaign's validation gate it writes no verdict next to the checkpoint.
 from __future__ import annotations
 
 from pretrain.checkpoints.info import CheckpointInfo, CheckpointRejected
-from pretrain.spec.sections import ValidationSpec
+from pretrain.spec.checkpoints import ValidationSpec
 from trainer.evaluate import EVAL_BATCH_SIZE, Verdict, evaluate, validate
 
 DEFAULT_BATCHES = ValidationSpec.model_fields["eval_batches"].default  # with no spec: the spec's default

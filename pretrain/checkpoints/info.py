@@ -16,12 +16,11 @@ from pathlib import Path
 from pretrain.data.campaign import validation_data
 from pretrain.run.jobs import model_config
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.locations import client_options
 from trainer.checkpoint.records import DamagedRecord, Manifest
 from trainer.checkpoint.store import MANIFEST, CheckpointStore
 from trainer.data.cache import local_data_dir
-from trainer.data.sampler import DataError, read_manifest
+from trainer.data.manifest import DataError, read_manifest
 from trainer.job.config import ModelConfig
 
 
@@ -73,7 +72,7 @@ def spec_overrides(spec: CampaignSpec, data_dir: str | Path | None = None) -> di
         "model": model_config(spec, vocab),
         "data_dir": data_dir,
         "options": client_options(spec),
-        "cache_dir": CampaignLayout(spec.workdir_path).data_cache,
+        "cache_dir": spec.layout.data_cache,
     }
 
 

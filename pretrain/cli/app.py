@@ -64,7 +64,7 @@ def run(
         if why := not_runnable(campaign.cluster):
             raise SpecError(why)
     from pretrain.cli.before_start import refuse_before_starting
-    from pretrain.state.layout import UnusableWorkdir
+    from pretrain.spec.layout import UnusableWorkdir
     from pretrain.state.ledger import CampaignMismatch, LedgerError
 
     with refused(LedgerError, CampaignMismatch, UnusableWorkdir):

@@ -12,7 +12,7 @@ block references (it is hashed as resolved).
 from __future__ import annotations
 
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout, ensure_workdir
+from pretrain.spec.layout import ensure_workdir
 from pretrain.state.ledger import Ledger, ledger_location
 from pretrain.state.remote import refuse_foreign_workdir
 
@@ -24,7 +24,7 @@ def refuse_before_starting(campaign: CampaignSpec, sources: bool = False) -> Non
     blocks = campaign.blocks
     if blocks.storage is None:  # else the block decides the workdir: the spec's is not used
         ensure_workdir(campaign.workdir_path)
-        layout = CampaignLayout(campaign.workdir_path)
+        layout = campaign.layout
         if campaign.checkpoint.state_uri is not None:  # the workdir keeps a copy of that campaign's ledger, or nothing
             refuse_foreign_workdir(layout.ledger, ledger_location(campaign))
         elif (ledger := Ledger.read(layout)) and not blocks.any():

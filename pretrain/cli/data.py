@@ -48,7 +48,8 @@ def prepare(
         10.0, "--interval", min=0.0, help="Seconds between progress lines when not on a terminal."
     ),
 ) -> None:
-    """Prepare (or reuse) the campaign's data set as `pretrain run` does first, then print its stats; after a kill, the same command resumes."""
+    """Prepare (or reuse) the campaign's data set as `pretrain run` does first, then print its stats; after a kill,
+    the same command resumes."""
     from pretrain.spec.campaign import SpecError
     from pretrain.spec.file import load_spec
 
@@ -122,7 +123,8 @@ def inspect(
         False, "--all-sources", help="One row per source file (default: the first 20, the others summed)."
     ),
 ) -> None:
-    """Print a data set's stats (documents, tokens, sources, skips, duplicates, tokenizer, fingerprint) and decode a few random train windows."""
+    """Print a data set's stats (documents, tokens, sources, skips, duplicates, tokenizer, fingerprint) and decode a
+    few random train windows."""
     from pretrain.cli.workdir_lookup import campaign_data_set, is_campaign_workdir
     from pretrain.data.inspection import SOURCE_ROWS, InspectError, inspect_data_set
     from pretrain.state.ledger import LedgerError

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from pretrain.views.status import NoCampaign
 
 RUNS = "runs"  # the specs' default workdir is ./runs/{name}

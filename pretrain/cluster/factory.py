@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from pretrain.cluster.local import Cluster, ClusterError, LocalCluster, not_runnable
 from pretrain.settings import PretrainSettings
-from pretrain.spec.sections import ClusterSpec
+from pretrain.spec.cluster import ClusterSpec
 
 
 def make_cluster(
@@ -30,7 +30,7 @@ def make_cluster(
         if campaign is None:
             raise ClusterError("a Kubernetes cluster is made from the campaign's whole spec (make_cluster(campaign=…))")
         from pretrain.cluster.kube.client import api_client
-        from pretrain.cluster.kube.cluster import KubernetesCluster
+        from pretrain.cluster.kube.cluster import KubeCluster
 
-        return KubernetesCluster(campaign, api_client(), settings)
+        return KubeCluster(campaign, api_client(), settings)
     raise ClusterError(f"cluster.kind {spec.kind!r} is not supported yet")

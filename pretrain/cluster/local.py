@@ -23,14 +23,15 @@ from types import MappingProxyType
 
 from pretrain.cluster.ports import free_port
 from pretrain.settings import PretrainSettings
-from pretrain.spec.sections import ClusterSpec
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.cluster import ClusterSpec
+from pretrain.spec.layout import CampaignLayout
 from trainer.common.process import signal_process
 from trainer.job.config import STANDBY_NODE_ENV, JobConfig
 from trainer.liveness import LIVENESS_INTERVAL_S, silent_for
 from trainer.resilience.heartbeat import worker_pids
-from trainer.resilience.node_judgement import judge_nodes
-from trainer.zygote.client import Zygote, ZygoteProcess, current_zygote, spawn
+from trainer.resilience.nodecheck import judge_nodes
+from trainer.zygote.client import Zygote, current_zygote, spawn
+from trainer.zygote.process import ZygoteProcess
 
 DONE_SILENT_S = 3 * LIVENESS_INTERVAL_S  # after the job succeeded on a node: how long another may be silent
 
@@ -213,7 +214,7 @@ class LocalCluster(Cluster):
                 with open(f"{tmp}/{k}.out", "wb") as out, open(f"{tmp}/{k}.err", "wb") as err:
                     procs.append(
                         self._spawn(
-                            "trainer.healthcheck",
+                            "trainer.nodecheck",
                             [
                                 "--workdir",
                                 str(workdir),
@@ -253,7 +254,7 @@ class LocalCluster(Cluster):
         endpoint = f"127.0.0.1:{free_port()}"
         # a job's own name in the rendezvous (its keys' prefix): an agent that ever reaches another
         # job's store (a port taken over between two jobs' start) is kept out of that job's rounds
-        run_id = f"{job.stage}-{Path(job.job_dir).name}-{secrets.token_hex(4)}"
+        run_id = f"{job.stage.name}-{Path(job.job_dir).name}-{secrets.token_hex(4)}"
         nodes = [n for n in range(self.spec.node_count) if n not in exclude]
         if len(nodes) < self.spec.nodes_min:
             raise ClusterError(
@@ -266,7 +267,7 @@ class LocalCluster(Cluster):
             env.update(STANDBY_NODE_ENV)
         procs, logs = [], []
         for node in nodes:
-            log = Path(job.job_dir) / f"node{node}.log"
+            log = job.layout.node_log(node)
             argv = (
                 [
                     str(job_path),
@@ -283,7 +284,7 @@ class LocalCluster(Cluster):
                     "--max-restarts",
                     str(self.spec.max_restarts),
                     "--lock",
-                    str(layout.stage_lock(job.stage, node)),
+                    str(layout.stage_lock(job.stage.name, node)),
                     "--threads",
                     str(self.threads_per_worker),
                     "--node",

@@ -12,19 +12,18 @@ import os
 from pathlib import Path
 
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.locations import data_client_options
 from pretrain.state.schema import CampaignRecord, DataRecord
 from trainer.data.cache import local_data_dir
-from trainer.data.sampler import DataError, read_manifest
+from trainer.data.manifest import DataError, read_manifest
 
 SUMMARY_LEFT_OUT = ("splits", "sources", "reused")  # in the manifest at the location; the ledger stays small
 
 
 def data_root(spec: CampaignSpec) -> str:
     """Where the campaign's data sets live, each in its ``<fingerprint>/`` directory."""
-    return spec.data.uri.rstrip("/") if spec.data.uri else str(CampaignLayout(spec.workdir_path).data_dir)
+    return spec.data.uri.rstrip("/") if spec.data.uri else str(spec.layout.data_dir)
 
 
 def data_record(prepared: dict) -> DataRecord:
@@ -34,7 +33,7 @@ def data_record(prepared: dict) -> DataRecord:
 
 def flat_data_set(spec: CampaignSpec) -> DataRecord | None:
     """The data set of the release before, prepared flat in ``<workdir>/data`` (None if there is none)."""
-    flat = CampaignLayout(spec.workdir_path).data_dir
+    flat = spec.layout.data_dir
     try:
         manifest = read_manifest(flat)
     except DataError:
@@ -60,7 +59,7 @@ def campaign_data(spec: CampaignSpec) -> DataRecord:
     if flat is None:
         raise DataError(
             f"campaign {spec.name!r} has no prepared data set (none recorded in its ledger, none in "
-            f"{CampaignLayout(spec.workdir_path).data_dir}): run it (`pretrain run`) or prepare the data "
+            f"{spec.layout.data_dir}): run it (`pretrain run`) or prepare the data "
             "first (`pretrain data prepare`)"
         )
     return flat
@@ -73,7 +72,7 @@ def validation_data(spec: CampaignSpec) -> tuple[Path, int]:
     record = campaign_data(spec)
     local = local_data_dir(
         record.location,
-        CampaignLayout(spec.workdir_path).data_cache,
+        spec.layout.data_cache,
         data_client_options(spec),
         splits=("val",),
         fingerprint=record.fingerprint,

@@ -3,9 +3,9 @@
 Every failure gets a cause, the action taken and how (``recovery_path``: ``in_process``: an
 anomaly rolled back in the live workers; ``spare`` / ``replacement``: a lost worker replaced by a
 warm spare / a cold start while the others were kept; ``restart``: every worker restarted;
-``spare_node``: every worker restarted, a standby node in the lost one's place), when it was detected and how long it went unnoticed (``detection_s``: a hang
-stalls training until the detector finds it), how long until training stepped again, and the
-time lost (detection, recovery and the steps redone) — the raw data for a goodput ledger.
+``spare_node``: every worker restarted, a standby node in the lost one's place), when it was detected and how long
+it went unnoticed (``detection_s``: a hang stalls training until the detector finds it), how long until training
+stepped again, and the time lost (detection, recovery and the steps redone) — the raw data for a goodput ledger.
 """
 
 from __future__ import annotations

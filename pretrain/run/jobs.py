@@ -2,23 +2,44 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.guard import job_lease
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.locations import (
     checkpoint_location,
     client_options,
     data_client_options,
     data_options,
-    storage_options,
 )
 from trainer.checkpoint.store import CheckpointStore
 from trainer.common.atomic import atomic_write_bytes
 from trainer.data.cache import fetch_manifest
-from trainer.job.config import JobConfig, ModelConfig, OptimConfig, drill_from_dict
+from trainer.job.config import (
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    FaultToleranceConfig,
+    JobConfig,
+    ModelConfig,
+    StageConfig,
+    TrackingConfig,
+    drill_from_dict,
+)
+
+
+def _fields(section: type, *resolved: str) -> set[str]:
+    """The fields of a job section the spec's section of the same name holds as they are (the
+    same names on both sides); ``resolved``: those the orchestrator works out instead."""
+    return {f.name for f in dataclasses.fields(section)} - set(resolved)
+
+
+STAGE_FIELDS = _fields(StageConfig, "name", "index", "global_batch", "mixture", "init_from", "skip_samples")
+CHECKPOINT_FIELDS = _fields(CheckpointConfig, "location", "s3_max_attempts")
+FAULT_TOLERANCE_FIELDS = _fields(FaultToleranceConfig)
+CLUSTER_FIELDS = _fields(ClusterConfig, "threads_per_worker")
 
 
 def model_config(spec: CampaignSpec, vocab_size: int) -> ModelConfig:
@@ -63,69 +84,39 @@ def job_config(
 ) -> JobConfig:
     """Every field of the job from the spec: the one place the trainer's settings come from.
     ``data_location``: the data set's directory or s3:// URL (None: ``<workdir>/data``)."""
-    layout = CampaignLayout(spec.workdir_path)
-    stage = spec.stages[stage_index]
-    c, ft = spec.cluster, spec.fault_tolerance
-    optim = OptimConfig(
-        steps=stage.steps,
-        lr=stage.lr,
-        min_lr=stage.min_lr,
-        warmup_steps=stage.warmup_steps,
-        weight_decay=stage.weight_decay,
-        grad_clip=stage.grad_clip,
-        micro_batch=stage.micro_batch,
-        grad_accum=stage.grad_accum,
-        seq_len=stage.seq_len,
-        global_batch=stage.micro_batch * stage.grad_accum * c.workers_per_node * c.nodes_max,
-    )
+    stage, ft, c, ckpt = spec.stages[stage_index], spec.fault_tolerance, spec.cluster, spec.checkpoint
+    data_s3 = data_options(spec)
     return JobConfig(
-        stage=stage.name,
-        stage_index=stage_index,
         seed=spec.seed,
-        data_dir=data_location or str(layout.data_dir),
-        data_fingerprint=data_fingerprint,
-        data_cache_dir=str(layout.data_cache),
-        data_options=data_options(spec),
-        ckpt_dir=checkpoint_location(spec, stage.name),
-        job_dir=str(layout.job_dir(stage.name, attempt)),
-        storage_options=storage_options(spec),
-        model=model_config(spec, vocab_size),
-        optim=optim,
-        init_from=init_from,
-        init_optimizer=stage.carry_optimizer,
-        ckpt_interval=spec.checkpoint.interval,
-        ckpt_keep=spec.checkpoint.keep,
-        memory_interval=spec.checkpoint.memory_interval,
-        shm_dir=spec.checkpoint.shm_dir,
-        shm_fallback=spec.checkpoint.shm_fallback,
-        log_every=spec.tracking.log_every,
-        backend=spec.cluster.backend,
-        parallelism=spec.cluster.parallelism,
-        threads_per_worker=threads_per_worker(spec),
-        lease=job_lease(spec),
-        hang_timeouts={
-            "startup": ft.startup_timeout_s,
-            "step": ft.step_timeout_s,
-            "checkpoint": ft.checkpoint_timeout_s,
-        },
-        hang_adaptive={
-            "factor": ft.hang_timeout_factor,
-            "floor_s": ft.hang_timeout_floor_s,
-            "warmup": ft.hang_warmup_steps,
-        },
-        spike={"window": ft.spike_window, "zscore": ft.spike_zscore, "min_steps": ft.spike_min_steps},
-        max_rollbacks=ft.max_rollbacks,
-        rollback_in_process=ft.rollback_in_process,
         attempt=attempt,
-        saver_max_failures=ft.saver_max_failures,
-        saver_backoff_s=ft.saver_backoff_s,
-        saver_outage_s=ft.storage_outage_s,
-        spares_per_node=c.spares_per_node,
-        fast_recovery_timeout_s=ft.fast_recovery_timeout_s,
-        skip=[[w.start, w.end] for w in spec.skip_samples if w.stage == stage.name],
-        mixture=dict(stage.mixture),
-        node_check_threshold=ft.node_check_threshold,
-        nodes_min=c.nodes_min,
+        job_dir=str(spec.layout.job_dir(stage.name, attempt)),
+        model=model_config(spec, vocab_size),
+        stage=StageConfig(
+            name=stage.name,
+            index=stage_index,
+            **stage.model_dump(include=STAGE_FIELDS),
+            global_batch=stage.micro_batch * stage.grad_accum * c.workers_per_node * c.nodes_max,
+            mixture=dict(stage.mixture),
+            init_from=init_from,
+            skip_samples=[(w.start, w.end) for w in spec.skip_samples if w.stage == stage.name],
+        ),
+        data=DataConfig(
+            uri=data_location or str(spec.layout.data_dir),
+            fingerprint=data_fingerprint,
+            cache_dir=str(spec.layout.data_cache),
+            s3_endpoint_url=data_s3.get("endpoint_url"),
+            s3_region=data_s3.get("region"),
+        ),
+        checkpoint=CheckpointConfig(
+            location=checkpoint_location(spec, stage.name), **ckpt.model_dump(include=CHECKPOINT_FIELDS)
+        ),
+        fault_tolerance=FaultToleranceConfig(**ft.model_dump(include=FAULT_TOLERANCE_FIELDS)),
+        cluster=ClusterConfig(
+            **c.model_dump(include=CLUSTER_FIELDS),
+            threads_per_worker=threads_per_worker(spec),
+        ),
+        tracking=TrackingConfig(log_every=spec.tracking.log_every),
+        lease=job_lease(spec),
         chaos=[
             drill_from_dict(d.model_dump(exclude={"stage"}))
             for d in spec.chaos
@@ -135,6 +126,6 @@ def job_config(
 
 
 def write_job(job: JobConfig) -> Path:
-    path = Path(job.job_dir) / "job.json"
+    path = job.layout.config
     atomic_write_bytes(path, job.to_json().encode())
     return path

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pretrain.run.stop import StopRequest
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import OPEN_STAGES, CampaignRecord, CampaignStatus, RunEnd, StageStatus
 from pretrain.tracking.runs import Tracker, describe_error, transient

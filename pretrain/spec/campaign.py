@@ -2,8 +2,9 @@
 
 Every field has a description (``pretrain spec-schema`` prints them) and a default that works
 on a laptop. Invalid files fail before anything runs, naming the file, the field path and the
-reason (:class:`SpecError`). The sections live in :mod:`pretrain.spec.sections`; reading YAML
-files in :mod:`pretrain.spec.file`.
+reason (:class:`SpecError`). The sections live one module each in :mod:`pretrain.spec`
+(``model``, ``cluster``, ``kube``, ``data``, ``stages``, ``checkpoints``, ``tracking``,
+``fault_tolerance``, ``drills``, ``blocks``); reading YAML files in :mod:`pretrain.spec.file`.
 """
 
 from __future__ import annotations
@@ -18,21 +19,17 @@ from pathlib import Path
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from pretrain.credentials import Credentials
+from pretrain.spec.base import Section
+from pretrain.spec.blocks import BlockRefs
+from pretrain.spec.checkpoints import CheckpointSpec, ValidationSpec
+from pretrain.spec.cluster import ClusterSpec
 from pretrain.spec.data import DataSpec
-from pretrain.spec.sections import (
-    BlockRefs,
-    ChaosDrill,
-    CheckpointSpec,
-    ClusterSpec,
-    FaultToleranceSpec,
-    ModelSpec,
-    ResumeSpec,
-    Section,
-    SkipWindow,
-    StageSpec,
-    TrackingSpec,
-    ValidationSpec,
-)
+from pretrain.spec.drills import ChaosDrill
+from pretrain.spec.fault_tolerance import FaultToleranceSpec, ResumeSpec
+from pretrain.spec.layout import CampaignLayout
+from pretrain.spec.model import ModelSpec
+from pretrain.spec.stages import SkipWindow, StageSpec
+from pretrain.spec.tracking import TrackingSpec
 from pretrain.tracking.store import default_tracking_uri, recorded_store
 
 
@@ -180,7 +177,7 @@ class CampaignSpec(Section):
                 )
             if s.mixture and not any(w > 0 for w in s.mixture.values()) or any(w < 0 for w in s.mixture.values()):
                 raise ValueError(f"stages[{i}].mixture weights must be >= 0 with at least one > 0")
-        for i, ref in enumerate([d.stage for d in self.chaos] + [w.stage for w in self.skip_samples]):
+        for ref in [d.stage for d in self.chaos] + [w.stage for w in self.skip_samples]:
             if ref is not None and ref not in names:
                 raise ValueError(f"chaos / skip_samples refer to stage {ref!r}, which is not one of {names}")
         return self
@@ -189,6 +186,11 @@ class CampaignSpec(Section):
     @property
     def workdir_path(self) -> Path:
         return Path(self.workdir.format(name=self.name)).expanduser().resolve()
+
+    @property
+    def layout(self) -> CampaignLayout:
+        """Where each of the campaign's files is under its workdir."""
+        return CampaignLayout(self.workdir_path)
 
     @property
     def tracking_uri(self) -> str:

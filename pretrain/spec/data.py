@@ -4,11 +4,12 @@ or S3), the tokenizer, and how data preparation shards and checks it."""
 from __future__ import annotations
 
 import re
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pretrain.spec.sections import S3_CREDENTIALS_GO, Section, no_credentials_in_url
+from pretrain.spec.base import Section
+from pretrain.spec.uris import S3_CREDENTIALS_GO, no_credentials_in_url
 
 
 class TokenizerSpec(Section):
@@ -71,7 +72,7 @@ class SourceSpec(Section):
         return no_credentials_in_url(url, S3_CREDENTIALS_GO)
 
 
-Source = Union[str, SourceSpec]
+Source = str | SourceSpec
 
 
 class DataSpec(Section):

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.lease import Lease, LeaseDamaged, LeaseHeld, LeaseKeeper, LeaseLost, current_generation
 from pretrain.state.locations import client_options
 from pretrain.state.lock import CampaignBusy, LockUnavailable, campaign_lock
+from trainer.job.config import LeaseConfig
 from trainer.storage import Storage, StorageError, open_storage
 
 LEASE_KEY = "lease.json"
@@ -53,7 +55,8 @@ class HeldLease:
 
 
 # The leases this context (a flow run and the subflows it calls) holds, by state location.
-_HELD: ContextVar[dict[str, HeldLease]] = ContextVar("pretrain_campaign_leases", default={})
+# Never changed in place: taking a lease sets a new mapping (the default is read-only).
+_HELD: ContextVar[Mapping[str, HeldLease]] = ContextVar("pretrain_campaign_leases", default=MappingProxyType({}))
 
 
 def state_location(spec: CampaignSpec) -> str | None:
@@ -72,13 +75,13 @@ def held(spec: CampaignSpec) -> HeldLease | None:
     return _HELD.get().get(where) if where else None
 
 
-def job_lease(spec: CampaignSpec) -> dict:
+def job_lease(spec: CampaignSpec) -> LeaseConfig | None:
     """``JobConfig.lease`` for a job launched now: the state location, the lease key and the
-    generation this run holds (read from storage when called outside the run's context); {}
+    generation this run holds (read from storage when called outside the run's context); None
     for a campaign whose state is in its workdir."""
     where = state_location(spec)
     if where is None:
-        return {}
+        return None
     mine = held(spec)
     generation = mine.lease.generation if mine else current_generation(state_storage(spec), LEASE_KEY)
     if generation is None:
@@ -86,7 +89,7 @@ def job_lease(spec: CampaignSpec) -> dict:
             f"no lease at {where}/{LEASE_KEY}: a job of campaign {spec.name!r} is launched only by the "
             "run that holds it. Run the campaign (`pretrain run`) rather than a stage on its own"
         )
-    return {"location": where, "key": LEASE_KEY, "generation": generation}
+    return LeaseConfig(location=where, key=LEASE_KEY, generation=generation)
 
 
 def check_holds(spec: CampaignSpec) -> None:

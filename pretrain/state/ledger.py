@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from pretrain.redact import redact, redact_tree
 from pretrain.spec.campaign import CampaignSpec
+from pretrain.spec.layout import CampaignLayout
 from pretrain.state.guard import held, state_storage
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.local import LedgerDamaged, LedgerError, _parse, _prev, _read, _read_with_bytes
 from pretrain.state.locations import checkpoint_location, storage_options
 from pretrain.state.lock import updating
@@ -41,7 +41,7 @@ from pretrain.state.schema import (
     SpanKind,
     StageRecord,
     StageStatus,
-    Verdict,
+    VerdictRecord,
     new_stage,
 )
 from trainer.common.atomic import atomic_write_bytes, atomic_write_json
@@ -107,7 +107,7 @@ class Ledger:
 
     @classmethod
     def _load(cls, spec: CampaignSpec, remote: RemoteLedger | None) -> Ledger | None:
-        layout = CampaignLayout(spec.workdir_path)
+        layout = spec.layout
         if remote is None:
             return cls.read(layout)
         record = remote.load()
@@ -120,7 +120,7 @@ class Ledger:
     @classmethod
     def open(cls, spec: CampaignSpec) -> Ledger:
         """The campaign's ledger, created on first use; refuses a workdir of another spec."""
-        layout, remote = CampaignLayout(spec.workdir_path), _remote(spec)
+        layout, remote = spec.layout, _remote(spec)
         if remote is not None:
             refuse_foreign_workdir(layout.ledger, remote.where)
         ledger = cls._load(spec, remote)
@@ -375,7 +375,7 @@ class Ledger:
     def record_rewind(self, stage: str, rewind: Rewind) -> None:
         self._change_stage(stage, lambda s: s.rewinds.append(rewind.stamped()))
 
-    def record_verdict(self, stage: str, verdict: Verdict) -> None:
+    def record_verdict(self, stage: str, verdict: VerdictRecord) -> None:
         """Add the gate's verdict; a good one newer than the stage's good checkpoint becomes it."""
 
         def change(s: StageRecord) -> None:

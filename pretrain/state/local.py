@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from pretrain.state.layout import CampaignLayout, a_file_in_the_way
+from pretrain.spec.layout import CampaignLayout, a_file_in_the_way
 from pretrain.state.schema import LEDGER_VERSION, CampaignRecord, describe_problem
 from trainer.common.atomic import atomic_write_bytes
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
+from trainer.job.config import s3_options
 
 
 def checkpoint_location(spec: CampaignSpec, stage: str) -> str:
     uri = spec.checkpoint.uri
-    return f"{uri.rstrip('/')}/{stage}" if uri else str(CampaignLayout(spec.workdir_path).ckpt_dir(stage))
+    return f"{uri.rstrip('/')}/{stage}" if uri else str(spec.layout.ckpt_dir(stage))
 
 
 def recorded_checkpoints(layout: CampaignLayout, stage: str, recorded: str) -> tuple[str, str | None]:
@@ -26,11 +27,6 @@ def recorded_checkpoints(layout: CampaignLayout, stage: str, recorded: str) -> t
         f"the ledger records this stage's checkpoints in {path.parent.parent}: the campaign was moved or "
         f"copied from there; those in {layout.root} are shown (the next `pretrain run` records the new place)"
     )
-
-
-def s3_options(endpoint_url: str | None = None, region: str | None = None) -> dict:
-    """Storage options for an S3 checkpoint location (credentials come from the AWS environment)."""
-    return {k: v for k, v in (("endpoint_url", endpoint_url), ("region", region)) if v}
 
 
 def storage_options(spec: CampaignSpec) -> dict:

@@ -15,10 +15,11 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
+from types import MappingProxyType
 
 LOCK_NAME = "campaign.lock"
 
@@ -45,7 +46,8 @@ def read_holder(workdir: str | Path) -> dict:
 
 # The lock files this context (a flow run and the subflows it calls) holds, with their holder:
 # a subflow that writes campaign state (prepare-data) takes the lock its campaign already holds.
-_HELD: ContextVar[dict[str, dict]] = ContextVar("pretrain_campaign_locks", default={})
+# Never changed in place: taking a lock sets a new mapping (the default is read-only).
+_HELD: ContextVar[Mapping[str, dict]] = ContextVar("pretrain_campaign_locks", default=MappingProxyType({}))
 
 # errno of a filesystem that cannot lock files, and what to do about it
 _UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOLCK, errno.ENOSYS, errno.EINVAL}

@@ -114,9 +114,9 @@ class Failure(Entry):
     )
     recovery_s: float | None = None  # until training stepped again (a failed job: its relaunch until the first step)
     steps_redone: int = 0
-    recovery_path: str | None = (
-        None  # in-job: "in_process" (rolled back in the live workers), "spare"/"replacement" (a lost worker replaced, the others kept), "restart" (new workers) or "spare_node" (new workers, a standby node for a lost one)
-    )
+    # in-job: "in_process" (rolled back in the live workers), "spare"/"replacement" (a lost worker replaced, the others
+    # kept), "restart" (new workers) or "spare_node" (new workers, a standby node for a lost one)
+    recovery_path: str | None = None
     detection_s: float | None = None  # a hang: how long it went unnoticed (last heartbeat → detection)
     stacks: list[dict] = Field(
         default_factory=list
@@ -150,7 +150,7 @@ class Rewind(Entry):
     dropped: list[int] = Field(default_factory=list)
 
 
-class Verdict(Entry):
+class VerdictRecord(Entry):
     """The validation gate's judgement of one checkpoint."""
 
     step: int
@@ -207,7 +207,7 @@ class StageRecord(BaseModel):
     resumes: list[Resume]
     resizes: list[Resize] = Field(default_factory=list)
     rewinds: list[Rewind] = Field(default_factory=list)
-    verdicts: list[Verdict] = Field(default_factory=list)
+    verdicts: list[VerdictRecord] = Field(default_factory=list)
     final_checkpoint: CheckpointRef | None = None  # the good checkpoint at its last step, once trained
     good_checkpoint: CheckpointRef | None = None  # the newest checkpoint judged good
     mlflow_run_id: str | None = None

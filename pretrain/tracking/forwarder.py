@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextvars
 import threading
 
-from pretrain.tracking.runs import MetricsForwarder
+from pretrain.tracking.metrics import MetricsForwarder
 
 JOIN_MARGIN_S = 10.0  # beyond the drain's own timeout: one request in flight may end meanwhile
 

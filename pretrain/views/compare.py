@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from sqlalchemy.exc import SQLAlchemyError
 
 from pretrain.redact import redact
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from pretrain.state.ledger import Ledger, LedgerError
 from pretrain.state.schema import CampaignRecord
 from pretrain.tracking.runs import (

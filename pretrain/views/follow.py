@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.console_progress import ProgressDisplay
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.lock import read_holder
 from pretrain.state.schema import CampaignRecord, CampaignStatus, StageStatus

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.run.incidents import incidents
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from pretrain.state.schema import CampaignRecord, CampaignStatus, Span, SpanKind
 from trainer.job.events import EventKind
-from trainer.job.reporting import EVENTS, METRICS, read_all
+from trainer.job.layout import JobLayout
+from trainer.job.reporting import read_all
 
 # in priority order: an instant covered by several categories goes to the first
 CATEGORIES = (
@@ -100,8 +101,8 @@ class JobStreams:
 
         return cls(
             attempt,
-            valid(read_all(job_dir / EVENTS), ("time",)),
-            valid(read_all(job_dir / METRICS), ("time", "step", "step_time")),
+            valid(read_all(JobLayout(job_dir).events), ("time",)),
+            valid(read_all(JobLayout(job_dir).metrics), ("time", "step", "step_time")),
         )
 
     def starts(self) -> list[dict]:

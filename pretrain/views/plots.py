@@ -4,7 +4,6 @@ and where the wall time went (the goodput split, one bar per stage and the campa
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,10 +12,12 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: never a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pretrain.state.layout import CampaignLayout  # noqa: E402
+from pretrain.spec.layout import CampaignLayout  # noqa: E402
 from pretrain.state.schema import CampaignRecord  # noqa: E402
 from pretrain.views.goodput import ALL, read_jobs  # noqa: E402
+from trainer.job.config import JobConfig
 from trainer.job.events import IN_PROCESS_SOURCES, EventKind  # noqa: E402
+from trainer.job.layout import JobLayout
 
 LOSS_PNG, GOODPUT_PNG = "loss_vs_tokens.png", "goodput.png"
 COLORS = {
@@ -51,7 +52,7 @@ class StageCurve:
 
 def _seq_len(job_dir: Path) -> int | None:
     try:
-        seq = json.loads((job_dir / "job.json").read_text())["optim"]["seq_len"]
+        seq = JobConfig.load(JobLayout(job_dir).config).stage.seq_len  # of this release's form or the one before
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return seq if isinstance(seq, int) and seq > 0 else None
@@ -79,7 +80,7 @@ def loss_curves(record: CampaignRecord, layout: CampaignLayout) -> list[StageCur
         rates = sorted(t / s for s, t in tokens_at.items() if s > 0)
         rate = rates[len(rates) // 2] if rates else 1.0  # tokens per step (median), for steps not logged
 
-        def at(step: int) -> float:
+        def at(step: int, offset: float = offset, tokens_at: dict[int, float] = tokens_at, rate: float = rate) -> float:
             return offset + tokens_at.get(step, step * rate)
 
         for where, step in marks:
@@ -131,7 +132,7 @@ def plot_goodput(goodput: dict, path: Path, title: str) -> Path:
     rows = [(name, g) for name, g in [*goodput["stages"].items(), ("campaign", goodput["campaign"])] if g.get("known")]
     fig, ax = plt.subplots(figsize=(9, 2.2 + 0.5 * max(len(rows), 1)), dpi=100)
     try:
-        for i, (name, g) in enumerate(rows):
+        for i, (_name, g) in enumerate(rows):
             left = 0.0
             for cat in ALL:
                 width = g["parts_s"].get(cat, 0.0)

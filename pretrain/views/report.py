@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pretrain.redact import redact, redact_tree
 from pretrain.run.incidents import where_hung
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.locations import recorded_checkpoints
 from pretrain.views.goodput import ALL, DESCRIPTIONS
@@ -112,6 +112,29 @@ def campaign_report(
     computed it; ``images``: pictures to embed (title → URL)."""
     status = status or campaign_status(workdir, s3_credentials)
     ledger = Ledger.read(CampaignLayout(Path(status["workdir"])))
+    lines = _summary_lines(status, ledger)
+    lines += ["", "## Stages", ""]
+    lines += _stage_lines(status)
+    lines += ["## Goodput: where the wall time went", ""]
+    lines += _goodput_lines(status)
+    lines += _image_lines(images, status["workdir"]) if images else []
+    lines += ["## Checkpoints", ""]
+    lines += _table(
+        checkpoint_rows(status["workdir"], s3_credentials),
+        ("stage", "step", "verdict", "good_pointer", "eval_loss", "problems"),
+    )
+    lines += ["## Node check", ""]
+    lines += _table(node_check_rows(ledger.record.node_health() if ledger else []), NODE_CHECK_COLUMNS)
+    lines += ["## Time lost per cause", ""]
+    lost = [{"cause": c, "seconds": round(s, 2)} for c, s in time_lost_by_cause(status).items()]
+    lines += _table(lost, ("cause", "seconds"))
+    lines += ["## Failures", ""]
+    lines += _failure_lines(status)
+    return redact("\n".join(lines))
+
+
+def _summary_lines(status: dict, ledger: Ledger | None) -> list[str]:
+    """The report's title and where the campaign stands: workdir, spec, MLflow, how it ended."""
     end = ledger.record.end if ledger else None
     lines = [
         f"# Campaign `{status['campaign']}` — {status['status']}",
@@ -129,7 +152,11 @@ def campaign_report(
         lines.append(f"- {STATE_ELSEWHERE.format(status['ledger_copy_of'])}")
     if end is not None and end.cause and status["status"] != "completed":
         lines.append(f"- ended {end.state.lower()}: {end.cause}")
-    lines += ["", "## Stages", ""]
+    return lines
+
+
+def _stage_lines(status: dict) -> list[str]:
+    """The table of stages: progress, attempts, restarts, failures, good checkpoint, eval loss."""
     stage_rows = [
         {
             "stage": s["name"],
@@ -143,36 +170,33 @@ def campaign_report(
         }
         for s in status["stages"]
     ]
-    lines += _table(stage_rows, list(stage_rows[0]) if stage_rows else ["stage"])
-    lines += ["## Goodput: where the wall time went", ""]
+    return _table(stage_rows, list(stage_rows[0]) if stage_rows else ["stage"])
+
+
+def _goodput_lines(status: dict) -> list[str]:
+    """The goodput table, or why the split of the wall time is not known yet."""
     rows = goodput_rows(status)
-    lines += _table(
-        rows, ["category", *(k for k in rows[0] if k not in ("category", "what")), "what"] if rows else ["category"]
-    )
     if not rows:
         why = (status.get("goodput") or {}).get("missing") or ["no timing recorded yet"]
-        lines[-2:] = [f"_unknown: {why[0]}_", ""]
-    if images:
-        lines += [f"![{title}]({url})" for title, url in images.items()]
-        lines += [
-            "",
-            f"_The pictures are also artifacts of the MLflow parent run (`report/`); "
-            f"`pretrain report --workdir {status['workdir']}` redraws them with an HTML page._",
-            "",
-        ]
-    lines += ["## Checkpoints", ""]
-    lines += _table(
-        checkpoint_rows(status["workdir"], s3_credentials),
-        ("stage", "step", "verdict", "good_pointer", "eval_loss", "problems"),
-    )
-    lines += ["## Node check", ""]
-    lines += _table(node_check_rows(ledger.record.node_health() if ledger else []), NODE_CHECK_COLUMNS)
-    lines += ["## Time lost per cause", ""]
-    lost = [{"cause": c, "seconds": round(s, 2)} for c, s in time_lost_by_cause(status).items()]
-    lines += _table(lost, ("cause", "seconds"))
+        return [f"_unknown: {why[0]}_", ""]
+    return _table(rows, ["category", *(k for k in rows[0] if k not in ("category", "what")), "what"])
+
+
+def _image_lines(images: dict[str, str], workdir: str) -> list[str]:
+    """The pictures embedded (title → URL), and where else they are."""
+    return [
+        *(f"![{title}]({url})" for title, url in images.items()),
+        "",
+        f"_The pictures are also artifacts of the MLflow parent run (`report/`); "
+        f"`pretrain report --workdir {workdir}` redraws them with an HTML page._",
+        "",
+    ]
+
+
+def _failure_lines(status: dict) -> list[str]:
+    """The table of failures of every stage, with where a hung worker was when it had one."""
     failures = [{"stage": s["name"], **f, "where": where_hung(f)} for s in status["stages"] for f in s["failures"]]
-    lines += ["## Failures", ""]
-    lines += _table(
+    return _table(
         failures,
         (
             "stage",
@@ -184,7 +208,6 @@ def campaign_report(
             *(("where",) if any(f["where"] for f in failures) else ()),
         ),
     )
-    return redact("\n".join(lines))
 
 
 def write_report_files(workdir: str | Path, out: str | Path, s3_credentials: dict | None = None) -> dict[str, Path]:

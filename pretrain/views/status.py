@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pretrain.redact import redact_tree
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.locations import recorded_checkpoints
 from pretrain.views.goodput import ALL, goodput_report

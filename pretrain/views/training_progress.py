@@ -20,7 +20,8 @@ from pretrain.console_progress import clock_time, human
 from pretrain.state.schema import StageRecord
 from pretrain.views.recovery_notes import RecoveryNotes
 from trainer.job.events import EventKind, replaced_workers
-from trainer.job.reporting import EVENTS, METRICS, read_new_lines
+from trainer.job.layout import JobLayout
+from trainer.job.reporting import read_new_lines
 
 PROGRESS_RECORD = (
     "training_progress"  # the attribute of a progress log record: a console that draws its own display drops them
@@ -170,7 +171,7 @@ class TrainingWatch:
             return None
 
     def _read_metrics(self, final: bool) -> None:
-        new = read_new_lines(self.job_dir / METRICS, self.metrics_offset, final)
+        new = read_new_lines(JobLayout(self.job_dir).metrics, self.metrics_offset, final)
         self.metrics_offset = new.offset
         for r in new.records:
             step, t = _int(r.get("step")), _number(r.get("time"))
@@ -183,7 +184,7 @@ class TrainingWatch:
                 self.rate.add(t, step)
 
     def _read_events(self, final: bool) -> None:
-        new = read_new_lines(self.job_dir / EVENTS, self.events_offset, final)
+        new = read_new_lines(JobLayout(self.job_dir).events, self.events_offset, final)
         self.events_offset = new.offset
         for e in new.records:
             if e.get("event") == EventKind.CHECKPOINT and _int(e.get("step")) is not None:
@@ -215,7 +216,7 @@ def job_watch(
     root: Path, stage: str, attempt: int, total: int, stage_record: Callable[[], StageRecord | None]
 ) -> TrainingWatch:
     """A watch of the job directory the campaign layout gives the stage's ``attempt``."""
-    from pretrain.state.layout import CampaignLayout
+    from pretrain.spec.layout import CampaignLayout
 
     return TrainingWatch(CampaignLayout(root).job_dir(stage, attempt), stage, attempt, total, stage_record)
 

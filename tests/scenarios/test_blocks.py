@@ -20,8 +20,9 @@ from blocks import KubernetesCluster, LocalCampaignStorage, LocalProcessCluster,
 from blocks.references import apply_blocks, resolve_campaign
 from pretrain.run.jobs import checkpoint_store
 from pretrain.spec.campaign import SpecError, parse_spec
+from pretrain.spec.cluster import ClusterSpec
 from pretrain.spec.kube import KubernetesSpec, SecretKeyRef
-from pretrain.spec.sections import ClusterSpec, TrackingSpec
+from pretrain.spec.tracking import TrackingSpec
 from support import s3_servers
 
 SECRET = "tok-" + uuid.uuid4().hex

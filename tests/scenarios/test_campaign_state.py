@@ -125,7 +125,7 @@ def test_a_second_orchestrator_is_refused_by_the_lease_and_takes_over_once_the_h
                     ledger = Ledger.open(spec)
                     ledger.begin_run("run-B")
                     lease = job_lease(spec)
-                    assert held(spec) is not None and lease["generation"] == 2
+                    assert held(spec) is not None and lease.generation == 2
                 return True
             except CampaignBusy:
                 return False
@@ -206,7 +206,7 @@ def test_a_local_campaign_keeps_its_ledger_and_flock_in_the_workdir(tmp_path):
     spec = small_spec(tmp_path / "wd")
     with campaign_guard(spec, "run-A"):
         Ledger.open(spec).begin_run("run-A")
-        assert job_lease(spec) == {} and held(spec) is None
+        assert job_lease(spec) is None and held(spec) is None
         other = subprocess.run(
             [
                 sys.executable,

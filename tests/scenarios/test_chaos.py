@@ -18,7 +18,6 @@ from prefect.settings import PREFECT_API_URL
 
 from flows.campaign import pretrain_campaign
 from pretrain.run.jobs import checkpoint_store, job_config
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.views.goodput import ALL
 from support.campaigns import (
@@ -182,7 +181,7 @@ def test_goodput_parts_add_up_to_the_wall_time_of_a_drilled_campaign(drilled):
         assert all(v >= 0 for v in split["parts_s"].values()) and 0 < split["goodput"] < 1
     parts = status["stages"][0]["goodput"]["parts_s"]
     assert parts["detection"] > 0 and parts["recovery"] > 0 and parts["validation_eval"] > 0
-    spans = Ledger.read(CampaignLayout(spec.workdir_path)).record.spans
+    spans = Ledger.read(spec.layout).record.spans
     [run] = [s for s in spans if s.kind == "run"]
     [job] = [s for s in spans if s.kind == "job"]
     assert run.start < job.start < job.end <= run.end  # the wall time measured covers the training

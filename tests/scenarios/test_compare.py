@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 from flows.campaign import pretrain_campaign
 from flows.compare import ARTIFACT_KEY, compare_campaigns
 from pretrain.cli.app import app
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.tracking.runs import Tracker
 from pretrain.views.compare import CompareError, compare
@@ -27,7 +26,7 @@ from support.s3_servers import free_ports
 from trainer.job.reporting import read_all
 
 LRS = {"lr-high": 3e-3, "lr-low": 1e-3}
-STEPS, WORKERS, MICRO, SEQ = 4, 2, 4, 32  # one stage: tokens over stages are tests/test_tracking_store.py's
+STEPS, WORKERS, MICRO, SEQ = 4, 2, 4, 32  # one stage: tokens over stages are tests/unit/test_tracking_store.py's
 TOKENS = STEPS * WORKERS * MICRO * SEQ
 
 
@@ -57,9 +56,7 @@ def pair(prefect_harness, prepared_data, tmp_path_factory):
 def test_campaigns_run_from_one_directory_share_its_store(pair):
     here, specs = pair
     for spec in specs.values():
-        assert (
-            Ledger.read(CampaignLayout(spec.workdir_path)).record.mlflow.tracking_uri == f"sqlite:///{here}/mlflow.db"
-        )
+        assert Ledger.read(spec.layout).record.mlflow.tracking_uri == f"sqlite:///{here}/mlflow.db"
         assert not (spec.workdir_path / "mlflow.db").exists()
     client = MlflowClient(f"sqlite:///{here}/mlflow.db")
     exp = client.get_experiment_by_name("pretrain")
@@ -70,9 +67,9 @@ def test_campaigns_run_from_one_directory_share_its_store(pair):
 
 def expected(spec) -> dict:
     """The numbers as the campaign's ledger and its jobs' own files have them."""
-    record = Ledger.read(CampaignLayout(spec.workdir_path)).record
+    record = Ledger.read(spec.layout).record
     evals = [record.stages[s.name].eval["val_loss"] for s in spec.stages]
-    jobs = CampaignLayout(spec.workdir_path).root / "jobs"
+    jobs = spec.layout.root / "jobs"
     stall = sum(r.get("ckpt_block_s", 0.0) for path in jobs.glob("*/*/metrics.jsonl") for r in read_all(path))
     return {
         "tokens_seen": TOKENS,
@@ -93,7 +90,7 @@ def test_compare_reads_the_right_numbers_from_the_shared_sqlite_store(pair):
     for summary, spec in zip(summaries, specs.values()):
         assert summary.campaign == spec.name
         assert {k: getattr(summary, k) for k in expected(spec)} == expected(spec)
-        record = Ledger.read(CampaignLayout(spec.workdir_path)).record
+        record = Ledger.read(spec.layout).record
         assert summary.run_id == record.mlflow.parent_run_id  # this campaign's run, not the other's
         reckoned = campaign_status(spec.workdir_path)["goodput"]  # the ledger's reckoning, now
         # the goodput and wall time the campaign logged to its run at its end, while its span was still

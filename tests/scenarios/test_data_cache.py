@@ -128,7 +128,8 @@ def test_a_partly_fetched_file_left_by_a_killed_fetcher_is_never_used(tmp_path, 
         ("no data set", r"no data set at s3://.*: prepare it first"),
         (
             "damaged object",
-            r"train_00000\.bin does not match the sha256 its manifest records .*delete it and run data preparation again",
+            r"train_00000\.bin does not match the sha256 its manifest records "
+            r".*delete it and run data preparation again",
         ),
         ("other fingerprint", r"has fingerprint fp0123456789abcd, but this job was built for data set ffff"),
     ],

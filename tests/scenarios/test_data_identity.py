@@ -14,10 +14,10 @@ from flows.prepare_data import prepare_data
 from pretrain.data.identity import DataChanged, refuse_changed_data, what_changed
 from pretrain.run.jobs import build_job, checkpoint_store
 from pretrain.spec.campaign import parse_spec
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import CampaignRecord, DataRecord, new_stage
 from support.campaigns import DATA, small_spec
+from trainer.data.cache import job_data
 from trainer.data.sampler import TokenWindows, read_manifest
 
 SRC = {"uri": "/c/a.jsonl", "format": "jsonl", "group": "all", "identity": "10:1", "size": 10, "documents": 3}
@@ -109,7 +109,7 @@ def test_a_campaign_of_the_release_before_keeps_its_flat_data_set(prefect_harnes
     from test_ledger import _release_before_workdir
 
     spec, before = _release_before_workdir(tmp_path)
-    flat = CampaignLayout(spec.workdir_path).data_dir
+    flat = spec.layout.data_dir
     shutil.copytree(prepared_data, flat)
     v2 = read_manifest(flat)
     v1 = {
@@ -118,8 +118,8 @@ def test_a_campaign_of_the_release_before_keeps_its_flat_data_set(prefect_harnes
     (flat / "manifest.json").write_text(json.dumps({**v1, "version": 1, "fingerprint": before["data"]["fingerprint"]}))
 
     job = build_job(spec, 0, 3, None)  # what the next launch of its stage trains on
-    assert job.data_dir == str(flat) and job.data_fingerprint == before["data"]["fingerprint"]
-    assert len(TokenWindows(job.local_data(), "train", 32)) > 0
+    assert job.data.uri == str(flat) and job.data.fingerprint == before["data"]["fingerprint"]
+    assert len(TokenWindows(job_data(job), "train", 32)) > 0
     assert Ledger.open(spec).record.data.to_json() == before["data"]  # the record reads and writes back as it was
 
     with_location = prepare_data(spec)  # the campaign's first step: nothing prepared again
@@ -139,7 +139,7 @@ def test_resuming_a_campaign_whose_corpus_changed_is_refused_naming_what_changed
         stages=[{"name": "main", "steps": 4, "seq_len": 32, "micro_batch": 4, "warmup_steps": 1}],
     )
     assert pretrain_campaign(spec=spec)["status"] == "completed"
-    before = json.loads(CampaignLayout(spec.workdir_path).ledger.read_text())
+    before = json.loads(spec.layout.ledger.read_text())
     checkpoint = before["stages"]["main"]["good_checkpoint"]["path"]
     assert checkpoint_store(spec, "main").manifest(4).meta["data_fingerprint"] == before["data"]["fingerprint"]
 
@@ -151,7 +151,7 @@ def test_resuming_a_campaign_whose_corpus_changed_is_refused_naming_what_changed
     assert f"have checkpoints made on data set {before['data']['fingerprint']}" in message
     assert f"sources added: {corpus / 'added.py'}" in message
     assert "restore the old sources" in message and f"init_from: {checkpoint}" in message
-    after = json.loads(CampaignLayout(spec.workdir_path).ledger.read_text())
+    after = json.loads(spec.layout.ledger.read_text())
     assert after["data"] == before["data"] and after["stages"] == before["stages"]  # nothing recorded on the new data
 
     # the second way on: a new campaign on the new data starting from this one's weights

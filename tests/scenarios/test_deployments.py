@@ -1,6 +1,6 @@
 """prefect.yaml, deployments/serve.py and deployments/deploy.py: entrypoints are real flows, the
 campaign runs one at a time, the evaluation deployment has its trigger, and the three say the
-same. (``prefect deploy --all`` against a real server: tests/test_prefect_server.py.)"""
+same. (``prefect deploy --all`` against a real server: tests/scenarios/test_prefect_server.py.)"""
 
 from __future__ import annotations
 

@@ -156,9 +156,9 @@ def test_eval_and_export_take_a_campaigns_workdir_and_its_newest_good_checkpoint
     checkpoints when the campaign was copied from elsewhere."""
     import json
 
-    from pretrain.state.layout import CampaignLayout
+    from pretrain.spec.layout import CampaignLayout
     from pretrain.state.ledger import Ledger
-    from pretrain.state.schema import Verdict
+    from pretrain.state.schema import VerdictRecord
 
     spec, ref = trained_checkpoint
     copy = tmp_path / "copied"
@@ -167,7 +167,9 @@ def test_eval_and_export_take_a_campaigns_workdir_and_its_newest_good_checkpoint
     stage = spec.stages[0].name
     nothing = pretrain_cli("eval", str(copy))
     assert nothing.returncode == 2 and "has no good checkpoint yet" in nothing.stderr, nothing.stderr
-    ledger.record_verdict(stage, Verdict(step=ref.step, path=ref.location, verdict="good"))  # the original's place
+    ledger.record_verdict(
+        stage, VerdictRecord(step=ref.step, path=ref.location, verdict="good")
+    )  # the original's place
     own = str(copy / "checkpoints" / stage / Path(ref.location).name)
     for args in ((str(copy),), ("--workdir", str(copy))):
         shown = pretrain_cli("eval", *args, "--json", "--max-batches", "1")

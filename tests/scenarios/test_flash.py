@@ -47,7 +47,7 @@ def test_snapshot_round_trip_is_bit_exact(tmp_path):
 def test_a_snapshots_blocking_time_counts_gathering_the_state_not_only_the_copy(tmp_path, monkeypatch):
     """Training waits while the state dict is gathered (model, optimizer, RNG) as well as while it
     is copied: the time a checkpoint reports (goodput's checkpoint blocking) holds both."""
-    cfg = dataclasses.replace(job(tmp_path), memory_interval=2, ckpt_interval=10)
+    cfg = job(tmp_path).amended(checkpoint={"memory_interval": 2, "interval": 10})
     model, opt = trained(cfg)
     spent = {"gather": 0.0, "copy": 0.0}
     gather, copy = state.training_state, SnapshotStore.snapshot
@@ -271,17 +271,15 @@ def test_a_world_that_changed_size_restores_the_last_worlds_rank_0_snapshot_from
     [
         ({}, (7, 14), ("survivors", 7, 14)),  # DDP: the survivors go on from the step they hold
         ({"model.dropout": 0.1}, (7, 14), None),  # each rank's RNG shapes training: roll back
-        ({"parallelism": "fsdp"}, (7, 14), None),  # each rank holds its own pieces: roll back
+        ({"cluster.parallelism": "fsdp"}, (7, 14), None),  # each rank holds its own pieces: roll back
         ({}, None, None),  # nobody holds live state
     ],
 )
 def test_state_kept_by_survivors_only_when_it_is_replicated(tmp_path, fields, live, kept):
     cfg = job(tmp_path)
     for name, value in fields.items():
-        if name == "model.dropout":
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=value))
-        else:
-            cfg = dataclasses.replace(cfg, **{name: value})
+        section, field = name.split(".")
+        cfg = cfg.amended(**{section: {field: value}})
     model, opt = build_model(job(tmp_path), torch.device("cpu"))
     got = state.kept_by_survivors(cfg, CPU0, live, model=model, optimizer=opt)
     assert (None if got is None else (got.source, got.step, got.consumed)) == kept
@@ -293,14 +291,14 @@ def test_too_little_shared_memory_is_a_clear_error_or_falls_back(tmp_path):
     huge = 1 << 50
     with pytest.raises(ShmTooSmall, match=r"MiB free but the checkpoint snapshots need .*shm_fallback: true"):
         open_snapshots(cfg, CPU0, huge, str(tmp_path / "shm"), events)
-    fallback = job(tmp_path, shm_fallback=True)
+    fallback = job(tmp_path, checkpoint={"shm_fallback": True})
     assert open_snapshots(fallback, CPU0, huge, str(tmp_path / "shm"), events) is None
     assert read_all(tmp_path / "job" / "events.jsonl")[-1]["event"] == "shm_fallback"
 
 
 def start_saver(tmp_path, ns, nproc=1):
     job_file = tmp_path / "saver-job.json"
-    job_file.write_text(job(tmp_path, ckpt_keep=3).to_json())
+    job_file.write_text(job(tmp_path, checkpoint={"keep": 3}).to_json())
     return subprocess.Popen(
         [sys.executable, "-m", "trainer.saver", "--ns", str(ns), "--nproc", str(nproc), "--job", str(job_file)]
     )
@@ -317,13 +315,15 @@ def test_saver_persists_only_flagged_snapshots_bit_exact(tmp_path):
     saver = start_saver(tmp_path, ns)
     try:
         wait_for(
-            lambda: ckpt.CheckpointStore.open(cfg.ckpt_dir).read_pointer() == 10, 60, "the saver to commit step 10"
+            lambda: ckpt.CheckpointStore.open(cfg.checkpoint.location).read_pointer() == 10,
+            60,
+            "the saver to commit step 10",
         )
     finally:
         saver.terminate()
         saver.wait(30)
-    assert ckpt.CheckpointStore.open(cfg.ckpt_dir).committed_steps() == [10]
-    saved = ckpt.CheckpointStore.open(cfg.ckpt_dir)
+    assert ckpt.CheckpointStore.open(cfg.checkpoint.location).committed_steps() == [10]
+    saved = ckpt.CheckpointStore.open(cfg.checkpoint.location)
     step = saved.latest_complete().step
     assert_same(saved.load_shard(step, state.MODEL_SHARD), st["shared"])
     assert_same(saved.load_shard(step, ckpt.rank_shard_name(0)), st["rank"])

@@ -3,7 +3,6 @@ after a killed worker, consolidation for validation, evaluation and DDP stages, 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -178,8 +177,8 @@ def test_consolidated_state_is_the_full_model_and_validates(trained):
 def test_fsdp_checkpoint_starts_or_resumes_a_ddp_run(trained, tmp_path):
     root, _ = trained
     full = load_full_state(ckpt.CheckpointStore.open(root / "ckpt"), 3)
-    ddp = dataclasses.replace(
-        job(root, "ddp"), ckpt_dir=str(tmp_path / "next"), init_from=str(root / "ckpt" / "step_00000003")
+    ddp = job(root, "ddp").amended(
+        checkpoint={"location": str(tmp_path / "next")}, stage={"init_from": str(root / "ckpt" / "step_00000003")}
     )
     model, opt = build_model(ddp, torch.device("cpu"))
     got = state.restore(ddp, CPU0, model=model, optimizer=opt)
@@ -199,7 +198,7 @@ def test_fsdp_and_ddp_checkpoints_reshard_into_fsdp_of_another_size(trained, wor
     new world (uneven for 3) consolidate to the same model and optimizer state."""
     root, _ = trained
     full = load_full_state(ckpt.CheckpointStore.open(root / "ckpt"), 3)
-    ddp = dataclasses.replace(job(root, "ddp"), ckpt_dir=str(root / "ddp_ckpt"))
+    ddp = job(root, "ddp").amended(checkpoint={"location": str(root / "ddp_ckpt")})
     model, opt = build_model(ddp, torch.device("cpu"))
     state.restore(job(root, "ddp"), CPU0, model=model, optimizer=opt)
     state.save(ddp, CPU0, step=3, consumed=12, model=model, optimizer=opt)  # the same state, as DDP writes it

@@ -1,5 +1,5 @@
 """A replacement takes a survivor's live model and optimizer tensor by tensor
-(``trainer.resilience.handoff``): exact, into its own tensors, small ones packed; over a real
+(``trainer.checkpoint.handoff``): exact, into its own tensors, small ones packed; over a real
 process group of three (here) and in the fast-recovery tests (bitwise-exact runs)."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import torch
 from test_fsdp import run_ranks
 
 from support.jobs import assert_same, tiny_job, trained
-from trainer.loop import build_model
-from trainer.resilience.handoff import (
+from trainer.checkpoint.handoff import (
     BUCKET_MIN_BYTES,
     HandoffMismatch,
     adopt,
@@ -24,6 +23,7 @@ from trainer.resilience.handoff import (
     signature,
     unpack,
 )
+from trainer.loop import build_model
 
 
 def handed(src, dst, backend: str = "gloo") -> None:

@@ -17,7 +17,6 @@ from test_resume import assert_all_exit
 
 from pretrain.cluster.kube.pods import INDEX
 from pretrain.spec.campaign import parse_spec
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from support import kube_api as double
 from support.campaigns import kept_trajectory, run_to_completion, seed_data, wait_for
@@ -37,7 +36,7 @@ def training_pod(api: double.KubeAPI, index: int) -> str | None:
 
 
 def first_checkpoint(spec):
-    return CheckpointStore.open(CampaignLayout(spec.workdir_path).ckpt_dir("s")).read_pointer()
+    return CheckpointStore.open(spec.layout.ckpt_dir("s")).read_pointer()
 
 
 # the pod is deleted at the first checkpoint (step 2, ~0.1 s a step): the survivor trains the
@@ -176,7 +175,7 @@ def test_a_killed_flow_process_s_job_is_adopted_by_the_re_run_and_the_stage_comp
     output = second.output()
     assert code == 0 and "Traceback" not in output, output[-3000:]
     assert f"adopted the live Job default/{orphan} of attempt 0" in output
-    stage = Ledger.read(CampaignLayout(spec.workdir_path)).record.stages["s"]
+    stage = Ledger.read(spec.layout).record.stages["s"]
     assert stage.status == "completed" and stage.attempts == 1 and stage.failures == [], stage
     assert not (spec.workdir_path / "jobs" / "s" / "attempt_001").exists()
     assert max(m["step"] for m in read_all(spec.workdir_path / "jobs" / "s" / "attempt_000" / "metrics.jsonl")) == STEPS

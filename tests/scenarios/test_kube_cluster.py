@@ -1,14 +1,13 @@
-"""The Kubernetes backend (``KubernetesCluster``/``KubeJobHandle``) end to end through the API
+"""The Kubernetes backend (``KubeCluster``/``KubeJobHandle``) end to end through the API
 test double: the unmodified official client, the double's Job controller, and pods that run the
-REAL node agent (``python -m trainer.launch``) as local processes on their own 127.x addresses."""
+REAL node agent (``python -m trainer.launch``) as local processes on their own 127.x addresses.
+(Pods that cannot start or run as asked: test_kube_cluster_start_failures.py.)"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
-import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,15 +17,12 @@ import pytest
 from kubernetes import client
 
 from pretrain.cluster.kube.client import KubeUnavailable, api_client
-from pretrain.cluster.kube.cluster import KubernetesCluster
-from pretrain.cluster.kube.handle import KubeJobHandle
+from pretrain.cluster.kube.cluster import KubeCluster
 from pretrain.cluster.local import DONE_SILENT_S, ClusterError
-from pretrain.cluster.ports import free_port
-from pretrain.run.incidents import NON_RETRYABLE, cause_of
 from pretrain.run.jobs import build_job, write_job
-from pretrain.state.layout import CampaignLayout
 from support import kube_api as double
-from support.campaigns import kept_trajectory, seed_data, small_spec, wait_for
+from support.campaigns import kept_trajectory, seed_data, wait_for
+from support.kube_cluster import NS, kube_spec, launch, live_pids, objects  # test_kube_*.py import them from here
 from trainer.checkpoint.store import CheckpointStore
 from trainer.common.process import signal_process
 from trainer.job.reporting import EVENTS, read_all
@@ -34,58 +30,6 @@ from trainer.resilience.heartbeat import heartbeat_dir
 from trainer.resilience.stacks import DUMP_SIGNAL, stack_path, take_dump
 
 kube_api = double.kube_api  # the fixture
-NS = "default"
-IMAGE = "pretrain:test"
-# the manifests run `sh -c "exec python -m trainer.launch …"`: the image's `python` is this machine's
-IMAGE_PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-
-
-def kube_spec(workdir, steps: int = 6, max_restarts: int = 0, cluster: dict | None = None, chaos: tuple = (), **kube):
-    """One stage on 2 nodes × 1 worker (nodes_min 1; ``cluster``: other settings), checkpoints every
-    2 steps; its own rendezvous port."""
-    return small_spec(
-        workdir,
-        chaos=list(chaos),
-        cluster={
-            "kind": "kubernetes",
-            "workers_per_node": 1,
-            "nodes_min": 1,
-            "nodes_max": 2,
-            "max_restarts": max_restarts,
-            "threads_per_worker": 1,
-            **(cluster or {}),
-            "kubernetes": {
-                "image": IMAGE,
-                "cpu_per_node": "1",
-                "memory_per_node": "4Gi",
-                "env": {"PATH": IMAGE_PATH},
-                "rdzv_port": free_port(span=2),
-                **kube,
-            },
-        },  # node check: the next port
-        stages=[{"name": "s", "steps": steps, "seq_len": 32, "micro_batch": 2, "warmup_steps": 1}],
-        checkpoint={"interval": 2, "memory_interval": 0, "keep": 4},
-    )
-
-
-def launch(api: double.KubeAPI, spec, prepared_data, attempt: int = 1):
-    seed_data(spec, prepared_data)
-    job = build_job(spec, 0, attempt, None)
-    path = write_job(job)
-    cluster = KubernetesCluster(spec, api.client(), unschedulable_after_s=2.0)
-    return cluster, job, path
-
-
-def objects(api: double.KubeAPI) -> dict[str, list[str]]:
-    return {p: [o["metadata"]["name"] for o in api.store.find(p, NS)] for p in ("jobs", "pods", "services")}
-
-
-def live_pids(api: double.KubeAPI) -> list[int]:
-    return [
-        pid
-        for pid in api.runner.pids
-        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    ]
 
 
 @contextmanager
@@ -115,14 +59,14 @@ def stacks_if_it_times_out(api: double.KubeAPI, job_dir: Path):
 def test_a_two_node_job_trains_to_completion_and_stop_leaves_nothing(kube_api, prepared_data, tmp_path):
     spec = kube_spec(tmp_path / "w")
     cluster, job, path = launch(kube_api, spec, prepared_data)
-    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    handle = cluster.start(job, path, spec.layout)
     try:
         assert objects(kube_api)["jobs"] == [handle.name] and objects(kube_api)["services"] == [handle.name]
         code = handle.wait(timeout=240)
         assert code == 0, [p.read_text()[-3000:] for p in handle.logs if p.exists()]
         assert handle.lost_nodes() == {}
         assert (
-            CheckpointStore.open(job.ckpt_dir).committed_steps()[0] == 6
+            CheckpointStore.open(job.checkpoint.location).committed_steps()[0] == 6
         )  # the final checkpoint is committed (newest first)
         service = kube_api.store.get("services", NS, handle.name)
         assert service["metadata"]["ownerReferences"][0]["kind"] == "Job"  # it goes with the Job
@@ -135,7 +79,7 @@ def test_a_two_node_job_trains_to_completion_and_stop_leaves_nothing(kube_api, p
 def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(kube_api, prepared_data, tmp_path):
     spec = kube_spec(tmp_path / "w", steps=400, max_restarts=2)  # the survivor's agent restarts its workers once
     cluster, job, path = launch(kube_api, spec, prepared_data)
-    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    handle = cluster.start(job, path, spec.layout)
 
     def checkpoints() -> list[int]:
         return [e["step"] for e in read_all(handle.job_dir / EVENTS) if e["event"] == "checkpoint"]
@@ -193,7 +137,7 @@ def test_a_frozen_pod_is_stopped_and_named_a_lost_node(
         node_silent_s=node_silent_s,
     )
     cluster, job, path = launch(kube_api, spec, prepared_data)
-    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    handle = cluster.start(job, path, spec.layout)
     try:
         assert handle.wait(timeout=120) == 0  # node 0 finished the stage alone
         assert handle.lost_nodes() == {1: 137}, handle.verdicts()
@@ -210,107 +154,15 @@ def test_a_frozen_pod_is_stopped_and_named_a_lost_node(
     wait_for(lambda: not of_job(handle.job_dir), 30, "no process of the job left")
 
 
-def test_an_unpullable_image_fails_fast_as_a_configuration_error(kube_api, prepared_data, tmp_path):
-    spec = kube_spec(tmp_path / "w", image="registry.example/pretrain:missing")
-    kube_api.runner.unpullable.add("registry.example/pretrain:missing")
-    cluster, job, path = launch(kube_api, spec, prepared_data)
-    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
-    try:
-        code = handle.wait(timeout=60)
-        assert code not in (None, 0)
-        events = read_all(handle.job_dir / EVENTS)
-        cause = cause_of(events, code)
-        assert cause == "kube_config" and cause in NON_RETRYABLE  # the campaign stops: relaunching cannot help
-        error = next(e["error"] for e in events if e["event"] == "error")
-        assert "registry.example/pretrain:missing" in error and "cluster.kubernetes.image" in error
-        assert any("cluster.kubernetes.image" in tail for tail in handle.failure_logs().values())
-    finally:
-        handle.stop(grace_s=1)
-    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
-
-
-def test_a_pod_no_node_can_take_fails_after_the_timeout_as_a_configuration_error(kube_api, prepared_data, tmp_path):
-    spec = kube_spec(tmp_path / "w", gpus_per_node=1)
-    kube_api.runner.unschedulable.add("nvidia.com/gpu")
-    cluster, job, path = launch(kube_api, spec, prepared_data)
-    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
-    try:
-        code = handle.wait(timeout=60)
-        events = read_all(handle.job_dir / EVENTS)
-        assert cause_of(events, code) == "kube_config"
-        assert "Insufficient nvidia.com/gpu" in events[-1]["error"] and "gpus_per_node" in events[-1]["error"]
-    finally:
-        handle.stop(grace_s=1)
-    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
-
-
-def test_a_standby_pod_no_node_has_room_for_is_left_out_and_the_job_trains_without_it(
-    kube_api, prepared_data, tmp_path
-):
-    """A standby pod (``spare_nodes``) is optional: when no node has room for it the job trains on
-    its two nodes and succeeds, the standby is named once as a notice (not a configuration error,
-    not a lost node), and no standby is counted on to replace a lost node."""
-    spec = kube_spec(tmp_path / "w", steps=20, cluster={"nodes_min": 2, "spare_nodes": 1})
-    kube_api.runner.no_room_for.add(2)
-    cluster, job, path = launch(kube_api, spec, prepared_data)
-    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
-    try:
-        assert handle.spare_nodes == 1
-        notices: list[str] = []
-        code = None
-        while code is None:
-            code = handle.wait(timeout=0.5)
-            notices += handle.new_notices()
-            assert handle.lost_nodes() == {}
-        assert code == 0 and handle.spare_nodes == 0
-        assert len(notices) == 1 and "standby node 2 cannot run" in notices[0] and "Insufficient cpu" in notices[0], (
-            notices
-        )
-        assert "spare_nodes" in notices[0] and handle.new_notices() == []
-        assert not any(e["event"] == "error" for e in read_all(handle.job_dir / EVENTS))
-    finally:
-        handle.stop(grace_s=1)
-    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
-
-
-def test_a_failed_worker_s_log_tail_is_kept_for_the_flow_and_in_the_job_directory(kube_api, prepared_data, tmp_path):
-    spec = kube_spec(tmp_path / "w")
-    cluster, job, _ = launch(kube_api, spec, prepared_data)
-    handle = cluster.start(job, tmp_path / "no-such-job.json", CampaignLayout(spec.workdir_path))  # the agent fails
-    try:
-        code = handle.wait(timeout=120)
-        assert code not in (None, 0) and cause_of(read_all(handle.job_dir / EVENTS), code).startswith("worker_failure")
-        tails = handle.failure_logs()
-        assert set(tails) == {0, 1} and all("no-such-job.json" in t for t in tails.values()), tails
-        assert "no-such-job.json" in handle.logs[0].read_text()
-    finally:
-        handle.stop(grace_s=1)
-
-
-def test_a_job_that_makes_no_pod_in_time_is_a_configuration_error(kube_api, tmp_path):
-    """E.g. a ResourceQuota refuses the pods: the Job exists, its pods never do."""
-    handle = KubeJobHandle(kube_api.client(), NS, "pt-quota", "pretrain.io/campaign=none", 2, 1, tmp_path / "job", 1.0)
-    handle.begin()
-    try:
-        code = handle.wait(timeout=30)
-        events = read_all(tmp_path / "job" / EVENTS)
-        assert code not in (None, 0) and cause_of(events, code) == "kube_config"
-        assert "made no pod for node(s) [0, 1]" in events[-1]["error"] and "ResourceQuota" in events[-1]["error"]
-    finally:
-        handle.stop(grace_s=0)
-
-
 def test_starting_a_launch_again_adopts_the_live_job(kube_api, prepared_data, tmp_path):
     spec = kube_spec(tmp_path / "w", steps=400)
     cluster, job, path = launch(kube_api, spec, prepared_data)
-    first = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    first = cluster.start(job, path, spec.layout)
     try:
         wait_for(lambda: len(kube_api.store.find("pods", NS)) == 2, 30, "the first launch's 2 pods")
         uid = kube_api.store.get("jobs", NS, first.name)["metadata"]["uid"]
         assert cluster.live_job("s", 1) == f"{NS}/{first.name}" and cluster.live_job("s", 2) is None
-        again = KubernetesCluster(spec, kube_api.client()).start(
-            job, path, CampaignLayout(spec.workdir_path)
-        )  # a re-run
+        again = KubeCluster(spec, kube_api.client()).start(job, path, spec.layout)  # a re-run
         assert again.adopted and again.name == first.name and "adopted the live Job" in again.notices[0]
         assert kube_api.store.get("jobs", NS, first.name)["metadata"]["uid"] == uid
         assert objects(kube_api)["jobs"] == [first.name] and len(objects(kube_api)["pods"]) == 2
@@ -346,10 +198,10 @@ def test_a_new_launch_of_the_stage_retires_a_live_job_of_an_earlier_launch(kube_
     earlier attempt must not train beside it (the campaign's lock says its orchestrator is gone)."""
     spec = kube_spec(tmp_path / "w", steps=400)
     cluster, job, path = launch(kube_api, spec, prepared_data, attempt=1)
-    orphan = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+    orphan = cluster.start(job, path, spec.layout)
     wait_for(lambda: len(kube_api.store.find("pods", NS)) == 2, 30, "the orphaned launch's 2 pods")
     job2 = build_job(spec, 0, 2, None)
-    handle = KubernetesCluster(spec, kube_api.client()).start(job2, write_job(job2), CampaignLayout(spec.workdir_path))
+    handle = KubeCluster(spec, kube_api.client()).start(job2, write_job(job2), spec.layout)
     try:
         assert handle.name != orphan.name and objects(kube_api)["jobs"] == [handle.name]
         assert objects(kube_api)["services"] == [handle.name]
@@ -384,9 +236,9 @@ def test_excluded_nodes_start_fewer_pods_and_too_few_is_refused(kube_api, prepar
     spec = kube_spec(tmp_path / "w", steps=400)
     cluster, job, path = launch(kube_api, spec, prepared_data)
     with pytest.raises(ClusterError, match="only 0 healthy node.*nodes_min is 1"):
-        cluster.start(job, path, CampaignLayout(spec.workdir_path), exclude={0, 1})
+        cluster.start(job, path, spec.layout, exclude={0, 1})
     assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}
-    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path), exclude={1})
+    handle = cluster.start(job, path, spec.layout, exclude={1})
     try:
         wait_for(
             lambda: handle.verdicts().get(0) and handle.verdicts()[0].state == "running", 30, "the one pod running"
@@ -402,7 +254,7 @@ def test_stop_with_the_api_gone_says_how_to_finish_the_teardown(prepared_data, t
     with double.KubeAPI(tmp_path / "kube") as api:
         api.runner.unpullable.add("registry.example/never:pulled")  # no process: only the API's objects matter here
         cluster, job, path = launch(api, spec, prepared_data)
-        handle = cluster.start(job, path, CampaignLayout(spec.workdir_path))
+        handle = cluster.start(job, path, spec.layout)
     # the API's address from now on: a port held bound and never listening (the closed double's own port
     # could be taken meanwhile by another test's API server, which would then answer the teardown)
     with socket.socket() as gone:
@@ -413,25 +265,3 @@ def test_stop_with_the_api_gone_says_how_to_finish_the_teardown(prepared_data, t
         ):
             handle.stop(grace_s=0)
     assert not [t for t in threading.enumerate() if t.name == f"kube-watch-{handle.name}"]  # no watcher outlives it
-
-
-def test_a_campaign_whose_image_cannot_be_pulled_stops_at_the_node_check_before_any_training(
-    prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch
-):
-    """The node check runs in pods of the training pods' shape: an unpullable image stops the
-    campaign while provisioning, with what to fix, and no training job is ever launched."""
-    from flows.campaign import pretrain_campaign
-    from pretrain.state.ledger import Ledger
-
-    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig()))
-    kube_api.runner.unpullable.add("registry.example/pretrain:typo")
-    spec = kube_spec(tmp_path / "w", steps=4, image="registry.example/pretrain:typo")
-    seed_data(spec, prepared_data)
-    with pytest.raises(
-        ClusterError,
-        match=r"node health check: 0 healthy node\(s\).*ImagePullBackOff.*"
-        r"check cluster.kubernetes.image",
-    ):
-        pretrain_campaign(spec=spec)
-    assert Ledger.open(spec).stage("s").attempts == 0
-    assert objects(kube_api) == {"jobs": [], "pods": [], "services": []}

@@ -1,4 +1,4 @@
-"""The node check on Kubernetes through the API test double: ``trainer.healthcheck`` in pods of
+"""The node check on Kubernetes through the API test double: ``trainer.nodecheck`` in pods of
 the training pods' shape, rows read from the shared workdir, judged as the local cluster's, and
 the Kubernetes nodes of excluded indices kept out of the next launch (required node affinity)."""
 
@@ -10,12 +10,11 @@ import pytest
 from test_kube_cluster import NS, kube_spec, launch, live_pids, objects
 from test_kube_manifests import assert_valid, k8s_spec
 
-from pretrain.cluster.kube.cluster import KubernetesCluster
+from pretrain.cluster.kube.cluster import KubeCluster
 from pretrain.cluster.kube.manifests import stage_launch
 from pretrain.cluster.kube.nodecheck import HOSTS, HostMemory, check_launch, checks_dir
-from pretrain.state.layout import CampaignLayout
 from support import kube_api as double
-from trainer.resilience.node_judgement import judge_nodes
+from trainer.resilience.nodecheck import judge_nodes
 
 kube_api = double.kube_api  # the fixture
 HOST = "kube-double-node"  # the double's one Kubernetes node
@@ -25,7 +24,7 @@ def test_the_node_check_runs_in_pods_judges_a_slow_node_and_keeps_the_next_launc
     kube_api, prepared_data, tmp_path
 ):
     spec = kube_spec(tmp_path / "w", steps=400)
-    cluster = KubernetesCluster(spec, kube_api.client(), unschedulable_after_s=5.0)
+    cluster = KubeCluster(spec, kube_api.client(), unschedulable_after_s=5.0)
     rows = cluster.health_check(spec.workdir_path, delays={1: 0.05})  # chaos: node 1 burns 50 ms per matmul
     assert [(r["node"], r["local_rank"], r["ok"], r["host"]) for r in rows] == [
         (0, 0, True, HOST),
@@ -38,7 +37,7 @@ def test_the_node_check_runs_in_pods_judges_a_slow_node_and_keeps_the_next_launc
     assert HostMemory(checks_dir(spec.workdir_path) / HOSTS).read() == {0: HOST, 1: HOST}
 
     cluster, job, path = launch(kube_api, spec, prepared_data)
-    handle = cluster.start(job, path, CampaignLayout(spec.workdir_path), exclude=excluded)
+    handle = cluster.start(job, path, spec.layout, exclude=excluded)
     try:
         pod = kube_api.store.get("jobs", NS, handle.name)["spec"]["template"]["spec"]
         term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
@@ -51,7 +50,7 @@ def test_the_node_check_runs_in_pods_judges_a_slow_node_and_keeps_the_next_launc
 def test_a_node_check_whose_image_cannot_be_pulled_fails_at_once_saying_what_to_fix(kube_api, tmp_path):
     spec = kube_spec(tmp_path / "w", image="registry.example/pretrain:typo")
     kube_api.runner.unpullable.add("registry.example/pretrain:typo")
-    rows = KubernetesCluster(spec, kube_api.client(), unschedulable_after_s=60.0).health_check(spec.workdir_path)
+    rows = KubeCluster(spec, kube_api.client(), unschedulable_after_s=60.0).health_check(spec.workdir_path)
     assert [r["ok"] for r in rows] == [False, False]
     assert any("ImagePullBackOff" in r["error"] or "ErrImagePull" in r["error"] for r in rows), rows
     assert all("cluster.kubernetes.image" in r["error"] or "no result" in r["error"] for r in rows), rows
@@ -82,7 +81,7 @@ def test_the_node_check_manifests_are_valid_and_shaped_like_the_training_pods():
     assert all(labels[k] == v for k, v in service["spec"]["selector"].items())
     assert "pretrain.io/stage" not in service["spec"]["selector"]  # never selects a training launch's pods
     script = pod["containers"][0]["command"][2]
-    assert "1) python -m trainer.healthcheck" in script and f"--rank {wpn} --world {2 * wpn}" in script
+    assert "1) python -m trainer.nodecheck" in script and f"--rank {wpn} --world {2 * wpn}" in script
     assert f"--extra-delay 0.5 --out {spec.workdir_path}/node-checks/abc123/node2-0.json" in script
     assert script.count("--extra-delay 0.5") == 1
     assert f"--master-addr {check.name}-0.{check.name}.train.svc" in script

@@ -7,7 +7,7 @@ file. What it proves on the real API server: the preflight passes with the deplo
 server (its admission, its own schema) accepts every stage's manifests, and a launch's objects
 are found by its labels and leave nothing behind after a foreground delete. Jobs are created
 suspended, so no pod is scheduled and no image is pulled. The training scenarios (2 nodes to
-completion, a pod lost, the node check, stop) run the backend's ``KubernetesCluster`` and need a
+completion, a pod lost, the node check, stop) run the backend's ``KubeCluster`` and need a
 workdir shared between this process and the pods (see below); an unpullable image needs none.
 
 Environment: ``PRETRAIN_K8S_NAMESPACE`` (default ``default``; it must exist, with
@@ -131,7 +131,7 @@ def test_a_launch_is_found_by_its_labels_and_deleted_without_leftovers(api, tmp_
         remove(api, spec, the_launch)
 
 
-# -- training scenarios: the backend (KubernetesCluster) on the real cluster. The pods and this
+# -- training scenarios: the backend (KubeCluster) on the real cluster. The pods and this
 # process must share the campaign workdir: PRETRAIN_K8S_WORKDIR (a directory this process sees)
 # is the mount of the ReadWriteMany claim PRETRAIN_K8S_WORKDIR_CLAIM in every pod, at the same
 # path (e.g. kind with an extraMount and a hostPath PersistentVolume); PRETRAIN_K8S_IMAGE must be
@@ -175,16 +175,15 @@ def training_spec(root: Path, steps: int = 6, image: str = IMAGE, **cluster):
 
 
 def start_job(api, spec, prepared_data=None, exclude: frozenset = frozenset()):
-    from pretrain.cluster.kube.cluster import KubernetesCluster
+    from pretrain.cluster.kube.cluster import KubeCluster
     from pretrain.run.jobs import build_job, write_job
-    from pretrain.state.layout import CampaignLayout
     from support.campaigns import seed_data
 
     if prepared_data is not None:
         seed_data(spec, prepared_data)
     job = build_job(spec, 0, 1, None)
-    cluster = KubernetesCluster(spec, api, unschedulable_after_s=300.0)  # a real node may pull the image for minutes
-    return cluster, job, cluster.start(job, write_job(job), CampaignLayout(spec.workdir_path), set(exclude))
+    cluster = KubeCluster(spec, api, unschedulable_after_s=300.0)  # a real node may pull the image for minutes
+    return cluster, job, cluster.start(job, write_job(job), spec.layout, set(exclude))
 
 
 def assert_nothing_left(api, spec) -> None:
@@ -214,10 +213,10 @@ def test_an_unpullable_image_fails_fast_as_a_configuration_error(api, tmp_path, 
 
 @needs_shared_workdir
 def test_the_node_check_runs_in_pods_and_records_their_nodes(api):
-    from pretrain.cluster.kube.cluster import KubernetesCluster
+    from pretrain.cluster.kube.cluster import KubeCluster
 
     spec = training_spec(Path(SHARED))
-    rows = KubernetesCluster(spec, api, unschedulable_after_s=300.0).health_check(spec.workdir_path)
+    rows = KubeCluster(spec, api, unschedulable_after_s=300.0).health_check(spec.workdir_path)
     assert [(r["node"], r["ok"]) for r in rows] == [(0, True), (1, True)], rows
     assert all(r["host"] and r["allreduce_MBps"] > 0 for r in rows)
     assert_nothing_left(api, spec)
@@ -231,7 +230,7 @@ def test_a_two_node_stage_trains_to_completion(api, prepared_data):
     _, job, handle = start_job(api, spec, prepared_data)
     try:
         assert handle.wait(timeout=900) == 0, handle.failure_logs()
-        assert CheckpointStore.open(job.ckpt_dir).committed_steps()[0] == 6
+        assert CheckpointStore.open(job.checkpoint.location).committed_steps()[0] == 6
     finally:
         handle.stop(grace_s=10)
     assert_nothing_left(api, spec)

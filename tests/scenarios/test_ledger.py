@@ -13,7 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from pretrain.cli.app import app
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from pretrain.state.ledger import Ledger, LedgerDamaged, LedgerError
 from pretrain.state.local import recover_ledger
 from pretrain.state.schema import CampaignStatus, CheckpointRef, Failure, StageStatus
@@ -60,7 +60,7 @@ def spec(tmp_path):
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_ledger_is_one_clear_error_offering_the_previous_generation(spec, damage):
-    layout = CampaignLayout(spec.workdir_path)
+    layout = spec.layout
     harm, what = DAMAGE[damage]
     harm(layout.ledger)
 
@@ -73,7 +73,7 @@ def test_a_damaged_ledger_is_one_clear_error_offering_the_previous_generation(sp
 
 
 def test_every_save_keeps_the_previous_generation(spec):
-    layout = CampaignLayout(spec.workdir_path)
+    layout = spec.layout
     before = layout.ledger.read_bytes()
     Ledger.open(spec).set_status(CampaignStatus.COMPLETED)
     assert layout.ledger.with_name("ledger.json.prev").read_bytes() == before
@@ -82,7 +82,7 @@ def test_every_save_keeps_the_previous_generation(spec):
 
 def test_an_update_that_changes_nothing_keeps_both_generations(spec):
     """(A run refused before it started has its failure hook look at the ledger: nothing to record.)"""
-    layout = CampaignLayout(spec.workdir_path)
+    layout = spec.layout
     prev = layout.ledger.with_name("ledger.json.prev")
     before = (layout.ledger.read_bytes(), prev.read_bytes())
     Ledger.open(spec).mutate(lambda r: None)
@@ -188,7 +188,7 @@ def test_a_campaign_without_an_mlflow_run_yet_says_so_in_status_and_report(spec)
 
 
 def test_without_an_intact_previous_generation_the_error_says_what_to_do(spec):
-    layout = CampaignLayout(spec.workdir_path)
+    layout = spec.layout
     _truncate(layout.ledger)
     _truncate(layout.ledger.with_name("ledger.json.prev"))
 
@@ -200,7 +200,7 @@ def test_without_an_intact_previous_generation_the_error_says_what_to_do(spec):
 
 
 def test_recover_ledger_leaves_an_intact_ledger_alone(spec):
-    layout = CampaignLayout(spec.workdir_path)
+    layout = spec.layout
     before = layout.ledger.read_bytes()
     with pytest.raises(LedgerError, match="is intact"):
         recover_ledger(layout.root)
@@ -208,7 +208,7 @@ def test_recover_ledger_leaves_an_intact_ledger_alone(spec):
 
 
 # ledger.json of a real run on main 6b4a8a5, the last release writing ledger version 1 (no
-# "version" key): tests/test_resume.py::test_failed_job_is_relaunched_from_the_last_checkpoint,
+# "version" key): tests/scenarios/test_resume.py::test_failed_job_is_relaunched_from_the_last_checkpoint,
 # its workdir replaced by {WORKDIR}. A failed job (in_job false), two launches, four verdicts.
 RELEASE_BEFORE = Path(__file__).parents[1] / "data" / "ledger_v1_release_before.json"
 
@@ -233,7 +233,7 @@ def _release_before_workdir(tmp_path) -> tuple[Path, dict]:
 
 def test_a_ledger_written_by_the_release_before_is_read_and_resumed(tmp_path):
     spec, before = _release_before_workdir(tmp_path)
-    layout = CampaignLayout(spec.workdir_path)
+    layout = spec.layout
 
     ledger = Ledger.open(spec)  # the same spec: its workdir, not refused as another campaign's
     stage = ledger.stage("main")
@@ -299,7 +299,7 @@ def test_a_resumed_job_span_continues_the_open_span_of_its_dead_process(spec):
 
 
 def test_a_moved_campaign_shows_its_checkpoints_and_its_next_run_records_the_new_place(spec, tmp_path):
-    store = CheckpointStore.open(CampaignLayout(spec.workdir_path).ckpt_dir("main"))
+    store = CheckpointStore.open(spec.layout.ckpt_dir("main"))
     shards = [store.write_shard(4, "model.pt", {"w": torch.zeros(2)}), store.write_shard(4, rank_shard_name(0), {})]
     store.write_node_record(4, "model", 1, shards)
     store.commit(4, shards, {"stage": "main", "world_size": 1})

@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.lock import CampaignBusy, LockUnavailable, campaign_lock, lock_failure, lock_fd, read_holder
 from support.campaigns import small_spec
 
@@ -88,7 +87,7 @@ def test_prepare_data_is_refused_while_another_process_runs_the_campaign(prefect
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
-    layout = CampaignLayout(spec.workdir_path)
+    layout = spec.layout
     assert not layout.data_dir.exists() and not (spec.workdir_path / "ledger.json").exists()  # nothing written
 
 

@@ -15,11 +15,13 @@ from rich.console import Console
 from test_tracking import history, records
 
 from pretrain.state.ledger import Ledger
-from pretrain.tracking.runs import METRIC_KEYS, Backoff, MetricsForwarder, Tracker
+from pretrain.tracking.metrics import MetricsForwarder
+from pretrain.tracking.runs import METRIC_KEYS, Tracker
 from pretrain.views.status import campaign_status, render
 from support.campaigns import assert_no_duplicate_metric_steps, seed_data, small_spec, wait_for
 from support.mlflow_server import MlflowServer
 from support.s3_servers import free_ports
+from trainer.common.backoff import Backoff
 
 
 class Lines(logging.Handler):

@@ -30,9 +30,9 @@ import json, select, sys, time
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous, registry
 from trainer.agent.node_links import NodeLinks
-from trainer.agent.elastic import fast_rendezvous_polls
+from trainer.agent.torch_internals import fast_rendezvous_polls
 from trainer.agent.rendezvous_store import RoundStoreAddress
-from trainer.agent.rendezvous_close import record_expired_nodes
+from trainer.agent.torch_internals import record_expired_nodes
 min_nodes, max_nodes, last_call, slow_s = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
 params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="links", min_nodes=min_nodes,
                               max_nodes=max_nodes, join_timeout=60, last_call_timeout=last_call,

@@ -1,7 +1,7 @@
 """The Prefect API going away while a stage trains (a server restarting, a network cut) never
 stops training: the job, the gate's tasks and the stage's loop go on without it, and the
 campaign completes once it answers again. The outage is a proxy in front of the test's real
-server switched off and on (tests/tcp_proxy.py). Prefect's client retries once instead of five
+server switched off and on (tests/support/tcp_proxy.py). Prefect's client retries once instead of five
 times (~2 s instead of about a minute of backoff) and the stage polls its job every 0.5 s, so
 a few seconds of outage show what a longer one does. On ``pretrain run``'s console Prefect's own
 notes of the outage show once a minute (table-driven)."""
@@ -21,7 +21,6 @@ from test_resume import SLOW_MODEL
 from deployments.console import OutageNotes, quiet_console
 from flows.campaign import pretrain_campaign
 from pretrain.run.jobs import checkpoint_store
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from support.campaigns import seed_data, small_spec, wait_for
 from support.tcp_proxy import SwitchableProxy
@@ -48,9 +47,7 @@ def test_a_prefect_api_away_mid_stage_never_stops_training(prefect_harness, prep
     store = checkpoint_store(spec, "main")
 
     def job_ended() -> bool:  # the stage recorded its job's end: what follows is the stage flow run's own end
-        return any(
-            s.kind == "job" and s.end is not None for s in Ledger.read(CampaignLayout(spec.workdir_path)).record.spans
-        )
+        return any(s.kind == "job" and s.end is not None for s in Ledger.read(spec.layout).record.spans)
 
     try:
         with (

@@ -27,7 +27,6 @@ from prefect_kubernetes.worker import KubernetesWorker
 
 from pretrain.run.outcome import TAG_END_CAUSE
 from pretrain.spec.campaign import parse_spec
-from pretrain.state.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.lock import CampaignBusy
 from support.campaigns import (
@@ -44,7 +43,7 @@ from trainer.checkpoint import store as ckpt
 from trainer.job.reporting import read_all
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAINER = ("trainer.launch", "trainer.worker", "trainer.saver", "trainer.healthcheck")
+TRAINER = ("trainer.launch", "trainer.worker", "trainer.saver", "trainer.nodecheck")
 
 
 def spec_file(tmp_path: Path, prepared_data: Path, name: str, **overrides) -> tuple[Path, object]:
@@ -166,7 +165,7 @@ def test_worker_runs_a_campaign_with_artifacts_events_and_trigger(worker, prepar
         progress = latest_artifact("training-progress", name)
         assert progress.type == "progress" and float(progress.data) == 100.0
         link = latest_artifact("mlflow-run", name)
-        parent = Ledger.read(CampaignLayout(spec.workdir_path)).record.mlflow.parent_run_id
+        parent = Ledger.read(spec.layout).record.mlflow.parent_run_id
         assert link.type == "markdown" and parent in link.data
         assert latest_artifact("node-check", name).type == "table"
 
@@ -257,7 +256,7 @@ def test_a_second_run_of_a_training_campaign_never_trains(training, worker):
         ):
             pretrain_campaign(spec_path=str(path))
         assert time.monotonic() - started < 60
-    record = Ledger.read(CampaignLayout(spec.workdir_path)).record
+    record = Ledger.read(spec.layout).record
     assert record.status == "running" and record.invocations == 1 and record.flow_run == str(run.id)
     assert len(campaign_processes(spec.workdir_path, "trainer.worker")) == 1  # still the first run's only worker
 
@@ -276,7 +275,7 @@ def test_cancelling_from_the_api_pauses_the_campaign_at_a_validated_checkpoint(t
     [step] = store.committed_steps()  # periodic checkpoints are 1000 steps apart: this is the save at breakpoint
     assert step >= 6 and step % 2 == 0 and store.verify(step) == []
     assert f"# Campaign `{spec.name}` — paused" in report
-    record = Ledger.read(CampaignLayout(spec.workdir_path)).record
+    record = Ledger.read(spec.layout).record
     assert (record.status, record.stages["main"].status, record.end.step) == ("paused", "paused", step)
     assert record.end.cause == f"paused at main step {step}: cancelled from Prefect (SIGTERM from its worker)"
     assert record.stages["main"].newest_good_step() == step  # judged by the gate: the next run resumes there
@@ -326,4 +325,4 @@ def test_deploy_from_git_runs_the_cloned_code(worker, prepared_data, tmp_path):
         run = start("prepare-data/prepare-data", spec_path=str(path))
         state = final_state(run.id, 300)
     assert state.is_completed(), state.message
-    assert Ledger.read(CampaignLayout(spec.workdir_path)).record.data.vocab_size > 0
+    assert Ledger.read(spec.layout).record.data.vocab_size > 0

@@ -119,5 +119,5 @@ def test_reserved_or_invalid_alias_is_refused_by_the_spec(alias):
 )
 def test_the_registration_retries_while_mlflow_is_away_for_as_long_as_the_spec_allows(wait_s, delays):
     """``tracking.registration_wait_s``: the tries that fit; past them the campaign completes with
-    the registration pending (tests/test_mlflow_away.py)."""
+    the registration pending (tests/scenarios/test_mlflow_away.py)."""
     assert retry_delays(wait_s) == delays

@@ -66,19 +66,22 @@ def test_a_node_late_at_the_start_joins_the_running_job_which_goes_on_with_both(
     job = build_job(spec, 0, 0, None)
     metrics = Path(job.job_dir) / METRICS
     endpoint = f"127.0.0.1:{free_port()}"
+
     # first_round_wait 0: node 1 comes after the first round gave up waiting for it
-    start = lambda node: start_agent(
-        job,
-        3,
-        1,
-        zygote,
-        node=node,
-        nodes=2,
-        nodes_min=1,  # noqa: E731
-        endpoint=endpoint,
-        first_round_wait=0,
-        start_new_session=True,
-    )
+    def start(node):
+        return start_agent(
+            job,
+            3,
+            1,
+            zygote,
+            node=node,
+            nodes=2,
+            nodes_min=1,
+            endpoint=endpoint,
+            first_round_wait=0,
+            start_new_session=True,
+        )
+
     agents = [start(0)]
     try:
         wait_for(lambda: metrics.exists() and len(read_all(metrics)) >= 3, 120, "node 0 trains alone")
@@ -114,17 +117,20 @@ def test_the_first_round_waits_for_a_node_that_starts_after_torchs_last_call(pre
     job = build_job(spec, 0, 0, None)
     metrics = Path(job.job_dir) / METRICS
     endpoint, name = f"127.0.0.1:{free_port()}", run_id(job)
-    start = lambda node: start_agent(
-        job,
-        3,
-        1,
-        zygote,
-        node=node,
-        nodes=2,
-        nodes_min=1,  # noqa: E731
-        endpoint=endpoint,
-        start_new_session=True,
-    )
+
+    def start(node):
+        return start_agent(
+            job,
+            3,
+            1,
+            zygote,
+            node=node,
+            nodes=2,
+            nodes_min=1,
+            endpoint=endpoint,
+            start_new_session=True,
+        )
+
     agents = [start(0)]
     try:
         wait_for(lambda: checked_in(endpoint, name) >= 1, 120, "node 0's agent checks in")

@@ -88,7 +88,8 @@ def kill_a_worker_after_first_checkpoint(spec) -> int:
 
 
 def test_worker_sigkill_is_survived_by_an_in_job_restart(prefect_harness, prepared_data, tmp_path):
-    """The full restart (the fast path, which keeps the other worker, is off here: tests/test_fast_recovery.py)."""
+    """The full restart (the fast path, which keeps the other worker, is off here:
+    tests/scenarios/test_fast_recovery.py)."""
     spec = slow_spec(tmp_path, prepared_data, fault_tolerance={"fast_recovery_timeout_s": 0})
     status, killed_at = run_campaign_while(spec, lambda: kill_a_worker_after_first_checkpoint(spec))
     stage = status["stages"][0]

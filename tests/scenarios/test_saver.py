@@ -3,7 +3,6 @@ commit fencing (a saver of a superseded job writes nothing)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import uuid
@@ -21,6 +20,7 @@ from trainer.agent.node import SaverProcess
 from trainer.checkpoint import fence
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.saver import Saver
+from trainer.checkpoint.store import stage_store
 from trainer.job.reporting import EVENTS, JsonLines, read_all
 
 seaweed_factory, aws_env = s3_servers.seaweed_factory, s3_servers.aws_env
@@ -28,8 +28,8 @@ seaweed_factory, aws_env = s3_servers.seaweed_factory, s3_servers.aws_env
 
 def test_a_saver_that_keeps_failing_is_restarted_a_bounded_number_of_times_then_fails_the_job(prepared_data, tmp_path):
     job = agent_job(tmp_path, prepared_data, steps=100_000, shm_dir=str(tmp_path / "shm"))
-    job = dataclasses.replace(job, saver_max_failures=3, saver_backoff_s=0.05)
-    location = Path(job.ckpt_dir)
+    job = job.amended(fault_tolerance={"saver_max_failures": 3, "saver_backoff_s": 0.05})
+    location = Path(job.checkpoint.location)
     location.mkdir(parents=True)
     for step in range(2, 2000, 2):  # a file where each step's directory should be: every persist fails
         (location / ckpt.step_name(step)).write_text("not a directory")
@@ -41,7 +41,9 @@ def test_a_saver_that_keeps_failing_is_restarted_a_bounded_number_of_times_then_
     assert f"NotADirectoryError: [Errno 20] Not a directory: '{location}/step_" in failed[0]  # the saver's own error
     assert cause_of(events, 1) == "saver_failure"
     assert failed[0].removeprefix("SaverFailed: ") in node_log(job)
-    assert fence.holder(ckpt.CheckpointStore.open(job.ckpt_dir)) == job.job_dir  # the agent claimed the location first
+    assert (
+        fence.holder(ckpt.CheckpointStore.open(job.checkpoint.location)) == job.job_dir
+    )  # the agent claimed the location first
     assert not list((tmp_path / "shm").iterdir())
 
 
@@ -90,13 +92,13 @@ def test_checkpoint_storage_away_for_a_while_does_not_fail_the_job(prepared_data
         uri=f"s3://{BUCKET}/away/{uuid.uuid4().hex[:8]}",
         s3_endpoint_url=server.endpoint,
     )
-    job = dataclasses.replace(
-        job, saver_max_failures=2, saver_backoff_s=0.05, storage_options={**job.storage_options, "max_attempts": 1}
+    job = job.amended(
+        fault_tolerance={"saver_max_failures": 2, "saver_backoff_s": 0.05}, checkpoint={"s3_max_attempts": 1}
     )  # each try fails at once
     events = Path(job.job_dir) / EVENTS
     agent = start_agent(job, start_new_session=True)
     try:
-        store = job.checkpoints()
+        store = stage_store(job)
         wait_for(lambda: store.read_pointer() or agent.poll() is not None, 180, "a first committed checkpoint")
         first = store.read_pointer()
         server.stop()

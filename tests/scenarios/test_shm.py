@@ -172,7 +172,7 @@ def test_capacity_check_counts_every_local_rank_of_the_node(tmp_path, monkeypatc
         with pytest.raises(ShmTooSmall, match=rf"each of the node's {local_ranks} local rank\(s\).*shm_fallback: true"):
             open_snapshots(cfg, info, capacity, str(ns), events)
         assert not any(ns.iterdir())  # nothing allocated
-        fallback = ddp_job(tmp_path, shm_fallback=True)
+        fallback = ddp_job(tmp_path, checkpoint={"shm_fallback": True})
         assert open_snapshots(fallback, info, capacity, str(ns), events) is None
         assert read_all(tmp_path / "job" / EVENTS)[-1]["event"] == "shm_fallback"
 
@@ -192,7 +192,8 @@ def test_enospc_while_allocating_a_slot_is_shm_too_small_or_the_fallback(tmp_pat
                 f.truncate((3 << 20) - 1)
         with pytest.raises(ShmTooSmall):
             SnapshotStore(ns, 0, 0, 1, capacity=3 << 20)
-        assert open_snapshots(ddp_job(tmp_path, shm_fallback=True), info, 3 << 20, str(ns), events) is None
+        fallback = ddp_job(tmp_path, checkpoint={"shm_fallback": True})
+        assert open_snapshots(fallback, info, 3 << 20, str(ns), events) is None
         assert read_all(tmp_path / "job" / EVENTS)[-1]["event"] == "shm_fallback"
 
 

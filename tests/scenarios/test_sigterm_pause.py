@@ -17,7 +17,7 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.states import Cancelling, Running
 
-from flows.campaign import being_cancelled
+from flows.stopping import being_cancelled
 from pretrain.run.stop import StopRequest, current_stop, pause_on_termination, pause_window_s, supervise
 from support.campaigns import wait_for
 

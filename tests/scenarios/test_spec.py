@@ -78,7 +78,7 @@ def test_an_unknown_builtin_names_the_ones_there_are():
 def test_builtin_demo_spec_is_valid():
     spec = load_spec("builtin:tiny")
     assert spec.cluster.workers_per_node == 2 and len(spec.stages) == 2
-    assert spec.tracking.uri is None  # the default store: tests/test_tracking_store.py
+    assert spec.tracking.uri is None  # the default store: tests/unit/test_tracking_store.py
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,7 @@ def test_stage_settings_reach_the_workers(three_stages):
         s["name"]: json.loads((spec.workdir_path / "jobs" / s["name"] / "attempt_000" / "job.json").read_text())
         for s in STAGES
     }
-    assert jobs["main"]["mixture"] == {"json": 3, "email": 1} and jobs["main"]["optim"]["seq_len"] == 64
-    assert (jobs["anneal"]["optim"]["micro_batch"], jobs["anneal"]["optim"]["grad_accum"]) == (2, 2)
-    assert jobs["anneal"]["optim"]["global_batch"] == jobs["main"]["optim"]["global_batch"]
+    main, anneal = jobs["main"]["stage"], jobs["anneal"]["stage"]
+    assert main["mixture"] == {"json": 3, "email": 1} and main["seq_len"] == 64
+    assert (anneal["micro_batch"], anneal["grad_accum"]) == (2, 2)
+    assert anneal["global_batch"] == main["global_batch"]

@@ -15,12 +15,14 @@ from mlflow.tracking import MlflowClient
 from prefect import flow
 
 from pretrain.state.ledger import Ledger
-from pretrain.tracking.runs import TAG_WORKDIR, Backoff, MetricsForwarder, Tracker, describe_error, transient
+from pretrain.tracking.metrics import MetricsForwarder
+from pretrain.tracking.runs import TAG_WORKDIR, Tracker, describe_error, transient
 from support.campaigns import assert_no_duplicate_metric_steps, small_spec, wait_for
 from support.mlflow_server import MlflowServer
 from tasks.checkpoints import record_verdict
 from tasks.evaluation import log_evaluation
 from tasks.mlflow_sync import sync_stage_end
+from trainer.common.backoff import Backoff
 from trainer.job.reporting import JsonLines, read_all, read_new_lines
 
 LINE = b'{"step": 1, "time": 1.0}\n'
@@ -144,6 +146,26 @@ def mlflow_server(tmp_path_factory, migrated_tracking_store):
     server.stop()
 
 
+def quick_forwarder(tracker, path, run_id, parent_id, offset, logged: list[str], **kw) -> MetricsForwarder:
+    """A forwarder whose retries come quickly (0.2 s, then up to 1 s) and whose words go to ``logged``."""
+    return MetricsForwarder(
+        tracker, path, run_id, parent_id, offset, log=logged.append, backoff=Backoff(initial_s=0.2, max_s=1.0), **kw
+    )
+
+
+def good_verdict(step: int) -> dict:
+    """The gate's verdict on the checkpoint of ``step``: good."""
+    return {
+        "step": step,
+        "path": f"/ckpt/step_{step:08d}",
+        "verdict": "good",
+        "problems": [],
+        "probe": {},
+        "metrics": {"val_perplexity": 30.0},
+        "time": 1.0,
+    }
+
+
 def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(
     mlflow_server, prefect_harness, tmp_path, monkeypatch
 ):
@@ -154,29 +176,12 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(
     later_stage = tracker.stage_run("c1", parent, "t", "later", {})
     metrics, events = tmp_path / "metrics.jsonl", tmp_path / "events.jsonl"
     logged: list[str] = []
-    fwd = MetricsForwarder(
-        tracker,
-        metrics,
-        stage,
-        parent,
-        100,
-        events_path=events,
-        log=logged.append,
-        backoff=Backoff(initial_s=0.2, max_s=1.0),
-    )
+    fwd = quick_forwarder(tracker, metrics, stage, parent, 100, logged, events_path=events)
     records(metrics, [1, 2, 3])
     assert fwd.pump() == 3
     spec = small_spec(tmp_path / "wd", tracking={"uri": mlflow_server.uri, "register_model": False})
     Ledger.open(spec).set_stage_run("warmup", stage)
-    verdict = {
-        "step": 4,
-        "path": "/ckpt/step_00000004",
-        "verdict": "good",
-        "problems": [],
-        "probe": {},
-        "metrics": {"val_perplexity": 30.0},
-        "time": 1.0,
-    }
+    verdict = good_verdict(4)
 
     mlflow_server.stop()
     wait_for(mlflow_server.down, 30, "the MLflow server to stop")
@@ -187,15 +192,8 @@ def test_an_mlflow_outage_never_raises_and_every_step_arrives_once_after_it(
     assert len(logged) == 1 and "MLflow tracking failed" in logged[0] and "next try in" in logged[0]
     assert "\n" not in logged[0] and "Traceback" not in logged[0]
     # a job that starts while MLflow is away: its forwarder starts too (it asks MLflow later)
-    other = MetricsForwarder(
-        Tracker(mlflow_server.uri, "outage", tmp_path / "artifacts"),
-        tmp_path / "other.jsonl",
-        later_stage,
-        parent,
-        200,
-        log=logged.append,
-        backoff=Backoff(initial_s=0.2, max_s=1.0),
-    )
+    other_tracker = Tracker(mlflow_server.uri, "outage", tmp_path / "artifacts")
+    other = quick_forwarder(other_tracker, tmp_path / "other.jsonl", later_stage, parent, 200, logged)
     records(tmp_path / "other.jsonl", [1])
     assert other.pump() == 0
     records(metrics, [6, 7])  # training goes on meanwhile

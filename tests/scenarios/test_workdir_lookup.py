@@ -70,16 +70,16 @@ def test_status_without_workdir_shows_the_campaign_run_made_here(tmp_path, monke
 
 def test_eval_without_a_checkpoint_takes_the_newest_good_one_of_the_campaign_here(tmp_path):
     from pretrain.cli.workdir_lookup import good_checkpoint
-    from pretrain.state.schema import Verdict
+    from pretrain.state.schema import VerdictRecord
 
     workdir = campaign(tmp_path / "runs" / "tiny")
     with pytest.raises(NoCampaign, match="no good checkpoint yet: pass a checkpoint"):
         good_checkpoint(here=tmp_path)
     ledger = Ledger.open(small_spec(workdir, name="c"))  # stages warmup, main
-    ledger.record_verdict("warmup", Verdict(step=4, path=str(workdir / "w" / "step_4"), verdict="good"))
+    ledger.record_verdict("warmup", VerdictRecord(step=4, path=str(workdir / "w" / "step_4"), verdict="good"))
     assert good_checkpoint(here=tmp_path) == str(workdir / "w" / "step_4")
-    ledger.record_verdict("main", Verdict(step=8, path=str(workdir / "m" / "step_8"), verdict="good"))
-    ledger.record_verdict("main", Verdict(step=6, path=str(workdir / "m" / "step_6"), verdict="bad"))
+    ledger.record_verdict("main", VerdictRecord(step=8, path=str(workdir / "m" / "step_8"), verdict="good"))
+    ledger.record_verdict("main", VerdictRecord(step=6, path=str(workdir / "m" / "step_6"), verdict="bad"))
     assert good_checkpoint(here=tmp_path) == str(workdir / "m" / "step_8")  # the last stage's newest good one
     with pytest.raises(NoCampaign, match="pass a checkpoint"):
         good_checkpoint(here=tmp_path / "runs" / "tiny" / "nothing-here-either")

@@ -17,10 +17,11 @@ import psutil
 import pytest
 
 from pretrain.cluster.local import LocalCluster
-from pretrain.spec.sections import ClusterSpec
+from pretrain.spec.cluster import ClusterSpec
 from support.campaigns import wait_for
 from trainer.common.process import wait_for_an_exit
-from trainer.zygote.client import Zygote, ZygoteProcess
+from trainer.zygote.client import Zygote
+from trainer.zygote.process import ZygoteProcess
 
 REPO = str(Path(__file__).resolve().parents[2])
 
@@ -51,7 +52,8 @@ elif mode == "agent":  # as a node agent: an orphan watchdog, and a worker that 
     exit_when_orphaned()
     # the worker says when its watchdog runs: one started after its parent died would watch the
     # wrong parent (the test's owner is killed right after the pids are printed)
-    worker = subprocess.Popen([sys.executable, "-c", "import signal; from trainer.common.process import exit_when_orphaned; "
+    worker = subprocess.Popen([sys.executable, "-c",
+                               "import signal; from trainer.common.process import exit_when_orphaned; "
                                "exit_when_orphaned(); print('watching', flush=True); signal.pause()"],
                               stdout=subprocess.PIPE, text=True)
     worker.stdout.readline()

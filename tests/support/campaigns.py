@@ -15,7 +15,6 @@ import pytest
 
 from pretrain.data.campaign import data_record  # noqa: E402
 from pretrain.spec.campaign import CampaignSpec, parse_spec  # noqa: E402
-from pretrain.state.layout import CampaignLayout  # noqa: E402
 
 HARNESS_DATABASE = "prefect-test.db"  # the name Prefect's test harness gives its server's database
 
@@ -101,7 +100,7 @@ def seed_data(spec: CampaignSpec, prepared: Path, own_store: bool = True) -> Non
     if own_store and spec.tracking.uri is None and not store.exists():
         store.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(_tracking_template(prepared), store)
-    copy = CampaignLayout(spec.workdir_path).data_dir / prepared.name
+    copy = spec.layout.data_dir / prepared.name
     shutil.copytree(prepared, copy, dirs_exist_ok=True)
     Ledger.open(spec).set_data(data_record({**read_manifest(copy), "location": str(copy)}))
 
@@ -198,8 +197,8 @@ def save_checkpoint(spec: CampaignSpec, stage_index: int = 0, steps: int = 2):
     job = build_job(spec, stage_index, 1, None)
     torch.manual_seed(spec.seed)
     model, opt = build_model(job, torch.device("cpu"))
-    windows = TokenWindows(job.data_dir, "train", job.optim.seq_len)
-    sampler, b = GlobalSampler(len(windows), spec.seed), job.optim.micro_batch
+    windows = TokenWindows(job.data.uri, "train", job.stage.seq_len)
+    sampler, b = GlobalSampler(len(windows), spec.seed), job.stage.micro_batch
     for i in range(steps):
         x, y = make_batch(windows, sampler, range(i * b, (i + 1) * b))
         opt.zero_grad()

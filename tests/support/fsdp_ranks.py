@@ -12,7 +12,6 @@ rank's pieces and the restore sources.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -138,10 +137,9 @@ def main(mode: str, root: Path) -> None:
             ("fsdp", cfg),
             (
                 "ddp",
-                dataclasses.replace(
-                    cfg,
-                    ckpt_dir=str(root / f"fsdp_from_ddp_{info.world_size}"),
-                    init_from=str(root / "ddp_ckpt" / "step_00000003"),
+                cfg.amended(
+                    checkpoint={"location": str(root / f"fsdp_from_ddp_{info.world_size}")},
+                    stage={"init_from": str(root / "ddp_ckpt" / "step_00000003")},
                 ),
             ),
         ):

@@ -16,9 +16,9 @@ import torch
 if __name__ == "__main__":  # run as a script: tests/ on the path, for support.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.jobs import tiny_job, trained
+from trainer.checkpoint.handoff import hand_over, signature
 from trainer.dist import broadcast_object, init_distributed, shutdown_and_exit
 from trainer.loop import build_model
-from trainer.resilience.handoff import hand_over, signature
 
 
 def digest(model, opt) -> str:

@@ -4,7 +4,6 @@ trained a few steps on it, and a bit-exact comparison of training states."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ def tiny_job(
 ) -> JobConfig:
     """A 2-layer GPT (d_model 16) trained on micro-batches of 2 × 8 tokens; its data, checkpoints
     and job directory under ``root``; no memory snapshots, and one optimizer step takes one
-    micro-batch per worker whatever the world size. ``changes``: other JobConfig fields."""
+    micro-batch per worker whatever the world size. ``changes``: other JobConfig fields (``JobConfig.amended``)."""
     spec = parse_spec(
         {
             "name": "t",
@@ -55,15 +54,15 @@ def tiny_job(
     )
     job = job_config(spec, 0, 0, None, vocab_size)
     root = Path(root)
-    return dataclasses.replace(
-        job,
-        data_dir=str(root / "data"),
-        ckpt_dir=str(root / "ckpt"),
-        job_dir=str(root / "job"),
-        optim=dataclasses.replace(job.optim, global_batch=0),
-        threads_per_worker=0,
-        **changes,
-    )
+    fixed = {
+        "data": {"uri": str(root / "data")},
+        "checkpoint": {"location": str(root / "ckpt")},
+        "stage": {"global_batch": 0},
+        "cluster": {"threads_per_worker": 0},
+    }
+    for name, value in changes.items():
+        fixed[name] = {**fixed[name], **value} if name in fixed else value
+    return job.amended(job_dir=str(root / "job"), **fixed)
 
 
 def trained(cfg: JobConfig, steps: int = 2):

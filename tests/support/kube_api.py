@@ -17,6 +17,7 @@ import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
@@ -147,177 +148,228 @@ def kube_api(tmp_path):
         yield api
 
 
-def _handler(api: KubeAPI):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+_ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+_NAMESPACE = re.compile(r"^/api/v1/namespaces/([\w.-]+)$")
 
-        def log_message(self, *args):  # requests are not test output
-            pass
 
-        def do_GET(self):
-            self._serve("GET")
+class _Call(NamedTuple):
+    """One request to a resource path: ``name`` None for the collection."""
 
-        def do_POST(self):
-            self._serve("POST")
+    plural: str
+    ns: str | None
+    name: str | None
+    query: dict[str, str]
+    body: dict | list | None
 
-        def do_PUT(self):
-            self._serve("PUT")
 
-        def do_PATCH(self):
-            self._serve("PATCH")
+class _Handler(BaseHTTPRequestHandler):
+    """The double's HTTP side; :func:`_handler` binds it to one :class:`KubeAPI` (``api``)."""
 
-        def do_DELETE(self):
-            self._serve("DELETE")
+    api: KubeAPI
+    protocol_version = "HTTP/1.1"
 
-        def _serve(self, method: str) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            try:
-                if self.headers.get("Authorization") != f"Bearer {api.token}":
-                    raise KubeError(401, "Unauthorized", "Unauthorized")
-                url = urlsplit(self.path)
-                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-                body = json.loads(raw) if raw.strip() else None
-                self._route(method, unquote(url.path), query, body)
-            except KubeError as e:
-                self._json(e.code, e.status())
-            except (ValueError, KeyError, TypeError, IndexError) as e:
-                self._json(400, KubeError(400, "BadRequest", f"bad request: {e}").status())
+    def log_message(self, *args):  # requests are not test output
+        pass
 
-        def _route(self, method, path, query, body):
-            if path == "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews" and method == "POST":
-                attrs = (body.get("spec") or {}).get("resourceAttributes") or {}
-                ok = api.allowed(attrs)
-                status = {"allowed": ok, **({} if ok else {"reason": "not in the double's allow-list"})}
-                return self._json(
-                    201,
-                    {
-                        **body,
-                        "kind": "SelfSubjectAccessReview",
-                        "apiVersion": "authorization.k8s.io/v1",
-                        "metadata": {"creationTimestamp": now()},
-                        "status": status,
-                    },
-                )
-            m = re.match(r"^/api/v1/namespaces/([\w.-]+)$", path)
-            if m and method == "GET":
-                if m.group(1) not in api.namespaces:
-                    raise KubeError(
-                        404,
-                        "NotFound",
-                        f'namespaces "{m.group(1)}" not found',
-                        {"name": m.group(1), "kind": "namespaces"},
-                    )
-                return self._json(
-                    200,
-                    {
-                        "kind": "Namespace",
-                        "apiVersion": "v1",
-                        "metadata": {"name": m.group(1), "uid": m.group(1), "resourceVersion": "1"},
-                        "spec": {"finalizers": ["kubernetes"]},
-                        "status": {"phase": "Active"},
-                    },
-                )
-            m = _PATH.match(path)
-            if not m or m["plural"] not in RESOURCES or (m["group"] or "") != RESOURCES[m["plural"]].group:
-                raise KubeError(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
-            plural, ns, name, sub = m["plural"], m["ns"], m["name"], m["sub"]
-            if ns is not None and ns not in api.namespaces and method == "POST":
-                raise KubeError(404, "NotFound", f'namespaces "{ns}" not found', {"name": ns, "kind": "namespaces"})
-            store = api.store
-            if name is None:
-                if method == "POST" and ns:
-                    return self._json(201, store.create(plural, ns, body or {}))
-                if method == "GET" and query.get("watch") in ("true", "1"):
-                    return self._watch(plural, ns, query)
-                if method == "DELETE" and ns:  # deletecollection, by label/field selector
-                    for obj in store.list(plural, ns, query.get("labelSelector"), query.get("fieldSelector"))[0]:
-                        store.delete(plural, ns, obj["metadata"]["name"], query.get("propagationPolicy"))
-                    return self._json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
-                if method == "GET":
-                    items, rv = store.list(plural, ns, query.get("labelSelector"), query.get("fieldSelector"))
-                    return self._json(
-                        200,
-                        {
-                            "kind": RESOURCES[plural].kind + "List",
-                            "apiVersion": RESOURCES[plural].api_version,
-                            "metadata": {"resourceVersion": rv},
-                            "items": items,
-                        },
-                    )
-            elif sub == "log" and plural == "pods" and method == "GET":
-                return self._text(200, api.runner.logs(store.get(plural, ns, name), query))
-            elif sub == "eviction" and plural == "pods" and method == "POST":
-                api.runner.evict(ns, name)
-                return self._json(201, {**(body or {}), "kind": "Eviction", "apiVersion": "policy/v1"})
-            elif sub in (None, "status"):
-                if method == "GET":
-                    return self._json(200, store.get(plural, ns, name))
-                if method == "DELETE":
-                    body = body or {}
-                    policy = query.get("propagationPolicy") or body.get("propagationPolicy")
-                    if policy is None and body.get("orphanDependents") is not None:
-                        policy = "Orphan" if body["orphanDependents"] else "Background"
-                    grace = query.get("gracePeriodSeconds", body.get("gracePeriodSeconds"))
-                    return self._json(
-                        200, store.delete(plural, ns, name, policy, None if grace is None else int(grace))
-                    )
-                if method == "PUT":
-                    expect = (body.get("metadata") or {}).get("resourceVersion")
-                    return self._json(
-                        200, store.update(plural, ns, name, lambda o: (o.clear(), o.update(body)), expect, client=True)
-                    )
-                if method == "PATCH":
-                    kind = self.headers.get("Content-Type", "")
-                    if isinstance(body, list) or kind.startswith("application/json-patch"):
-                        change = lambda o: json_patch(o, body)  # noqa: E731
-                    else:
-                        change = lambda o: (lambda merged: (o.clear(), o.update(merged)))(merge_patch(o, body))  # noqa: E731
-                    expect = (body.get("metadata") or {}).get("resourceVersion") if isinstance(body, dict) else None
-                    return self._json(200, store.update(plural, ns, name, change, expect, client=True))
-            raise KubeError(405, "MethodNotAllowed", f"{method} is not supported on {path} by this double")
+    def do_GET(self):
+        self._serve("GET")
 
-        def _watch(self, plural, ns, query):
-            timeout = float(query.get("timeoutSeconds") or DEFAULT_WATCH_TIMEOUT_S)
-            events = api.store.watch(
-                plural,
-                ns,
-                query.get("labelSelector"),
-                query.get("fieldSelector"),
-                query.get("resourceVersion"),
-                timeout,
-                query.get("allowWatchBookmarks") == "true",
+    def do_POST(self):
+        self._serve("POST")
+
+    def do_PUT(self):
+        self._serve("PUT")
+
+    def do_PATCH(self):
+        self._serve("PATCH")
+
+    def do_DELETE(self):
+        self._serve("DELETE")
+
+    def _serve(self, method: str) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            if self.headers.get("Authorization") != f"Bearer {self.api.token}":
+                raise KubeError(401, "Unauthorized", "Unauthorized")
+            url = urlsplit(self.path)
+            query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+            body = json.loads(raw) if raw.strip() else None
+            self._route(method, unquote(url.path), query, body)
+        except KubeError as e:
+            self._json(e.code, e.status())
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            self._json(400, KubeError(400, "BadRequest", f"bad request: {e}").status())
+
+    def _route(self, method, path, query, body):
+        if path == _ACCESS_REVIEWS and method == "POST":
+            return self._access_review(body)
+        m = _NAMESPACE.match(path)
+        if m and method == "GET":
+            return self._namespace(m.group(1))
+        m = _PATH.match(path)
+        if not m or m["plural"] not in RESOURCES or (m["group"] or "") != RESOURCES[m["plural"]].group:
+            raise KubeError(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
+        call = _Call(m["plural"], m["ns"], m["name"], query, body)
+        if call.ns is not None and call.ns not in self.api.namespaces and method == "POST":
+            raise KubeError(
+                404, "NotFound", f'namespaces "{call.ns}" not found', {"name": call.ns, "kind": "namespaces"}
             )
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            try:
-                for event in events:
-                    self._chunk(json.dumps(event).encode() + b"\n")
-                self._chunk(b"")
-            except (BrokenPipeError, ConnectionResetError):
-                events.close()
-            self.close_connection = True
+        if call.name is None:
+            target = "collection" if call.ns or method == "GET" else None  # create/deletecollection: in a namespace
+        elif m["sub"] in ("log", "eviction"):
+            target = m["sub"] if call.plural == "pods" else None
+        else:
+            target = "object" if m["sub"] in (None, "status") else None
+        verb = _ROUTES.get((target, method))
+        if verb is None:
+            raise KubeError(405, "MethodNotAllowed", f"{method} is not supported on {path} by this double")
+        return verb(self, call)
 
-        def _chunk(self, data: bytes) -> None:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self.wfile.flush()
+    def _access_review(self, body):
+        attrs = (body.get("spec") or {}).get("resourceAttributes") or {}
+        ok = self.api.allowed(attrs)
+        status = {"allowed": ok, **({} if ok else {"reason": "not in the double's allow-list"})}
+        review = {
+            **body,
+            "kind": "SelfSubjectAccessReview",
+            "apiVersion": "authorization.k8s.io/v1",
+            "metadata": {"creationTimestamp": now()},
+            "status": status,
+        }
+        return self._json(201, review)
 
-        def _json(self, code: int, obj) -> None:
-            self._send(code, json.dumps(obj).encode(), "application/json")
+    def _namespace(self, name: str):
+        if name not in self.api.namespaces:
+            raise KubeError(404, "NotFound", f'namespaces "{name}" not found', {"name": name, "kind": "namespaces"})
+        namespace = {
+            "kind": "Namespace",
+            "apiVersion": "v1",
+            "metadata": {"name": name, "uid": name, "resourceVersion": "1"},
+            "spec": {"finalizers": ["kubernetes"]},
+            "status": {"phase": "Active"},
+        }
+        return self._json(200, namespace)
 
-        def _text(self, code: int, text: str) -> None:
-            self._send(code, text.encode(), "text/plain")
+    # -- the verbs on a resource path (see _ROUTES)
+    def _create(self, c: _Call):
+        return self._json(201, self.api.store.create(c.plural, c.ns, c.body or {}))
 
-        def _send(self, code: int, data: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def _list_or_watch(self, c: _Call):
+        if c.query.get("watch") in ("true", "1"):
+            return self._watch(c.plural, c.ns, c.query)
+        items, rv = self.api.store.list(c.plural, c.ns, c.query.get("labelSelector"), c.query.get("fieldSelector"))
+        resource = RESOURCES[c.plural]
+        listed = {
+            "kind": resource.kind + "List",
+            "apiVersion": resource.api_version,
+            "metadata": {"resourceVersion": rv},
+            "items": items,
+        }
+        return self._json(200, listed)
 
-    return Handler
+    def _delete_collection(self, c: _Call):  # by label/field selector
+        store = self.api.store
+        for obj in store.list(c.plural, c.ns, c.query.get("labelSelector"), c.query.get("fieldSelector"))[0]:
+            store.delete(c.plural, c.ns, obj["metadata"]["name"], c.query.get("propagationPolicy"))
+        return self._json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
+
+    def _log(self, c: _Call):
+        return self._text(200, self.api.runner.logs(self.api.store.get(c.plural, c.ns, c.name), c.query))
+
+    def _evict(self, c: _Call):
+        self.api.runner.evict(c.ns, c.name)
+        return self._json(201, {**(c.body or {}), "kind": "Eviction", "apiVersion": "policy/v1"})
+
+    def _get(self, c: _Call):
+        return self._json(200, self.api.store.get(c.plural, c.ns, c.name))
+
+    def _delete(self, c: _Call):
+        body = c.body or {}
+        policy = c.query.get("propagationPolicy") or body.get("propagationPolicy")
+        if policy is None and body.get("orphanDependents") is not None:
+            policy = "Orphan" if body["orphanDependents"] else "Background"
+        grace = c.query.get("gracePeriodSeconds", body.get("gracePeriodSeconds"))
+        return self._json(
+            200, self.api.store.delete(c.plural, c.ns, c.name, policy, None if grace is None else int(grace))
+        )
+
+    def _replace(self, c: _Call):
+        body = c.body
+        expect = (body.get("metadata") or {}).get("resourceVersion")
+        return self._json(
+            200,
+            self.api.store.update(c.plural, c.ns, c.name, lambda o: (o.clear(), o.update(body)), expect, client=True),
+        )
+
+    def _patch(self, c: _Call):
+        body, kind = c.body, self.headers.get("Content-Type", "")
+        if isinstance(body, list) or kind.startswith("application/json-patch"):
+            change = lambda o: json_patch(o, body)  # noqa: E731
+        else:
+            change = lambda o: (lambda merged: (o.clear(), o.update(merged)))(merge_patch(o, body))  # noqa: E731
+        expect = (body.get("metadata") or {}).get("resourceVersion") if isinstance(body, dict) else None
+        return self._json(200, self.api.store.update(c.plural, c.ns, c.name, change, expect, client=True))
+
+    # -- responses
+    def _watch(self, plural, ns, query):
+        timeout = float(query.get("timeoutSeconds") or DEFAULT_WATCH_TIMEOUT_S)
+        events = self.api.store.watch(
+            plural,
+            ns,
+            query.get("labelSelector"),
+            query.get("fieldSelector"),
+            query.get("resourceVersion"),
+            timeout,
+            query.get("allowWatchBookmarks") == "true",
+        )
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for event in events:
+                self._chunk(json.dumps(event).encode() + b"\n")
+            self._chunk(b"")
+        except (BrokenPipeError, ConnectionResetError):
+            events.close()
+        self.close_connection = True
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _json(self, code: int, obj) -> None:
+        self._send(code, json.dumps(obj).encode(), "application/json")
+
+    def _text(self, code: int, text: str) -> None:
+        self._send(code, text.encode(), "text/plain")
+
+    def _send(self, code: int, data: bytes, content_type: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+# (what a path names, method) -> the handler's verb; "collection": no name, "object": a name (its /status too)
+_ROUTES = {
+    ("collection", "POST"): _Handler._create,
+    ("collection", "GET"): _Handler._list_or_watch,
+    ("collection", "DELETE"): _Handler._delete_collection,
+    ("log", "GET"): _Handler._log,
+    ("eviction", "POST"): _Handler._evict,
+    ("object", "GET"): _Handler._get,
+    ("object", "DELETE"): _Handler._delete,
+    ("object", "PUT"): _Handler._replace,
+    ("object", "PATCH"): _Handler._patch,
+}
+
+
+def _handler(api: KubeAPI) -> type[_Handler]:
+    """The request handler class of ``api``'s server."""
+    return type("Handler", (_Handler,), {"api": api})
 
 
 def point_at(api_client, host: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import Counter
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from support.kube_objects import KubeError
@@ -77,6 +78,18 @@ def ranges(indexes: set[int]) -> str:
     if run:
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(out)
+
+
+@dataclass
+class _Tally:
+    """A Job's ended pods, counted (``verdict``: why the Job failed, if it did)."""
+
+    succeeded: set[int | None] = field(default_factory=set)  # the indexes (None: not an Indexed Job)
+    done_pods: int = 0
+    failed: int = 0
+    failed_indexes: set[int | None] = field(default_factory=set)
+    verdict: tuple[str, str] | None = None
+    complete: bool = False
 
 
 class JobController:
@@ -142,45 +155,8 @@ class JobController:
         live = [
             p for p in pods if p["status"].get("phase") not in TERMINAL and not p["metadata"].get("deletionTimestamp")
         ]
-        indexed = spec.get("completionMode") == "Indexed"
-        completions, parallelism = spec.get("completions"), spec.get("parallelism", 1)
         rules = (spec.get("podFailurePolicy") or {}).get("rules") or []
-
-        succeeded, failed, per_index = set(), 0, Counter()
-        done_pods, failed_indexes, verdict = 0, set(), None
-        for pod in self.outcomes.get(uid, {}).values():
-            index = pod_index(pod)
-            if pod["status"]["phase"] == "Succeeded":
-                done_pods += 1
-                succeeded.add(index)
-                continue
-            action, rule = policy_action(rules, pod)
-            if action == "Ignore":
-                continue
-            failed += 1
-            if action == "FailJob" and verdict is None:
-                verdict = (
-                    "PodFailurePolicy",
-                    f"Pod {ns}/{pod['metadata']['name']} failed with exit codes "
-                    f"{exit_codes(pod)} or conditions matching FailJob rule at index {rule}",
-                )
-            elif action == "FailIndex":
-                failed_indexes.add(index)
-            else:
-                per_index[index] += 1
-        per_limit = spec.get("backoffLimitPerIndex")
-        if per_limit is not None:
-            failed_indexes |= {i for i, n in per_index.items() if n > per_limit}
-        if verdict is None and failed > spec.get("backoffLimit", 6):
-            verdict = ("BackoffLimitExceeded", "Job has reached the specified backoff limit")
-        complete = (
-            (len(succeeded - {None}) >= completions)
-            if indexed
-            else (completions is not None and done_pods >= completions)
-        )
-        if verdict is None and indexed and failed_indexes and len(succeeded | failed_indexes) >= completions:
-            verdict = ("FailedIndexes", f"Job has failed indexes {ranges(failed_indexes)}")
-
+        tally = self._tally(job, rules)
         # with a podFailurePolicy the only replacement policy is Failed: a terminating pod is replaced
         # only once it has failed (and then counts against the backoff limits)
         terminating = [
@@ -190,51 +166,105 @@ class JobController:
             and p["status"].get("phase") not in TERMINAL
             and (rules or spec.get("podReplacementPolicy") == "Failed")
         ]
-        if not finished and verdict is None and not complete and not spec.get("suspend"):
-            busy = {pod_index(p) for p in live + terminating}
-            if indexed:
-                todo = [i for i in range(completions) if i not in succeeded | failed_indexes | busy]
-            else:
-                running = len(live) + len(terminating)
-                left = (completions - done_pods - running) if completions is not None else parallelism - running
-                todo = [None] * max(0, left)
-            for index in todo[: max(0, parallelism - len(live) - len(terminating))]:
-                live.append(self.store.create("pods", ns, self._pod(job, index)))
-        stop = (
-            live
-            if finished or verdict or complete or spec.get("suspend")
-            else sorted(live, key=lambda p: pod_index(p) or 0)[parallelism:]
-        )  # scaled down: the highest indexes go
+        ended = finished or tally.verdict or tally.complete or spec.get("suspend")
+        if not ended:
+            live += self._replace(job, tally, live, terminating)
+        by_index = sorted(live, key=lambda p: pod_index(p) or 0)
+        stop = live if ended else by_index[spec.get("parallelism", 1) :]  # scaled down: the highest indexes go
         for pod in stop:
             self.discarded.add(pod["metadata"]["uid"])
             self.store.delete("pods", ns, pod["metadata"]["name"], "Background")
         live = [p for p in live if p not in stop]
+        self._set_status(job, tally, live, conditions, finished)
 
+    def _tally(self, job: dict, rules: list[dict]) -> _Tally:
+        """What the Job's ended pods add up to, and whether that ends the Job."""
+        spec, ns = job["spec"], job["metadata"]["namespace"]
+        tally = _Tally()
+        per_index = Counter()
+        for pod in self.outcomes.get(job["metadata"]["uid"], {}).values():
+            index = pod_index(pod)
+            if pod["status"]["phase"] == "Succeeded":
+                tally.done_pods += 1
+                tally.succeeded.add(index)
+                continue
+            action, rule = policy_action(rules, pod)
+            if action == "Ignore":
+                continue
+            tally.failed += 1
+            if action == "FailJob" and tally.verdict is None:
+                tally.verdict = (
+                    "PodFailurePolicy",
+                    f"Pod {ns}/{pod['metadata']['name']} failed with exit codes "
+                    f"{exit_codes(pod)} or conditions matching FailJob rule at index {rule}",
+                )
+            elif action == "FailIndex":
+                tally.failed_indexes.add(index)
+            else:
+                per_index[index] += 1
+        per_limit = spec.get("backoffLimitPerIndex")
+        if per_limit is not None:
+            tally.failed_indexes |= {i for i, n in per_index.items() if n > per_limit}
+        if tally.verdict is None and tally.failed > spec.get("backoffLimit", 6):
+            tally.verdict = ("BackoffLimitExceeded", "Job has reached the specified backoff limit")
+        indexed, completions = spec.get("completionMode") == "Indexed", spec.get("completions")
+        tally.complete = (
+            (len(tally.succeeded - {None}) >= completions)
+            if indexed
+            else (completions is not None and tally.done_pods >= completions)
+        )
+        failed_indexes = tally.failed_indexes
+        if (
+            tally.verdict is None
+            and indexed
+            and failed_indexes
+            and len(tally.succeeded | failed_indexes) >= completions
+        ):
+            tally.verdict = ("FailedIndexes", f"Job has failed indexes {ranges(failed_indexes)}")
+        return tally
+
+    def _replace(self, job: dict, tally: _Tally, live: list[dict], terminating: list[dict]) -> list[dict]:
+        """The pods created for the indexes (or completions) that have none running."""
+        spec, ns = job["spec"], job["metadata"]["namespace"]
+        completions, parallelism = spec.get("completions"), spec.get("parallelism", 1)
+        busy = {pod_index(p) for p in live + terminating}
+        if spec.get("completionMode") == "Indexed":
+            todo = [i for i in range(completions) if i not in tally.succeeded | tally.failed_indexes | busy]
+        else:
+            running = len(live) + len(terminating)
+            left = (completions - tally.done_pods - running) if completions is not None else parallelism - running
+            todo = [None] * max(0, left)
+        room = max(0, parallelism - len(live) - len(terminating))
+        return [self.store.create("pods", ns, self._pod(job, index)) for index in todo[:room]]
+
+    def _set_status(self, job: dict, tally: _Tally, live: list[dict], conditions: list[dict], finished: bool) -> None:
+        meta, spec = job["metadata"], job["spec"]
+        status = job.get("status") or {}
         stamp = now()
-        if not finished and verdict:
+        if not finished and tally.verdict:
             conditions += [
-                self._condition("FailureTarget", *verdict, stamp),
-                self._condition("Failed", *verdict, stamp),
+                self._condition("FailureTarget", *tally.verdict, stamp),
+                self._condition("Failed", *tally.verdict, stamp),
             ]
-        elif not finished and complete:
+        elif not finished and tally.complete:
             conditions.append(self._condition("Complete", "", "", stamp))
         new = {
             "active": len(live),
             "ready": sum(1 for p in live if _ready(p)),
-            "succeeded": done_pods,
-            "failed": failed,
+            "succeeded": tally.done_pods,
+            "failed": tally.failed,
             "startTime": status.get("startTime") or stamp,
             "conditions": conditions,
             "uncountedTerminatedPods": {},
         }
-        if indexed:
-            new["completedIndexes"] = ranges(succeeded - {None})
-            if per_limit is not None:
-                new["failedIndexes"] = ranges(failed_indexes)
+        if spec.get("completionMode") == "Indexed":
+            new["completedIndexes"] = ranges(tally.succeeded - {None})
+            if spec.get("backoffLimitPerIndex") is not None:
+                new["failedIndexes"] = ranges(tally.failed_indexes)
         if any(c["type"] == "Complete" for c in conditions):
             new["completionTime"] = status.get("completionTime") or stamp
         if status != new:
-            self.store.update("jobs", ns, name, lambda j: j.__setitem__("status", new))
+            self.store.update("jobs", meta["namespace"], meta["name"], lambda j: j.__setitem__("status", new))
 
     def _expired(self, ttl: int | None, conditions: list[dict]) -> bool:
         if ttl is None:

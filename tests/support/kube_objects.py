@@ -153,7 +153,8 @@ def complete(plural: str, obj: dict) -> None:
         obj.setdefault("status", {"phase": "Pending", "conditions": [], "qosClass": "BestEffort"})
     elif plural == "services":
         spec.setdefault("type", "ClusterIP")
-        spec.setdefault("clusterIP", "10.96.%d.%d" % divmod(hash(obj["metadata"]["uid"]) % 65000 + 10, 256))
+        high, low = divmod(hash(obj["metadata"]["uid"]) % 65000 + 10, 256)
+        spec.setdefault("clusterIP", f"10.96.{high}.{low}")
         spec.setdefault("clusterIPs", [spec["clusterIP"]])
         for port in spec.get("ports") or []:
             port.setdefault("protocol", "TCP")

@@ -1,27 +1,15 @@
 """The pod runner of the Kubernetes API test double: each pod's container runs as a local process.
 
-- The command is the manifest's ``command`` + ``args`` (``$(VAR)`` expanded from the container's
-  env, as the kubelet does); ``python``/``python3`` map to this machine's Python (the image's
-  Python). Images are not pulled; an image in :attr:`PodRunner.unpullable` fails like a missing
+- The command (``command`` + ``args``), the environment (``secretKeyRef`` from
+  :attr:`PodRunner.secrets`: a missing one is a waiting ``CreateContainerConfigError``), each
+  pod's own 127.x.y.z address and the pod host names rewritten to it: ``kube_containers``.
+- Images are not pulled; an image in :attr:`PodRunner.unpullable` fails like a missing
   one (waiting ``ErrImagePull`` then ``ImagePullBackOff``); a pod asking for a resource in
   :attr:`PodRunner.unschedulable`, or of a Job's completion index in :attr:`PodRunner.no_room_for`,
   stays Pending (PodScheduled False, reason Unschedulable);
   affinity, tolerations and node selectors are not evaluated (one node, ``spec.nodeName``
   :attr:`PodRunner.node_name`). Only the first container runs, once
   (restartPolicy is the Job controller's business; pods are never restarted in place).
-- Env: a minimal base (PATH, HOME, LANG, PYTHONPATH — what the image would provide; never this
-  process's whole environment), ``HOSTNAME``, then the manifest's env: values, ``fieldRef``
-  (metadata.name/namespace/uid, labels/annotations, status.podIP, spec.*), ``secretKeyRef`` from
-  :attr:`PodRunner.secrets` (a missing one: waiting ``CreateContainerConfigError``).
-- DNS: every pod gets its own 127.x.y.z address (Linux routes all of 127/8 to loopback). Pods
-  with ``hostname`` + ``subdomain`` get the address of the name ``<hostname>.<subdomain>``, so
-  it is known before the pod exists. Host names ``<host>.<svc>[.<ns>[.svc[.cluster.local]]]``
-  whose ``<svc>`` is a Service of the namespace (or the pod's subdomain) are rewritten to that
-  address in the command, args and env values before the process starts; nothing else resolves
-  them (a process that looks such a name up itself fails). Processes that bind 0.0.0.0 share
-  this machine's ports with every other pod: bind the pod's own address. torch's TCPStore
-  server listens on all addresses (seen: two Jobs on one rendezvous port → EADDRINUSE in one
-  and the other's clients talking to the wrong store), so give each launch its own port.
 - Phase and containerStatuses follow the process (Running; Succeeded/Failed with exitCode,
   reason Completed/Error/OOMKilled); deleting a pod kills its process group (SIGTERM, SIGKILL
   after the grace period, capped at :attr:`PodRunner.max_grace_s`), then the rest of its process
@@ -34,10 +22,7 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
-import random
-import re
 import signal
 import subprocess
 import sys
@@ -46,22 +31,21 @@ from pathlib import Path
 
 import psutil
 
+from support.kube_containers import (
+    ConfigError,
+    PodNetwork,
+    container_command,
+    container_env,
+    container_status,
+    expand,
+    ready_conditions,
+    with_condition,
+)
 from support.kube_jobs import pod_index
 from support.kube_objects import KubeError
 from support.kube_store import Event, Store, now
 
-BASE_ENV = ("PATH", "HOME", "LANG", "PYTHONPATH", "PREFECT_SERVER_ANALYTICS_ENABLED")
-_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-_FIELD = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
-
-
-class ConfigError(Exception):
-    """What makes the kubelet answer CreateContainerConfigError."""
-
-
-def expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes ``$(VAR)`` expansion: known variables replaced, ``$$`` → ``$``, others kept."""
-    return _VAR.sub(lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), text)
+__all__ = ["ConfigError", "PodRunner", "expand"]
 
 
 class PodRunner:
@@ -79,9 +63,9 @@ class PodRunner:
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}  # (namespace, name) -> data
         self.executables = {"python": sys.executable, "python3": sys.executable}
         self.max_grace_s = max_grace_s
-        self.addresses: dict[tuple[str, str, str], str] = {}
+        self.network = PodNetwork(store)
+        self.addresses = self.network.addresses  # (namespace, subdomain, hostname) -> the pod's address
         self.pids: list[int] = []  # every process ever started (tests check none is left)
-        self._next = random.randrange(2, 1 << 20)  # spread over 127/8: other sessions use it too
         self._procs: dict[str, subprocess.Popen] = {}
         self._finished: set[str] = set()
         self._deleting: set[str] = set()
@@ -97,7 +81,7 @@ class PodRunner:
         """The Eviction API: a DisruptionTarget condition, then a graceful delete."""
 
         def disrupt(pod):
-            pod["status"]["conditions"] = _with_condition(
+            pod["status"]["conditions"] = with_condition(
                 pod["status"], "DisruptionTarget", "True", "EvictionByEvictionAPI", "Eviction API: evicting"
             )
 
@@ -136,14 +120,7 @@ class PodRunner:
         return "".join(lines[max(0, len(lines) - int(tail)) :]) if tail else text
 
     def address(self, ns: str, subdomain: str, hostname: str) -> str:
-        with self._lock:
-            key = (ns, subdomain, hostname)
-            if key not in self.addresses:
-                while self._next % 256 in (0, 255):
-                    self._next += 1
-                n, self._next = self._next, self._next + 1
-                self.addresses[key] = f"127.{(n >> 16) & 255}.{(n >> 8) & 255}.{n & 255}"
-            return self.addresses[key]
+        return self.network.address(ns, subdomain, hostname)
 
     # -- lifecycle
     def _on_event(self, e: Event) -> None:
@@ -187,86 +164,24 @@ class PodRunner:
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         container = spec["containers"][0]
         try:
-            wanted = {
-                r for part in ("requests", "limits") for r in ((container.get("resources") or {}).get(part) or {})
-            }
-            short = sorted(wanted & self.unschedulable)
-            if not short and pod_index(pod) in self.no_room_for:
-                short = ["cpu"]
-            if short:
-                self._set(
-                    pod,
-                    lambda s: s.update(
-                        conditions=_with_condition(
-                            s,
-                            "PodScheduled",
-                            "False",
-                            "Unschedulable",
-                            f"0/1 nodes are available: 1 Insufficient {short[0]}.",
-                        )
-                    ),
-                )
-                return
-            self.store.update("pods", ns, name, lambda p: p["spec"].__setitem__("nodeName", self.node_name))
-            if container["image"] in self.unpullable:
-                image = container["image"]
-                self._waiting(pod, "ErrImagePull", f'failed to pull and unpack image "{image}": not found')
-                self._waiting(pod, "ImagePullBackOff", f'Back-off pulling image "{image}"')
+            if not self._scheduled(pod, container) or not self._pulled(pod, container):
                 return
             hostname = spec.get("hostname") or name
             ip = self.address(ns, spec.get("subdomain") or "", hostname)
             try:
-                env = self._env(pod, container, ip, hostname)
-                argv = [
-                    self._rewrite(ns, spec, expand(a, env))
-                    for a in (container.get("command") or []) + (container.get("args") or [])
-                ]
-                if not argv:
-                    raise ConfigError("the double runs the manifest's command: this container has none")
+                env = container_env(pod, container, ip, hostname, self.secrets, self.network.rewrite)
+                argv = container_command(pod, container, env, self.network.rewrite, self.executables)
             except ConfigError as e:
                 self._waiting(pod, "CreateContainerConfigError", str(e))
                 return
-            argv[0] = self.executables.get(argv[0], argv[0])
             log = self.workdir / ns / f"{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            with self._lock, open(log, "wb") as out:
-                if uid in self._deleting or self._closed:
-                    return
-                try:
-                    proc = subprocess.Popen(
-                        argv,
-                        env=env,
-                        cwd=container.get("workingDir") or log.parent,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
-                except OSError as e:
-                    proc = None
-                    failure = str(e)
-                else:
-                    self._procs[uid] = proc
-                    self.pids.append(proc.pid)
-            if proc is None:
+            proc, failure = self._start(uid, argv, env, container, log)
+            if failure is not None:
                 self._terminated(pod, container, ip, 128, "StartError", failure, now())
+            if proc is None:
                 return
-            started = now()
-            self._set(
-                pod,
-                lambda s: s.update(
-                    phase="Running",
-                    podIP=ip,
-                    podIPs=[{"ip": ip}],
-                    hostIP="127.0.0.1",
-                    hostIPs=[{"ip": "127.0.0.1"}],
-                    startTime=started,
-                    conditions=_ready_conditions(s, True, ""),
-                    containerStatuses=[
-                        _container_status(container, {"running": {"startedAt": started}}, True, proc.pid)
-                    ],
-                ),
-            )
+            started = self._running(pod, container, ip, proc)
             probe = container.get("livenessProbe") or {}
             if "exec" in probe:
                 grace = min(self.max_grace_s, spec.get("terminationGracePeriodSeconds", 30))
@@ -285,6 +200,75 @@ class PodRunner:
                 gone = uid in self._deleting
             if gone:
                 self.store.remove("pods", ns, name)
+
+    def _scheduled(self, pod: dict, container: dict) -> bool:
+        """The pod on the node (``spec.nodeName``), or left Pending as Unschedulable (False)."""
+        wanted = {r for part in ("requests", "limits") for r in ((container.get("resources") or {}).get(part) or {})}
+        short = sorted(wanted & self.unschedulable)
+        if not short and pod_index(pod) in self.no_room_for:
+            short = ["cpu"]
+        if short:
+            message = f"0/1 nodes are available: 1 Insufficient {short[0]}."
+            self._set(
+                pod,
+                lambda s: s.update(conditions=with_condition(s, "PodScheduled", "False", "Unschedulable", message)),
+            )
+            return False
+        meta = pod["metadata"]
+        self.store.update(
+            "pods", meta["namespace"], meta["name"], lambda p: p["spec"].__setitem__("nodeName", self.node_name)
+        )
+        return True
+
+    def _pulled(self, pod: dict, container: dict) -> bool:
+        """The image is there, or the container waits for a pull that cannot succeed (False)."""
+        image = container["image"]
+        if image not in self.unpullable:
+            return True
+        self._waiting(pod, "ErrImagePull", f'failed to pull and unpack image "{image}": not found')
+        self._waiting(pod, "ImagePullBackOff", f'Back-off pulling image "{image}"')
+        return False
+
+    def _start(
+        self, uid: str, argv: list[str], env: dict[str, str], container: dict, log: Path
+    ) -> tuple[subprocess.Popen | None, str | None]:
+        """The container's process, or why it could not start; neither for a pod being deleted."""
+        with self._lock, open(log, "wb") as out:
+            if uid in self._deleting or self._closed:
+                return None, None
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=container.get("workingDir") or log.parent,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                return None, str(e)
+            self._procs[uid] = proc
+            self.pids.append(proc.pid)
+            return proc, None
+
+    def _running(self, pod: dict, container: dict, ip: str, proc: subprocess.Popen) -> str:
+        """The pod's status once its process runs; the time it started."""
+        started = now()
+        self._set(
+            pod,
+            lambda s: s.update(
+                phase="Running",
+                podIP=ip,
+                podIPs=[{"ip": ip}],
+                hostIP="127.0.0.1",
+                hostIPs=[{"ip": "127.0.0.1"}],
+                startTime=started,
+                conditions=ready_conditions(s, True, ""),
+                containerStatuses=[container_status(container, {"running": {"startedAt": started}}, True, proc.pid)],
+            ),
+        )
+        return started
 
     def _probe(self, proc: subprocess.Popen, probe: dict, env: dict[str, str], cwd: Path, grace: float) -> None:
         """The kubelet's exec liveness probe: its command every ``periodSeconds`` (after
@@ -337,8 +321,8 @@ class PodRunner:
                 phase="Succeeded" if code == 0 else "Failed",
                 podIP=ip,
                 podIPs=[{"ip": ip}],
-                conditions=_ready_conditions(s, False, "PodCompleted"),
-                containerStatuses=[_container_status(container, state, False, pid)],
+                conditions=ready_conditions(s, False, "PodCompleted"),
+                containerStatuses=[container_status(container, state, False, pid)],
             ),
         )
 
@@ -347,9 +331,9 @@ class PodRunner:
         self._set(
             pod,
             lambda s: s.update(
-                conditions=_ready_conditions(s, False, "ContainersNotReady"),
+                conditions=ready_conditions(s, False, "ContainersNotReady"),
                 containerStatuses=[
-                    _container_status(container, {"waiting": {"reason": reason, "message": message}}, False, 0)
+                    container_status(container, {"waiting": {"reason": reason, "message": message}}, False, 0)
                 ],
             ),
         )
@@ -358,45 +342,6 @@ class PodRunner:
         self.store.update(
             "pods", pod["metadata"]["namespace"], pod["metadata"]["name"], lambda p: change(p.setdefault("status", {}))
         )
-
-    def _env(self, pod: dict, container: dict, ip: str, hostname: str) -> dict[str, str]:
-        ns = pod["metadata"]["namespace"]
-        env = {k: os.environ[k] for k in BASE_ENV if k in os.environ}
-        env["HOSTNAME"] = hostname
-        view = copy.deepcopy(pod)
-        view.setdefault("status", {})["podIP"] = ip
-        for item in container.get("env") or []:
-            source = item.get("valueFrom")
-            if source is None:
-                env[item["name"]] = self._rewrite(ns, pod["spec"], expand(item.get("value", ""), env))
-            elif "fieldRef" in source:
-                env[item["name"]] = _field(view, source["fieldRef"]["fieldPath"])
-            elif "secretKeyRef" in source:
-                ref = source["secretKeyRef"]
-                value = self.secrets.get((ns, ref["name"]), {}).get(ref["key"])
-                if value is None and not ref.get("optional"):
-                    raise ConfigError(f"couldn't find key {ref['key']} in Secret {ns}/{ref['name']}")
-                if value is not None:
-                    env[item["name"]] = value
-            else:
-                raise ConfigError(f"env {item['name']}: the double supports value, fieldRef and secretKeyRef only")
-        return env
-
-    def _rewrite(self, ns: str, spec: dict, text: str) -> str:
-        """Replace ``<host>.<svc>[.<ns>[.svc[.cluster.local]]]`` by the pod address it names."""
-        services = {s["metadata"]["name"] for s in self.store.list("services", ns)[0]} | {spec.get("subdomain") or ""}
-        services.discard("")
-        if not services:
-            return text
-        names = "|".join(re.escape(s) for s in sorted(services, key=len, reverse=True))
-        pattern = (
-            r"(?<![\w.-])([a-z0-9](?:[-a-z0-9]*[a-z0-9])?)\.("
-            + names
-            + r")(?:\."
-            + re.escape(ns)
-            + r"(?:\.svc(?:\.cluster\.local)?)?)?(?![\w-])"
-        )
-        return re.sub(pattern, lambda m: self.address(ns, m[2], m[1]), text)
 
     def close(self) -> None:
         """Kill every pod's processes (its group and the rest of its tree) and wait for the
@@ -428,52 +373,3 @@ def _kill(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _field(pod: dict, path: str) -> str:
-    m = _FIELD.match(path)
-    if m:
-        return (pod["metadata"].get(m[1]) or {}).get(m[2], "")
-    node = pod
-    for key in path.split("."):
-        node = node.get(key) if isinstance(node, dict) else None
-    if node is None and path not in ("spec.nodeName", "spec.serviceAccountName"):
-        raise ConfigError(f"unsupported fieldRef {path!r}")
-    return "" if node is None else str(node)
-
-
-def _with_condition(status: dict, type_: str, value: str, reason: str, message: str = "") -> list[dict]:
-    """The pod's conditions with ``type_`` set (its transition time kept when unchanged)."""
-    conditions = [c for c in status.get("conditions") or [] if c["type"] != type_]
-    old = next((c for c in status.get("conditions") or [] if c["type"] == type_), None)
-    stamp = old["lastTransitionTime"] if old and old["status"] == value else now()
-    cond = {"type": type_, "status": value, "lastTransitionTime": stamp}
-    if reason:
-        cond.update(reason=reason, message=message or reason)
-    return conditions + [cond]
-
-
-def _ready_conditions(status: dict, ready: bool, reason: str) -> list[dict]:
-    value = "True" if ready else "False"
-    conditions = status.get("conditions") or []
-    for type_, v, why in (
-        ("PodScheduled", "True", ""),
-        ("Initialized", "True", ""),
-        ("ContainersReady", value, reason),
-        ("Ready", value, reason),
-    ):
-        conditions = _with_condition({"conditions": conditions}, type_, v, why)
-    return conditions
-
-
-def _container_status(container: dict, state: dict, ready: bool, pid: int) -> dict:
-    return {
-        "name": container["name"],
-        "image": container["image"],
-        "imageID": f"double://{container['image']}",
-        "containerID": f"double://{pid}",
-        "ready": ready,
-        "restartCount": 0,
-        "started": "running" in state,
-        "state": state,
-    }

@@ -58,12 +58,16 @@ def label_matcher(selector: str | None) -> Callable[[dict], bool]:
             raise KubeError(400, "BadRequest", f"unable to parse requirement: {part!r}")
         neg, key, op, value, setop, values = m.groups()
         if op:
-            tests.append(lambda l, k=key, v=value, eq=op != "!=": (l.get(k) == v) == eq)
+            tests.append(lambda labels, k=key, v=value, eq=op != "!=": (labels.get(k) == v) == eq)
         elif setop:
             vals = {v.strip() for v in values.split(",")}
-            tests.append(lambda l, k=key, vs=vals, inn=setop == "in": (l.get(k) in vs) if inn else (l.get(k) not in vs))
+            tests.append(
+                lambda labels, k=key, vs=vals, inn=setop == "in": (
+                    (labels.get(k) in vs) if inn else (labels.get(k) not in vs)
+                )
+            )
         else:
-            tests.append(lambda l, k=key, has=not neg: (k in l) == has)
+            tests.append(lambda labels, k=key, has=not neg: (k in labels) == has)
     return lambda labels: all(t(labels or {}) for t in tests)
 
 

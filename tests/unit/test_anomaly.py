@@ -54,7 +54,7 @@ def test_too_many_rollbacks_fail_the_job_saying_which_setting_to_raise(
 ):
     """A NaN step with ``max_rollbacks: 0``: whether rolled back inside the live workers or by
     restarting them, the worker refuses to go on; the job fails with the cause the stage policy
-    stops on (``too_many_rollbacks`` → give up, no relaunch: tests/test_policy.py)."""
+    stops on (``too_many_rollbacks`` → give up, no relaunch: tests/unit/test_policy.py)."""
     job = agent_job(
         tmp_path,
         prepared_data,

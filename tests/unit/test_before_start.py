@@ -10,7 +10,7 @@ import pytest
 from pretrain.cli.before_start import refuse_before_starting
 from pretrain.data.corpus.files import CorpusError
 from pretrain.spec.campaign import parse_spec
-from pretrain.state.layout import CampaignLayout, UnusableWorkdir
+from pretrain.spec.layout import CampaignLayout, UnusableWorkdir
 from pretrain.state.ledger import CampaignMismatch, Ledger, LedgerError, ledger_location
 from support.campaigns import small_spec
 

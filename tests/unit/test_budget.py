@@ -1,6 +1,6 @@
 """A run's time budget: reading --for / --until, the margin kept for the final checkpoint (from
 the campaign's own measured times), when the pause is due, and the policy's answer to a job
-stopped for it. Pure logic, table-driven; the campaign-level pause is in tests/test_pause.py."""
+stopped for it. Pure logic, table-driven; the campaign-level pause is in tests/scenarios/test_pause.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pretrain.run.budget import (
     parse_until,
 )
 from pretrain.run.policy import PAUSED, Action, Budget, after_job
-from pretrain.state.schema import Verdict
+from pretrain.state.schema import VerdictRecord
 
 NOW = datetime(2026, 12, 1, 22, 30, tzinfo=timezone(timedelta(hours=1)))
 
@@ -125,7 +125,10 @@ def test_measured_times_come_from_the_jobs_events_and_the_verdicts(tmp_path):
         (tmp_path / attempt / "events.jsonl").write_text(
             text + ('{"event": "persi' if attempt == "attempt_001" else "")
         )
-    verdicts = [Verdict(step=4, path="p", verdict="good", gate_s=3.0), Verdict(step=8, path="p", verdict="good")]
+    verdicts = [
+        VerdictRecord(step=4, path="p", verdict="good", gate_s=3.0),
+        VerdictRecord(step=8, path="p", verdict="good"),
+    ]
     assert measured_times(tmp_path, verdicts) == ([1.5, 2.5], [3.0])
     assert measured_times(tmp_path / "no-jobs-yet", []) == ([], [])
 

@@ -3,7 +3,6 @@ clear message naming the file system, the bytes needed and the setting to change
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 from pathlib import Path
 
@@ -58,7 +57,9 @@ def test_a_persist_that_fills_the_disk_takes_back_its_shards_and_says_what_to_ch
 def test_a_full_checkpoint_disk_stops_the_job_with_the_message_while_training_went_on(prepared_data, tmp_path, zygote):
     job = agent_job(tmp_path, prepared_data, steps=100_000, shm_dir=str(tmp_path / "shm"))
     with small_tmpfs(tmp_path / "fs", "128k") as fs:
-        job = dataclasses.replace(job, ckpt_dir=str(fs / "s"), saver_max_failures=3, saver_backoff_s=0.05)
+        job = job.amended(
+            checkpoint={"location": str(fs / "s")}, fault_tolerance={"saver_max_failures": 3, "saver_backoff_s": 0.05}
+        )
         assert run_agent(job, zygote=zygote) == 1
         events = read_all(Path(job.job_dir) / EVENTS)
         failed = [e["error"] for e in events if e["event"] == "error"]
@@ -67,7 +68,7 @@ def test_a_full_checkpoint_disk_stops_the_job_with_the_message_while_training_we
         )
         assert cause_of(events, 1) == "disk_full" and "disk_full" in NON_RETRYABLE  # a human frees space first
         assert max(m["step"] for m in read_all(Path(job.job_dir) / METRICS)) > 2  # trained on past the failed persist
-        assert ckpt.CheckpointStore.open(job.ckpt_dir).read_pointer() is None
+        assert ckpt.CheckpointStore.open(job.checkpoint.location).read_pointer() is None
         assert [f for f in files_under(fs) if ".tmp-" in f or f.endswith(".pt")] == []
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from pretrain.state.ledger import Ledger
 from pretrain.state.schema import CampaignRecord
 from pretrain.views.goodput import ALL, goodput_report, split

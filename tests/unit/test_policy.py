@@ -145,7 +145,7 @@ def test_a_scale_up_records_the_nodes_back():
 
 
 LOGS = Path("/w/jobs/main")
-# what the worker raises (the job-level test: tests/test_anomaly.py)
+# what the worker raises (the job-level test: tests/unit/test_anomaly.py)
 ROLLBACKS = (
     "TooManyRollbacks: 1 loss anomalies in stage main (max_rollbacks=0): ... raise fault_tolerance.max_rollbacks"
 )

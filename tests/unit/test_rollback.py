@@ -3,7 +3,6 @@ bit for bit the run that never saw the anomalous batch."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from pretrain.run.incidents import incidents
 from pretrain.run.jobs import build_job
 from support.campaigns import seed_data, small_spec
 from support.jobs import CPU0
+from trainer.checkpoint.store import stage_store
 from trainer.job.config import JobConfig, drill_from_dict
 from trainer.job.reporting import EVENTS, METRICS, read_all
 from trainer.loop import train
@@ -29,11 +29,11 @@ def direct_job(root: Path, prepared_data: Path, **fields) -> JobConfig:
         checkpoint={"interval": 4, "memory_interval": 0, "keep": 5},
     )
     seed_data(spec, prepared_data)
-    return dataclasses.replace(build_job(spec, 0, 0, None), threads_per_worker=0, **fields)
+    return build_job(spec, 0, 0, None).amended(cluster={"threads_per_worker": 0}, **fields)
 
 
 def final_model(cfg: JobConfig) -> dict:
-    store = cfg.checkpoints()
+    store = stage_store(cfg)
     return store.load_shard(store.read_pointer(), "model.pt")["model"]
 
 
@@ -72,7 +72,7 @@ def test_the_worker_rolls_back_in_process_and_records_the_path(rolled_back):
 def test_in_process_rollback_is_bitwise_exact(rolled_back, prepared_data, tmp_path):
     """Same parameters, bit for bit, as a fault-free run told to skip the same samples."""
     [skip] = [e["skip"] for e in read_all(Path(rolled_back.job_dir) / EVENTS) if e["event"] == "anomaly"]
-    clean = direct_job(tmp_path, prepared_data, skip=[skip])
+    clean = direct_job(tmp_path, prepared_data, stage={"skip_samples": [skip]})
     train(clean, CPU0)
     a, b = final_model(rolled_back), final_model(clean)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -80,7 +80,10 @@ def test_in_process_rollback_is_bitwise_exact(rolled_back, prepared_data, tmp_pa
 
 def test_too_many_rollbacks_still_stop_the_stage(prepared_data, tmp_path):
     cfg = direct_job(
-        tmp_path, prepared_data, max_rollbacks=0, chaos=[drill_from_dict({"kind": "nan_loss", "step": 5, "rank": 0})]
+        tmp_path,
+        prepared_data,
+        fault_tolerance={"max_rollbacks": 0},
+        chaos=[drill_from_dict({"kind": "nan_loss", "step": 5, "rank": 0})],
     )
     with pytest.raises(TooManyRollbacks, match="max_rollbacks=0"):
         train(cfg, CPU0)

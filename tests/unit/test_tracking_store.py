@@ -11,7 +11,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pretrain.state.ledger import Ledger
-from pretrain.tracking.runs import MetricsForwarder, Tracker
+from pretrain.tracking.metrics import MetricsForwarder
+from pretrain.tracking.runs import Tracker
 from pretrain.tracking.store import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,

@@ -22,13 +22,19 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from trainer.agent.rendezvous_close import record_expired_nodes
-from trainer.agent.survivors import launch
+from trainer.agent.elastic_launch import launch
+from trainer.agent.torch_internals import (
+    fast_rendezvous_polls,
+    record_expired_nodes,
+    stand_by_when_round_full,
+    unverified_torch,
+)
 from trainer.common.process import PARENT_ENV
 from trainer.dist import FAST_RECOVERY_ENV, listening
 from trainer.job.config import JobConfig
 from trainer.job.events import EventKind
-from trainer.job.reporting import EVENTS, JsonLines, read_all
+from trainer.job.layout import JobLayout
+from trainer.job.reporting import JsonLines, read_all
 from trainer.resilience.heartbeat import AGENT_ENV, heartbeat_dir
 from trainer.resilience.nodecheck import NODE_ENV
 from trainer.resilience.peers import NOTICE_ENV, WARM_SPARES_ENV, notice_for_nodes
@@ -36,7 +42,6 @@ from trainer.zygote.client import Zygote
 
 ENV_COMMAND = "/usr/bin/env"  # POSIX: runs a command with variables added to its environment (it execs it)
 STANDBY_NEVER_UP_S = 300.0  # a standby whose job's rendezvous never listened by then leaves (the job failed to start)
-RENDEZVOUS_POLL_S = 0.1  # torch's rendezvous polls its store once a second while a round forms
 
 
 def elastic_worker_command(zygote: Zygote | None, worker_args: list[str], env: dict[str, str]) -> list[str]:
@@ -76,66 +81,6 @@ def rendezvous_configs(args: argparse.Namespace) -> dict:
     }
 
 
-def fast_rendezvous_polls(poll_s: float = RENDEZVOUS_POLL_S) -> None:
-    """Make torch's rendezvous look at its store every ``poll_s`` instead of every second while a
-    round forms (or while a standby waits): it sleeps 1 s between polls and serves a cached state
-    for 1 s, so each of the three or so looks between a lost node's keep-alives lapsing and the
-    new round cost up to a second. In this process only (a node agent), before its rendezvous
-    handler is made; the rendezvous' other delays (its random start-up jitter) are kept. A torch
-    without these internals keeps its own pace (``tests/test_elastic.py`` checks this one's)."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
-
-    slow = getattr(rdzv, "_delay", None)
-    if slow is None or getattr(slow, "poll_s", None) is not None or not hasattr(rdzv, "_BackendRendezvousStateHolder"):
-        return
-
-    def delay(seconds):
-        slow(poll_s if seconds == 1 else seconds)
-
-    delay.poll_s = poll_s
-    rdzv._delay = delay
-    holder = rdzv._BackendRendezvousStateHolder
-    init = holder.__init__
-
-    def fresher(self, backend, settings, cache_duration=poll_s):
-        init(self, backend, settings, cache_duration)
-
-    holder.__init__ = fresher
-
-
-def stand_by_when_round_full() -> None:
-    """Make a node that waits for a round which filled up without it stand by quietly, as a
-    standby does. Torch's rendezvous puts a node joining while a participant of the last round
-    restarts on its wait list; if the others fill the next round (``max_nodes``) first, it stays
-    on that list, and every participant's agent, seeing a node waiting, restarts its workers to
-    take it in, forming the same full round again: a loop, seen after a full restart with a
-    standby node (three nodes racing for two places on 2 busy cores: six rounds in 4 s, until the
-    waiting node happened to win a place). Such a node now leaves the wait list, and torch's next
-    look puts it on its redundancy list. In this process only (a node agent); a torch without
-    this join operation keeps its own (``tests/test_elastic.py`` checks this one's)."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
-
-    op, action = getattr(rdzv, "_RendezvousJoinOp", None), getattr(rdzv, "_Action", None)
-    if op is None or action is None or getattr(op.__call__, "stands_by", False):
-        return
-    join = op.__call__
-
-    def call(self, ctx, deadline):
-        state = ctx.state
-        if (
-            not state.closed
-            and state.complete
-            and ctx.node in state.wait_list
-            and ctx.node not in state.participants
-            and len(state.participants) >= ctx.settings.max_nodes
-        ):
-            return action.REMOVE_FROM_WAIT_LIST  # the next look: ADD_TO_REDUNDANCY_LIST
-        return join(self, ctx, deadline)
-
-    call.stands_by = True
-    op.__call__ = call
-
-
 def first_round_formed(job_dir: str | Path) -> bool:
     """Whether the job's nodes formed their first round: a worker of it started (its heartbeat
     file exists, however short it lived)."""
@@ -169,7 +114,9 @@ def host_port(endpoint: str) -> tuple[str, int]:
 
 def ran_workers(job_dir: str | Path, node: int) -> bool:
     """Whether a worker of this node started in the job (its ``start`` event names the node)."""
-    return any(e.get("event") == EventKind.START and e.get("node") == node for e in read_all(Path(job_dir) / EVENTS))
+    return any(
+        e.get("event") == EventKind.START and e.get("node") == node for e in read_all(JobLayout.of(job_dir).events)
+    )
 
 
 def _terminate(signum, frame) -> None:
@@ -187,11 +134,20 @@ def run_elastic(
 ) -> int:
     """Torch's elastic agent for this node of a job of several nodes (``args``: ``trainer.launch``'s),
     keeping the survivors of a lost worker when ``fast_timeout_s`` > 0 (``trainer.agent.survivors``),
-    and ``job.spares_per_node`` warm spares once ``spares_wanted()``; ``before_round()`` runs before this
+    and ``job.cluster.spares_per_node`` warm spares once ``spares_wanted()``; ``before_round()`` runs before this
     node joins each rendezvous round."""
-    spares = job.spares_per_node if fast_timeout_s > 0 else 0
+    spares = job.cluster.spares_per_node if fast_timeout_s > 0 else 0
     signal.signal(signal.SIGTERM, _terminate)  # until torch's agent installs its own: the same exception
-    env = {
+    command = elastic_worker_command(zygote, worker_args, _worker_env(args, fast_timeout_s, spares))
+    if args.standby and (code := _stand_by(args, job)) is not None:
+        return code
+    _patch_torch(args, job)
+    return _run_node(args, job, command, fast_timeout_s, spares, spares_wanted, before_round)
+
+
+def _worker_env(args: argparse.Namespace, fast_timeout_s: float, spares: int) -> dict[str, str]:
+    """What the agent adds to each worker's environment."""
+    return {
         "OMP_NUM_THREADS": str(args.threads),
         NODE_ENV: str(args.node),  # workers name their node (node check, events)
         FAST_RECOVERY_ENV: str(fast_timeout_s),
@@ -199,9 +155,13 @@ def run_elastic(
         # a lost node announces no epoch: its survivors leave for the full restart once its keep-alives lapse
         NOTICE_ENV: str(notice_for_nodes(args.node_timeout)),
     }
-    command = elastic_worker_command(zygote, worker_args, env)
+
+
+def _stand_by(args: argparse.Namespace, job: JobConfig) -> int | None:
+    """A standby node's wait for the job's first round (``wait_to_stand_by``): None once it may
+    join; else this node's exit code (the job ended first, or a signal stopped it)."""
     try:
-        if args.standby and not wait_to_stand_by(job.job_dir, args.rdzv_endpoint):
+        if not wait_to_stand_by(job.job_dir, args.rdzv_endpoint):
             print(f"standby node {args.node}: the job ended before training started", file=sys.stderr, flush=True)
             return 0
     except SignalException as err:
@@ -209,9 +169,18 @@ def run_elastic(
             f"standby node {args.node}: stopped by {err.sigval.name} before it was needed", file=sys.stderr, flush=True
         )
         return 128 + err.sigval
+    return None
+
+
+def _patch_torch(args: argparse.Namespace, job: JobConfig) -> None:
+    """Torch's private internals patched in this agent's process (``trainer.agent.torch_internals``),
+    said when the installed torch is not the one they were verified with; a node the rendezvous
+    drops for its lapsed keep-alives is recorded in the job's events."""
+    if (unverified := unverified_torch()) is not None:
+        print(f"node {args.node}: {unverified}", file=sys.stderr, flush=True)
     fast_rendezvous_polls()
     stand_by_when_round_full()
-    events = JsonLines(Path(job.job_dir) / EVENTS)
+    events = JsonLines(job.layout.events)
     record_expired_nodes(
         on_expired=lambda desc: events.write(
             {
@@ -224,6 +193,19 @@ def run_elastic(
             }
         )
     )
+
+
+def _run_node(
+    args: argparse.Namespace,
+    job: JobConfig,
+    command: list[str],
+    fast_timeout_s: float,
+    spares: int,
+    spares_wanted,
+    before_round,
+) -> int:
+    """This node's part of the job (``trainer.agent.elastic_launch.launch``) until the job ends:
+    the node agent's exit code (0: the job succeeded, or ended while this node stood by)."""
     try:
         trained = launch(
             min_nodes=args.nnodes_min,

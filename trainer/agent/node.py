@@ -27,14 +27,15 @@ from trainer.agent.elastic import host_port, run_elastic
 from trainer.agent.single_node import AgentSettings, run_local
 from trainer.checkpoint import fence, shmdirs
 from trainer.checkpoint.saver import ERROR_FILE, PROGRESS_FILE
+from trainer.checkpoint.store import stage_store
 from trainer.common.backoff import Backoff
 from trainer.common.process import exit_when_orphaned
 from trainer.dist import pick_backend
 from trainer.job.config import JobConfig, NodeDrill
+from trainer.job.drills import claim, reached_marker
 from trainer.job.events import EventKind
-from trainer.job.reporting import EVENTS, JsonLines
+from trainer.job.reporting import JsonLines
 from trainer.liveness import NodeLiveness
-from trainer.resilience.chaos import claim, reached_marker
 from trainer.resilience.heartbeat import AdaptiveTimeout, HangDetector, worker_pids
 from trainer.resilience.nodecheck import exclusion_marker
 from trainer.resilience.stacks import log_on_signal
@@ -184,7 +185,7 @@ class SaverProcess:
 def fail_job(job: JobConfig, node: int, message: str, saver_error_type: str | None = None) -> None:
     """Record why this node fails the job, then stop the workers: torch's agent turns SIGTERM
     into its orderly shutdown, and ``main`` exits non-zero."""
-    JsonLines(Path(job.job_dir) / EVENTS).write(
+    JsonLines(job.layout.events).write(
         {
             "source": "agent",
             "node": node,
@@ -203,12 +204,12 @@ REMOTE_GRACE_S = 5.0  # on several nodes: the node of a hung worker kills it fir
 
 def watch_workers(job: JobConfig, node: int, saver, several_nodes: bool = False) -> HangDetector:
     """Hang detection for this node's workers, and the agent-side chaos drills."""
-    report = agent_report(job, node)
+    report, ft = agent_report(job, node), job.fault_tolerance
     detector = HangDetector(
         job.job_dir,
-        job.hang_timeouts,
+        ft.phase_timeouts,
         report,
-        adaptive=AdaptiveTimeout(**job.hang_adaptive),
+        adaptive=AdaptiveTimeout(ft.hang_timeout_factor, ft.hang_timeout_floor_s, ft.hang_warmup_steps),
         remote_grace_s=REMOTE_GRACE_S if several_nodes else 0.0,
     )
     for i, drill in enumerate(job.chaos):
@@ -220,7 +221,7 @@ def watch_workers(job: JobConfig, node: int, saver, several_nodes: bool = False)
 
 def agent_report(job: JobConfig, node: int):
     """How this node's agent writes an event to the job's stream."""
-    events = JsonLines(Path(job.job_dir) / EVENTS)
+    events = JsonLines(job.layout.events)
     return lambda record: events.write({"source": "agent", "node": node, **record})
 
 
@@ -269,15 +270,14 @@ def agent_drill(job: JobConfig, index: int, drill: NodeDrill, step: int, saver, 
 
 def sweep_shared_memory(job: JobConfig, node: int) -> None:
     """Free the snapshot directories that agents killed without cleaning up left behind."""
-    swept = shmdirs.sweep_orphans(job.shm_dir)
+    swept = shmdirs.sweep_orphans(job.checkpoint.shm_dir)
     if swept:
         freed = sum(size for _, size in swept)
+        paths = ", ".join(str(p) for p, _ in swept)
         print(
-            f"freed {freed / 2**20:.0f} MiB of shared memory left by dead agents: {', '.join(str(p) for p, _ in swept)}",
-            file=sys.stderr,
-            flush=True,
+            f"freed {freed / 2**20:.0f} MiB of shared memory left by dead agents: {paths}", file=sys.stderr, flush=True
         )
-        JsonLines(Path(job.job_dir) / EVENTS).write(
+        JsonLines(job.layout.events).write(
             {
                 "source": "agent",
                 "node": node,
@@ -310,17 +310,17 @@ def run_node(args: argparse.Namespace) -> int:
     zygote = (
         Zygote.connect(args.zygote, log=lambda line: print(line, file=sys.stderr, flush=True)) if args.zygote else None
     )
-    fence.claim(job.checkpoints(), job.job_dir)  # savers of older jobs of this stage commit nothing from now on
-    if job.memory_interval > 0:
+    fence.claim(stage_store(job), job.job_dir)  # savers of older jobs of this stage commit nothing from now on
+    if job.checkpoint.memory_interval > 0:
         sweep_shared_memory(job, args.node)
-        ns = shmdirs.create(job.shm_dir, job.job_dir)
+        ns = shmdirs.create(job.checkpoint.shm_dir, job.job_dir)
         saver = SaverProcess(
             ns,
             args.nproc,
             args.job,
-            job.saver_max_failures,
-            job.saver_backoff_s,
-            outage_s=job.saver_outage_s,
+            job.fault_tolerance.saver_max_failures,
+            job.fault_tolerance.saver_backoff_s,
+            outage_s=job.fault_tolerance.storage_outage_s,
             on_give_up=lambda message, error_type: fail_job(job, args.node, message, error_type),
             zygote=zygote,
         )
@@ -341,7 +341,7 @@ def run_node(args: argparse.Namespace) -> int:
                 job,
                 zygote,
                 worker_args,
-                job.fast_recovery_timeout_s if fast else 0.0,
+                job.fault_tolerance.fast_recovery_timeout_s if fast else 0.0,
                 spares_wanted=lambda: detector.max_step >= 1,
                 before_round=lambda: leave_if_excluded(job, args.node, report, saver),
             )
@@ -370,9 +370,9 @@ def local_settings(job: JobConfig, args: argparse.Namespace, shm: Path | None = 
         threads=args.threads,
         node=args.node,
         port=host_port(args.rdzv_endpoint)[1],
-        spares=job.spares_per_node,
+        spares=job.cluster.spares_per_node,
         fast=keeps_survivors(job, args.nproc),
-        fast_timeout_s=job.fast_recovery_timeout_s,
+        fast_timeout_s=job.fault_tolerance.fast_recovery_timeout_s,
         shm=None if shm is None else str(shm),
     )
 
@@ -384,7 +384,7 @@ def keeps_survivors(job: JobConfig, world: int) -> bool:
     ``fast_recovery_timeout_s`` is 0."""
     return (
         world > 1
-        and job.parallelism == "ddp"
-        and pick_backend(job.backend) == "gloo"
-        and job.fast_recovery_timeout_s > 0
+        and job.cluster.parallelism == "ddp"
+        and pick_backend(job.cluster.backend) == "gloo"
+        and job.fault_tolerance.fast_recovery_timeout_s > 0
     )

@@ -23,7 +23,7 @@ rendezvous drops it from its state, and the agent whose look did so records it (
 comes back under the same identity (its agent's process id is part of it). The deadline is
 written with the same compare-and-set as every change to torch's rendezvous state, through a
 state holder of its own (torch's private ``_BackendRendezvousStateHolder``: checked against this
-torch by ``tests/test_node_links.py``); a torch without it keeps its last call.
+torch by ``tests/scenarios/test_node_links.py``); a torch without it keeps its last call.
 """
 
 from __future__ import annotations
@@ -62,48 +62,6 @@ def lost_from(store: dist.Store, round_: int | str) -> set[tuple]:
         except (ValueError, TypeError, dist.DistError):
             continue  # damaged: that node is waited for (torch's last call)
     return out
-
-
-def record_expired_nodes(on_expired=None) -> None:
-    """Make torch's rendezvous, in this process (a node agent), record every node its look at the
-    state finds dead (its keep-alives lapsed) in the rendezvous's store (``EXPIRED``) as it drops
-    it. ``on_expired(desc)`` is called for each such node that was a participant of the round and
-    was not found lost through its links already (``record_lost`` for that round): a node that
-    went silent, found only now. Through torch's private state holder (its ``_sanitize`` and the
-    dead nodes it lists; checked against this torch by ``tests/test_node_links.py``); a torch
-    without them records nothing, and such a node keeps its last call. Installed once per process
-    (one node agent), with the first caller's ``on_expired``."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
-
-    holder = getattr(rdzv, "_BackendRendezvousStateHolder", None)
-    sanitize = getattr(holder, "_sanitize", None)
-    if sanitize is None or getattr(sanitize, "records_expired", False):
-        return
-
-    def _sanitize(self) -> None:
-        state = getattr(self, "_state", None)
-        was_in = {
-            dataclasses.astuple(n) for n in getattr(state, "participants", None) or () if dataclasses.is_dataclass(n)
-        }
-        sanitize(self)
-        dead = {dataclasses.astuple(n) for n in getattr(self, "_dead_nodes", None) or () if dataclasses.is_dataclass(n)}
-        recorded = self.__dict__.setdefault("_pretrain_recorded", set())
-        store = getattr(getattr(self, "_backend", None), "_store", None)
-        for desc in sorted(dead - recorded) if store is not None else ():
-            try:
-                silent = desc in was_in and desc not in lost_from(store, getattr(state, "round", -1))
-                record_lost(store, EXPIRED, desc)
-                recorded.add(desc)
-            except (dist.DistError, RuntimeError):
-                return  # the store is away for a moment: the next look records it
-            if silent and on_expired is not None:
-                try:
-                    on_expired(desc)
-                except OSError as err:  # the job's event stream cannot be written: the rendezvous goes on
-                    print(f"rendezvous: node {desc} dropped, not recorded ({err})", file=sys.stderr, flush=True)
-
-    _sanitize.records_expired = True
-    holder._sanitize = _sanitize
 
 
 def members(handler) -> dict[tuple, int]:

@@ -157,7 +157,7 @@ class RoundStoreAddress:
         """Take the node ``desc`` (``_node_desc`` of its agent) out of the rendezvous now, as torch
         does once its keep-alives lapse: its last keep-alive is written back a day older, and every
         node's next look at the state removes it. Through torch's private state holder (checked
-        by ``tests/test_node_links.py`` against this torch); False where that is not possible."""
+        by ``tests/scenarios/test_node_links.py`` against this torch); False where that is not possible."""
         holder, lock = getattr(self._handler, "_state_holder", None), getattr(self._handler, "_heartbeat_lock", None)
         if holder is None or lock is None:
             return False

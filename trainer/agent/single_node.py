@@ -69,7 +69,8 @@ def describe_exit(code: int) -> str:
 
 
 class NodeAgent:
-    """Runs one node's workers (``start_worker``: starts one, see ``trainer.agent.node.worker_starter``) until they finish."""
+    """Runs one node's workers (``start_worker``: starts one, see ``trainer.agent.node.worker_starter``) until they
+    finish."""
 
     def __init__(self, settings: AgentSettings, start_worker, spares_wanted=lambda: True):
         # start_worker(extra_args, env) -> a Popen-like process (trainer.agent.node.worker_starter)
@@ -254,7 +255,7 @@ def run_local(settings: AgentSettings, start_worker, spares_wanted=lambda: True)
         print(err, file=sys.stderr, flush=True)
         return 128 + err.sig
     finally:
-        for sig, handler in previous.items():  # a second signal must not interrupt the shutdown
+        for sig in previous:  # a second signal must not interrupt the shutdown
             signal.signal(sig, signal.SIG_IGN)
         agent.close()
         for sig, handler in previous.items():

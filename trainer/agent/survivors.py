@@ -18,93 +18,66 @@ exits meanwhile, or the lost rank hosted the round's store, the failure goes to 
 as it would have: a full restart. Fast recoveries count against ``max_restarts`` with torch's
 restarts, but never change the restart count the workers' group prefix is built from (the
 other nodes' agents, which did not restart, must agree on it).
+
+The agent is launched on each node by ``trainer.agent.elastic_launch``; its client of the job's
+store: ``trainer.agent.job_store``.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
-import threading
 import time
-from datetime import timedelta
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from trainer.agent.first_round import gather_nodes
-from trainer.agent.node_links import LostNode, NodeLinks
-from trainer.agent.rendezvous_store import RoundStoreAddress
+from trainer.agent.job_store import job_store_client
+from trainer.agent.node_links import LostNode
 from trainer.agent.single_node import describe_exit
 from trainer.agent.spares import WarmSpares, start_process
-from trainer.dist import EPOCH_ENV, Identity, listening, own_round_store, round_restart_count
+from trainer.dist import EPOCH_ENV, Identity, own_round_store, round_restart_count
 from trainer.resilience.peers import NODE_LOST_PATH, PEER_LOST_EXIT, all_ready, announce, epochs_key, not_ready
 from trainer.resilience.survivor_interrupt import interrupt
 
 POLL_S = 0.05  # how often the ranks' ready keys and the local processes are looked at during a fast recovery
 MEMBERSHIP_LOOK_S = 0.5  # how often a fast recovery asks the rendezvous whether another node is restarting
-STORE_TIMEOUT_S = 5.0  # the job's store not answering by then: no fast recovery (a full restart)
-# Connecting to it: a store that went with its host (the rank 0 worker of a round with standby
-# nodes) refuses at once, but torch's client retries a refused connection until its timeout, and
-# then again with a backoff (13 s with 5 s, while the survivors wait in a collective that failed).
-CONNECT_TIMEOUT_S = 1.0
 STORE_RETRY_S = 5.0  # a job store found unreachable is asked again after this long
 LEAVE_WAIT_S = 1.0  # after telling the workers that a node is gone: how long to wait for one of them to leave
-CONNECT_THREAD = "job-store-connect"  # the thread job_store_client makes its client in (left waiting on a frozen host)
 
 
-class ConsoleLogs(LogsSpecs):
-    """The workers write to this node agent's stdout and stderr (which the job's launcher keeps),
-    and nothing else: torch's ``DefaultLogsSpecs`` makes a ``torchelastic_*`` directory in the
-    machine's temporary directory per launch, with one per round and rank under it, and never
-    removes them (our workers leave no error files: they report their errors in the job's events)."""
+@dataclass
+class FastRecovery:
+    """A fast recovery under way: ``epoch`` announced in the job's ``store`` for the round's
+    ``restart`` count and a world of ``world`` ranks, the lost ranks taken by ``path`` (``spare``
+    or ``replacement``), since ``started`` (monotonic time, when the loss was seen)."""
 
-    def __init__(self) -> None:
-        super().__init__(log_dir=os.devnull)
+    store: dist.TCPStore
+    restart: int
+    epoch: int
+    world: int
+    path: str
+    started: float
 
-    @property
-    def root_log_dir(self) -> str:
-        return os.devnull
-
-    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-        console = dict.fromkeys(envs, "")  # "": the agent's own stream
-        return LogsDest(stdouts=console, stderrs=dict(console), error_files=dict.fromkeys(envs, os.devnull))
-
-
-def job_store_client(host: str, port: int) -> dist.TCPStore:
-    """A client of the job's store at ``host:port``, or DistError/RuntimeError within a few
-    seconds. A store that went with its host refuses at once (checked first: torch's client
-    retries a refused connection). A frozen host (its process stopped) still accepts the
-    connection in its kernel but never answers the client's handshake, for which torch waits for
-    ever: the client is made in a thread given ``3 × CONNECT_TIMEOUT_S`` (a thread left waiting
-    ends when the frozen host is stopped for good and its socket closes)."""
-    if not listening(host, port, timeout_s=CONNECT_TIMEOUT_S):  # e.g. it went with the rank 0 that hosted it
-        raise RuntimeError("nothing accepts a connection there")
-    made: dict[str, object] = {}
-
-    def connect() -> None:
+    def look(self) -> tuple[bool, bool]:
+        """Whether every rank reports itself restored in the new process group, and whether
+        another node announced a recovery meanwhile (both False while the store is away)."""
         try:
-            made["store"] = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
-        except (dist.DistError, RuntimeError) as err:
-            made["error"] = err
+            ready = all_ready(self.store, self.restart, self.epoch, self.world)
+            concurrent = self.store.add(epochs_key(self.restart), 0) != self.epoch
+        except (dist.DistError, RuntimeError):
+            ready, concurrent = False, False  # the store is away for a moment: look again
+        return ready, concurrent
 
-    thread = threading.Thread(target=connect, name=CONNECT_THREAD, daemon=True)
-    thread.start()
-    thread.join(3 * CONNECT_TIMEOUT_S)
-    if "error" in made:
-        raise made["error"]
-    if "store" not in made:
-        raise RuntimeError(
-            f"it accepted the connection but did not answer in {3 * CONNECT_TIMEOUT_S:.0f}s (its host is frozen?)"
-        )
-    store = made["store"]
-    store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-    return store
+    def not_restored(self) -> list[int]:
+        """The ranks not (known to be) restored in the new process group."""
+        try:
+            return not_ready(self.store, self.restart, self.epoch, self.world)
+        except (dist.DistError, RuntimeError):
+            return list(range(self.world))  # the store is gone: none of them is known to be restored
 
 
 class SurvivorsAgent(LocalElasticAgent):
@@ -172,50 +145,71 @@ class SurvivorsAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._pcontext is not None:  # keeps none when spares_per_node is 0
-            handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-            if all(h.proc.poll() is None for h in handlers.values()):  # (a worker that ended: the round ends, and
-                self.spares.tend(self._pcontext, self._job_store)  # the store its rank 0 hosted may have gone)
-            rendezvous = worker_group.spec.rdzv_handler
-            stuck = [
-                node
-                for node in [*rendezvous.links.take_lost(), *rendezvous.take_expired()]
-                if not self._node_lost(worker_group, node)
-            ]
-            if any(node.silent for node in stuck):  # its sockets are open: a collective with it never fails
-                print(
-                    "the workers are stuck in a collective with the silent node: restarting them",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return RunResult(state=WorkerState.UNHEALTHY)
-            if stuck:  # none left: not in a collective that failed (a store wait, a long step of its own)
-                print(
-                    f"the workers did not leave within {LEAVE_WAIT_S:g} s: restarting them for the next round",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return RunResult(state=WorkerState.UNHEALTHY)
-        lost = self._lost_with_survivors() if self.fast_timeout_s > 0 else {}
-        if lost:
-            if self._remaining_restarts - self.fast_recoveries <= 0:
-                self._remaining_restarts = 0  # fast recoveries spent the budget: torch's agent fails the job
-            else:
-                failures = {
-                    worker_group.workers[lr].global_rank: ProcessFailure(
-                        local_rank=lr,
-                        pid=self._pcontext.subprocess_handlers[lr].proc.pid,
-                        exitcode=code,
-                        error_file=self._pcontext.error_files[lr],
-                    )
-                    for lr, code in lost.items()
-                }
-                recovered = self._recover_fast(worker_group, lost)
-                if recovered is True:
-                    self.fast_recoveries += 1
-                    return RunResult(state=WorkerState.HEALTHY)
-                if recovered is False:  # replacements started and failed: torch restarts every worker
-                    return RunResult(state=WorkerState.FAILED, failures=failures)
+            self._tend_spares()
+            restart = self._restart_for_lost_nodes(worker_group)
+            if restart is not None:
+                return restart
+        recovered = self._after_fast_recovery(worker_group) if self.fast_timeout_s > 0 else None
+        if recovered is not None:
+            return recovered
         return super()._monitor_workers(worker_group)
+
+    def _tend_spares(self) -> None:
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        if all(h.proc.poll() is None for h in handlers.values()):  # (a worker that ended: the round ends, and
+            self.spares.tend(self._pcontext, self._job_store)  # the store its rank 0 hosted may have gone)
+
+    def _restart_for_lost_nodes(self, worker_group: WorkerGroup) -> RunResult | None:
+        """UNHEALTHY (torch's agent restarts the workers into the next round) when another node
+        was lost and the workers did not leave for the next round by themselves; else None."""
+        rendezvous = worker_group.spec.rdzv_handler
+        stuck = [
+            node
+            for node in [*rendezvous.links.take_lost(), *rendezvous.take_expired()]
+            if not self._node_lost(worker_group, node)
+        ]
+        if any(node.silent for node in stuck):  # its sockets are open: a collective with it never fails
+            print(
+                "the workers are stuck in a collective with the silent node: restarting them",
+                file=sys.stderr,
+                flush=True,
+            )
+            return RunResult(state=WorkerState.UNHEALTHY)
+        if stuck:  # none left: not in a collective that failed (a store wait, a long step of its own)
+            print(
+                f"the workers did not leave within {LEAVE_WAIT_S:g} s: restarting them for the next round",
+                file=sys.stderr,
+                flush=True,
+            )
+            return RunResult(state=WorkerState.UNHEALTHY)
+        return None
+
+    def _after_fast_recovery(self, worker_group: WorkerGroup) -> RunResult | None:
+        """A lost worker replaced, its survivors kept: HEALTHY; attempted and failed: FAILED (torch
+        restarts every worker). None for torch's agent to decide: nothing lost with survivors, no
+        attempt, or the restart budget spent by fast recoveries (torch's agent then fails the job)."""
+        lost = self._lost_with_survivors()
+        if not lost:
+            return None
+        if self._remaining_restarts - self.fast_recoveries <= 0:
+            self._remaining_restarts = 0  # fast recoveries spent the budget: torch's agent fails the job
+            return None
+        failures = {
+            worker_group.workers[lr].global_rank: ProcessFailure(
+                local_rank=lr,
+                pid=self._pcontext.subprocess_handlers[lr].proc.pid,
+                exitcode=code,
+                error_file=self._pcontext.error_files[lr],
+            )
+            for lr, code in lost.items()
+        }
+        recovered = self._recover_fast(worker_group, lost)
+        if recovered is True:
+            self.fast_recoveries += 1
+            return RunResult(state=WorkerState.HEALTHY)
+        if recovered is False:  # replacements started and failed: torch restarts every worker
+            return RunResult(state=WorkerState.FAILED, failures=failures)
+        return None
 
     def _node_lost(self, worker_group: WorkerGroup, lost: LostNode) -> bool:
         """Another node's agent is gone (``trainer.agent.node_links``) or silent (torch's rendezvous dropped
@@ -282,10 +276,18 @@ class SurvivorsAgent(LocalElasticAgent):
     def _recover_fast(self, worker_group: WorkerGroup, lost: dict[int, int]) -> bool | None:
         """Replace the ``lost`` local ranks while every other worker is kept. None: not attempted
         (torch's agent restarts every worker); False: attempted and not done in time."""
-        t0, detected = time.monotonic(), time.time()
-        pc, workers = self._pcontext, worker_group.workers
-        ranks = sorted(workers[lr].global_rank for lr in lost)
-        env = pc.envs[min(lost)]
+        recovery = self._announce_recovery(worker_group, lost)
+        if recovery is None:
+            return None
+        self._replace_lost(worker_group, lost, recovery)
+        return self._await_restored(worker_group, recovery)
+
+    def _announce_recovery(self, worker_group: WorkerGroup, lost: dict[int, int]) -> FastRecovery | None:
+        """The next epoch announced in the job's store for the ``lost`` local ranks; None: no fast
+        recovery (no survivor to keep, the round's store gone with its host, or unreachable)."""
+        started, detected = time.monotonic(), time.time()
+        ranks = sorted(worker_group.workers[lr].global_rank for lr in lost)
+        env = self._pcontext.envs[min(lost)]
         world = int(env["WORLD_SIZE"])
         if world < 2 or (own_round_store(env) and 0 in ranks):
             return None  # no survivor to keep; or rank 0 hosted the round's store, which went with it
@@ -299,18 +301,29 @@ class SurvivorsAgent(LocalElasticAgent):
         except (dist.DistError, RuntimeError) as err:
             print(f"no fast recovery: the job's store failed ({err})", file=sys.stderr, flush=True)
             return None
+        return FastRecovery(store, restart, epoch, world, path, started)
+
+    def _replace_lost(self, worker_group: WorkerGroup, lost: dict[int, int], recovery: FastRecovery) -> None:
+        """Interrupt the survivors' step and put a warm spare, else a fresh replacement, in each lost
+        rank's place (with the new epoch in its environment)."""
+        pc, workers, epoch = self._pcontext, worker_group.workers, recovery.epoch
         interrupt(h.proc.pid for lr, h in pc.subprocess_handlers.items() if lr not in lost and h.proc.poll() is None)
         for lr in lost:
             pc.envs[lr] = {**pc.envs[lr], EPOCH_ENV: str(epoch)}
-            me = Identity(workers[lr].global_rank, lr, world, restart, epoch)
-            handler = self.spares.hand_over(store, me) or start_process(pc, lr)
+            me = Identity(workers[lr].global_rank, lr, recovery.world, recovery.restart, epoch)
+            handler = self.spares.hand_over(recovery.store, me) or start_process(pc, lr)
             pc.subprocess_handlers[lr] = handler
             workers[lr].id = handler.proc.pid
         why = ", ".join(f"rank {workers[lr].global_rank}: {describe_exit(code)}" for lr, code in sorted(lost.items()))
-        print(f"worker failure ({why}); the other workers are kept, epoch {epoch}: {path}", flush=True)
-        local = [h.proc for h in pc.subprocess_handlers.values()]
+        print(f"worker failure ({why}); the other workers are kept, epoch {epoch}: {recovery.path}", flush=True)
+
+    def _await_restored(self, worker_group: WorkerGroup, recovery: FastRecovery) -> bool:
+        """Wait (at most ``fast_timeout_s`` from the loss) until every rank of the world reports
+        itself restored: True; False as soon as a local worker exits, another node restarts the job
+        or announced a recovery at the same time, or at the timeout."""
+        local = [h.proc for h in self._pcontext.subprocess_handlers.values()]
         rendezvous, next_look = worker_group.spec.rdzv_handler, 0.0
-        while time.monotonic() - t0 < self.fast_timeout_s:
+        while time.monotonic() - recovery.started < self.fast_timeout_s:
             if any(p.poll() is not None for p in local):
                 print("a worker exited during the fast recovery: restarting every worker", file=sys.stderr, flush=True)
                 return False
@@ -323,11 +336,7 @@ class SurvivorsAgent(LocalElasticAgent):
                         flush=True,
                     )
                     return False
-            try:
-                ready = all_ready(store, restart, epoch, world)
-                concurrent = store.add(epochs_key(restart), 0) != epoch
-            except (dist.DistError, RuntimeError):
-                ready, concurrent = False, False  # the store is away for a moment: look again
+            ready, concurrent = recovery.look()
             if concurrent:  # two nodes lost workers at once (or a collective hung everywhere): one round for all
                 print(
                     "another node announced a recovery at the same time: restarting every worker",
@@ -336,79 +345,14 @@ class SurvivorsAgent(LocalElasticAgent):
                 )
                 return False
             if ready:
-                print(f"recovered in {time.monotonic() - t0:.2f} s ({path})", flush=True)
+                print(f"recovered in {time.monotonic() - recovery.started:.2f} s ({recovery.path})", flush=True)
                 self.spares.replenish_later()
                 return True
             time.sleep(POLL_S)  # polls the local processes and the ranks' ready keys
-        try:
-            late = not_ready(store, restart, epoch, world)
-        except (dist.DistError, RuntimeError):
-            late = list(range(world))  # the store is gone: none of them is known to be restored
         print(
-            f"the fast recovery was not done within {self.fast_timeout_s:.1f} s (rank(s) {late} not restored "
-            "in the new process group): restarting every worker",
+            f"the fast recovery was not done within {self.fast_timeout_s:.1f} s (rank(s) {recovery.not_restored()} "
+            "not restored in the new process group): restarting every worker",
             file=sys.stderr,
             flush=True,
         )
         return False
-
-
-def launch(
-    *,
-    min_nodes: int,
-    max_nodes: int,
-    nproc: int,
-    run_id: str,
-    endpoint: str,
-    rdzv_configs: dict,
-    max_restarts: int,
-    command: list[str],
-    fast_timeout_s: float,
-    spares: int = 0,
-    node: int = 0,
-    spares_wanted=lambda: True,
-    monitor_interval: float = 0.2,
-    first_round_wait_s: float | None = 0.0,
-    before_round=lambda: None,
-) -> bool:
-    """This node's part of the job (what ``torch.distributed.launcher.api.elastic_launch`` does,
-    with ``SurvivorsAgent`` keeping ``spares`` warm spares once ``spares_wanted()``; the first
-    round waits up to ``first_round_wait_s`` for all ``max_nodes`` nodes; None: a standby node,
-    which neither checks in nor waits; ``before_round()`` runs before every round this node joins);
-    raises ``ChildFailedError`` when the job failed; False when this node stood by as the job ended
-    (torch's agent left the closed rendezvous gracefully), else True."""
-    params = RendezvousParameters(
-        backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, **rdzv_configs
-    )
-    rendezvous = RoundStoreAddress(rdzv_registry.get_rendezvous_handler(params), NodeLinks(node))  # (store up now)
-    if first_round_wait_s is not None:
-        gather_nodes(endpoint, run_id, max_nodes, first_round_wait_s, node)
-    spec = WorkerSpec(
-        role="trainer",
-        local_world_size=nproc,
-        entrypoint=command[0],
-        args=tuple(command[1:]),
-        rdzv_handler=rendezvous,
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-    )
-    agent = SurvivorsAgent(
-        spec, fast_timeout_s, spares, node, spares_wanted, before_round, logs_specs=ConsoleLogs(), start_method="spawn"
-    )
-    shutdown_rendezvous = True
-    try:
-        result = agent.run()
-        rendezvous.links.close()  # the job ended here: not a lost node to the others
-        if result is None:  # torch's agent left gracefully: this node stood by when the job's rendezvous closed
-            return False
-        if result.is_failed():
-            raise ChildFailedError(name=command[0], failures=result.failures)
-        return True
-    except ChildFailedError:
-        raise
-    except SignalException:
-        shutdown_rendezvous = False  # stopped by a signal: the rendezvous stays open for the other nodes (as torch's)
-        raise
-    finally:
-        if shutdown_rendezvous:
-            spec.rdzv_handler.shutdown()

@@ -14,6 +14,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from trainer.job.config import LeaseConfig
+
 FENCE = "fence"
 
 
@@ -111,9 +113,9 @@ class LeaseFence:
     options: dict = field(default_factory=dict)  # storage options for ``location`` (no secrets)
 
     @classmethod
-    def of_job(cls, lease: dict, options: dict) -> LeaseFence | None:
-        """The fence of a job's ``JobConfig.lease`` entry; None when it has none (local state)."""
-        return cls(lease["location"], lease["key"], int(lease["generation"]), dict(options)) if lease else None
+    def of_job(cls, lease: LeaseConfig | None, options: dict) -> LeaseFence | None:
+        """The fence of a job's ``JobConfig.lease``; None when it has none (local state)."""
+        return cls(lease.location, lease.key, lease.generation, dict(options)) if lease else None
 
     @property
     def where(self) -> str:

@@ -37,14 +37,15 @@ from pathlib import Path
 
 from trainer.checkpoint import fence
 from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.corrupt import corrupt_committed
 from trainer.checkpoint.shm import Slot, read_header, slot_paths
+from trainer.checkpoint.store import stage_store
 from trainer.common.atomic import atomic_write_bytes, atomic_write_json
 from trainer.common.diskfull import describe, is_disk_full
 from trainer.common.process import pid_alive
 from trainer.job.config import Drill, JobConfig
 from trainer.job.events import EventKind
-from trainer.job.reporting import EVENTS, JsonLines
-from trainer.resilience.chaos import corrupt_committed
+from trainer.job.reporting import JsonLines
 from trainer.storage import StorageError
 
 POLL_S = 0.05
@@ -303,14 +304,14 @@ def serve(ns: Path, nproc: int, job_path: Path, agent: int | None = None) -> int
     saver = Saver(
         ns,
         nproc,
-        job.checkpoints(),
-        job.ckpt_keep,
-        JsonLines(Path(job.job_dir) / EVENTS),
+        stage_store(job),
+        job.checkpoint.keep,
+        JsonLines(job.layout.events),
         drills=job.chaos,
         job_dir=job.job_dir,
         meta=job.checkpoint_meta(),
         fence_owner=job.job_dir,
-        lease=fence.LeaseFence.of_job(job.lease, job.storage_options),
+        lease=fence.LeaseFence.of_job(job.lease, job.checkpoint.options),
         agent=agent,
     )
     signal.signal(signal.SIGTERM, lambda *_: setattr(saver, "stopping", True))  # finish, save at breakpoint, exit

@@ -24,10 +24,9 @@ import numpy as np
 import xxhash
 
 from trainer.checkpoint.flat import Layout, copy_into, read_state, views
+from trainer.checkpoint.sizing import HEADER_BYTES, PAGE
 
-HEADER_BYTES = 4096
 MAGIC = b"PTSNAP01"
-PAGE = 4096
 
 
 class ShmTooSmall(RuntimeError):

@@ -18,24 +18,25 @@ import torch.distributed as dist
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.flat import Layout, read_state, write_tensors
+from trainer.checkpoint.handoff import hand_over, signature
 from trainer.checkpoint.sharded import apply_sharded, load_full_state, localize
+from trainer.checkpoint.store import CheckpointStore, stage_store
 from trainer.dist import DistInfo, all_gather_object, broadcast_object, is_initialized, local_world_size
 from trainer.job.config import JobConfig
 from trainer.job.events import SURVIVORS
-from trainer.resilience.handoff import hand_over, signature
 
 MODEL_SHARD = ckpt.MODEL_SHARD
 
 
 def is_sharded(cfg: JobConfig) -> bool:
     """Does every rank hold only its piece of model and optimizer (FSDP)?"""
-    return cfg.parallelism == "fsdp"
+    return cfg.cluster.parallelism == "fsdp"
 
 
 def schedule_state(cfg: JobConfig, step: int) -> dict:
     """The learning-rate schedule is a pure function of the step (``model.lr_at``); its
     parameters are stored so a checkpoint says which schedule produced it."""
-    o = cfg.optim
+    o = cfg.stage
     return {
         "kind": "warmup_cosine",
         "step": step,
@@ -87,7 +88,7 @@ def save(
 ) -> ckpt.CheckpointRef:
     """Direct (synchronous) save to storage, used when shared-memory snapshots are off."""
     st = training_state(cfg, info, step=step, consumed=consumed, model=model, optimizer=optimizer, loss=loss)
-    store = cfg.checkpoints()
+    store = stage_store(cfg)
     shards = []
     if "shared" in st:
         shards.append(store.write_shard(step, MODEL_SHARD, st["shared"]))
@@ -103,10 +104,10 @@ def save(
                 **cfg.checkpoint_meta(),
                 "world_size": info.world_size,
                 "consumed": consumed,
-                "parallelism": cfg.parallelism,
+                "parallelism": cfg.cluster.parallelism,
             },
         )
-        store.prune(cfg.ckpt_keep)
+        store.prune(cfg.checkpoint.keep)
     broadcast_object(None)  # every rank waits for the commit
     return store.ref(step)
 
@@ -204,7 +205,7 @@ def kept_by_survivors(
     the first survivor over the group, tensor by tensor into its own (its own RNG is unused).
     Else None for every rank (the survivors disagree, or a rank's state is its own: FSDP's
     pieces, dropout's RNG): the newest snapshot every rank holds (:func:`restore`)."""
-    # a survivor's step comes with what it holds (trainer.resilience.handoff), for the replacement
+    # a survivor's step comes with what it holds (trainer.checkpoint.handoff), for the replacement
     lives = all_gather_object(
         None
         if live is None
@@ -252,7 +253,7 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
     holds one: ``adopted_snapshot``); else the newest complete checkpoint; else ``init_from``;
     else nothing. Rank 0 decides and broadcasts, so all ranks load the same step."""
     choice = None
-    store = cfg.checkpoints()
+    store = stage_store(cfg)
     ref = store.latest_complete() if info.rank == 0 else None
     floor = broadcast_object(ref.step if ref else -1)
     found = newest_common_snapshot(snapshots, floor, any_rank_will_do(cfg)) if snapshots is not None else None
@@ -267,8 +268,8 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
             choice = ("memory", found)
         elif ref is not None:
             choice = ("checkpoint", ref.location)
-        elif cfg.init_from:
-            choice = ("init_from", cfg.init_from)
+        elif cfg.stage.init_from:
+            choice = ("init_from", cfg.stage.init_from)
     choice = broadcast_object(choice)
     if choice is None:
         return Restored(0, 0, "scratch", None)
@@ -287,10 +288,10 @@ def restore(cfg: JobConfig, info: DistInfo, *, model, optimizer, snapshots: Snap
                 mine = _with_own_rng(first)
         _apply(cfg, info, shared, mine, model, optimizer)
         return Restored(int(shared["step"]), int(mine["consumed"]), "memory", str(snapshots.ns))
-    src, step = cfg.checkpoint_at(path)
+    src, step = CheckpointStore.of_step(path, cfg.checkpoint.options)
     state = _model_state(cfg, info, src, step)
     if source == "init_from":  # moments carry over if asked; the new stage's schedule sets the lr
-        _load_model(cfg, state, model, optimizer if cfg.init_optimizer else None)
+        _load_model(cfg, state, model, optimizer if cfg.stage.carry_optimizer else None)
         return Restored(0, 0, source, path)
     world = manifest.world_size if (manifest := src.manifest(step)) else info.world_size
     if info.rank < world:
@@ -317,10 +318,12 @@ def wait_committed(cfg: JobConfig, info: DistInfo, step: int, timeout_s: float =
     durable before the job reports success)."""
     ok = True
     if info.rank == 0:
-        store = cfg.checkpoints()
+        store = stage_store(cfg)
         deadline = time.monotonic() + timeout_s
         while (store.read_pointer() or -1) < step and time.monotonic() < deadline:
             time.sleep(0.05)  # polls the pointer the saver moves
         ok = (store.read_pointer() or -1) >= step
     if not broadcast_object(ok):
-        raise TimeoutError(f"the checkpoint saver did not commit step {step} to {cfg.ckpt_dir} within {timeout_s:.0f}s")
+        raise TimeoutError(
+            f"the checkpoint saver did not commit step {step} to {cfg.checkpoint.location} within {timeout_s:.0f}s"
+        )

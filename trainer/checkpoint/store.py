@@ -385,3 +385,9 @@ class CheckpointStore:
             self.storage.delete(f"{step_name(step)}/{MANIFEST}")
             self.storage.delete_prefix(step_name(step))
         return deleted
+
+
+def stage_store(job) -> CheckpointStore:
+    """The checkpoint store of a job's stage (``job``: a ``trainer.job.config.JobConfig``): a local
+    directory or an S3 prefix."""
+    return CheckpointStore.open(job.checkpoint.location, job.checkpoint.options)

@@ -228,3 +228,18 @@ def _locked(target: Path, beat: Progress) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def job_data(job, splits: tuple[str, ...] = ("train",), on_progress=None) -> Path:
+    """The local directory of a job's data set (``job``: a ``trainer.job.config.JobConfig``): its
+    ``splits`` fetched into the node cache when it is on S3; the ranks of one launch verify the
+    cache once."""
+    return local_data_dir(
+        job.data.uri,
+        job.data.cache_dir,
+        job.data.options,
+        splits=splits,
+        fingerprint=job.data.fingerprint or None,
+        session=job.job_dir,
+        on_progress=on_progress,
+    )

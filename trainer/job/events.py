@@ -14,9 +14,13 @@ class EventKind(StrEnum):
     SNAPSHOT_SKIPPED = "snapshot_skipped"  # the in-memory slot was busy
     SHM_FALLBACK = "shm_fallback"  # too little shared memory: direct checkpoints instead
     ANOMALY = "anomaly"  # a non-finite loss or a loss spike: kind, step, loss
-    ROLLBACK = "rollback"  # training went on in the live workers: path in_process (an anomaly rolled back: anomaly_step), spare / replacement (a lost worker replaced, the others kept: lost_ranks, epoch); step, source, seconds
+    # training went on in the live workers: path in_process (an anomaly rolled back: anomaly_step), spare /
+    # replacement (a lost worker replaced, the others kept: lost_ranks, epoch); step, source, seconds
+    ROLLBACK = "rollback"
     SPARE_READY = "spare_ready"  # a warm spare has its model built and waits for a rank: spare (its id)
-    REJOINED = "rejoined"  # a worker that survived a lost peer joined the new group: epoch, lost_ranks, step (the lost ranks' replacements write START)
+    # a worker that survived a lost peer joined the new group: epoch, lost_ranks, step (the lost ranks' replacements
+    # write START)
+    REJOINED = "rejoined"
     HANG = "hang"  # ranks stopped beating
     ERROR = "error"  # a worker or node agent failed: error, error_type, cause_types
     CHAOS = "chaos"  # a fault drill fired: kind

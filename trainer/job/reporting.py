@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-METRICS = "metrics.jsonl"
-EVENTS = "events.jsonl"
+from trainer.job.layout import EVENTS, METRICS  # noqa: F401 - the names the readers import
 
 
 class JsonLines:

@@ -17,8 +17,7 @@ from collections import deque
 from pathlib import Path
 
 from trainer.common.atomic import atomic_write_json
-
-SKIPS = "skips.json"
+from trainer.job.layout import JobLayout
 
 
 class LossAnomaly(RuntimeError):
@@ -55,7 +54,7 @@ class SpikeDetector:
 
 
 def skips_path(job_dir: str | Path) -> Path:
-    return Path(job_dir).parent / SKIPS
+    return JobLayout.of(job_dir).skips
 
 
 def read_skips(job_dir: str | Path) -> list[dict]:

@@ -19,39 +19,12 @@ import threading
 import time
 from pathlib import Path
 
-from trainer.checkpoint.store import step_name
-from trainer.job.config import CorruptCheckpoint, Drill, NodeDrill, SlowWorker, WorkerDrill
+from trainer.job.config import Drill, NodeDrill, SlowWorkerDrill, WorkerDrill
+from trainer.job.drills import claim, claimed, reached_marker
 from trainer.job.events import EventKind
 
 # who fires a drill follows from its type (trainer.job.config.DRILLS): workers fire WorkerDrills, the
 # node's agent NodeDrills, the saver CorruptCheckpoint
-
-
-def marker_dir(job_dir: str | Path) -> Path:
-    return Path(job_dir).parent / "chaos"
-
-
-def claim(job_dir: str | Path, index: int) -> bool:
-    """True exactly once per drill and stage, whoever asks (workers, restarts, agents)."""
-    d = marker_dir(job_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    try:
-        os.close(os.open(d / f"drill_{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
-
-
-def claimed(job_dir: str | Path, index: int) -> bool:
-    """Whether drill ``index`` has fired in this stage."""
-    return (marker_dir(job_dir) / f"drill_{index}").exists()
-
-
-def reached_marker(job_dir: str | Path, index: int) -> Path:
-    """Created by a worker of an agent-side drill's node when it is at the drill's step: it waits
-    there until the agent has fired the drill, so the drill happens at exactly that step however
-    late the agent's watcher looks (a loaded machine)."""
-    return marker_dir(job_dir) / f"reached_{index}"
 
 
 class WorkerChaos:
@@ -86,7 +59,7 @@ class WorkerChaos:
         """Called before optimizer step ``step`` (1-based) is computed."""
         self.wait_for_agent_drills(step)
         for i, d in self.drills:
-            if isinstance(d, SlowWorker) and d.rank == self.rank and step >= d.step:
+            if isinstance(d, SlowWorkerDrill) and d.rank == self.rank and step >= d.step:
                 if i not in self._slowed:  # record that the slowdown is on (the node check after a restart reads it)
                     claim(self.job_dir, i)
                     self._slowed.add(i)
@@ -107,7 +80,7 @@ class WorkerChaos:
         return sum(
             d.delay_s
             for i, d in self.drills
-            if isinstance(d, SlowWorker) and d.rank == self.rank and (d.step <= 1 or claimed(self.job_dir, i))
+            if isinstance(d, SlowWorkerDrill) and d.rank == self.rank and (d.step <= 1 or claimed(self.job_dir, i))
         )
 
     def loss_factor(self, step: int) -> float:
@@ -118,16 +91,3 @@ class WorkerChaos:
                 self.report({"event": EventKind.CHAOS, "kind": d.kind, "rank": self.rank, "step": step})
                 return float("nan") if d.kind == "nan_loss" else d.factor
         return 1.0
-
-
-def corrupt_committed(drills: list[Drill], job_dir: str | Path, store, step: int, report) -> None:
-    """The ``corrupt_checkpoint`` drill: after ``step`` is committed, flip one byte in the middle
-    of its model state in storage (``model.pt``, or the first FSDP model shard; the manifest
-    keeps the original sha256)."""
-    for i, d in enumerate(drills):
-        if isinstance(d, CorruptCheckpoint) and d.step == step and claim(job_dir, i):
-            key = min(k for k in store.storage.list(f"{step_name(step)}/model") if k.endswith(".pt"))
-            data = bytearray(store.storage.get_bytes(key))
-            data[len(data) // 2] ^= 0xFF
-            store.storage.put_bytes(key, bytes(data))
-            report({"event": EventKind.CHAOS, "kind": d.kind, "step": step, "key": key})

@@ -24,11 +24,12 @@ from pathlib import Path
 
 from trainer.common.process import pid_alive, signal_process
 from trainer.job.events import EventKind
+from trainer.job.layout import JobLayout
 from trainer.resilience.stacks import hung_stacks
 
 
 def heartbeat_dir(job_dir: str | Path) -> Path:
-    return Path(job_dir) / "heartbeat"
+    return JobLayout.of(job_dir).heartbeats
 
 
 ADAPTED_PHASES = (

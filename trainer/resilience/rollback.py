@@ -8,7 +8,7 @@ rollbacks still stop the stage), restores model, optimizer, RNG and data positio
 existing process group), else the newest committed checkpoint — and the loop continues from
 there. The result is the state a restarted worker would load, so recovery stays bitwise exact;
 what is saved is the restart: new processes, ``import torch``, rendezvous, a new process group.
-Under FSDP every rank restores its own pieces from its own slot (tests/fsdp_ranks.py checks
+Under FSDP every rank restores its own pieces from its own slot (tests/support/fsdp_ranks.py checks
 the restore into live FSDP modules bit for bit). When only a cold start could help (no snapshot
 and no checkpoint: the model would have to be built from scratch), the anomaly is raised and the
 elastic agent restarts the workers as before.
@@ -29,13 +29,14 @@ def skip_windows(cfg: JobConfig) -> list[tuple[int, int]]:
     """The spec's skip windows plus those recorded by rollbacks in this stage; too many
     rollbacks stop the stage for a human to look at."""
     recorded = read_skips(cfg.job_dir)
-    if len(recorded) > cfg.max_rollbacks:
+    most = cfg.fault_tolerance.max_rollbacks
+    if len(recorded) > most:
         raise TooManyRollbacks(
-            f"{len(recorded)} loss anomalies in stage {cfg.stage} (max_rollbacks={cfg.max_rollbacks}): "
+            f"{len(recorded)} loss anomalies in stage {cfg.stage.name} (max_rollbacks={most}): "
             f"inspect the skipped samples in {skips_path(cfg.job_dir)}, lower the learning rate or "
             "raise fault_tolerance.max_rollbacks"
         )
-    return [tuple(w) for w in cfg.skip] + [(s["start"], s["end"]) for s in recorded]
+    return [tuple(w) for w in cfg.stage.skip_samples] + [(s["start"], s["end"]) for s in recorded]
 
 
 def roll_back(

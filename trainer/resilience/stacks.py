@@ -21,11 +21,11 @@ from pathlib import Path
 
 from trainer.common.atomic import atomic_write_bytes
 from trainer.common.process import signal_process
+from trainer.job.layout import JobLayout
 
 DUMP_SIGNAL = signal.SIGUSR1
 DUMP_WAIT_S = 2.0  # the most a hung worker's kill waits for its stacks (a loaded machine schedules it late)
 POLL_S = 0.01
-STACKS_DIR = "stacks"  # in the job's directory: the dumps kept
 ROOT = str(Path(__file__).resolve().parents[2])  # this project's checkout (or its installed packages)
 OURS = tuple(os.path.join(ROOT, d) + os.sep for d in ("trainer", "pretrain", "flows", "tasks"))  # our code's frames
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -85,9 +85,11 @@ def hung_stacks(job_dir: str | Path, heartbeat_path: Path, hb: dict) -> dict:
     found = where(text)
     if found is None:
         return {"rank": hb["rank"]}
-    name = f"{STACKS_DIR}/hang-step{hb['step']:08d}-rank{hb['rank']}-pid{hb['pid']}.txt"
+    layout = JobLayout.of(job_dir)
+    path = layout.stacks / f"hang-step{hb['step']:08d}-rank{hb['rank']}-pid{hb['pid']}.txt"
+    name = path.relative_to(layout.root).as_posix()
     try:
-        atomic_write_bytes(Path(job_dir) / name, text.encode())
+        atomic_write_bytes(path, text.encode())
     except OSError:
         return {"rank": hb["rank"], "where": found}  # a full disk: the frames still reach the event
     return {"rank": hb["rank"], "where": found, "file": name}

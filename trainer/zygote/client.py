@@ -5,7 +5,8 @@
 ``trainer.zygote.server``) and returns at once; ``zygote.spawn(module, argv, env=…, stdout=…)``
 asks it to fork a child that runs ``python -m module argv`` as ``__main__`` with exactly the
 environment, working directory, standard streams and session asked for, and returns a Popen-like
-:class:`ZygoteProcess`. Another process (a node agent) can use the same server:
+:class:`ZygoteProcess` (``trainer.zygote.process``; the request and its reply:
+``trainer.zygote.fork``). Another process (a node agent) can use the same server:
 ``Zygote.connect(path)`` with the :attr:`Zygote.path` it was given in argv.
 
 Whatever the main module of the calling process (``pretrain run``, a Prefect worker's flow
@@ -23,162 +24,28 @@ One zygote per campaign run: :func:`zygote_running` starts it and makes it the c
 from __future__ import annotations
 
 import contextvars
-import json
 import os
-import select
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainer.common.process import PARENT_ENV, child_env, signal_process
-from trainer.zygote.server import HEADER, LOG
+from trainer.common.process import PARENT_ENV, child_env
+from trainer.zygote.fork import Stream, child_fds, fork_child, fork_request
+from trainer.zygote.process import ZygoteProcess
+from trainer.zygote.server import LOG
 
 # torch._inductor.config: what torch.use_deterministic_algorithms imports (every CPU worker calls
 # it): ~1 CPU-s in each forked worker, about two thirds of a small job's worker CPU, if not here
-PRELOAD = ("torch", "torch._inductor.config", "trainer.launch", "trainer.worker", "trainer.healthcheck", "trainer.gate")
+PRELOAD = ("torch", "torch._inductor.config", "trainer.launch", "trainer.worker", "trainer.nodecheck", "trainer.gate")
 TITLE_ROOM = 4096  # bytes of the zygote's argv its children rewrite into their own command lines
 READY_TIMEOUT_S = (
     120.0  # a zygote still importing when asked: wait this long (a fresh interpreter pays the same imports)
 )
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not); for a child the zygote can no longer report."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
-
-class ZygoteProcess:
-    """A child forked by the zygote, handled as a ``subprocess.Popen`` (``pid``, ``returncode``,
-    ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``); the exit status is the one
-    Popen reports (negative: the signal that ended it). The child is stopped when this handle's
-    connection closes, so keep the handle while the child should run."""
-
-    def __init__(self, args: list[str], conn: socket.socket, pid: int, buffered: bytes = b""):
-        self.args, self.pid, self.returncode = args, pid, None
-        self._conn: socket.socket | None = conn
-        self._buf = buffered
-        self._lock = threading.Lock()
-        self._take_messages()
-
-    def _take_messages(self) -> None:
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            message = json.loads(line)
-            if "exit" in message:
-                self.returncode = message["exit"]
-                self._close()
-
-    def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def _read(self, timeout: float) -> None:
-        """Take what the zygote said within ``timeout`` seconds (under the lock)."""
-        if self._conn is None:  # the zygote is gone: the child ends with it (its orphan rule)
-            if not _running(self.pid):
-                self.returncode = -signal.SIGKILL
-            elif timeout:
-                time.sleep(min(timeout, 0.05))  # polls a process that is not our child
-            return
-        if select.select([self._conn], [], [], timeout)[0]:
-            try:
-                data = self._conn.recv(4096)
-            except OSError:
-                data = b""
-            if not data:
-                self._close()
-                return
-            self._buf += data
-            self._take_messages()
-
-    def exit_fd(self) -> int | None:
-        """Readable once the zygote reports this child's exit (``trainer.common.process.wait_for_an_exit``);
-        None when the zygote is gone (the child is then polled)."""
-        return None if self._conn is None else self._conn.fileno()
-
-    def poll(self) -> int | None:
-        if self.returncode is None and self._lock.acquire(blocking=False):
-            try:
-                self._read(0)
-            finally:
-                self._lock.release()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
-            if left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            with self._lock:
-                if self.returncode is None:
-                    self._read(left)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # as Popen: never signal a pid that may have been reused
-            signal_process(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def __repr__(self) -> str:
-        return f"<ZygoteProcess pid={self.pid} returncode={self.returncode}>"
-
-
-Stream = int | object | None  # None: inherit; an open file (anything with fileno()), an fd, or subprocess.DEVNULL
-
-
-def _fds(streams: tuple[Stream, Stream, Stream]) -> tuple[list[int], list[int]]:
-    """The child's fds 0-2 as Popen would give them, and those opened here (to close once sent)."""
-    fds, opened = [], []
-    for i, stream in enumerate(streams):
-        if stream is subprocess.STDOUT and i == 2:
-            fds.append(fds[1])
-        elif isinstance(stream, int) and stream >= 0:
-            fds.append(stream)
-        elif hasattr(stream, "fileno"):
-            fds.append(stream.fileno())
-        elif stream is None and _open(i):
-            fds.append(i)
-        elif stream is None or stream is subprocess.DEVNULL:
-            opened.append(os.open(os.devnull, os.O_RDWR))
-            fds.append(opened[-1])
-        else:
-            for fd in opened:
-                os.close(fd)
-            raise TypeError(f"a zygote's child cannot be given the stream {stream!r}")
-    return fds, opened
-
-
-def _open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-        return True
-    except OSError:
-        return False
 
 
 class Zygote:
@@ -268,7 +135,10 @@ class Zygote:
         args = [self.python, "-m", module, *map(str, argv)]
         if self._why_not is None:
             try:
-                return self._fork(args, module, argv, env, cwd, _fds((stdin, stdout, stderr)), new_session)
+                request = fork_request(module, argv, env, args, cwd, new_session)
+                return fork_child(
+                    self.path, self._server, self.ready_timeout_s, args, request, child_fds((stdin, stdout, stderr))
+                )
             except (OSError, ValueError, ConnectionError, TimeoutError) as e:
                 self._unusable(f"{type(e).__name__}: {e}")
         return subprocess.Popen(
@@ -295,76 +165,6 @@ class Zygote:
         except OSError:
             return ""
         return f"; its log ends: {' | '.join(tail)}" if tail else ""
-
-    def _fork(
-        self,
-        args: list[str],
-        module: str,
-        argv: Sequence[str],
-        env: dict[str, str],
-        cwd,
-        streams: tuple[list[int], list[int]],
-        new_session: bool,
-    ) -> ZygoteProcess:
-        request = json.dumps(
-            {
-                "module": module,
-                "argv": list(map(str, argv)),
-                "env": env,
-                "title": args,
-                "cwd": None if cwd is None else os.fspath(cwd),
-                "new_session": new_session,
-            }
-        ).encode()
-        fds, opened = streams
-        try:
-            conn = self._connect()
-            try:
-                socket.send_fds(conn, [HEADER.pack(len(request)) + request[:4096]], fds)
-                conn.sendall(request[4096:])
-                pid, rest = self._pid_reply(conn)
-            except BaseException:
-                conn.close()
-                raise
-        finally:
-            for fd in opened:
-                os.close(fd)
-        return ZygoteProcess(args, conn, pid, rest)
-
-    def _connect(self) -> socket.socket:
-        """A connection to the zygote, waiting while it is still starting."""
-        deadline = time.monotonic() + self.ready_timeout_s
-        while True:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                conn.connect(self.path)
-                return conn
-            except (FileNotFoundError, ConnectionRefusedError):
-                conn.close()
-                if self._server is None or self._server.poll() is not None:
-                    raise ConnectionError("the zygote is not running") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the zygote did not start within {self.ready_timeout_s:.0f}s") from None
-                time.sleep(0.02)  # polls the server's socket appearing (it binds first thing)
-
-    def _pid_reply(self, conn: socket.socket) -> tuple[int, bytes]:
-        """The forked child's pid (the zygote answers once its imports are done)."""
-        conn.settimeout(self.ready_timeout_s)
-        data = b""
-        while b"\n" not in data:
-            try:
-                more = conn.recv(4096)
-            except TimeoutError:
-                raise TimeoutError(f"the zygote did not answer within {self.ready_timeout_s:.0f}s") from None
-            if not more:
-                raise ConnectionError("the zygote closed the connection (it died)")
-            data += more
-        line, rest = data.split(b"\n", 1)
-        reply = json.loads(line)
-        if "pid" not in reply:
-            raise ConnectionError(f"the zygote refused the request: {reply.get('error', reply)}")
-        conn.settimeout(None)
-        return reply["pid"], rest
 
     def close(self) -> None:
         """Stop the zygote this client started (its children get SIGTERM) and remove its socket."""

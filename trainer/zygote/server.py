@@ -1,5 +1,6 @@
 """The zygote's server side: ``python -m trainer.zygote --socket PATH --owner PID --preload a,b``
-(started by :meth:`trainer.zygote.client.Zygote.start`; the client and the protocol: ``trainer.zygote.client``).
+(started by :meth:`trainer.zygote.client.Zygote.start`; the client's side of the fork protocol:
+``trainer.zygote.fork``).
 
 One single-threaded process imports the heavy modules once (torch, the trainer's entry points;
 it never runs a torch op, so no OpenMP pool exists at fork: the only other thread is OpenBLAS's,

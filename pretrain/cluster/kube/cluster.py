@@ -1,4 +1,4 @@
-"""Training jobs as Kubernetes workloads: ``KubernetesCluster`` implements the ``Cluster``/``JobHandle``
+"""Training jobs as Kubernetes workloads: ``KubeCluster`` implements the ``Cluster``/``JobHandle``
 interface of ``pretrain.cluster.local`` with the Service + Indexed Job of ``pretrain.cluster.kube.manifests``.
 
 Where the pods find their job: the campaign workdir is shared (``cluster.kubernetes.workdir_claim``,
@@ -20,7 +20,7 @@ from pretrain.cluster.kube.nodecheck import HOSTS, HostMemory, check_launch, che
 from pretrain.cluster.local import Cluster, ClusterError, JobHandle
 from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
-from pretrain.state.layout import CampaignLayout
+from pretrain.spec.layout import CampaignLayout
 from trainer.job.config import JobConfig
 
 ADOPT_WAIT_S = 60.0  # how long a Job left over from an earlier, stopped launch may take to go
@@ -35,7 +35,7 @@ def _already_exists(e) -> bool:
 
 
 @dataclass
-class KubernetesCluster(Cluster):
+class KubeCluster(Cluster):
     """The campaign's stages as Kubernetes Jobs (``api``: a ``kubernetes.client.ApiClient``)."""
 
     spec: CampaignSpec
@@ -141,7 +141,8 @@ class KubernetesCluster(Cluster):
         except ValueError as e:
             raise ClusterError(str(e)) from e
         core, batch = client.CoreV1Api(self.api), client.BatchV1Api(self.api)
-        ns, name, labels = launch.kube.namespace, launch.name, launch_labels(self.spec.name, job.stage, job.attempt)
+        ns, name = launch.kube.namespace, launch.name
+        labels = launch_labels(self.spec.name, job.stage.name, job.attempt)
         retired = self._retire_stale(batch, ns, labels, job.attempt)
         try:
             core.create_namespaced_service(ns, service)

@@ -5,26 +5,26 @@ dropped out meanwhile is *lost*; the job succeeds when a node finishes cleanly).
 Standby pods (``cluster.spare_nodes``: the highest indices) are optional: one that cannot run
 (no node fits it, its pod never made) is left out with a notice, and the job goes on without it.
 
-A background thread keeps the launch's pods current from a watch (a fresh list after ``410
-Gone``; BOOKMARKs only move the resource version); ``poll()`` judges them (``pretrain.cluster.kube.pods``).
-The failure that ends a job is written to its events (``error_type`` KubeConfigError / PodLost /
-PodOOMKilled, so ``pretrain.run.incidents`` names its cause) and failed pods' log tails are kept.
+A background thread keeps the launch's pods current (``pretrain.cluster.kube.watch``); ``poll()``
+judges them (``pretrain.cluster.kube.pods``). The failure that ends a job is written to its events
+(``error_type`` KubeConfigError / PodLost / PodOOMKilled, so ``pretrain.run.incidents`` names its
+cause) and failed pods' log tails are kept (``pretrain.cluster.kube.pod_logs``).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
+from pretrain.cluster.kube.pod_logs import PodLogs
 from pretrain.cluster.kube.pods import CONFIG_EXIT, PodVerdict, frozen, pod_verdict, probe_stopped
+from pretrain.cluster.kube.watch import PodWatch
 from pretrain.cluster.local import DONE_SILENT_S, ClusterError, JobHandle
 from trainer.job.events import EventKind
-from trainer.job.reporting import EVENTS, JsonLines
+from trainer.job.layout import JobLayout
+from trainer.job.reporting import JsonLines
 from trainer.liveness import silent_for
 
-WATCH_S = 2  # each watch request's server-side timeout: how soon the thread notices it should stop
-LOG_TAIL_LINES = 2000
 STOPPED_EXIT = 143  # what poll() says after stop() when no pod ended on its own (SIGTERM)
 ERROR_TYPES = {
     "kube_config": ("KubeConfigError", []),
@@ -59,89 +59,24 @@ class KubeJobHandle(JobHandle):
         self.silent: dict[int, float] = {}  # nodes stopped because they went silent (frozen) → seconds silent
         self._silent_notices: list[str] = []
         self.adopted = adopted  # the Job existed (an earlier flow process started it)
-        self.logs = [self.job_dir / f"node{i}.log" for i in range(nodes)]
-        self.watch_errors: list[str] = []  # API trouble the watcher retried through
-        self._pods: dict[str, tuple[int, dict, bool]] = {}  # name → (first seen order, pod, deleted)
-        self._seen = 0
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
+        self._watch = PodWatch(api, namespace, selector, name)
+        self._pod_logs = PodLogs(api, namespace, self.job_dir, nodes)
+        self.logs = self._pod_logs.paths
         self._stopped = False
         self._began = time.monotonic()
         self._reported = False
-        self._tails: dict[int, str] = {}  # failed nodes' log tails
-        self._saved: set[int] = set()  # nodes whose pod log is in the job directory
-        self._thread = threading.Thread(target=self._watch, name=f"kube-watch-{name}", daemon=True)
 
-    # -- the watcher
     def begin(self) -> None:
         self._began = time.monotonic()
-        self._sync()
-        self._thread.start()
-
-    def _sync(self) -> str:
-        """List the launch's pods (pods gone since are deleted); returns the list's resourceVersion."""
-        from kubernetes import client
-
-        listed = client.CoreV1Api(self.api).list_namespaced_pod(self.namespace, label_selector=self.selector)
-        pods = {p.metadata.name: self.api.sanitize_for_serialization(p) for p in listed.items}
-        with self._lock:
-            for name, (order, pod, _) in list(self._pods.items()):
-                if name not in pods:
-                    self._pods[name] = (order, pod, True)
-            for name, pod in pods.items():
-                self._put(name, pod, False)
-        return listed.metadata.resource_version
-
-    def _put(self, name: str, pod: dict, deleted: bool) -> None:
-        order = self._pods[name][0] if name in self._pods else self._seen
-        self._seen += 1
-        self._pods[name] = (order, pod, deleted)
-
-    def _watch(self) -> None:
-        from kubernetes import client, watch
-
-        core, version = client.CoreV1Api(self.api), None
-        while not self._closed.is_set():
-            try:
-                if version is None:
-                    version = self._sync()
-                for event in watch.Watch().stream(
-                    core.list_namespaced_pod,
-                    self.namespace,
-                    label_selector=self.selector,
-                    resource_version=version,
-                    timeout_seconds=WATCH_S,
-                    allow_watch_bookmarks=True,
-                ):
-                    if not event or event.get("type") == "BOOKMARK":
-                        if event and isinstance(event.get("object"), dict):
-                            version = event["object"].get("metadata", {}).get("resourceVersion") or version
-                        continue
-                    pod = self.api.sanitize_for_serialization(event["object"])
-                    version = pod["metadata"].get("resourceVersion") or version
-                    with self._lock:
-                        self._put(pod["metadata"]["name"], pod, event["type"] == "DELETED")
-                    if self._closed.is_set():
-                        break
-            except client.ApiException as e:
-                version = None  # 410 Gone (history compacted) or anything else: list afresh
-                if e.status != 410:
-                    self.watch_errors.append(f"{e.status} {e.reason}")
-                    self._closed.wait(1.0)  # back off before asking the API again
-            except Exception as e:  # noqa: BLE001 — the API went away or answered garbage: retry, never die
-                version = None
-                self.watch_errors.append(f"{type(e).__name__}: {e}")
-                self._closed.wait(1.0)
+        self._watch.begin()
 
     # -- the job's state
     def _judged(self) -> list[PodVerdict]:
         """Every pod of the launch seen so far, oldest first, judged now."""
         now = time.time()
-        with self._lock:
-            pods = sorted(self._pods.values(), key=lambda t: t[0])
         return [
             self._probed(v, pod)
-            for _, pod, deleted in pods
+            for pod, deleted in self._watch.pods()
             if (v := pod_verdict(pod, now, self.unschedulable_after_s, deleted)).index is not None
         ]
 
@@ -238,7 +173,7 @@ class KubeJobHandle(JobHandle):
         failed = [v for v in verdicts.values() if v.state == "failed"]
         for v in verdicts.values():
             if v.state in ("failed", "succeeded"):
-                self._keep_log(v, failed=v.state == "failed")
+                self._pod_logs.keep(v, failed=v.state == "failed")
         if self._stopped:
             return (
                 0
@@ -282,7 +217,7 @@ class KubeJobHandle(JobHandle):
         if not self._reported and v.cause in ERROR_TYPES:
             self._reported = True
             error_type, causes = ERROR_TYPES[v.cause]
-            events = JsonLines(self.job_dir / EVENTS)
+            events = JsonLines(JobLayout(self.job_dir).events)
             try:
                 events.write(
                     {
@@ -301,38 +236,16 @@ class KubeJobHandle(JobHandle):
 
     def failure_logs(self) -> dict[int, str]:
         """Log tails of the pods that failed (node index → text), for the flow run's logs."""
-        return dict(self._tails)
-
-    def _keep_log(self, v: PodVerdict, failed: bool = True) -> None:
-        """Copy the pod's log into ``node<i>.log`` once; a failed pod's tail (or, when its
-        container never started, what went wrong) is kept for the flow run's logs."""
-        if v.index is None or v.index in self._saved or v.index >= self.nodes:
-            return
-        text = self.read_log(v.name)
-        if failed:
-            self._tails[v.index] = "".join(text.splitlines(keepends=True)[-50:]) if text else v.message
-        if text is None:
-            return
-        self._saved.add(v.index)
-        self.logs[v.index].parent.mkdir(parents=True, exist_ok=True)
-        with open(self.logs[v.index], "a", encoding="utf-8") as f:
-            f.write(text)
+        return dict(self._pod_logs.tails)
 
     def read_log(self, pod: str) -> str | None:
         """The end of ``pod``'s log; None when it has none (never started, or gone)."""
-        from kubernetes import client
-
-        try:
-            return client.CoreV1Api(self.api).read_namespaced_pod_log(pod, self.namespace, tail_lines=LOG_TAIL_LINES)
-        except client.ApiException as e:
-            return None if e.status in (400, 404) else f"(log of pod {pod} unavailable: {e.status} {e.reason})\n"
-        except Exception as e:  # noqa: BLE001 — the API went away: the log is lost, the job is not
-            return f"(log of pod {pod} unavailable: {type(e).__name__})\n"
+        return self._pod_logs.read(pod)
 
     def wait(self, timeout: float | None = None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None and (deadline is None or time.monotonic() < deadline):
-            self._closed.wait(0.2)  # the watcher updates the pods meanwhile
+            self._watch.closed.wait(0.2)  # the watcher updates the pods meanwhile
         return code
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -356,9 +269,7 @@ class KubeJobHandle(JobHandle):
         except TimeoutError as e:
             raise ClusterError(f"{e}: run {cleanup} --force") from e
         finally:
-            self._closed.set()  # the watcher ends whatever happened
-            if self._thread.is_alive() and self._thread is not threading.current_thread():
-                self._thread.join(WATCH_S + 5)
+            self._watch.close()  # the watcher ends whatever happened
 
     def _teardown(self, grace: int) -> None:
         from kubernetes import client
@@ -366,7 +277,7 @@ class KubeJobHandle(JobHandle):
         core, batch = client.CoreV1Api(self.api), client.BatchV1Api(self.api)
         for v in self.verdicts().values():  # the logs of pods still there, before they go
             if v.state in ("running", "succeeded"):
-                self._keep_log(v, failed=False)
+                self._pod_logs.keep(v, failed=False)
         self._stopped = True
         pods = [p.metadata.name for p in core.list_namespaced_pod(self.namespace, label_selector=self.selector).items]
         calls = [
@@ -390,7 +301,7 @@ class KubeJobHandle(JobHandle):
                 raise TimeoutError(
                     f"pods of Job {self.namespace}/{self.name} still exist {grace + 30}s after it was deleted"
                 )
-            self._closed.wait(0.2)  # the kubelet ends the containers: poll with a deadline
+            self._watch.closed.wait(0.2)  # the kubelet ends the containers: poll with a deadline
 
     def _job_exists(self, batch) -> bool:
         from kubernetes import client

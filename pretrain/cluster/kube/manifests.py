@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from pretrain.spec.campaign import CampaignSpec
 from pretrain.spec.kube import KubernetesSpec, quantity_bytes
-from trainer.checkpoint.shm import HEADER_BYTES, PAGE
+from trainer.checkpoint.sizing import HEADER_BYTES, PAGE, snapshot_capacity
 from trainer.job.config import STANDBY_NODE_ENV, JobConfig
-from trainer.loop import snapshot_capacity
+from trainer.job.layout import JobLayout
 
 OLDEST_K8S, NEWEST_K8S = "1.29.0", "1.37.0"
 CONTAINER = "node"
@@ -61,7 +61,7 @@ def launch_labels(campaign: str, stage: str, attempt: int) -> dict[str, str]:
 
 def node_shm_bytes(job: JobConfig, workers_per_node: int, nodes: int) -> int:
     """Shared memory the fullest node needs: two page-aligned slots per worker (0 without flash snapshots)."""
-    if not job.memory_interval:
+    if not job.checkpoint.memory_interval:
         return 0
     world = workers_per_node * nodes
 
@@ -114,7 +114,7 @@ class Launch:
 
     @property
     def name(self) -> str:
-        return object_name(self.spec.name, self.job.stage, self.job.attempt)
+        return object_name(self.spec.name, self.job.stage.name, self.job.attempt)
 
     @property
     def port(self) -> int:
@@ -123,7 +123,7 @@ class Launch:
 
     def selector(self) -> dict[str, str]:
         """The labels that select this launch's pods (and only them)."""
-        return launch_labels(self.spec.name, self.job.stage, self.job.attempt)
+        return launch_labels(self.spec.name, self.job.stage.name, self.job.attempt)
 
     def labels(self) -> dict[str, str]:
         return {**self.kube.labels, **self.selector()}
@@ -132,7 +132,7 @@ class Launch:
         return {
             **self.kube.annotations,
             f"{LABEL}/campaign": self.spec.name,
-            f"{LABEL}/stage": self.job.stage,
+            f"{LABEL}/stage": self.job.stage.name,
             f"{LABEL}/attempt": str(self.job.attempt),
             f"{LABEL}/spec-hash": self.spec.spec_hash(),
         }
@@ -175,7 +175,7 @@ class Launch:
             "--rdzv-endpoint",
             self.endpoint(),
             "--run-id",
-            f"{self.job.stage}-{self.job.attempt}",
+            f"{self.job.stage.name}-{self.job.attempt}",
             "--max-restarts",
             str(c.max_restarts),
             "--threads",
@@ -212,9 +212,9 @@ class Launch:
 
     def volumes(self) -> tuple[list[dict], list[dict]]:
         need = node_shm_bytes(self.job, self.spec.cluster.workers_per_node, self.nodes)
-        shm = shm_limit(self.kube, need, self.job.shm_fallback)
+        shm = shm_limit(self.kube, need, self.job.checkpoint.shm_fallback)
         volumes = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm >> 20}Mi"}}]
-        mounts = [{"name": "shm", "mountPath": self.job.shm_dir or "/dev/shm"}]
+        mounts = [{"name": "shm", "mountPath": self.job.checkpoint.shm_dir or "/dev/shm"}]
         if self.kube.workdir_claim:
             volumes.append({"name": "workdir", "persistentVolumeClaim": {"claimName": self.kube.workdir_claim}})
             mounts.append({"name": "workdir", "mountPath": str(self.spec.workdir_path)})
@@ -345,7 +345,6 @@ def stage_launch(spec: CampaignSpec, stage: str, attempt: int = 1, vocab_size: i
     """The launch of ``stage`` as the backend would make it, with all ``cluster.nodes_max`` nodes and standby nodes
     (``vocab_size``: the data set's; default the spec's tokenizer size). KeyError: no such stage."""
     from pretrain.run.jobs import job_config
-    from pretrain.state.layout import CampaignLayout
 
     if spec.cluster.kind != "kubernetes":
         raise ValueError(f"cluster.kind is {spec.cluster.kind!r}: manifests exist only for kind 'kubernetes'")
@@ -353,7 +352,7 @@ def stage_launch(spec: CampaignSpec, stage: str, attempt: int = 1, vocab_size: i
     if stage not in names:
         raise KeyError(f"no stage {stage!r} in campaign {spec.name!r} (stages: {', '.join(names)})")
     job = job_config(spec, names.index(stage), attempt, None, vocab_size or spec.data.tokenizer.vocab_size)
-    location = str(CampaignLayout(spec.workdir_path).job_dir(stage, attempt) / "job.json")
+    location = str(JobLayout(spec.layout.job_dir(stage, attempt)).config)
     return Launch(spec, job, location, spec.cluster.nodes_max, spare_nodes=spec.cluster.spare_nodes)
 
 

@@ -1,4 +1,4 @@
-"""The node check on Kubernetes: ``python -m trainer.healthcheck`` in pods of the training pods'
+"""The node check on Kubernetes: ``python -m trainer.nodecheck`` in pods of the training pods'
 shape (image, resources, volumes, scheduling, service account: the stage launch's manifests with
 another command), one Indexed Job per check, a headless Service so every pod finds pod 0 (the
 allreduce's TCPStore) by DNS as training does.
@@ -79,7 +79,7 @@ class NodeCheckLaunch(Launch):
                 argv = [
                     "python",
                     "-m",
-                    "trainer.healthcheck",
+                    "trainer.nodecheck",
                     "--workdir",
                     str(self.spec.workdir_path),
                     "--rank",

@@ -57,6 +57,9 @@ def _condition(status: dict, type_: str) -> dict | None:
     return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
 
 
+Failure = tuple[str, int | None, str]  # a "failed" verdict's cause, exit code and message
+
+
 def pod_verdict(pod: dict, now: float, unschedulable_after_s: float, deleted: bool = False) -> PodVerdict:
     """The verdict on ``pod`` at time ``now`` (epoch seconds). ``deleted``: the pod is gone from
     the API (a DELETED watch event) — if it had not ended, its node is lost."""
@@ -65,16 +68,27 @@ def pod_verdict(pod: dict, now: float, unschedulable_after_s: float, deleted: bo
     raw_index = (meta.get("annotations") or {}).get(INDEX) or (meta.get("labels") or {}).get(INDEX)
     index = int(raw_index) if raw_index is not None and str(raw_index).isdigit() else None
     host = (pod.get("spec") or {}).get("nodeName") or None
-    verdict = lambda state, cause=None, code=None, message="": PodVerdict(
-        name, index, state, cause, code, message, host
-    )  # noqa: E731
     states = [s.get("state") or {} for s in status.get("containerStatuses") or []]
     terminated = next((s["terminated"] for s in states if s.get("terminated")), None)
     waiting = next((s["waiting"] for s in states if s.get("waiting")), None)
     code = terminated.get("exitCode") if terminated else None
 
     if status.get("phase") == "Succeeded" or code == 0:
-        return verdict("succeeded")
+        return PodVerdict(name, index, "succeeded", host=host)
+    failure = (
+        _node_lost(name, status, code)
+        or _ended(name, meta, status, terminated, code, deleted)
+        or _cannot_run(name, status, waiting, now, unschedulable_after_s)
+    )
+    if failure:
+        return PodVerdict(name, index, "failed", *failure, host)
+    return PodVerdict(name, index, "running" if status.get("phase") == "Running" else "pending", host=host)
+
+
+def _node_lost(name: str, status: dict, code: int | None) -> Failure | None:
+    """The pod's node went away under it: a disruption (preemption, eviction, a node not ready)
+    or what the kubelet says of the pod (evicted, its node lost or shut down)."""
+    lost_code = code if code is not None else LOST_EXIT
     disruption = _condition(status, "DisruptionTarget")
     if disruption and disruption.get("status") == "True":
         reason = disruption.get("reason") or "DisruptionTarget"
@@ -85,45 +99,48 @@ def pod_verdict(pod: dict, now: float, unschedulable_after_s: float, deleted: bo
             if reason == "DeletionByTaintManager"
             else "evicted"
         )
-        return verdict(
-            "failed",
-            "node_lost",
-            code if code is not None else LOST_EXIT,
-            f"pod {name} {what} ({reason}: {disruption.get('message', '')})",
-        )
+        return "node_lost", lost_code, f"pod {name} {what} ({reason}: {disruption.get('message', '')})"
     if status.get("reason") in ("Evicted", "NodeLost", "Terminated", "Shutdown", "NodeShutdown"):
-        return verdict(
-            "failed",
-            "node_lost",
-            code if code is not None else LOST_EXIT,
-            f"pod {name}: {status['reason']}: {status.get('message', '')}",
-        )
+        return "node_lost", lost_code, f"pod {name}: {status['reason']}: {status.get('message', '')}"
+    return None
+
+
+def _ended(
+    name: str, meta: dict, status: dict, terminated: dict | None, code: int | None, deleted: bool
+) -> Failure | None:
+    """The pod's container ended, or the pod was deleted: OOM-killed, deleted before it ended,
+    the node agent refusing its arguments, or another non-zero exit."""
     if terminated and terminated.get("reason") == "OOMKilled":
-        return verdict(
-            "failed",
+        return (
             "oom",
             code,
             f"pod {name} was OOM-killed: its memory limit "
             "(cluster.kubernetes.memory_per_node, /dev/shm included) is too small for the model",
         )
     if meta.get("deletionTimestamp") or (deleted and status.get("phase") not in ("Succeeded", "Failed")):
-        return verdict("failed", "node_lost", code if code is not None else LOST_EXIT, f"pod {name} was deleted")
+        return "node_lost", code if code is not None else LOST_EXIT, f"pod {name} was deleted"
     if code in CONFIG_EXIT_CODES:
-        return verdict(
-            "failed",
+        return (
             "kube_config",
             code,
             f"pod {name}: the node agent exited with {code} (its command or "
             "image is wrong: the image must contain this project's trainer package and `python`)",
         )
     if code is not None:
-        return verdict("failed", "worker_failure", code, f"pod {name} exited with code {code}")
+        return "worker_failure", code, f"pod {name} exited with code {code}"
     if deleted:
-        return verdict("failed", "node_lost", LOST_EXIT, f"pod {name} was deleted")
+        return "node_lost", LOST_EXIT, f"pod {name} was deleted"
+    return None
+
+
+def _cannot_run(
+    name: str, status: dict, waiting: dict | None, now: float, unschedulable_after_s: float
+) -> Failure | None:
+    """The pod waits for what never comes by itself: an image it cannot pull, a Secret that is
+    missing, a node that fits it (unschedulable for ``unschedulable_after_s``)."""
     if waiting and waiting.get("reason") in CONFIG_WAITING:
         reason = waiting["reason"]
-        return verdict(
-            "failed",
+        return (
             "kube_config",
             CONFIG_EXIT,
             f"pod {name}: {reason}: {waiting.get('message', '')} — {CONFIG_WAITING[reason]}",
@@ -132,16 +149,13 @@ def pod_verdict(pod: dict, now: float, unschedulable_after_s: float, deleted: bo
     if scheduled and scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         since = _time(scheduled.get("lastTransitionTime"))
         if since is not None and now - since >= unschedulable_after_s:
-            return verdict(
-                "failed",
+            return (
                 "kube_config",
                 CONFIG_EXIT,
                 f"pod {name} unschedulable for {now - since:.0f}s: {scheduled.get('message', '')} — no node "
                 "fits it: lower cluster.kubernetes cpu/memory/gpus_per_node or fix node_selector/tolerations",
             )
-    if status.get("phase") == "Running":
-        return verdict("running")
-    return verdict("pending")
+    return None
 
 
 def probe_stopped(v: PodVerdict, pod: dict, last_sign_of_life: float | None, silent_limit_s: float) -> float | None:

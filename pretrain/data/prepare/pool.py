@@ -2,7 +2,8 @@
 cache (``unitcache``) as it finishes, so a killed run resumes at the unfinished units.
 
 Workers are forked from multiprocessing's fork server (single-threaded, its imports done once;
-the caller may be a threaded Prefect process, which is never forked); each one is one core: the tokenizers library's own thread pool is limited to one thread there.
+the caller may be a threaded Prefect process, which is never forked); each one is one core: the tokenizers
+library's own thread pool is limited to one thread there.
 """
 
 from __future__ import annotations

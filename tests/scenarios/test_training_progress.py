@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.state.ledger import Ledger
-from pretrain.state.schema import StageStatus, Verdict
+from pretrain.state.schema import StageStatus, VerdictRecord
 from pretrain.views.follow import CampaignFollower
 from pretrain.views.training_progress import TrainingWatch
 from support.campaigns import small_spec, wait_for
@@ -64,7 +64,7 @@ def test_step_loss_rate_eta_and_the_newest_checkpoint_with_its_verdict(ledger, v
     )
     write_lines(job / "events.jsonl", {"event": "checkpoint", "step": 20, "path": "x/step_20", "time": 1011.0})
     if verdict:
-        ledger.record_verdict("main", Verdict(step=20, path="x/step_20", verdict=verdict))
+        ledger.record_verdict("main", VerdictRecord(step=20, path="x/step_20", verdict=verdict))
     snap = watch_of(ledger).poll()
     assert (snap.step, snap.loss, snap.tokens_per_s) == (30, 2.25, 1500.0)
     assert snap.eta_s == pytest.approx(70.0)  # 1 step/s by the job's own clock, 70 steps to go
@@ -149,7 +149,7 @@ def test_the_follower_shows_a_stage_once_more_after_it_ended_with_its_last_check
     )
     follower = CampaignFollower(root)
     assert follower.look().line().endswith("checkpoint 20 pending")
-    ledger.record_verdict("main", Verdict(step=20, path="x/step_20", verdict="good"))
+    ledger.record_verdict("main", VerdictRecord(step=20, path="x/step_20", verdict="good"))
     ledger.set_stage_status("main", StageStatus.COMPLETED)
     last = follower.look()
     assert last.step == 20 and last.line().endswith("checkpoint 20 good")
