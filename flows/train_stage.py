@@ -19,7 +19,7 @@ from pretrain.settings import PretrainSettings
 from pretrain.spec.campaign import CampaignSpec
 from pretrain.state.guard import state_location
 from pretrain.state.ledger import Ledger
-from pretrain.state.schema import CheckpointRef, Failure, Resume, SpanKind, StageStatus
+from pretrain.state.schema import CheckpointRecord, Failure, Resume, SpanKind, StageStatus
 from tasks.checkpoints import find_resume_point, judge_pending
 from tasks.events import job_restarts, stage_failed, stage_relaunched
 from tasks.job_records import keep_job_records
@@ -188,7 +188,7 @@ def _end_stage(
         ledger.set_stage_status(stage.name, StageStatus.FAILED)
         stage_failed(spec, stage.name, end.step, ledger.stage(stage.name).attempts, end.cause, end.message)
         raise StageFailed(end.message)
-    ledger.set_stage_status(stage.name, StageStatus.TRAINED, final_checkpoint=CheckpointRef(**point))
+    ledger.set_stage_status(stage.name, StageStatus.TRAINED, final_checkpoint=CheckpointRecord(**point))
     return point
 
 

@@ -29,7 +29,7 @@ from pretrain.state.remote import RemoteLedger, keep_copy, refuse_foreign_workdi
 from pretrain.state.schema import (
     CampaignRecord,
     CampaignStatus,
-    CheckpointRef,
+    CheckpointRecord,
     ClusterRecord,
     DataRecord,
     Failure,
@@ -322,7 +322,7 @@ class Ledger:
 
     # a stage
     def set_stage_status(
-        self, stage: str, status: StageStatus, final_checkpoint: CheckpointRef | None = None
+        self, stage: str, status: StageStatus, final_checkpoint: CheckpointRecord | None = None
     ) -> StageRecord:
         def change(s: StageRecord) -> None:
             s.status = status
@@ -381,6 +381,6 @@ class Ledger:
         def change(s: StageRecord) -> None:
             s.verdicts.append(verdict.stamped())
             if verdict.verdict == "good" and s.newest_good_step() < verdict.step:
-                s.good_checkpoint = CheckpointRef(step=verdict.step, path=verdict.path)
+                s.good_checkpoint = CheckpointRecord(step=verdict.step, path=verdict.path)
 
         self._change_stage(stage, change)

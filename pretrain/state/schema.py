@@ -184,7 +184,7 @@ class Span(GivenKeys):
     attempt: int | None = None
 
 
-class CheckpointRef(BaseModel):
+class CheckpointRecord(BaseModel):
     """A checkpoint by step and location."""
 
     model_config = ConfigDict(extra="allow")
@@ -208,8 +208,8 @@ class StageRecord(BaseModel):
     resizes: list[Resize] = Field(default_factory=list)
     rewinds: list[Rewind] = Field(default_factory=list)
     verdicts: list[VerdictRecord] = Field(default_factory=list)
-    final_checkpoint: CheckpointRef | None = None  # the good checkpoint at its last step, once trained
-    good_checkpoint: CheckpointRef | None = None  # the newest checkpoint judged good
+    final_checkpoint: CheckpointRecord | None = None  # the good checkpoint at its last step, once trained
+    good_checkpoint: CheckpointRecord | None = None  # the newest checkpoint judged good
     mlflow_run_id: str | None = None
     eval: dict | None = None  # the final evaluation's metrics and its ``step``
 

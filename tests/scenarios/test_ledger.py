@@ -16,7 +16,7 @@ from pretrain.cli.app import app
 from pretrain.spec.layout import CampaignLayout
 from pretrain.state.ledger import Ledger, LedgerDamaged, LedgerError
 from pretrain.state.local import recover_ledger
-from pretrain.state.schema import CampaignStatus, CheckpointRef, Failure, StageStatus
+from pretrain.state.schema import CampaignStatus, CheckpointRecord, Failure, StageStatus
 from pretrain.views.status import campaign_status
 from support.campaigns import pretrain_cli, small_spec
 from trainer.checkpoint.store import CheckpointStore, rank_shard_name
@@ -305,7 +305,7 @@ def test_a_moved_campaign_shows_its_checkpoints_and_its_next_run_records_the_new
     store.commit(4, shards, {"stage": "main", "world_size": 1})
     store.set_verdict(4, {"verdict": "good", "problems": []})
     Ledger.open(spec).mutate(
-        lambda r: setattr(r.stages["main"], "good_checkpoint", CheckpointRef(step=4, path=store.ref(4).location))
+        lambda r: setattr(r.stages["main"], "good_checkpoint", CheckpointRecord(step=4, path=store.ref(4).location))
     )
     moved = tmp_path / "elsewhere" / "c1"
     shutil.move(spec.workdir_path, moved)  # to a bigger disk, say
