@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 from test_resume import SLOW_MODEL, assert_all_exit, assert_mlflow_steps_unique, ckpt_dir
@@ -226,6 +227,7 @@ def test_sigterm_stops_the_campaign_and_a_second_signal_stops_it_at_once(prefect
         assert ckpt.CheckpointStore.open(store).verify(step) == []
 
 
+@pytest.mark.slow  # in process: test_sigterm_pause::test_a_pause_that_outlasts_its_window_stops_at_once
 def test_sigterm_stops_everything_at_once_when_the_pause_outlasts_the_grace_period(
     prefect_harness, prepared_data, tmp_path
 ):

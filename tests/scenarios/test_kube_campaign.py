@@ -10,6 +10,7 @@ import signal
 import threading
 
 import psutil
+import pytest
 from kubernetes import client
 from test_interrupt import Cli
 from test_kube_cluster import NS, kube_spec, live_pids, objects
@@ -44,6 +45,7 @@ def first_checkpoint(spec):
 STEPS_LEFT_ALONE = 80
 
 
+@pytest.mark.slow  # the campaign around test_kube_cluster::test_a_pod_deleted_mid_training_is_a_lost_node_and_…
 def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(
     prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch
 ):
@@ -85,6 +87,7 @@ def test_a_pod_deleted_mid_campaign_the_stage_goes_on_without_it_and_completes(
     assert live_pids(kube_api) == []
 
 
+@pytest.mark.slow  # on pods what test_elastic::test_a_standby_node_takes_a_lost_nodes_place_… asserts bit-exact
 def test_a_standby_pod_takes_a_lost_pods_place_and_the_world_keeps_its_size(
     prefect_harness, kube_api, prepared_data, tmp_path, monkeypatch
 ):

@@ -106,16 +106,18 @@ def test_a_pod_deleted_mid_training_is_a_lost_node_and_the_job_goes_on(kube_api,
 @pytest.mark.parametrize(
     "node_silent_s, slow, stopped, verdict",
     [
-        # the survivor's steps slowed (0.2 s each, from step 5: after the freeze) so the probe acts while it trains
-        (
+        # the survivor's steps slowed (0.2 s each, from step 5: after the freeze) so the probe acts while it trains;
+        # slow: the frozen pod of the job-done case; the probe: test_kube_manifests, its verdict: test_kube_verdicts
+        pytest.param(
             2,
             [{"kind": "slow_worker", "rank": 0, "step": 5, "delay_s": 0.2}],
             "its liveness probe stopped its pod",
             "stopped by its liveness probe",
+            id="liveness-probe",
+            marks=pytest.mark.slow,
         ),
-        (0, [], "deleted its pod", "was deleted"),  # no probe: the pod goes once the job finished on node 0
+        pytest.param(0, [], "deleted its pod", "was deleted", id="job-done"),  # no probe: the pod goes once done
     ],
-    ids=["liveness-probe", "job-done"],
 )
 def test_a_frozen_pod_is_stopped_and_named_a_lost_node(
     kube_api, prepared_data, tmp_path, node_silent_s, slow, stopped, verdict

@@ -87,6 +87,7 @@ def kill_a_worker_after_first_checkpoint(spec) -> int:
     return step_at_kill
 
 
+@pytest.mark.slow  # the job-level one: test_fast_recovery::test_a_fast_recovery_that_cannot_finish_in_time_falls_…
 def test_worker_sigkill_is_survived_by_an_in_job_restart(prefect_harness, prepared_data, tmp_path):
     """The full restart (the fast path, which keeps the other worker, is off here:
     tests/scenarios/test_fast_recovery.py)."""

@@ -7,6 +7,7 @@ import os
 import signal
 import uuid
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.campaign import pretrain_campaign
@@ -102,6 +103,7 @@ def test_campaign_with_data_and_checkpoints_on_s3_trains_from_a_fresh_node_cache
     )
 
 
+@pytest.mark.slow  # S3 checkpoints: the fresh-node-cache campaign above; a relaunch: test_resume
 def test_worker_killed_with_s3_checkpoints_resumes(prefect_harness, prepared_data, tmp_path, seaweed, aws_env):
     spec = s3_spec(
         tmp_path,
