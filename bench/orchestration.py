@@ -21,7 +21,6 @@ launched directly (`python -m trainer.launch`) for the same stages and steps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -278,8 +277,9 @@ def main() -> None:
 
 def job_threads(workdir: Path, stage: str) -> int:
     """The torch threads per worker the campaign used (its node agent's ``--threads``)."""
-    job = json.loads((workdir / "jobs" / stage / "attempt_000" / "job.json").read_text())
-    return int(job.get("threads_per_worker") or 1)
+    from trainer.job.config import JobConfig
+
+    return JobConfig.load(workdir / "jobs" / stage / "attempt_000" / "job.json").cluster.threads_per_worker or 1
 
 
 if __name__ == "__main__":

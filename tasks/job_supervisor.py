@@ -21,7 +21,8 @@ from pretrain.state.ledger import Ledger
 from tasks.training_progress import StageProgress
 from trainer.job.config import JobConfig
 from trainer.job.events import EventKind
-from trainer.job.reporting import EVENTS, JsonLines
+from trainer.job.layout import JobLayout
+from trainer.job.reporting import JsonLines
 
 
 @dataclass
@@ -70,7 +71,7 @@ class JobSupervisor:
 
     def until_end(self) -> int:
         """Poll the job until it exits, acting on what each poll finds; its exit code."""
-        self.events = JsonLines(self.job_dir / EVENTS)
+        self.events = JsonLines(JobLayout(self.job_dir).events)
         while self.code is None:
             self.code = self.handle.wait(timeout=self.settings.job_poll_s)
             self._stop_if_requested()

@@ -25,7 +25,7 @@ from pretrain.tracking.runs import Tracker, describe_error, transient
 from pretrain.views.compare import ledger_counters
 from tasks.checkpoints import verdicts_to_mlflow
 from tasks.tracking import log_node_check, mark_mlflow_behind, open_runs_now, tracker_for
-from trainer.job.reporting import EVENTS, METRICS
+from trainer.job.layout import JobLayout
 
 
 def log_evaluation(
@@ -88,9 +88,9 @@ def sync_campaign(spec: CampaignSpec, ledger: Ledger, log: Callable[[str], None]
             continue
         _, run_id = open_runs_now(spec, ledger, i)
         for attempt in range(record.stages[stage.name].attempts):
-            job = layout.job_dir(stage.name, attempt)
+            job = JobLayout(layout.job_dir(stage.name, attempt))
             MetricsForwarder(
-                tracker, job / METRICS, run_id, parent, spec.step_offset(i), events_path=job / EVENTS, log=log
+                tracker, job.metrics, run_id, parent, spec.step_offset(i), events_path=job.events, log=log
             ).send_all()
         sync_stage_end(spec, ledger, i)
     if record.status == CampaignStatus.COMPLETED:

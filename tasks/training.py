@@ -29,7 +29,8 @@ from tasks.job_supervisor import JobSupervisor
 from tasks.tracking import open_runs_now, tracker_for
 from trainer.job.config import JobConfig
 from trainer.job.events import EventKind
-from trainer.job.reporting import EVENTS, METRICS, read_all
+from trainer.job.layout import JobLayout
+from trainer.job.reporting import read_all
 
 
 def adoptable_launch(
@@ -46,9 +47,8 @@ def adoptable_launch(
     )
     if attempt is None:
         return None
-    path = spec.layout.job_dir(stage, attempt) / "job.json"
     try:
-        launched = JobConfig.load(path)
+        launched = JobConfig.load(JobLayout(spec.layout.job_dir(stage, attempt)).config)
         live = cluster.live_job(stage, attempt)
     except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged job.json, or the API refused: launch anew
         logger.warning("stage %s: cannot take back attempt %d (%s); launching the next attempt", stage, attempt, e)
@@ -95,8 +95,8 @@ class JobResult:
 
 def read_result(job_dir: Path, attempt: int, exit_code: int, started: float, log: Path) -> JobResult:
     """The job's result, read from its events and metrics."""
-    events = read_all(job_dir / EVENTS)
-    metrics = read_all(job_dir / METRICS)
+    events = read_all(JobLayout(job_dir).events)
+    metrics = read_all(JobLayout(job_dir).metrics)
     last_start = max((e["time"] for e in events if e["event"] == EventKind.START), default=started)
     ckpts = [e for e in events if e["event"] == EventKind.CHECKPOINT]
     resumes = [
@@ -177,7 +177,7 @@ def launch(
     cluster: ``(job, handle)``."""
     layout = spec.layout
     if adopt:
-        job_path = layout.job_dir(spec.stages[stage_index].name, attempt) / "job.json"
+        job_path = JobLayout(layout.job_dir(spec.stages[stage_index].name, attempt)).config
         job = JobConfig.load(job_path)
     else:
         job = build_job(spec, stage_index, attempt, init_from)
@@ -212,11 +212,11 @@ def forward_metrics(
     """The started thread that forwards the job's metrics and events to MLflow, never in the watch's way."""
     forwarder = MetricsForwarder(
         tracker_for(spec),
-        Path(job.job_dir) / METRICS,
+        job.layout.metrics,
         stage_run_id,
         parent_run_id,
         step_offset,
-        events_path=Path(job.job_dir) / EVENTS,
+        events_path=job.layout.events,
         log=logger.warning,
         backoff=forwarder_backoff(settings),
         open_runs=lambda: open_runs_now(spec, Ledger.open(spec), stage_index),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -20,7 +19,7 @@ from trainer.data.sampler import TokenWindows, make_batch, make_sampler, micro_b
 from trainer.dist import DistInfo, all_reduce_mean, is_initialized
 from trainer.job.config import JobConfig
 from trainer.job.events import EventKind
-from trainer.job.reporting import EVENTS, METRICS, JsonLines
+from trainer.job.reporting import JsonLines
 from trainer.model import GPT, lm_loss, lr_at, param_groups
 from trainer.resilience import rollback
 from trainer.resilience.anomaly import LossAnomaly, SpikeDetector, record_skip, skip_past
@@ -149,9 +148,8 @@ class Trainer:
         if warm is None:  # a warm spare seeded before it built its model
             seed_everything(cfg.seed, info.device)
         self.cfg, self.info, self.peers = cfg, info, peers
-        job_dir = Path(cfg.job_dir)
-        self.events = JsonLines(job_dir / EVENTS)
-        self.metrics = JsonLines(job_dir / METRICS) if info.rank == 0 else None
+        self.events = JsonLines(cfg.layout.events)
+        self.metrics = JsonLines(cfg.layout.metrics) if info.rank == 0 else None
         self.beat = heartbeat.beat if heartbeat is not None else (lambda phase, step, collective=False: None)
         self.chaos = WorkerChaos(
             cfg.chaos,

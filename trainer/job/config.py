@@ -98,13 +98,13 @@ class CheckpointConfig:
     shm_fallback: bool  # too little shared memory: persist directly instead of failing
     s3_endpoint_url: str | None  # S3 endpoint of ``location``
     s3_region: str | None  # S3 region of ``location``
-    s3_max_attempts: int = 5  # tries of each S3 request (the client's standard retry mode); not in the spec
+    s3_max_attempts: int | None = None  # tries of each S3 request; None: the client's own default. Not in the spec
 
     @property
     def options(self) -> dict:
         """Storage options for ``location`` (never secrets)."""
         options = s3_options(self.s3_endpoint_url, self.s3_region)
-        return options if self.s3_max_attempts == 5 else {**options, "max_attempts": self.s3_max_attempts}
+        return options if self.s3_max_attempts is None else {**options, "max_attempts": self.s3_max_attempts}
 
 
 @dataclass(frozen=True)
