@@ -81,15 +81,13 @@ class JobSupervisor:
                 self.logger.warning("stage %s attempt %d: %s", self.stage, self.attempt, notice)
             self.progress.update()
             self._scale_up_if_due()
-        for node in set(self.handle.silent) - set(
-            self.lost
-        ):  # stopped as the job ended (a job of one node: its failure)
+        # stopped as the job ended (a job of one node: its failure)
+        for node in set(self.handle.silent) - set(self.lost):
             self.events.write(node_lost(self.handle, node, self.handle.lost_nodes().get(node), standby=False))
         stop = self.stop
         if self.code and not (self.interrupted or self.paused) and stop is not None and stop.requested.is_set():
-            self.interrupted = (
-                True  # killed at once by the operator's second signal before a pause began: no job failure
-            )
+            # killed at once by the operator's second signal before a pause began: no job failure
+            self.interrupted = True
         return self.code
 
     def _stop_if_requested(self) -> None:

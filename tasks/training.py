@@ -78,9 +78,8 @@ class JobResult:
     incidents: list[dict] = field(default_factory=list)  # failures recovered inside the job
     errors: list[str] = field(default_factory=list)  # what the workers reported before exiting
     log: str = ""  # the node agent's log file
-    scaled_up: list[int] = field(
-        default_factory=list
-    )  # lost nodes that passed a re-check: the job was stopped to take them back
+    # lost nodes that passed a re-check: the job was stopped to take them back
+    scaled_up: list[int] = field(default_factory=list)
     ended: float | None = None  # when the orchestrator saw the job end (epoch seconds)
     first_step_at: float | None = None  # when its first step was logged (None: it never stepped)
     paused: str | None = None  # why the job was stopped to pause the campaign (its cause is then "paused")

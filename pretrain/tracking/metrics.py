@@ -59,9 +59,8 @@ class MetricsForwarder:
     pending: list[dict] = field(default_factory=list)  # records not yet in both runs
     pending_tags: dict[str, str] = field(default_factory=dict)  # not yet on the stage run
     _logged: dict[str, int] | None = field(default=None, repr=False)  # run id → its highest step; None: not asked
-    tokens_offset: int | None = (
-        None  # tokens seen before this stage (None: read from the campaign run once MLflow answers)
-    )
+    # tokens seen before this stage (None: read from the campaign run once MLflow answers)
+    tokens_offset: int | None = None
     open_runs: Callable[[], tuple[str, str]] | None = None  # opens (campaign run, stage run) when an id is None
     last_error: BaseException | None = field(default=None, repr=False)  # of the last failed try
     _quiet_until: float = field(default=0.0, repr=False)  # no line about a failed try before then
