@@ -12,8 +12,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.checkpoint import state
-from trainer.checkpoint.checkpointer import Checkpointer, open_snapshots, snapshot_capacity
+from trainer.checkpoint.checkpointer import Checkpointer, open_snapshots
 from trainer.checkpoint.checkpointer import checkpoint as checkpoint  # imported from here by tests
+from trainer.checkpoint.sizing import snapshot_capacity
 from trainer.data.cache import job_data
 from trainer.data.sampler import TokenWindows, make_batch, make_sampler, micro_batch_positions
 from trainer.dist import DistInfo, all_reduce_mean, is_initialized

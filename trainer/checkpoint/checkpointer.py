@@ -8,6 +8,7 @@ import time
 from trainer.checkpoint import state
 from trainer.checkpoint.flash import SnapshotStore
 from trainer.checkpoint.shm import ShmTooSmall
+from trainer.checkpoint.sizing import snapshot_capacity
 from trainer.dist import DistInfo, local_world_size
 from trainer.job.config import JobConfig
 from trainer.job.events import EventKind
@@ -70,19 +71,6 @@ def checkpoint(
     return Checkpointer(cfg, info, snapshots, events, model=model, optimizer=optimizer).save(
         step, consumed=consumed, loss=loss
     )
-
-
-def snapshot_capacity(cfg: JobConfig, rank: int, world_size: int = 1) -> int:
-    """Bytes one shared-memory slot needs, known before the model is built: fp32 model (its
-    state dict lists the tied embedding twice) + two AdamW moments — on rank 0, where the DDP
-    replica is snapshotted, or a 1/world piece (plus a row of rounding per tensor) on every
-    FSDP rank; RNG and data position on every rank; room for the layout record."""
-    m = cfg.model
-    model_bytes = 4 * (m.num_params() + m.vocab_size * m.d_model)
-    if state.is_sharded(cfg):
-        rounding = 4 * 4 * m.d_model * (12 * m.n_layer + 8)  # at most one (≤ 4·d_model wide) row per tensor
-        return 3 * (-(-model_bytes // world_size) + rounding) + (1 << 20)
-    return (3 * model_bytes if rank == 0 else 0) + (1 << 20)
 
 
 def open_snapshots(cfg: JobConfig, info: DistInfo, capacity: int, shm_ns: str | None, events: JsonLines):

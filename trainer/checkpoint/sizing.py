@@ -3,11 +3,13 @@ the orchestrator sizes a pod's shared memory with it)."""
 
 from __future__ import annotations
 
+from trainer.job.config import JobConfig
+
 HEADER_BYTES = 4096  # a slot's header: the layout record of what it holds
 PAGE = 4096
 
 
-def snapshot_capacity(cfg, rank: int, world_size: int = 1) -> int:
+def snapshot_capacity(cfg: JobConfig, rank: int, world_size: int = 1) -> int:
     """Bytes one shared-memory slot needs, known before the model is built: fp32 model (its
     state dict lists the tied embedding twice) + two AdamW moments — on rank 0, where the DDP
     replica is snapshotted, or a 1/world piece (plus a row of rounding per tensor) on every
